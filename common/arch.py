@@ -1,0 +1,81 @@
+"""GPU architecture detection, overridable so dispatch can be tested on a CPU-only machine.
+
+The architecture is an int `major * 10 + minor` (sm90 -> 90, sm80 -> 80) or `None` for a device
+with no CUDA GPU behind it. Two ways to pretend to be another machine:
+
+- the environment variable `FLASHSUITE_ARCH` (`sm90`, `90`, `sm_80`, or `cpu`/`none`), read on
+  every call so tests can monkeypatch it;
+- the context manager `override_arch(90)`, which wins over the environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+_UNSET = object()
+_override: object = _UNSET
+
+
+def parse_arch(text: str) -> int | None:
+    """'sm90', 'sm_90a', '90', '9.0' -> 90; 'cpu' or 'none' -> None."""
+    t = text.strip().lower()
+    if t in ("cpu", "none", ""):
+        return None
+    t = t.removeprefix("sm").removeprefix("_").removesuffix("a")
+    if "." in t:
+        major, minor = t.split(".", 1)
+        return int(major) * 10 + int(minor)
+    if not t.isdigit():
+        raise ValueError(
+            f"FLASHSUITE_ARCH: expected something like 'sm90', '80' or 'cpu', got {text!r}"
+        )
+    return int(t)
+
+
+@contextlib.contextmanager
+def override_arch(arch: int | None) -> Iterator[None]:
+    """Within the block, `device_arch` returns `arch` for every device."""
+    global _override
+    previous, _override = _override, arch
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def real_arch(device: torch.device | str | None = None) -> int | None:
+    """The architecture of the physical device, ignoring overrides (None for CPU)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(dev)
+    return major * 10 + minor
+
+
+def device_arch(device: torch.device | str | None = None) -> int | None:
+    """The architecture dispatch should plan for: override, then env, then the real device."""
+    if _override is not _UNSET:
+        return _override  # type: ignore[return-value]
+    env = os.environ.get("FLASHSUITE_ARCH")
+    if env is not None:
+        return parse_arch(env)
+    return real_arch(device)
+
+
+def is_overridden() -> bool:
+    return _override is not _UNSET or os.environ.get("FLASHSUITE_ARCH") is not None
+
+
+def triton_interpreter() -> bool:
+    """True when Triton kernels run on the CPU through `TRITON_INTERPRET=1`."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def arch_name(arch: int | None) -> str:
+    return "cpu" if arch is None else f"sm{arch}"

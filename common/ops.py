@@ -1,0 +1,149 @@
+"""Wrap a version's forward/backward into a `torch.library.custom_op` pair with autograd.
+
+Each version exposes plain `forward(q, k, v, params)` / `backward(dout, q, k, v, out, lse,
+params)` functions (docs/versions.md). This module turns them into
+
+    flashsuite::<name>_fwd(q, k, v, causal, scale, window_left, window_right, softcap,
+                           descale_q, descale_k, descale_v) -> (out, lse)
+    flashsuite::<name>_bwd(dout, q, k, v, out, lse, causal, scale, window_left,
+                           window_right, softcap) -> (dq, dk, dv)
+
+with fake (meta) implementations, so `torch.compile(fullgraph=True)` and `torch.export` see
+opaque ops with known output shapes, and with the forward's autograd formula calling the
+backward op on the saved (q, k, v, out, lse): nothing of size Nq x Nk is ever saved.
+
+(No `from __future__ import annotations` here: custom_op reads the annotations to build the
+op schema.)
+"""
+
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+
+from flashsuite.common.validation import AttnParams, check_inputs
+
+ForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def params_from_op_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+) -> AttnParams:
+    return check_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=scale,
+        window_size=(window_left, window_right),
+        softcap=softcap,
+    )
+
+
+class AttentionOp:
+    """The custom-op pair for one version; call it like the forward op."""
+
+    def __init__(self, name: str, forward: ForwardFn, backward: BackwardFn | None) -> None:
+        self.name = name
+        self.fwd = _define_forward(name, forward)
+        self.bwd = _define_backward(name, backward) if backward is not None else None
+        self.fwd.register_autograd(self._backward, setup_context=self._setup_context)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        p: AttnParams,
+        descale_q: torch.Tensor | None = None,
+        descale_k: torch.Tensor | None = None,
+        descale_v: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fwd(
+            q, k, v, p.causal, p.scale, p.window_left, p.window_right, p.softcap,
+            descale_q, descale_k, descale_v,
+        )  # fmt: skip
+
+    @staticmethod
+    def _setup_context(ctx, inputs, output) -> None:
+        q, k, v, causal, scale, wl, wr, softcap = inputs[:8]
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.options = (causal, scale, wl, wr, softcap)
+        ctx.fp8 = q.dtype == torch.float8_e4m3fn
+        if not ctx.fp8:
+            ctx.save_for_backward(q, k, v, out, lse)
+
+    def _backward(self, ctx, dout, _dlse):
+        if ctx.fp8:
+            raise RuntimeError(f"{self.name}: the float8 path is forward-only (no backward)")
+        if self.bwd is None:
+            raise RuntimeError(f"{self.name}: this version has no backward")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _define_forward(name: str, forward: ForwardFn):
+    @torch.library.custom_op(f"flashsuite::{name}_fwd", mutates_args=())
+    def fwd(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+        descale_q: Optional[torch.Tensor],  # noqa: UP045 (custom_op schema inference)
+        descale_k: Optional[torch.Tensor],  # noqa: UP045
+        descale_v: Optional[torch.Tensor],  # noqa: UP045
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = params_from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
+        out, lse = forward(q, k, v, p, descale_q, descale_k, descale_v)
+        return out.contiguous(), lse.contiguous()  # no-ops for versions that keep the contract
+
+    @fwd.register_fake
+    def _(q, k, v, causal, scale, window_left, window_right, softcap, dq_, dk_, dv_):
+        b, nq, hq, _ = q.shape
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+        out = q.new_empty((b, nq, hq, v.shape[-1]), dtype=out_dtype)  # (B, Nq, Hq, Dv)
+        lse = q.new_empty((b, hq, nq), dtype=torch.float32)  # (B, Hq, Nq)
+        return out, lse
+
+    return fwd
+
+
+def _define_backward(name: str, backward: BackwardFn):
+    @torch.library.custom_op(f"flashsuite::{name}_bwd", mutates_args=())
+    def bwd(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = params_from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
+        dq, dk, dv = backward(dout, q, k, v, out, lse, p)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+    @bwd.register_fake
+    def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap):
+        # Contiguous, like the real implementation returns (the fake must match its strides).
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    return bwd

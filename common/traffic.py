@@ -1,0 +1,200 @@
+"""HBM-traffic model of each attention loop order: bytes read and written, from the schedule.
+
+Pure Python (no torch). Every function returns `(bytes_read, bytes_written)` for the forward
+pass of one problem, counting what the loop order moves between HBM and the chip and
+assuming nothing is served from L2. That makes these upper bounds for a real GPU, where
+L2 (50 MB on H100/H200) absorbs re-reads whose working set fits; compare against ncu's
+`dram__bytes_read.sum` / `dram__bytes_write.sum` to see how much L2 saves.
+
+Symbols: B batch, H query heads, Nq / Nk query / key lengths,
+D head dim of q and k, Dv of v (default D), e the element size of q, k, v, out (2 for
+fp16/bf16, 4 for fp32), BM = Br rows of Q per tile, BN = Bc rows of K/V per tile,
+Tr = ceil(Nq / BM), Tc = ceil(Nk / BN). Statistics (m, l, LSE) and the FA1 running output are
+fp32 (4 bytes). Non-causal, full attention: every (Q tile, K/V tile) pair is visited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+F32 = 4  # bytes of the fp32 scratch (running O, m, l) and of the LSE
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes moved between HBM and the chip by one forward pass."""
+
+    read: int
+    written: int
+
+    @property
+    def total(self) -> int:
+        return self.read + self.written
+
+    def __iter__(self):  # unpacks as (bytes_read, bytes_written)
+        return iter((self.read, self.written))
+
+
+def fa1_forward(
+    B: int,
+    H: int,
+    Nq: int,
+    Nk: int,
+    D: int,
+    elem: int,
+    BM: int,
+    BN: int,
+    *,
+    Dv: int | None = None,
+    fold_first_and_last: bool = True,
+) -> Traffic:
+    """FA1 (Dao et al. 2022, Alg. 1): outer loop over K/V tiles j, inner over Q tiles i.
+
+    Per (batch, head), K and V are read once; every (j, i) step reads Q_i and the fp32 running
+    state O_i (BM x Dv), m_i, l_i, and writes O_i, m_i, l_i back:
+
+        read    = B*H * [ Nk*(D + Dv)*e  +  Tc * Nq*( D*e + (Dv + 2)*4 ) ]
+        written = B*H * [ Tc * Nq*(Dv + 2)*4 ]  (+ out and LSE at the end)
+
+    With `fold_first_and_last` (what flashsuite's fa1 does), the j = 0 step does not read the
+    initial O = 0, m = -inf, l = 0 (one fewer state read per row), and the last step writes
+    out (Dv*e) and LSE (4) instead of the state, so
+
+        read    = B*H * [ Nk*(D + Dv)*e + Tc*Nq*D*e + (Tc - 1)*Nq*(Dv + 2)*4 ]
+        written = B*H * [ (Tc - 1)*Nq*(Dv + 2)*4 + Nq*(Dv*e + 4) ]
+
+    Without it (the paper literally): initialise O, m, l in HBM (Nq*(Dv + 2)*4 written),
+    read the state at every step, write it at every step, then a finalize pass reads it once
+    more and writes out and LSE. With GQA the same K/V tile is read by each of the H/Hkv query
+    heads' programs, so K/V reads are B*H*Nk*(D + Dv)*e whatever Hkv (one program per query
+    head), and the model takes no Hkv.
+    The quadratic term is Tc*Nq*(D*e + 2*(Dv + 2)*4) ~ Nq*Nk/BN * (D*e + 8*Dv): only a
+    larger K/V tile BN cuts it.
+    """
+    Dv = D if Dv is None else Dv
+    tc = math.ceil(Nk / BN)
+    bh = B * H
+    state = Nq * (Dv + 2) * F32  # fp32 O_i, m_i, l_i for every row of one (batch, head)
+    kv = Nk * (D + Dv) * elem
+    q_reads = tc * Nq * D * elem
+    final = Nq * (Dv * elem + F32)  # out and LSE
+    if fold_first_and_last:
+        read = bh * (kv + q_reads + (tc - 1) * state)
+        written = bh * ((tc - 1) * state + final)
+    else:
+        read = bh * (kv + q_reads + tc * state + state)  # + finalize reads the state once
+        written = bh * (state + tc * state + final)  # init + every step + out and LSE
+    return Traffic(read, written)
+
+
+def fa2_forward(
+    B: int,
+    H: int,
+    Nq: int,
+    Nk: int,
+    D: int,
+    elem: int,
+    BM: int,
+    BN: int,
+    *,
+    Dv: int | None = None,
+) -> Traffic:
+    """FA2: outer loop over Q tiles (one program each), inner over K/V tiles; O stays on chip.
+
+    Q is read once, every Q tile streams all of K and V, O and LSE are written once:
+
+        read    = B*H * [ Nq*D*e  +  Tr * Nk*(D + Dv)*e ]
+        written = B*H * [ Nq*Dv*e  +  Nq*4 ]
+
+    The quadratic term is Tr*Nk*(D + Dv)*e ~ Nq*Nk/BM * 2*D*e: only reads, in the input
+    dtype, and (unlike FA1) shared by the concurrent programs of one head through L2.
+    BN does not appear: it changes the tile shape, not what is read.
+    """
+    Dv = D if Dv is None else Dv
+    tr = math.ceil(Nq / BM)
+    bh = B * H
+    read = bh * (Nq * D * elem + tr * Nk * (D + Dv) * elem)
+    written = bh * (Nq * Dv * elem + Nq * F32)
+    return Traffic(read, written)
+
+
+def naive_forward(
+    B: int,
+    H: int,
+    Nq: int,
+    Nk: int,
+    D: int,
+    elem: int,
+    *,
+    Dv: int | None = None,
+    score_elem: int | None = None,
+    separate_scale: bool = False,
+) -> Traffic:
+    """Materialising attention `softmax(q @ k^T * scale) @ v` as three kernels through HBM.
+
+    1. S = q @ k^T (scale fused): reads Q and K, writes S (Nq x Nk);
+    2. P = softmax(S): reads S, writes P (Nq x Nk);
+    3. O = P @ v: reads P and V, writes O.
+
+        read    = B*H * [ Nq*D*e + Nk*D*e  +  Nq*Nk*s  +  Nq*Nk*s + Nk*Dv*e ]
+        written = B*H * [ Nq*Nk*s  +  Nq*Nk*s  +  Nq*Dv*e ]
+
+    with s = `score_elem` the element size of S and P (default e: PyTorch keeps them in the
+    input dtype). Each GEMM is assumed to read its operands once (a tiled GEMM re-reads
+    them from L2, not HBM, at these sizes). `separate_scale`: `(q @ k^T) * scale` as its own
+    elementwise kernel, one more Nq*Nk*s read and write (scaling q first avoids it).
+    """
+    Dv = D if Dv is None else Dv
+    s = elem if score_elem is None else score_elem
+    bh = B * H
+    scores = Nq * Nk * s
+    passes = 3 if separate_scale else 2  # kernels that read (and write) an Nq x Nk matrix
+    read = bh * (Nq * D * elem + Nk * D * elem + passes * scores + Nk * Dv * elem)
+    written = bh * (passes * scores + Nq * Dv * elem)
+    return Traffic(read, written)
+
+
+def sweep(
+    seqlens: tuple[int, ...] = (1024, 4096, 16384),
+    head_dims: tuple[int, ...] = (64, 128),
+    *,
+    tokens: int = 16384,
+    width: int = 2048,
+    elem: int = 2,
+    fa1_tiles: tuple[int, int] = (64, 128),
+    fa2_tiles: tuple[int, int] = (128, 64),
+) -> list[dict[str, object]]:
+    """The model over the standard sweep (B*N = tokens, H*D = width), one row per (N, D)."""
+    rows: list[dict[str, object]] = []
+    for d in head_dims:
+        for n in seqlens:
+            b, h = max(1, tokens // n), width // d
+            rows.append(
+                {
+                    "N": n,
+                    "D": d,
+                    "B": b,
+                    "H": h,
+                    "fa1": fa1_forward(b, h, n, n, d, elem, *fa1_tiles),
+                    "fa2": fa2_forward(b, h, n, n, d, elem, *fa2_tiles),
+                    "naive": naive_forward(b, h, n, n, d, elem),
+                }
+            )
+    return rows
+
+
+def _gb(x: int) -> str:
+    return f"{x / 1e9:8.3f}"
+
+
+if __name__ == "__main__":
+    print("forward HBM traffic, GB read / written (B*N = 16k, H*D = 2048, 2-byte inputs)")
+    print(f"{'N':>6} {'D':>4} {'fa1 r':>8} {'fa1 w':>8} {'fa2 r':>8} {'fa2 w':>8} "
+          f"{'naive r':>8} {'naive w':>8}")  # fmt: skip
+    for r in sweep():
+        fa1, fa2, naive = r["fa1"], r["fa2"], r["naive"]
+        print(
+            f"{r['N']:>6} {r['D']:>4} {_gb(fa1.read)} {_gb(fa1.written)} {_gb(fa2.read)} "
+            f"{_gb(fa2.written)} {_gb(naive.read)} {_gb(naive.written)}"
+        )

@@ -1,0 +1,238 @@
+"""The public API: attention(), select(), explain(), sdpa().
+
+Selection is one table: an ordered list of candidates per architecture, the first whose
+`supports(params, arch)` says yes wins. An explicit `version=` never falls back: if it cannot
+take the inputs it raises `Unsupported` with the version's own reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashsuite.common import arch as arch_mod
+from flashsuite.common.validation import AttnParams, check_inputs
+from flashsuite.dispatch import registry
+
+
+class Unsupported(ValueError):
+    """An explicitly requested version cannot take these inputs (the message says why)."""
+
+
+def auto_order(arch: int | None) -> tuple[str, ...]:
+    """Candidates for version="auto", best first (DESIGN.md, "Auto selection")."""
+    if arch is None:
+        return ("torch",)  # CPU: no kernel runs here (the Triton interpreter is for tests)
+    if 90 <= arch < 100:
+        return ("fa3", "fa2", "torch")
+    if arch >= 80:
+        return ("fa2", "torch")
+    return ("fa1", "torch")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What would run: the forward's version, the backward's, and why (one line per candidate)."""
+
+    version: str
+    backward: str | None
+    arch: int | None
+    reasons: tuple[str, ...]
+    params: AttnParams
+
+    def __str__(self) -> str:
+        return explain_choice(self)
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _check(name: str, p: AttnParams, arch: int | None, needs_grad: bool) -> tuple[bool, str]:
+    ok, reason = registry.available(name)
+    if not ok:
+        return False, f"not available: {reason}"
+    mod = registry.module(name)
+    ok, reason = mod.supports(p, arch)
+    if not ok:
+        return False, reason
+    if needs_grad and not p.is_fp8:
+        bwd = registry.backward_source(name)
+        if bwd is None:
+            return False, "no backward available for this version (inputs require grad)"
+        if bwd != name:
+            ok, why = registry.module(bwd).supports(p, arch)
+            if not ok:
+                return False, f"its backward comes from {bwd}, which cannot take it: {why}"
+            reason = f"{reason}; backward by {bwd} (recompute from saved q, k, v, out, lse)"
+    return True, reason
+
+
+def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
+    arch = arch_mod.device_arch(p.device)
+    requested = version
+    if version == "auto":
+        requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
+    if requested != "auto":
+        if requested not in registry.VERSIONS:
+            raise ValueError(
+                f"version: expected one of {(*registry.VERSIONS, 'auto')}, got {requested!r}"
+            )
+        ok, reason = _check(requested, p, arch, needs_grad)
+        if not ok:
+            raise Unsupported(
+                f"version {requested!r} cannot run {p.describe()} on "
+                f"{arch_mod.arch_name(arch)}: {reason}"
+            )
+        how = "FLASHSUITE_VERSION" if version == "auto" else "explicit version="
+        reasons = (f"{requested}: {how}; {reason}",)
+        return Choice(requested, _bwd(requested, needs_grad), arch, reasons, p)
+    reasons = []
+    for name in auto_order(arch):
+        ok, reason = _check(name, p, arch, needs_grad)
+        reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
+        if ok:
+            return Choice(name, _bwd(name, needs_grad), arch, tuple(reasons), p)
+    raise AssertionError("the portable version supports everything")  # pragma: no cover
+
+
+def _bwd(name: str, needs_grad: bool) -> str | None:
+    return registry.backward_source(name) if needs_grad else None
+
+
+def select(q, k, v, *, version: str = "auto", **options) -> Choice:
+    """What `attention(q, k, v, **options)` would run on this machine, and why."""
+    p = check_inputs(q, k, v, **_api_options(options))
+    return _select(p, version, _needs_grad(q, k, v))
+
+
+def explain(q, k, v, *, version: str = "auto", **options) -> str:
+    """`select`, for humans: the problem, the architecture, each candidate and its verdict."""
+    return explain_choice(select(q, k, v, version=version, **options))
+
+
+def explain_choice(c: Choice) -> str:
+    lines = [f"{c.params.describe()} on {arch_mod.arch_name(c.arch)} -> {c.version}"]
+    lines += [f"  {r}" for r in c.reasons]
+    if c.backward is not None and c.backward != c.version:
+        lines.append(f"  backward: {c.backward} (paired by dispatch on the saved tensors)")
+    return "\n".join(lines)
+
+
+_API_DEFAULTS = dict(
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    descale_q=None,
+    descale_k=None,
+    descale_v=None,
+)
+
+
+def _api_options(options: dict) -> dict:
+    unknown = set(options) - set(_API_DEFAULTS) - {"return_lse"}
+    if unknown:
+        raise TypeError(
+            f"unexpected option(s) {sorted(unknown)}; expected some of {sorted(_API_DEFAULTS)}"
+        )
+    return {key: options.get(key, default) for key, default in _API_DEFAULTS.items()}
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
+    return_lse: bool = False,
+    version: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention softmax(q·kᵀ·scale)·v, memory O(N).
+
+    q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), Hq % Hkv == 0, last dim contiguous.
+    Returns out (B, Nq, Hq, Dv) in q's dtype (bf16 for float8 inputs) and, with
+    `return_lse=True`, lse (B, Hq, Nq) float32 (natural log; -inf where a row sees no key).
+    `causal` is bottom-right aligned; see DESIGN.md for window_size and softcap.
+    """
+    p = check_inputs(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+    )  # fmt: skip
+    name = _resolve(version, _params_key(p), _needs_grad(q, k, v))
+    fwd = getattr(torch.ops.flashsuite, f"{name}_fwd")
+    out, lse = fwd(
+        q, k, v, p.causal, p.scale, p.window_left, p.window_right, p.softcap,
+        descale_q, descale_k, descale_v,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def _params_key(p: AttnParams) -> tuple:
+    """AttnParams as plain Python scalars, so torch.compile can treat selection as a constant."""
+    return (
+        int(p.batch), int(p.seqlen_q), int(p.seqlen_k), int(p.heads_q), int(p.heads_kv),
+        int(p.head_dim), int(p.head_dim_v), str(p.dtype).removeprefix("torch."), str(p.device),
+        p.causal, p.window_left, p.window_right, p.softcap, p.scale,
+    )  # fmt: skip
+
+
+# Selection is host-side logic over shapes and options (imports, availability probes, env
+# reads). Under torch.compile it runs once at trace time and its answer, a version name, is a
+# constant of the graph; the op itself is then an opaque custom op with a fake implementation.
+@torch.compiler.assume_constant_result
+def _resolve(version: str, key: tuple, needs_grad: bool) -> str:
+    b, nq, nk, hq, hkv, d, dv, dtype, device, causal, wl, wr, softcap, scale = key
+    p = AttnParams(
+        b, nq, nk, hq, hkv, d, dv, getattr(torch, dtype), torch.device(device),
+        causal, wl, wr, softcap, scale,
+    )  # fmt: skip
+    name = _select(p, version, needs_grad).version
+    registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
+    return name
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for `torch.nn.functional.scaled_dot_product_attention` (same meaning exactly).
+
+    Layout (B, H, N, D), top-left `is_causal`. What the kernels cannot express (a dense mask,
+    dropout, non-4-D inputs, top-left causal with Nq < Nk) goes to PyTorch's own SDPA.
+    """
+    torch_sdpa = lambda: F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa,
+    )  # fmt: skip
+    if attn_mask is not None or dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
+        return torch_sdpa()
+    hq, hkv = query.shape[1], key.shape[1]
+    if hq != hkv and not enable_gqa:
+        return torch_sdpa()  # PyTorch's own error message for mismatched heads
+    nq, nk = query.shape[2], key.shape[2]
+    window = (-1, -1)
+    if is_causal:
+        if nq < nk:
+            return torch_sdpa()  # top-left causal hides keys beyond Nq: not a bottom-right window
+        window = (-1, nq - nk)  # top-left: query i sees keys j <= i
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, H, D) views, no copy
+    if any(t.size(-1) > 1 and t.stride(-1) != 1 for t in (q, k, v)):
+        return torch_sdpa()
+    out = attention(q, k, v, window_size=window, softmax_scale=scale)
+    return out.transpose(1, 2)  # (B, Hq, Nq, Dv)

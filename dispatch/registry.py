@@ -1,0 +1,78 @@
+"""The version registry: lazy imports, availability, and the custom op of each version.
+
+A version is a module with the surface of docs/versions.md. It is imported the first time it
+is asked about, so `import flashsuite.dispatch` needs torch alone, and a missing Triton or
+CuTe DSL only disables the versions that need it (with the import error as the reason).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+from flashsuite.common.ops import AttentionOp
+
+VERSIONS = ("fa3", "fa2", "fa1", "torch")
+
+_MODULES = {
+    "fa1": "flashsuite.fa1.interface",
+    "fa2": "flashsuite.fa2.interface",
+    "fa3": "flashsuite.fa3.interface",
+    "torch": "flashsuite.dispatch.portable",
+}
+
+# A version without a backward of its own borrows one, on the same saved (q, k, v, out, lse).
+# The pairing lives here, not in the versions, which never import each other.
+BACKWARD_PARTNER = {"fa3": "fa2"}
+
+
+class VersionUnavailable(RuntimeError):
+    pass
+
+
+@functools.cache
+def _import(name: str) -> tuple[ModuleType | None, str]:
+    try:
+        return importlib.import_module(_MODULES[name]), ""
+    except Exception as exc:  # an ImportError, or a toolchain failing at import time
+        return None, f"cannot import {_MODULES[name]}: {type(exc).__name__}: {exc}"
+
+
+def module(name: str) -> ModuleType:
+    if name not in _MODULES:
+        raise ValueError(f"version: expected one of {(*VERSIONS, 'auto')}, got {name!r}")
+    mod, reason = _import(name)
+    if mod is None:
+        raise VersionUnavailable(f"{name}: {reason}")
+    return mod
+
+
+def available(name: str) -> tuple[bool, str]:
+    """Can this version run on this machine at all (software present)?"""
+    if name not in _MODULES:
+        return False, f"unknown version {name!r}"
+    mod, reason = _import(name)
+    if mod is None:
+        return False, reason
+    return mod.available()
+
+
+def backward_source(name: str) -> str | None:
+    """The version whose backward differentiates `name`'s forward (None: no backward)."""
+    if module(name).HAS_BACKWARD:
+        return name
+    partner = BACKWARD_PARTNER.get(name)
+    if partner is not None and available(partner)[0]:
+        return partner
+    return None
+
+
+@functools.cache
+def op(name: str) -> AttentionOp:
+    """The custom-op pair `flashsuite::<name>_fwd/_bwd`, defined on first use (afterwards also
+    reachable as `torch.ops.flashsuite.<name>_fwd`)."""
+    mod = module(name)
+    source = backward_source(name)
+    backward = module(source).backward if source is not None else None
+    return AttentionOp(name, mod.forward, backward)
