@@ -68,9 +68,18 @@ class AttentionOp:
         descale_v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fwd(
-            q, k, v, p.causal, p.scale, p.window_left, p.window_right, p.softcap,
-            descale_q, descale_k, descale_v,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            p.causal,
+            p.scale,
+            p.window_left,
+            p.window_right,
+            p.softcap,
+            descale_q,
+            descale_k,
+            descale_v,
+        )
 
     @staticmethod
     def _setup_context(ctx, inputs, output) -> None:

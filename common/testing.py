@@ -84,12 +84,27 @@ def make_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv); never zeros."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    q = _randn((case.batch, case.seqlen_q, case.heads_q, case.head_dim), case.dtype, device, gen,
-               case.non_contiguous)  # fmt: skip
-    k = _randn((case.batch, case.seqlen_k, case.heads_kv, case.head_dim), case.dtype, device, gen,
-               case.non_contiguous)  # fmt: skip
-    v = _randn((case.batch, case.seqlen_k, case.heads_kv, case.dv), case.dtype, device, gen,
-               case.non_contiguous)  # fmt: skip
+    q = _randn(
+        (case.batch, case.seqlen_q, case.heads_q, case.head_dim),
+        case.dtype,
+        device,
+        gen,
+        case.non_contiguous,
+    )
+    k = _randn(
+        (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
+        case.dtype,
+        device,
+        gen,
+        case.non_contiguous,
+    )
+    v = _randn(
+        (case.batch, case.seqlen_k, case.heads_kv, case.dv),
+        case.dtype,
+        device,
+        gen,
+        case.non_contiguous,
+    )
     if requires_grad:
         for t in (q, k, v):
             t.requires_grad_(True)

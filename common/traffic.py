@@ -190,8 +190,10 @@ def _gb(x: int) -> str:
 
 if __name__ == "__main__":
     print("forward HBM traffic, GB read / written (B*N = 16k, H*D = 2048, 2-byte inputs)")
-    print(f"{'N':>6} {'D':>4} {'fa1 r':>8} {'fa1 w':>8} {'fa2 r':>8} {'fa2 w':>8} "
-          f"{'naive r':>8} {'naive w':>8}")  # fmt: skip
+    print(
+        f"{'N':>6} {'D':>4} {'fa1 r':>8} {'fa1 w':>8} {'fa2 r':>8} {'fa2 w':>8} "
+        f"{'naive r':>8} {'naive w':>8}"
+    )
     for r in sweep():
         fa1, fa2, naive = r["fa1"], r["fa2"], r["naive"]
         print(

@@ -165,25 +165,53 @@ def attention(
     `causal` is bottom-right aligned; see DESIGN.md for window_size and softcap.
     """
     p = check_inputs(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-        softcap=softcap, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        descale_q=descale_q,
+        descale_k=descale_k,
+        descale_v=descale_v,
+    )
     name = _resolve(version, _params_key(p), _needs_grad(q, k, v))
     fwd = getattr(torch.ops.flashsuite, f"{name}_fwd")
     out, lse = fwd(
-        q, k, v, p.causal, p.scale, p.window_left, p.window_right, p.softcap,
-        descale_q, descale_k, descale_v,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        p.causal,
+        p.scale,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        descale_q,
+        descale_k,
+        descale_v,
+    )
     return (out, lse) if return_lse else out
 
 
 def _params_key(p: AttnParams) -> tuple:
     """AttnParams as plain Python scalars, so torch.compile can treat selection as a constant."""
     return (
-        int(p.batch), int(p.seqlen_q), int(p.seqlen_k), int(p.heads_q), int(p.heads_kv),
-        int(p.head_dim), int(p.head_dim_v), str(p.dtype).removeprefix("torch."), str(p.device),
-        p.causal, p.window_left, p.window_right, p.softcap, p.scale,
-    )  # fmt: skip
+        int(p.batch),
+        int(p.seqlen_q),
+        int(p.seqlen_k),
+        int(p.heads_q),
+        int(p.heads_kv),
+        int(p.head_dim),
+        int(p.head_dim_v),
+        str(p.dtype).removeprefix("torch."),
+        str(p.device),
+        p.causal,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        p.scale,
+    )
 
 
 # Selection is host-side logic over shapes and options (imports, availability probes, env
@@ -193,9 +221,21 @@ def _params_key(p: AttnParams) -> tuple:
 def _resolve(version: str, key: tuple, needs_grad: bool) -> str:
     b, nq, nk, hq, hkv, d, dv, dtype, device, causal, wl, wr, softcap, scale = key
     p = AttnParams(
-        b, nq, nk, hq, hkv, d, dv, getattr(torch, dtype), torch.device(device),
-        causal, wl, wr, softcap, scale,
-    )  # fmt: skip
+        b,
+        nq,
+        nk,
+        hq,
+        hkv,
+        d,
+        dv,
+        getattr(torch, dtype),
+        torch.device(device),
+        causal,
+        wl,
+        wr,
+        softcap,
+        scale,
+    )
     name = _select(p, version, needs_grad).version
     registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
     return name
@@ -217,9 +257,15 @@ def sdpa(
     dropout, non-4-D inputs, top-left causal with Nq < Nk) goes to PyTorch's own SDPA.
     """
     torch_sdpa = lambda: F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-        scale=scale, enable_gqa=enable_gqa,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )
     if attn_mask is not None or dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
         return torch_sdpa()
     hq, hkv = query.shape[1], key.shape[1]

@@ -93,8 +93,9 @@ def forward(q, k, v, p: AttnParams, descale_q=None, descale_k=None, descale_v=No
     dt = _compute_dtype(p)
     kh = _heads_first(k, p, False, dt)  # (B, Hkv, 1, Nk, D)
     vh = _heads_first(v, p, False, dt)  # (B, Hkv, 1, Nk, Dv)
-    out = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim_v, dtype=p.out_dtype,
-                      device=q.device)  # fmt: skip
+    out = torch.empty(
+        p.batch, p.seqlen_q, p.heads_q, p.head_dim_v, dtype=p.out_dtype, device=q.device
+    )
     lse = torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32, device=q.device)
     c = _chunk_rows(p)
     for start in range(0, p.seqlen_q, c):

@@ -1,0 +1,144 @@
+"""Benchmark plumbing shared by `flashsuite bench` and tests/benchmarks: the standard sweep,
+the peers (PyTorch SDPA's flash / cuDNN / efficient backends), and one timer.
+
+Timing: CUDA events through `triton.testing.do_bench` (median of repeats after warm-up),
+random inputs (never zeros), the same inputs for every contender of a shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import Case, make_grad_out, make_inputs
+
+PEERS = {
+    "sdpa-flash": "FLASH_ATTENTION",
+    "sdpa-cudnn": "CUDNN_ATTENTION",
+    "sdpa-efficient": "EFFICIENT_ATTENTION",
+}
+TOKENS = 16384  # B·N
+MODEL_DIM = 2048  # Hq·D
+
+
+def standard_sweep(
+    head_dims=(64, 128, 256),
+    seqlens=(512, 1024, 2048, 4096, 8192, 16384),
+    causals=(False, True),
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Case]:
+    """DESIGN.md's sweep: B·N = 16k tokens, Hq·D = 2048, N from 512 to 16k."""
+    return [
+        Case(
+            batch=TOKENS // n,
+            seqlen_q=n,
+            seqlen_k=n,
+            heads_q=MODEL_DIM // d,
+            heads_kv=MODEL_DIM // d,
+            head_dim=d,
+            dtype=dtype,
+            causal=c,
+        )
+        for d in head_dims
+        for c in causals
+        for n in seqlens
+    ]
+
+
+def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds per call, CUDA events (do_bench), L2 flushed between calls."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+@dataclass
+class Result:
+    contender: str
+    direction: str  # "fwd" | "bwd"
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    ms: float
+    tflops: float
+    error: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sdpa_fn(backend_name: str, case: Case, q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, PEERS[backend_name])
+    qt, kt, vt = (
+        t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v)
+    )
+
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=case.causal)
+
+    return run, (qt, kt, vt)
+
+
+def _ours_fn(version: str, case: Case, q, k, v):
+    from flashsuite import dispatch
+
+    return (lambda: dispatch.attention(q, k, v, causal=case.causal, version=version)), (q, k, v)
+
+
+def make_callable(contender: str, case: Case, q, k, v):
+    """(run, leaf tensors) for a version name or a peer name."""
+    if contender in PEERS:
+        return _sdpa_fn(contender, case, q, k, v)
+    return _ours_fn(contender, case, q, k, v)
+
+
+def measure(contender: str, case: Case, direction: str = "fwd", device: str = "cuda") -> Result:
+    """Time one contender on one case; failures are recorded, not raised."""
+    flops = attention_flops(
+        case.batch,
+        case.heads_q,
+        case.seqlen_q,
+        case.seqlen_k,
+        case.head_dim,
+        causal=case.causal,
+        backward=direction == "bwd",
+    )
+    base = dict(
+        contender=contender,
+        direction=direction,
+        batch=case.batch,
+        seqlen=case.seqlen_q,
+        heads=case.heads_q,
+        head_dim=case.head_dim,
+        causal=case.causal,
+        dtype=str(case.dtype).removeprefix("torch."),
+    )
+    try:
+        q, k, v = make_inputs(case, device, requires_grad=direction == "bwd")
+        run, leaves = make_callable(contender, case, q, k, v)
+        if direction == "fwd":
+            with torch.no_grad():
+                ms = time_ms(run)
+        else:
+            out = run()
+            dout = make_grad_out(case, device)
+            if out.shape != dout.shape:  # peers work in (B, H, N, D)
+                dout = dout.transpose(1, 2).contiguous()
+            ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+        return Result(**base, ms=ms, tflops=flops / ms / 1e9)
+    except Exception as exc:  # a peer missing on this build, an unsupported shape, OOM
+        msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+        return Result(**base, ms=math.nan, tflops=math.nan, error=msg)
+    finally:
+        torch.cuda.empty_cache()

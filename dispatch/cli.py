@@ -1,0 +1,253 @@
+"""The main job: `flashsuite` (or `python -m flashsuite.dispatch`).
+
+    flashsuite                 machine, versions, what dispatch picks, correctness vs the oracle,
+                               and on a GPU a short timing table next to PyTorch SDPA
+    flashsuite bench [--out D] the standard sweep (forward and backward), JSON + table + plot
+
+Useful on a CPU-only machine too: there it checks the portable version (and the Triton
+versions under TRITON_INTERPRET=1) and says why the GPU versions are unavailable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from flashsuite.common import arch as arch_mod
+from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
+from flashsuite.dispatch import api, registry
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _pkg_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def print_machine() -> None:
+    print("== machine")
+    cute = _pkg_version("nvidia-cutlass-dsl")
+    print(f"  python {platform.python_version()}, torch {torch.__version__}")
+    print(f"  triton {_pkg_version('triton')}, nvidia-cutlass-dsl {cute}")
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        arch = arch_mod.arch_name(arch_mod.real_arch(0))
+        gib = props.total_memory / 2**30
+        print(f"  device: {props.name}, {props.multi_processor_count} SMs, {gib:.0f} GiB, {arch}")
+    else:
+        print("  device: cpu (no CUDA GPU visible to torch)")
+    if arch_mod.is_overridden():
+        planned = arch_mod.arch_name(arch_mod.device_arch())
+        print(f"  arch override in force: dispatch plans for {planned}")
+    if arch_mod.triton_interpreter():
+        print("  TRITON_INTERPRET=1: Triton kernels run on the CPU interpreter (slow; for tests)")
+
+
+def print_versions() -> None:
+    print("== versions")
+    for name in registry.VERSIONS:
+        ok, reason = registry.available(name)
+        print(f"  {name:6s} {'available  ' if ok else 'unavailable'} {reason}")
+
+
+def _case(b: int, nq: int, nk: int, hq: int, hkv: int, d: int, dtype, **options) -> Case:
+    return Case(
+        batch=b,
+        seqlen_q=nq,
+        seqlen_k=nk,
+        heads_q=hq,
+        heads_kv=hkv,
+        head_dim=d,
+        dtype=dtype,
+        **options,
+    )
+
+
+def typical_cases() -> list[Case]:
+    """Shapes a user would ask about; the picks are printed for each."""
+    return [
+        _case(4, 4096, 4096, 16, 16, 128, BF16, causal=True),  # LLM prefill
+        _case(8, 2048, 2048, 32, 8, 64, F16),  # GQA
+        _case(1, 1, 8192, 32, 8, 128, BF16, causal=True),  # decode step
+        _case(2, 8192, 8192, 8, 8, 256, BF16, window_size=(1024, 0)),  # sliding window
+        _case(2, 1024, 1024, 8, 8, 96, F32),
+        _case(2, 1024, 1024, 8, 8, 80, BF16, softcap=30.0),  # an odd head_dim
+    ]
+
+
+def print_picks(device: str) -> None:
+    print(f"== what dispatch picks on {arch_mod.arch_name(arch_mod.device_arch(device))}")
+    for case in typical_cases():
+        q, k, v = (torch.empty(s, dtype=case.dtype, device="meta") for s in _shapes(case))
+        # Meta tensors (no memory) have no architecture: plan for this machine's.
+        with arch_mod.override_arch(arch_mod.device_arch(device)):
+            choice = api.select(q, k, v, **case.options())
+        why = choice.reasons[-1].split(" - ", 1)[-1]
+        print(f"  {choice.params.describe():58s} -> {choice.version:5s} ({why})")
+
+
+def _shapes(case: Case):
+    return (
+        (case.batch, case.seqlen_q, case.heads_q, case.head_dim),
+        (case.batch, case.seqlen_k, case.heads_kv, case.head_dim),
+        (case.batch, case.seqlen_k, case.heads_kv, case.dv),
+    )
+
+
+def check_cases(device: str) -> list[Case]:
+    n = 1024 if device == "cuda" else 128
+    return [
+        _case(2, n, n, 4, 4, 128, BF16, causal=True),
+        _case(2, n + 17, n - 5, 8, 2, 64, F16),
+        _case(1, n // 2, n, 4, 1, 256, BF16, causal=True),
+    ]
+
+
+def run_checks(device: str) -> bool:
+    print("== check against the oracle (forward out and LSE; bound = 2x PyTorch's own error)")
+    all_ok = True
+    for case in check_cases(device):
+        q, k, v = make_inputs(case, device)
+        ref = None
+        for name in [n for n in registry.VERSIONS if registry.available(n)[0]]:
+            label = f"  {name:6s} {case.id:44s}"
+            try:
+                api.select(q, k, v, version=name, **case.options())
+            except api.Unsupported as exc:
+                print(f"{label} skipped: {str(exc).rsplit(': ', 1)[-1]}")
+                continue
+            ref = ref or reference_pair(q, k, v, **case.options())
+            out, lse = api.attention(q, k, v, **case.options(), return_lse=True, version=name)
+            c_out = compare("out", out, *ref["out"])
+            c_lse = compare("lse", lse, *ref["lse"], dtype=F32)
+            ok = c_out.ok and c_lse.ok
+            all_ok &= ok
+            print(
+                f"{label} max|out-ref| {c_out.err:.2e} (bound {c_out.bound:.2e})  "
+                f"max|lse-ref| {c_lse.err:.2e}  {'PASS' if ok else 'FAIL'}"
+            )
+    return all_ok
+
+
+def print_timing() -> None:
+    from flashsuite.dispatch.bench import measure
+
+    print("== timing (bf16, B·N = 16k, Hq·D = 2048, forward, TFLOP/s; median of CUDA-event runs)")
+    contenders = [n for n in registry.VERSIONS if n != "torch" and registry.available(n)[0]]
+    contenders += ["sdpa-flash", "sdpa-cudnn"]
+    print("  " + f"{'shape':28s}" + "".join(f"{c:>12s}" for c in contenders))
+    for d in (64, 128):
+        for causal in (False, True):
+            n = 4096
+            case = Case(
+                batch=16384 // n,
+                seqlen_q=n,
+                seqlen_k=n,
+                heads_q=2048 // d,
+                heads_kv=2048 // d,
+                head_dim=d,
+                dtype=BF16,
+                causal=causal,
+            )
+            cells = []
+            for c in contenders:
+                r = measure(c, case, "fwd")
+                cells.append(f"{r.tflops:12.0f}" if not r.error else f"{'n/a':>12s}")
+            label = f"N={n} D={d}" + (" causal" if causal else "")
+            print(f"  {label:28s}" + "".join(cells))
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    device = _device()
+    print_machine()
+    print_versions()
+    print_picks(device)
+    ok = run_checks(device)
+    if device == "cuda" and not args.no_timing:
+        print_timing()
+    print(f"== {'all checks passed' if ok else 'SOME CHECKS FAILED'}")
+    return 0 if ok else 1
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flashsuite.dispatch.bench import PEERS, measure, standard_sweep
+    from flashsuite.dispatch.report import render
+
+    if not torch.cuda.is_available():
+        print("flashsuite bench needs a CUDA GPU (timings on the CPU would mean nothing)")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    versions = args.versions or [
+        n for n in registry.VERSIONS if n != "torch" and registry.available(n)[0]
+    ]
+    contenders = versions + (args.peers if args.peers is not None else list(PEERS))
+    seqlens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
+    cases = standard_sweep(head_dims=args.head_dims, seqlens=seqlens)
+    directions = ["fwd"] if args.fwd_only else ["fwd", "bwd"]
+    results = []
+    total = len(cases) * len(contenders) * len(directions)
+    start = time.time()
+    for case in cases:
+        for direction in directions:
+            for c in contenders:
+                r = measure(c, case, direction)
+                results.append(r.as_dict())
+                done = len(results)
+                bar = "#" * (30 * done // total)
+                status = f"{r.tflops:6.0f} TFLOP/s" if not r.error else f"error: {r.error[:40]}"
+                print(
+                    f"[{bar:30s}] {done}/{total} {time.time() - start:5.0f}s  "
+                    f"{c} {direction} N={case.seqlen_q} D={case.head_dim} "
+                    f"{'causal ' if case.causal else ''}{status}",
+                    flush=True,
+                )
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=_pkg_version("triton"),
+        date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("FLASHSUITE_COMMIT", "unknown"),
+    )
+    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(render(results, meta, out_dir))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="flashsuite", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    check = sub.add_parser("check", help="the default: machine, versions, picks, oracle checks")
+    check.add_argument("--no-timing", action="store_true", help="skip the GPU timing table")
+    bench = sub.add_parser("bench", help="the standard benchmark sweep (GPU)")
+    bench.add_argument("--out", default="bench-results", help="folder for bench.json and plots")
+    bench.add_argument("--quick", action="store_true", help="N in {2k, 8k} only")
+    bench.add_argument("--fwd-only", action="store_true")
+    bench.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    bench.add_argument("--versions", nargs="+", default=None)
+    bench.add_argument("--peers", nargs="*", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command is None:
+        args.no_timing = False
+    return cmd_check(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

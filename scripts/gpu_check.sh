@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
+#   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench (default: check tests bench)
+# Environment knobs:
+#   PYTEST_ARGS   extra pytest arguments for `tests` (e.g. "-k fa2 -x")
+#   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
+# With the CuTe DSL bundle (see README): source .gpu/activate.sh first.
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUTDIR [check|tests|bench|pybench ...]}
+shift
+parts=${*:-check tests bench}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+export FLASHSUITE_COMMIT=${FLASHSUITE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+status=0
+{
+  echo "commit $FLASHSUITE_COMMIT, $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>/dev/null
+} | tee "$out/machine.txt"
+for part in $parts; do
+  case $part in
+    check)
+      python3 -m flashsuite.dispatch check 2>&1 | tee "$out/check.log" || status=1 ;;
+    tests)
+      # shellcheck disable=SC2086
+      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} 2>&1 \
+        | tee "$out/tests.log" || status=1 ;;
+    bench)
+      # shellcheck disable=SC2086
+      python3 -m flashsuite.dispatch bench --out "$out" ${BENCH_ARGS---quick} 2>&1 \
+        | tee "$out/bench.log" || status=1 ;;
+    pybench)
+      python3 -m pytest tests/benchmarks -q -p no:cacheprovider --benchmark-only \
+        --benchmark-json "$out/pytest-bench.json" 2>&1 | tee "$out/pybench.log" || status=1 ;;
+    *) echo "unknown part: $part"; status=2 ;;
+  esac
+done
+exit $status

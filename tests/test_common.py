@@ -1,0 +1,90 @@
+"""The oracle itself, FLOP/byte counting, and the tolerance check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashsuite.common.flops import attention_flops, attention_min_bytes, visible_pairs
+from flashsuite.common.reference import attention_reference, visibility_mask
+from flashsuite.common.testing import compare
+
+
+def test_reference_matches_pytorch_sdpa() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 33, 4, 16), torch.randn(2, 33, 2, 16), torch.randn(2, 33, 2, 8)
+    out, lse = attention_reference(q, k, v, causal=True, compute_dtype=torch.float64)
+    want = F.scaled_dot_product_attention(
+        *(t.double().transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(out, want)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(2, 2)) / 4
+    s = s.masked_fill(~visibility_mask(33, 33, causal=True), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(s, -1).float())
+
+
+def test_visibility_mask_brute_force() -> None:
+    for nq, nk, causal, window in [
+        (5, 9, True, (-1, -1)),
+        (9, 5, True, (-1, -1)),
+        (7, 7, False, (2, 1)),
+        (6, 10, False, (0, 3)),
+    ]:
+        left, right = window
+        if causal:
+            right = 0
+        mask = visibility_mask(nq, nk, causal=causal, window_size=window)
+        for i in range(nq):
+            for j in range(nk):
+                d = i + nk - nq
+                want = (right < 0 or j <= d + right) and (left < 0 or j >= d - left)
+                assert bool(mask[i, j]) == want, (nq, nk, causal, window, i, j)
+        assert visible_pairs(nq, nk, causal, window) == int(mask.sum())
+
+
+def test_reference_empty_rows_are_zero_with_neg_inf_lse() -> None:
+    q, k, v = torch.randn(1, 6, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4)
+    out, lse = attention_reference(q, k, v, causal=True)
+    assert torch.equal(out[:, :4], torch.zeros_like(out[:, :4]))
+    assert torch.isneginf(lse[..., :4]).all() and torch.isfinite(lse[..., 4:]).all()
+
+
+def test_reference_softcap_and_fp8() -> None:
+    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)
+    out, _ = attention_reference(q, k, v, softcap=1e-4)  # |s| <= 1e-4: uniform to ~2e-4
+    torch.testing.assert_close(out, v.mean(1, keepdim=True).expand_as(out), atol=1e-3, rtol=0)
+    f8 = torch.float8_e4m3fn
+    ds = torch.full((1, 2), 0.5)
+    out8, _ = attention_reference(q.to(f8), k.to(f8), v.to(f8), descale_v=ds)
+    plain, _ = attention_reference(q.to(f8).float(), k.to(f8).float(), v.to(f8).float())
+    torch.testing.assert_close(out8, plain * 0.5)
+
+
+def test_flops_conventions() -> None:
+    full = attention_flops(2, 16, 1024, 1024, 128)
+    assert full == 4 * 2 * 16 * 1024 * 1024 * 128
+    causal = attention_flops(2, 16, 1024, 1024, 128, causal=True)
+    assert causal == pytest.approx(full / 2, rel=2e-3)
+    assert attention_flops(2, 16, 1024, 1024, 128, backward=True) == 2.5 * full
+    windowed = attention_flops(1, 1, 100, 100, 64, window_size=(9, 0))
+    assert windowed == 4 * 64 * (10 * 100 - 45)
+    assert visible_pairs(4, 10, causal=True) == 7 + 8 + 9 + 10
+
+
+def test_min_bytes() -> None:
+    fwd = attention_min_bytes(1, 2, 1, 10, 20, 8, elem_size=2)
+    assert fwd == (10 * 2 * 8 + 20 * 8 + 20 * 8 + 10 * 2 * 8) * 2 + 2 * 10 * 4
+    bwd = attention_min_bytes(1, 2, 1, 10, 20, 8, elem_size=2, backward=True)
+    assert bwd > fwd
+
+
+def test_compare_semantics() -> None:
+    ref = torch.tensor([1.0, -math.inf, 2.0])
+    pt = torch.tensor([1.01, -math.inf, 2.0])
+    assert compare("x", torch.tensor([1.015, -math.inf, 2.0]), ref, pt).ok  # within 2x
+    assert not compare("x", torch.tensor([1.05, -math.inf, 2.0]), ref, pt).ok
+    assert not compare("x", torch.tensor([1.0, 0.0, 2.0]), ref, pt).ok  # -inf must stay -inf
+    assert not compare("x", torch.tensor([math.nan, -math.inf, 2.0]), ref, pt).ok  # NaN never

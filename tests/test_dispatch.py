@@ -1,0 +1,158 @@
+"""Dispatch: the selection table (with a mocked architecture), explicit versions, explain, sdpa."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashsuite import dispatch
+from flashsuite.common.arch import override_arch, parse_arch
+from flashsuite.dispatch import registry
+
+BF16, F16, F32, F8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
+
+
+def _qkv(d=128, dtype=BF16, n=256, hq=4, hkv=4, requires_grad=False):
+    q = torch.randn(2, n, hq, d).to(dtype).requires_grad_(requires_grad)
+    k = torch.randn(2, n, hkv, d).to(dtype).requires_grad_(requires_grad)
+    v = torch.randn(2, n, hkv, d).to(dtype).requires_grad_(requires_grad)
+    return q, k, v
+
+
+# (arch, dtype, head_dim, options, expected version, why)
+TABLE = [
+    (90, BF16, 128, {}, "fa3", "Hopper, a shape fa3 supports"),
+    (90, F16, 64, {"causal": True}, "fa3", "Hopper, causal"),
+    (90, F32, 128, {}, "fa2", "fa3 has no fp32 path"),
+    (90, BF16, 32, {}, "fa2", "head_dim 32 is not in fa3's tile table"),
+    (80, BF16, 128, {"causal": True}, "fa2", "Ampere"),
+    (86, F16, 64, {"softcap": 30.0}, "fa2", "Ampere consumer, softcap"),
+    (100, BF16, 128, {}, "fa2", "newer than Hopper: fa3 is sm90-only"),
+    (75, F16, 64, {"causal": True}, "fa1", "Turing: FA1 is the pick before sm80"),
+    (75, BF16, 64, {}, "torch", "fa1 needs sm80 for bf16"),
+    (75, F16, 64, {"window_size": (8, 8)}, "torch", "fa1 has no sliding window"),
+    (None, F16, 64, {}, "torch", "CPU"),
+    (90, BF16, 200, {}, "torch", "head_dim 200 fits no kernel"),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype", "d", "options", "expected", "why"),
+    TABLE,
+    ids=[f"sm{a}-{str(t)[6:]}-d{d}-{e}" for a, t, d, _, e, _ in TABLE],
+)
+def test_selection_table(arch, dtype, d, options, expected, why) -> None:
+    if not registry.available(expected)[0]:
+        pytest.skip(f"{expected} unavailable here: {registry.available(expected)[1]}")
+    q, k, v = _qkv(d=d, dtype=dtype)
+    with override_arch(arch):
+        choice = dispatch.select(q, k, v, **options)
+    assert choice.version == expected, f"{why}\n{choice}"
+    assert choice.arch == arch
+    assert len(choice.reasons) == dispatch.auto_order(arch).index(expected) + 1
+
+
+def test_env_arch_override(monkeypatch) -> None:
+    monkeypatch.setenv("FLASHSUITE_ARCH", "sm_80")
+    choice = dispatch.select(*_qkv())
+    assert choice.arch == 80
+    assert parse_arch("9.0") == 90 and parse_arch("cpu") is None and parse_arch("90a") == 90
+    with pytest.raises(ValueError, match="FLASHSUITE_ARCH"):
+        parse_arch("hopper")
+
+
+def test_fa3_forward_pairs_with_fa2_backward() -> None:
+    if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+        pytest.skip("needs fa3 and fa2 importable")
+    q, k, v = _qkv(requires_grad=True)
+    with override_arch(90):
+        choice = dispatch.select(q, k, v, causal=True)
+        text = dispatch.explain(q, k, v, causal=True)
+    assert (choice.version, choice.backward) == ("fa3", "fa2")
+    assert "backward: fa2" in text
+
+
+def test_env_version_overrides_auto(monkeypatch) -> None:
+    monkeypatch.setenv("FLASHSUITE_VERSION", "torch")
+    q, k, v = _qkv(d=64, dtype=F32, n=16)
+    with override_arch(90):
+        choice = dispatch.select(q, k, v)
+    assert choice.version == "torch"
+    assert "FLASHSUITE_VERSION" in choice.reasons[0]
+
+
+def test_explicit_version_never_falls_back() -> None:
+    q, k, v = _qkv(d=64, dtype=F16, n=16)
+    for version, options, fragment in [
+        ("fa1", {"softcap": 5.0}, "softcap"),
+        ("fa1", {"window_size": (4, 4)}, "window"),
+        ("fa3", {}, "sm90"),
+    ]:
+        if not registry.available(version)[0]:
+            continue
+        with override_arch(80), pytest.raises(dispatch.Unsupported) as info:
+            dispatch.attention(q, k, v, version=version, **options)
+        message = str(info.value)
+        assert f"version {version!r} cannot run" in message and fragment in message, message
+
+
+def test_explicit_unavailable_version_explains_why(monkeypatch) -> None:
+    monkeypatch.setitem(registry._MODULES, "fa2", "flashsuite.no_such_module")
+    registry._import.cache_clear()
+    try:
+        with pytest.raises(dispatch.Unsupported, match="not available: cannot import"):
+            dispatch.attention(*_qkv(d=64, dtype=F16, n=16), version="fa2")
+        ok, reason = registry.available("fa2")
+        assert not ok and "no_such_module" in reason
+    finally:
+        registry._import.cache_clear()
+
+
+def test_explain_lists_every_candidate_tried() -> None:
+    q, k, v = _qkv(d=200)
+    with override_arch(90):
+        text = dispatch.explain(q, k, v)
+    assert text.splitlines()[0].endswith("-> torch")
+    for name in dispatch.auto_order(90):
+        assert f"  {name}:" in text
+
+
+def test_auto_on_cpu_runs_the_portable_version() -> None:
+    q, k, v = _qkv(d=32, dtype=F32, n=24)
+    with override_arch(None):
+        assert dispatch.select(q, k, v).version == "torch"
+        out = dispatch.attention(q, k, v)
+    assert out.shape == q.shape
+
+
+SDPA_CASES = [
+    dict(nq=32, nk=32, is_causal=False),
+    dict(nq=32, nk=32, is_causal=True),
+    dict(nq=40, nk=24, is_causal=True),  # top-left causal, Nq > Nk: a window in our terms
+    dict(nq=24, nk=40, is_causal=True),  # top-left with Nq < Nk: PyTorch's own SDPA
+    dict(nq=32, nk=48, is_causal=False, hkv=2, enable_gqa=True),
+    dict(nq=32, nk=32, is_causal=False, scale=0.3),
+    dict(nq=32, nk=32, is_causal=False, mask=True),  # dense mask: PyTorch's own SDPA
+]
+
+
+@pytest.mark.parametrize(
+    "case", SDPA_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+)
+def test_sdpa_is_a_drop_in(case: dict) -> None:
+    torch.manual_seed(0)
+    hkv = case.get("hkv", 4)
+    q = torch.randn(2, 4, case["nq"], 32)
+    k = torch.randn(2, hkv, case["nk"], 32)
+    v = torch.randn(2, hkv, case["nk"], 16)
+    mask = torch.rand(case["nq"], case["nk"]) > 0.3 if case.get("mask") else None
+    kwargs = dict(
+        attn_mask=mask,
+        is_causal=case["is_causal"],
+        scale=case.get("scale"),
+        enable_gqa=case.get("enable_gqa", False),
+    )
+    got = dispatch.sdpa(q, k, v, **kwargs)
+    want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
