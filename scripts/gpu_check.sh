@@ -23,8 +23,10 @@ for part in $parts; do
     check)
       python3 -m flashsuite.dispatch check 2>&1 | tee "$out/check.log" || status=1 ;;
     tests)
+      # Parallel workers (pytest-xdist, if installed) hide the Triton/CuTe compile times.
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
       # shellcheck disable=SC2086
-      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" ${PYTEST_ARGS:-} 2>&1 \
+      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" $xdist ${PYTEST_ARGS:-} 2>&1 \
         | tee "$out/tests.log" || status=1 ;;
     bench)
       # shellcheck disable=SC2086
