@@ -47,7 +47,7 @@ def test_peak_memory_is_linear_in_seqlen(version: str) -> None:
         torch.cuda.empty_cache()
     report = ", ".join(f"N={n}: peak {p / 2**20:.0f} MiB = {p / w:.2f}x needed" for n, p, w in rows)
     print(f"{version}: {report}")
-    for n, peak, needed in rows:
+    for _, peak, needed in rows:
         assert peak <= 1.3 * needed, report
     # Linear: 16x the tokens costs at most ~16x the bytes (nothing quadratic hides in there).
     (n0, p0, _), (n2, p2, _) = rows[0], rows[-1]
