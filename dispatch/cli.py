@@ -90,12 +90,12 @@ def typical_cases() -> list[Case]:
     ]
 
 
-def print_picks(device: str) -> None:
-    print(f"== what dispatch picks on {arch_mod.arch_name(arch_mod.device_arch(device))}")
+def print_picks(arch: int | None, note: str = "") -> None:
+    print(f"== what dispatch picks on {arch_mod.arch_name(arch)}{note}")
     for case in typical_cases():
         q, k, v = (torch.empty(s, dtype=case.dtype, device="meta") for s in _shapes(case))
-        # Meta tensors (no memory) have no architecture: plan for this machine's.
-        with arch_mod.override_arch(arch_mod.device_arch(device)):
+        # Meta tensors (no memory, no device behind them): plan for the given architecture.
+        with arch_mod.override_arch(arch):
             choice = api.select(q, k, v, **case.options())
         why = choice.reasons[-1].split(" - ", 1)[-1]
         print(f"  {choice.params.describe():58s} -> {choice.version:5s} ({why})")
@@ -132,7 +132,12 @@ def run_checks(device: str) -> bool:
                 print(f"{label} skipped: {str(exc).rsplit(': ', 1)[-1]}")
                 continue
             ref = ref or reference_pair(q, k, v, **case.options())
-            out, lse = api.attention(q, k, v, **case.options(), return_lse=True, version=name)
+            try:
+                out, lse = api.attention(q, k, v, **case.options(), return_lse=True, version=name)
+            except Exception as exc:  # report and go on: the other versions still get checked
+                all_ok = False
+                print(f"{label} ERROR {type(exc).__name__}: {str(exc).splitlines()[-1][:120]}")
+                continue
             c_out = compare("out", out, *ref["out"])
             c_lse = compare("lse", lse, *ref["lse"], dtype=F32)
             ok = c_out.ok and c_lse.ok
@@ -174,9 +179,22 @@ def print_timing() -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     device = _device()
+    if device == "cpu" and not args.no_interpreter:
+        # No GPU: still run the Triton versions, on small shapes, through the CPU interpreter.
+        # TRITON_INTERPRET must be set before triton is first imported (torch.library already
+        # imports it), so start again with it set.
+        if not arch_mod.triton_interpreter():
+            os.environ["TRITON_INTERPRET"] = "1"
+            os.execv(sys.executable, [sys.executable, "-m", "flashsuite.dispatch", *sys.argv[1:]])
+        from flashsuite.common.testing import patch_triton_interpreter_bf16
+
+        patch_triton_interpreter_bf16()
     print_machine()
     print_versions()
-    print_picks(device)
+    arch = arch_mod.device_arch(device)
+    print_picks(arch)
+    if arch is None:
+        print_picks(90, " (an H100/H200; shown for planning, FLASHSUITE_ARCH=sm90 does the same)")
     ok = run_checks(device)
     if device == "cuda" and not args.no_timing:
         print_timing()
@@ -234,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("check", help="the default: machine, versions, picks, oracle checks")
     check.add_argument("--no-timing", action="store_true", help="skip the GPU timing table")
+    check.add_argument(
+        "--no-interpreter", action="store_true", help="on a CPU, do not run Triton kernels"
+    )
     bench = sub.add_parser("bench", help="the standard benchmark sweep (GPU)")
     bench.add_argument("--out", default="bench-results", help="folder for bench.json and plots")
     bench.add_argument("--quick", action="store_true", help="N in {2k, 8k} only")
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return cmd_bench(args)
     if args.command is None:
-        args.no_timing = False
+        args.no_timing = args.no_interpreter = False
     return cmd_check(args)
 
 
