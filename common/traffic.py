@@ -48,6 +48,7 @@ def fa1_forward(
     *,
     Dv: int | None = None,
     fold_first_and_last: bool = True,
+    q_splits: int = 1,
 ) -> Traffic:
     """FA1 (Dao et al. 2022, Alg. 1): outer loop over K/V tiles j, inner over Q tiles i.
 
@@ -71,12 +72,16 @@ def fa1_forward(
     head), and the model takes no Hkv.
     The quadratic term is Tc*Nq*(D*e + 2*(Dv + 2)*4) ~ Nq*Nk/BN * (D*e + 8*Dv): only a
     larger K/V tile BN cuts it.
+
+    `q_splits` > 1 (flashsuite's fa1 when B*H < #SMs): each (batch, head) is shared by that
+    many programs, each owning a range of Q tiles and reading all of K and V, so the K/V term
+    is multiplied by q_splits (non-causal; causal splits skip the K/V tiles they never see).
     """
     Dv = D if Dv is None else Dv
     tc = math.ceil(Nk / BN)
     bh = B * H
     state = Nq * (Dv + 2) * F32  # fp32 O_i, m_i, l_i for every row of one (batch, head)
-    kv = Nk * (D + Dv) * elem
+    kv = q_splits * Nk * (D + Dv) * elem
     q_reads = tc * Nq * D * elem
     final = Nq * (Dv * elem + F32)  # out and LSE
     if fold_first_and_last:
@@ -162,8 +167,9 @@ def sweep(
     tokens: int = 16384,
     width: int = 2048,
     elem: int = 2,
-    fa1_tiles: tuple[int, int] = (64, 128),
+    fa1_tiles: tuple[int, int] = (32, 256),
     fa2_tiles: tuple[int, int] = (128, 64),
+    num_sms: int = 132,
 ) -> list[dict[str, object]]:
     """The model over the standard sweep (B*N = tokens, H*D = width), one row per (N, D)."""
     rows: list[dict[str, object]] = []
@@ -177,6 +183,16 @@ def sweep(
                     "B": b,
                     "H": h,
                     "fa1": fa1_forward(b, h, n, n, d, elem, *fa1_tiles),
+                    "fa1_split": fa1_forward(
+                        b,
+                        h,
+                        n,
+                        n,
+                        d,
+                        elem,
+                        *fa1_tiles,
+                        q_splits=_splits(b * h, n, fa1_tiles[0], num_sms),
+                    ),
                     "fa2": fa2_forward(b, h, n, n, d, elem, *fa2_tiles),
                     "naive": naive_forward(b, h, n, n, d, elem),
                 }
@@ -184,19 +200,22 @@ def sweep(
     return rows
 
 
+def _splits(batch_heads: int, n: int, bm: int, num_sms: int) -> int:
+    """The Q-split count flashsuite's fa1 launches (fa1/configs.py q_splits)."""
+    if batch_heads >= num_sms:
+        return 1
+    return max(1, min(math.ceil(n / bm), math.ceil(num_sms / batch_heads)))
+
+
 def _gb(x: int) -> str:
     return f"{x / 1e9:8.3f}"
 
 
 if __name__ == "__main__":
-    print("forward HBM traffic, GB read / written (B*N = 16k, H*D = 2048, 2-byte inputs)")
-    print(
-        f"{'N':>6} {'D':>4} {'fa1 r':>8} {'fa1 w':>8} {'fa2 r':>8} {'fa2 w':>8} "
-        f"{'naive r':>8} {'naive w':>8}"
-    )
+    print("forward HBM traffic, GB read / written (B*N = 16k, H*D = 2048, 2-byte inputs;")
+    print("fa1 32x256 tiles; fa1_split as launched on 132 SMs; fa2 128x64 tiles)")
+    cols = ("fa1", "fa1_split", "fa2", "naive")
+    print(f"{'N':>6} {'D':>4} " + " ".join(f"{c + ' r':>12} {c + ' w':>12}" for c in cols))
     for r in sweep():
-        fa1, fa2, naive = r["fa1"], r["fa2"], r["naive"]
-        print(
-            f"{r['N']:>6} {r['D']:>4} {_gb(fa1.read)} {_gb(fa1.written)} {_gb(fa2.read)} "
-            f"{_gb(fa2.written)} {_gb(naive.read)} {_gb(naive.written)}"
-        )
+        cells = " ".join(f"{_gb(r[c].read):>12} {_gb(r[c].written):>12}" for c in cols)
+        print(f"{r['N']:>6} {r['D']:>4} {cells}")

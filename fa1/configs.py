@@ -1,0 +1,115 @@
+"""Tile sizes of the FA1 kernels, as data: one readable function per kernel.
+
+Notation of the paper (Alg. 1): B_c = BLOCK_N rows of K/V per outer step, B_r = BLOCK_M rows of
+Q per inner step. The FA1 loop order reads and writes the fp32 running output once per (j, i)
+step, so its HBM traffic is about (Nk / BLOCK_N) * Nq * Dv * 8 bytes per (batch, head)
+(common/traffic.py): a larger BLOCK_N is the main lever, bounded by what K_j, V_j (held for
+the whole inner loop) and the S tile cost in registers and shared memory.
+
+Register and spill counts are from a compile probe (triton 3.6.0 compiling for sm_90a and
+sm_75 on a CPU machine, ptxas -v). Throughput is not measured yet: every branch is "no spill,
+fits shared memory", not "fastest". num_stages = 1 throughout: the O_i / dQ_i read-modify-write
+of every inner step leaves little to prefetch, and stage 2 added spills (28-200 B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Head dims the kernels take; non-powers of two are padded to the next power (masked).
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class Fa1Config:
+    """One launch configuration (the same shape serves the forward and the backward)."""
+
+    block_m: int  # B_r: Q rows per inner step
+    block_n: int  # B_c: K/V rows per outer step, held on chip for the whole inner loop
+    num_warps: int
+    num_stages: int
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The constexpr tile width for a head dim: next power of two, at least 16 (tl.dot's K)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def _smem_kb(arch: int) -> int:
+    """Shared memory per block (KB) an arch can give one program."""
+    if arch in (80, 87):
+        return 163  # A100 / Orin
+    if arch >= 90:
+        return 227  # H100 / H200
+    if arch >= 80:
+        return 99  # sm86 / sm89 (consumer Ampere, Ada)
+    return 64  # Turing
+
+
+def fwd_config(
+    head_dim: int, dtype: torch.dtype, arch: int | None, causal: bool = False
+) -> Fa1Config:
+    """Forward tiles for a head dim, input dtype, arch (None = the interpreter) and mask."""
+    d = padded_head_dim(head_dim)
+    if arch is None:
+        # Interpreter: cost is per tile element and test shapes are small (N <= 256), so
+        # small tiles waste the least on padding.
+        return Fa1Config(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or arch < 80:
+        # No tensor cores: fp32 dots ask for IEEE products (FMA), and Triton 3.6 emits no
+        # mma for sm75 (checked: fp16 tl.dot compiles to FMA there). An FMA dot holds both
+        # operands in registers, so tiles stay small: 32x32 w4 at d <= 64 (166-172 regs, 0
+        # spill on sm75/sm90), 16x16 above (161 regs at d = 128; 128 regs with w8 at 256).
+        if d <= 64:
+            return Fa1Config(block_m=32, block_n=32, num_warps=4, num_stages=1)
+        return Fa1Config(block_m=16, block_n=16, num_warps=4 if d <= 128 else 8, num_stages=1)
+    # Tensor cores (sm80+). The fp32 running O_i plus the S tile bound the Q tile: 64-row
+    # tiles (wgmma on sm90) spill from d = 96 on (116-584 B at 64x64 / 64x32), so the Q tile
+    # is 32 rows (mma.sync) and the K/V tile as large as registers and smem allow, since the
+    # O round trips scale with 1 / B_c: 32x256 w8 is 207-220 regs at d = 64 (80 KB) and
+    # 231-232 regs at d = 96/128 (144 KB), no spill; the causal variant spills 60-64 B there,
+    # 32x128 w8 does not (226 regs, 76 KB).
+    if d <= 32:
+        return Fa1Config(block_m=64, block_n=64, num_warps=4, num_stages=1)  # 133 regs, wgmma
+    if d <= 64:
+        return Fa1Config(block_m=32, block_n=256, num_warps=8, num_stages=1)
+    if d <= 128:
+        if _smem_kb(arch) >= 144 and not causal:
+            return Fa1Config(block_m=32, block_n=256, num_warps=8, num_stages=1)
+        return Fa1Config(block_m=32, block_n=128, num_warps=8, num_stages=1)
+    # d = 256: w4 spills 104 B when causal; w8 is 167-242 regs, 80 KB.
+    return Fa1Config(block_m=16, block_n=64, num_warps=8, num_stages=1)
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config:
+    """Backward tiles: K_j, V_j and the fp32 dK_j, dV_j accumulators stay on chip."""
+    d = padded_head_dim(head_dim)
+    if arch is None:
+        return Fa1Config(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or arch < 80:
+        # FMA dots (see fwd_config): 16x16 w4 is 158-255 regs, 0 spill up to d = 128 on
+        # sm75/sm90; at d = 256, w8 (233 regs) where w4 spills 1 KB.
+        return Fa1Config(block_m=16, block_n=16, num_warps=4 if d <= 128 else 8, num_stages=1)
+    # Two fp32 accumulators (dK_j, dV_j: B_c x d each) live through the whole inner loop on
+    # top of S, dP and the dQ tile: 64-row Q tiles spill 60-900 B at d = 64..128 on sm90,
+    # 32-row ones do not (186-242 regs at d <= 64 w4; 210-224 regs at d = 128 w8, 80 KB).
+    if d <= 64:
+        return Fa1Config(block_m=32, block_n=64, num_warps=4, num_stages=1)
+    if d <= 128:
+        return Fa1Config(block_m=32, block_n=64, num_warps=8, num_stages=1)
+    return Fa1Config(block_m=16, block_n=32, num_warps=8, num_stages=1)  # 228 regs, 65 KB
+
+
+def q_splits(batch_heads: int, num_q_blocks: int, num_sms: int) -> int:
+    """How many programs share one (batch, head) of the forward, along the Q blocks.
+
+    The paper's grid is one program per (batch, head): 1 whenever that fills the GPU. When
+    B * H < #SMs (long sequences at a fixed token count: B * H = 32 at N = 16k, D = 64 in
+    the standard sweep, a quarter of an H200), the Q blocks of a head are shared out so that
+    about one program runs per SM; each split re-reads K and V (common/traffic.py, q_splits).
+    """
+    if batch_heads >= num_sms:
+        return 1
+    return max(1, min(num_q_blocks, -(-num_sms // batch_heads)))

@@ -1,0 +1,557 @@
+"""FlashAttention-1 in Triton: the original loop order (Dao et al. 2022, arXiv 2205.14135).
+
+Forward, Algorithm 1: one program per (batch, query head). The outer loop runs over K/V blocks
+j (K_j, V_j are loaded once); the inner loop runs over Q blocks i and round-trips the running
+output O_i and the row statistics m_i, l_i through HBM at every step. O_i stays normalised
+(Alg. 1 line 12 divides by l_new at every step), unlike FA2 which defers the 1/l rescale.
+
+Backward, Algorithm 4 (appendix B) with recompute: one program per (batch, K/V head). The outer
+loop runs over K/V blocks j with dK_j, dV_j accumulated on chip; the inner loops run over the
+query heads of the GQA group and the Q blocks i, recompute P_ij from Q_i, K_j and the stored
+LSE, and read-modify-write dQ_i in HBM. One program owns every dQ row it touches, so there are
+no atomics and the result is deterministic.
+
+Deviations from the paper, all traffic-neutral or cheaper:
+- scores are kept in the log2 domain (scale * log2(e) folded into one multiply, exp2 on chip);
+  the HBM statistic m is stored in that domain, LSE is written back in natural log;
+- Alg. 1 line 2 (initialise O = 0, l = 0, m = -inf in HBM) is folded into the first K/V step:
+  every Q block that is visited at all is visited first by j = 0, which uses those initial
+  values without reading them; blocks never visited (causal, Nq > Nk) are written as out 0,
+  LSE -inf up front;
+- Alg. 1 line 16 (return O) is fused into the last K/V step that visits Q block i: that step
+  writes out (input dtype) and LSE instead of the fp32 scratch O_i, m_i, l_i;
+- the backward recomputes P from the stored LSE (one statistic) instead of (m, l), and reads
+  D_i = rowsum(dO_i * O_i) from a preprocess kernel instead of recomputing it per step.
+
+Causal masking is bottom-right aligned (query r sees key c iff c <= r + Nk - Nq). For K/V block
+j, Q blocks that see none of it are skipped, the few near the diagonal run a masked step, the
+rest an unmasked one. A K/V tail block (Nk % BLOCK_N != 0) always runs masked.
+
+Kernels use plain pointers (no block pointers, no descriptors) so they run under
+TRITON_INTERPRET=1 and on any CUDA arch Triton supports (sm75+). Offsets of the (batch, head)
+bases and of each block's first row are 64-bit; offsets inside a block stay 32-bit.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): exp(x) = exp2(x * LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): log(x) = log2(x) * LN2
+
+
+@triton.jit
+def _causal_q_range(
+    j,
+    n_q,
+    n_k,
+    shift,
+    num_q_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
+    """Q blocks [lo, mid) need a mask for K/V block j, [mid, hi) do not; others are skipped."""
+    if CAUSAL:
+        # First row that sees key j*BLOCK_N is row j*BLOCK_N - shift (query r sees key c iff
+        # c <= r + shift); every block before the one holding it sees none of block j.
+        lo = tl.minimum(tl.maximum(j * BLOCK_N - shift, 0) // BLOCK_M, num_q_blocks)
+        # From the first block whose first row sees the block's last key on, no causal mask.
+        last_key = j * BLOCK_N + BLOCK_N - 1
+        mid = tl.cdiv(tl.maximum(last_key - shift, 0), BLOCK_M)
+        mid = tl.minimum(tl.maximum(mid, lo), num_q_blocks)
+    else:
+        lo = j * 0
+        mid = j * 0
+    if (j + 1) * BLOCK_N > n_k:  # K/V tail: every step masks the keys past Nk
+        mid = num_q_blocks
+    return lo, mid
+
+
+@triton.jit
+def _last_kv_block(
+    i, n_q, shift, num_kv_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """The last K/V block that Q block i visits (its last row's last visible key)."""
+    if CAUSAL:
+        last_row = tl.minimum((i + 1) * BLOCK_M, n_q) - 1
+        return tl.minimum((last_row + shift) // BLOCK_N, num_kv_blocks - 1)
+    else:
+        return num_kv_blocks - 1
+
+
+@triton.jit
+def _fwd_step(
+    q_base,  # Q at (b, h, row 0)
+    out_base,  # Out at (b, h, row 0)
+    lse_base,  # (Nq,) LSE of (b, h)
+    acc_base,  # (Nq, HEAD_DIM_V) fp32 scratch O of (b, h)
+    m_base,  # (Nq,) fp32 scratch m of (b, h), log2 domain
+    l_base,  # (Nq,) fp32 scratch l of (b, h)
+    kt,  # (BLOCK_D, BLOCK_N) K_j^T on chip
+    v,  # (BLOCK_N, BLOCK_DV) V_j on chip
+    i,
+    j,
+    n_q,
+    n_k,
+    shift,
+    num_kv_blocks,
+    stride_qn,
+    stride_on,
+    qk_scale,  # softmax scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (j, i) step of Alg. 1, lines 8-13, for Q block i against K/V block j."""
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+    row0 = i * BLOCK_M
+    row_ok = row0 + offs_m < n_q  # (BLOCK_M,)
+    d_ok = offs_d < HEAD_DIM  # (BLOCK_D,)
+    dv_ok = offs_dv < HEAD_DIM_V  # (BLOCK_DV,)
+    o_mask = row_ok[:, None] & dv_ok[None, :]  # (BLOCK_M, BLOCK_DV)
+
+    # Alg. 1 line 8: load Q_i, O_i, l_i, m_i from HBM (O, l, m only after the first K/V step,
+    # where they are the line-2 initial values 0, 0, -inf).
+    q_ptrs = (
+        q_base + tl.cast(row0, tl.int64) * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
+    acc_ptrs = acc_base + tl.cast(row0, tl.int64) * HEAD_DIM_V
+    acc_ptrs = acc_ptrs + offs_m[:, None] * HEAD_DIM_V + offs_dv[None, :]  # (BLOCK_M, BLOCK_DV)
+    if j > 0:
+        o_i = tl.load(acc_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")  # (BLOCK_M, BLOCK_DV)
+        m_i = tl.load(
+            m_base + row0 + offs_m, mask=row_ok, other=-float("inf"), cache_modifier=".cg"
+        )
+        l_i = tl.load(l_base + row0 + offs_m, mask=row_ok, other=0.0, cache_modifier=".cg")
+    else:
+        o_i = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # (BLOCK_M, BLOCK_DV)
+        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # (BLOCK_M,)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
+
+    # Alg. 1 line 9: S_ij = Q_i K_j^T (scaled, log2 domain).
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        visible = (cols < n_k)[None, :]  # (1, BLOCK_N)
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= (row0 + offs_m)[:, None] + shift)
+        s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, BLOCK_N)
+
+    # Alg. 1 line 10: block statistics m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~).
+    # A row with no visible key has m~ = -inf: exponentiate against 0 so P~ = 0, never NaN.
+    m_blk = tl.max(s, 1)  # (BLOCK_M,)
+    m_blk_safe = tl.where(m_blk == -float("inf"), 0.0, m_blk)  # (BLOCK_M,)
+    p = tl.exp2(s - m_blk_safe[:, None])  # (BLOCK_M, BLOCK_N)
+    l_blk = tl.sum(p, 1)  # (BLOCK_M,)
+
+    # Alg. 1 line 11: m_new = max(m_i, m~), l_new = e^{m_i - m_new} l_i + e^{m~ - m_new} l~.
+    m_new = tl.maximum(m_i, m_blk)  # (BLOCK_M,)
+    m_new_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # (BLOCK_M,)
+    alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,): 0 when m_i = -inf
+    beta = tl.exp2(m_blk - m_new_safe)  # (BLOCK_M,): 0 when m~ = -inf
+    l_new = alpha * l_i + beta * l_blk  # (BLOCK_M,)
+
+    # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~ - m_new} P~ V_j).
+    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_DV)
+    seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (they stay 0)
+    l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
+    inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
+    o_new = (o_i * (l_i * alpha)[:, None] + pv * beta[:, None]) * inv_l[:, None]
+
+    # Alg. 1 lines 12-13: write O_i, l_i, m_i back to HBM; at the last K/V block this Q block
+    # visits, write the result instead (line 16): out in the input dtype, LSE = m + log l.
+    if j == _last_kv_block(i, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL):
+        out_ptrs = out_base + tl.cast(row0, tl.int64) * stride_on
+        out_ptrs = out_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]
+        tl.store(out_ptrs, o_new.to(out_base.dtype.element_ty), mask=o_mask)
+        lse = tl.where(seen, (m_new + tl.log2(l_safe)) * LN2, -float("inf"))  # (BLOCK_M,)
+        tl.store(lse_base + row0 + offs_m, lse, mask=row_ok)
+    else:
+        tl.store(acc_ptrs, o_new, mask=o_mask)
+        tl.store(m_base + row0 + offs_m, m_new, mask=row_ok)
+        tl.store(l_base + row0 + offs_m, l_new, mask=row_ok)
+
+
+@triton.jit
+def fa1_fwd_kernel(
+    Q,  # (B, Nq, Hq, D), last dim contiguous
+    K,  # (B, Nk, Hkv, D), last dim contiguous
+    V,  # (B, Nk, Hkv, Dv), last dim contiguous
+    Out,  # (B, Nq, Hq, Dv), last dim contiguous, input dtype
+    Lse,  # (B, Hq, Nq) fp32 contiguous
+    OAcc,  # (B, Hq, Nq, HEAD_DIM_V) fp32 contiguous scratch: the running O of Alg. 1
+    M,  # (B, Hq, Nq) fp32 contiguous scratch: running row max (log2 domain)
+    L,  # (B, Hq, Nq) fp32 contiguous scratch: running row sum
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    n_q,
+    n_k,
+    heads_q,
+    group,  # Hq // Hkv: query head h reads K/V head h // group
+    qk_scale,  # softmax scale * log2(e)
+    q_blocks_per_split,  # Q blocks owned by each program along grid axis 1
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM padded to a power of two (masked)
+    BLOCK_DV: tl.constexpr,  # HEAD_DIM_V padded to a power of two (masked)
+    BLOCK_M: tl.constexpr,  # B_r: Q rows per inner step
+    BLOCK_N: tl.constexpr,  # B_c: K/V rows per outer step
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the default
+):
+    """Alg. 1: grid (B * Hq, splits): one program per (batch, query head) and Q-block range.
+
+    With one split (the paper's grid) a program owns every Q block of its head. More splits
+    give each program a contiguous range of Q blocks, loop order unchanged: K/V is then read
+    once per split instead of once per head, which buys parallelism when B * Hq < #SMs.
+    """
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // heads_q
+    h = pid % heads_q
+    hk = h // group
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + b64 * stride_kb + hk64 * stride_kh
+    v_base = V + b64 * stride_vb + hk64 * stride_vh
+    out_base = Out + b64 * stride_ob + h64 * stride_oh
+    lse_base = Lse + pid.to(tl.int64) * n_q  # (Nq,)
+    acc_base = OAcc + pid.to(tl.int64) * n_q * HEAD_DIM_V  # (Nq, HEAD_DIM_V)
+    m_base = M + pid.to(tl.int64) * n_q  # (Nq,)
+    l_base = L + pid.to(tl.int64) * n_q  # (Nq,)
+    shift = n_k - n_q
+    num_q_blocks = tl.cdiv(n_q, BLOCK_M)
+    num_kv_blocks = tl.cdiv(n_k, BLOCK_N)
+    q_begin = split * q_blocks_per_split
+    q_end = tl.minimum(q_begin + q_blocks_per_split, num_q_blocks)
+    # K/V blocks past the last one this range of Q blocks sees (causal) are not even loaded.
+    last_kv = _last_kv_block(q_end - 1, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL)
+    kv_end = tl.where(q_end > q_begin, last_kv + 1, 0)
+
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+
+    # Q blocks that see no key at all (causal with Nq > Nk) are never visited: out 0, LSE -inf.
+    if CAUSAL:
+        num_dead = tl.minimum(tl.maximum(-shift, 0) // BLOCK_M, num_q_blocks)
+        for i in range(q_begin, tl.minimum(num_dead, q_end)):
+            rows = i * BLOCK_M + offs_m  # (BLOCK_M,)
+            out_ptrs = out_base + rows[:, None].to(tl.int64) * stride_on + offs_dv[None, :]
+            zeros = tl.zeros([BLOCK_M, BLOCK_DV], dtype=Out.dtype.element_ty)
+            tl.store(out_ptrs, zeros, mask=(rows < n_q)[:, None] & (offs_dv < HEAD_DIM_V)[None, :])
+            tl.store(
+                lse_base + rows, tl.full([BLOCK_M], -float("inf"), tl.float32), mask=rows < n_q
+            )
+
+    # Alg. 1 line 5: outer loop over K/V blocks j.
+    for j in range(0, kv_end):
+        # Alg. 1 line 6: load K_j (transposed, for S = Q K^T) and V_j from HBM, once.
+        cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
+        col_ok = cols < n_k  # (BLOCK_N,)
+        kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
+        kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None]
+        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+        v_ptrs = v_base + kv_row0 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        # kt: (BLOCK_D, BLOCK_N), v: (BLOCK_N, BLOCK_DV)
+
+        # Alg. 1 line 7: inner loop over Q blocks i, skipping those that see none of block j.
+        lo, mid = _causal_q_range(j, n_q, n_k, shift, num_q_blocks, BLOCK_M, BLOCK_N, CAUSAL)
+        lo = tl.maximum(lo, q_begin)
+        mid = tl.minimum(tl.maximum(mid, lo), q_end)
+        for i in range(lo, mid):
+            _fwd_step(
+                q_base, out_base, lse_base, acc_base, m_base, l_base, kt, v,
+                i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_on, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                True, DOT_PRECISION,
+            )  # fmt: skip
+        for i in range(mid, q_end):
+            _fwd_step(
+                q_base, out_base, lse_base, acc_base, m_base, l_base, kt, v,
+                i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_on, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                False, DOT_PRECISION,
+            )  # fmt: skip
+        # O_i, m_i, l_i written by one thread are read by another at step j + 1: make the
+        # CTA's global writes visible before the next K/V block (one barrier per block j).
+        tl.debug_barrier()
+
+
+@triton.jit
+def fa1_bwd_preprocess_kernel(
+    Out,  # (B, Nq, Hq, Dv), last dim contiguous
+    DOut,  # (B, Nq, Hq, Dv), last dim contiguous
+    Delta,  # (B, Hq, Nq) fp32 contiguous: D_i = rowsum(dO_i * O_i)
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_db,
+    stride_dn,
+    stride_dh,
+    n_q,
+    heads_q,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Alg. 4 line 19 hoisted out of the loops: grid (cdiv(Nq, BLOCK_M), B * Hq)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // heads_q).to(tl.int64)
+    h = (pid_bh % heads_q).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+    mask = (rows < n_q)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]  # (BLOCK_M, BLOCK_DV)
+    rows64 = rows[:, None].to(tl.int64)
+    o = tl.load(
+        Out + b * stride_ob + h * stride_oh + rows64 * stride_on + offs_dv[None, :], mask=mask
+    )
+    do = tl.load(
+        DOut + b * stride_db + h * stride_dh + rows64 * stride_dn + offs_dv[None, :], mask=mask
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # (BLOCK_M,)
+    tl.store(Delta + pid_bh.to(tl.int64) * n_q + rows, delta, mask=rows < n_q)
+
+
+@triton.jit
+def _bwd_step(
+    q_base,  # Q at (b, h, row 0)
+    do_base,  # dO at (b, h, row 0)
+    dq_base,  # dQ at (b, h, row 0), input dtype: written at the last K/V step
+    dqacc_base,  # (Nq, HEAD_DIM) fp32 scratch dQ of (b, h)
+    lse_base,  # (Nq,) LSE of (b, h), natural log
+    delta_base,  # (Nq,) D of (b, h)
+    k,  # (BLOCK_N, BLOCK_D) K_j on chip
+    v,  # (BLOCK_N, BLOCK_DV) V_j on chip
+    dk,  # (BLOCK_N, BLOCK_D) fp32 dK_j accumulator
+    dv,  # (BLOCK_N, BLOCK_DV) fp32 dV_j accumulator
+    i,
+    j,
+    n_q,
+    n_k,
+    shift,
+    num_kv_blocks,
+    stride_qn,
+    stride_don,
+    stride_dqn,
+    sm_scale,
+    qk_scale,  # sm_scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (j, i) step of Alg. 4, lines 8-22, for Q block i against K/V block j."""
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+    row0 = i * BLOCK_M
+    row0_64 = tl.cast(row0, tl.int64)
+    row_ok = row0 + offs_m < n_q  # (BLOCK_M,)
+    q_mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]  # (BLOCK_M, BLOCK_D)
+
+    # Alg. 4 line 8: load Q_i, dO_i and the row statistics (LSE_i, D_i) from HBM.
+    q_ptrs = q_base + row0_64 * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    do_ptrs = do_base + row0_64 * stride_don + offs_m[:, None] * stride_don + offs_dv[None, :]
+    do_mask = row_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]  # (BLOCK_M, BLOCK_DV)
+    do = tl.load(do_ptrs, mask=do_mask, other=0.0)  # (BLOCK_M, BLOCK_DV)
+    lse = tl.load(lse_base + row0 + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+    delta = tl.load(delta_base + row0 + offs_m, mask=row_ok, other=0.0)  # (BLOCK_M,)
+    # A row that sees no key has LSE -inf and every score masked: subtract 0 so P = 0, not NaN.
+    lse2 = tl.where(lse == -float("inf"), 0.0, lse * LOG2E)  # (BLOCK_M,)
+
+    # Alg. 4 lines 9-13: recompute S_ij = scale Q_i K_j^T and P_ij = exp(S_ij - LSE_i).
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+        visible = (cols < n_k)[None, :]  # (1, BLOCK_N)
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= (row0 + offs_m)[:, None] + shift)
+        s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, BLOCK_N)
+    p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+
+    # Alg. 4 line 16: dV_j += P_ij^T dO_i.
+    dv += tl.dot(tl.trans(p.to(v.dtype)), do, input_precision=DOT_PRECISION)
+    # Alg. 4 lines 17-20: dP_ij = dO_i V_j^T, dS_ij = P_ij * (dP_ij - D_i).
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)  # (BLOCK_M, BLOCK_N)
+    # Alg. 4 line 22: dK_j += scale dS_ij^T Q_i (the scale is applied once, at the store).
+    dk += tl.dot(tl.trans(ds), q, input_precision=DOT_PRECISION)
+
+    # Alg. 4 line 21: dQ_i += scale dS_ij K_j, read-modify-written in HBM. At j = 0 the fp32
+    # scratch holds nothing yet (every visited block is visited first by j = 0); at the last
+    # K/V block this Q block visits, write dQ_i itself in the input dtype.
+    dq = tl.dot(ds, k, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_D)
+    acc_ptrs = dqacc_base + row0_64 * HEAD_DIM
+    acc_ptrs = acc_ptrs + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
+    if j > 0:
+        dq += tl.load(acc_ptrs, mask=q_mask, other=0.0, cache_modifier=".cg")
+    if j == _last_kv_block(i, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL):
+        dq_ptrs = dq_base + row0_64 * stride_dqn + offs_m[:, None] * stride_dqn + offs_d[None, :]
+        tl.store(dq_ptrs, (dq * sm_scale).to(dq_base.dtype.element_ty), mask=q_mask)
+    else:
+        tl.store(acc_ptrs, dq, mask=q_mask)
+    return dk, dv
+
+
+@triton.jit
+def fa1_bwd_kernel(
+    Q,  # (B, Nq, Hq, D), last dim contiguous
+    K,  # (B, Nk, Hkv, D), last dim contiguous
+    V,  # (B, Nk, Hkv, Dv), last dim contiguous
+    DOut,  # (B, Nq, Hq, Dv), last dim contiguous
+    Lse,  # (B, Hq, Nq) fp32 contiguous, natural log
+    Delta,  # (B, Hq, Nq) fp32 contiguous: rowsum(dO * O)
+    DQ,  # (B, Nq, Hq, D) contiguous, input dtype
+    DK,  # (B, Nk, Hkv, D) contiguous, input dtype
+    DV,  # (B, Nk, Hkv, Dv) contiguous, input dtype
+    DQAcc,  # (B, Hq, Nq, HEAD_DIM) fp32 contiguous scratch: the running dQ of Alg. 4
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dqb,
+    stride_dqn,
+    stride_dqh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    n_q,
+    n_k,
+    heads_kv,
+    group,  # Hq // Hkv query heads share each K/V head
+    sm_scale,
+    qk_scale,  # sm_scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Alg. 4: grid (B * Hkv,), one program per (batch, K/V head) and its GQA group."""
+    pid = tl.program_id(0)
+    b64 = (pid // heads_kv).to(tl.int64)
+    hk = pid % heads_kv
+    hk64 = hk.to(tl.int64)
+    heads_q = heads_kv * group
+    k_base = K + b64 * stride_kb + hk64 * stride_kh
+    v_base = V + b64 * stride_vb + hk64 * stride_vh
+    dk_base = DK + b64 * stride_dkb + hk64 * stride_dkh
+    dv_base = DV + b64 * stride_dvb + hk64 * stride_dvh
+    shift = n_k - n_q
+    num_q_blocks = tl.cdiv(n_q, BLOCK_M)
+    num_kv_blocks = tl.cdiv(n_k, BLOCK_N)
+
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    offs_dv = tl.arange(0, BLOCK_DV)  # (BLOCK_DV,)
+    d_ok = offs_d < HEAD_DIM  # (BLOCK_D,)
+    dv_ok = offs_dv < HEAD_DIM_V  # (BLOCK_DV,)
+
+    # dQ rows that see no key (causal, Nq > Nk) are never visited: write zeros up front.
+    if CAUSAL:
+        num_dead = tl.minimum(tl.maximum(-shift, 0) // BLOCK_M, num_q_blocks)
+        for g in range(0, group):
+            h64 = (hk * group + g).to(tl.int64)
+            for i in range(0, num_dead):
+                rows = i * BLOCK_M + offs_m  # (BLOCK_M,)
+                dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh
+                dq_ptrs = dq_ptrs + rows[:, None].to(tl.int64) * stride_dqn + offs_d[None, :]
+                zeros = tl.zeros([BLOCK_M, BLOCK_D], dtype=DQ.dtype.element_ty)
+                tl.store(dq_ptrs, zeros, mask=(rows < n_q)[:, None] & d_ok[None, :])
+
+    # Alg. 4 line 6: outer loop over K/V blocks j.
+    for j in range(0, num_kv_blocks):
+        # Alg. 4 lines 7-8: load K_j, V_j once; dK_j, dV_j live on chip.
+        cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
+        col_ok = cols < n_k  # (BLOCK_N,)
+        kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
+        k_ptrs = k_base + kv_row0 * stride_kn + offs_n[:, None] * stride_kn + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_D)
+        v_ptrs = v_base + kv_row0 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
+        v = tl.load(v_ptrs, mask=col_ok[:, None] & dv_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_DV)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)  # (BLOCK_N, BLOCK_D)
+        dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)  # (BLOCK_N, BLOCK_DV)
+
+        # Alg. 4 line 10: inner loop over Q blocks i (of every query head of the GQA group,
+        # whose dK, dV contributions sum here on chip), skipping blocks that see none of j.
+        lo, mid = _causal_q_range(j, n_q, n_k, shift, num_q_blocks, BLOCK_M, BLOCK_N, CAUSAL)
+        for g in range(0, group):
+            pid_bh = b64 * heads_q + hk64 * group + g
+            h64 = hk64 * group + g
+            q_base = Q + b64 * stride_qb + h64 * stride_qh
+            do_base = DOut + b64 * stride_dob + h64 * stride_doh
+            dq_base = DQ + b64 * stride_dqb + h64 * stride_dqh
+            dqacc_base = DQAcc + pid_bh * n_q * HEAD_DIM  # (Nq, HEAD_DIM)
+            lse_base = Lse + pid_bh * n_q  # (Nq,)
+            delta_base = Delta + pid_bh * n_q  # (Nq,)
+            for i in range(lo, mid):
+                dk, dv = _bwd_step(
+                    q_base, do_base, dq_base, dqacc_base, lse_base, delta_base, k, v, dk, dv,
+                    i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_don, stride_dqn,
+                    sm_scale, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    BLOCK_N, CAUSAL, True, DOT_PRECISION,
+                )  # fmt: skip
+            for i in range(mid, num_q_blocks):
+                dk, dv = _bwd_step(
+                    q_base, do_base, dq_base, dqacc_base, lse_base, delta_base, k, v, dk, dv,
+                    i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_don, stride_dqn,
+                    sm_scale, qk_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    BLOCK_N, CAUSAL, False, DOT_PRECISION,
+                )  # fmt: skip
+
+        # Alg. 4 line 24: write dK_j, dV_j to HBM.
+        dk_ptrs = dk_base + kv_row0 * stride_dkn + offs_n[:, None] * stride_dkn + offs_d[None, :]
+        dk_out = (dk * sm_scale).to(DK.dtype.element_ty)
+        tl.store(dk_ptrs, dk_out, mask=col_ok[:, None] & d_ok[None, :])
+        dv_ptrs = dv_base + kv_row0 * stride_dvn + offs_n[:, None] * stride_dvn + offs_dv[None, :]
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok[:, None] & dv_ok[None, :])
+        # dQ_i written by one thread is read by another at step j + 1 (see the forward).
+        tl.debug_barrier()

@@ -1,0 +1,114 @@
+"""Compile probe: build the fa1 kernels of the config table for a GPU arch on any machine.
+
+`python -m flashsuite.fa1.probe [ARCH ...]` (default 90 75) compiles every (kernel, dtype,
+head_dim, causal) of `configs.py` with `triton.compile` for `GPUTarget("cuda", ARCH, 32)`, no
+GPU needed, and prints registers and spills (ptxas -v, from the Triton wheel), shared memory
+(`metadata.shared`) and which MMA the PTX uses (wgmma, mma.sync, or none: FMA).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from flashsuite.fa1 import kernels
+from flashsuite.fa1.configs import Fa1Config, bwd_config, fwd_config, padded_head_dim
+
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_FP32_ARGS = ("Lse", "OAcc", "M", "L", "Delta", "DQAcc")
+
+
+def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
+    """Argument types as a launch would specialise them (16-byte aligned pointers, strides)."""
+    sig, attrs = {}, {}
+    for idx, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name[0].isupper():  # tensors
+            sig[name] = "*fp32" if name in _FP32_ARGS else f"*{dtype}"
+            attrs[(idx,)] = [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "sm_scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name.startswith("stride"):
+                attrs[(idx,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def probe(
+    fn, dtype: torch.dtype, head_dim: int, causal: bool, arch: int, cfg: Fa1Config
+) -> dict[str, object]:
+    """Compile one kernel; return registers, spill bytes, shared memory and the MMA kind."""
+    block_d = padded_head_dim(head_dim)
+    constexprs = {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_V": head_dim,
+        "BLOCK_D": block_d,
+        "BLOCK_DV": block_d,
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "CAUSAL": causal,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
+    sig, attrs = _signature(fn, _TYPES[dtype], constexprs)
+    compiled = triton.compile(
+        ASTSource(fn, sig, constexprs, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+    )
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    gpu = "sm_90a" if arch == 90 else f"sm_{arch}"
+    run = subprocess.run(
+        [_PTXAS, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    os.unlink(f.name)
+    log = run.stderr + run.stdout
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_st": int(spill.group(1)),
+        "spill_ld": int(spill.group(2)),
+        "smem_kb": compiled.metadata.shared / 1024,
+        "mma": "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "fma"),
+    }
+
+
+def main(archs: list[int]) -> None:
+    for arch in archs:
+        dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if arch >= 80 else [])
+        head_dims = (32, 64, 96, 128) + ((256,) if arch >= 80 else ())
+        for name, fn in (("fwd", kernels.fa1_fwd_kernel), ("bwd", kernels.fa1_bwd_kernel)):
+            for dtype in dtypes:
+                for d in head_dims:
+                    for causal in (False, True):
+                        if name == "fwd":
+                            cfg = fwd_config(d, dtype, arch, causal)
+                        else:
+                            cfg = bwd_config(d, dtype, arch)
+                        r = probe(fn, dtype, d, causal, arch, cfg)
+                        print(
+                            f"sm{arch} {name} {_TYPES[dtype]} D={d:3d} causal={int(causal)} "
+                            f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: "
+                            f"{r['regs']:3d} regs, spill {r['spill_st']}/{r['spill_ld']} B, "
+                            f"smem {r['smem_kb']:.1f} KB, {r['mma']}",
+                            flush=True,
+                        )
+
+
+if __name__ == "__main__":
+    main([int(a) for a in sys.argv[1:]] or [90, 75])

@@ -1,0 +1,298 @@
+"""fa3 on the H200: correctness, TFLOP/s next to SDPA (cuDNN, flash), and the ablation table.
+
+    python -m flashsuite.fa3.ablate --out DIR [--skip-correctness] [--skip-bench] [--skip-ablation]
+    python -m flashsuite.fa3.ablate --out DIR --smoke     # 3 small cases, for compute-sanitizer
+
+Stages, each variant in its own try/except so one failure does not end the run (a GPU hang
+cannot be caught in-process: the first case is tiny so a barrier bug shows at once):
+1. correctness against common.reference on small shapes (fp16/bf16, D 64/128/256, causal and
+   not, Nq/Nk in {1, 17, 1000, ...}, GQA, window, softcap), max errors and PASS/FAIL;
+2. forward TFLOP/s, B·N = 16k tokens, Hq·D = 2048, N in {8192, 16384}, D in {64, 128, 256},
+   causal F/T, with SDPA's cuDNN and flash backends timed in the same run (ratio columns);
+3. ablation at D = 128, N = 8192 over configs.ablation_configs (ping-pong, intra-WG overlap,
+   stages, tile_n), each variant checked for correctness on a small case before timing;
+4. launch overhead: wall time of a tiny call vs SDPA's.
+Results go to DIR/fa3_ablate.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import compare, reference_pair
+from flashsuite.common.validation import check_inputs
+from flashsuite.fa3 import interface
+from flashsuite.fa3.configs import Fa3Config, ablation_configs
+
+DEV = "cuda"
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _inputs(b, nq, nk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn((b, nq, hq, d), generator=g, device=DEV).to(dtype)  # (B, Nq, Hq, D)
+    k = torch.randn((b, nk, hkv, d), generator=g, device=DEV).to(dtype)  # (B, Nk, Hkv, D)
+    v = torch.randn((b, nk, hkv, d), generator=g, device=DEV).to(dtype)  # (B, Nk, Hkv, D)
+    return q, k, v
+
+
+def check_case(case: dict, cfg: Fa3Config | None = None) -> dict:
+    """Run fa3 on one case and compare out and lse with the oracle (DESIGN.md tolerance)."""
+    opts = {
+        "causal": case.get("causal", False),
+        "window_size": case.get("window", (-1, -1)),
+        "softcap": case.get("softcap", 0.0),
+        "softmax_scale": case.get("scale"),
+    }
+    q, k, v = _inputs(
+        case["b"], case["nq"], case["nk"], case["hq"], case["hkv"], case["d"], case["dtype"]
+    )
+    p = check_inputs(q, k, v, **opts)
+    ok, reason = interface.supports(p, 90)
+    if not ok:
+        return {"status": "UNSUPPORTED", "reason": reason}
+    out, lse = interface.forward(q, k, v, p, cfg=cfg)
+    torch.cuda.synchronize()
+    ref = reference_pair(q, k, v, **opts)
+    c_out = compare("out", out, ref["out"][0], ref["out"][1], dtype=q.dtype)
+    c_lse = compare("lse", lse, ref["lse"][0], ref["lse"][1], dtype=torch.float32)
+    return {
+        "status": "PASS" if (c_out.ok and c_lse.ok) else "FAIL",
+        "out_err": c_out.err,
+        "out_bound": c_out.bound,
+        "lse_err": c_lse.err,
+        "lse_bound": c_lse.bound,
+    }
+
+
+def correctness_cases() -> list[dict]:
+    cases = [dict(b=1, nq=128, nk=128, hq=1, hkv=1, d=64, dtype=torch.float16)]  # smoke first
+    for dtype in (torch.float16, torch.bfloat16):
+        for d in (64, 96, 128, 192, 256):
+            for causal in (False, True):
+                for nq, nk in ((1, 1), (17, 17), (1000, 1000), (17, 1000), (1000, 17), (128, 384)):
+                    cases.append(
+                        dict(b=2, nq=nq, nk=nk, hq=4, hkv=2, d=d, dtype=dtype, causal=causal)
+                    )
+    for d in (64, 128):
+        base = dict(b=1, nq=777, nk=1000, hq=6, hkv=1, d=d, dtype=torch.bfloat16)  # MQA
+        cases += [
+            base,
+            {**base, "window": (100, 50)},
+            {**base, "window": (64, 0), "causal": True},
+            {**base, "window": (-1, 7)},
+            {**base, "softcap": 30.0},
+            {**base, "scale": 0.3, "causal": True},
+            {**base, "nq": 2000, "nk": 300, "causal": True},  # rows that see no key
+        ]
+    return cases
+
+
+def _case_name(c: dict) -> str:
+    extra = "".join(f" {k}={c[k]}" for k in ("causal", "window", "softcap", "scale") if k in c)
+    dt = str(c["dtype"]).removeprefix("torch.")
+    return f"B={c['b']} Nq={c['nq']} Nk={c['nk']} Hq={c['hq']}/{c['hkv']} D={c['d']} {dt}{extra}"
+
+
+def run_correctness(limit: int | None = None) -> list[dict]:
+    rows = []
+    for c in correctness_cases()[:limit]:
+        name = _case_name(c)
+        try:
+            r = check_case(c)
+        except Exception as e:
+            r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        _log(f"[correctness] {r['status']:5s} {name} {_fmt_err(r)}")
+        rows.append({"case": name, **r})
+    return rows
+
+
+def _fmt_err(r: dict) -> str:
+    if "out_err" not in r:
+        return r.get("reason", r.get("error", ""))
+    return (
+        f"out {r['out_err']:.3g} (<= {r['out_bound']:.3g}) lse {r['lse_err']:.3g} "
+        f"(<= {r['lse_bound']:.3g})"
+    )
+
+
+def _bench_ms(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _sdpa_fn(q, k, v, causal: bool, backend):
+    from torch.nn.attention import sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+
+    def run():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    return run
+
+
+def bench_one(d: int, n: int, causal: bool, dtype=torch.bfloat16, cfg=None, peers=True) -> dict:
+    from torch.nn.attention import SDPBackend
+
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v = _inputs(b, n, n, h, h, d, dtype)
+    flops = attention_flops(b, h, n, n, d, causal=causal)
+    p = check_inputs(q, k, v, causal=causal)
+    row: dict[str, Any] = {"D": d, "N": n, "B": b, "H": h, "causal": causal}
+    timings = {"fa3": lambda: interface.forward(q, k, v, p, cfg=cfg)}
+    if peers:
+        timings["cudnn"] = _sdpa_fn(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
+        timings["flash"] = _sdpa_fn(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
+    for name, fn in timings.items():
+        try:
+            ms = _bench_ms(fn)
+            row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+        except Exception as e:
+            row[f"{name}_tflops"] = None
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+    for peer in ("cudnn", "flash"):
+        a, b_ = row.get("fa3_tflops"), row.get(f"{peer}_tflops")
+        row[f"ratio_vs_{peer}"] = a / b_ if a and b_ else None
+    return row
+
+
+def _fmt_bench(r: dict) -> str:
+    def f(x):
+        return "  n/a " if x is None else f"{x:6.1f}"
+
+    def g(x):
+        return " n/a" if x is None else f"{x:4.2f}"
+
+    return (
+        f"D={r['D']:3d} N={r['N']:5d} causal={r['causal']!s:5s} fa3 {f(r.get('fa3_tflops'))} "
+        f"cudnn {f(r.get('cudnn_tflops'))} flash {f(r.get('flash_tflops'))} TFLOP/s  "
+        f"x{g(r.get('ratio_vs_cudnn'))} cudnn x{g(r.get('ratio_vs_flash'))} flash"
+    )
+
+
+def run_bench() -> list[dict]:
+    rows = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for n in (8192, 16384):
+                try:
+                    r = bench_one(d, n, causal)
+                except Exception as e:
+                    r = {"D": d, "N": n, "causal": causal, "error": f"{type(e).__name__}: {e}"}
+                    traceback.print_exc()
+                _log(f"[bench] {_fmt_bench(r) if 'error' not in r else r}")
+                rows.append(r)
+    return rows
+
+
+def run_ablation(d: int = 128, n: int = 8192) -> list[dict]:
+    rows = []
+    small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, dtype=torch.bfloat16)
+    for name, cfg in ablation_configs(d).items():
+        row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
+        try:
+            chk = [check_case({**small, "causal": c}, cfg=cfg)["status"] for c in (False, True)]
+            row["correct"] = chk
+            if all(s == "PASS" for s in chk):
+                for causal in (False, True):
+                    r = bench_one(d, n, causal, cfg=cfg, peers=False)
+                    row[f"tflops_causal_{causal}"] = r.get("fa3_tflops")
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        _log(
+            f"[ablation] {name:28s} {row.get('correct')} "
+            f"full {row.get('tflops_causal_False')} causal {row.get('tflops_causal_True')}"
+        )
+        rows.append(row)
+    return rows
+
+
+def run_overhead(calls: int = 2000) -> dict:
+    """Host wall time per tiny call (B=1, N=128, H=1, D=64), fa3 vs SDPA's default path."""
+    q, k, v = _inputs(1, 128, 128, 1, 1, 64, torch.bfloat16)
+    p = check_inputs(q, k, v)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    fns = {
+        "fa3_interface": lambda: interface.forward(q, k, v, p),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt),
+    }
+    res = {}
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        res[f"{name}_us"] = (time.perf_counter() - t0) / calls * 1e6
+    _log(f"[overhead] {res}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for fa3_ablate.json")
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--skip-ablation", action="store_true")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="only the first 3 correctness cases (for compute-sanitizer), nothing else",
+    )
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.skip_bench = args.skip_ablation = True
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ok, reason = interface.available()
+    _log(f"[fa3] available: {ok} ({reason}); {torch.cuda.get_device_name()}")
+    if not ok:
+        return 1
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    path = out / "fa3_ablate.json"
+
+    def save() -> None:
+        path.write_text(json.dumps(result, indent=1, default=str))
+
+    if not args.skip_correctness:
+        result["correctness"] = run_correctness(3 if args.smoke else None)
+        save()
+        bad = [r for r in result["correctness"] if r["status"] in ("FAIL", "ERROR")]
+        _log(f"[correctness] {len(bad)} failing of {len(result['correctness'])}")
+    if not args.skip_bench:
+        result["bench"] = run_bench()
+        save()
+    if not args.skip_ablation:
+        result["ablation"] = run_ablation()
+        save()
+    if not args.smoke:
+        try:
+            result["overhead"] = run_overhead()
+        except Exception as e:
+            result["overhead"] = {"error": f"{type(e).__name__}: {e}"}
+        save()
+    _log(f"[fa3] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

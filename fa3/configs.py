@@ -1,0 +1,147 @@
+"""Tile configurations for the fa3 forward, one frozen dataclass per (head_dim, dtype, causal).
+
+NOT YET MEASURED: every entry below is chosen from the shared-memory and register arithmetic
+written next to it (and FA3's published choices), not from a run on the H200. The ablation
+script (`python -m flashsuite.fa3.ablate`) measures the alternatives; each branch gets its
+number once the lead has run it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+# Hopper: 227 KiB of dynamic shared memory per CTA (cutlass.memory.get_smem_capacity_in_bytes).
+SMEM_CAPACITY = 232_448
+# setmaxnreg split with one producer and two consumer warpgroups: 24 + 2 x 240 (x 128 threads)
+# = 64,512 <= 65,536 registers per SM at one CTA per SM.
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+NUM_CONSUMER_WG = 2
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16)
+# Registers a consumer thread needs beyond the fragments (addresses, row statistics, loop state).
+_REG_OVERHEAD = 40
+
+
+@dataclass(frozen=True)
+class Fa3Config:
+    """Static tile shape and schedule of the fa3 forward (part of the compile key)."""
+
+    tile_m: int = 128  # query rows per CTA: 64 per consumer warpgroup
+    tile_n: int = 128  # key/value rows per pipeline stage
+    stages: int = 2  # depth of the K and V TMA rings
+    pingpong: bool = True  # named-barrier turn taking between the two consumer warpgroups
+    intra_wg_overlap: bool = True  # issue QK(n+1) before PV(n) and overlap softmax with PV
+    o_alias_q: bool = False  # the epilogue's sO reuses sQ's buffer (frees room for a stage)
+
+
+def _align(n: int, a: int = 1024) -> int:
+    return (n + a - 1) // a * a
+
+
+def smem_bytes(cfg: Fa3Config, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory of the kernel's storage struct: mbarriers, then 1 KiB-aligned sQ, sK, sV, sO.
+
+    Mirrors `Fa3Forward._storage` (compile.py checks the two agree on the real struct).
+    """
+    mbar = 8 * (2 + 2 * cfg.stages + 2 * cfg.stages)  # Q, K and V full/empty barriers
+    q = cfg.tile_m * head_dim * elem_bytes
+    kv = cfg.tile_n * head_dim * elem_bytes * cfg.stages
+    o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * elem_bytes
+    total = _align(mbar) + _align(q) + _align(kv) + _align(kv) + (_align(o) if o else 0)
+    return total
+
+
+def consumer_regs_estimate(cfg: Fa3Config, head_dim: int) -> int:
+    """fp32 S and O accumulators, the 16-bit P fragment (2 per register) and overhead, per thread.
+
+    With intra-WG overlap S(n+1) and P(n) are live together; without it, P overwrites S's role.
+    """
+    rows_per_wg = cfg.tile_m // NUM_CONSUMER_WG
+    acc_s = rows_per_wg * cfg.tile_n // 128
+    acc_o = rows_per_wg * head_dim // 128
+    p = acc_s // 2
+    return acc_o + acc_s + p + _REG_OVERHEAD
+
+
+def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the kernel can be built for this config: tile legality, smem and registers."""
+    if dtype not in DTYPES:
+        return False, f"fa3: dtype {dtype} not in (float16, bfloat16)"
+    if head_dim not in HEAD_DIMS:
+        return False, f"fa3: head_dim {head_dim} not in {set(HEAD_DIMS)}"
+    if cfg.tile_m != 64 * NUM_CONSUMER_WG:
+        return False, f"fa3: tile_m must be {64 * NUM_CONSUMER_WG} (64 rows per consumer WG)"
+    # wgmma N is a multiple of 8 up to 256; P is the K operand of PV, so tile_n % 16 == 0.
+    if not (16 <= cfg.tile_n <= 256 and cfg.tile_n % 16 == 0):
+        return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of 16 in [16, 256]"
+    if cfg.stages < 2:
+        return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
+    smem = smem_bytes(cfg, head_dim)
+    if smem > SMEM_CAPACITY:
+        return False, f"fa3: {smem} B of shared memory > {SMEM_CAPACITY} B"
+    regs = consumer_regs_estimate(cfg, head_dim)
+    if regs > CONSUMER_REGS:
+        return False, f"fa3: ~{regs} registers per consumer thread > {CONSUMER_REGS}"
+    return True, ""
+
+
+def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
+    """The shipped config for (head_dim, dtype, causal). fp16 and bf16 share tiles (same bytes).
+
+    Not yet measured on our H200 (see the module docstring): tile shapes follow the smem
+    arithmetic and FA3's published choices; every entry compiles with the wgmma pipeline
+    intact (no ptxas C7512/C7519) and no spills, which tests/test_fa3_compile.py checks.
+    ptxas max register index per consumer thread (budget 240) is noted per branch.
+    """
+    del dtype  # fp16 and bf16 tiles are the same bytes
+    if head_dim <= 64:
+        # 16 KiB per K or V stage: three stages and a separate sO fit (128 KiB). R159.
+        return Fa3Config(tile_n=128, stages=3)
+    if head_dim <= 96:
+        # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
+        return Fa3Config(tile_n=128, stages=2)
+    if head_dim <= 128:
+        if causal:
+            # Causal tiles are half masked on the diagonal: keep them square. 193 KiB. R194.
+            return Fa3Config(tile_n=128, stages=2)
+        # FA3's non-causal choice: a wider S (176) amortises the softmax over more columns.
+        # 2 stages of 44 KiB for K and V need sO on sQ: 208 KiB. R219.
+        return Fa3Config(tile_n=176, stages=2, o_alias_q=True)
+    if head_dim <= 192:
+        # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
+        return Fa3Config(tile_n=112, stages=2, o_alias_q=True)
+    # D=256: acc_O alone is 128 registers, so S stays narrow (tile_n 80 as in FA3);
+    # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ. R212.
+    return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
+
+
+def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
+    """Every (head_dim, dtype, causal, config) the table can return: what CI compiles."""
+    return [
+        (d, dt, c, get_config(d, dt, c)) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+    ]
+
+
+def ablation_configs(head_dim: int = 128) -> dict[str, Fa3Config]:
+    """Variants of the shipped config at one head_dim, each switching one feature."""
+    base = get_config(head_dim, torch.bfloat16, False)
+    variants = {
+        "shipped": base,
+        "no_pingpong": replace(base, pingpong=False),
+        "no_intra_wg_overlap": replace(base, intra_wg_overlap=False),
+        "neither": replace(base, pingpong=False, intra_wg_overlap=False),
+        "tile_n_128": replace(base, tile_n=128, o_alias_q=False),
+        "tile_n_128_stages3": replace(base, tile_n=128, stages=3, o_alias_q=True),
+        "tile_n_128_o_on_q": replace(base, tile_n=128, o_alias_q=True),
+        "tile_n_64": replace(base, tile_n=64, o_alias_q=False),
+        "tile_n_64_stages4": replace(base, tile_n=64, stages=4, o_alias_q=True),
+        "tile_n_176_o_on_q": replace(base, tile_n=176, o_alias_q=True),
+    }
+    out: dict[str, Fa3Config] = {}
+    for name, cfg in variants.items():
+        if cfg not in out.values() and can_implement(cfg, head_dim, torch.bfloat16)[0]:
+            out[name] = cfg
+    return out

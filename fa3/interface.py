@@ -1,0 +1,156 @@
+"""fa3: FlashAttention-3-style forward for Hopper in the CuTe DSL. The contract of docs/versions.md.
+
+Forward only (`HAS_BACKWARD = False`): the dispatcher pairs it with fa2's backward on the saved
+(q, k, v, out, lse). The kernel (`kernels.Fa3Forward`) is compiled once per `compile.CompileKey`
+(dtype, head_dim, causal/local/softcap flags, tile config) and launched through TVM-FFI on
+torch's current stream; batch, sequence lengths, head counts and strides are runtime values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashsuite.common.arch import arch_name, device_arch, is_overridden
+from flashsuite.common.validation import AttnParams
+from flashsuite.fa3.configs import DTYPES, HEAD_DIMS, Fa3Config, can_implement, get_config
+
+NAME = "fa3"
+HAS_BACKWARD = False
+
+_MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def available() -> tuple[bool, str]:
+    """The CuTe DSL and TVM-FFI importable, and a real sm90 GPU (the kernel is sm_90a only)."""
+    try:
+        import cutlass.cute  # noqa: F401
+    except ImportError as e:
+        return False, f"fa3: nvidia-cutlass-dsl not importable ({e})"
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError as e:
+        return False, f"fa3: apache-tvm-ffi not importable ({e}); the launcher needs it"
+    if is_overridden():
+        # Planning for another machine (tests of the dispatch table): the toolchain suffices.
+        return True, f"fa3: CuTe DSL (planning for {arch_name(device_arch())})"
+    if not torch.cuda.is_available():
+        return False, "fa3: needs a CUDA GPU (sm90)"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return False, f"fa3: needs an sm90 GPU (H100/H200), got sm{cap[0]}{cap[1]}"
+    return True, "fa3: CuTe DSL on sm90"
+
+
+def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
+    """Whether fa3 takes problem `p` on `arch` (90 only)."""
+    if arch != 90:
+        where = "no GPU" if arch is None else f"sm{arch}"
+        return False, f"fa3: needs sm90 (Hopper wgmma/TMA), got {where}"
+    if p.is_fp8:
+        return False, f"fa3: dtype {_dt(p.dtype)} not supported yet (fp8 forward is planned)"
+    if p.dtype not in DTYPES:
+        return False, f"fa3: dtype {_dt(p.dtype)} not in (float16, bfloat16)"
+    if p.head_dim not in HEAD_DIMS:
+        return False, f"fa3: head_dim {p.head_dim} not in {{{', '.join(map(str, HEAD_DIMS))}}}"
+    if p.head_dim_v != p.head_dim:
+        return False, f"fa3: head_dim_v {p.head_dim_v} != head_dim {p.head_dim}"
+    if p.scale <= 0 and p.softcap == 0:
+        # The running max is taken on raw scores and the scale folded in afterwards (a negative
+        # scale flips the max; 0 makes -inf * 0 = NaN for rows that have seen no key yet).
+        return False, f"fa3: softmax_scale must be > 0 (got {p.scale:g})"
+    if p.heads_q > _MAX_GRID_YZ or p.batch > _MAX_GRID_YZ:
+        return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
+    if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
+        return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
+    ok, reason = can_implement(config_for(p), p.head_dim, p.dtype)
+    if not ok:
+        return False, reason
+    return True, "fa3: ok"
+
+
+def config_for(p: AttnParams) -> Fa3Config:
+    """The tile config fa3 uses for `p` (configs.get_config)."""
+    return get_config(p.head_dim, p.dtype, p.causal)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t` whose base and outer strides are 16-byte aligned, as TMA requires.
+
+    Strides of size-1 dims are never stepped, so they are replaced by aligned ones (no copy).
+    Anything else misaligned (rare: an odd slice of a bigger buffer) is copied once, which is
+    slower but exact; aligned inputs, the common case, are never copied.
+    """
+    esize = t.element_size()
+    if t.data_ptr() % 16 != 0:
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    strides = list(t.stride())
+    inner = t.size(3)  # compact extent below dim d, in elements
+    for d in (2, 1, 0):
+        if t.size(d) == 1:
+            strides[d] = -(-inner // 8) * 8
+        elif strides[d] * esize % 16 != 0:
+            return t.contiguous()
+        inner *= t.size(d)
+    if strides != list(t.stride()):
+        t = t.as_strided(t.shape, strides)
+    return t
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: AttnParams,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
+    *,
+    cfg: Fa3Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) fp16/bf16 on an sm90 GPU, last dim contiguous.
+
+    `cfg` overrides the tile config from configs.py (the ablation script uses it).
+
+    Returns out (B, Nq, Hq, D) contiguous in q's dtype and lse (B, Hq, Nq) float32 (natural
+    log, -inf for rows that see no key).
+    """
+    if descale_q is not None or descale_k is not None or descale_v is not None:
+        raise ValueError("fa3: descale factors are for fp8 inputs, which fa3 does not take yet")
+    out = torch.empty(
+        (p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype=p.out_dtype, device=q.device
+    )  # (B, Nq, Hq, D)
+    lse = torch.empty(
+        (p.batch, p.heads_q, p.seqlen_q), dtype=torch.float32, device=q.device
+    )  # (B, Hq, Nq)
+    if out.numel() == 0:
+        return out, lse
+    if p.seqlen_k == 0:
+        # No key at all: every row is empty (TMA cannot describe a zero-length tensor).
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    from flashsuite.fa3.compile import CompileKey, get_forward, kernel_scalars
+
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    key = CompileKey(
+        dtype=p.dtype,
+        head_dim=p.head_dim,
+        causal=p.causal,
+        local=p.is_local,
+        softcap=p.softcap > 0,
+        cfg=cfg if cfg is not None else config_for(p),
+    )
+    scale_log2, softcap_pre, left, right = kernel_scalars(
+        p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
+    )
+    get_forward(key)(q, k, v, out, lse, scale_log2, softcap_pre, left, right)
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, p: AttnParams):
+    """fa3 has no backward yet: the dispatcher pairs its forward with fa2's backward."""
+    raise NotImplementedError("fa3: no backward; dispatch pairs the forward with fa2's backward")

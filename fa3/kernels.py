@@ -1,0 +1,931 @@
+"""FA3-style attention forward for Hopper (sm_90a) in the CuTe DSL.
+
+One CTA owns a TILE_M = 128-row query tile of one (batch, head) and runs three warpgroups:
+
+- WG0, the producer (24 registers): warp 0 loads Q once on its own mbarrier pipeline, then
+  K and V per n-block into STAGES-deep TMA rings (`PipelineTmaAsync`), newest block first.
+- WG1 and WG2, the consumers (240 registers), 64 query rows each: S = Q·Kᵀ as an SS wgmma,
+  mask, online softmax in base 2 (scale folded into one FMA), P converted to 16 bits in
+  registers as the A operand of the RS wgmma O += P·V (Vᵀ is an MN-major view of sV).
+- PINGPONG: two named barriers make the consumers take turns on the tensor cores, so one WG's
+  softmax overlaps the other's GEMMs. INTRA_WG_OVERLAP: a WG issues QK(n+1) before PV(n) and
+  runs the softmax of n+1 while PV(n) is still in flight.
+- Epilogue: O scaled by 1/l (0 for empty rows), LSE (natural log, -inf for empty rows) stored
+  in fp32, O via stmatrix into smem, fence, named barrier, TMA store.
+
+Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B), so TMA
+uses a 4-D descriptor and its bounds are per sequence: tail tiles load zeros and stores clip.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
+import enum
+import math
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from flashsuite.fa3.configs import CONSUMER_REGS, PRODUCER_REGS, Fa3Config
+
+LN2 = math.log(2.0)
+
+
+@dsl_user_op
+def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one register of two 16-bit values (a in the low half): cvt.rn.{bf16,f16}x2.
+
+    Written out because `TensorSSA.to()` only packs pairs for some fragment sizes; unpacked
+    16-bit halves get merged with `mov` right before each RS wgmma, and ptxas then inserts a
+    warpgroup.arrive per wgmma (remark C7519), which breaks the wgmma pipeline.
+    """
+    kind = "bf16x2" if bf16 else "f16x2"
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{kind}.f32 $0, $2, $1;",  # d = {hi: $2 (b), lo: $1 (a)}
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+class WarpRole(enum.IntEnum):
+    """Warpgroup index -> role (the kernel launches NUM_THREADS = 3 x 128 threads)."""
+
+    PRODUCER = 0
+    CONSUMER0 = 1
+    CONSUMER1 = 2
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids; 0 is __syncthreads."""
+
+    EPILOGUE = 1  # the 256 consumer threads, around the O smem tile
+    PINGPONG_WG0 = 2  # consumer WG0's turn on the tensor cores (256: one WG syncs, one arrives)
+    PINGPONG_WG1 = 3  # consumer WG1's turn
+
+
+class Fa3Forward:
+    """Static configuration of one compiled forward; `__call__` is the host-side launcher."""
+
+    NUM_THREADS = 384
+    CONSUMER_THREADS = 256
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        cfg: Fa3Config,
+        causal: bool,
+        local: bool,
+        softcap: bool,
+    ) -> None:
+        self.dtype = dtype
+        self.HEAD_DIM = head_dim
+        self.TILE_M = cfg.tile_m
+        self.TILE_N = cfg.tile_n
+        self.STAGES = cfg.stages
+        self.PINGPONG = cfg.pingpong
+        self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
+        self.O_ALIAS_Q = cfg.o_alias_q
+        # Right edge of the window bounded (causal is a window with right == 0) / left edge.
+        self.HAS_RIGHT = causal or local
+        self.HAS_LEFT = local
+        self.SOFTCAP = softcap
+
+    # ----------------------------------------------------------------------------------------
+    # layouts, MMAs, shared storage (trace-time helpers)
+    # ----------------------------------------------------------------------------------------
+    def _smem_atom(self):
+        # Widest swizzle whose row segment divides head_dim (rows are D-contiguous everywhere).
+        d_bytes = self.HEAD_DIM * self.dtype.width // 8
+        kind = warpgroup.SmemLayoutAtomKind
+        if d_bytes % 128 == 0:
+            k = kind.K_SW128
+        elif d_bytes % 64 == 0:
+            k = kind.K_SW64
+        else:
+            k = kind.K_SW32
+        return warpgroup.make_smem_layout_atom(k, self.dtype)
+
+    def _smem_layouts(self):
+        atom = self._smem_atom()
+        sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+        sK_l = cute.tile_to_shape(
+            atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
+        )  # (TILE_N, D, STAGES)
+        return sQ_l, sK_l
+
+    def _tiled_mmas(self):
+        major = cute.nvgpu.OperandMajorMode
+        # Two consumer warpgroups stacked along M: 2 x 64 rows = TILE_M.
+        mma_qk = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, (2, 1, 1), (64, self.TILE_N)
+        )
+        mma_pv = sm90.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            major.K,
+            major.MN,  # Vᵀ: the N mode (head_dim) is contiguous in sV
+            Float32,
+            (2, 1, 1),
+            (64, self.HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
+        )
+        return mma_qk, mma_pv
+
+    def _storage(self, sQ_l, sK_l):
+        dt = self.dtype
+        mrange, align = cute.struct.MemRange, cute.struct.Align
+        n_q, n_kv = cute.cosize(sQ_l), cute.cosize(sK_l)
+        st = self.STAGES
+
+        if const_expr(self.O_ALIAS_Q):
+
+            @cute.struct
+            class Storage:
+                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_k: mrange[cutlass.Int64, 2 * st]
+                mbar_v: mrange[cutlass.Int64, 2 * st]
+                sQ: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_kv], 1024]
+                sV: align[mrange[dt, n_kv], 1024]
+
+        else:
+
+            @cute.struct
+            class Storage:
+                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_k: mrange[cutlass.Int64, 2 * st]
+                mbar_v: mrange[cutlass.Int64, 2 * st]
+                sQ: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_kv], 1024]
+                sV: align[mrange[dt, n_kv], 1024]
+                sO: align[mrange[dt, n_q], 1024]
+
+        return Storage
+
+    # ----------------------------------------------------------------------------------------
+    # host side
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Nq, Hq, D)
+        mK: cute.Tensor,  # (B, Nk, Hkv, D)
+        mV: cute.Tensor,  # (B, Nk, Hkv, D)
+        mO: cute.Tensor,  # (B, Nq, Hq, D)
+        mLSE: cute.Tensor,  # (B, Hq, Nq) fp32
+        scale_log2: Float32,  # log2(e) * scale (or * softcap with SOFTCAP)
+        softcap_pre: Float32,  # scale / softcap, applied before tanh (unused without SOFTCAP)
+        window_left: Int32,  # >= 0 (the host maps "unbounded" to a large value)
+        window_right: Int32,  # >= 0; 0 when causal
+        stream,
+    ):
+        # Kernel views: (N, D, H, B) for TMA (4-D descriptors), (N, H, B) for the LSE.
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        sQ_l, sK_l = self._smem_layouts()  # (TILE_M, D), (TILE_N, D, STAGES)
+        sK_stage = cute.select(sK_l, mode=[0, 1])  # (TILE_N, D)
+        mma_qk, mma_pv = self._tiled_mmas()
+        self.storage = self._storage(sQ_l, sK_l)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, sK_stage, (self.TILE_N, self.HEAD_DIM))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, sK_stage, (self.TILE_N, self.HEAD_DIM))
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_l, (self.TILE_M, self.HEAD_DIM)
+        )
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        heads_q = mQ.shape[2]
+        group = heads_q // mK.shape[2]  # query heads per kv head (GQA/MQA)
+        grid = ((seqlen_q + self.TILE_M - 1) // self.TILE_M, heads_q, mQ.shape[3])
+        self.kernel(
+            tma_q,
+            tQ,
+            tma_k,
+            tK,
+            tma_v,
+            tV,
+            tma_o,
+            tO,
+            mLSE,
+            mma_qk,
+            mma_pv,
+            sQ_l,
+            sK_l,
+            Int32(seqlen_q),
+            Int32(seqlen_k),
+            Int32(group),
+            scale_log2,
+            softcap_pre,
+            window_left,
+            window_right,
+        ).launch(
+            grid=grid,
+            block=[self.NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # device side
+    # ----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,  # (Nq, D, Hq, B) TMA coordinates
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,  # (Nk, D, Hkv, B)
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,  # (Nk, D, Hkv, B)
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,  # (Nq, D, Hq, B)
+        mLSE: cute.Tensor,  # (Nq, Hq, B) fp32
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ_l: cute.ComposedLayout,  # (TILE_M, D)
+        sK_l: cute.ComposedLayout,  # (TILE_N, D, STAGES)
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        if warp == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        st = SmemAllocator().allocate(self.storage)
+        bytes_q = cute.size_in_bytes(self.dtype, sQ_l)
+        bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_l, mode=[0, 1]))
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            num_stages=1,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=bytes_q,
+            barrier_storage=st.mbar_q.data_ptr(),
+            defer_sync=True,
+        )
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            num_stages=self.STAGES,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=bytes_kv,
+            barrier_storage=st.mbar_k.data_ptr(),
+            defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            num_stages=self.STAGES,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=bytes_kv,
+            barrier_storage=st.mbar_v.data_ptr(),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
+        sV = st.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
+        # Vᵀ as the MN-major B operand of PV: same bytes, (D, TILE_N, STAGES) view.
+        sVt = cute.composition(
+            sV,
+            cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
+        )
+        if const_expr(self.O_ALIAS_Q):
+            sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
+        else:
+            sO = st.sO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+
+        n_block_min, n_block_max = self.block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right
+        )
+        pipeline.pipeline_init_wait()
+
+        if wg == WarpRole.PRODUCER:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tma_q,
+                    tQ,
+                    tma_k,
+                    tK,
+                    tma_v,
+                    tV,
+                    sQ,
+                    sK,
+                    sV,
+                    pipe_q,
+                    pipe_k,
+                    pipe_v,
+                    m_block,
+                    head,
+                    batch,
+                    group,
+                    n_block_min,
+                    n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consumer(
+                tma_o,
+                tO,
+                mLSE,
+                mma_qk,
+                mma_pv,
+                sQ,
+                sK,
+                sVt,
+                sO,
+                pipe_q,
+                pipe_k,
+                pipe_v,
+                tidx - 128,
+                warp,
+                wg - WarpRole.CONSUMER0,
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                softcap_pre,
+                window_left,
+                window_right,
+                n_block_min,
+                n_block_max,
+            )
+
+    @cute.jit
+    def block_range(
+        self,
+        m_block: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        """[n_block_min, n_block_max): the K/V blocks any row of this Q tile can see."""
+        shift = seqlen_k - seqlen_q  # bottom-right alignment
+        n_block_max = (seqlen_k + self.TILE_N - 1) // self.TILE_N
+        if const_expr(self.HAS_RIGHT):
+            last_row = cutlass.min((m_block + 1) * self.TILE_M, seqlen_q) - 1
+            key_end = cutlass.max(last_row + shift + window_right + 1, 0)
+            n_block_max = cutlass.min(n_block_max, (key_end + self.TILE_N - 1) // self.TILE_N)
+        n_block_min = Int32(0)
+        if const_expr(self.HAS_LEFT):
+            key_start = cutlass.max(m_block * self.TILE_M + shift - window_left, 0)
+            n_block_min = key_start // self.TILE_N
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def load(
+        self,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        group: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
+        """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down."""
+        head_kv = head // group
+        gQ = cute.local_tile(
+            tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+        )  # (TILE_M, D)
+        gK = cute.local_tile(
+            tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
+        )  # (TILE_N, D, n_blocks)
+        gV = cute.local_tile(
+            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
+        )  # (TILE_N, D, n_blocks)
+        one = cute.make_layout(1)
+        tQs, tQg = cpasync.tma_partition(
+            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )  # (TMA, STAGES), (TMA, n_blocks)
+        tVs, tVg = cpasync.tma_partition(
+            tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+        )
+        if n_block_max > n_block_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
+            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(
+                    tma_k,
+                    tKg[None, n_block],
+                    tKs[None, kv_state.index],
+                    tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
+                )
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(
+                    tma_v,
+                    tVg[None, n_block],
+                    tVs[None, kv_state.index],
+                    tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
+                )
+                kv_state.advance()
+
+    # ----------------------------------------------------------------------------------------
+    # consumer: main loop
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def consumer(
+        self,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        sO: cute.Tensor,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        ctid: Int32,  # 0..255 over the two consumer warpgroups
+        warp: Int32,
+        cwg: Int32,  # consumer warpgroup 0 or 1
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
+        thr_qk = mma_qk.get_slice(ctid)
+        thr_pv = mma_pv.get_slice(ctid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, STAGES)
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, STAGES)
+        acc_S = thr_qk.make_fragment_C(
+            thr_qk.partition_shape_C((self.TILE_M, self.TILE_N))
+        )  # ((2, 2, TILE_N/8), 1, 1) fp32: 2 rows per thread
+        acc_O = thr_pv.make_fragment_C(
+            thr_pv.partition_shape_C((self.TILE_M, self.HEAD_DIM))
+        )  # ((2, 2, D/8), 1, 1) fp32
+        tOrP = thr_pv.make_fragment_A(
+            thr_pv.partition_shape_A((self.TILE_M, self.TILE_N))
+        )  # ((2, 2, 2), 1, TILE_N/16) 16-bit
+        # The softmax, mask and P conversion index fragments as i = c + 2r + 4j (m64nNk16 C
+        # layout, one MMA tile per warpgroup): check the shapes that assumption rests on.
+        assert cute.size(acc_S, mode=[1]) == 1 and cute.size(acc_S, mode=[2]) == 1
+        assert cute.size(acc_O, mode=[1]) == 1 and cute.size(acc_O, mode=[2]) == 1
+        assert cute.size(acc_S) == self.TILE_N // 2 and cute.size(acc_O) == self.HEAD_DIM // 2
+        cS = cute.make_identity_tensor((self.TILE_M, self.TILE_N))
+        tScS = thr_qk.partition_C(cS)  # (row, col) of each acc_S element within the tile
+        row_max = cute.make_rmem_tensor((2,), Float32)  # raw-score max of this thread's 2 rows
+        row_sum = cute.make_rmem_tensor((2,), Float32)  # thread-partial sum of P
+        row_max.fill(Float32(-math.inf))
+        row_sum.fill(0.0)
+        acc_O.fill(0.0)
+
+        if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if cwg == 0:
+                # The "you start" token: WG0 takes the first tensor-core turn.
+                cute.arch.barrier_arrive(
+                    barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=self.CONSUMER_THREADS
+                )
+
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            shift = seqlen_k - seqlen_q
+            first_row = m_block * self.TILE_M
+            last_row = cutlass.min(first_row + self.TILE_M, seqlen_q) - 1
+            # Blocks below n_right_free need no right-side (causal/window/seqlen) mask; blocks
+            # at or above n_left_free no left-window mask.
+            n_right_free = seqlen_k // self.TILE_N
+            if const_expr(self.HAS_RIGHT):
+                n_right_free = cutlass.min(
+                    n_right_free,
+                    cutlass.max(first_row + shift + window_right + 1, 0) // self.TILE_N,
+                )
+            n_left_free = n_block_min
+            if const_expr(self.HAS_LEFT):
+                n_left_free = (
+                    cutlass.max(last_row + shift - window_left, 0) + self.TILE_N - 1
+                ) // self.TILE_N
+            # Loop phases, newest block first: [n_block_max-1] masked, then masked blocks
+            # down to n_right_free, unmasked ones down to n_left_free, masked ones to the end.
+            n_masked_hi = cutlass.max(n_block_max - 1 - cutlass.max(n_right_free, n_block_min), 0)
+            n_after = n_blocks - 1 - n_masked_hi
+            n_unmasked = cutlass.max(
+                cutlass.min(n_after, n_block_max - 1 - n_masked_hi - n_left_free), 0
+            )
+            n_masked_lo = n_after - n_unmasked
+
+            ctx = SimpleNamespace(
+                mma_qk=mma_qk,
+                mma_pv=mma_pv,
+                tSrQ=tSrQ,
+                tSrK=tSrK,
+                tOrVt=tOrVt,
+                acc_S=acc_S,
+                acc_O=acc_O,
+                tOrP=tOrP,
+                tScS=tScS,
+                row_max=row_max,
+                row_sum=row_sum,
+                pipe_k=pipe_k,
+                pipe_v=pipe_v,
+                cwg=cwg,
+                m_block=m_block,
+                seqlen_k=seqlen_k,
+                shift=shift,
+                scale_log2=scale_log2,
+                softcap_pre=softcap_pre,
+                window_left=window_left,
+                window_right=window_right,
+            )
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.STAGES)
+            n_block = n_block_max - 1
+            if const_expr(self.INTRA_WG_OVERLAP):
+                # One loop with a uniform runtime mask test rather than one loop per phase:
+                # S, P and O are carried from iteration to iteration, and with several loops
+                # ptxas gives them different registers in each (R227 instead of ~R180 at
+                # D=128) and then serialises the wgmmas for lack of registers (C7512).
+                kv_state = self.first_half_block(ctx, kv_state, n_block)
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    masked = i < n_masked_hi
+                    if const_expr(self.HAS_LEFT):
+                        masked = masked | (i >= n_masked_hi + n_unmasked)
+                    kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
+                kv_state = self.last_half_block(ctx, kv_state)
+            else:
+                self.pingpong_sync(cwg)
+                kv_state = self.step(ctx, kv_state, n_block, True)
+                for i in cutlass.range(n_masked_hi, unroll=1):
+                    kv_state = self.step(ctx, kv_state, n_block - 1 - i, True)
+                n_block -= n_masked_hi
+                for i in cutlass.range(n_unmasked, unroll=1):
+                    kv_state = self.step(ctx, kv_state, n_block - 1 - i, False)
+                n_block -= n_unmasked
+                if const_expr(self.HAS_LEFT):
+                    for i in cutlass.range(n_masked_lo, unroll=1):
+                        kv_state = self.step(ctx, kv_state, n_block - 1 - i, True)
+                # Hand the tensor cores to the other WG for its last PV.
+                self.pingpong_arrive(cwg)
+
+        self.epilogue(
+            tma_o,
+            tO,
+            mLSE,
+            mma_pv,
+            sO,
+            acc_O,
+            tScS,
+            row_max,
+            row_sum,
+            ctid,
+            warp,
+            m_block,
+            head,
+            batch,
+            seqlen_q,
+            scale_log2,
+        )
+
+    @cute.jit
+    def pingpong_sync(self, cwg: Int32):
+        """Wait for this WG's tensor-core turn."""
+        if const_expr(self.PINGPONG):
+            cute.arch.barrier(
+                barrier_id=int(Barrier.PINGPONG_WG0) + cwg,
+                number_of_threads=self.CONSUMER_THREADS,
+            )
+
+    @cute.jit
+    def pingpong_arrive(self, cwg: Int32):
+        """Give the other WG its turn (it may issue once its own softmax is done)."""
+        if const_expr(self.PINGPONG):
+            cute.arch.barrier_arrive(
+                barrier_id=int(Barrier.PINGPONG_WG1) - cwg,
+                number_of_threads=self.CONSUMER_THREADS,
+            )
+
+    @cute.jit
+    def gemm_qk(self, mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
+        """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits."""
+        warpgroup.fence()
+        # A fresh atom per issue: mutating the shared TiledMma's ACCUMULATE flag inside the
+        # dynamic K/V loop leaks an SSA value out of its region.
+        atom = cute.make_mma_atom(mma_qk.op)
+        atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_pv(self, mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32):
+        """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(mma_pv.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)  # acc_O starts at 0 and is rescaled in place
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def apply_mask(
+        self,
+        acc_S: cute.Tensor,
+        tScS: cute.Tensor,
+        n_block: Int32,
+        m_block: Int32,
+        seqlen_k: Int32,
+        shift: Int32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        """-inf where the key is past seqlen_k or outside the (causal / local) window.
+
+        Element i = 4j + 2r + c of the m64nNk16 C fragment sits in row r of the thread's two
+        rows and column col0 + 8j + c. Comparing the compile-time offset 8j + c against one
+        per-row limit keeps the column indices out of registers (computing 64 of them per
+        thread costs registers the intra-WG overlap needs).
+        """
+        col0 = n_block * self.TILE_N + tScS[0][1]  # this thread's first column in the block
+        for r in cutlass.range_constexpr(2):
+            row = m_block * self.TILE_M + tScS[2 * r][0]
+            col_end = seqlen_k
+            if const_expr(self.HAS_RIGHT):
+                col_end = cutlass.min(col_end, row + shift + window_right + 1)
+            limit_hi = col_end - col0  # offsets >= limit_hi are masked
+            limit_lo = Int32(0)
+            if const_expr(self.HAS_LEFT):
+                limit_lo = row + shift - window_left - col0  # offsets < limit_lo are masked
+            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
+                for c in cutlass.range_constexpr(2):
+                    i = 4 * j + 2 * r + c
+                    off = 8 * j + c
+                    if const_expr(self.HAS_LEFT):
+                        out = (limit_hi <= off) | (limit_lo > off)
+                        acc_S[i] = Float32(-math.inf) if out else acc_S[i]
+                    else:
+                        acc_S[i] = Float32(-math.inf) if limit_hi <= off else acc_S[i]
+
+    @cute.jit
+    def softmax(self, acc_S: cute.Tensor, row_max, row_sum, scale_log2: Float32):
+        """Online softmax of one S block in place (S -> P); returns the O rescale per row."""
+        corr = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            m_blk = row_max[r]
+            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
+                for c in cutlass.range_constexpr(2):
+                    m_blk = cute.arch.fmax(m_blk, acc_S[4 * j + 2 * r + c])
+            m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
+            # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+            m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
+            m_scaled = m_safe * scale_log2
+            corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+            row_max[r] = m_new
+            s = Float32(0.0)
+            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
+                for c in cutlass.range_constexpr(2):
+                    i = 4 * j + 2 * r + c
+                    # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
+                    p = cute.math.exp2(acc_S[i] * scale_log2 - m_scaled, fastmath=True)
+                    acc_S[i] = p
+                    s += p
+            row_sum[r] = row_sum[r] * corr[r] + s
+        return corr
+
+    @cute.jit
+    def rescale_o(self, acc_O: cute.Tensor, corr: cute.Tensor):
+        for j in cutlass.range_constexpr(cute.size(acc_O) // 4):
+            for r in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(2):
+                    acc_O[4 * j + 2 * r + c] = acc_O[4 * j + 2 * r + c] * corr[r]
+
+    @cute.jit
+    def scores_to_probs(self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None):
+        """Softcap, mask and online softmax of ctx.acc_S in place; returns the O rescale.
+
+        `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may.
+        """
+        acc_S = ctx.acc_S
+        if const_expr(self.SOFTCAP):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
+        if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if masked:
+                self.apply_mask(
+                    acc_S,
+                    ctx.tScS,
+                    n_block,
+                    ctx.m_block,
+                    ctx.seqlen_k,
+                    ctx.shift,
+                    ctx.window_left,
+                    ctx.window_right,
+                )
+        if const_expr(mask):
+            self.apply_mask(
+                acc_S,
+                ctx.tScS,
+                n_block,
+                ctx.m_block,
+                ctx.seqlen_k,
+                ctx.shift,
+                ctx.window_left,
+                ctx.window_right,
+            )
+        return self.softmax(acc_S, ctx.row_max, ctx.row_sum, ctx.scale_log2)
+
+    @cute.jit
+    def probs_to_operand(self, ctx):
+        """P (fp32, in acc_S) -> 16-bit A operand of PV, in registers.
+
+        The C fragment of S and the A fragment of P have the same per-thread element order
+        (m64nNk16), so this is a per-thread convert, no data moves between threads.
+        """
+        acc_S = ctx.acc_S
+        n = cute.size(acc_S)
+        p32 = cute.make_tensor(
+            cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
+        )  # (n/2,) 32-bit view of the P fragment's registers
+        for j in cutlass.range_constexpr(n // 2):
+            p32[j] = cvt_pack_16x2(acc_S[2 * j], acc_S[2 * j + 1], self.dtype is cutlass.BFloat16)
+
+    @cute.jit
+    def step(self, ctx, kv_state, n_block: Int32, mask: cutlass.Constexpr[bool]):
+        """One K/V block without intra-WG overlap: QK, softmax, PV, each waited for."""
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        self.pingpong_arrive(ctx.cwg)  # the other WG may run its PV(n-1) and QK(n) meanwhile
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        corr = self.scores_to_probs(ctx, n_block, mask)
+        self.probs_to_operand(ctx)
+        self.rescale_o(ctx.acc_O, corr)
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        self.pingpong_sync(ctx.cwg)  # our turn: PV(n) now, QK(n+1) right after
+        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def first_half_block(self, ctx, kv_state, n_block: Int32):
+        """Intra-WG overlap prologue: S and P of the first (masked) block, no PV yet."""
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        self.scores_to_probs(ctx, n_block, True)  # acc_O is still 0: nothing to rescale
+        self.probs_to_operand(ctx)
+        return kv_state
+
+    @cute.jit
+    def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
+        """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV."""
+        v_state = kv_state.clone()  # the previous block, whose P sits in tOrP
+        kv_state.advance()
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        self.pingpong_sync(ctx.cwg)
+        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
+        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
+        self.pingpong_arrive(ctx.cwg)
+        warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
+        ctx.pipe_k.consumer_release(kv_state)
+        corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S only, not tOrP/acc_O
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(v_state)
+        self.probs_to_operand(ctx)  # tOrP and acc_O are free once PV has retired
+        self.rescale_o(ctx.acc_O, corr)
+        return kv_state
+
+    @cute.jit
+    def last_half_block(self, ctx, kv_state):
+        """Intra-WG overlap tail of the loop: PV of the last block."""
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    # ----------------------------------------------------------------------------------------
+    # consumer: epilogue
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def epilogue(
+        self,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        sO: cute.Tensor,
+        acc_O: cute.Tensor,
+        tScS: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        ctid: Int32,
+        warp: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        scale_log2: Float32,
+    ):
+        """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            l_tot = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = l_tot == Float32(0.0)
+            inv[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l_tot)
+            lse = (row_max[r] * scale_log2 + cute.math.log2(l_tot, fastmath=True)) * LN2
+            lse = Float32(-math.inf) if empty else lse
+            row = m_block * self.TILE_M + tScS[2 * r][0]
+            # One lane of each quad owns the row's statistics; tail rows are not stored.
+            if (tScS[0][1] == 0) & (row < seqlen_q):
+                mLSE[row, head, batch] = lse
+        self.rescale_o(acc_O, inv)
+
+        if const_expr(self.O_ALIAS_Q):
+            # sO overwrites sQ: both WGs' QK wgmmas (which read sQ) must have retired.
+            cute.arch.barrier(
+                barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS
+            )
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
+        )
+        thr_r2s = r2s.get_slice(ctid)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS)
+        if warp == 4:
+            gO = cute.local_tile(
+                tO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            )  # (TILE_M, D)
+            tOs, tOg = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -1,0 +1,138 @@
+"""Compile probe: build fa3 configs for sm_90a (no GPU needed) and report PTX and ptxas facts.
+
+    python -m flashsuite.fa3.probe                    # every shipped config, a table
+    python -m flashsuite.fa3.probe --json out.json    # the same, as JSON
+    python -m flashsuite.fa3.probe --shard 0/2        # every other config (CI runs 2 at once)
+
+Per config: instruction counts in the PTX (wgmma, TMA, setmaxnreg, named barriers, stmatrix)
+and ptxas' registers, spill bytes and performance remarks (C75xx: C7512 means every wgmma got
+serialised). The CuTe DSL reads `CUTE_DSL_*` at import, so this module sets them before
+importing cutlass: run it in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from typing import Any
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"  # ptxas -v output on stderr
+os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a cache hit would skip ptxas
+os.environ["CUTE_DSL_KEEP"] = "ptx"
+_DUMP = tempfile.mkdtemp(prefix="fa3_probe_")
+os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP
+
+PTX_PATTERNS = {
+    "wgmma": r"wgmma\.mma_async",
+    "wgmma_rs": r"wgmma\.mma_async[^\n]*\}, \{%r",  # A operand from registers (P·V)
+    "tma_load": r"cp\.async\.bulk\.tensor[^\n]*shared::cta\.global",
+    "tma_store": r"cp\.async\.bulk\.tensor[^\n]*global\.shared::cta",
+    "cp_async_bulk_tensor": r"cp\.async\.bulk\.tensor",
+    "setmaxnreg": r"setmaxnreg",
+    "bar_sync": r"\bbar\.sync",
+    "bar_arrive": r"\bbar\.arrive",
+    "stmatrix": r"stmatrix",
+    "ex2": r"ex2\.approx",
+    "mbarrier_try_wait": r"mbarrier\.try_wait",
+}
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """Occurrences of each instruction family of interest in one PTX module."""
+    return {name: len(re.findall(pat, ptx)) for name, pat in PTX_PATTERNS.items()}
+
+
+def parse_ptxas(log: str) -> dict[str, Any]:
+    """Registers, spill bytes and C75xx remark codes from ptxas' -v output."""
+    regs = re.findall(r"Used (\d+) registers", log)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(regs[-1]) if regs else None,
+        "spill_stores": sum(int(s) for s, _ in spills) if spills else None,
+        "spill_loads": sum(int(ld) for _, ld in spills) if spills else None,
+        "remarks": sorted(set(re.findall(r"\((C75\d\d)\)", log))),
+        "ptxas_lines": [
+            ln.strip() for ln in log.splitlines() if "registers" in ln or "spill" in ln
+        ],
+    }
+
+
+def _capture_fd2(fn):
+    """Run fn() with file descriptor 2 (where ptxas remarks go) captured; returns (value, text)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            value = fn()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    return value, text
+
+
+def probe_one(head_dim: int, dtype: Any, causal: bool, cfg: Any, local: bool = False) -> dict:
+    """Compile one config and return its PTX counts and ptxas facts."""
+    from flashsuite.fa3.compile import CompileKey, compile_forward
+
+    try:
+        import tvm_ffi  # noqa: F401
+
+        tvm = True
+    except ImportError:
+        tvm = False
+    key = CompileKey(dtype, head_dim, causal, local, False, cfg, tvm_ffi=tvm)
+    t0 = time.perf_counter()
+    compiled, log = _capture_fd2(lambda: compile_forward(key))
+    ptx = getattr(compiled, "__ptx__", None) or ""
+    return {
+        "head_dim": head_dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "causal": causal,
+        "local": local,
+        "config": cfg.__dict__,
+        "compile_s": round(time.perf_counter() - t0, 2),
+        "ptx_chars": len(ptx),
+        "ptx": ptx_counts(ptx),
+        **parse_ptxas(log),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--shard", default="0/1", help="i/n: probe configs i, i+n, i+2n, ...")
+    ap.add_argument("--head-dim", type=int, action="append", help="only these head dims")
+    args = ap.parse_args(argv)
+
+    from flashsuite.fa3.configs import shipped_configs
+
+    i, n = (int(x) for x in args.shard.split("/"))
+    todo = [c for c in shipped_configs() if not args.head_dim or c[0] in args.head_dim][i::n]
+    results = []
+    for d, dt, causal, cfg in todo:
+        r = probe_one(d, dt, causal, cfg)
+        results.append(r)
+        if not args.json:
+            print(
+                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} regs={r['registers']} "
+                f"spill={r['spill_stores']}/{r['spill_loads']} remarks={r['remarks']} "
+                f"{r['compile_s']}s {r['ptx']}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
