@@ -1,0 +1,1 @@
+"""fa2: FlashAttention-2 in Triton (forward + recompute backward); see interface.py."""

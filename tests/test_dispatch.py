@@ -43,10 +43,11 @@ TABLE = [
     ids=[f"sm{a}-{str(t)[6:]}-d{d}-{e}" for a, t, d, _, e, _ in TABLE],
 )
 def test_selection_table(arch, dtype, d, options, expected, why) -> None:
-    if not registry.available(expected)[0]:
-        pytest.skip(f"{expected} unavailable here: {registry.available(expected)[1]}")
     q, k, v = _qkv(d=d, dtype=dtype)
     with override_arch(arch):
+        ok, reason = registry.available(expected)
+        if not ok:
+            pytest.skip(f"{expected} unavailable here: {reason}")
         choice = dispatch.select(q, k, v, **options)
     assert choice.version == expected, f"{why}\n{choice}"
     assert choice.arch == arch
@@ -63,10 +64,10 @@ def test_env_arch_override(monkeypatch) -> None:
 
 
 def test_fa3_forward_pairs_with_fa2_backward() -> None:
-    if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
-        pytest.skip("needs fa3 and fa2 importable")
     q, k, v = _qkv(requires_grad=True)
     with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
         choice = dispatch.select(q, k, v, causal=True)
         text = dispatch.explain(q, k, v, causal=True)
     assert (choice.version, choice.backward) == ("fa3", "fa2")

@@ -1,0 +1,163 @@
+"""Tile configurations for the fa2 kernels, as data, with the reason for each choice.
+
+Every bf16/fp16 GPU entry was compiled for sm_90a on a CPU machine (`python -m
+flashsuite.fa2.tune --probe`, triton 3.6.0): 0 spilled bytes and shared memory <= 232,448 B
+(fp32 entries: see `_fwd_fp32`; `--probe --fp32` lists them). The
+starting points are the compile probe in shared/TRITON_HOPPER.md §1/§3 (pointer loads); the
+H200 timing sweep (`python -m flashsuite.fa2.tune --out DIR`) decides between the survivors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+SMEM_LIMIT = 232_448  # bytes of shared memory per CTA on sm90 (227 KB)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Forward tile: BLOCK_M query rows per program, BLOCK_N keys per K/V step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Backward tiles: (block_m1, block_n1) for the dK/dV kernel (a key block of block_n1
+    iterating over query blocks of block_m1), (block_m2, block_n2) for the dQ kernel.
+    `dq_atomic` folds dQ into the dK/dV kernel through fp32 atomics (5 GEMMs instead of 7,
+    not bitwise reproducible)."""
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+    num_warps_dq: int
+    num_stages_dq: int
+    dq_atomic: bool = False
+
+
+# Under TRITON_INTERPRET=1 warps and stages mean nothing and each block step costs ~ms: small
+# tiles keep several blocks (and every masked/unmasked stage) in play at test sizes (N <= 256).
+INTERPRETER_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+INTERPRETER_BWD = BwdConfig(
+    block_m1=32,
+    block_n1=32,
+    block_m2=32,
+    block_n2=32,
+    num_warps=4,
+    num_stages=1,
+    num_warps_dq=4,
+    num_stages_dq=1,
+)
+PREPROCESS_BLOCK_M = 64  # delta = rowsum(dO * O): memory-bound, any tile that vectorises
+# The backward's per-row buffers (delta, lse2) are padded to a multiple of ROW_PAD rows, so
+# every backward BLOCK_M (and PREPROCESS_BLOCK_M) must divide it.
+ROW_PAD = 128
+
+
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None) -> FwdConfig:
+    """Forward tile for max(D, Dv) = head_dim (96 and 192 run padded to 128 and 256).
+
+    Probe numbers: sm_90a, bf16, registers / spilled bytes / shared memory (§ `tune --probe`).
+    """
+    if arch is None:
+        return INTERPRETER_FWD
+    if dtype == torch.float32:
+        return _fwd_fp32(head_dim)
+    if head_dim <= 64:
+        # 128x128 w8 s3: 240-255 regs, 0 spills, 112 KB; the tutorial's and tritonbench's sm90
+        # pick. 128x128 w4 spills ~400 B (one warpgroup holding 128 rows).
+        cfg = FwdConfig(128, 128, num_warps=8, num_stages=3)
+    elif head_dim <= 128:
+        # 128x64 w8 s3: 203-230 regs, 0 spills, 128 KB. 128x128 w8 spills 8-40 B at s3 (and
+        # 224 KB); any 4-warp 128-row tile spills 0.9-3.9 KB.
+        cfg = FwdConfig(128, 64, num_warps=8, num_stages=3)
+    else:
+        # D 192/256: 128x32 w8 s3: 255 regs, 0 spills, 160 KB. 128x64 spills 24-112 B and
+        # needs s2 to fit; 64-row tiles with 4 warps spill.
+        cfg = FwdConfig(128, 32, num_warps=8, num_stages=3)
+    return _fit_smem(cfg, arch)
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None) -> BwdConfig:
+    """Backward tiles for max(D, Dv) = head_dim.
+
+    The dK/dV kernel keeps K, V (shared memory) and the fp32 dK, dV accumulators of a key block
+    for the whole loop, with 4 GEMMs per step: it is the register-bound one. Its masked
+    (diagonal / window) stage costs ~0.5-1 KB of spills at D=128 for the 64x128 tile that is
+    spill-free at D=64, so D=128 uses 32-query steps.
+    """
+    if arch is None:
+        return INTERPRETER_BWD
+    if dtype == torch.float32:
+        return _bwd_fp32(head_dim)
+    if head_dim <= 64:
+        # dK/dV 64x128 w8 s3 (FlexAttention's sm90 default): 255 regs, 0 spills, 81 KB.
+        # dQ 128x64 w8 s3: 128-163 regs, 0 spills, 80 KB.
+        cfg = BwdConfig(64, 128, 128, 64, num_warps=8, num_stages=3, num_warps_dq=8,
+                        num_stages_dq=3)  # fmt: skip
+    elif head_dim <= 128:
+        # dK/dV: 64x128 spills 0.3-0.8 KB. Causal 32x128 w8 s2: 0 spills, 96 KB (16 B at
+        # non-causal); non-causal 32x64 w8 s2: 0 spills, 64 KB (24 B at causal), but 8 B at
+        # D=96 (padded to 128, plus the column mask), where s1 is clean (228 regs).
+        # dQ 128x64 w8 s3: 219-229 regs, 0 spills, 160 KB.
+        m1, n1 = (32, 128) if causal else (32, 64)
+        s1 = 1 if (head_dim <= 96 and not causal) else 2
+        cfg = BwdConfig(m1, n1, 128, 64, num_warps=8, num_stages=s1, num_warps_dq=8,
+                        num_stages_dq=3)  # fmt: skip
+    elif causal:
+        # D 192/256: every wgmma dK/dV tile spills >= 1.1 KB (64 keys x 256 x {K, V, dK, dV});
+        # 64x32 w8 s2 (keys = 32 rows, so mma.sync) is spill-free at 254 regs, 128 KB. dQ:
+        # 128x32 spills 16-40 B when causal; 32x32 w4 s2 is clean (209 regs, mma.sync).
+        cfg = BwdConfig(64, 32, 32, 32, num_warps=8, num_stages=2, num_warps_dq=4,
+                        num_stages_dq=2)  # fmt: skip
+    else:
+        # dQ 128x32 w8 s3: 255 regs, 0 spills, 224 KB (wgmma).
+        cfg = BwdConfig(64, 32, 128, 32, num_warps=8, num_stages=2, num_warps_dq=8,
+                        num_stages_dq=3)  # fmt: skip
+    return _fit_smem(cfg, arch)
+
+
+def _fwd_fp32(head_dim: int) -> FwdConfig:
+    # fp32 runs its dots in exact fp32 (input_precision="ieee": FMA, no tensor cores), whose
+    # operands live in registers: only tiny tiles avoid spills. D<=64 16x32 w4: 96-199 regs,
+    # 0 spills. D>64 spills 0.9 KB (D128) to 4 KB (D256) even at 16x16, 32x32 spills 34 KB;
+    # tf32x3 was no better. A correct convenience path for checking, not a fast one.
+    if head_dim <= 64:
+        return FwdConfig(16, 32, num_warps=4, num_stages=2)
+    return FwdConfig(16, 16, num_warps=4, num_stages=2)
+
+
+def _bwd_fp32(head_dim: int) -> BwdConfig:
+    # 16x16 w4 s1 for both kernels: 0 spills at D<=64; 28-76 B at D>64.
+    return BwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1, num_warps_dq=4,
+                     num_stages_dq=1)  # fmt: skip
+
+
+def _fit_smem(cfg, arch: int):
+    """The table is measured on sm90 (227 KB of shared memory per CTA). sm80 has 163 KB and
+    sm86/sm89 99 KB: drop to 2 pipeline stages there (not probed; correctness over speed)."""
+    if arch == 90 or arch >= 100:
+        return cfg
+    if isinstance(cfg, FwdConfig):
+        return replace(cfg, num_stages=min(cfg.num_stages, 2))
+    return replace(cfg, num_stages=min(cfg.num_stages, 2), num_stages_dq=min(cfg.num_stages_dq, 2))
+
+
+def table() -> list[tuple[str, int, torch.dtype, bool, FwdConfig | BwdConfig]]:
+    """Every shipped GPU entry as (kind, head_dim, dtype, causal, config), for probes and CI."""
+    rows: list[tuple[str, int, torch.dtype, bool, FwdConfig | BwdConfig]] = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for d in (32, 64, 96, 128, 192, 256):
+            for causal in (False, True):
+                rows.append(("fwd", d, dtype, causal, fwd_config(d, dtype, causal, 90)))
+                rows.append(("bwd", d, dtype, causal, bwd_config(d, dtype, causal, 90)))
+    return rows

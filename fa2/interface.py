@@ -1,0 +1,205 @@
+"""fa2: FlashAttention-2 in Triton. The version contract of docs/versions.md.
+
+Forward: `kernels._attn_fwd`. Backward: `_bwd_preprocess` (delta), `_bwd_dkdv` (dK, dV summed
+over each GQA group in registers) and, by default, `_bwd_dq`, a second pass over Q blocks, so
+gradients are bitwise reproducible run to run. A config with `dq_atomic=True` accumulates dQ
+with fp32 atomics inside `_bwd_dkdv` instead; it is never used while
+`torch.are_deterministic_algorithms_enabled()`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from flashsuite.common.arch import device_arch, is_overridden, triton_interpreter
+from flashsuite.common.validation import AttnParams
+
+NAME = "fa2"
+HAS_BACKWARD = True
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+def available() -> tuple[bool, str]:
+    """Triton importable, and a CUDA GPU or the Triton interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return False, f"fa2: triton not importable ({e})"
+    if triton_interpreter():
+        return True, "fa2: Triton interpreter (TRITON_INTERPRET=1)"
+    if torch.cuda.is_available():
+        return True, "fa2: Triton on CUDA"
+    if is_overridden():
+        return True, "fa2: Triton (planning for an overridden arch; no GPU here to run on)"
+    return False, "fa2: needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+
+
+def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
+    """Whether fa2 takes problem `p` on `arch` (None = no GPU: only under the interpreter)."""
+    if p.is_fp8:
+        return False, f"fa2: dtype {_dt(p.dtype)} not supported (fp8 is fa3 only)"
+    if p.dtype not in DTYPES:
+        return False, f"fa2: dtype {_dt(p.dtype)} not in (float16, bfloat16, float32)"
+    if p.head_dim not in HEAD_DIMS:
+        return False, f"fa2: head_dim {p.head_dim} not in {{32, 64, 96, 128, 192, 256}}"
+    if p.head_dim_v not in HEAD_DIMS:
+        return False, f"fa2: head_dim_v {p.head_dim_v} not in {{32, 64, 96, 128, 192, 256}}"
+    if arch is None:
+        if not triton_interpreter():
+            return False, "fa2: needs a CUDA GPU (sm80+) or TRITON_INTERPRET=1"
+    elif arch < 80:
+        # bf16 tl.dot needs sm80 in Triton, and the FA2 tiles assume sm80+ shared memory.
+        return False, f"fa2: needs sm80+ (got sm{arch}); fa1 covers older GPUs"
+    return True, "fa2: ok"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _pad(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def _arch(t: torch.Tensor) -> int | None:
+    """Config key: None under the interpreter (small tiles), else the device's sm."""
+    if triton_interpreter() or t.device.type != "cuda":
+        return None
+    return device_arch(t.device) or 90
+
+
+def _last_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _common(p: AttnParams) -> dict:
+    """Scalar arguments and constexprs shared by every kernel of one problem."""
+    softcap = p.softcap > 0
+    qk_scale = p.scale / p.softcap if softcap else p.scale * LOG2E
+    return dict(
+        seqlen_q=p.seqlen_q,
+        seqlen_k=p.seqlen_k,
+        group=p.group_size,
+        shift=p.shift,
+        window_left=max(p.window_left, 0),
+        window_right=max(p.window_right, 0),
+        qk_scale=qk_scale,
+        softcap_log2=p.softcap * LOG2E if softcap else 1.0,
+        HAS_LEFT=p.window_left >= 0,
+        HAS_RIGHT=p.window_right >= 0,
+        SOFTCAP=softcap,
+        HEAD_DIM=p.head_dim,
+        HEAD_DIM_V=p.head_dim_v,
+        D_PAD=_pad(p.head_dim),
+        DV_PAD=_pad(p.head_dim_v),
+        DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
+    )
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: AttnParams,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), fp16/bf16/fp32, any strides with
+    a contiguous last dim. Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32
+    (natural log, -inf for rows that see no key), both contiguous. `config` overrides the
+    table (tuning only)."""
+    from flashsuite.fa2 import configs, kernels
+
+    if descale_q is not None or descale_k is not None or descale_v is not None:
+        raise ValueError("fa2: descale factors are for fp8 inputs, which fa2 does not take")
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    b, nq, hq, _ = q.shape
+    out = torch.empty(b, nq, hq, p.head_dim_v, dtype=p.out_dtype, device=q.device)  # (B,Nq,Hq,Dv)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)  # (B, Hq, Nq)
+    if out.numel() == 0 or p.seqlen_k == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    cfg = config or configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    grid = (math.ceil(nq / cfg.block_m), hq, b)
+    kernels._attn_fwd[grid](
+        q, k, v, out, lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
+        **_common(p),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute backward. Returns dq, dk, dv (contiguous, the shapes and dtypes of q, k, v;
+    dk/dv summed over each GQA group). Rows with lse == -inf contribute nothing. Bitwise
+    deterministic unless the config asks for dQ atomics (never under
+    torch.use_deterministic_algorithms)."""
+    from flashsuite.fa2 import configs, kernels
+
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out, dout = _last_contig(out), _last_contig(dout)
+    b, nq, hq, d = q.shape
+    _, nk, hkv, dv_ = v.shape
+    dq = torch.empty(b, nq, hq, d, dtype=q.dtype, device=q.device)  # (B, Nq, Hq, D)
+    dk = torch.empty(b, nk, hkv, d, dtype=k.dtype, device=q.device)  # (B, Nk, Hkv, D)
+    dv = torch.empty(b, nk, hkv, dv_, dtype=v.dtype, device=q.device)  # (B, Nk, Hkv, Dv)
+    if nq == 0 or nk == 0 or b == 0 or hq == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    cfg = config or configs.bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    if cfg.dq_atomic and torch.are_deterministic_algorithms_enabled():
+        cfg = replace(cfg, dq_atomic=False)
+    common = _common(p)
+    dv_pad = common["DV_PAD"]
+
+    # delta and lse2 padded to whole blocks so the main kernels load them without masks.
+    pad = configs.ROW_PAD * math.ceil(nq / configs.ROW_PAD)
+    delta = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
+    lse2 = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
+    bm = configs.PREPROCESS_BLOCK_M
+    kernels._bwd_preprocess[(pad // bm, hq, b)](
+        out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
+        nq, pad, hq, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm,
+    )  # fmt: skip
+
+    dq_acc = torch.zeros_like(q, dtype=torch.float32) if cfg.dq_atomic else dq  # (B,Nq,Hq,D)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
+    kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
+        q, k, v, dout, lse2, delta, dk, dv, dq_acc,
+        *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_acc.stride()[:3],
+        seqlen_pad=pad, num_heads=hq, scale=p.scale, DQ_ATOMIC=cfg.dq_atomic, **common,
+        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.dq_atomic:
+        dq.copy_(dq_acc)
+    else:
+        kernels._bwd_dq[(math.ceil(nq / cfg.block_m2), hq, b)](
+            q, k, v, dout, lse2, delta, dq,
+            *strides, *dq.stride()[:3],
+            seqlen_pad=pad, num_heads=hq, scale=p.scale, **common,
+            BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+            num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
+        )  # fmt: skip
+    return dq, dk, dv

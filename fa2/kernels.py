@@ -1,0 +1,867 @@
+"""FlashAttention-2 kernels in Triton: forward, and the recompute backward.
+
+Layout (the flash-attn convention): q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv),
+out (B, Nq, Hq, Dv), lse (B, Hq, Nq) float32 natural log. Any strides with a contiguous last dim.
+
+Schedule (FA2): the forward grid is (Q blocks, Hq, B); each program owns one Q tile for the
+whole K/V loop, keeps O and the running (m, l) in registers, rescales by 1/l once at the end.
+The softmax runs in base 2 with the softmax scale and log2(e) folded into one multiply.
+Masking (bottom-right causal, sliding window, key tail) is handled by splitting the K/V loop
+into three stages: masked blocks before, unmasked blocks (no `tl.where`), masked blocks after;
+blocks that nobody in the tile can see are never visited. The masked stages (one or two
+blocks per tile) run unpipelined (`LOOP_STAGES=1`): pipelined, they held the registers that
+made the backward spill 0.3-1 KB in the sm_90a probe.
+
+Backward: `_bwd_preprocess` computes delta = rowsum(dO * O) and lse2 = LSE * log2(e) (+inf where
+P must be 0), both padded to whole blocks so they load without masks; `_bwd_dkdv` runs one
+program per (K/V block, Hkv, B), sums dK/dV over every query head of the GQA group in registers
+(no atomics), recomputing P = exp2(S * scale * log2e - lse2); dQ is either a separate pass over Q
+blocks (`_bwd_dq`, deterministic) or fp32 atomics from `_bwd_dkdv` (`DQ_ATOMIC`).
+
+Plain pointers only (no block pointers, no descriptors), so the same code runs on triton 3.6 on
+the GPU and under TRITON_INTERPRET=1 on CPU tensors. Offsets that can exceed 2^31 (batch, head,
+sequence start) are formed in int64; per-tile offsets stay int32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+# Specialising seqlens / window sizes on divisibility would only multiply the binaries: the
+# kernels never use those hints (strides, which do matter for vector loads, stay specialised).
+_NO_SPEC = ["seqlen_q", "seqlen_k", "shift", "window_left", "window_right"]
+
+
+@triton.jit
+def _tanh(x):
+    """tanh with exp2 only (identical on the interpreter and the GPU), ~1e-7 relative."""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)  # exp(-2|x|), never overflows
+    big = (1.0 - e) / (1.0 + e)
+    # Near 0, 1 - e cancels: a short Taylor series is exact to fp32 there.
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-0.3333333333 + x2 * (0.1333333333 + x2 * -0.0539682540)))
+    t = tl.where(ax < 0.25, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _scores(qk, qk_scale, softcap_log2, SOFTCAP: tl.constexpr):
+    """Raw q·k (fp32) -> (score in the log2 domain, tanh value for the softcap backward)."""
+    if SOFTCAP:
+        t = _tanh(qk * qk_scale)  # qk_scale = scale / softcap
+        return t * softcap_log2, t  # softcap_log2 = softcap * log2(e)
+    else:
+        return qk * qk_scale, qk  # qk_scale = scale * log2(e)
+
+
+@triton.jit
+def _visible(
+    q_idx,
+    k_idx,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Bool, broadcast of q_idx and k_idx: key in range, and inside the (bottom-right) window."""
+    ok = k_idx < seqlen_k
+    if HAS_RIGHT:
+        ok = ok & (k_idx <= q_idx + shift + window_right)
+    if HAS_LEFT:
+        ok = ok & (k_idx >= q_idx + shift - window_left)
+    return ok
+
+
+@triton.jit
+def _key_range(
+    start_m,
+    seqlen_q,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Key blocks for the Q rows [start_m, start_m + BLOCK_M): lo <= full_lo <= full_hi <= hi.
+
+    [lo, full_lo) and [full_hi, hi) need a mask; [full_lo, full_hi) is visible to every row
+    and inside seqlen_k. Key blocks outside [lo, hi) are invisible to every row and skipped.
+    Divisions only see non-negative numerators (integer division truncates on the GPU).
+    """
+    last_m = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    lo = start_m * 0
+    hi = start_m * 0 + seqlen_k
+    full_lo = lo
+    full_hi = hi // BLOCK_N * BLOCK_N  # the key tail is always masked
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + shift - window_left, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last_m + shift - window_left, 0), BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last_m + shift + window_right + 1, 0), seqlen_k)
+        full_hi = tl.minimum(
+            full_hi, tl.maximum(start_m + shift + window_right + 1, 0) // BLOCK_N * BLOCK_N
+        )
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_range(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+):
+    """Q blocks that see the keys [start_n, start_n + BLOCK_N): lo <= full_lo <= full_hi <= hi.
+
+    Query i sees key j iff j - shift - right <= i <= j - shift + left. [full_lo, full_hi) are
+    Q blocks inside seqlen_q where every row sees every key of a block inside seqlen_k.
+    """
+    last_n = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    lo = start_n * 0
+    hi = start_n * 0 + seqlen_q
+    full_lo = lo
+    full_hi = hi // BLOCK_M * BLOCK_M  # the query tail is always masked
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - shift - window_right, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(last_n - shift - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(tl.maximum(last_n - shift + window_left + 1, 0), seqlen_q)
+        full_hi = tl.minimum(
+            full_hi, tl.maximum(start_n - shift + window_left + 1, 0) // BLOCK_M * BLOCK_M
+        )
+    # A key block that runs past seqlen_k is masked for every Q block.
+    full_hi = tl.where(start_n + BLOCK_N <= seqlen_k, full_hi, lo)
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc,  # (BLOCK_M, DV_PAD) fp32
+    l_i,  # (BLOCK_M,) fp32
+    m_i,  # (BLOCK_M,) fp32, log2 domain
+    q,  # (BLOCK_M, D_PAD)
+    k_base,  # K at (b, kv head, key 0)
+    v_base,  # V at (b, kv head, key 0)
+    stride_kn,
+    stride_vn,
+    offs_m,  # (BLOCK_M,) query rows
+    offs_n,  # (BLOCK_N,) 0..BLOCK_N-1
+    offs_d,  # (D_PAD,)
+    offs_dv,  # (DV_PAD,)
+    lo,
+    hi,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,  # None: the kernel's num_stages
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One stage of the K/V loop over key blocks [lo, hi)."""
+    # Scalar block pointers advance through the loop; the per-element offsets are loop
+    # invariant. (Carrying (BLOCK_N, D) pointer tensors costs 2 registers per element.)
+    k_blk = k_base + tl.cast(lo, tl.int64) * stride_kn  # K at key `lo`
+    v_blk = v_base + tl.cast(lo, tl.int64) * stride_vn  # V at key `lo`
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+        k_ptrs = k_blk + k_offs  # (BLOCK_N, D_PAD)
+        v_ptrs = v_blk + v_offs  # (BLOCK_N, DV_PAD)
+        if MASKED:
+            n_ok = (start_n + offs_n[:, None]) < seqlen_k  # (BLOCK_N, 1)
+            k = tl.load(k_ptrs, mask=n_ok & d_ok, other=0.0)  # (BLOCK_N, D_PAD)
+        elif HEAD_DIM != D_PAD:
+            k = tl.load(k_ptrs, mask=d_ok, other=0.0)  # (BLOCK_N, D_PAD)
+        else:
+            k = tl.load(k_ptrs)  # (BLOCK_N, D_PAD)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        s, _t = _scores(qk, qk_scale, softcap_log2, SOFTCAP)  # (BLOCK_M, BLOCK_N) log2 domain
+        if MASKED:
+            vis = _visible(
+                offs_m[:, None],
+                start_n + offs_n[None, :],
+                seqlen_k,
+                shift,
+                window_left,
+                window_right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )  # (BLOCK_M, BLOCK_N)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+            # A row that has seen no key yet keeps m = -inf: subtract 0 instead (no inf - inf).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # (BLOCK_M,)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N)
+        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
+        elif HEAD_DIM_V != DV_PAD:
+            v = tl.load(v_ptrs, mask=dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
+        else:
+            v = tl.load(v_ptrs)  # (BLOCK_N, DV_PAD)
+        # P·V in the input dtype (fp16/bf16 tensor cores), fp32 accumulation.
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (BLOCK_M, DV_PAD)
+        m_i = m_new
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _attn_fwd(
+    Q,  # (B, Nq, Hq, D)
+    K,  # (B, Nk, Hkv, D)
+    V,  # (B, Nk, Hkv, Dv)
+    Out,  # (B, Nq, Hq, Dv)
+    Lse,  # (B, Hq, Nq) fp32
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    seqlen_q,
+    seqlen_k,
+    group,  # Hq // Hkv
+    shift,  # Nk - Nq: bottom-right alignment
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,  # next power of 2 of HEAD_DIM (tl.arange needs one)
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), ignored for 16-bit
+):
+    # Last Q blocks first: with bottom-right causal they are the longest, so the tail of the
+    # grid is filled by short programs.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hkv = off_h // group
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    m_ok = offs_m < seqlen_q  # (BLOCK_M,)
+
+    q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    q_ptrs = q_base + start_m.to(tl.int64) * stride_qn
+    q_ptrs = q_ptrs + (offs_m - start_m)[:, None] * stride_qn + offs_d[None, :]  # (M, D_PAD)
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) log2 domain
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)  # (BLOCK_M, DV_PAD)
+
+    lo, full_lo, full_hi, hi = _key_range(
+        start_m,
+        seqlen_q,
+        seqlen_k,
+        shift,
+        window_left,
+        window_right,
+        BLOCK_M,
+        BLOCK_N,
+        HAS_LEFT,
+        HAS_RIGHT,
+    )
+    # Stage 1: left window boundary (masked). Stage 2: fully visible (no mask). Stage 3:
+    # causal diagonal / right window boundary / key tail (masked).
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
+        lo, full_lo, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+        True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
+        full_lo, full_hi, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+        False, None, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d, offs_dv,
+        full_hi, hi, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+        True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+
+    # Epilogue: one 1/l per row; a row that saw no key has l == 0 -> out 0, lse -inf.
+    seen = l_i > 0.0  # (BLOCK_M,)
+    inv_l = 1.0 / tl.where(seen, l_i, 1.0)  # (BLOCK_M,)
+    acc = acc * inv_l[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+
+    o_base = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    o_ptrs = o_base + start_m.to(tl.int64) * stride_on
+    o_ptrs = o_ptrs + (offs_m - start_m)[:, None] * stride_on + offs_dv[None, :]  # (M, DV_PAD)
+    o_mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
+    l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+    tl.store(l_ptrs, lse, mask=m_ok)  # (BLOCK_M,)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad"])
+def _bwd_preprocess(
+    Out,  # (B, Nq, Hq, Dv)
+    dOut,  # (B, Nq, Hq, Dv)
+    Lse,  # (B, Hq, Nq) fp32, natural log
+    Delta,  # (B, Hq, Nq_pad) fp32 out, contiguous
+    Lse2,  # (B, Hq, Nq_pad) fp32 out, contiguous
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    seqlen_q,
+    seqlen_pad,  # Nq rounded up to a multiple of every backward BLOCK_M
+    num_heads,
+    HEAD_DIM_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) (the softmax-Jacobian term of dS = P * (dP - delta)) and
+    lse2 = LSE * log2(e), both fp32 and padded to seqlen_pad rows.
+
+    lse2 is +inf for rows that saw no key (LSE = -inf) and for padding rows, so that
+    P = exp2(S - lse2) is exactly 0 there; delta is 0 on padding rows. The main kernels then
+    load both without masks: masked vector loads in their pipelined loops cost ~1 KB of spills.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,) local rows
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    m_ok = (start_m + offs_m) < seqlen_q  # (BLOCK_M,)
+    mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_M, DV_PAD)
+    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
+    o_ptrs = o_ptrs + start_m.to(tl.int64) * stride_on
+    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
+    do_ptrs = dOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    do_ptrs = do_ptrs + start_m.to(tl.int64) * stride_don
+    do_ptrs = do_ptrs + offs_m[:, None] * stride_don + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, DV_PAD)
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, DV_PAD)
+    delta = tl.sum(o * do, 1)  # (BLOCK_M,)
+    l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
+    lse = tl.load(l_ptrs + (start_m + offs_m) * stride_lm, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # (BLOCK_M,)
+    row = (off_b.to(tl.int64) * num_heads + off_h) * seqlen_pad + start_m + offs_m  # (BLOCK_M,)
+    tl.store(Delta + row, delta)
+    tl.store(Lse2 + row, lse2)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk,  # (BLOCK_N, D_PAD) fp32
+    dv,  # (BLOCK_N, DV_PAD) fp32
+    k,  # (BLOCK_N, D_PAD)
+    v,  # (BLOCK_N, DV_PAD)
+    q_base,  # Q at (b, h, row 0)
+    do_base,  # dO at (b, h, row 0)
+    lse2_base,  # Lse2 at (b, h, row 0), padded: loads need no mask
+    delta_base,  # Delta at (b, h, row 0), padded
+    dq_base,  # dQ accumulator (fp32) at (b, h, row 0), DQ_ATOMIC only
+    stride_qn,
+    stride_don,
+    stride_dqn,
+    offs_m,  # (BLOCK_M,) 0..BLOCK_M-1
+    offs_n,  # (BLOCK_N,) key indices
+    offs_d,  # (D_PAD,)
+    offs_dv,  # (DV_PAD,)
+    lo,
+    hi,
+    seqlen_q,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    scale,
+    MASKED: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,  # None: the kernel's num_stages
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dK, dV of one key block over the Q blocks [lo, hi) of one query head.
+
+    Works on transposed tiles (keys x queries) so that dV += P^T dO and dK += dS^T Q are plain
+    dots. Q rows past seqlen_q load zeros and a padded lse2 of +inf: P = 0, no contribution.
+    """
+    # Scalar block pointers advance; per-element offsets are loop invariant (see _fwd_inner).
+    q_blk = q_base + tl.cast(lo, tl.int64) * stride_qn  # Q at row `lo`
+    do_blk = do_base + tl.cast(lo, tl.int64) * stride_don
+    lse2_blk = lse2_base + lo
+    delta_blk = delta_base + lo
+    q_offs = offs_m[:, None] * stride_qn + offs_d[None, :]  # (BLOCK_M, D_PAD)
+    do_offs = offs_m[:, None] * stride_don + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
+    for start_m in tl.range(lo, hi, BLOCK_M, num_stages=LOOP_STAGES):
+        q_ptrs = q_blk + q_offs  # (BLOCK_M, D_PAD)
+        do_ptrs = do_blk + do_offs  # (BLOCK_M, DV_PAD)
+        lse2 = tl.load(lse2_blk + offs_m)  # (BLOCK_M,) log2 domain, +inf: no contribution
+        delta = tl.load(delta_blk + offs_m)  # (BLOCK_M,)
+        if MASKED:
+            m_ok = (start_m + offs_m) < seqlen_q  # (BLOCK_M,)
+            q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)  # (BLOCK_M, D_PAD)
+            do = tl.load(do_ptrs, mask=m_ok[:, None] & dv_ok, other=0.0)  # (BLOCK_M, DV_PAD)
+        else:
+            if HEAD_DIM != D_PAD:
+                q = tl.load(q_ptrs, mask=d_ok, other=0.0)
+            else:
+                q = tl.load(q_ptrs)
+            if HEAD_DIM_V != DV_PAD:
+                do = tl.load(do_ptrs, mask=dv_ok, other=0.0)
+            else:
+                do = tl.load(do_ptrs)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M) fp32
+        sT, tT = _scores(qkT, qk_scale, softcap_log2, SOFTCAP)  # (BLOCK_N, BLOCK_M)
+        if MASKED:
+            vis = _visible(
+                start_m + offs_m[None, :],
+                offs_n[:, None],
+                seqlen_k,
+                shift,
+                window_left,
+                window_right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )  # (BLOCK_N, BLOCK_M)
+            sT = tl.where(vis, sT, float("-inf"))
+        pT = tl.math.exp2(sT - lse2[None, :])  # (BLOCK_N, BLOCK_M); 0 where masked / lse=-inf
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, DV_PAD)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+        dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M): dL/ds (scaled, capped score)
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # d softcap*tanh(x/softcap) / dx
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, D_PAD)
+        if DQ_ATOMIC:
+            dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION)  # (M, D_PAD)
+            dq_ptrs = dq_base + tl.cast(start_m, tl.int64) * stride_dqn
+            dq_ptrs = dq_ptrs + offs_m[:, None] * stride_dqn + offs_d[None, :]  # (M, D_PAD)
+            dq_mask = ((start_m + offs_m) < seqlen_q)[:, None] & d_ok
+            tl.atomic_add(dq_ptrs, dq * scale, mask=dq_mask, sem="relaxed")
+        q_blk += BLOCK_M * stride_qn
+        do_blk += BLOCK_M * stride_don
+        lse2_blk += BLOCK_M
+        delta_blk += BLOCK_M
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _bwd_dkdv(
+    Q,  # (B, Nq, Hq, D)
+    K,  # (B, Nk, Hkv, D)
+    V,  # (B, Nk, Hkv, Dv)
+    dO,  # (B, Nq, Hq, Dv)
+    Lse2,  # (B, Hq, Nq_pad) fp32, LSE * log2(e), +inf on rows with no contribution
+    Delta,  # (B, Hq, Nq_pad) fp32
+    dK,  # (B, Nk, Hkv, D)
+    dV,  # (B, Nk, Hkv, Dv)
+    dQacc,  # (B, Nq, Hq, D) fp32 zeros (DQ_ATOMIC), else unused
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dkb,
+    stride_dkn,
+    stride_dkh,
+    stride_dvb,
+    stride_dvn,
+    stride_dvh,
+    stride_dqb,
+    stride_dqn,
+    stride_dqh,
+    seqlen_q,
+    seqlen_k,
+    seqlen_pad,  # row stride of Lse2 / Delta
+    num_heads,  # Hq
+    group,  # Hq // Hkv
+    shift,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    scale,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per (key block, kv head, batch); loops over the GQA group's query heads."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_hkv = tl.program_id(1)
+    off_b = tl.program_id(2)
+
+    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,) local rows
+    offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key indices
+    offs_nl = tl.arange(0, BLOCK_N)  # (BLOCK_N,) local keys
+    offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    n_ok = (offs_n < seqlen_k)[:, None]  # (BLOCK_N, 1)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
+
+    k_ptrs = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    k_ptrs = k_ptrs + start_n.to(tl.int64) * stride_kn
+    k_ptrs = k_ptrs + offs_nl[:, None] * stride_kn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    v_ptrs = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+    v_ptrs = v_ptrs + start_n.to(tl.int64) * stride_vn
+    v_ptrs = v_ptrs + offs_nl[:, None] * stride_vn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+    k = tl.load(k_ptrs, mask=n_ok & d_ok, other=0.0)  # (BLOCK_N, D_PAD)
+    v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
+
+    dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)  # (BLOCK_N, D_PAD)
+    dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)  # (BLOCK_N, DV_PAD)
+
+    lo, full_lo, full_hi, hi = _query_range(
+        start_n,
+        seqlen_q,
+        seqlen_k,
+        shift,
+        window_left,
+        window_right,
+        BLOCK_M,
+        BLOCK_N,
+        HAS_LEFT,
+        HAS_RIGHT,
+    )
+    # GQA: the whole group is summed here, in registers, in a fixed order: no atomics and
+    # bitwise-reproducible dK/dV.
+    for g in range(group):
+        off_h = off_hkv * group + g
+        q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+        do_base = dO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+        row0 = (off_b.to(tl.int64) * num_heads + off_h) * seqlen_pad
+        dq_base = dQacc + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
+            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
+            lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, scale,
+            True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
+            DV_PAD, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
+            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
+            full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, scale,
+            False, None, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
+            DV_PAD, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
+            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
+            full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, scale,
+            True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
+            DV_PAD, BLOCK_M, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk = dk * scale  # the softmax scale of s = scale * q·k, applied once
+    dk_ptrs = dK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+    dk_ptrs = dk_ptrs + start_n.to(tl.int64) * stride_dkn
+    dk_ptrs = dk_ptrs + offs_nl[:, None] * stride_dkn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=n_ok & d_ok)
+    dv_ptrs = dV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+    dv_ptrs = dv_ptrs + start_n.to(tl.int64) * stride_dvn
+    dv_ptrs = dv_ptrs + offs_nl[:, None] * stride_dvn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq,  # (BLOCK_M, D_PAD) fp32
+    q,  # (BLOCK_M, D_PAD)
+    do,  # (BLOCK_M, DV_PAD)
+    lse2,  # (BLOCK_M,) log2 domain, +inf for rows that saw nothing
+    delta,  # (BLOCK_M,)
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    offs_m,  # (BLOCK_M,) query rows
+    offs_n,  # (BLOCK_N,) 0..BLOCK_N-1
+    offs_d,
+    offs_dv,
+    lo,
+    hi,
+    seqlen_k,
+    shift,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    MASKED: tl.constexpr,
+    LOOP_STAGES: tl.constexpr,  # None: the kernel's num_stages
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ of one Q block over the key blocks [lo, hi)."""
+    # Scalar block pointers advance through the loop; the per-element offsets are loop
+    # invariant. (Carrying (BLOCK_N, D) pointer tensors costs 2 registers per element.)
+    k_blk = k_base + tl.cast(lo, tl.int64) * stride_kn  # K at key `lo`
+    v_blk = v_base + tl.cast(lo, tl.int64) * stride_vn  # V at key `lo`
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+        k_ptrs = k_blk + k_offs  # (BLOCK_N, D_PAD)
+        v_ptrs = v_blk + v_offs  # (BLOCK_N, DV_PAD)
+        if MASKED:
+            n_ok = (start_n + offs_n[:, None]) < seqlen_k  # (BLOCK_N, 1)
+            k = tl.load(k_ptrs, mask=n_ok & d_ok, other=0.0)  # (BLOCK_N, D_PAD)
+            v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
+        else:
+            if HEAD_DIM != D_PAD:
+                k = tl.load(k_ptrs, mask=d_ok, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+            if HEAD_DIM_V != DV_PAD:
+                v = tl.load(v_ptrs, mask=dv_ok, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        s, t = _scores(qk, qk_scale, softcap_log2, SOFTCAP)  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            vis = _visible(
+                offs_m[:, None],
+                start_n + offs_n[None, :],
+                seqlen_k,
+                shift,
+                window_left,
+                window_right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )  # (BLOCK_M, BLOCK_N)
+            s = tl.where(vis, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        ds = p * (dp - delta[:, None])  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # (BLOCK_M, D_PAD)
+        k_blk += BLOCK_N * stride_kn
+        v_blk += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _bwd_dq(
+    Q,  # (B, Nq, Hq, D)
+    K,  # (B, Nk, Hkv, D)
+    V,  # (B, Nk, Hkv, Dv)
+    dO,  # (B, Nq, Hq, Dv)
+    Lse2,  # (B, Hq, Nq_pad) fp32, LSE * log2(e), +inf on rows with no contribution
+    Delta,  # (B, Hq, Nq_pad) fp32
+    dQ,  # (B, Nq, Hq, D)
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_dob,
+    stride_don,
+    stride_doh,
+    stride_dqb,
+    stride_dqn,
+    stride_dqh,
+    seqlen_q,
+    seqlen_k,
+    seqlen_pad,
+    num_heads,
+    group,
+    shift,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    scale,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dQ for one (Q block, head, batch): recomputes S and dP from K, V (deterministic)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (causal) first
+    off_h = tl.program_id(1)
+    off_b = tl.program_id(2)
+    off_hkv = off_h // group
+    start_m = pid_m * BLOCK_M
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    offs_ml = tl.arange(0, BLOCK_M)  # (BLOCK_M,) local rows
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    m_ok = offs_m < seqlen_q  # (BLOCK_M,)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
+    q_ptrs = q_ptrs + start_m.to(tl.int64) * stride_qn
+    q_ptrs = q_ptrs + offs_ml[:, None] * stride_qn + offs_d[None, :]  # (BLOCK_M, D_PAD)
+    do_ptrs = dO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
+    do_ptrs = do_ptrs + start_m.to(tl.int64) * stride_don
+    do_ptrs = do_ptrs + offs_ml[:, None] * stride_don + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)  # (BLOCK_M, D_PAD)
+    do = tl.load(do_ptrs, mask=m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    row0 = (off_b.to(tl.int64) * num_heads + off_h) * seqlen_pad
+    lse2 = tl.load(Lse2 + row0 + offs_m)  # (BLOCK_M,) log2 domain; +inf -> P = 0
+    delta = tl.load(Delta + row0 + offs_m)  # (BLOCK_M,)
+    k_base = K + off_b.to(tl.int64) * stride_kb + off_hkv.to(tl.int64) * stride_kh
+    v_base = V + off_b.to(tl.int64) * stride_vb + off_hkv.to(tl.int64) * stride_vh
+
+    dq = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)  # (BLOCK_M, D_PAD)
+    lo, full_lo, full_hi, hi = _key_range(
+        start_m,
+        seqlen_q,
+        seqlen_k,
+        shift,
+        window_left,
+        window_right,
+        BLOCK_M,
+        BLOCK_N,
+        HAS_LEFT,
+        HAS_RIGHT,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        offs_dv, lo, full_lo, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+        True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        offs_dv, full_lo, full_hi, seqlen_k, shift, window_left, window_right, qk_scale,
+        softcap_log2, False, None, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD,
+        DV_PAD, BLOCK_N, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n, offs_d,
+        offs_dv, full_hi, hi, seqlen_k, shift, window_left, window_right, qk_scale, softcap_log2,
+        True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD, BLOCK_N,
+        DOT_PRECISION,
+    )  # fmt: skip
+
+    dq = dq * scale
+    dq_ptrs = dQ + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+    dq_ptrs = dq_ptrs + start_m.to(tl.int64) * stride_dqn
+    dq_ptrs = dq_ptrs + offs_ml[:, None] * stride_dqn + offs_d[None, :]  # (BLOCK_M, D_PAD)
+    tl.store(dq_ptrs, dq.to(dQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
