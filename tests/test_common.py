@@ -88,3 +88,21 @@ def test_compare_semantics() -> None:
     assert not compare("x", torch.tensor([1.05, -math.inf, 2.0]), ref, pt).ok
     assert not compare("x", torch.tensor([1.0, 0.0, 2.0]), ref, pt).ok  # -inf must stay -inf
     assert not compare("x", torch.tensor([math.nan, -math.inf, 2.0]), ref, pt).ok  # NaN never
+
+
+def test_traffic_models_follow_the_loop_orders() -> None:
+    from flashsuite.common import traffic
+
+    b, h, n, d, e = 1, 1, 1024, 64, 2
+    fa2 = traffic.fa2_forward(b, h, n, n, d, e, 128, 64)
+    assert fa2.read == n * d * e + (n // 128) * n * 2 * d * e  # Q once, K/V once per Q tile
+    assert fa2.written == n * d * e + n * 4  # O and LSE once
+    fa1 = traffic.fa1_forward(b, h, n, n, d, e, 32, 256)
+    tc = n // 256
+    assert fa1.written == (tc - 1) * n * (d + 2) * 4 + n * (d * e + 4)  # state per K/V block
+    # FA1's writes grow with N²/BN; FA2's do not grow with N² at all.
+    big1 = traffic.fa1_forward(b, h, 4 * n, 4 * n, d, e, 32, 256)
+    big2 = traffic.fa2_forward(b, h, 4 * n, 4 * n, d, e, 128, 64)
+    assert big1.written > 15 * fa1.written and big2.written == 4 * fa2.written
+    naive = traffic.naive_forward(b, h, n, n, d, e)
+    assert naive.written >= 2 * n * n * e  # S and P go through HBM
