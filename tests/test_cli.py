@@ -58,3 +58,4 @@ def test_report_table_and_ratios(tmp_path) -> None:
     text = report.render(results, meta, tmp_path / "out")
     assert "| fwd | 128 | no | 8192 | 400 | 320 | 500 | 1.25 | 0.80 |" in text
     assert (tmp_path / "out" / "bench.md").exists()
+    assert (tmp_path / "out" / "bench.png").stat().st_size > 10_000  # the plot was drawn
