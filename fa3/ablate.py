@@ -2,6 +2,8 @@
 
     python -m flashsuite.fa3.ablate --out DIR [--skip-correctness] [--skip-bench] [--skip-ablation]
     python -m flashsuite.fa3.ablate --out DIR --smoke     # 3 small cases, for compute-sanitizer
+    python -m flashsuite.fa3.ablate --out DIR --skip-correctness --skip-bench --head-dim 64
+    python -m flashsuite.fa3.ablate --out DIR --final     # < 2 min: the candidates to ship
 
 Stages, each variant in its own try/except so one failure does not end the run (a GPU hang
 cannot be caught in-process: the first case is tiny so a barrier bug shows at once):
@@ -13,11 +15,17 @@ cannot be caught in-process: the first case is tiny so a barrier bug shows at on
    stages, tile_n), each variant checked for correctness on a small case before timing;
 4. launch overhead: wall time of a tiny call vs SDPA's.
 Results go to DIR/fa3_ablate.json.
+
+--final (DIR/fa3_final.json): each non-shipped entry of configs.final_variants (3 consumer
+WGs, wider tile_n, persistent LPT scheduler, the D=128 ablation winners) is compiled, checked
+on 8 small cases (fp16/bf16, causal or not, odd Nq/Nk, GQA, a window, more tiles than SMs),
+then every entry is timed at N = 16384 (causal also 8192) next to cuDNN in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import time
 import traceback
@@ -31,9 +39,10 @@ from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import compare, reference_pair
 from flashsuite.common.validation import check_inputs
 from flashsuite.fa3 import interface
-from flashsuite.fa3.configs import Fa3Config, ablation_configs
+from flashsuite.fa3.configs import Fa3Config, ablation_configs, final_variants
 
 DEV = "cuda"
+_HANG_S = 90  # seconds one correctness case may take (compiles included) before we give up
 
 
 def _log(msg: str) -> None:
@@ -205,7 +214,10 @@ def run_ablation(d: int = 128, n: int = 8192) -> list[dict]:
     rows = []
     small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, dtype=torch.bfloat16)
     for name, cfg in ablation_configs(d).items():
+        if not _compiles(d, False, cfg, rows, name):
+            continue
         row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
+        faulthandler.dump_traceback_later(4 * _HANG_S, exit=True)  # a hang ends the run
         try:
             chk = [check_case({**small, "causal": c}, cfg=cfg)["status"] for c in (False, True)]
             row["correct"] = chk
@@ -216,12 +228,113 @@ def run_ablation(d: int = 128, n: int = 8192) -> list[dict]:
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         _log(
             f"[ablation] {name:28s} {row.get('correct')} "
             f"full {row.get('tflops_causal_False')} causal {row.get('tflops_causal_True')}"
         )
         rows.append(row)
     return rows
+
+
+def _compiles(d: int, causal: bool, cfg: Fa3Config, rows: list, name: str) -> bool:
+    """Compile before running: a config that fails to build is reported and skipped."""
+    from flashsuite.fa3.compile import CompileKey, get_forward
+
+    try:
+        get_forward(CompileKey(torch.float16, d, causal, False, False, cfg))
+        return True
+    except Exception as e:
+        rows.append({"variant": name, "D": d, "config": asdict(cfg), "compile_error": repr(e)})
+        _log(f"[compile] {name} D={d}: FAILED {type(e).__name__}: {e}")
+        return False
+
+
+def final_cases(d: int) -> list[dict]:
+    """8 small cases for a new variant: the tiny one first (a barrier bug hangs at once)."""
+    f16, bf = torch.float16, torch.bfloat16
+    # Three compile keys per variant (fp16 full, bf16 causal, bf16 causal + window) keep the
+    # --final run short; fp16/bf16, causal or not, odd sizes and GQA are all covered.
+    return [
+        dict(b=1, nq=128, nk=128, hq=1, hkv=1, d=d, dtype=f16),
+        dict(b=2, nq=17, nk=1000, hq=4, hkv=2, d=d, dtype=f16),
+        dict(b=3, nq=300, nk=513, hq=4, hkv=4, d=d, dtype=f16),
+        dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, dtype=bf, causal=True),
+        dict(b=1, nq=777, nk=1000, hq=6, hkv=1, d=d, dtype=bf, causal=True),  # MQA
+        dict(b=2, nq=1000, nk=17, hq=4, hkv=2, d=d, dtype=bf, causal=True),  # keyless rows
+        # More tiles than SMs: a persistent CTA runs several tiles (phases carried over).
+        dict(b=2, nq=2000, nk=2000, hq=16, hkv=4, d=d, dtype=bf, causal=True),
+        dict(b=2, nq=1500, nk=1500, hq=8, hkv=2, d=d, dtype=bf, causal=True, window=(64, 0)),
+    ]
+
+
+def _check_variant(tag: str, d: int, cfg: Fa3Config, rows: list) -> bool:
+    """final_cases for one config; a watchdog ends the process if a case hangs (a barrier bug
+    cannot be caught in-process), after the JSON written so far."""
+    statuses = []
+    for c in final_cases(d):
+        faulthandler.dump_traceback_later(_HANG_S, exit=True)
+        try:
+            r = check_case(c, cfg=cfg)
+        except Exception as e:
+            r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        statuses.append(r["status"])
+        rows.append({"variant": tag, "case": _case_name(c), **r})
+        if r["status"] != "PASS":
+            _log(f"[final] {tag}: {r['status']} {_case_name(c)} {_fmt_err(r)}")
+    verdict = all(s == "PASS" for s in statuses)
+    _log(f"[final] correctness {'PASS' if verdict else 'FAIL'} {tag} {statuses}")
+    return verdict
+
+
+def run_final(res: dict, save) -> None:
+    """Correctness of each candidate config, then TFLOP/s next to cuDNN, into res["final"].
+
+    Persistent variants (new barrier-phase logic, the likeliest to hang) run after all the
+    others have been checked and timed; `save` is called after each stage.
+    """
+    res["final"] = fin = {"correctness": [], "bench": []}
+    cudnn: dict[tuple, float | None] = {}
+    _log(f"{'D':>4} {'causal':>6} {'N':>6} {'variant':22s} {'TFLOP/s':>8} {'cudnn':>7} {'x':>5}")
+    for persistent in (False, True):
+        ok = []
+        for name, d, causal, cfg in final_variants():
+            if cfg.persistent != persistent:
+                continue
+            tag = f"{name} D={d} {'causal' if causal else 'full'}"
+            rows = fin["correctness"]
+            passed = name == "shipped" or (
+                _compiles(d, False, cfg, rows, tag) and _check_variant(tag, d, cfg, rows)
+            )
+            if passed:
+                ok.append((name, d, causal, cfg))
+            save()
+        for name, d, causal, cfg in ok:
+            for n in (8192, 16384) if causal else (16384,):
+                key = (d, causal, n)
+                row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
+                faulthandler.dump_traceback_later(_HANG_S, exit=True)
+                try:
+                    row.update(bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn))
+                    if key not in cudnn:
+                        cudnn[key] = row.get("cudnn_tflops")
+                except Exception as e:
+                    row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                t, c = row.get("fa3_tflops"), cudnn.get(key)
+                row["ratio_vs_cudnn"] = t / c if t and c else None
+                fin["bench"].append(row)
+                _log(
+                    f"{d:4d} {causal!s:>6} {n:6d} {name:22s} "
+                    f"{'n/a' if t is None else f'{t:8.1f}':>8} "
+                    f"{'n/a' if c is None else f'{c:7.1f}':>7} "
+                    f"{'n/a' if row['ratio_vs_cudnn'] is None else f'{t / c:5.3f}':>5}"
+                )
+            save()
 
 
 def run_overhead(calls: int = 2000) -> dict:
@@ -253,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-ablation", action="store_true")
+    ap.add_argument("--head-dim", type=int, default=128, help="head_dim of the ablation table")
+    ap.add_argument(
+        "--final",
+        action="store_true",
+        help="only the candidates of configs.final_variants: correctness, then TFLOP/s (< 2 min)",
+    )
     ap.add_argument(
         "--smoke",
         action="store_true",
@@ -268,11 +387,22 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         return 1
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    path = out / "fa3_ablate.json"
+    path = out / ("fa3_final.json" if args.final else "fa3_ablate.json")
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1, default=str))
 
+    if args.final:
+        t0 = time.perf_counter()
+        run_final(result, save)
+        try:
+            result["overhead"] = run_overhead(500)
+        except Exception as e:
+            result["overhead"] = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = time.perf_counter() - t0
+        save()
+        _log(f"[fa3] wrote {path} ({result['seconds']:.0f} s)")
+        return 0
     if not args.skip_correctness:
         result["correctness"] = run_correctness(3 if args.smoke else None)
         save()
@@ -282,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         result["bench"] = run_bench()
         save()
     if not args.skip_ablation:
-        result["ablation"] = run_ablation()
+        result["ablation"] = run_ablation(args.head_dim)
         save()
     if not args.smoke:
         try:

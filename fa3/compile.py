@@ -90,6 +90,7 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
         cutlass.Float32(1.0),
         cutlass.Int32(0),
         cutlass.Int32(0),
+        cutlass.Int32(1),
         stream,
         options=options,
     )

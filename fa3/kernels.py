@@ -1,15 +1,22 @@
 """FA3-style attention forward for Hopper (sm_90a) in the CuTe DSL.
 
-One CTA owns a TILE_M = 128-row query tile of one (batch, head) and runs three warpgroups:
+One CTA owns a TILE_M = 64 x NUM_CONSUMER_WGS-row query tile of one (batch, head) and runs
+one producer and two (or three) consumer warpgroups:
 
-- WG0, the producer (24 registers): warp 0 loads Q once on its own mbarrier pipeline, then
-  K and V per n-block into STAGES-deep TMA rings (`PipelineTmaAsync`), newest block first.
-- WG1 and WG2, the consumers (240 registers), 64 query rows each: S = Q·Kᵀ as an SS wgmma,
+- WG0, the producer (24 registers; 32 with three consumers): warp 0 loads Q once on its own
+  mbarrier pipeline, then K and V per n-block into STAGES-deep TMA rings (`PipelineTmaAsync`),
+  newest block first.
+- WG1.. the consumers (240 registers; 160 with three), 64 query rows each: S = Q·Kᵀ (SS wgmma),
   mask, online softmax in base 2 (scale folded into one FMA), P converted to 16 bits in
   registers as the A operand of the RS wgmma O += P·V (Vᵀ is an MN-major view of sV).
-- PINGPONG: two named barriers make the consumers take turns on the tensor cores, so one WG's
-  softmax overlaps the other's GEMMs. INTRA_WG_OVERLAP: a WG issues QK(n+1) before PV(n) and
-  runs the softmax of n+1 while PV(n) is still in flight.
+- PINGPONG: one named barrier per consumer WG passes a token round the ring 0 -> 1 (-> 2) -> 0,
+  so the WGs take turns on the tensor cores and one WG's softmax overlaps the others' GEMMs.
+  INTRA_WG_OVERLAP: a WG issues QK(n+1) before PV(n) and runs the softmax of n+1 while PV(n)
+  is still in flight.
+- PERSISTENT: the grid is one CTA per SM and each CTA walks tiles bid, bid + grid, ... in
+  `tile_coords` order (heaviest causal tiles first, heads grouped so their K/V stay in L2).
+  Pipeline states carry their phases from tile to tile; Q is loaded and released once per tile
+  (released after the main loop, or after the O store where sO aliases sQ).
 - Epilogue: O scaled by 1/l (0 for empty rows), LSE (natural log, -inf for empty rows) stored
   in fp32, O via stmatrix into smem, fence, named barrier, TMA store.
 
@@ -32,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.configs import CONSUMER_REGS, PRODUCER_REGS, Fa3Config
+from flashsuite.fa3.configs import REG_SPLIT, Fa3Config
 
 LN2 = math.log(2.0)
 
@@ -60,26 +67,27 @@ def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> I
 
 
 class WarpRole(enum.IntEnum):
-    """Warpgroup index -> role (the kernel launches NUM_THREADS = 3 x 128 threads)."""
+    """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
 
     PRODUCER = 0
     CONSUMER0 = 1
     CONSUMER1 = 2
+    CONSUMER2 = 3  # only with num_consumer_wgs == 3
 
 
 class Barrier(enum.IntEnum):
     """Named barrier ids; 0 is __syncthreads."""
 
-    EPILOGUE = 1  # the 256 consumer threads, around the O smem tile
-    PINGPONG_WG0 = 2  # consumer WG0's turn on the tensor cores (256: one WG syncs, one arrives)
-    PINGPONG_WG1 = 3  # consumer WG1's turn
+    EPILOGUE = 1  # all consumer threads, around the O smem tile
+    # Consumer WG c's turn on the tensor cores is barrier PINGPONG_WG0 + c (256 threads: WG c
+    # syncs, its predecessor in the ring c-1 -> c arrives).
+    PINGPONG_WG0 = 2
+    PINGPONG_WG1 = 3
+    PINGPONG_WG2 = 4  # only with three consumer WGs
 
 
 class Fa3Forward:
     """Static configuration of one compiled forward; `__call__` is the host-side launcher."""
-
-    NUM_THREADS = 384
-    CONSUMER_THREADS = 256
 
     def __init__(
         self,
@@ -98,6 +106,14 @@ class Fa3Forward:
         self.PINGPONG = cfg.pingpong
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.O_ALIAS_Q = cfg.o_alias_q
+        self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
+        self.PRODUCER_REGS, self.CONSUMER_REGS = REG_SPLIT[cfg.num_consumer_wgs]
+        self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
+        self.NUM_THREADS = 128 + self.CONSUMER_THREADS
+        self.PERSISTENT = cfg.persistent
+        # K and V rows (both tensors, 16-bit) of the (batch, head) pairs that the persistent
+        # order keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
+        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * 2)
         # Right edge of the window bounded (causal is a window with right == 0) / left edge.
         self.HAS_RIGHT = causal or local
         self.HAS_LEFT = local
@@ -128,9 +144,10 @@ class Fa3Forward:
 
     def _tiled_mmas(self):
         major = cute.nvgpu.OperandMajorMode
-        # Two consumer warpgroups stacked along M: 2 x 64 rows = TILE_M.
+        # The consumer warpgroups stacked along M: NUM_CONSUMER_WGS x 64 rows = TILE_M.
+        wgs = (self.NUM_CONSUMER_WGS, 1, 1)
         mma_qk = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, major.K, major.K, Float32, (2, 1, 1), (64, self.TILE_N)
+            self.dtype, self.dtype, major.K, major.K, Float32, wgs, (64, self.TILE_N)
         )
         mma_pv = sm90.make_trivial_tiled_mma(
             self.dtype,
@@ -138,7 +155,7 @@ class Fa3Forward:
             major.K,
             major.MN,  # Vᵀ: the N mode (head_dim) is contiguous in sV
             Float32,
-            (2, 1, 1),
+            wgs,
             (64, self.HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
         )
@@ -190,6 +207,7 @@ class Fa3Forward:
         softcap_pre: Float32,  # scale / softcap, applied before tanh (unused without SOFTCAP)
         window_left: Int32,  # >= 0 (the host maps "unbounded" to a large value)
         window_right: Int32,  # >= 0; 0 when causal
+        max_ctas: Int32,  # persistent grid size (the SM count); unused otherwise
         stream,
     ):
         # Kernel views: (N, D, H, B) for TMA (4-D descriptors), (N, H, B) for the LSE.
@@ -216,7 +234,10 @@ class Fa3Forward:
         seqlen_k = mK.shape[0]
         heads_q = mQ.shape[2]
         group = heads_q // mK.shape[2]  # query heads per kv head (GQA/MQA)
-        grid = ((seqlen_q + self.TILE_M - 1) // self.TILE_M, heads_q, mQ.shape[3])
+        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        grid = (m_blocks, heads_q, mQ.shape[3])
+        if const_expr(self.PERSISTENT):
+            grid = (cutlass.min(m_blocks * heads_q * mQ.shape[3], max_ctas), 1, 1)
         self.kernel(
             tma_q,
             tQ,
@@ -238,6 +259,8 @@ class Fa3Forward:
             softcap_pre,
             window_left,
             window_right,
+            Int32(heads_q),
+            Int32(mQ.shape[3]),
         ).launch(
             grid=grid,
             block=[self.NUM_THREADS, 1, 1],
@@ -271,9 +294,17 @@ class Fa3Forward:
         softcap_pre: Float32,
         window_left: Int32,
         window_right: Int32,
+        heads_q: Int32,
+        batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        # One tile per CTA: the grid is (m_blocks, Hq, B). Persistent: the grid is (CTAs, 1, 1)
+        # and each CTA takes tiles bid_x, bid_x + grid_x, ... of the tile_coords order.
+        m_block0, head0, batch0 = cute.arch.block_idx()
+        bid_x = m_block0
+        grid_x, _, _ = cute.arch.grid_dim()
+        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        num_tiles = m_blocks * heads_q * batch_n
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -326,64 +357,139 @@ class Fa3Forward:
         else:
             sO = st.sO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
 
-        n_block_min, n_block_max = self.block_range(
-            m_block, seqlen_q, seqlen_k, window_left, window_right
-        )
         pipeline.pipeline_init_wait()
+        Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
 
         if wg == WarpRole.PRODUCER:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if warp == 0:
-                self.load(
-                    tma_q,
-                    tQ,
-                    tma_k,
-                    tK,
-                    tma_v,
-                    tV,
-                    sQ,
-                    sK,
-                    sV,
-                    pipe_q,
-                    pipe_k,
-                    pipe_v,
-                    m_block,
-                    head,
-                    batch,
-                    group,
+                # Pipeline states live across tiles (persistent): their phases carry on.
+                q_state = pipeline.make_pipeline_state(Producer, 1)
+                kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
+                load_args = (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
+                if const_expr(self.PERSISTENT):
+                    for tile in cutlass.range(bid_x, num_tiles, grid_x, unroll=1):
+                        m_block, head, batch = self.tile_coords(
+                            tile, m_blocks, heads_q, batch_n, seqlen_k
+                        )
+                        n_block_min, n_block_max = self.block_range(
+                            m_block, seqlen_q, seqlen_k, window_left, window_right
+                        )
+                        q_state, kv_state = self.load(
+                            *load_args,
+                            q_state,
+                            kv_state,
+                            m_block,
+                            head,
+                            batch,
+                            group,
+                            n_block_min,
+                            n_block_max,
+                        )
+                else:
+                    n_block_min, n_block_max = self.block_range(
+                        m_block0, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                    self.load(
+                        *load_args,
+                        q_state,
+                        kv_state,
+                        m_block0,
+                        head0,
+                        batch0,
+                        group,
+                        n_block_min,
+                        n_block_max,
+                    )
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            cwg = wg - WarpRole.CONSUMER0
+            if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
+                if cwg == 0:
+                    # The "you start" token: WG0 takes the first tensor-core turn. Each tile
+                    # passes it round the ring a whole number of times, so it is back at WG0
+                    # when the next tile starts (persistent).
+                    cute.arch.barrier_arrive(
+                        barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
+                    )
+            q_state = pipeline.make_pipeline_state(Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
+            cons_args = (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v)
+            if const_expr(self.PERSISTENT):
+                for tile in cutlass.range(bid_x, num_tiles, grid_x, unroll=1):
+                    m_block, head, batch = self.tile_coords(
+                        tile, m_blocks, heads_q, batch_n, seqlen_k
+                    )
+                    n_block_min, n_block_max = self.block_range(
+                        m_block, seqlen_q, seqlen_k, window_left, window_right
+                    )
+                    q_state, kv_state = self.consumer(
+                        *cons_args,
+                        q_state,
+                        kv_state,
+                        tidx - 128,
+                        warp,
+                        cwg,
+                        m_block,
+                        head,
+                        batch,
+                        seqlen_q,
+                        seqlen_k,
+                        scale_log2,
+                        softcap_pre,
+                        window_left,
+                        window_right,
+                        n_block_min,
+                        n_block_max,
+                    )
+            else:
+                n_block_min, n_block_max = self.block_range(
+                    m_block0, seqlen_q, seqlen_k, window_left, window_right
+                )
+                self.consumer(
+                    *cons_args,
+                    q_state,
+                    kv_state,
+                    tidx - 128,
+                    warp,
+                    cwg,
+                    m_block0,
+                    head0,
+                    batch0,
+                    seqlen_q,
+                    seqlen_k,
+                    scale_log2,
+                    softcap_pre,
+                    window_left,
+                    window_right,
                     n_block_min,
                     n_block_max,
                 )
-        else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.consumer(
-                tma_o,
-                tO,
-                mLSE,
-                mma_qk,
-                mma_pv,
-                sQ,
-                sK,
-                sVt,
-                sO,
-                pipe_q,
-                pipe_k,
-                pipe_v,
-                tidx - 128,
-                warp,
-                wg - WarpRole.CONSUMER0,
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                scale_log2,
-                softcap_pre,
-                window_left,
-                window_right,
-                n_block_min,
-                n_block_max,
-            )
+
+    @cute.jit
+    def tile_coords(
+        self, tile: Int32, m_blocks: Int32, heads_q: Int32, batch_n: Int32, seqlen_k: Int32
+    ):
+        """Persistent tile index -> (m_block, head, batch).
+
+        (batch, head) pairs are taken in sections of L2_KV_ROWS // seqlen_k pairs whose
+        K and V fit in L2 together, so the CTAs running at once share their K/V reads; inside a
+        section the head is the fastest index. With a right window bound (causal) the m_blocks
+        run from the last one down: the tiles that see the most keys start first (longest
+        processing time first), the light ones fill the tail.
+        """
+        hb_total = heads_q * batch_n
+        section = cutlass.max(cutlass.min(self.L2_KV_ROWS // seqlen_k, hb_total), 1)
+        section_tiles = section * m_blocks
+        sec = tile // section_tiles
+        r = tile - sec * section_tiles
+        in_sec = cutlass.min(section, hb_total - sec * section)  # the last section may be short
+        m_block = r // in_sec
+        if const_expr(self.HAS_RIGHT):
+            m_block = m_blocks - 1 - m_block
+        hb = sec * section + r - (r // in_sec) * in_sec
+        batch = hb // heads_q
+        return m_block, hb - batch * heads_q, batch
 
     @cute.jit
     def block_range(
@@ -422,6 +528,8 @@ class Fa3Forward:
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_k: pipeline.PipelineTmaAsync,
         pipe_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
         m_block: Int32,
         head: Int32,
         batch: Int32,
@@ -429,7 +537,12 @@ class Fa3Forward:
         n_block_min: Int32,
         n_block_max: Int32,
     ):
-        """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down."""
+        """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down.
+
+        Returns the advanced (q_state, kv_state). Persistent: Q is loaded for every tile, even
+        one with no K/V block, so that the consumers' Q wait/release (which guards sQ, and sO
+        where it aliases sQ) stays in step with the producer.
+        """
         head_kv = head // group
         gQ = cute.local_tile(
             tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
@@ -450,11 +563,14 @@ class Fa3Forward:
         tVs, tVg = cpasync.tma_partition(
             tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        if n_block_max > n_block_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_q.producer_acquire(q_state)
+        if const_expr(self.PERSISTENT):
+            pipe_q.producer_acquire(q_state)  # the consumers released the previous tile's Q
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
+            q_state.advance()
+        if n_block_max > n_block_min:
+            if const_expr(not self.PERSISTENT):
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                 n_block = n_block_max - 1 - i
                 pipe_k.producer_acquire(kv_state)
@@ -472,6 +588,7 @@ class Fa3Forward:
                     tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
                 )
                 kv_state.advance()
+        return q_state, kv_state
 
     # ----------------------------------------------------------------------------------------
     # consumer: main loop
@@ -491,9 +608,11 @@ class Fa3Forward:
         pipe_q: pipeline.PipelineTmaAsync,
         pipe_k: pipeline.PipelineTmaAsync,
         pipe_v: pipeline.PipelineTmaAsync,
-        ctid: Int32,  # 0..255 over the two consumer warpgroups
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
+        ctid: Int32,  # 0..CONSUMER_THREADS-1 over the consumer warpgroups
         warp: Int32,
-        cwg: Int32,  # consumer warpgroup 0 or 1
+        cwg: Int32,  # consumer warpgroup 0..NUM_CONSUMER_WGS-1
         m_block: Int32,
         head: Int32,
         batch: Int32,
@@ -533,17 +652,12 @@ class Fa3Forward:
         row_sum.fill(0.0)
         acc_O.fill(0.0)
 
-        if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
-            if cwg == 0:
-                # The "you start" token: WG0 takes the first tensor-core turn.
-                cute.arch.barrier_arrive(
-                    barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=self.CONSUMER_THREADS
-                )
-
         n_blocks = n_block_max - n_block_min
+        if const_expr(self.PERSISTENT):
+            pipe_q.consumer_wait(q_state)  # every tile loads Q (see load)
         if n_blocks > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_q.consumer_wait(q_state)
+            if const_expr(not self.PERSISTENT):
+                pipe_q.consumer_wait(q_state)
             shift = seqlen_k - seqlen_q
             first_row = m_block * self.TILE_M
             last_row = cutlass.min(first_row + self.TILE_M, seqlen_q) - 1
@@ -592,7 +706,6 @@ class Fa3Forward:
                 window_left=window_left,
                 window_right=window_right,
             )
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.STAGES)
             n_block = n_block_max - 1
             if const_expr(self.INTRA_WG_OVERLAP):
                 # One loop with a uniform runtime mask test rather than one loop per phase:
@@ -621,6 +734,9 @@ class Fa3Forward:
                 # Hand the tensor cores to the other WG for its last PV.
                 self.pingpong_arrive(cwg)
 
+        if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
+            # Every wgmma reading sQ has retired: the producer may load the next tile's Q.
+            pipe_q.consumer_release(q_state)
         self.epilogue(
             tma_o,
             tO,
@@ -639,23 +755,39 @@ class Fa3Forward:
             seqlen_q,
             scale_log2,
         )
+        if const_expr(self.PERSISTENT):
+            if const_expr(self.O_ALIAS_Q):
+                # sO sits on sQ: free it once the TMA store has read it (warp 4 waited for that
+                # before its release; the Q barrier completes only with every consumer warp).
+                pipe_q.consumer_release(q_state)
+            q_state.advance()
+        return q_state, kv_state
 
     @cute.jit
     def pingpong_sync(self, cwg: Int32):
-        """Wait for this WG's tensor-core turn."""
+        """Wait for this WG's tensor-core turn (a token passed round the ring of consumer WGs)."""
         if const_expr(self.PINGPONG):
             cute.arch.barrier(
                 barrier_id=int(Barrier.PINGPONG_WG0) + cwg,
-                number_of_threads=self.CONSUMER_THREADS,
+                number_of_threads=256,  # this WG syncs, its predecessor arrives
             )
 
     @cute.jit
     def pingpong_arrive(self, cwg: Int32):
-        """Give the other WG its turn (it may issue once its own softmax is done)."""
+        """Pass the turn to the next WG of the ring (it may issue once its softmax is done).
+
+        Every WG of a tile runs the same number of syncs and arrives, alternating, so the
+        token goes round 0 -> 1 (-> 2) -> 0 and each barrier completes with 128 + 128 threads.
+        """
         if const_expr(self.PINGPONG):
+            nxt = cwg + 1
+            if const_expr(self.NUM_CONSUMER_WGS == 2):
+                nxt = 1 - cwg
+            else:
+                nxt = Int32(0) if nxt == self.NUM_CONSUMER_WGS else nxt
             cute.arch.barrier_arrive(
-                barrier_id=int(Barrier.PINGPONG_WG1) - cwg,
-                number_of_threads=self.CONSUMER_THREADS,
+                barrier_id=int(Barrier.PINGPONG_WG0) + nxt,
+                number_of_threads=256,
             )
 
     @cute.jit
@@ -900,8 +1032,10 @@ class Fa3Forward:
                 mLSE[row, head, batch] = lse
         self.rescale_o(acc_O, inv)
 
-        if const_expr(self.O_ALIAS_Q):
-            # sO overwrites sQ: both WGs' QK wgmmas (which read sQ) must have retired.
+        if const_expr(self.O_ALIAS_Q or self.PERSISTENT):
+            # sO overwrites sQ: every WG's QK wgmmas (which read sQ) must have retired.
+            # Persistent: the previous tile's TMA store must have read sO (warp 4 waits for it
+            # before it reaches this barrier).
             cute.arch.barrier(
                 barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS
             )

@@ -3,6 +3,7 @@
     python -m flashsuite.fa3.probe                    # every shipped config, a table
     python -m flashsuite.fa3.probe --json out.json    # the same, as JSON
     python -m flashsuite.fa3.probe --shard 0/2        # every other config (CI runs 2 at once)
+    python -m flashsuite.fa3.probe --variants         # shipped configs + configs.flag_variants
 
 Per config: instruction counts in the PTX (wgmma, TMA, setmaxnreg, named barriers, stmatrix)
 and ptxas' registers, spill bytes and performance remarks (C75xx: C7512 means every wgmma got
@@ -112,19 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--shard", default="0/1", help="i/n: probe configs i, i+n, i+2n, ...")
     ap.add_argument("--head-dim", type=int, action="append", help="only these head dims")
+    ap.add_argument(
+        "--variants", action="store_true", help="also the non-default flag variants (CI does)"
+    )
     args = ap.parse_args(argv)
 
-    from flashsuite.fa3.configs import shipped_configs
+    from flashsuite.fa3.configs import flag_variants, shipped_configs
 
     i, n = (int(x) for x in args.shard.split("/"))
-    todo = [c for c in shipped_configs() if not args.head_dim or c[0] in args.head_dim][i::n]
+    cases = [("shipped", *c) for c in shipped_configs()]
+    if args.variants:
+        cases += flag_variants()
+    todo = [c for c in cases if not args.head_dim or c[1] in args.head_dim][i::n]
     results = []
-    for d, dt, causal, cfg in todo:
-        r = probe_one(d, dt, causal, cfg)
+    for name, d, dt, causal, cfg in todo:
+        r = {"name": name, **probe_one(d, dt, causal, cfg)}
         results.append(r)
         if not args.json:
             print(
-                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} regs={r['registers']} "
+                f"{name:22s} D={d:3d} {r['dtype']:8s} causal={causal!s:5s} regs={r['registers']} "
                 f"spill={r['spill_stores']}/{r['spill_loads']} remarks={r['remarks']} "
                 f"{r['compile_s']}s {r['ptx']}"
             )

@@ -1,9 +1,11 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
-Every shipped config (configs.shipped_configs) is compiled by `python -m flashsuite.fa3.probe`
-in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at import, so the
-compile runs outside this interpreter). Each config must show wgmma, TMA loads and store,
-setmaxnreg and the named barriers in its PTX, with 0 spill bytes and no serialised wgmma.
+Every shipped config (configs.shipped_configs) and every non-default flag variant
+(configs.flag_variants: 3 consumer warpgroups, persistent scheduler) is compiled by
+`python -m flashsuite.fa3.probe --variants` in two subprocesses at once (the CuTe DSL reads its
+CUTE_DSL_* settings at import, so the compile runs outside this interpreter). Each config must
+show wgmma, TMA loads and store, setmaxnreg and the named barriers in its PTX, with 0 spill
+bytes and no serialised wgmma.
 """
 
 from __future__ import annotations
@@ -22,59 +24,53 @@ pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 from flashsuite.fa3.configs import (
     SMEM_CAPACITY,
     can_implement,
+    flag_variants,
     shipped_configs,
     smem_bytes,
 )
 
 SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
-_ids = [
-    f"D{d}-{str(dt).removeprefix('torch.')}-{'causal' if c else 'full'}"
-    for d, dt, c, _ in shipped_configs()
-]
+CASES = [("shipped", *c) for c in shipped_configs()] + flag_variants()
+
+
+def _id(case) -> str:
+    name, d, dt, causal, _ = case
+    return f"{name}-D{d}-{str(dt).removeprefix('torch.')}-{'causal' if causal else 'full'}"
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory) -> dict[tuple, dict]:
+def probes(tmp_path_factory) -> dict[str, dict]:
     out = tmp_path_factory.mktemp("fa3_probe")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
 
     def run(i: int) -> list[dict]:
         path = out / f"shard{i}.json"
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flashsuite.fa3.probe",
-                "--shard",
-                f"{i}/{SHARDS}",
-                "--json",
-                str(path),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        cmd = [sys.executable, "-m", "flashsuite.fa3.probe", "--variants"]
+        cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(path.read_text())
 
     with ThreadPoolExecutor(SHARDS) as pool:
         results = [r for shard in pool.map(run, range(SHARDS)) for r in shard]
-    return {(r["head_dim"], r["dtype"], r["causal"]): r for r in results}
+    return {
+        f"{r['name']}-D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}": r
+        for r in results
+    }
 
 
-@pytest.mark.parametrize("case", shipped_configs(), ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=_id)
 def test_config_can_implement(case) -> None:
-    d, dt, _, cfg = case
+    _, d, dt, _, cfg = case
     ok, reason = can_implement(cfg, d, dt)
     assert ok, reason
     assert smem_bytes(cfg, d) <= SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("case", shipped_configs(), ids=_ids)
+@pytest.mark.parametrize("case", CASES, ids=_id)
 def test_compiles_with_hopper_machinery(case, probes) -> None:
-    d, dt, causal, cfg = case
-    r = probes[(d, str(dt).removeprefix("torch."), causal)]
+    cfg = case[4]
+    r = probes[_id(case)]
     ptx = r["ptx"]
     assert ptx["wgmma"] > 0, "no wgmma.mma_async in the PTX"
     assert ptx["wgmma_rs"] > 0, "P·V is not an RS wgmma (P should come from registers)"
@@ -95,3 +91,9 @@ def test_compiles_with_hopper_machinery(case, probes) -> None:
 def test_dtype_table_covers_both_16bit_types() -> None:
     dtypes = {dt for _, dt, _, _ in shipped_configs()}
     assert dtypes == {torch.float16, torch.bfloat16}
+
+
+def test_flag_variants_cover_new_flags() -> None:
+    cfgs = [c[4] for c in flag_variants()]
+    assert any(c.num_consumer_wgs == 3 for c in cfgs)
+    assert any(c.persistent for c in cfgs)
