@@ -218,6 +218,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     seqlens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
     cases = standard_sweep(head_dims=args.head_dims, seqlens=seqlens)
     directions = ["fwd"] if args.fwd_only else ["fwd", "bwd"]
+    meta = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=_pkg_version("triton"),
+        date=time.strftime("%Y-%m-%d"),
+        commit=os.environ.get("FLASHSUITE_COMMIT", "unknown"),
+    )
     results = []
     total = len(cases) * len(contenders) * len(directions)
     start = time.time()
@@ -235,14 +242,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     f"{'causal ' if case.causal else ''}{status}",
                     flush=True,
                 )
-    meta = dict(
-        gpu=torch.cuda.get_device_name(),
-        torch=torch.__version__,
-        triton=_pkg_version("triton"),
-        date=time.strftime("%Y-%m-%d"),
-        commit=os.environ.get("FLASHSUITE_COMMIT", "unknown"),
-    )
-    (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        # Written after every shape, so a run cut short still leaves what it measured.
+        (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "results": results}))
     print(render(results, meta, out_dir))
     return 0
 
