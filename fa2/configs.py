@@ -5,6 +5,8 @@ flashsuite.fa2.tune --probe`, triton 3.6.0): 0 spilled bytes and shared memory <
 (fp32 entries: see `_fwd_fp32`; `--probe --fp32` lists them). The
 starting points are the compile probe in shared/TRITON_HOPPER.md §1/§3 (pointer loads); the
 H200 timing sweep (`python -m flashsuite.fa2.tune --out DIR`) decides between the survivors.
+Timings quoted below: H200, 2026-11-29, N=8192 bf16, B·N = 16k, Hq·D = 2048, TFLOP/s (SDPA's
+flash backend in the same run in brackets).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ class BwdConfig:
     num_warps_dq: int
     num_stages_dq: int
     dq_atomic: bool = False
+    # Pipeline the dK/dV kernel's last masked stage (query/key tail) with num_stages instead
+    # of running it unpipelined: a register-allocation lever, chosen per tile by the probe.
+    tail_pipelined: bool = False
 
 
 # Under TRITON_INTERPRET=1 warps and stages mean nothing and each block step costs ~ms: small
@@ -73,17 +78,18 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
     if dtype == torch.float32:
         return _fwd_fp32(head_dim)
     if head_dim <= 64:
-        # 128x128 w8 s3: 240-255 regs, 0 spills, 112 KB; the tutorial's and tritonbench's sm90
-        # pick. 128x128 w4 spills ~400 B (one warpgroup holding 128 rows).
-        cfg = FwdConfig(128, 128, num_warps=8, num_stages=3)
+        # 128x64 w8 s3: 416 (flash 306), causal 412; 123-131 regs, 0 spills, 64 KB. 128x128
+        # w8 s3 (the tutorial's sm90 pick, 240-255 regs) gave 387. 128x128 w4 spills ~400 B.
+        cfg = FwdConfig(128, 64, num_warps=8, num_stages=3)
     elif head_dim <= 128:
-        # 128x64 w8 s3: 203-230 regs, 0 spills, 128 KB. 128x128 w8 spills 8-40 B at s3 (and
-        # 224 KB); any 4-warp 128-row tile spills 0.9-3.9 KB.
+        # 128x64 w8 s3: 478 (flash 344), causal 464; 203-230 regs, 0 spills, 128 KB. 128x128
+        # w8 spills 8-40 B at s3 (and 224 KB); any 4-warp 128-row tile spills 0.9-3.9 KB.
         cfg = FwdConfig(128, 64, num_warps=8, num_stages=3)
     else:
-        # D 192/256: 128x32 w8 s3: 255 regs, 0 spills, 160 KB. 128x64 spills 24-112 B and
-        # needs s2 to fit; 64-row tiles with 4 warps spill.
-        cfg = FwdConfig(128, 32, num_warps=8, num_stages=3)
+        # D 192/256: 128x32 w8, 255 regs, 0 spills. Non-causal s4 (192 KB): 477 (flash 322),
+        # s3 467; causal s3 (160 KB): 431. 128x64 spills 24-112 B and needs s2 to fit;
+        # 64-row tiles with 4 warps spill.
+        cfg = FwdConfig(128, 32, num_warps=8, num_stages=3 if causal else 4)
     return _fit_smem(cfg, arch)
 
 
@@ -92,35 +98,42 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
 
     The dK/dV kernel keeps K, V (shared memory) and the fp32 dK, dV accumulators of a key block
     for the whole loop, with 4 GEMMs per step: it is the register-bound one. Its masked
-    (diagonal / window) stage costs ~0.5-1 KB of spills at D=128 for the 64x128 tile that is
-    spill-free at D=64, so D=128 uses 32-query steps.
+    (diagonal / window / tail) stages cost 0.06-1 KB of spills at D=128 for the 64x128 tile
+    that is spill-free at D=64 (the unmasked loop alone is clean), so D=128 uses 32-query steps.
     """
     if arch is None:
         return INTERPRETER_BWD
     if dtype == torch.float32:
         return _bwd_fp32(head_dim)
     if head_dim <= 64:
-        # dK/dV 64x128 w8 s3 (FlexAttention's sm90 default): 255 regs, 0 spills, 81 KB.
-        # dQ 128x64 w8 s3: 128-163 regs, 0 spills, 80 KB.
-        cfg = BwdConfig(64, 128, 128, 64, num_warps=8, num_stages=3, num_warps_dq=8,
+        # Non-causal dK/dV 32x128 w8 s3: 338 (1.18x flash), 205 regs; 64x128 gave 308.
+        # Causal 64x128 w8 s3 (FlexAttention's sm90 default): 283 (1.08x), 255 regs; 32x128
+        # gave 256. dQ 128x64 w8 s3: 128-163 regs. All 0 spills, <= 81 KB.
+        m1 = 64 if causal else 32
+        cfg = BwdConfig(m1, 128, 128, 64, num_warps=8, num_stages=3, num_warps_dq=8,
                         num_stages_dq=3)  # fmt: skip
     elif head_dim <= 128:
-        # dK/dV: 64x128 spills 0.3-0.8 KB. Causal 32x128 w8 s2: 0 spills, 96 KB (16 B at
-        # non-causal); non-causal 32x64 w8 s2: 0 spills, 64 KB (24 B at causal), but 8 B at
-        # D=96 (padded to 128, plus the column mask), where s1 is clean (228 regs).
-        # dQ 128x64 w8 s3: 219-229 regs, 0 spills, 160 KB.
-        m1, n1 = (32, 128) if causal else (32, 64)
-        s1 = 1 if (head_dim <= 96 and not causal) else 2
-        cfg = BwdConfig(m1, n1, 128, 64, num_warps=8, num_stages=s1, num_warps_dq=8,
-                        num_stages_dq=3)  # fmt: skip
+        # dK/dV 32x128 w8 s2 (96 KB): causal 279 (0.95x flash 292) with the tail stage
+        # unpipelined (255 regs, 0 spills; pipelined: 168 B). Non-causal: the unpipelined tail
+        # spilled 16 B, the pipelined one is clean (D128 255 regs, D96 252); the shipped 32x64
+        # s2 gave 184 (0.60x of 307). 64x128 and 64x64 spill 56-1000 B either way. Both
+        # entries sit at 255 regs: small code changes tip them into 8-16 B of spills, so
+        # re-probe after any edit of _bwd_dkdv. dQ 128x64 w8 s3: 219-229 regs, 0 spills.
+        # Untimed alternatives (`tune --quick-bwd`): 32x128 s3; dQ by TMA reduce-adds
+        # (dq_atomic, 5 GEMMs) at 32x64 / 16x128 s2 (non-causal), 16x64 s1 (causal).
+        cfg = BwdConfig(32, 128, 128, 64, num_warps=8, num_stages=2, num_warps_dq=8,
+                        num_stages_dq=3, tail_pipelined=not causal)  # fmt: skip
     elif causal:
-        # D 192/256: every wgmma dK/dV tile spills >= 1.1 KB (64 keys x 256 x {K, V, dK, dV});
-        # 64x32 w8 s2 (keys = 32 rows, so mma.sync) is spill-free at 254 regs, 128 KB. dQ:
-        # 128x32 spills 16-40 B when causal; 32x32 w4 s2 is clean (209 regs, mma.sync).
+        # D 192/256: 132 (0.53x flash 249). Every wgmma dK/dV tile spills: 16x64 / 32x64 w8
+        # 0.6-1.2 KB (64 keys x 256 x {K, V, dK, dV}); 64x32 w8 s2 (keys = 32 rows, so
+        # mma.sync) is spill-free at 254 regs, 128 KB. dQ: 128x32 spills 16-40 B when causal;
+        # 32x32 w4 s2 is clean (209 regs, mma.sync).
         cfg = BwdConfig(64, 32, 32, 32, num_warps=8, num_stages=2, num_warps_dq=4,
                         num_stages_dq=2)  # fmt: skip
     else:
-        # dQ 128x32 w8 s3: 255 regs, 0 spills, 224 KB (wgmma).
+        # dK/dV 64x32 w8 s2 (mma.sync) + dQ 128x32 w8 s3 (255 regs, 224 KB, wgmma): 192 (0.74x
+        # flash 258). The one spill-free wgmma dK/dV tile is 16x64 w8 s2 with the tail
+        # pipelined (255 regs, 0 spills, 96 KB; s3 48 B): not timed yet (`tune --quick-bwd`).
         cfg = BwdConfig(64, 32, 128, 32, num_warps=8, num_stages=2, num_warps_dq=8,
                         num_stages_dq=3)  # fmt: skip
     return _fit_smem(cfg, arch)
@@ -128,17 +141,24 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
 
 def _fwd_fp32(head_dim: int) -> FwdConfig:
     # fp32 runs its dots in exact fp32 (input_precision="ieee": FMA, no tensor cores), whose
-    # operands live in registers: only tiny tiles avoid spills. D<=64 16x32 w4: 96-199 regs,
-    # 0 spills. D>64 spills 0.9 KB (D128) to 4 KB (D256) even at 16x16, 32x32 spills 34 KB;
-    # tf32x3 was no better. A correct convenience path for checking, not a fast one.
+    # operands live in registers: only tiny, unpipelined tiles avoid spills, and spilling FMA
+    # code is what took ptxas 20-40 s per kernel on the GPU host. A correct convenience path
+    # for checking, not a fast one: compile time matters, speed does not. s1 everywhere
+    # (s2 spilled 0.9-4 KB at D>64): D<=64 16x32 w4 71 regs; D>64 16x16 w4 70-138 regs;
+    # 0 spills, ~1-2.5 s to compile on the CPU probe machine.
     if head_dim <= 64:
-        return FwdConfig(16, 32, num_warps=4, num_stages=2)
-    return FwdConfig(16, 16, num_warps=4, num_stages=2)
+        return FwdConfig(16, 32, num_warps=4, num_stages=1)
+    return FwdConfig(16, 16, num_warps=4, num_stages=1)
 
 
 def _bwd_fp32(head_dim: int) -> BwdConfig:
-    # 16x16 w4 s1 for both kernels: 0 spills at D<=64; 28-76 B at D>64.
-    return BwdConfig(16, 16, 16, 16, num_warps=4, num_stages=1, num_warps_dq=4,
+    # 16x16 s1 for both kernels (see _fwd_fp32), 0 spills, 2-5 s each to compile. Warps per
+    # kernel from the probe: D<=64 w4 (44-104 regs); D96/128 dK/dV w4 (94-113 regs; w8
+    # spilled 12-24 B causal), dQ w8 (61-72 regs; w4 spilled 28-56 B); D>128 w8 for both
+    # (77-99 regs; w4 spilled 76 B, w2 3.3 KB).
+    w1 = 4 if head_dim <= 128 else 8
+    w2 = 4 if head_dim <= 64 else 8
+    return BwdConfig(16, 16, 16, 16, num_warps=w1, num_stages=1, num_warps_dq=w2,
                      num_stages_dq=1)  # fmt: skip
 
 

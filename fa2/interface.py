@@ -3,7 +3,7 @@
 Forward: `kernels._attn_fwd`. Backward: `_bwd_preprocess` (delta), `_bwd_dkdv` (dK, dV summed
 over each GQA group in registers) and, by default, `_bwd_dq`, a second pass over Q blocks, so
 gradients are bitwise reproducible run to run. A config with `dq_atomic=True` accumulates dQ
-with fp32 atomics inside `_bwd_dkdv` instead; it is never used while
+with fp32 TMA reduce-adds inside `_bwd_dkdv` instead (sm90+); it is never used while
 `torch.are_deterministic_algorithms_enabled()`.
 """
 
@@ -72,6 +72,15 @@ def _arch(t: torch.Tensor) -> int | None:
     if triton_interpreter() or t.device.type != "cuda":
         return None
     return device_arch(t.device) or 90
+
+
+def _tma_dq_ok(q: torch.Tensor, rows: int) -> bool:
+    """dQ through TMA reduce-adds: not under torch.use_deterministic_algorithms (the order of
+    the fp32 adds varies run to run), sm90+ only (TMA; triton 3.6's interpreter has no
+    descriptor reduce either), and int32 TMA row coordinates."""
+    if torch.are_deterministic_algorithms_enabled() or rows >= 2**31 or triton_interpreter():
+        return False
+    return q.is_cuda and (device_arch(q.device) or 0) >= 90
 
 
 def _last_contig(t: torch.Tensor) -> torch.Tensor:
@@ -154,8 +163,8 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute backward. Returns dq, dk, dv (contiguous, the shapes and dtypes of q, k, v;
     dk/dv summed over each GQA group). Rows with lse == -inf contribute nothing. Bitwise
-    deterministic unless the config asks for dQ atomics (never under
-    torch.use_deterministic_algorithms)."""
+    deterministic unless the config asks for dQ atomics (TMA reduce-adds, sm90+; never under
+    torch.use_deterministic_algorithms: the separate dQ pass runs instead)."""
     from flashsuite.fa2 import configs, kernels
 
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
@@ -168,13 +177,13 @@ def backward(
     if nq == 0 or nk == 0 or b == 0 or hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     cfg = config or configs.bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
-    if cfg.dq_atomic and torch.are_deterministic_algorithms_enabled():
-        cfg = replace(cfg, dq_atomic=False)
     common = _common(p)
     dv_pad = common["DV_PAD"]
 
     # delta and lse2 padded to whole blocks so the main kernels load them without masks.
     pad = configs.ROW_PAD * math.ceil(nq / configs.ROW_PAD)
+    if cfg.dq_atomic and not _tma_dq_ok(q, b * hq * pad):
+        cfg = replace(cfg, dq_atomic=False)
     delta = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     lse2 = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     bm = configs.PREPROCESS_BLOCK_M
@@ -183,17 +192,30 @@ def backward(
         nq, pad, hq, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm,
     )  # fmt: skip
 
-    dq_acc = torch.zeros_like(q, dtype=torch.float32) if cfg.dq_atomic else dq  # (B,Nq,Hq,D)
+    dq_arg, dq_strides = dq, (dq.stride(0), dq.stride(2), dq.stride(1))  # unused w/o DQ_ATOMIC
+    if cfg.dq_atomic:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        # Rows padded per (b, h) like lse2, so a tile never reaches the next head's rows.
+        dq_acc = torch.zeros(b, hq, pad, d, dtype=torch.float32, device=q.device)  # (B,Hq,Np,D)
+        dq_arg = TensorDescriptor(
+            dq_acc.view(b * hq * pad, d),
+            shape=[b * hq * pad, d],
+            strides=[d, 1],
+            block_shape=[cfg.block_m1, common["D_PAD"]],
+        )
+        dq_strides = dq_acc.stride()[:3]  # (b, h, n)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
-        q, k, v, dout, lse2, delta, dk, dv, dq_acc,
-        *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_acc.stride()[:3],
+        q, k, v, dout, lse2, delta, dk, dv, dq_arg,
+        *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_strides,
         seqlen_pad=pad, num_heads=hq, scale=p.scale, DQ_ATOMIC=cfg.dq_atomic, **common,
+        TAIL_STAGES=None if cfg.tail_pipelined else 1,
         BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.dq_atomic:
-        dq.copy_(dq_acc)
+        dq.copy_(dq_acc[:, :, :nq].transpose(1, 2))
     else:
         kernels._bwd_dq[(math.ceil(nq / cfg.block_m2), hq, b)](
             q, k, v, dout, lse2, delta, dq,

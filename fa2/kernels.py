@@ -9,18 +9,20 @@ The softmax runs in base 2 with the softmax scale and log2(e) folded into one mu
 Masking (bottom-right causal, sliding window, key tail) is handled by splitting the K/V loop
 into three stages: masked blocks before, unmasked blocks (no `tl.where`), masked blocks after;
 blocks that nobody in the tile can see are never visited. The masked stages (one or two
-blocks per tile) run unpipelined (`LOOP_STAGES=1`): pipelined, they held the registers that
-made the backward spill 0.3-1 KB in the sm_90a probe.
+blocks per tile) run unpipelined (`LOOP_STAGES=1`): pipelined, they mostly held the registers
+that made the backward spill 0.3-1 KB in the sm_90a probe (the dK/dV kernel's last stage is a
+per-config choice, `TAIL_STAGES`).
 
 Backward: `_bwd_preprocess` computes delta = rowsum(dO * O) and lse2 = LSE * log2(e) (+inf where
 P must be 0), both padded to whole blocks so they load without masks; `_bwd_dkdv` runs one
 program per (K/V block, Hkv, B), sums dK/dV over every query head of the GQA group in registers
 (no atomics), recomputing P = exp2(S * scale * log2e - lse2); dQ is either a separate pass over Q
-blocks (`_bwd_dq`, deterministic) or fp32 atomics from `_bwd_dkdv` (`DQ_ATOMIC`).
+blocks (`_bwd_dq`, deterministic) or, with `DQ_ATOMIC`, TMA reduce-adds from `_bwd_dkdv` into
+an fp32 accumulator through a host tensor descriptor (5 GEMMs per block pair instead of 7).
 
-Plain pointers only (no block pointers, no descriptors), so the same code runs on triton 3.6 on
-the GPU and under TRITON_INTERPRET=1 on CPU tensors. Offsets that can exceed 2^31 (batch, head,
-sequence start) are formed in int64; per-tile offsets stay int32.
+Plain pointers (no block pointers) everywhere but that dQ accumulator, so the same code runs on
+triton 3.6 on the GPU and under TRITON_INTERPRET=1 on CPU tensors. Offsets that can exceed 2^31
+(batch, head, sequence start) are formed in int64; per-tile offsets stay int32.
 """
 
 from __future__ import annotations
@@ -434,10 +436,10 @@ def _bwd_dkdv_inner(
     do_base,  # dO at (b, h, row 0)
     lse2_base,  # Lse2 at (b, h, row 0), padded: loads need no mask
     delta_base,  # Delta at (b, h, row 0), padded
-    dq_base,  # dQ accumulator (fp32) at (b, h, row 0), DQ_ATOMIC only
+    dq_desc,  # DQ_ATOMIC: descriptor of the fp32 dQ accumulator (B*Hq*Nq_pad, D), block (M, D)
+    dq_row0,  # DQ_ATOMIC: its row of (b, h, query 0), int32
     stride_qn,
     stride_don,
-    stride_dqn,
     offs_m,  # (BLOCK_M,) 0..BLOCK_M-1
     offs_n,  # (BLOCK_N,) key indices
     offs_d,  # (D_PAD,)
@@ -519,11 +521,12 @@ def _bwd_dkdv_inner(
             dsT = dsT * (1.0 - tT * tT)  # d softcap*tanh(x/softcap) / dx
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, D_PAD)
         if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION)  # (M, D_PAD)
-            dq_ptrs = dq_base + tl.cast(start_m, tl.int64) * stride_dqn
-            dq_ptrs = dq_ptrs + offs_m[:, None] * stride_dqn + offs_d[None, :]  # (M, D_PAD)
-            dq_mask = ((start_m + offs_m) < seqlen_q)[:, None] & d_ok
-            tl.atomic_add(dq_ptrs, dq * scale, mask=dq_mask, sem="relaxed")
+            # dQ^T = K^T dS^T keeps the keys as the reduction and the 64+ rows of D as wgmma's
+            # M (BLOCK_M is 16-32 here). One TMA reduce-add per tile (cp.reduce.async.bulk),
+            # no per-element addresses: pointer atomics cost 0.2-0.3 KB of spills. Rows past
+            # seqlen_q add exact zeros (P = 0 there) into the padded accumulator.
+            dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION)  # (D, M)
+            dq_desc.atomic_add([dq_row0 + start_m, 0], tl.trans(dqT) * scale)  # (M, D_PAD)
         q_blk += BLOCK_M * stride_qn
         do_blk += BLOCK_M * stride_don
         lse2_blk += BLOCK_M
@@ -541,7 +544,7 @@ def _bwd_dkdv(
     Delta,  # (B, Hq, Nq_pad) fp32
     dK,  # (B, Nk, Hkv, D)
     dV,  # (B, Nk, Hkv, Dv)
-    dQacc,  # (B, Nq, Hq, D) fp32 zeros (DQ_ATOMIC), else unused
+    dQacc,  # DQ_ATOMIC: descriptor of (B*Hq*Nq_pad, D) fp32 zeros, block (BLOCK_M, D_PAD)
     stride_qb,
     stride_qn,
     stride_qh,
@@ -560,9 +563,9 @@ def _bwd_dkdv(
     stride_dvb,
     stride_dvn,
     stride_dvh,
-    stride_dqb,
-    stride_dqn,
+    stride_dqb,  # the fp32 dQ accumulator (B, Hq, Nq_pad, D), DQ_ATOMIC only
     stride_dqh,
+    stride_dqn,
     seqlen_q,
     seqlen_k,
     seqlen_pad,  # row stride of Lse2 / Delta
@@ -585,8 +588,16 @@ def _bwd_dkdv(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TAIL_STAGES: tl.constexpr,  # pipelining of the last masked stage: 1, or None (num_stages)
 ):
-    """One program per (key block, kv head, batch); loops over the GQA group's query heads."""
+    """One program per (key block, kv head, batch); loops over the GQA group's query heads.
+
+    Stage 1 (causal diagonal / right window edge) only exists with HAS_RIGHT. The last masked
+    stage (query tail, key tail, left window edge) runs unpipelined or with the kernel's
+    num_stages (`TAIL_STAGES`): which of the two leaves ptxas without spills depends on the
+    tile; the sm_90a probe decides per config (D128 non-causal 32x128 s2: 16 B unpipelined,
+    0 B pipelined; causal: the other way round).
+    """
     start_n = tl.program_id(0) * BLOCK_N
     off_hkv = tl.program_id(1)
     off_b = tl.program_id(2)
@@ -631,29 +642,33 @@ def _bwd_dkdv(
         q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
         do_base = dO + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
         row0 = (off_b.to(tl.int64) * num_heads + off_h) * seqlen_pad
-        dq_base = dQacc + off_b.to(tl.int64) * stride_dqb + off_h.to(tl.int64) * stride_dqh
+        dq_row0 = 0  # the dQ accumulator's row of (b, h, query 0)
+        if DQ_ATOMIC:
+            # TMA coordinates are int32 rows (interface checks B*Hq*Nq_pad < 2^31)
+            dq_row0 = (off_b * stride_dqb + off_h * stride_dqh) // stride_dqn
+        if HAS_RIGHT:  # below the causal diagonal / right window edge (else lo == full_lo)
+            dk, dv = _bwd_dkdv_inner(
+                dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dQacc, dq_row0,
+                stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
+                lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
+                qk_scale, softcap_log2, scale,
+                True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
+                DV_PAD, BLOCK_M, DOT_PRECISION,
+            )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
-            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
-            lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
-            qk_scale, softcap_log2, scale,
-            True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
-            DV_PAD, BLOCK_M, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
-            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dQacc, dq_row0,
+            stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
             full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, scale,
             False, None, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
             DV_PAD, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dq_base,
-            stride_qn, stride_don, stride_dqn, offs_m, offs_n, offs_d, offs_dv,
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dQacc, dq_row0,
+            stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
             full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, scale,
-            True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
+            True, TAIL_STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
             DV_PAD, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
 

@@ -2,12 +2,16 @@
 
     python -m flashsuite.fa2.tune --probe            # every shipped config: regs/spills/smem/wgmma
     python -m flashsuite.fa2.tune --out DIR          # on the GPU: time candidates, write DIR/*.json
+    python -m flashsuite.fa2.tune --quick-bwd --out DIR   # GPU, < 90 s: the D128/D256 backward
 
 The sweep: bf16, B·N = 16k tokens, Hq·D = 2048, N in {2048, 8192}, D in {64, 128, 256}, causal
 and not, forward and backward. Every candidate is first compiled for sm_90a and dropped if it
 spills or its shared memory is over 232,448 B; the survivors are timed with
 `triton.testing.do_bench(return_mode="median")` and checked against PyTorch SDPA (max abs error
 printed), next to SDPA's flash (FA2 CUDA) and cuDNN backends in the same run.
+
+`--quick-bwd` times only the backward, only N = 8192, D in {128, 256}, causal and not: the
+shipped config and the few alternatives in QUICK_BWD_CANDIDATES, against SDPA-flash.
 """
 
 from __future__ import annotations
@@ -60,7 +64,11 @@ def _compile_one(fn, dtype: torch.dtype, constexprs: dict, num_warps: int, num_s
         if name in constexprs:
             sig[name] = "constexpr"
             continue
-        if _is_ptr(name):
+        if name == "dQacc" and constexprs.get("DQ_ATOMIC"):
+            # TMA reduce-add target: the host TensorDescriptor of interface.backward
+            block = f"{constexprs['BLOCK_M']}, {constexprs['D_PAD']}"
+            sig[name] = f"tensordesc<fp32[{block}]>"
+        elif _is_ptr(name):
             sig[name] = "*fp32" if name in _FP32_PTRS else f"*{_TL_DTYPE[dtype]}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FP32_SCALARS:
@@ -95,6 +103,7 @@ def _compile_one(fn, dtype: torch.dtype, constexprs: dict, num_warps: int, num_s
         "smem": int(kernel.metadata.shared),
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma_sync": ptx.count("mma.sync"),
+        "tma_reduce": ptx.count("cp.reduce.async.bulk"),
     }
 
 
@@ -135,7 +144,13 @@ def probe(
         res["dkdv"] = _compile_one(
             kernels._bwd_dkdv,
             dtype,
-            dict(flags, BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, DQ_ATOMIC=cfg.dq_atomic),
+            dict(
+                flags,
+                BLOCK_M=cfg.block_m1,
+                BLOCK_N=cfg.block_n1,
+                DQ_ATOMIC=cfg.dq_atomic,
+                TAIL_STAGES=None if cfg.tail_pipelined else 1,
+            ),
             cfg.num_warps,
             cfg.num_stages,
         )
@@ -172,7 +187,9 @@ def _fmt_probe(r: dict) -> str:
         return "ERROR " + r["error"]
     parts = [
         f"{k}: {v['regs']} regs, {v['spill']} B spill, {v['smem'] / 1024:.0f} KB, "
-        f"{v['wgmma']} wgmma" + (f", {v['mma_sync']} mma.sync" if v["mma_sync"] else "")
+        f"{v['wgmma']} wgmma"
+        + (f", {v['mma_sync']} mma.sync" if v["mma_sync"] else "")
+        + (f", {v['tma_reduce']} TMA reduce" if v.get("tma_reduce") else "")
         for k, v in r["kernels"].items()
     ]
     return ("ok   " if r["ok"] else "FAIL ") + " | ".join(parts)
@@ -198,7 +215,8 @@ def _cfg_str(cfg: FwdConfig | BwdConfig) -> str:
         if cfg.dq_atomic
         else f"dq {cfg.block_m2}x{cfg.block_n2} w{cfg.num_warps_dq} s{cfg.num_stages_dq}"
     )
-    return f"{cfg.block_m1}x{cfg.block_n1} w{cfg.num_warps} s{cfg.num_stages} {dq}"
+    tail = " tail-pipe" if cfg.tail_pipelined else ""
+    return f"{cfg.block_m1}x{cfg.block_n1} w{cfg.num_warps} s{cfg.num_stages}{tail} {dq}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,8 +227,8 @@ def _cfg_str(cfg: FwdConfig | BwdConfig) -> str:
 DEVICE = "cuda"  # a smoke test of the sweep's plumbing may set "cpu" under the interpreter
 
 
-def _bwd(m1, n1, m2, n2, w, s, wq, sq, atomic=False):
-    return BwdConfig(m1, n1, m2, n2, w, s, wq, sq, dq_atomic=atomic)
+def _bwd(m1, n1, m2, n2, w, s, wq, sq, atomic=False, tail=False):
+    return BwdConfig(m1, n1, m2, n2, w, s, wq, sq, dq_atomic=atomic, tail_pipelined=tail)
 
 
 # The shipped config (configs.fwd_config / bwd_config) is always timed first; these are the
@@ -236,6 +254,8 @@ FWD_CANDIDATES: dict[int, list[FwdConfig]] = {
 }
 BWD_CANDIDATES: dict[int, list[BwdConfig]] = {
     64: [
+        _bwd(32, 128, 128, 64, 8, 3, 8, 3, atomic=True, tail=True),
+        _bwd(32, 128, 128, 64, 8, 3, 8, 3, atomic=True),
         _bwd(64, 128, 128, 64, 8, 3, 8, 3, atomic=True),
         _bwd(32, 128, 128, 64, 8, 3, 8, 3),
         _bwd(64, 64, 128, 64, 8, 3, 8, 3),
@@ -243,6 +263,11 @@ BWD_CANDIDATES: dict[int, list[BwdConfig]] = {
     ],
     128: [
         _bwd(32, 128, 128, 64, 8, 2, 8, 3),
+        _bwd(32, 128, 128, 64, 8, 2, 8, 3, tail=True),
+        _bwd(32, 128, 128, 64, 8, 3, 8, 3, tail=True),
+        _bwd(32, 64, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),
+        _bwd(16, 128, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),
+        _bwd(16, 64, 128, 64, 8, 1, 8, 3, atomic=True),
         _bwd(32, 64, 128, 64, 8, 2, 8, 3),
         _bwd(32, 64, 128, 64, 8, 1, 8, 3),
         _bwd(32, 128, 128, 64, 8, 2, 8, 3, atomic=True),
@@ -251,6 +276,7 @@ BWD_CANDIDATES: dict[int, list[BwdConfig]] = {
     ],
     256: [
         _bwd(64, 32, 128, 32, 8, 2, 8, 3),
+        _bwd(16, 64, 128, 32, 8, 2, 8, 3, tail=True),
         _bwd(64, 32, 32, 32, 8, 2, 4, 2),
         _bwd(32, 32, 32, 32, 8, 2, 4, 2),
         _bwd(64, 32, 32, 32, 8, 2, 4, 2, atomic=True),
@@ -258,12 +284,32 @@ BWD_CANDIDATES: dict[int, list[BwdConfig]] = {
 }
 
 
-def _candidates(kind: str, d: int, causal: bool) -> list:
+# `--quick-bwd`: the alternatives worth one short GPU run, per (D, causal), next to the
+# shipped config; every one compiles spill-free for sm_90a. Few distinct dQ kernels, so the
+# run stays under ~90 s of compiling and timing. "atomic": dQ by TMA reduce-adds inside the
+# dK/dV kernel (5 GEMMs per block pair instead of 7; no dQ pass).
+QUICK_BWD_CANDIDATES: dict[tuple[int, bool], list[BwdConfig]] = {
+    (64, False): [_bwd(32, 128, 128, 64, 8, 3, 8, 3, atomic=True, tail=True)],  # 227 regs
+    (64, True): [_bwd(32, 128, 128, 64, 8, 3, 8, 3, atomic=True)],  # 236 regs
+    (128, False): [
+        _bwd(32, 128, 128, 64, 8, 3, 8, 3, tail=True),  # 255 regs, 113 KB
+        _bwd(32, 64, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),  # 254 regs
+        _bwd(16, 128, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),  # 250 regs
+    ],
+    (128, True): [_bwd(16, 64, 128, 64, 8, 1, 8, 3, atomic=True)],  # 238 regs; s2 44 B spill
+    # wgmma dK/dV (16 queries x 64 keys) against the shipped mma.sync 64x32
+    (256, False): [_bwd(16, 64, 128, 32, 8, 2, 8, 3, tail=True)],  # 255 regs
+    (256, True): [],  # every wgmma dK/dV tile spills 0.6-1.2 KB
+}
+
+
+def _candidates(kind: str, d: int, causal: bool, quick: bool = False) -> list:
     """Shipped config first, then the alternatives (deduplicated)."""
     if kind == "fwd":
         first, rest = fwd_config(d, torch.bfloat16, causal, 90), FWD_CANDIDATES[d]
     else:
-        first, rest = bwd_config(d, torch.bfloat16, causal, 90), BWD_CANDIDATES[d]
+        first = bwd_config(d, torch.bfloat16, causal, 90)
+        rest = QUICK_BWD_CANDIDATES.get((d, causal), []) if quick else BWD_CANDIDATES[d]
     return [first] + [c for c in rest if c != first]
 
 
@@ -339,20 +385,24 @@ def sweep(
     seqlens: list[int],
     tokens: int = 16384,
     hidden: int = 2048,
+    quick_bwd: bool = False,
 ) -> dict:
     """Time every probed-ok candidate on the current GPU; print tables; write JSON.
-    Shapes: B = tokens // N, Hq = hidden // D (the standard sweep)."""
+    Shapes: B = tokens // N, Hq = hidden // D (the standard sweep). `quick_bwd`: backward
+    only, QUICK_BWD_CANDIDATES, SDPA-flash only (no cuDNN)."""
     import triton
     from torch.nn.attention import SDPBackend
 
     from flashsuite.common.validation import check_inputs
 
     dtype = torch.bfloat16
+    t_start = time.time()
+    kinds = ("bwd",) if quick_bwd else ("fwd", "bwd")
     jobs, keys = [], []
     for d in head_dims:
         for causal in (False, True):
-            for kind in ("fwd", "bwd"):
-                for cfg in _candidates(kind, d, causal):
+            for kind in kinds:
+                for cfg in _candidates(kind, d, causal, quick_bwd):
                     jobs.append((kind, d, dtype, causal, cfg))
                     keys.append((kind, d, causal, cfg))
     t0 = time.time()
@@ -374,17 +424,18 @@ def sweep(
                 ref_o, ref_g = _sdpa_ref(q, k, v, do, causal)
                 fl = _flops(b, h, n, d, causal)
                 row = {"D": d, "N": n, "B": b, "H": h, "causal": causal, "fwd": [], "bwd": []}
-                for name, backend in (
-                    ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                    ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
-                ):
+                row["sdpa_cudnn"] = None
+                peers = [("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
+                if not quick_bwd:
+                    peers.append(("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION))
+                for name, backend in peers:
                     t = _sdpa_times(q, k, v, do, causal, backend)
                     row[name] = None if t is None else {
                         "fwd_ms": t[0], "bwd_ms": t[1],
                         "fwd_tflops": fl / t[0] * 1e-9, "bwd_tflops": 2.5 * fl / t[1] * 1e-9,
                     }  # fmt: skip
-                for kind in ("fwd", "bwd"):
-                    for cfg in _candidates(kind, d, causal):
+                for kind in kinds:
+                    for cfg in _candidates(kind, d, causal, quick_bwd):
                         pr = probes[(kind, d, causal, cfg)]
                         entry = {"config": asdict(cfg), "probe": pr}
                         if pr["ok"]:
@@ -393,7 +444,7 @@ def sweep(
                 _print_row(row)
                 results.append(row)
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "fa2_tune.json")
+    path = os.path.join(out_dir, "fa2_quick_bwd.json" if quick_bwd else "fa2_tune.json")
     meta = {
         "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
         "torch": torch.__version__,
@@ -403,7 +454,7 @@ def sweep(
     }
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {path} ({time.time() - t_start:.0f} s in all)")
     _print_best(results)
     return {"meta": meta, "results": results}
 
@@ -414,6 +465,8 @@ def _print_row(row: dict) -> None:
     head = f"D={row['D']} N={row['N']} B={row['B']} H={row['H']} causal={row['causal']}"
     print(f"\n{head}")
     for kind in ("fwd", "bwd"):
+        if not row[kind]:
+            continue  # --quick-bwd: no forward candidates
         ref = flash[f"{kind}_tflops"] if flash else None
         peers = "  ".join(
             f"{nm} {pe[f'{kind}_tflops']:.0f}"
@@ -428,12 +481,12 @@ def _print_row(row: dict) -> None:
                 ratio = f" {e['tflops'] / ref:.2f}x flash" if ref else ""
                 bad = "  MISMATCH vs SDPA" if not e["max_abs_err"] < 0.1 else ""
                 print(
-                    f"    {_cfg_str(cfg):36} {e['tflops']:6.0f} TFLOP/s{ratio}  "
+                    f"    {_cfg_str(cfg):42} {e['tflops']:6.0f} TFLOP/s{ratio}  "
                     f"err {e['max_abs_err']:.1e}{bad}"
                 )
             else:
                 why = e.get("error") or _fmt_probe(e["probe"])
-                print(f"    {_cfg_str(cfg):36} skipped: {why}")
+                print(f"    {_cfg_str(cfg):42} skipped: {why}")
     sys.stdout.flush()
 
 
@@ -457,16 +510,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--probe", action="store_true", help="compile-probe the shipped table only")
     ap.add_argument("--fp32", action="store_true", help="with --probe: fp32 entries as well")
+    ap.add_argument(
+        "--quick-bwd",
+        action="store_true",
+        help="GPU, < 90 s: backward only, D 128/256, N 8192, shipped + QUICK_BWD_CANDIDATES",
+    )
     ap.add_argument("--out", default="fa2_tune_out", help="folder for the sweep's JSON")
-    ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256], help="head dims")
-    ap.add_argument("--n", type=int, nargs="*", default=[2048, 8192], help="seqlens")
+    ap.add_argument("--d", type=int, nargs="*", default=None, help="head dims")
+    ap.add_argument("--n", type=int, nargs="*", default=None, help="seqlens")
     args = ap.parse_args(argv)
     if args.probe:
         dtypes = (torch.bfloat16, torch.float32) if args.fp32 else (torch.bfloat16,)
         sys.exit(0 if probe_table(dtypes) else 1)
     if not torch.cuda.is_available():
         sys.exit("fa2.tune: the timing sweep needs a CUDA GPU (use --probe on CPU)")
-    sweep(args.out, args.d, args.n)
+    if args.quick_bwd:
+        sweep(args.out, args.d or [128, 256], args.n or [8192], quick_bwd=True)
+    else:
+        sweep(args.out, args.d or [64, 128, 256], args.n or [2048, 8192])
 
 
 if __name__ == "__main__":
