@@ -113,16 +113,16 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
         cfg = BwdConfig(m1, 128, 128, 64, num_warps=8, num_stages=3, num_warps_dq=8,
                         num_stages_dq=3)  # fmt: skip
     elif head_dim <= 128:
-        # dK/dV 32x128 w8 s2 (96 KB): causal 279 (0.95x flash 292) with the tail stage
-        # unpipelined (255 regs, 0 spills; pipelined: 168 B). Non-causal: the unpipelined tail
-        # spilled 16 B, the pipelined one is clean (D128 255 regs, D96 252); the shipped 32x64
-        # s2 gave 184 (0.60x of 307). 64x128 and 64x64 spill 56-1000 B either way. Both
+        # dK/dV 32x128 w8 (96 KB), H200 2026-11-29, N=8192 bf16 (`tune --quick-bwd`):
+        # non-causal s3 with the tail stage pipelined 380 TFLOP/s (1.24x flash 307; s2: 327,
+        # the earlier 32x64 s2: 184); causal s2 with the tail unpipelined 277-279 (0.95x flash
+        # 292; pipelined it spills 168 B). 64x128 and 64x64 spill 56-1000 B either way. Both
         # entries sit at 255 regs: small code changes tip them into 8-16 B of spills, so
         # re-probe after any edit of _bwd_dkdv. dQ 128x64 w8 s3: 219-229 regs, 0 spills.
-        # Untimed alternatives (`tune --quick-bwd`): 32x128 s3; dQ by TMA reduce-adds
-        # (dq_atomic, 5 GEMMs) at 32x64 / 16x128 s2 (non-causal), 16x64 s1 (causal).
-        cfg = BwdConfig(32, 128, 128, 64, num_warps=8, num_stages=2, num_warps_dq=8,
-                        num_stages_dq=3, tail_pipelined=not causal)  # fmt: skip
+        # dQ by TMA reduce-adds (dq_atomic, 5 GEMMs) measured slower here: 32x64 s2 158,
+        # 16x128 s2 193 (non-causal).
+        cfg = BwdConfig(32, 128, 128, 64, num_warps=8, num_stages=2 if causal else 3,
+                        num_warps_dq=8, num_stages_dq=3, tail_pipelined=not causal)  # fmt: skip
     elif causal:
         # D 192/256: 132 (0.53x flash 249). Every wgmma dK/dV tile spills: 16x64 / 32x64 w8
         # 0.6-1.2 KB (64 keys x 256 x {K, V, dK, dV}); 64x32 w8 s2 (keys = 32 rows, so

@@ -100,18 +100,19 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
 def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     """The shipped config for (head_dim, dtype, causal). fp16 and bf16 share tiles (same bytes).
 
-    Not yet measured on our H200 (see the module docstring): tile shapes follow the smem
-    arithmetic and FA3's published choices; every entry compiles with the wgmma pipeline
-    intact (no ptxas C7512/C7519) and no spills, which tests/test_fa3_compile.py checks.
+    D = 64 and D = 128 are chosen from H200 measurements (quoted per branch); the others
+    follow the smem arithmetic and FA3's published choices. Every entry compiles with the
+    wgmma pipeline intact (no ptxas C7512/C7519) and no spills (tests/test_fa3_compile.py).
     ptxas max register index per consumer thread (budget 240) is noted per branch.
     """
     del dtype  # fp16 and bf16 tiles are the same bytes
     if head_dim <= 64:
-        # 16 KiB per K or V stage: three stages and a separate sO fit (128 KiB). R159.
-        # H200 (bf16, N=16k): 453 TFLOP/s, cuDNN 452 (bar 1.1x); causal N=8k 421 vs 428.
-        # Candidates in `ablate --final`: 3 consumer WGs (192x128, FA3's shape), tile_n 192,
-        # persistent for causal.
-        return Fa3Config(tile_n=128, stages=3)
+        # FA3's D=64 shape: three consumer warpgroups (192 query rows, 32/160 registers),
+        # 128-wide K/V tiles, 3 stages (Q 24 + K/V 96 + sO 24 KiB). R157 of 160.
+        # H200 2026-11-29 (bf16, `ablate --final`): N=16k 522 TFLOP/s vs cuDNN 458 (1.14x;
+        # two warpgroups 467, 1.02x; tile_n 192 471); causal N=16k 484 vs 441 (1.10x; two
+        # warpgroups 436), N=8k 464 vs 436.
+        return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
     if head_dim <= 96:
         # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
         return Fa3Config(tile_n=128, stages=2)
@@ -121,10 +122,10 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
             return Fa3Config(tile_n=128, stages=2)
         # FA3's non-causal choice: a wider S (176) amortises the softmax over more columns.
         # 2 stages of 44 KiB for K and V need sO on sQ: 208 KiB. R219.
-        # H200 ablation (bf16 N=8k, TFLOP/s full/causal): this 613/559; no_intra_wg_overlap
-        # 627/558; tile_n_128_o_on_q 627/563. Candidates to ship once `ablate --final`
-        # confirms them in a second run (one run's spread is ~1-2%).
-        return Fa3Config(tile_n=176, stages=2, o_alias_q=True)
+        # H200 2026-11-29 (bf16), two runs: intra-WG overlap off beats on, 627 vs 613
+        # (N=8k) and 636 vs 629 (N=16k; cuDNN 626): with ping-pong the other warpgroup's
+        # GEMMs already hide this one's softmax. tile_n 128 with sO on sQ: 627 / 633.
+        return Fa3Config(tile_n=176, stages=2, o_alias_q=True, intra_wg_overlap=False)
     if head_dim <= 192:
         # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
         return Fa3Config(tile_n=112, stages=2, o_alias_q=True)
