@@ -145,6 +145,10 @@ def _three_wgs(cfg: Fa3Config) -> Fa3Config:
     return replace(cfg, num_consumer_wgs=3, tile_m=192)
 
 
+def _two_wgs(cfg: Fa3Config) -> Fa3Config:
+    return replace(cfg, num_consumer_wgs=2, tile_m=128)
+
+
 def ablation_configs(head_dim: int = 128, causal: bool = False) -> dict[str, Fa3Config]:
     """Variants of the shipped config at one head_dim, each switching one feature."""
     base = get_config(head_dim, torch.bfloat16, causal)
@@ -159,7 +163,8 @@ def ablation_configs(head_dim: int = 128, causal: bool = False) -> dict[str, Fa3
         "tile_n_64": replace(base, tile_n=64, o_alias_q=False),
         "tile_n_64_stages4": replace(base, tile_n=64, stages=4, o_alias_q=True),
         "tile_n_176_o_on_q": replace(base, tile_n=176, o_alias_q=True),
-        "tile_n_192": replace(base, tile_n=192, stages=2),
+        "tile_n_192": replace(_two_wgs(base), tile_n=192, stages=2),
+        "wg2": _two_wgs(base),
         "wg3": _three_wgs(base),
         "wg3_no_pingpong": replace(_three_wgs(base), pingpong=False),
         "wg3_stages2": replace(_three_wgs(base), stages=2),
@@ -184,10 +189,11 @@ def final_variants() -> list[tuple[str, int, bool, Fa3Config]]:
             cands["persistent"] = replace(base, persistent=True)
         if d == 64:
             cands["wg3"] = _three_wgs(base)
+            cands["wg2"] = _two_wgs(base)
             if causal:
                 cands["wg3_persistent"] = replace(_three_wgs(base), persistent=True)
             else:
-                cands["tile_n_192"] = replace(base, tile_n=192, stages=2)
+                cands["tile_n_192"] = replace(_two_wgs(base), tile_n=192, stages=2)
         if d == 128 and not causal:
             cands["no_intra_wg_overlap"] = replace(base, intra_wg_overlap=False)
             cands["tile_n_128_o_on_q"] = replace(base, tile_n=128, o_alias_q=True)
@@ -211,7 +217,9 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
         ("wg3-no-overlap", 64, bf16, False, replace(_three_wgs(d64), intra_wg_overlap=False)),
         ("wg3-no-pingpong", 64, bf16, True, replace(_three_wgs(d64), pingpong=False)),
         ("wg3-persistent-causal", 64, bf16, True, replace(_three_wgs(d64), persistent=True)),
-        ("tile_n_192", 64, bf16, False, replace(d64, tile_n=192, stages=2)),
+        ("wg2", 64, bf16, False, _two_wgs(d64)),
+        ("wg2-causal", 64, bf16, True, _two_wgs(d64)),
+        ("tile_n_192", 64, bf16, False, replace(_two_wgs(d64), tile_n=192, stages=2)),
         ("persistent-causal", 128, bf16, True, replace(d128c, persistent=True)),
         ("persistent-o-on-q", 128, bf16, False, replace(d128, persistent=True)),
         (
