@@ -37,7 +37,7 @@ def _peak_ratio(version: str, n: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("version", [v for v in runnable_versions() if v in ("fa2", "fa3")])
-def test_peak_memory_is_linear_in_seqlen(version: str) -> None:
+def test_peak_memory_is_linear_in_seqlen(version: str, record_property) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     rows = []
@@ -47,6 +47,7 @@ def test_peak_memory_is_linear_in_seqlen(version: str) -> None:
         torch.cuda.empty_cache()
     report = ", ".join(f"N={n}: peak {p / 2**20:.0f} MiB = {p / w:.2f}x needed" for n, p, w in rows)
     print(f"{version}: {report}")
+    record_property("peak_memory", report)  # lands in --junitxml, for docs/results.md
     for _, peak, needed in rows:
         assert peak <= 1.3 * needed, report
     # Linear: 16x the tokens costs at most ~16x the bytes (nothing quadratic hides in there).
