@@ -269,3 +269,19 @@ def test_torch_compile_fullgraph_and_export() -> None:
     exported = torch.export.export(Attn(), (q.detach(), k.detach(), v.detach()))
     assert "flashsuite.torch_fwd" in exported.graph_module.code
     torch.testing.assert_close(exported.module()(q, k, v), Attn()(q, k, v))
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_backward_is_deterministic(version: str, device: str) -> None:
+    """Two backward passes on the same inputs give bitwise-identical gradients (every shipped
+    backward is deterministic by default: no atomics in the reduction order)."""
+    case = Case(seqlen_q=130, seqlen_k=150, heads_q=4, heads_kv=2, head_dim=64, causal=True)
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    _require(version, case, q, k, v)
+    dout = make_grad_out(case, device)
+    grads = []
+    for _ in range(2):
+        out = dispatch.attention(q, k, v, causal=True, version=version)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for name, a, b in zip(("dq", "dk", "dv"), *grads, strict=True):
+        assert torch.equal(a, b), f"{name} differs between two runs"
