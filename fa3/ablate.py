@@ -4,6 +4,8 @@
     python -m flashsuite.fa3.ablate --out DIR --smoke     # 3 small cases, for compute-sanitizer
     python -m flashsuite.fa3.ablate --out DIR --skip-correctness --skip-bench --head-dim 64
     python -m flashsuite.fa3.ablate --out DIR --final     # < 2 min: the candidates to ship
+    python -m flashsuite.fa3.ablate --out DIR --persistent     # < 2 min: persistent schedulers
+    python -m flashsuite.fa3.ablate --out DIR --persistent --smoke --variant new --head-dim 128
 
 Stages, each variant in its own try/except so one failure does not end the run (a GPU hang
 cannot be caught in-process: the first case is tiny so a barrier bug shows at once):
@@ -15,6 +17,13 @@ cannot be caught in-process: the first case is tiny so a barrier bug shows at on
    stages, tile_n), each variant checked for correctness on a small case before timing;
 4. launch overhead: wall time of a tiny call vs SDPA's.
 Results go to DIR/fa3_ablate.json.
+
+--persistent (DIR/fa3_persistent.json, < 2 min): configs.persistent_variants, i.e. per shape the
+plain grid, the round-robin persistent scheduler ("old") and the overlapped persistent one with
+the balanced order ("new"), each checked on 8 small bf16 cases (odd lengths, GQA/MQA, keyless
+rows, several tiles per CTA) and then timed at D = 64/128/256 causal N = 4k/8k/16k and D = 128
+non-causal N = 16k next to cuDNN in the same run. The new variants run last (a hang ends the run
+after the JSON written so far).
 
 --final (DIR/fa3_final.json): each non-shipped entry of configs.final_variants (3 consumer
 WGs, wider tile_n, persistent LPT scheduler, the D=128 ablation winners) is compiled, checked
@@ -39,7 +48,12 @@ from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import compare, reference_pair
 from flashsuite.common.validation import check_inputs
 from flashsuite.fa3 import interface
-from flashsuite.fa3.configs import Fa3Config, ablation_configs, final_variants
+from flashsuite.fa3.configs import (
+    Fa3Config,
+    ablation_configs,
+    final_variants,
+    persistent_variants,
+)
 
 DEV = "cuda"
 _HANG_S = 90  # seconds one correctness case may take (compiles included) before we give up
@@ -156,7 +170,10 @@ def _sdpa_fn(q, k, v, causal: bool, backend):
     return run
 
 
-def bench_one(d: int, n: int, causal: bool, dtype=torch.bfloat16, cfg=None, peers=True) -> dict:
+def bench_one(
+    d: int, n: int, causal: bool, dtype=torch.bfloat16, cfg=None, peers=True, flash=True
+) -> dict:
+    """fa3 TFLOP/s at B*N = 16k tokens, Hq*D = 2048; with `peers` cuDNN (and SDPA flash)."""
     from torch.nn.attention import SDPBackend
 
     b, h = max(1, 16384 // n), 2048 // d
@@ -167,7 +184,8 @@ def bench_one(d: int, n: int, causal: bool, dtype=torch.bfloat16, cfg=None, peer
     timings = {"fa3": lambda: interface.forward(q, k, v, p, cfg=cfg)}
     if peers:
         timings["cudnn"] = _sdpa_fn(q, k, v, causal, SDPBackend.CUDNN_ATTENTION)
-        timings["flash"] = _sdpa_fn(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
+        if flash:
+            timings["flash"] = _sdpa_fn(q, k, v, causal, SDPBackend.FLASH_ATTENTION)
     for name, fn in timings.items():
         try:
             ms = _bench_ms(fn)
@@ -337,6 +355,116 @@ def run_final(res: dict, save) -> None:
             save()
 
 
+def persistent_cases(d: int, causal: bool) -> list[dict]:
+    """8 small bf16 cases sharing one compile key per variant (the one the timing uses)."""
+    bf = torch.bfloat16
+    cases = [
+        dict(b=1, nq=128, nk=128, hq=1, hkv=1),  # tiny first: a barrier bug hangs at once
+        dict(b=2, nq=17, nk=1000, hq=4, hkv=2),  # odd lengths, GQA
+        dict(b=3, nq=300, nk=513, hq=4, hkv=4),
+        dict(b=2, nq=1000, nk=1000, hq=4, hkv=2),
+        dict(b=1, nq=777, nk=1000, hq=6, hkv=1),  # MQA
+        dict(b=2, nq=1000, nk=17, hq=4, hkv=2),  # causal: keyless rows, whole tiles with no block
+        # More tiles than SMs: persistent CTAs run several tiles (phases carried across tiles,
+        # tiles of different lengths, the balanced order's reversed sections).
+        dict(b=2, nq=2000, nk=2000, hq=16, hkv=4),
+        dict(b=4, nq=1500, nk=1100, hq=16, hkv=2),
+    ]
+    return [{**c, "d": d, "dtype": bf, "causal": causal} for c in cases]
+
+
+def _persistent_shapes(d: int, causal: bool) -> tuple[int, ...]:
+    return (4096, 8192, 16384) if causal else (16384,)
+
+
+def run_persistent(
+    res: dict, save, smoke: bool = False, only: list[str] | None = None, head_dims=None
+) -> None:
+    """Correctness, then TFLOP/s vs cuDNN, of configs.persistent_variants into res["persistent"]:
+    plain and old first, the new variants after them (the likeliest to hang).
+
+    `smoke`: only the new variants on 3 cases (one tile, keyless tiles, several tiles per CTA)
+    and no timing, for compute-sanitizer. `only` / `head_dims` keep those variant names / dims.
+    """
+    res["persistent"] = per = {"correctness": [], "bench": []}
+    cudnn: dict[tuple, float | None] = {}
+    tflops: dict[tuple, float | None] = {}
+    _log(f"{'D':>4} {'causal':>6} {'N':>6} {'variant':10s} {'TFLOP/s':>8} {'cudnn':>7} {'x':>6}")
+    for stage in ("new",) if smoke else ("baseline", "new"):
+        ok = []
+        for name, d, causal, cfg in persistent_variants():
+            if (stage == "new") != cfg.overlap_tiles:
+                continue
+            if (only and name not in only) or (head_dims and d not in head_dims):
+                continue
+            tag = f"{name} D={d} {'causal' if causal else 'full'}"
+            statuses = []
+            cases = persistent_cases(d, causal)
+            for c in [cases[i] for i in (0, 5, 6)] if smoke else cases:
+                faulthandler.dump_traceback_later(_HANG_S, exit=True)
+                try:
+                    r = check_case(c, cfg=cfg)
+                except Exception as e:
+                    r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                statuses.append(r["status"])
+                per["correctness"].append({"variant": tag, "case": _case_name(c), **r})
+                if r["status"] != "PASS":
+                    _log(f"[persistent] {tag}: {r['status']} {_case_name(c)} {_fmt_err(r)}")
+            passed = all(st == "PASS" for st in statuses)
+            _log(f"[persistent] correctness {'PASS' if passed else 'FAIL'} {tag}")
+            if passed and not smoke:
+                ok.append((name, d, causal, cfg))
+            save()
+        for name, d, causal, cfg in ok:
+            for n in _persistent_shapes(d, causal):
+                key = (d, causal, n)
+                row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
+                faulthandler.dump_traceback_later(_HANG_S, exit=True)
+                try:
+                    row.update(
+                        bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn, flash=False)
+                    )
+                    if key not in cudnn:
+                        cudnn[key] = row.get("cudnn_tflops")
+                except Exception as e:
+                    row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
+                finally:
+                    faulthandler.cancel_dump_traceback_later()
+                t, c = row.get("fa3_tflops"), cudnn.get(key)
+                row["ratio_vs_cudnn"] = t / c if t and c else None
+                tflops[(*key, name)] = t
+                per["bench"].append(row)
+                _log(
+                    f"{d:4d} {causal!s:>6} {n:6d} {name:10s} "
+                    f"{'n/a' if t is None else f'{t:8.1f}':>8} "
+                    f"{'n/a' if c is None else f'{c:7.1f}':>7} "
+                    f"{'n/a' if row['ratio_vs_cudnn'] is None else f'{t / c:6.3f}':>6}"
+                )
+            save()
+    # One row per shape: every variant's TFLOP/s and its ratio to cuDNN, side by side.
+    order = [name for name, *_ in persistent_variants()]
+    names = sorted({k[3] for k in tflops}, key=order.index)
+    per["table"] = []
+    for key, c in cudnn.items():
+        row = {"D": key[0], "causal": key[1], "N": key[2], "cudnn": c}
+        for name in names:
+            if (*key, name) not in tflops:
+                continue
+            t = tflops[(*key, name)]
+            row[name] = t
+            row[f"{name}_x_cudnn"] = t / c if t and c else None
+        per["table"].append(row)
+        _log(
+            "[persistent] "
+            + " ".join(
+                f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            )
+        )
+    save()
+
+
 def run_overhead(calls: int = 2000) -> dict:
     """Host wall time per tiny call (B=1, N=128, H=1, D=64), fa3 vs SDPA's default path."""
     q, k, v = _inputs(1, 128, 128, 1, 1, 64, torch.bfloat16)
@@ -366,19 +494,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--skip-ablation", action="store_true")
-    ap.add_argument("--head-dim", type=int, default=128, help="head_dim of the ablation table")
+    ap.add_argument(
+        "--head-dim",
+        type=int,
+        help="head_dim of the ablation table (default 128); with --persistent: only this one",
+    )
     ap.add_argument(
         "--final",
         action="store_true",
         help="only the candidates of configs.final_variants: correctness, then TFLOP/s (< 2 min)",
     )
     ap.add_argument(
+        "--persistent",
+        action="store_true",
+        help="plain vs old vs new persistent scheduler: correctness, then TFLOP/s (< 2 min)",
+    )
+    ap.add_argument(
+        "--variant",
+        action="append",
+        help="with --persistent: only these configs.persistent_variants names (plain, old, new..)",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
-        help="only the first 3 correctness cases (for compute-sanitizer), nothing else",
+        help="only the first 3 correctness cases (for compute-sanitizer), nothing else; with "
+        "--persistent: the new persistent variants on 3 cases, no timing",
     )
     args = ap.parse_args(argv)
-    if args.smoke:
+    if args.smoke and not args.persistent:
         args.skip_bench = args.skip_ablation = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -387,11 +530,20 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         return 1
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    path = out / ("fa3_final.json" if args.final else "fa3_ablate.json")
+    name = "fa3_persistent" if args.persistent else "fa3_final" if args.final else "fa3_ablate"
+    path = out / f"{name}.json"
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1, default=str))
 
+    if args.persistent:
+        t0 = time.perf_counter()
+        dims = [args.head_dim] if args.head_dim else None
+        run_persistent(result, save, smoke=args.smoke, only=args.variant, head_dims=dims)
+        result["seconds"] = time.perf_counter() - t0
+        save()
+        _log(f"[fa3] wrote {path} ({result['seconds']:.0f} s)")
+        return 0
     if args.final:
         t0 = time.perf_counter()
         run_final(result, save)
@@ -412,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         result["bench"] = run_bench()
         save()
     if not args.skip_ablation:
-        result["ablation"] = run_ablation(args.head_dim)
+        result["ablation"] = run_ablation(args.head_dim or 128)
         save()
     if not args.smoke:
         try:

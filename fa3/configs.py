@@ -42,6 +42,21 @@ class Fa3Config:
     # Persistent grid (one CTA per SM looping over tiles, heaviest causal tiles first) instead
     # of one CTA per tile.
     persistent: bool = False
+    # Persistent only: overlap tile boundaries. The producer loads the next tile's first K block
+    # before its Q and runs into the ring while the consumers finish the current tile; Q is
+    # released right after the last Q·Kᵀ (not after the O store); with a separate sO each
+    # consumer WG stores its own 64 rows and waits for that store's smem reads only before it
+    # writes its slab again (kernels.py, "Persistent tile overlap").
+    overlap_tiles: bool = False
+    # Persistent only, a static schedule that balances causal work. The tile order's L2 sections
+    # (groups of heads whose K/V fit in L2) alternate direction, the last one heaviest first, so
+    # costs along the order form a smooth triangle wave instead of a sawtooth; CTA i takes
+    # position i of even rounds and grid-1-i of odd ones (snake). Modelled makespan / mean CTA
+    # load (cost of a tile = its K/V blocks + 1), 132 CTAs, B*N = 16k, Hq*D = 2048, causal
+    # N = 4k/8k/16k: round-robin on the sawtooth (the old persistent order; CTA 0 takes the
+    # heaviest tile of every round) 1.15 at D=128, 1.39-1.42 at D=256, 1.06-1.08 at D=64;
+    # balanced <= 1.006 everywhere (greedy dynamic scheduling: <= 1.006 too).
+    balanced_order: bool = False
 
 
 def _align(n: int, a: int = 1024) -> int:
@@ -86,6 +101,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
     # wgmma N is a multiple of 8 up to 256; P is the K operand of PV, so tile_n % 16 == 0.
     if not (16 <= cfg.tile_n <= 256 and cfg.tile_n % 16 == 0):
         return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of 16 in [16, 256]"
+    if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
+        return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.stages < 2:
         return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
     smem = smem_bytes(cfg, head_dim)
@@ -230,4 +247,50 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             replace(d128c, persistent=True, intra_wg_overlap=False),
         ),
         ("persistent-d256-causal", 256, bf16, True, replace(d256, persistent=True)),
+        *(
+            (f"persistent-{name}", d, bf16, causal, cfg)
+            for name, d, causal, cfg in persistent_variants()
+            if cfg.overlap_tiles and cfg.balanced_order  # new_rr: the same code, old order
+        ),
+        (
+            "persistent-new-no-iwo",
+            128,
+            torch.float16,
+            True,
+            _overlap(replace(d128c, intra_wg_overlap=False)),
+        ),
     ]
+
+
+def _overlap(cfg: Fa3Config) -> Fa3Config:
+    """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
+    return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)
+
+
+def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
+    """(name, head_dim, causal, config) that `ablate --persistent` times: per shape the plain
+    grid ("plain", the shipped config), the round-robin persistent scheduler ("old") and the
+    overlapped one with the balanced order ("new"; a separate sO wherever it fits).
+
+    D=128 non-causal ships tile_n 176 with sO on sQ (208 KiB); a separate sO needs tile_n <= 160
+    (Q 32 + K/V 2 x 2 x 40 + sO 32 KiB = 225 KiB) or 128 (193 KiB). D=256 cannot have one at
+    tile_m 128 (Q 64 + sO 64 + K/V >= 128 KiB): it keeps sO on sQ and gets the K-first producer
+    order and the balanced order only.
+    """
+    bf16 = torch.bfloat16
+    out = []
+    for d, causal in ((64, True), (128, True), (256, True), (128, False)):
+        base = get_config(d, bf16, causal)
+        out.append(("plain", d, causal, base))
+        out.append(("old", d, causal, replace(base, persistent=True)))
+        out.append(("new", d, causal, _overlap(base)))
+        if d == 128 and causal:
+            # Tile overlap without the balanced order: which of the two a gain comes from.
+            out.append(("new_rr", d, causal, replace(_overlap(base), balanced_order=False)))
+        if d == 128 and not causal:
+            # "new" keeps the shipped tile's sO on sQ (K-first producer order only); these
+            # narrower tiles make room for a separate sO (per-WG epilogue, early Q release).
+            for tile_n in (160, 128):
+                cfg = _overlap(replace(base, tile_n=tile_n, o_alias_q=False))
+                out.append((f"new_n{tile_n}", d, causal, cfg))
+    return out

@@ -16,9 +16,46 @@ one producer and two (or three) consumer warpgroups:
 - PERSISTENT: the grid is one CTA per SM and each CTA walks tiles bid, bid + grid, ... in
   `tile_coords` order (heaviest causal tiles first, heads grouped so their K/V stay in L2).
   Pipeline states carry their phases from tile to tile; Q is loaded and released once per tile
-  (released after the main loop, or after the O store where sO aliases sQ).
+  (released after the main loop, or after the O store where sO aliases sQ). BALANCED_ORDER
+  (Fa3Config.balanced_order) evens out the CTAs' causal work: see `tile_coords`, `cta_tile`.
 - Epilogue: O scaled by 1/l (0 for empty rows), LSE (natural log, -inf for empty rows) stored
   in fp32, O via stmatrix into smem, fence, named barrier, TMA store.
+
+Persistent tile overlap (Fa3Config.overlap_tiles, persistent only). Per CTA the tiles run
+t = 0, 1, ... in the schedule order; n_t = n_block_max - n_block_min K/V blocks (may be 0).
+W = consumer warps (4 x NUM_CONSUMER_WGS), every mbarrier below is a `PipelineTmaAsync` one:
+full barriers complete on the producer's arrive_and_expect_tx (count 1) + the TMA bytes, empty
+barriers on W consumer-warp arrivals; a state's phase flips each time its index wraps.
+
+  barrier          arrivals per tile t                     who waits, on which parity
+  Q full  (1 st.)  1 + bytes_q, once per tile (also n_t=0)  consumers: q_state, flips per tile
+  Q empty (1 st.)  W: after each warp's last QK has retired  producer: before Q of tile t+1
+                   (intra-WG overlap, separate sO; n_t = 0: before the epilogue; without
+                   intra-WG overlap: after the main loop; O_ALIAS_Q: after the O store read sQ)
+  K full/empty     n_t each, stage kv_state.index           K empty released after the QK
+  V full/empty     n_t each, same stage as K                V empty released after the PV
+  PINGPONG_WGc     intra-WG overlap: n_t - 1 syncs and n_t - 1 arrives per WG and tile, so
+                   the token makes whole rounds and is back at WG0 when tile t+1 starts;
+                   without overlap: 1 + n_t syncs, n_t + 1 arrives per WG
+  EPILOGUE_WGc     separate sO: 2 syncs of the 128 threads of WG c per tile (before writing
+                   its slab, after the fence), nothing across WGs; sO on sQ: EPILOGUE, 2 syncs
+                   of every consumer thread per tile as without overlap
+  bulk store group store warp of WG c: 1 commit per tile; wait_group.read 0 before the next
+                   write of its slab and after the last tile (sO on sQ: right after the store,
+                   before Q's release)
+
+q_state and kv_state are carried from tile to tile by both sides (kv_state advances n_t times
+per tile, q_state once), so the parities stay matched without any per-tile reset.
+Producer order per tile: K(first block) -> Q -> V(first block) -> K, V of the other blocks.
+The first K load of tile t+1 needs a free K stage (2 stages: freed by tile t's next-to-last
+QK), not the consumers' Q release, so it lands while tile t's last PV and epilogue run, and
+Q(t+1) follows as soon as both WGs' last QK of tile t retired. Neither wait can deadlock: what the
+producer waits for (a K stage, sQ) is released by consumer work on blocks it already loaded.
+Separate sO: sO is TILE_M x D in NUM_CONSUMER_WGS slabs of 64 rows, slab c written and
+TMA-stored by WG c alone (its first warp issues the store), so a WG that finishes its tile
+starts the next one without waiting for the other WG. The store's smem reads are waited for
+(cp.async.bulk.wait_group.read 0) by that warp right before WG c writes its slab again, and
+once after the last tile; never right after the store.
 
 Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B), so TMA
 uses a 4-D descriptor and its bounds are per sequence: tail tiles load zeros and stores clip.
@@ -84,6 +121,10 @@ class Barrier(enum.IntEnum):
     PINGPONG_WG0 = 2
     PINGPONG_WG1 = 3
     PINGPONG_WG2 = 4  # only with three consumer WGs
+    # overlap_tiles with a separate sO: consumer WG c's own epilogue (128 threads).
+    EPILOGUE_WG0 = 5
+    EPILOGUE_WG1 = 6
+    EPILOGUE_WG2 = 7
 
 
 class Fa3Forward:
@@ -111,6 +152,12 @@ class Fa3Forward:
         self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
         self.NUM_THREADS = 128 + self.CONSUMER_THREADS
         self.PERSISTENT = cfg.persistent
+        self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
+        self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
+        # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
+        # other WG's Q·Kᵀ may still read sQ). Q is then released right after the last Q·Kᵀ.
+        self.PER_WG_EPILOGUE = self.OVERLAP_TILES and not cfg.o_alias_q
+        self.EARLY_Q_RELEASE = self.PER_WG_EPILOGUE and cfg.intra_wg_overlap
         # K and V rows (both tensors, 16-bit) of the (batch, head) pairs that the persistent
         # order keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
         self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * 2)
@@ -141,6 +188,16 @@ class Fa3Forward:
             atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )  # (TILE_N, D, STAGES)
         return sQ_l, sK_l
+
+    def _o_layout(self):
+        """sO: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE, each slab
+        contiguous so a (64, D) TMA box stores it (sQ_l's atoms are stacked along all TILE_M rows
+        first, so a 64-row slice of it is not one box)."""
+        if self.PER_WG_EPILOGUE:
+            return cute.tile_to_shape(
+                self._smem_atom(), (64, self.HEAD_DIM, self.NUM_CONSUMER_WGS), order=(0, 1, 2)
+            )
+        return cute.tile_to_shape(self._smem_atom(), (self.TILE_M, self.HEAD_DIM), order=(0, 1))
 
     def _tiled_mmas(self):
         major = cute.nvgpu.OperandMajorMode
@@ -226,8 +283,13 @@ class Fa3Forward:
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, sK_stage, (self.TILE_N, self.HEAD_DIM))
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, sK_stage, (self.TILE_N, self.HEAD_DIM))
+        sO_l = self._o_layout()  # (TILE_M, D) or (64, D, NUM_CONSUMER_WGS)
+        o_rows = 64 if self.PER_WG_EPILOGUE else self.TILE_M
         tma_o, tO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_l, (self.TILE_M, self.HEAD_DIM)
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mO,
+            cute.select(sO_l, mode=[0, 1]),
+            (o_rows, self.HEAD_DIM),
         )
 
         seqlen_q = mQ.shape[0]
@@ -252,6 +314,7 @@ class Fa3Forward:
             mma_pv,
             sQ_l,
             sK_l,
+            sO_l,
             Int32(seqlen_q),
             Int32(seqlen_k),
             Int32(group),
@@ -287,6 +350,7 @@ class Fa3Forward:
         mma_pv: cute.TiledMma,
         sQ_l: cute.ComposedLayout,  # (TILE_M, D)
         sK_l: cute.ComposedLayout,  # (TILE_N, D, STAGES)
+        sO_l: cute.ComposedLayout,  # (TILE_M, D) or (64, D, NUM_CONSUMER_WGS)
         seqlen_q: Int32,
         seqlen_k: Int32,
         group: Int32,
@@ -355,7 +419,7 @@ class Fa3Forward:
         if const_expr(self.O_ALIAS_Q):
             sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
         else:
-            sO = st.sO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+            sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
 
         pipeline.pipeline_init_wait()
         Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
@@ -368,7 +432,8 @@ class Fa3Forward:
                 kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
                 load_args = (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
                 if const_expr(self.PERSISTENT):
-                    for tile in cutlass.range(bid_x, num_tiles, grid_x, unroll=1):
+                    for k in cutlass.range(self.cta_tile_count(bid_x, grid_x, num_tiles), unroll=1):
+                        tile = self.cta_tile(k, bid_x, grid_x)
                         m_block, head, batch = self.tile_coords(
                             tile, m_blocks, heads_q, batch_n, seqlen_k
                         )
@@ -416,7 +481,8 @@ class Fa3Forward:
             kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
             cons_args = (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v)
             if const_expr(self.PERSISTENT):
-                for tile in cutlass.range(bid_x, num_tiles, grid_x, unroll=1):
+                for k in cutlass.range(self.cta_tile_count(bid_x, grid_x, num_tiles), unroll=1):
+                    tile = self.cta_tile(k, bid_x, grid_x)
                     m_block, head, batch = self.tile_coords(
                         tile, m_blocks, heads_q, batch_n, seqlen_k
                     )
@@ -442,6 +508,10 @@ class Fa3Forward:
                         n_block_min,
                         n_block_max,
                     )
+                if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102
+                    if warp % 4 == 0:
+                        # The last tile's O store must have read sO before the CTA exits.
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 n_block_min, n_block_max = self.block_range(
                     m_block0, seqlen_q, seqlen_k, window_left, window_right
@@ -467,6 +537,30 @@ class Fa3Forward:
                 )
 
     @cute.jit
+    def cta_tile_count(self, bid: Int32, grid: Int32, num_tiles: Int32) -> Int32:
+        """How many tiles persistent CTA `bid` of `grid` runs (grid <= num_tiles)."""
+        count = (num_tiles - bid + grid - 1) // grid
+        if const_expr(self.BALANCED_ORDER):
+            # Only the last round can be partial; whether it reaches us depends on its direction.
+            full = num_tiles // grid
+            off = bid if full % 2 == 0 else grid - 1 - bid
+            count = full + (1 if off < num_tiles - full * grid else 0)
+        return count
+
+    @cute.jit
+    def cta_tile(self, k: Int32, bid: Int32, grid: Int32) -> Int32:
+        """The position in the tile order of CTA `bid`'s k-th tile.
+
+        Round-robin: bid + k * grid, so CTA 0 takes the heaviest tile of every round.
+        BALANCED_ORDER (snake): odd rounds run backwards, a CTA's heavy tile of one round pairs
+        with a light one of the next and the per-CTA sums even out.
+        """
+        off = bid
+        if const_expr(self.BALANCED_ORDER):
+            off = bid if k % 2 == 0 else grid - 1 - bid
+        return k * grid + off
+
+    @cute.jit
     def tile_coords(
         self, tile: Int32, m_blocks: Int32, heads_q: Int32, batch_n: Int32, seqlen_k: Int32
     ):
@@ -476,7 +570,8 @@ class Fa3Forward:
         K and V fit in L2 together, so the CTAs running at once share their K/V reads; inside a
         section the head is the fastest index. With a right window bound (causal) the m_blocks
         run from the last one down: the tiles that see the most keys start first (longest
-        processing time first), the light ones fill the tail.
+        processing time first), the light ones fill the tail. BALANCED_ORDER: every other
+        section, counted back from the last, runs from the first m_block up instead.
         """
         hb_total = heads_q * batch_n
         section = cutlass.max(cutlass.min(self.L2_KV_ROWS // seqlen_k, hb_total), 1)
@@ -486,7 +581,14 @@ class Fa3Forward:
         in_sec = cutlass.min(section, hb_total - sec * section)  # the last section may be short
         m_block = r // in_sec
         if const_expr(self.HAS_RIGHT):
-            m_block = m_blocks - 1 - m_block
+            if const_expr(self.BALANCED_ORDER):
+                # Sections alternate direction, the last one heaviest first: a smooth cost
+                # sequence that round-robin (snake) rounds split evenly, with LPT at the tail.
+                n_sec = (hb_total + section - 1) // section
+                flip = (n_sec - 1 - sec) % 2 == 0
+                m_block = m_blocks - 1 - m_block if flip else m_block
+            else:
+                m_block = m_blocks - 1 - m_block
         hb = sec * section + r - (r // in_sec) * in_sec
         batch = hb // heads_q
         return m_block, hb - batch * heads_q, batch
@@ -563,31 +665,72 @@ class Fa3Forward:
         tVs, tVg = cpasync.tma_partition(
             tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
         )
-        if const_expr(self.PERSISTENT):
-            pipe_q.producer_acquire(q_state)  # the consumers released the previous tile's Q
-            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-        if n_block_max > n_block_min:
-            if const_expr(not self.PERSISTENT):
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                n_block = n_block_max - 1 - i
+        if const_expr(self.OVERLAP_TILES):
+            # K(first) -> Q -> V(first) -> the other blocks: the first K load only needs a free
+            # K stage, so it is in flight before the consumers release sQ (protocol above).
+            if n_block_max > n_block_min:
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(
                     tma_k,
-                    tKg[None, n_block],
+                    tKg[None, n_block_max - 1],
                     tKs[None, kv_state.index],
                     tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
                 )
+            pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            if n_block_max > n_block_min:
                 pipe_v.producer_acquire(kv_state)
                 cute.copy(
                     tma_v,
-                    tVg[None, n_block],
+                    tVg[None, n_block_max - 1],
                     tVs[None, kv_state.index],
                     tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
                 )
                 kv_state.advance()
+                for i in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(
+                        tma_k,
+                        tKg[None, n_block],
+                        tKs[None, kv_state.index],
+                        tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
+                    )
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(
+                        tma_v,
+                        tVg[None, n_block],
+                        tVs[None, kv_state.index],
+                        tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
+                    )
+                    kv_state.advance()
+        else:
+            if const_expr(self.PERSISTENT):
+                pipe_q.producer_acquire(q_state)  # the consumers released the previous tile's Q
+                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+            if n_block_max > n_block_min:
+                if const_expr(not self.PERSISTENT):
+                    pipe_q.producer_acquire(q_state)
+                    cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                    n_block = n_block_max - 1 - i
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(
+                        tma_k,
+                        tKg[None, n_block],
+                        tKs[None, kv_state.index],
+                        tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
+                    )
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(
+                        tma_v,
+                        tVg[None, n_block],
+                        tVs[None, kv_state.index],
+                        tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
+                    )
+                    kv_state.advance()
         return q_state, kv_state
 
     # ----------------------------------------------------------------------------------------
@@ -718,6 +861,10 @@ class Fa3Forward:
                     if const_expr(self.HAS_LEFT):
                         masked = masked | (i >= n_masked_hi + n_unmasked)
                     kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
+                if const_expr(self.EARLY_Q_RELEASE):
+                    # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
+                    # next tile may land while the last P·V and the epilogue run.
+                    pipe_q.consumer_release(q_state)
                 kv_state = self.last_half_block(ctx, kv_state)
             else:
                 self.pingpong_sync(cwg)
@@ -735,8 +882,12 @@ class Fa3Forward:
                 self.pingpong_arrive(cwg)
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
-            # Every wgmma reading sQ has retired: the producer may load the next tile's Q.
-            pipe_q.consumer_release(q_state)
+            if const_expr(self.EARLY_Q_RELEASE):
+                if n_blocks <= 0:  # no main loop ran: release this tile's Q here
+                    pipe_q.consumer_release(q_state)
+            else:
+                # Every wgmma reading sQ has retired: the producer may load the next tile's Q.
+                pipe_q.consumer_release(q_state)
         self.epilogue(
             tma_o,
             tO,
@@ -749,6 +900,7 @@ class Fa3Forward:
             row_sum,
             ctid,
             warp,
+            cwg,
             m_block,
             head,
             batch,
@@ -1012,6 +1164,7 @@ class Fa3Forward:
         row_sum: cute.Tensor,
         ctid: Int32,
         warp: Int32,
+        cwg: Int32,
         m_block: Int32,
         head: Int32,
         batch: Int32,
@@ -1031,7 +1184,26 @@ class Fa3Forward:
             if (tScS[0][1] == 0) & (row < seqlen_q):
                 mLSE[row, head, batch] = lse
         self.rescale_o(acc_O, inv)
+        if const_expr(self.PER_WG_EPILOGUE):
+            self.store_o_wg(tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, batch)
+        else:
+            self.store_o(tma_o, tO, mma_pv, sO, acc_O, ctid, warp, m_block, head, batch)
 
+    @cute.jit
+    def store_o(
+        self,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        sO: cute.Tensor,
+        acc_O: cute.Tensor,
+        ctid: Int32,
+        warp: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+    ):
+        """The whole TILE_M x D tile through sO, one TMA store by warp 4 (all consumer WGs)."""
         if const_expr(self.O_ALIAS_Q or self.PERSISTENT):
             # sO overwrites sQ: every WG's QK wgmmas (which read sQ) must have retired.
             # Persistent: the previous tile's TMA store must have read sO (warp 4 waits for it
@@ -1063,3 +1235,66 @@ class Fa3Forward:
             cute.copy(tma_o, tOs, tOg)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_o_wg(
+        self,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        sO: cute.Tensor,
+        acc_O: cute.Tensor,
+        ctid: Int32,
+        warp: Int32,
+        cwg: Int32,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+    ):
+        """This WG's 64 rows through its own sO slab and its own TMA store (PER_WG_EPILOGUE).
+
+        Only the 128 threads of WG c sync here, so a WG done with its tile moves on to the next
+        while the other WG still runs its last P·V. The previous tile's store of this slab is
+        waited for (smem reads only) just before the slab is written again.
+        """
+        bar = int(Barrier.EPILOGUE_WG0) + cwg
+        store_warp = warp % 4 == 0  # the first warp of each consumer WG
+        if store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+        sO_wg = sO[None, None, cwg]  # (64, D) slab
+        # One warpgroup's P·V tiling: its C fragment is the same per-thread acc_O layout.
+        mma_wg = sm90.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.MN,
+            Float32,
+            (1, 1, 1),
+            (64, self.HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_wg
+        )
+        thr_r2s = r2s.get_slice(ctid % 128)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_wg))
+        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+        if store_warp:
+            gO = cute.local_tile(
+                tO[None, None, head, batch],
+                (64, self.HEAD_DIM),
+                (m_block * self.NUM_CONSUMER_WGS + cwg, 0),
+            )  # (64, D)
+            tOs, tOg = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO_wg, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()

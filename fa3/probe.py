@@ -38,6 +38,9 @@ PTX_PATTERNS = {
     "setmaxnreg": r"setmaxnreg",
     "bar_sync": r"\bbar\.sync",
     "bar_arrive": r"\bbar\.arrive",
+    "bar_sync_wg": r"\bbar\.sync\s+%r\d+, 128;",  # a runtime-id 128-thread barrier: per-WG epilogue
+    "bar_sync_epilogue_all": r"\bbar\.sync\s+1, (?:256|384);",  # Barrier.EPILOGUE, every consumer
+    "bulk_wait_read": r"cp\.async\.bulk\.wait_group\.read",
     "stmatrix": r"stmatrix",
     "ex2": r"ex2\.approx",
     "mbarrier_try_wait": r"mbarrier\.try_wait",

@@ -1,7 +1,8 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
 Every shipped config (configs.shipped_configs) and every non-default flag variant
-(configs.flag_variants: 3 consumer warpgroups, persistent scheduler) is compiled by
+(configs.flag_variants: 3 consumer warpgroups, the persistent scheduler old and new: tile
+overlap with per-WG epilogues, balanced order) is compiled by
 `python -m flashsuite.fa3.probe --variants` in two subprocesses at once (the CuTe DSL reads its
 CUTE_DSL_* settings at import, so the compile runs outside this interpreter). Each config must
 show wgmma, TMA loads and store, setmaxnreg and the named barriers in its PTX, with 0 spill
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
@@ -97,3 +99,33 @@ def test_flag_variants_cover_new_flags() -> None:
     cfgs = [c[4] for c in flag_variants()]
     assert any(c.num_consumer_wgs == 3 for c in cfgs)
     assert any(c.persistent for c in cfgs)
+    overlap = [c for c in cfgs if c.overlap_tiles]
+    # Both epilogues (per-WG slabs of a separate sO, sO on sQ), both main loops, 2 and 3 WGs.
+    assert {c.o_alias_q for c in overlap} == {False, True}
+    assert {c.intra_wg_overlap for c in overlap} == {False, True}
+    assert {c.num_consumer_wgs for c in overlap} == {2, 3}
+    assert all(c.balanced_order for c in overlap)
+
+
+def test_new_flags_off_in_shipped_table() -> None:
+    for _, _, _, cfg in shipped_configs():
+        assert not (cfg.persistent or cfg.overlap_tiles or cfg.balanced_order), cfg
+
+
+def test_overlap_needs_persistent() -> None:
+    cfg = shipped_configs()[0][3]
+    ok, reason = can_implement(replace(cfg, overlap_tiles=True), 64, torch.bfloat16)
+    assert not ok and "persistent" in reason
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4].overlap_tiles], ids=_id)
+def test_overlap_epilogue_barriers(case, probes) -> None:
+    """Tile overlap with a separate sO: each consumer WG syncs only its own 128 threads around
+    its sO slab (no all-consumer EPILOGUE barrier), and the store's smem reads are waited for
+    twice in the code: before the slab is written again and once after the last tile."""
+    ptx = probes[_id(case)]["ptx"]
+    if case[4].o_alias_q:  # sO on sQ: the other WG's Q·Kᵀ must be done, all consumers sync
+        assert ptx["bar_sync_epilogue_all"] > 0, ptx
+    else:
+        assert ptx["bar_sync_wg"] > 0 and ptx["bar_sync_epilogue_all"] == 0, ptx
+        assert ptx["bulk_wait_read"] == 2, ptx

@@ -1,0 +1,868 @@
+"""FP8 (float8_e4m3fn) forward of fa3: q, k, v in e4m3, out bf16, LSE fp32.
+
+The kernel is `Fa3Forward` with the FP8-specific parts overridden; the warp roles, pipelines,
+ping-pong, intra-WG overlap, masking and online softmax are the 16-bit kernel's own code:
+
+- Both wgmma operands must be K-major for FP8 (an MN-major fp8 B is rejected at trace time),
+  so the B operand of O += P·V, Vᵀ (D x keys), must have the keys contiguous. The host makes
+  that copy before the launch: V (B, Nk, Hkv, D) -> Vt (B, Hkv, D, Nk_pad), one extra read and
+  write of V (2·B·Nk·Hkv·D bytes: ~64 MiB, ~20 us on an H200 at B·N = 16k, Hkv·D = 2048; about
+  1 % of a 16k-token forward, but up to a third of the time at N = 512; an in-kernel transpose
+  by the producer warpgroup would remove it).
+- P leaves the softmax as the fp32 C fragment of S; the fp8 A fragment of the PV wgmma wants
+  other columns per thread (`quad_exchange`): convert to e4m3, two `shfl.sync` within each quad
+  and two `prmt` per 32-bit word.
+- descale_q·descale_k (per batch and kv head, read in the kernel) multiplies the softmax scale;
+  descale_v multiplies O with 1/l in the epilogue. P stays in [0, 1] before its fp8 rounding.
+- Epilogue: O is bf16 (its own smem buffer: sO is twice as big as the fp8 sQ it cannot alias).
+- Non-persistent only; the fp8 tile table is `FP8_CONFIGS` below.
+
+Status: compiled for sm_90a (tests/test_fa3_fp8_compile.py), never run on a GPU. Until it is
+validated, `interface.supports` rejects fp8 unless FLASHSUITE_FA3_FP8=1.
+
+GPU check (correctness against the oracle with descales, then TFLOP/s next to cuDNN bf16 at
+the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
+import math
+import threading
+from dataclasses import dataclass, replace
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+import torch
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass.memory import SmemAllocator
+
+from flashsuite.common.validation import AttnParams
+from flashsuite.fa3.configs import REG_SPLIT, SMEM_CAPACITY, Fa3Config
+from flashsuite.fa3.kernels import LN2, Barrier, Fa3Forward, WarpRole
+
+FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
+# wgmma K for 8-bit operands: P's columns (keys) come in blocks of 32.
+MMA_K_FP8 = 32
+_MAX_GRID_YZ = 65_535
+# Registers a consumer thread needs beyond the fragments (as configs._REG_OVERHEAD[2]).
+_REG_OVERHEAD = 40
+
+
+def _cfg(tile_n: int, stages: int = 2) -> Fa3Config:
+    # 2 consumer WGs, non-persistent; sO is bf16 (2 bytes) and cannot live on the fp8 sQ.
+    return Fa3Config(tile_m=128, tile_n=tile_n, stages=stages, o_alias_q=False, persistent=False)
+
+
+# head_dim -> tile config. Nothing measured yet (no GPU run): chosen from smem and register
+# arithmetic, 128 x 128 where it fits (FA3's fp8 tiles are wider: the first thing to ablate,
+# `fp8_check --ablate`). Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills.
+FP8_CONFIGS: dict[int, Fa3Config] = {
+    # Q 8 + K/V 2 x 2 x 8 + sO 16 KiB = 56 KiB; S 64 + O 32 + P 16 registers. R147.
+    64: _cfg(128),
+    # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
+    96: _cfg(128),
+    # Q 16 + K/V 2 x 2 x 16 + sO 32 KiB = 112 KiB; S 64 + O 64 + P 16. R171.
+    128: _cfg(128),
+    # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
+    192: _cfg(128),
+    # acc_O alone is 128 registers: a 64-wide S keeps the consumer low (S 32 + P 8). R197.
+    # Q 32 + K/V 2 x 2 x 16 + sO 64 KiB = 160 KiB.
+    256: _cfg(64),
+}
+
+
+def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
+    """(name, head_dim, config): the table entries and the candidates to time against them
+    (`fp8_check --ablate`; `fp8_check --probe --variants` compiles them: all 0 spills, R145 to
+    R224). Wider S tiles amortise the softmax and the P exchange over more keys; a third stage
+    hides more load latency."""
+    out = []
+    for d, cfg in FP8_CONFIGS.items():
+        out.append(("shipped", d, cfg))
+        cands = {
+            "no_intra_wg_overlap": replace(cfg, intra_wg_overlap=False),
+            "no_pingpong": replace(cfg, pingpong=False),
+            "stages3": replace(cfg, stages=3),
+        }
+        if d <= 128:
+            cands["tile_n_192"] = replace(cfg, tile_n=192)
+        if d == 64:
+            cands["tile_n_256"] = replace(cfg, tile_n=256)
+        if d == 256:
+            cands["tile_n_96"] = replace(cfg, tile_n=96)
+        if d in (64, 128, 256):
+            out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
+    return out
+
+
+def fp8_smem_bytes(cfg: Fa3Config, head_dim: int) -> int:
+    """Shared memory of `Fp8Forward._storage`: mbarriers, fp8 sQ/sK/sVt, bf16 sO (1 KiB-aligned)."""
+
+    def align(n: int) -> int:
+        return (n + 1023) // 1024 * 1024
+
+    mbar = 8 * (2 + 4 * cfg.stages)
+    kv = cfg.tile_n * head_dim * cfg.stages  # 1 byte per element
+    return (
+        align(mbar)
+        + align(cfg.tile_m * head_dim)
+        + 2 * align(kv)
+        + align(cfg.tile_m * head_dim * 2)
+    )
+
+
+def fp8_can_implement(cfg: Fa3Config, head_dim: int) -> tuple[bool, str]:
+    """Whether the fp8 kernel can be built for `cfg`: tile legality, smem and registers."""
+    if head_dim not in FP8_HEAD_DIMS:
+        dims = ", ".join(map(str, FP8_HEAD_DIMS))
+        return False, f"fa3: fp8 head_dim {head_dim} not in {{{dims}}}"
+    if cfg.num_consumer_wgs != 2 or cfg.tile_m != 128:
+        return False, "fa3: fp8 runs two consumer warpgroups (tile_m 128)"
+    if cfg.persistent or cfg.o_alias_q:
+        return False, "fa3: fp8 is non-persistent with its own sO buffer"
+    # P is the K operand of PV (blocks of 32 keys); Vᵀ's smem rows are tile_n bytes and need a
+    # swizzle width (32, 64 or 128 bytes) that divides them.
+    if not (MMA_K_FP8 <= cfg.tile_n <= 256 and cfg.tile_n % MMA_K_FP8 == 0):
+        return False, f"fa3: fp8 tile_n {cfg.tile_n} must be a multiple of 32 in [32, 256]"
+    if cfg.stages < 2:
+        return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
+    smem = fp8_smem_bytes(cfg, head_dim)
+    if smem > SMEM_CAPACITY:
+        return False, f"fa3: fp8 {smem} B of shared memory > {SMEM_CAPACITY} B"
+    acc_s = 64 * cfg.tile_n // 128
+    regs = acc_s + 64 * head_dim // 128 + acc_s // 4 + _REG_OVERHEAD
+    if regs > REG_SPLIT[2][1]:
+        return False, f"fa3: fp8 ~{regs} registers per consumer thread > {REG_SPLIT[2][1]}"
+    return True, ""
+
+
+def fp8_config(head_dim: int) -> Fa3Config:
+    """The fp8 tile config for `head_dim` (causal or not: one table for now)."""
+    return FP8_CONFIGS[head_dim]
+
+
+def supports(p: AttnParams) -> tuple[bool, str]:
+    """Whether the fp8 kernel takes `p` (the caller has checked the arch and the opt-in).
+
+    Descales are taken as positive (amax / 448 by construction): the kernel folds
+    descale_q·descale_k into the softmax scale after the row max, which a negative product
+    would flip. Checking their values would cost a device sync per call, so it is not done.
+    """
+    if p.head_dim not in FP8_HEAD_DIMS:
+        dims = ", ".join(map(str, FP8_HEAD_DIMS))
+        return False, f"fa3: fp8 head_dim {p.head_dim} not in {{{dims}}}"
+    if p.head_dim_v != p.head_dim:
+        return False, f"fa3: head_dim_v {p.head_dim_v} != head_dim {p.head_dim}"
+    if p.scale <= 0 and p.softcap == 0:
+        return False, f"fa3: softmax_scale must be > 0 (got {p.scale:g})"
+    if p.heads_q > _MAX_GRID_YZ or p.batch > _MAX_GRID_YZ:
+        return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
+    if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
+        return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
+    ok, reason = fp8_can_implement(fp8_config(p.head_dim), p.head_dim)
+    return (True, "fa3: ok (fp8)") if ok else (False, reason)
+
+
+# ------------------------------------------------------------------------------------------------
+# P: fp32 C fragment of S -> e4m3 A fragment of PV
+# ------------------------------------------------------------------------------------------------
+def quad_exchange(t):
+    """Where lane t (0..3 of its quad) gets P from, for one 32-key block of one of its rows.
+
+    The m64nNk16 fp32 C fragment gives lane t the columns {8j + 2t, 8j + 2t + 1 : j < 4} of a
+    32-column block; the m64nNk32 e4m3 A fragment wants {4t .. 4t+3} (register k-half 0) and
+    {16 + 4t .. 16 + 4t + 3} (k-half 1). Every lane packs its own columns as two words,
+    X = (j=0 pair, j=2 pair) and Y = (j=1 pair, j=3 pair), 4 bytes each, low byte first. Lanes
+    t' < 2 need the X words of lanes 2(t'&1) and 2(t'&1)+1, lanes t' >= 2 their Y words; so in
+    the first shuffle even lanes offer X and odd lanes Y, in the second the other way round, and
+    lane t' reads (src1, src2) below. Then `prmt(w1, w2, sel_lo)` is k-half 0 and
+    `prmt(w1, w2, sel_hi)` k-half 1. Plain integer arithmetic, so the same function serves the
+    kernel (Int32 lanes) and its CPU model in the tests (Python ints).
+
+    Returns (src1, src2, sel_lo, sel_hi): source lanes within the quad and prmt selectors.
+    """
+    hi = t >> 1  # 0: wants the X words (j = 0, 2); 1: the Y words (j = 1, 3)
+    odd = t & 1  # which pair of source lanes: (0, 1) or (2, 3)
+    src1 = 2 * odd + hi  # t' < 2 read the even source first, t' >= 2 the odd one
+    src2 = 2 * odd + 1 - hi
+    # prmt byte ids: 0-3 are w1's bytes, 4-7 w2's. The even source's pair goes low:
+    # t' < 2: (w1.b0 w1.b1 w2.b0 w2.b1) = 0x5410; t' >= 2 (w1 came from the odd lane): 0x1054.
+    # k-half 1 takes the upper halves: 0x7632 / 0x3276 (both differ by 0x43BC).
+    sel_lo = 0x5410 - hi * 0x43BC
+    sel_hi = 0x7632 - hi * 0x43BC
+    return src1, src2, sel_lo, sel_hi
+
+
+@dsl_user_op
+def cvt_pack_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four fp32 -> one register of four e4m3 bytes, a in the low byte (cvt.rn.satfinite)."""
+    args = [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)]
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            args,
+            # cvt puts its first source in the upper byte of the pair: (b, a) -> {b: hi, a: lo}.
+            "{ .reg .b16 lo, hi;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+            "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,f,f,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def byte_perm(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
+    """prmt.b32 without side effects (cute.arch.prmt's asm is marked side-effecting)."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(x).ir_value(loc=loc, ip=ip) for x in (a, b, sel)],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel
+# ------------------------------------------------------------------------------------------------
+class Fp8Forward(Fa3Forward):
+    """`Fa3Forward` for e4m3 q/k/v: K-major Vᵀ, fp8 P exchange, descales, bf16 out."""
+
+    def __init__(self, head_dim: int, cfg: Fa3Config, causal: bool, local: bool, softcap: bool):
+        ok, reason = fp8_can_implement(cfg, head_dim)
+        if not ok:
+            raise ValueError(reason)
+        super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
+        # descale_v of the CTA's (batch, kv head): set by `kernel` while tracing, read by
+        # `epilogue` (the base class's consumer calls it with the 16-bit kernel's arguments).
+        self._descale_v = None
+
+    # ----------------------------------------------------------------------------------------
+    # layouts, MMAs, shared storage
+    # ----------------------------------------------------------------------------------------
+    @staticmethod
+    def _k_major_atom(row_bytes: int, dtype):
+        """Widest K-major swizzle atom whose row segment divides `row_bytes`."""
+        kind = warpgroup.SmemLayoutAtomKind
+        if row_bytes % 128 == 0:
+            k = kind.K_SW128
+        elif row_bytes % 64 == 0:
+            k = kind.K_SW64
+        else:
+            k = kind.K_SW32
+        return warpgroup.make_smem_layout_atom(k, dtype)
+
+    def _fp8_layouts(self):
+        """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sVt (D, TILE_N, STAGES), sO (TILE_M, D) bf16."""
+        d, tn, st = self.HEAD_DIM, self.TILE_N, self.STAGES
+        qk_atom = self._k_major_atom(d, Float8E4M3FN)  # rows of D bytes
+        sQ_l = cute.tile_to_shape(qk_atom, (self.TILE_M, d), order=(0, 1))
+        sK_l = cute.tile_to_shape(qk_atom, (tn, d, st), order=(0, 1, 2))
+        # Vᵀ is PV's B operand (N = D, K = keys), K-major: rows of TILE_N key bytes.
+        vt_atom = self._k_major_atom(tn, Float8E4M3FN)
+        sVt_l = cute.tile_to_shape(vt_atom, (d, tn, st), order=(0, 1, 2))
+        o_atom = self._k_major_atom(2 * d, BFloat16)
+        sO_l = cute.tile_to_shape(o_atom, (self.TILE_M, d), order=(0, 1))
+        return sQ_l, sK_l, sVt_l, sO_l
+
+    def _tiled_mmas(self):
+        major = cute.nvgpu.OperandMajorMode
+        wgs = (self.NUM_CONSUMER_WGS, 1, 1)
+        f8 = Float8E4M3FN
+        mma_qk = sm90.make_trivial_tiled_mma(
+            f8, f8, major.K, major.K, Float32, wgs, (64, self.TILE_N)
+        )
+        mma_pv = sm90.make_trivial_tiled_mma(
+            f8,
+            f8,
+            major.K,
+            major.K,  # Vᵀ with the keys contiguous: fp8 wgmma takes no MN-major operand
+            Float32,
+            wgs,
+            (64, self.HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
+        )
+        return mma_qk, mma_pv
+
+    def _fp8_storage(self, sQ_l, sK_l, sVt_l, sO_l):
+        mrange, align = cute.struct.MemRange, cute.struct.Align
+        f8, st = Float8E4M3FN, self.STAGES
+        n_q, n_k, n_vt, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sVt_l, sO_l))
+
+        @cute.struct
+        class Storage:
+            mbar_q: mrange[cutlass.Int64, 2]
+            mbar_k: mrange[cutlass.Int64, 2 * st]
+            mbar_v: mrange[cutlass.Int64, 2 * st]
+            sQ: align[mrange[f8, n_q], 1024]
+            sK: align[mrange[f8, n_k], 1024]
+            sVt: align[mrange[f8, n_vt], 1024]
+            sO: align[mrange[BFloat16, n_o], 1024]
+
+        return Storage
+
+    # ----------------------------------------------------------------------------------------
+    # host side
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Nq, Hq, D) e4m3
+        mK: cute.Tensor,  # (B, Nk, Hkv, D) e4m3
+        mVt: cute.Tensor,  # (B, Hkv, D, Nk) e4m3, keys contiguous (the host's transpose)
+        mO: cute.Tensor,  # (B, Nq, Hq, D) bf16
+        mLSE: cute.Tensor,  # (B, Hq, Nq) fp32
+        mDescaleQ: cute.Tensor,  # (B, Hkv) fp32
+        mDescaleK: cute.Tensor,  # (B, Hkv) fp32
+        mDescaleV: cute.Tensor,  # (B, Hkv) fp32
+        scale_log2: Float32,  # log2(e) * scale (or * softcap with SOFTCAP)
+        softcap_pre: Float32,  # scale / softcap (unused without SOFTCAP)
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        # Kernel views: (N, D, H, B) for TMA, Vᵀ as (D, Nk, Hkv, B), (N, H, B) for the LSE.
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mVt = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        sQ_l, sK_l, sVt_l, sO_l = self._fp8_layouts()
+        mma_qk, mma_pv = self._tiled_mmas()
+        self.storage = self._fp8_storage(sQ_l, sK_l, sVt_l, sO_l)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        d, tm, tn = self.HEAD_DIM, self.TILE_M, self.TILE_N
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (tm, d))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(sK_l, mode=[0, 1]), (tn, d))
+        tma_v, tVt = cpasync.make_tiled_tma_atom(g2s, mVt, cute.select(sVt_l, mode=[0, 1]), (d, tn))
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_l, (tm, d)
+        )
+
+        seqlen_q = mQ.shape[0]
+        heads_q = mQ.shape[2]
+        group = heads_q // mK.shape[2]
+        m_blocks = (seqlen_q + tm - 1) // tm
+        self.kernel(
+            tma_q,
+            tQ,
+            tma_k,
+            tK,
+            tma_v,
+            tVt,
+            tma_o,
+            tO,
+            mLSE,
+            mDescaleQ,
+            mDescaleK,
+            mDescaleV,
+            mma_qk,
+            mma_pv,
+            sQ_l,
+            sK_l,
+            sVt_l,
+            sO_l,
+            Int32(seqlen_q),
+            Int32(mK.shape[0]),
+            Int32(group),
+            scale_log2,
+            softcap_pre,
+            window_left,
+            window_right,
+        ).launch(
+            grid=(m_blocks, heads_q, mQ.shape[3]),
+            block=[self.NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # device side
+    # ----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,  # (Nq, D, Hq, B) TMA coordinates
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,  # (Nk, D, Hkv, B)
+        tma_v: cute.CopyAtom,
+        tVt: cute.Tensor,  # (D, Nk, Hkv, B)
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,  # (Nq, D, Hq, B) bf16
+        mLSE: cute.Tensor,  # (Nq, Hq, B) fp32
+        mDescaleQ: cute.Tensor,  # (B, Hkv) fp32
+        mDescaleK: cute.Tensor,  # (B, Hkv) fp32
+        mDescaleV: cute.Tensor,  # (B, Hkv) fp32
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ_l: cute.ComposedLayout,  # (TILE_M, D)
+        sK_l: cute.ComposedLayout,  # (TILE_N, D, STAGES)
+        sVt_l: cute.ComposedLayout,  # (D, TILE_N, STAGES)
+        sO_l: cute.ComposedLayout,  # (TILE_M, D) bf16
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()  # one tile per CTA
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        if warp == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        st = SmemAllocator().allocate(self.storage)
+        f8 = Float8E4M3FN
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
+
+        def make_pipe(stages, tx_bytes, mbar):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=tx_bytes,
+                barrier_storage=mbar.data_ptr(),
+                defer_sync=True,
+            )
+
+        pipe_q = make_pipe(1, cute.size_in_bytes(f8, sQ_l), st.mbar_q)
+        pipe_k = make_pipe(
+            self.STAGES, cute.size_in_bytes(f8, cute.select(sK_l, mode=[0, 1])), st.mbar_k
+        )
+        pipe_v = make_pipe(
+            self.STAGES, cute.size_in_bytes(f8, cute.select(sVt_l, mode=[0, 1])), st.mbar_v
+        )
+        pipeline.pipeline_init_arrive()
+
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
+        sVt = st.sVt.get_tensor(sVt_l.outer, swizzle=sVt_l.inner)  # (D, TILE_N, STAGES)
+        sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) bf16
+
+        pipeline.pipeline_init_wait()
+        Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
+        n_block_min, n_block_max = self.block_range(
+            m_block, seqlen_q, seqlen_k, window_left, window_right
+        )
+
+        head_kv = head // group
+        # Scores are (q·descale_q)·(k·descale_k) = descale_q·descale_k·(q·k): the product scales
+        # what multiplies the raw fp32 score (the exp2 scale, or tanh's argument). Read here, in
+        # the kernel's top region (a value assigned inside the role `if` cannot reach `self`).
+        qk_descale = mDescaleQ[batch, head_kv] * mDescaleK[batch, head_kv]
+        qk_scale_log2 = scale_log2
+        qk_softcap_pre = softcap_pre
+        if const_expr(self.SOFTCAP):
+            qk_softcap_pre = softcap_pre * qk_descale
+        else:
+            qk_scale_log2 = scale_log2 * qk_descale
+        # Read by `epilogue` (same trace): O = descale_v · P·V / l.
+        self._descale_v = mDescaleV[batch, head_kv]
+
+        if wg == WarpRole.PRODUCER:
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tma_q,
+                    tQ,
+                    tma_k,
+                    tK,
+                    tma_v,
+                    tVt,
+                    sQ,
+                    sK,
+                    sVt,
+                    pipe_q,
+                    pipe_k,
+                    pipe_v,
+                    pipeline.make_pipeline_state(Producer, 1),
+                    pipeline.make_pipeline_state(Producer, self.STAGES),
+                    m_block,
+                    head,
+                    batch,
+                    group,
+                    n_block_min,
+                    n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            cwg = wg - WarpRole.CONSUMER0
+            if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
+                if cwg == 0:
+                    # The "you start" token: WG0 takes the first tensor-core turn.
+                    cute.arch.barrier_arrive(
+                        barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
+                    )
+            self.consumer(
+                tma_o,
+                tO,
+                mLSE,
+                mma_qk,
+                mma_pv,
+                sQ,
+                sK,
+                sVt,
+                sO,
+                pipe_q,
+                pipe_k,
+                pipe_v,
+                pipeline.make_pipeline_state(Consumer, 1),
+                pipeline.make_pipeline_state(Consumer, self.STAGES),
+                tidx - 128,
+                warp,
+                cwg,
+                m_block,
+                head,
+                batch,
+                seqlen_q,
+                seqlen_k,
+                qk_scale_log2,
+                qk_softcap_pre,
+                window_left,
+                window_right,
+                n_block_min,
+                n_block_max,
+            )
+
+    @cute.jit
+    def load(
+        self,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        tVt: cute.Tensor,
+        sQ: cute.Tensor,
+        sK: cute.Tensor,
+        sVt: cute.Tensor,
+        pipe_q: pipeline.PipelineTmaAsync,
+        pipe_k: pipeline.PipelineTmaAsync,
+        pipe_v: pipeline.PipelineTmaAsync,
+        q_state: pipeline.PipelineState,
+        kv_state: pipeline.PipelineState,
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        group: Int32,
+        n_block_min: Int32,
+        n_block_max: Int32,
+    ):
+        """Producer warp: Q once, then K (keys x D) and Vᵀ (D x keys) per n-block, newest first."""
+        head_kv = head // group
+        d, tn = self.HEAD_DIM, self.TILE_N
+        gQ = cute.local_tile(tQ[None, None, head, batch], (self.TILE_M, d), (m_block, 0))
+        gK = cute.local_tile(
+            tK[None, None, head_kv, batch], (tn, d), (None, 0)
+        )  # (TILE_N, D, n_blocks)
+        gVt = cute.local_tile(
+            tVt[None, None, head_kv, batch], (d, tn), (0, None)
+        )  # (D, TILE_N, n_blocks)
+        one = cute.make_layout(1)
+        tQs, tQg = cpasync.tma_partition(
+            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )  # (TMA, STAGES), (TMA, n_blocks)
+        tVs, tVg = cpasync.tma_partition(
+            tma_v, 0, one, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+        )
+        if n_block_max > n_block_min:
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(
+                    tma_k,
+                    tKg[None, n_block],
+                    tKs[None, kv_state.index],
+                    tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
+                )
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(
+                    tma_v,
+                    tVg[None, n_block],
+                    tVs[None, kv_state.index],
+                    tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
+                )
+                kv_state.advance()
+        return q_state, kv_state
+
+    @cute.jit
+    def probs_to_operand(self, ctx):
+        """P (fp32 C fragment in acc_S) -> e4m3 A fragment of PV (tOrP), see `quad_exchange`.
+
+        acc_S element 4j + 2r + c is (row half r, column 8j + 2t + c); tOrP's 32-bit word
+        4kb + r + 2h holds row half r, keys 32kb + 16h + 4t' .. + 3 (m64nNk32 A layout).
+        """
+        acc_S, tOrP = ctx.acc_S, ctx.tOrP
+        # ((4, 2, 2), 1, TILE_N / 32) bytes: (byte, row half, k half) x k-blocks.
+        assert cute.size(tOrP) == cute.size(acc_S)
+        assert cute.size(tOrP, mode=[2]) == self.TILE_N // MMA_K_FP8
+        words = cute.make_tensor(
+            cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(tOrP) // 4)
+        )  # (TILE_N / 8,) 32-bit view of P's registers
+        lane = cute.arch.lane_idx()
+        t = lane % 4
+        src1, src2, sel_lo, sel_hi = quad_exchange(t)
+        quad0 = lane - t
+        even = (t & 1) == 0
+        for kb in cutlass.range_constexpr(self.TILE_N // MMA_K_FP8):
+            for r in cutlass.range_constexpr(2):
+
+                def pair(j: int, kb=kb, r=r):
+                    i = 4 * (4 * kb + j) + 2 * r
+                    return acc_S[i], acc_S[i + 1]
+
+                x = cvt_pack_e4m3x4(*pair(0), *pair(2))
+                y = cvt_pack_e4m3x4(*pair(1), *pair(3))
+                w1 = cute.arch.shuffle_sync(x if even else y, quad0 + src1)
+                w2 = cute.arch.shuffle_sync(y if even else x, quad0 + src2)
+                words[4 * kb + r] = byte_perm(w1, w2, sel_lo)
+                words[4 * kb + 2 + r] = byte_perm(w1, w2, sel_hi)
+
+    @cute.jit
+    def epilogue(
+        self,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mma_pv: cute.TiledMma,
+        sO: cute.Tensor,
+        acc_O: cute.Tensor,
+        tScS: cute.Tensor,
+        row_max: cute.Tensor,
+        row_sum: cute.Tensor,
+        ctid: Int32,
+        warp: Int32,
+        cwg: Int32,  # the base signature's (unused: one store for both WGs)
+        m_block: Int32,
+        head: Int32,
+        batch: Int32,
+        seqlen_q: Int32,
+        scale_log2: Float32,
+    ):
+        """O · descale_v / l (0 for empty rows) in bf16, LSE to gmem, sO (stmatrix), TMA store."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            l_tot = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            empty = l_tot == Float32(0.0)
+            inv[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l_tot) * self._descale_v
+            lse = (row_max[r] * scale_log2 + cute.math.log2(l_tot, fastmath=True)) * LN2
+            lse = Float32(-math.inf) if empty else lse
+            row = m_block * self.TILE_M + tScS[2 * r][0]
+            if (tScS[0][1] == 0) & (row < seqlen_q):
+                mLSE[row, head, batch] = lse
+        self.rescale_o(acc_O, inv)
+
+        rO = cute.make_rmem_tensor_like(acc_O, BFloat16)
+        rO.store(acc_O.load().to(BFloat16))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16), mma_pv
+        )
+        thr_r2s = r2s.get_slice(ctid)
+        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS)
+        if warp == 4:
+            gO = cute.local_tile(
+                tO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            )  # (TILE_M, D)
+            tOs, tOg = cpasync.tma_partition(
+                tma_o,
+                0,
+                cute.make_layout(1),
+                cute.group_modes(sO, 0, 2),
+                cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# compile cache and host launch
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fp8CompileKey:
+    """Everything that changes the generated code of one fp8 forward kernel."""
+
+    head_dim: int
+    causal: bool
+    local: bool
+    softcap: bool
+    cfg: Fa3Config
+    arch: str = "sm_90a"
+    tvm_ffi: bool = True
+
+
+_cache: dict[Fp8CompileKey, Any] = {}
+_lock = threading.Lock()
+
+
+def _fake_inputs(head_dim: int) -> tuple:
+    """Fake q, k, vt, out, lse and the three descales; symbolic sizes and 16-byte strides."""
+    d = head_dim
+    b, nq, nk, hq, hkv = (cute.sym_int() for _ in range(5))
+
+    def strided(dt, shape):  # any 16-byte-aligned outer strides, the last dim contiguous
+        stride = (*(cute.sym_int64(divisibility=16 * 8 // dt.width) for _ in range(3)), 1)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    q = strided(Float8E4M3FN, (b, nq, hq, d))
+    k = strided(Float8E4M3FN, (b, nk, hkv, d))
+    vt = strided(Float8E4M3FN, (b, hkv, d, nk))  # (B, Hkv, D, Nk)
+    o = cute.runtime.make_fake_compact_tensor(
+        BFloat16, (b, nq, hq, d), stride_order=(3, 2, 1, 0), assumed_align=16
+    )  # (B, Nq, Hq, D)
+    lse = cute.runtime.make_fake_compact_tensor(
+        Float32, (b, hq, nq), stride_order=(2, 1, 0), assumed_align=4
+    )  # (B, Hq, Nq)
+    descales = tuple(
+        cute.runtime.make_fake_compact_tensor(
+            Float32, (b, hkv), stride_order=(1, 0), assumed_align=4
+        )  # (B, Hkv)
+        for _ in range(3)
+    )
+    return (q, k, vt, o, lse, *descales)
+
+
+def compile_fp8_forward(key: Fp8CompileKey, extra_options: str = "") -> Any:
+    """Build one fp8 forward binary (no cache). `extra_options` go to cute.compile."""
+    kernel = Fp8Forward(key.head_dim, key.cfg, key.causal, key.local, key.softcap)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    options = f"--gpu-arch {key.arch}"
+    if key.tvm_ffi:
+        options += " --enable-tvm-ffi"
+    if extra_options:
+        options += " " + extra_options
+    compiled = cute.compile(
+        kernel,
+        *_fake_inputs(key.head_dim),
+        Float32(1.0),
+        Float32(1.0),
+        Int32(0),
+        Int32(0),
+        stream,
+        options=options,
+    )
+    real, est = kernel.storage.__sizeof__(), fp8_smem_bytes(key.cfg, key.head_dim)
+    if real > min(est, SMEM_CAPACITY):
+        raise RuntimeError(
+            f"fa3: fp8 storage struct is {real} B (fp8_smem_bytes said {est} B, "
+            f"capacity {SMEM_CAPACITY} B) for {key.cfg}"
+        )
+    return compiled
+
+
+def get_fp8_forward(key: Fp8CompileKey) -> Any:
+    """The cached binary for `key`, compiled on first use (thread-safe)."""
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn = compile_fp8_forward(key)
+                _cache[key] = fn
+    return fn
+
+
+def transpose_v(v: torch.Tensor) -> torch.Tensor:
+    """V (B, Nk, Hkv, D) -> Vᵀ (B, Hkv, D, Nk) with the keys contiguous, for PV's K-major B.
+
+    The key stride is padded to 16 bytes (TMA); the view stops at Nk, so TMA zero-fills the
+    tail block and the padding is never read. Copied through uint8 views (a byte permutation).
+    """
+    b, nk, hkv, d = v.shape
+    nk_pad = (nk + 15) // 16 * 16
+    vt = torch.empty((b, hkv, d, nk_pad), dtype=torch.uint8, device=v.device)  # (B, Hkv, D, Nk')
+    vt = vt[..., :nk]  # (B, Hkv, D, Nk)
+    vt.copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
+    return vt.view(v.dtype)
+
+
+_ones: dict[tuple, torch.Tensor] = {}
+
+
+def _descale(t: torch.Tensor | None, b: int, hkv: int, device: torch.device) -> torch.Tensor:
+    """A (B, Hkv) contiguous fp32 descale; None -> a cached tensor of ones."""
+    if t is not None:
+        return t.contiguous()
+    key = (device, b, hkv)
+    ones = _ones.get(key)
+    if ones is None:
+        if len(_ones) > 256:
+            _ones.clear()
+        ones = _ones[key] = torch.ones((b, hkv), dtype=torch.float32, device=device)
+    return ones
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: AttnParams,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
+    *,
+    cfg: Fa3Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) float8_e4m3fn on an sm90 GPU, q and k TMA-ready
+    (16-byte base and outer strides: interface._tma_ready); descales (B, Hkv) fp32 or None.
+
+    Returns out (B, Nq, Hq, D) bf16 contiguous and lse (B, Hq, Nq) fp32 (natural log, -inf for
+    rows that see no key).
+    """
+    from flashsuite.fa3.compile import kernel_scalars
+
+    b, hkv, dev = p.batch, p.heads_kv, q.device
+    out = torch.empty(
+        (b, p.seqlen_q, p.heads_q, p.head_dim), dtype=torch.bfloat16, device=dev
+    )  # (B, Nq, Hq, D)
+    lse = torch.empty((b, p.heads_q, p.seqlen_q), dtype=torch.float32, device=dev)  # (B, Hq, Nq)
+    if out.numel() == 0:
+        return out, lse
+    if p.seqlen_k == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    key = Fp8CompileKey(
+        head_dim=p.head_dim,
+        causal=p.causal,
+        local=p.is_local,
+        softcap=p.softcap > 0,
+        cfg=cfg if cfg is not None else fp8_config(p.head_dim),
+    )
+    scalars = kernel_scalars(
+        p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
+    )
+    ds = (_descale(t, b, hkv, dev) for t in (descale_q, descale_k, descale_v))
+    get_fp8_forward(key)(q, k, transpose_v(v), out, lse, *ds, *scalars)
+    return out, lse

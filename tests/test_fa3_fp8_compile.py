@@ -1,0 +1,163 @@
+"""fa3's fp8 (e4m3) forward compiles for sm_90a without a GPU, and its host-side logic holds.
+
+The compile runs in subprocesses (`python -m flashsuite.fa3.fp8_check --probe`: the CuTe DSL
+reads its CUTE_DSL_* settings at import). Each table entry must show e4m3 wgmma, TMA loads and
+store, setmaxnreg, the P exchange (shfl.sync + prmt) and 0 spill bytes. The P exchange itself is
+checked on the CPU against the PTX fragment layouts, which the probe reads back from CuTe.
+Nothing here runs the kernel: `python -m flashsuite.fa3.fp8_check --out DIR` does, on the H200.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+
+from flashsuite.common.validation import check_inputs
+from flashsuite.fa3 import fp8, interface
+
+SHARDS = ((64, 128, 192), (96, 256))  # two compiler processes (the CI machine has 2 cores)
+CASES = [("shipped", d, causal) for d in fp8.FP8_HEAD_DIMS for causal in (False, True)]
+CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
+
+# The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
+# index = m + 64 k): the probe reads CuTe's own and must find exactly these.
+EXPECTED_LAYOUTS = {
+    "tv_A": "((4,8,4),(4,2,2)):((256,1,16),(64,8,1024))",
+    "tv_C": "((4,8,4),(2,2,16)):((128,1,16),(64,8,512))",
+    "frag_A": "((4,2,2),1,4):((1,4,8),0,16)",
+    "frag_C": "((2,2,16),1,1):((1,2,4),0,0)",
+}
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fa3_fp8_probe")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+
+    def run(i: int) -> dict:
+        path = out / f"shard{i}.json"
+        cmd = [sys.executable, "-m", "flashsuite.fa3.fp8_check", "--probe", "--json", str(path)]
+        for d in SHARDS[i]:
+            cmd += ["--head-dim", str(d)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"fp8 probe {i} failed:\n{proc.stdout}\n{proc.stderr}"
+        return json.loads(path.read_text())
+
+    with ThreadPoolExecutor(len(SHARDS)) as pool:
+        shards = list(pool.map(run, range(len(SHARDS))))
+    configs = {(r["name"], r["head_dim"], r["causal"]): r for s in shards for r in s["configs"]}
+    return {"layouts": shards[0]["layouts"], "configs": configs}
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "causal"),
+    CASES,
+    ids=[f"{n}-D{d}-{'causal' if c else 'full'}" for n, d, c in CASES],
+)
+def test_fp8_compiles_with_hopper_machinery(name: str, d: int, causal: bool, probes) -> None:
+    r = probes["configs"][(name, d, causal)]
+    ptx = r["ptx"]
+    assert ptx["wgmma_e4m3"] > 0 and ptx["wgmma_e4m3"] == ptx["wgmma"], "not all wgmma are e4m3"
+    assert ptx["wgmma_rs"] > 0, "P·V is not an RS wgmma (P should come from registers)"
+    assert ptx["tma_load"] > 0 and ptx["tma_store"] > 0, "no cp.async.bulk.tensor load/store"
+    assert ptx["setmaxnreg"] >= 2, "setmaxnreg dec/inc missing"
+    assert ptx["stmatrix"] > 0 and ptx["bar_arrive"] > 0
+    # Two shuffles and two prmt per 32-bit word pair of P, per k-block and row half.
+    assert ptx["shfl_idx"] > 0 and ptx["prmt"] > 0 and ptx["cvt_e4m3x2"] > 0
+    assert r["registers"] is not None, "no ptxas report captured"
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
+    for code in ("C7508", "C7512", "C7515", "C7519"):
+        assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
+
+
+def test_cute_fragment_layouts_match_the_exchange_model(probes) -> None:
+    assert probes["layouts"] == EXPECTED_LAYOUTS
+
+
+def _prmt(w1: list, w2: list, sel: int) -> list:
+    both = w1 + w2  # prmt byte ids 0-3: w1, 4-7: w2
+    return [both[(sel >> (4 * n)) & 7] for n in range(4)]
+
+
+def _pair(acc_t: dict, kb: int, j: int, r: int) -> list:
+    """The two C-fragment values of one lane in column group 4kb + j, row half r."""
+    i = 4 * (4 * kb + j) + 2 * r
+    return [acc_t[i], acc_t[i + 1]]
+
+
+def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
+    """Simulate one quad through fp8.probs_to_operand's steps on labelled P values."""
+    for kb in range(4):  # 32-key blocks of a 128-wide S tile
+        # C fragment (frag_C / tv_C): lane t, element 4j + 2r + c = (row half r, key 8j+2t+c).
+        acc = [
+            {
+                4 * j + 2 * r + c: (r, 8 * j + 2 * t + c)
+                for j in range(16)
+                for r in (0, 1)
+                for c in (0, 1)
+            }
+            for t in range(4)
+        ]
+        words: list[dict[int, list]] = [{} for _ in range(4)]
+        for r in (0, 1):
+            # cvt_pack_e4m3x4: X = (j=0 pair, j=2 pair), Y = (j=1, j=3), low byte first
+            x = [_pair(acc[t], kb, 0, r) + _pair(acc[t], kb, 2, r) for t in range(4)]
+            y = [_pair(acc[t], kb, 1, r) + _pair(acc[t], kb, 3, r) for t in range(4)]
+            offer1 = [x[t] if t % 2 == 0 else y[t] for t in range(4)]
+            offer2 = [y[t] if t % 2 == 0 else x[t] for t in range(4)]
+            for t in range(4):
+                src1, src2, sel_lo, sel_hi = fp8.quad_exchange(t)
+                w1, w2 = offer1[src1], offer2[src2]
+                words[t][4 * kb + r] = _prmt(w1, w2, sel_lo)
+                words[t][4 * kb + 2 + r] = _prmt(w1, w2, sel_hi)
+        # A fragment (frag_A / tv_A): word 4kb + r + 2h of lane t = row half r,
+        # keys 32kb + 16h + 4t + (0..3), low byte first.
+        for t in range(4):
+            for r in (0, 1):
+                for h in (0, 1):
+                    want = [(r, 16 * h + 4 * t + b + 32 * kb) for b in range(4)]
+                    assert words[t][4 * kb + r + 2 * h] == want, (kb, t, r, h)
+
+
+@pytest.mark.parametrize("d", fp8.FP8_HEAD_DIMS)
+def test_fp8_table_entries_can_be_implemented(d: int) -> None:
+    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d), d)
+    assert ok, reason
+
+
+def _fp8_params(d: int = 128):
+    f8 = torch.float8_e4m3fn
+    q = torch.zeros(2, 100, 4, d).to(f8)  # (B, Nq, Hq, D)
+    kv = torch.zeros(2, 130, 2, d).to(f8)  # (B, Nk, Hkv, D)
+    return check_inputs(q, kv, kv, causal=True)
+
+
+def test_fp8_is_opt_in(monkeypatch) -> None:
+    p = _fp8_params()
+    monkeypatch.delenv(interface.FP8_ENV, raising=False)
+    ok, reason = interface.supports(p, 90)
+    assert not ok
+    assert reason == (
+        "fa3: fp8 forward compiled but not yet validated on a GPU; FLASHSUITE_FA3_FP8=1 enables it"
+    )
+    monkeypatch.setenv(interface.FP8_ENV, "1")
+    assert interface.supports(p, 90) == (True, "fa3: ok (fp8)")
+    assert not interface.supports(p, None)[0]
+    ok, reason = interface.supports(_fp8_params(d=80), 90)
+    assert not ok and "fp8 head_dim 80" in reason
+
+
+def test_transpose_v_layout() -> None:
+    v = (torch.randn(2, 37, 3, 64) * 3).to(torch.float8_e4m3fn)  # (B, Nk, Hkv, D)
+    vt = fp8.transpose_v(v)  # (B, Hkv, D, Nk)
+    assert vt.shape == (2, 3, 64, 37) and vt.dtype == v.dtype and vt.stride(-1) == 1
+    assert vt.stride(2) % 16 == 0  # TMA: 16-byte outer strides
+    assert torch.equal(vt.view(torch.uint8), v.view(torch.uint8).permute(0, 2, 3, 1))
