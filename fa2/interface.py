@@ -56,7 +56,12 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     elif arch < 80:
         # bf16 tl.dot needs sm80 in Triton, and the FA2 tiles assume sm80+ shared memory.
         return False, f"fa2: needs sm80+ (got sm{arch}); fa1 covers older GPUs"
-    return True, "fa2: ok"
+    if arch is None:
+        return True, "fa2: ok (Triton interpreter)"
+    from flashsuite.fa2 import configs
+
+    cfg = configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
+    return True, f"fa2: forward {cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps"
 
 
 def _dt(dtype: torch.dtype) -> str:

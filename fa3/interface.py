@@ -75,10 +75,21 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
     if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
         return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
-    ok, reason = can_implement(config_for(p), p.head_dim, p.dtype)
+    cfg = config_for(p)
+    ok, reason = can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
         return False, reason
-    return True, "fa3: ok"
+    features = [f"{cfg.num_consumer_wgs} consumer WGs"]
+    features += [
+        name
+        for name, on in (
+            ("ping-pong", cfg.pingpong),
+            ("intra-WG overlap", cfg.intra_wg_overlap),
+            ("persistent", cfg.persistent),
+        )
+        if on
+    ]
+    return True, f"fa3: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, {', '.join(features)}"
 
 
 def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
