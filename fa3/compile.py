@@ -40,8 +40,39 @@ class CompileKey:
     tvm_ffi: bool = True
 
 
-_cache: dict[CompileKey, Any] = {}
+_cache: dict[Any, Any] = {}  # static key (CompileKey, fp8.Fp8CompileKey) -> executor
 _lock = threading.Lock()
+
+
+def compile_options(arch: str, tvm_ffi: bool, extra: str = "") -> str:
+    """cute.compile's option string: target arch, the TVM-FFI launcher, anything extra."""
+    options = f"--gpu-arch {arch}"
+    if tvm_ffi:
+        options += " --enable-tvm-ffi"
+    return f"{options} {extra}" if extra else options
+
+
+def check_storage(kernel: Any, estimate: int, what: str) -> None:
+    """The DSL does not check shared-memory capacity (a launch would fail on the GPU): compare
+    the real storage struct with the config table's estimate and the hardware limit."""
+    real = kernel.storage.__sizeof__()
+    if real > min(estimate, SMEM_CAPACITY):
+        raise RuntimeError(
+            f"fa3: {what} storage struct is {real} B (estimated {estimate} B, "
+            f"capacity {SMEM_CAPACITY} B)"
+        )
+
+
+def cached(key: Any, build: Any) -> Any:
+    """The executor for `key`, built by `build(key)` on first use (thread-safe)."""
+    fn = _cache.get(key)
+    if fn is None:
+        with _lock:
+            fn = _cache.get(key)
+            if fn is None:
+                fn = build(key)
+                _cache[key] = fn
+    return fn
 
 
 def _fake_inputs(key: CompileKey) -> tuple:
@@ -74,11 +105,7 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     )
     q, k, v, o, lse = _fake_inputs(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
-    options = f"--gpu-arch {key.arch}"
-    if key.tvm_ffi:
-        options += " --enable-tvm-ffi"
-    if extra_options:
-        options += " " + extra_options
+    options = compile_options(key.arch, key.tvm_ffi, extra_options)
     compiled = cute.compile(
         kernel,
         q,
@@ -94,26 +121,13 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
         stream,
         options=options,
     )
-    real = kernel.storage.__sizeof__()
-    if real > min(est, SMEM_CAPACITY):
-        # The DSL does not check shared-memory capacity; a launch would fail on the GPU.
-        raise RuntimeError(
-            f"fa3: storage struct is {real} B (configs.smem_bytes said {est} B, "
-            f"capacity {SMEM_CAPACITY} B) for {key.cfg}"
-        )
+    check_storage(kernel, est, str(key.cfg))
     return compiled
 
 
 def get_forward(key: CompileKey) -> Any:
     """The cached binary for `key`, compiled on first use (thread-safe)."""
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn = compile_forward(key)
-                _cache[key] = fn
-    return fn
+    return cached(key, compile_forward)
 
 
 def kernel_scalars(

@@ -26,7 +26,6 @@ the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
 import math
-import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,6 +41,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from flashsuite.common.validation import AttnParams
+from flashsuite.fa3.compile import cached, check_storage, compile_options, kernel_scalars
 from flashsuite.fa3.configs import REG_SPLIT, SMEM_CAPACITY, Fa3Config
 from flashsuite.fa3.kernels import LN2, Barrier, Fa3Forward, WarpRole
 
@@ -722,10 +722,6 @@ class Fp8CompileKey:
     tvm_ffi: bool = True
 
 
-_cache: dict[Fp8CompileKey, Any] = {}
-_lock = threading.Lock()
-
-
 def _fake_inputs(head_dim: int) -> tuple:
     """Fake q, k, vt, out, lse and the three descales; symbolic sizes and 16-byte strides."""
     d = head_dim
@@ -757,11 +753,7 @@ def compile_fp8_forward(key: Fp8CompileKey, extra_options: str = "") -> Any:
     """Build one fp8 forward binary (no cache). `extra_options` go to cute.compile."""
     kernel = Fp8Forward(key.head_dim, key.cfg, key.causal, key.local, key.softcap)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
-    options = f"--gpu-arch {key.arch}"
-    if key.tvm_ffi:
-        options += " --enable-tvm-ffi"
-    if extra_options:
-        options += " " + extra_options
+    options = compile_options(key.arch, key.tvm_ffi, extra_options)
     compiled = cute.compile(
         kernel,
         *_fake_inputs(key.head_dim),
@@ -772,25 +764,13 @@ def compile_fp8_forward(key: Fp8CompileKey, extra_options: str = "") -> Any:
         stream,
         options=options,
     )
-    real, est = kernel.storage.__sizeof__(), fp8_smem_bytes(key.cfg, key.head_dim)
-    if real > min(est, SMEM_CAPACITY):
-        raise RuntimeError(
-            f"fa3: fp8 storage struct is {real} B (fp8_smem_bytes said {est} B, "
-            f"capacity {SMEM_CAPACITY} B) for {key.cfg}"
-        )
+    check_storage(kernel, fp8_smem_bytes(key.cfg, key.head_dim), f"fp8 {key.cfg}")
     return compiled
 
 
 def get_fp8_forward(key: Fp8CompileKey) -> Any:
     """The cached binary for `key`, compiled on first use (thread-safe)."""
-    fn = _cache.get(key)
-    if fn is None:
-        with _lock:
-            fn = _cache.get(key)
-            if fn is None:
-                fn = compile_fp8_forward(key)
-                _cache[key] = fn
-    return fn
+    return cached(key, compile_fp8_forward)
 
 
 def transpose_v(v: torch.Tensor) -> torch.Tensor:
@@ -840,8 +820,6 @@ def forward(
     Returns out (B, Nq, Hq, D) bf16 contiguous and lse (B, Hq, Nq) fp32 (natural log, -inf for
     rows that see no key).
     """
-    from flashsuite.fa3.compile import kernel_scalars
-
     b, hkv, dev = p.batch, p.heads_kv, q.device
     out = torch.empty(
         (b, p.seqlen_q, p.heads_q, p.head_dim), dtype=torch.bfloat16, device=dev
