@@ -1,7 +1,9 @@
 """FP8 (float8_e4m3fn) forward of fa3: q, k, v in e4m3, out bf16, LSE fp32.
 
-The kernel is `Fa3Forward` with the FP8-specific parts overridden; the warp roles, pipelines,
-ping-pong, intra-WG overlap, masking and online softmax are the 16-bit kernel's own code:
+The kernel is `Fa3Forward` with the FP8-specific steps overridden (its hook methods: smem
+layouts, V's view and tiles, PV's B major mode, P conversion, O scale); the warp roles, loads,
+pipelines, ping-pong, intra-WG overlap, masking, online softmax and epilogue are the 16-bit
+kernel's own code:
 
 - Both wgmma operands must be K-major for FP8 (an MN-major fp8 B is rejected at trace time),
   so the B operand of O += P·V, Vᵀ (D x keys), must have the keys contiguous. The host makes
@@ -24,26 +26,23 @@ GPU check (correctness against the oracle with descales, then TFLOP/s next to cu
 the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
 """
 
-# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
-import math
+# No `from __future__ import annotations`: the CuTe DSL reads kernel annotations as objects.
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Any
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90
 import torch
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.memory import SmemAllocator
 
 from flashsuite.common.validation import AttnParams
 from flashsuite.fa3.compile import cached, check_storage, compile_options, kernel_scalars
 from flashsuite.fa3.configs import REG_SPLIT, SMEM_CAPACITY, Fa3Config
-from flashsuite.fa3.kernels import LN2, Barrier, Fa3Forward, WarpRole
+from flashsuite.fa3.kernels import Fa3Forward
 
 FP8_HEAD_DIMS = (64, 96, 128, 192, 256)
 # wgmma K for 8-bit operands: P's columns (keys) come in blocks of 32.
@@ -239,33 +238,31 @@ def byte_perm(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
 # kernel
 # ------------------------------------------------------------------------------------------------
 class Fp8Forward(Fa3Forward):
-    """`Fa3Forward` for e4m3 q/k/v: K-major Vᵀ, fp8 P exchange, descales, bf16 out."""
+    """`Fa3Forward` for e4m3 q/k/v: K-major Vᵀ, fp8 P exchange, descales, bf16 out.
+
+    Overrides only the steps that differ: the smem layouts (`_make_layouts`), PV's B operand
+    (`_pv_b_major`, `V_VIEW`, `_v_box`, `_v_blocks`, `_v_operand`), the P conversion
+    (`probs_to_operand`), the O scale (`_o_scale`), and the host launch and kernel entry
+    (descale arguments, non-persistent grid).
+    """
+
+    # Vᵀ (B, Hkv, D, Nk) -> (D, Nk, Hkv, B): the host's transpose, loaded as (D, TILE_N) blocks.
+    V_VIEW = (2, 3, 1, 0)
 
     def __init__(self, head_dim: int, cfg: Fa3Config, causal: bool, local: bool, softcap: bool):
         ok, reason = fp8_can_implement(cfg, head_dim)
         if not ok:
             raise ValueError(reason)
         super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
+        self.o_dtype = BFloat16
         # descale_v of the CTA's (batch, kv head): set by `kernel` while tracing, read by
-        # `epilogue` (the base class's consumer calls it with the 16-bit kernel's arguments).
+        # `_o_scale` in the base class's epilogue.
         self._descale_v = None
 
     # ----------------------------------------------------------------------------------------
-    # layouts, MMAs, shared storage
+    # layouts, MMAs, V's place (the base class's hooks)
     # ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _k_major_atom(row_bytes: int, dtype):
-        """Widest K-major swizzle atom whose row segment divides `row_bytes`."""
-        kind = warpgroup.SmemLayoutAtomKind
-        if row_bytes % 128 == 0:
-            k = kind.K_SW128
-        elif row_bytes % 64 == 0:
-            k = kind.K_SW64
-        else:
-            k = kind.K_SW32
-        return warpgroup.make_smem_layout_atom(k, dtype)
-
-    def _fp8_layouts(self):
+    def _make_layouts(self):
         """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sVt (D, TILE_N, STAGES), sO (TILE_M, D) bf16."""
         d, tn, st = self.HEAD_DIM, self.TILE_N, self.STAGES
         qk_atom = self._k_major_atom(d, Float8E4M3FN)  # rows of D bytes
@@ -278,41 +275,58 @@ class Fp8Forward(Fa3Forward):
         sO_l = cute.tile_to_shape(o_atom, (self.TILE_M, d), order=(0, 1))
         return sQ_l, sK_l, sVt_l, sO_l
 
-    def _tiled_mmas(self):
-        major = cute.nvgpu.OperandMajorMode
-        wgs = (self.NUM_CONSUMER_WGS, 1, 1)
-        f8 = Float8E4M3FN
-        mma_qk = sm90.make_trivial_tiled_mma(
-            f8, f8, major.K, major.K, Float32, wgs, (64, self.TILE_N)
+    def _pv_b_major(self):
+        # Vᵀ with the keys contiguous: fp8 wgmma takes no MN-major operand.
+        return cute.nvgpu.OperandMajorMode.K
+
+    def _v_box(self) -> tuple[int, int]:
+        return (self.HEAD_DIM, self.TILE_N)
+
+    def _v_blocks(self, tVt: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+        """Vᵀ of one (batch, kv head) tiled into blocks: (D, TILE_N, n_blocks)."""
+        return cute.local_tile(
+            tVt[None, None, head_kv, batch], (self.HEAD_DIM, self.TILE_N), (0, None)
         )
-        mma_pv = sm90.make_trivial_tiled_mma(
-            f8,
-            f8,
-            major.K,
-            major.K,  # Vᵀ with the keys contiguous: fp8 wgmma takes no MN-major operand
-            Float32,
-            wgs,
-            (64, self.HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
-        )
-        return mma_qk, mma_pv
 
-    def _fp8_storage(self, sQ_l, sK_l, sVt_l, sO_l):
-        mrange, align = cute.struct.MemRange, cute.struct.Align
-        f8, st = Float8E4M3FN, self.STAGES
-        n_q, n_k, n_vt, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sVt_l, sO_l))
+    def _v_operand(self, sVt: cute.Tensor) -> cute.Tensor:
+        return sVt  # already PV's K-major B operand (D, TILE_N, STAGES)
 
-        @cute.struct
-        class Storage:
-            mbar_q: mrange[cutlass.Int64, 2]
-            mbar_k: mrange[cutlass.Int64, 2 * st]
-            mbar_v: mrange[cutlass.Int64, 2 * st]
-            sQ: align[mrange[f8, n_q], 1024]
-            sK: align[mrange[f8, n_k], 1024]
-            sVt: align[mrange[f8, n_vt], 1024]
-            sO: align[mrange[BFloat16, n_o], 1024]
+    def _o_scale(self, rcp_l: Float32) -> Float32:
+        """O = descale_v · P·V / l."""
+        return rcp_l * self._descale_v
 
-        return Storage
+    @cute.jit
+    def probs_to_operand(self, ctx):
+        """P (fp32 C fragment in acc_S) -> e4m3 A fragment of PV (tOrP), see `quad_exchange`.
+
+        acc_S element 4j + 2r + c is (row half r, column 8j + 2t + c); tOrP's 32-bit word
+        4kb + r + 2h holds row half r, keys 32kb + 16h + 4t' .. + 3 (m64nNk32 A layout).
+        """
+        acc_S, tOrP = ctx.acc_S, ctx.tOrP
+        # ((4, 2, 2), 1, TILE_N / 32) bytes: (byte, row half, k half) x k-blocks.
+        assert cute.size(tOrP) == cute.size(acc_S)
+        assert cute.size(tOrP, mode=[2]) == self.TILE_N // MMA_K_FP8
+        words = cute.make_tensor(
+            cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(tOrP) // 4)
+        )  # (TILE_N / 8,) 32-bit view of P's registers
+        lane = cute.arch.lane_idx()
+        t = lane % 4
+        src1, src2, sel_lo, sel_hi = quad_exchange(t)
+        quad0 = lane - t
+        even = (t & 1) == 0
+        for kb in cutlass.range_constexpr(self.TILE_N // MMA_K_FP8):
+            for r in cutlass.range_constexpr(2):
+
+                def pair(j: int, kb=kb, r=r):
+                    i = 4 * (4 * kb + j) + 2 * r
+                    return acc_S[i], acc_S[i + 1]
+
+                x = cvt_pack_e4m3x4(*pair(0), *pair(2))
+                y = cvt_pack_e4m3x4(*pair(1), *pair(3))
+                w1 = cute.arch.shuffle_sync(x if even else y, quad0 + src1)
+                w2 = cute.arch.shuffle_sync(y if even else x, quad0 + src2)
+                words[4 * kb + r] = byte_perm(w1, w2, sel_lo)
+                words[4 * kb + 2 + r] = byte_perm(w1, w2, sel_hi)
 
     # ----------------------------------------------------------------------------------------
     # host side
@@ -334,30 +348,18 @@ class Fp8Forward(Fa3Forward):
         window_right: Int32,
         stream,
     ):
-        # Kernel views: (N, D, H, B) for TMA, Vᵀ as (D, Nk, Hkv, B), (N, H, B) for the LSE.
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mVt = cute.make_tensor(mVt.iterator, cute.select(mVt.layout, mode=[2, 3, 1, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-
-        sQ_l, sK_l, sVt_l, sO_l = self._fp8_layouts()
-        mma_qk, mma_pv = self._tiled_mmas()
-        self.storage = self._fp8_storage(sQ_l, sK_l, sVt_l, sO_l)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        d, tm, tn = self.HEAD_DIM, self.TILE_M, self.TILE_N
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (tm, d))
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.select(sK_l, mode=[0, 1]), (tn, d))
-        tma_v, tVt = cpasync.make_tiled_tma_atom(g2s, mVt, cute.select(sVt_l, mode=[0, 1]), (d, tn))
-        tma_o, tO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_l, (tm, d)
+        mQ, mK, mVt, mO, mLSE = self._kernel_views(mQ, mK, mVt, mO, mLSE)
+        sQ_l, sK_l, sVt_l, sO_l = self._make_layouts()
+        mma_qk, mma_pv = self._make_mmas()
+        self.storage = self._storage(sQ_l, sK_l, sVt_l, sO_l)
+        tma_q, tQ, tma_k, tK, tma_v, tVt, tma_o, tO = self._make_tmas(
+            mQ, mK, mVt, mO, sQ_l, sK_l, sVt_l, sO_l
         )
 
         seqlen_q = mQ.shape[0]
         heads_q = mQ.shape[2]
         group = heads_q // mK.shape[2]
-        m_blocks = (seqlen_q + tm - 1) // tm
+        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
         self.kernel(
             tma_q,
             tQ,
@@ -432,38 +434,9 @@ class Fp8Forward(Fa3Forward):
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        st = SmemAllocator().allocate(self.storage)
-        f8 = Float8E4M3FN
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
-
-        def make_pipe(stages, tx_bytes, mbar):
-            return pipeline.PipelineTmaAsync.create(
-                num_stages=stages,
-                producer_group=producer,
-                consumer_group=consumers,
-                tx_count=tx_bytes,
-                barrier_storage=mbar.data_ptr(),
-                defer_sync=True,
-            )
-
-        pipe_q = make_pipe(1, cute.size_in_bytes(f8, sQ_l), st.mbar_q)
-        pipe_k = make_pipe(
-            self.STAGES, cute.size_in_bytes(f8, cute.select(sK_l, mode=[0, 1])), st.mbar_k
-        )
-        pipe_v = make_pipe(
-            self.STAGES, cute.size_in_bytes(f8, cute.select(sVt_l, mode=[0, 1])), st.mbar_v
-        )
-        pipeline.pipeline_init_arrive()
-
-        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
-        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
-        sVt = st.sVt.get_tensor(sVt_l.outer, swizzle=sVt_l.inner)  # (D, TILE_N, STAGES)
-        sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) bf16
-
-        pipeline.pipeline_init_wait()
-        Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
+        pipes, smem = self._allocate_smem(sQ_l, sK_l, sVt_l, sO_l)
+        pipe_q, pipe_k, pipe_v = pipes
+        sQ, sK, sVt, _, sO = smem  # the loaded sVt is already PV's B operand
         n_block_min, n_block_max = self.block_range(
             m_block, seqlen_q, seqlen_k, window_left, window_right
         )
@@ -479,231 +452,28 @@ class Fp8Forward(Fa3Forward):
             qk_softcap_pre = softcap_pre * qk_descale
         else:
             qk_scale_log2 = scale_log2 * qk_descale
-        # Read by `epilogue` (same trace): O = descale_v · P·V / l.
+        # Read by `_o_scale` in the epilogue (same trace): O = descale_v · P·V / l.
         self._descale_v = mDescaleV[batch, head_kv]
 
-        if wg == WarpRole.PRODUCER:
-            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
-            if warp == 0:
-                self.load(
-                    tma_q,
-                    tQ,
-                    tma_k,
-                    tK,
-                    tma_v,
-                    tVt,
-                    sQ,
-                    sK,
-                    sVt,
-                    pipe_q,
-                    pipe_k,
-                    pipe_v,
-                    pipeline.make_pipeline_state(Producer, 1),
-                    pipeline.make_pipeline_state(Producer, self.STAGES),
-                    m_block,
-                    head,
-                    batch,
-                    group,
-                    n_block_min,
-                    n_block_max,
-                )
-        else:
-            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
-            cwg = wg - WarpRole.CONSUMER0
-            if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
-                if cwg == 0:
-                    # The "you start" token: WG0 takes the first tensor-core turn.
-                    cute.arch.barrier_arrive(
-                        barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
-                    )
-            self.consumer(
-                tma_o,
-                tO,
-                mLSE,
-                mma_qk,
-                mma_pv,
-                sQ,
-                sK,
-                sVt,
-                sO,
-                pipe_q,
-                pipe_k,
-                pipe_v,
-                pipeline.make_pipeline_state(Consumer, 1),
-                pipeline.make_pipeline_state(Consumer, self.STAGES),
-                tidx - 128,
-                warp,
-                cwg,
-                m_block,
-                head,
-                batch,
-                seqlen_q,
-                seqlen_k,
-                qk_scale_log2,
-                qk_softcap_pre,
-                window_left,
-                window_right,
-                n_block_min,
-                n_block_max,
-            )
-
-    @cute.jit
-    def load(
-        self,
-        tma_q: cute.CopyAtom,
-        tQ: cute.Tensor,
-        tma_k: cute.CopyAtom,
-        tK: cute.Tensor,
-        tma_v: cute.CopyAtom,
-        tVt: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sVt: cute.Tensor,
-        pipe_q: pipeline.PipelineTmaAsync,
-        pipe_k: pipeline.PipelineTmaAsync,
-        pipe_v: pipeline.PipelineTmaAsync,
-        q_state: pipeline.PipelineState,
-        kv_state: pipeline.PipelineState,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        group: Int32,
-        n_block_min: Int32,
-        n_block_max: Int32,
-    ):
-        """Producer warp: Q once, then K (keys x D) and Vᵀ (D x keys) per n-block, newest first."""
-        head_kv = head // group
-        d, tn = self.HEAD_DIM, self.TILE_N
-        gQ = cute.local_tile(tQ[None, None, head, batch], (self.TILE_M, d), (m_block, 0))
-        gK = cute.local_tile(
-            tK[None, None, head_kv, batch], (tn, d), (None, 0)
-        )  # (TILE_N, D, n_blocks)
-        gVt = cute.local_tile(
-            tVt[None, None, head_kv, batch], (d, tn), (0, None)
-        )  # (D, TILE_N, n_blocks)
-        one = cute.make_layout(1)
-        tQs, tQg = cpasync.tma_partition(
-            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        sched = SimpleNamespace(
+            tile0=(m_block, head, batch),
+            blocks=(n_block_min, n_block_max),  # computed once, for both roles
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            group=group,
+            window_left=window_left,
+            window_right=window_right,
         )
-        tKs, tKg = cpasync.tma_partition(
-            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )  # (TMA, STAGES), (TMA, n_blocks)
-        tVs, tVg = cpasync.tma_partition(
-            tma_v, 0, one, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+        self.warp_roles(
+            wg,
+            warp,
+            tidx,
+            (tma_q, tQ, tma_k, tK, tma_v, tVt, sQ, sK, sVt, pipe_q, pipe_k, pipe_v),
+            (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
+            sched,
+            qk_scale_log2,
+            qk_softcap_pre,
         )
-        if n_block_max > n_block_min:
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                n_block = n_block_max - 1 - i
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(
-                    tma_k,
-                    tKg[None, n_block],
-                    tKs[None, kv_state.index],
-                    tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
-                )
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(
-                    tma_v,
-                    tVg[None, n_block],
-                    tVs[None, kv_state.index],
-                    tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
-                )
-                kv_state.advance()
-        return q_state, kv_state
-
-    @cute.jit
-    def probs_to_operand(self, ctx):
-        """P (fp32 C fragment in acc_S) -> e4m3 A fragment of PV (tOrP), see `quad_exchange`.
-
-        acc_S element 4j + 2r + c is (row half r, column 8j + 2t + c); tOrP's 32-bit word
-        4kb + r + 2h holds row half r, keys 32kb + 16h + 4t' .. + 3 (m64nNk32 A layout).
-        """
-        acc_S, tOrP = ctx.acc_S, ctx.tOrP
-        # ((4, 2, 2), 1, TILE_N / 32) bytes: (byte, row half, k half) x k-blocks.
-        assert cute.size(tOrP) == cute.size(acc_S)
-        assert cute.size(tOrP, mode=[2]) == self.TILE_N // MMA_K_FP8
-        words = cute.make_tensor(
-            cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(tOrP) // 4)
-        )  # (TILE_N / 8,) 32-bit view of P's registers
-        lane = cute.arch.lane_idx()
-        t = lane % 4
-        src1, src2, sel_lo, sel_hi = quad_exchange(t)
-        quad0 = lane - t
-        even = (t & 1) == 0
-        for kb in cutlass.range_constexpr(self.TILE_N // MMA_K_FP8):
-            for r in cutlass.range_constexpr(2):
-
-                def pair(j: int, kb=kb, r=r):
-                    i = 4 * (4 * kb + j) + 2 * r
-                    return acc_S[i], acc_S[i + 1]
-
-                x = cvt_pack_e4m3x4(*pair(0), *pair(2))
-                y = cvt_pack_e4m3x4(*pair(1), *pair(3))
-                w1 = cute.arch.shuffle_sync(x if even else y, quad0 + src1)
-                w2 = cute.arch.shuffle_sync(y if even else x, quad0 + src2)
-                words[4 * kb + r] = byte_perm(w1, w2, sel_lo)
-                words[4 * kb + 2 + r] = byte_perm(w1, w2, sel_hi)
-
-    @cute.jit
-    def epilogue(
-        self,
-        tma_o: cute.CopyAtom,
-        tO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mma_pv: cute.TiledMma,
-        sO: cute.Tensor,
-        acc_O: cute.Tensor,
-        tScS: cute.Tensor,
-        row_max: cute.Tensor,
-        row_sum: cute.Tensor,
-        ctid: Int32,
-        warp: Int32,
-        cwg: Int32,  # the base signature's (unused: one store for both WGs)
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        seqlen_q: Int32,
-        scale_log2: Float32,
-    ):
-        """O · descale_v / l (0 for empty rows) in bf16, LSE to gmem, sO (stmatrix), TMA store."""
-        inv = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            l_tot = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            empty = l_tot == Float32(0.0)
-            inv[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l_tot) * self._descale_v
-            lse = (row_max[r] * scale_log2 + cute.math.log2(l_tot, fastmath=True)) * LN2
-            lse = Float32(-math.inf) if empty else lse
-            row = m_block * self.TILE_M + tScS[2 * r][0]
-            if (tScS[0][1] == 0) & (row < seqlen_q):
-                mLSE[row, head, batch] = lse
-        self.rescale_o(acc_O, inv)
-
-        rO = cute.make_rmem_tensor_like(acc_O, BFloat16)
-        rO.store(acc_O.load().to(BFloat16))
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), BFloat16), mma_pv
-        )
-        thr_r2s = r2s.get_slice(ctid)
-        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
-        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS)
-        if warp == 4:
-            gO = cute.local_tile(
-                tO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-            )  # (TILE_M, D)
-            tOs, tOg = cpasync.tma_partition(
-                tma_o,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_o, tOs, tOg)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 # ------------------------------------------------------------------------------------------------

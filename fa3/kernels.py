@@ -140,6 +140,7 @@ class Fa3Forward:
         softcap: bool,
     ) -> None:
         self.dtype = dtype
+        self.o_dtype = dtype  # O's dtype in smem and gmem (the fp8 kernel writes bf16)
         self.HEAD_DIM = head_dim
         self.TILE_M = cfg.tile_m
         self.TILE_N = cfg.tile_n
@@ -169,25 +170,34 @@ class Fa3Forward:
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
     # ----------------------------------------------------------------------------------------
-    def _smem_atom(self):
-        # Widest swizzle whose row segment divides head_dim (rows are D-contiguous everywhere).
-        d_bytes = self.HEAD_DIM * self.dtype.width // 8
+    @staticmethod
+    def _k_major_atom(row_bytes: int, dtype: type[cutlass.Numeric]):
+        """Widest K-major swizzle atom whose row segment divides `row_bytes`."""
         kind = warpgroup.SmemLayoutAtomKind
-        if d_bytes % 128 == 0:
+        if row_bytes % 128 == 0:
             k = kind.K_SW128
-        elif d_bytes % 64 == 0:
+        elif row_bytes % 64 == 0:
             k = kind.K_SW64
         else:
             k = kind.K_SW32
-        return warpgroup.make_smem_layout_atom(k, self.dtype)
+        return warpgroup.make_smem_layout_atom(k, dtype)
 
-    def _smem_layouts(self):
+    def _smem_atom(self):
+        # Rows are D-contiguous everywhere (Q, K, V and O).
+        return self._k_major_atom(self.HEAD_DIM * self.dtype.width // 8, self.dtype)
+
+    def _make_layouts(self):
+        """Shared-memory layouts sQ (TILE_M, D), sK and sV (TILE_N, D, STAGES), sO (`_o_layout`).
+
+        V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it as an
+        MN-major Vᵀ view (`_v_operand`).
+        """
         atom = self._smem_atom()
         sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
         sK_l = cute.tile_to_shape(
             atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )  # (TILE_N, D, STAGES)
-        return sQ_l, sK_l
+        return sQ_l, sK_l, sK_l, self._o_layout()
 
     def _o_layout(self):
         """sO: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE, each slab
@@ -199,7 +209,11 @@ class Fa3Forward:
             )
         return cute.tile_to_shape(self._smem_atom(), (self.TILE_M, self.HEAD_DIM), order=(0, 1))
 
-    def _tiled_mmas(self):
+    def _pv_b_major(self):
+        """Major mode of PV's B operand Vᵀ (D x keys) in smem."""
+        return cute.nvgpu.OperandMajorMode.MN  # Vᵀ: the N mode (head_dim) is contiguous in sV
+
+    def _make_mmas(self):
         major = cute.nvgpu.OperandMajorMode
         # The consumer warpgroups stacked along M: NUM_CONSUMER_WGS x 64 rows = TILE_M.
         wgs = (self.NUM_CONSUMER_WGS, 1, 1)
@@ -210,7 +224,7 @@ class Fa3Forward:
             self.dtype,
             self.dtype,
             major.K,
-            major.MN,  # Vᵀ: the N mode (head_dim) is contiguous in sV
+            self._pv_b_major(),
             Float32,
             wgs,
             (64, self.HEAD_DIM),
@@ -218,10 +232,11 @@ class Fa3Forward:
         )
         return mma_qk, mma_pv
 
-    def _storage(self, sQ_l, sK_l):
-        dt = self.dtype
+    def _storage(self, sQ_l, sK_l, sV_l, sO_l):
+        """The shared-memory struct: mbarriers, sQ, sK, sV and sO (none where sO aliases sQ)."""
+        dt, o_dt = self.dtype, self.o_dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
-        n_q, n_kv = cute.cosize(sQ_l), cute.cosize(sK_l)
+        n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
         st = self.STAGES
 
         if const_expr(self.O_ALIAS_Q):
@@ -232,8 +247,8 @@ class Fa3Forward:
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
                 sQ: align[mrange[dt, n_q], 1024]
-                sK: align[mrange[dt, n_kv], 1024]
-                sV: align[mrange[dt, n_kv], 1024]
+                sK: align[mrange[dt, n_k], 1024]
+                sV: align[mrange[dt, n_v], 1024]
 
         else:
 
@@ -243,11 +258,103 @@ class Fa3Forward:
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
                 sQ: align[mrange[dt, n_q], 1024]
-                sK: align[mrange[dt, n_kv], 1024]
-                sV: align[mrange[dt, n_kv], 1024]
-                sO: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_k], 1024]
+                sV: align[mrange[dt, n_v], 1024]
+                sO: align[mrange[o_dt, n_o], 1024]
 
         return Storage
+
+    # V's place in gmem, TMA and smem: (keys, D) blocks here; the fp8 kernel loads Vᵀ blocks.
+    V_VIEW = (1, 3, 2, 0)  # (B, Nk, Hkv, D) -> (Nk, D, Hkv, B)
+
+    def _v_box(self) -> tuple[int, int]:
+        """The TMA box (and smem stage shape) of one V block."""
+        return (self.TILE_N, self.HEAD_DIM)
+
+    def _v_blocks(self, tV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks)."""
+        return cute.local_tile(
+            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
+        )
+
+    def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
+        """Vᵀ as the MN-major B operand of PV: sV's bytes, a (D, TILE_N, STAGES) view."""
+        return cute.composition(
+            sV,
+            cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
+        )
+
+    def _kernel_views(self, mQ, mK, mV, mO, mLSE):
+        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `V_VIEW`, (N, H, B) LSE."""
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=list(self.V_VIEW)))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        return mQ, mK, mV, mO, mLSE
+
+    def _make_tmas(self, mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l):
+        """TMA atoms and coordinate tensors: loads of Q, K, V (one stage each), store of O."""
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
+        tma_k, tK = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_l, mode=[0, 1]), (self.TILE_N, self.HEAD_DIM)
+        )
+        tma_v, tV = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_l, mode=[0, 1]), self._v_box()
+        )
+        o_rows = 64 if self.PER_WG_EPILOGUE else self.TILE_M
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mO,
+            cute.select(sO_l, mode=[0, 1]),
+            (o_rows, self.HEAD_DIM),
+        )
+        return tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO
+
+    def _make_pipelines(self, st, sQ_l, sK_l, sV_l):
+        """The Q, K and V TMA pipelines on their mbarriers in `st` (init arrive included)."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
+
+        def make_pipe(stages, smem_l, mbar):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=cute.size_in_bytes(self.dtype, smem_l),  # the TMA bytes of one stage
+                barrier_storage=mbar.data_ptr(),
+                defer_sync=True,
+            )
+
+        pipe_q = make_pipe(1, sQ_l, st.mbar_q)
+        pipe_k = make_pipe(self.STAGES, cute.select(sK_l, mode=[0, 1]), st.mbar_k)
+        pipe_v = make_pipe(self.STAGES, cute.select(sV_l, mode=[0, 1]), st.mbar_v)
+        pipeline.pipeline_init_arrive()
+        return pipe_q, pipe_k, pipe_v
+
+    def _allocate_smem(self, sQ_l, sK_l, sV_l, sO_l):
+        """Kernel prologue: the storage struct, its pipelines and smem tensors, then the wait
+        for every thread's view of the initialised mbarriers. Returns (pipes, tensors)."""
+        st = SmemAllocator().allocate(self.storage)
+        pipes = self._make_pipelines(st, sQ_l, sK_l, sV_l)
+        smem = self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l)
+        pipeline.pipeline_init_wait()
+        return pipes, smem
+
+    def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
+        """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
+        B operand, (D, TILE_N, STAGES)) and sO (on sQ with O_ALIAS_Q)."""
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
+        sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES)
+        sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)
+        if const_expr(self.O_ALIAS_Q):
+            sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
+        else:
+            sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
+        return sQ, sK, sV, sVt, sO
 
     # ----------------------------------------------------------------------------------------
     # host side
@@ -267,29 +374,12 @@ class Fa3Forward:
         max_ctas: Int32,  # persistent grid size (the SM count); unused otherwise
         stream,
     ):
-        # Kernel views: (N, D, H, B) for TMA (4-D descriptors), (N, H, B) for the LSE.
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0]))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-
-        sQ_l, sK_l = self._smem_layouts()  # (TILE_M, D), (TILE_N, D, STAGES)
-        sK_stage = cute.select(sK_l, mode=[0, 1])  # (TILE_N, D)
-        mma_qk, mma_pv = self._tiled_mmas()
-        self.storage = self._storage(sQ_l, sK_l)
-
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, sK_stage, (self.TILE_N, self.HEAD_DIM))
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, sK_stage, (self.TILE_N, self.HEAD_DIM))
-        sO_l = self._o_layout()  # (TILE_M, D) or (64, D, NUM_CONSUMER_WGS)
-        o_rows = 64 if self.PER_WG_EPILOGUE else self.TILE_M
-        tma_o, tO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            mO,
-            cute.select(sO_l, mode=[0, 1]),
-            (o_rows, self.HEAD_DIM),
+        mQ, mK, mV, mO, mLSE = self._kernel_views(mQ, mK, mV, mO, mLSE)
+        sQ_l, sK_l, sV_l, sO_l = self._make_layouts()
+        mma_qk, mma_pv = self._make_mmas()
+        self.storage = self._storage(sQ_l, sK_l, sV_l, sO_l)
+        tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO = self._make_tmas(
+            mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l
         )
 
         seqlen_q = mQ.shape[0]
@@ -376,52 +466,56 @@ class Fa3Forward:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        st = SmemAllocator().allocate(self.storage)
-        bytes_q = cute.size_in_bytes(self.dtype, sQ_l)
-        bytes_kv = cute.size_in_bytes(self.dtype, cute.select(sK_l, mode=[0, 1]))
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            num_stages=1,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=bytes_q,
-            barrier_storage=st.mbar_q.data_ptr(),
-            defer_sync=True,
+        # sV has sK's layout.
+        pipes, smem = self._allocate_smem(sQ_l, sK_l, sK_l, sO_l)
+        pipe_q, pipe_k, pipe_v = pipes
+        sQ, sK, sV, sVt, sO = smem
+        sched = SimpleNamespace(
+            tile0=(m_block0, head0, batch0),
+            bid_x=bid_x,
+            grid_x=grid_x,
+            num_tiles=num_tiles,
+            m_blocks=m_blocks,
+            heads_q=heads_q,
+            batch_n=batch_n,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            group=group,
+            window_left=window_left,
+            window_right=window_right,
         )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            num_stages=self.STAGES,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=bytes_kv,
-            barrier_storage=st.mbar_k.data_ptr(),
-            defer_sync=True,
+        self.warp_roles(
+            wg,
+            warp,
+            tidx,
+            (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v),
+            (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
+            sched,
+            scale_log2,
+            softcap_pre,
         )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            num_stages=self.STAGES,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=bytes_kv,
-            barrier_storage=st.mbar_v.data_ptr(),
-            defer_sync=True,
-        )
-        pipeline.pipeline_init_arrive()
 
-        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
-        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
-        sV = st.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
-        # Vᵀ as the MN-major B operand of PV: same bytes, (D, TILE_N, STAGES) view.
-        sVt = cute.composition(
-            sV,
-            cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
-        )
-        if const_expr(self.O_ALIAS_Q):
-            sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
-        else:
-            sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
+    @cute.jit
+    def warp_roles(
+        self,
+        wg: Int32,
+        warp: Int32,
+        tidx: Int32,
+        load_args: tuple,  # `load`'s TMA atoms and coordinates, smem tensors and pipelines
+        cons_args: tuple,  # `consumer`'s: O store, LSE, MMAs, smem tensors and pipelines
+        sched: SimpleNamespace,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+    ):
+        """The role split: warp 0 of the producer WG loads, the consumer WGs compute.
 
-        pipeline.pipeline_init_wait()
+        `sched`: the problem (seqlen_q, seqlen_k, group, window_left, window_right) and
+        tile0, this CTA's (m_block, head, batch) without PERSISTENT, or the persistent schedule
+        (bid_x, grid_x, num_tiles, m_blocks, heads_q, batch_n), read only with PERSISTENT.
+        """
+        m_block0, head0, batch0 = sched.tile0
+        seqlen_q, seqlen_k, group = sched.seqlen_q, sched.seqlen_k, sched.group
+        window_left, window_right = sched.window_left, sched.window_right
         Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
 
         if wg == WarpRole.PRODUCER:
@@ -430,12 +524,13 @@ class Fa3Forward:
                 # Pipeline states live across tiles (persistent): their phases carry on.
                 q_state = pipeline.make_pipeline_state(Producer, 1)
                 kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
-                load_args = (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v)
                 if const_expr(self.PERSISTENT):
-                    for k in cutlass.range(self.cta_tile_count(bid_x, grid_x, num_tiles), unroll=1):
-                        tile = self.cta_tile(k, bid_x, grid_x)
+                    for k in cutlass.range(
+                        self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
+                    ):
+                        tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
                         m_block, head, batch = self.tile_coords(
-                            tile, m_blocks, heads_q, batch_n, seqlen_k
+                            tile, sched.m_blocks, sched.heads_q, sched.batch_n, seqlen_k
                         )
                         n_block_min, n_block_max = self.block_range(
                             m_block, seqlen_q, seqlen_k, window_left, window_right
@@ -452,9 +547,7 @@ class Fa3Forward:
                             n_block_max,
                         )
                 else:
-                    n_block_min, n_block_max = self.block_range(
-                        m_block0, seqlen_q, seqlen_k, window_left, window_right
-                    )
+                    n_block_min, n_block_max = self._cta_blocks(sched)
                     self.load(
                         *load_args,
                         q_state,
@@ -469,22 +562,16 @@ class Fa3Forward:
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             cwg = wg - WarpRole.CONSUMER0
-            if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
-                if cwg == 0:
-                    # The "you start" token: WG0 takes the first tensor-core turn. Each tile
-                    # passes it round the ring a whole number of times, so it is back at WG0
-                    # when the next tile starts (persistent).
-                    cute.arch.barrier_arrive(
-                        barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
-                    )
+            self.pingpong_start(cwg)
             q_state = pipeline.make_pipeline_state(Consumer, 1)
             kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
-            cons_args = (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v)
             if const_expr(self.PERSISTENT):
-                for k in cutlass.range(self.cta_tile_count(bid_x, grid_x, num_tiles), unroll=1):
-                    tile = self.cta_tile(k, bid_x, grid_x)
+                for k in cutlass.range(
+                    self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
+                ):
+                    tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
                     m_block, head, batch = self.tile_coords(
-                        tile, m_blocks, heads_q, batch_n, seqlen_k
+                        tile, sched.m_blocks, sched.heads_q, sched.batch_n, seqlen_k
                     )
                     n_block_min, n_block_max = self.block_range(
                         m_block, seqlen_q, seqlen_k, window_left, window_right
@@ -513,9 +600,7 @@ class Fa3Forward:
                         # The last tile's O store must have read sO before the CTA exits.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
-                n_block_min, n_block_max = self.block_range(
-                    m_block0, seqlen_q, seqlen_k, window_left, window_right
-                )
+                n_block_min, n_block_max = self._cta_blocks(sched)
                 self.consumer(
                     *cons_args,
                     q_state,
@@ -535,6 +620,17 @@ class Fa3Forward:
                     n_block_min,
                     n_block_max,
                 )
+
+    def _cta_blocks(self, sched: SimpleNamespace):
+        """[n_block_min, n_block_max) of a non-persistent CTA's tile: `sched.blocks` where the
+        kernel computed it once in its top region (fp8), else here, in the role's branch."""
+        blocks = getattr(sched, "blocks", None)
+        if blocks is not None:
+            return blocks
+        m_block0 = sched.tile0[0]
+        return self.block_range(
+            m_block0, sched.seqlen_q, sched.seqlen_k, sched.window_left, sched.window_right
+        )
 
     @cute.jit
     def cta_tile_count(self, bid: Int32, grid: Int32, num_tiles: Int32) -> Int32:
@@ -652,9 +748,7 @@ class Fa3Forward:
         gK = cute.local_tile(
             tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
         )  # (TILE_N, D, n_blocks)
-        gV = cute.local_tile(
-            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
-        )  # (TILE_N, D, n_blocks)
+        gV = self._v_blocks(tV, head_kv, batch)  # (TILE_N, D, n_blocks) (fp8: Vᵀ blocks)
         one = cute.make_layout(1)
         tQs, tQg = cpasync.tma_partition(
             tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
@@ -916,6 +1010,19 @@ class Fa3Forward:
         return q_state, kv_state
 
     @cute.jit
+    def pingpong_start(self, cwg: Int32):
+        """Hand WG0 the "you start" token: it takes the first tensor-core turn.
+
+        Each tile passes the token round the ring a whole number of times, so it is back at
+        WG0 when the next tile starts (persistent).
+        """
+        if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if cwg == 0:
+                cute.arch.barrier_arrive(
+                    barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
+                )
+
+    @cute.jit
     def pingpong_sync(self, cwg: Int32):
         """Wait for this WG's tensor-core turn (a token passed round the ring of consumer WGs)."""
         if const_expr(self.PINGPONG):
@@ -1150,6 +1257,10 @@ class Fa3Forward:
     # ----------------------------------------------------------------------------------------
     # consumer: epilogue
     # ----------------------------------------------------------------------------------------
+    def _o_scale(self, rcp_l: Float32) -> Float32:
+        """What multiplies a row of O with softmax sum l (> 0): 1/l (fp8 adds descale_v)."""
+        return rcp_l
+
     @cute.jit
     def epilogue(
         self,
@@ -1176,7 +1287,7 @@ class Fa3Forward:
         for r in cutlass.range_constexpr(2):
             l_tot = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
             empty = l_tot == Float32(0.0)
-            inv[r] = Float32(0.0) if empty else cute.arch.rcp_approx(l_tot)
+            inv[r] = Float32(0.0) if empty else self._o_scale(cute.arch.rcp_approx(l_tot))
             lse = (row_max[r] * scale_log2 + cute.math.log2(l_tot, fastmath=True)) * LN2
             lse = Float32(-math.inf) if empty else lse
             row = m_block * self.TILE_M + tScS[2 * r][0]
@@ -1211,10 +1322,10 @@ class Fa3Forward:
             cute.arch.barrier(
                 barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS
             )
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
+        rO.store(acc_O.load().to(self.o_dtype))
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_pv
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.o_dtype), mma_pv
         )
         thr_r2s = r2s.get_slice(ctid)
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
@@ -1267,16 +1378,16 @@ class Fa3Forward:
             self.dtype,
             self.dtype,
             cute.nvgpu.OperandMajorMode.K,
-            cute.nvgpu.OperandMajorMode.MN,
+            self._pv_b_major(),
             Float32,
             (1, 1, 1),
             (64, self.HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
+        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
+        rO.store(acc_O.load().to(self.o_dtype))
         r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype), mma_wg
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.o_dtype), mma_wg
         )
         thr_r2s = r2s.get_slice(ctid % 128)
         cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_wg))
