@@ -77,10 +77,7 @@ def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
     if version == "auto":
         requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
     if requested != "auto":
-        if requested not in registry.VERSIONS:
-            raise ValueError(
-                f"version: expected one of {(*registry.VERSIONS, 'auto')}, got {requested!r}"
-            )
+        registry.check_name(requested)
         ok, reason = _check(requested, p, arch, needs_grad)
         if not ok:
             raise Unsupported(

@@ -124,7 +124,7 @@ def run_checks(device: str) -> bool:
     for case in check_cases(device):
         q, k, v = make_inputs(case, device)
         ref = None
-        for name in [n for n in registry.VERSIONS if registry.available(n)[0]]:
+        for name in registry.available_versions():
             label = f"  {name:6s} {case.id:44s}"
             try:
                 api.select(q, k, v, version=name, **case.options())
@@ -150,31 +150,18 @@ def run_checks(device: str) -> bool:
 
 
 def print_timing() -> None:
-    from flashsuite.dispatch.bench import measure
+    from flashsuite.dispatch.bench import measure, standard_sweep
 
     print("== timing (bf16, B·N = 16k, Hq·D = 2048, forward, TFLOP/s; median of CUDA-event runs)")
-    contenders = [n for n in registry.VERSIONS if n != "torch" and registry.available(n)[0]]
-    contenders += ["sdpa-flash", "sdpa-cudnn"]
+    contenders = [*registry.available_versions(kernels_only=True), "sdpa-flash", "sdpa-cudnn"]
     print("  " + f"{'shape':28s}" + "".join(f"{c:>12s}" for c in contenders))
-    for d in (64, 128):
-        for causal in (False, True):
-            n = 4096
-            case = Case(
-                batch=16384 // n,
-                seqlen_q=n,
-                seqlen_k=n,
-                heads_q=2048 // d,
-                heads_kv=2048 // d,
-                head_dim=d,
-                dtype=BF16,
-                causal=causal,
-            )
-            cells = []
-            for c in contenders:
-                r = measure(c, case, "fwd")
-                cells.append(f"{r.tflops:12.0f}" if not r.error else f"{'n/a':>12s}")
-            label = f"N={n} D={d}" + (" causal" if causal else "")
-            print(f"  {label:28s}" + "".join(cells))
+    for case in standard_sweep(head_dims=(64, 128), seqlens=(4096,)):
+        cells = []
+        for c in contenders:
+            r = measure(c, case, "fwd")
+            cells.append(f"{r.tflops:12.0f}" if not r.error else f"{'n/a':>12s}")
+        label = f"N={case.seqlen_q} D={case.head_dim}" + (" causal" if case.causal else "")
+        print(f"  {label:28s}" + "".join(cells))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -211,9 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    versions = args.versions or [
-        n for n in registry.VERSIONS if n != "torch" and registry.available(n)[0]
-    ]
+    versions = args.versions or registry.available_versions(kernels_only=True)
     contenders = versions + (args.peers if args.peers is not None else list(PEERS))
     seqlens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
     cases = standard_sweep(head_dims=args.head_dims, seqlens=seqlens)

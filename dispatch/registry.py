@@ -39,9 +39,13 @@ def _import(name: str) -> tuple[ModuleType | None, str]:
         return None, f"cannot import {_MODULES[name]}: {type(exc).__name__}: {exc}"
 
 
-def module(name: str) -> ModuleType:
+def check_name(name: str) -> None:
     if name not in _MODULES:
         raise ValueError(f"version: expected one of {(*VERSIONS, 'auto')}, got {name!r}")
+
+
+def module(name: str) -> ModuleType:
+    check_name(name)
     mod, reason = _import(name)
     if mod is None:
         raise VersionUnavailable(f"{name}: {reason}")
@@ -56,6 +60,12 @@ def available(name: str) -> tuple[bool, str]:
     if mod is None:
         return False, reason
     return mod.available()
+
+
+def available_versions(kernels_only: bool = False) -> list[str]:
+    """The versions that can run here, best first; `kernels_only` leaves out "torch"."""
+    names = [n for n in VERSIONS if available(n)[0]]
+    return [n for n in names if n != "torch"] if kernels_only else names
 
 
 def backward_source(name: str) -> str | None:

@@ -26,8 +26,8 @@ def runnable_versions() -> list[str]:
     """Versions whose software is present; each test then asks `supports` for its case.
     FLASHSUITE_TEST_VERSIONS=fa2,torch narrows the list (e.g. on a GPU host, to bisect)."""
     wanted = os.environ.get("FLASHSUITE_TEST_VERSIONS")
-    names = wanted.split(",") if wanted else registry.VERSIONS
-    return [name for name in names if registry.available(name)[0]]
+    names = registry.available_versions()
+    return [name for name in names if name in wanted.split(",")] if wanted else names
 
 
 def pytest_report_header(config) -> list[str]:

@@ -18,11 +18,11 @@ import torch
 
 from flashsuite.common.testing import make_inputs
 from flashsuite.dispatch.bench import PEERS, make_callable, measure, standard_sweep
-from flashsuite.dispatch.registry import VERSIONS, available
+from flashsuite.dispatch.registry import available_versions
 
 pytestmark = pytest.mark.gpu
 
-CONTENDERS = [v for v in VERSIONS if v != "torch" and available(v)[0]] + list(PEERS)
+CONTENDERS = [*available_versions(kernels_only=True), *PEERS]
 SWEEP = standard_sweep()
 _peer_results: dict[tuple, float] = {}
 
