@@ -4,12 +4,12 @@ On a GPU host (B·N = 16k tokens, Hq·D = 2048, bf16, non-causal):
 
     python scripts/hbm_traffic.py                  # forward time and TFLOP/s, model GB beside them
     python scripts/hbm_traffic.py --ncu            # plus measured DRAM bytes: runs itself under ncu
-    python scripts/hbm_traffic.py --one fa1 4096 64   # one forward inside an NVTX range (for ncu)
 
 DRAM bytes are `dram__bytes_read.sum` and `dram__bytes_write.sum` summed over every kernel of
 one forward (ncu --clock-control none, NVTX range "measure"), after a warm-up call outside the
-range so compilation and autotuning are not counted. The model is `common/traffic.py`, with
-the tile sizes each version actually uses.
+range so compilation and autotuning are not counted. One ncu process profiles every case (N =
+1k, 4k, 16k); a marker kernel before each forward tells the cases apart in ncu's output.
+The model is `common/traffic.py`, with the tile sizes each version actually uses.
 """
 
 from __future__ import annotations
@@ -71,61 +71,91 @@ def model_bytes(name: str, n: int, d: int) -> traffic.Traffic:
     return traffic.naive_forward(b, h, n, n, d, 2)
 
 
-def one(name: str, n: int, d: int) -> None:
-    """Warm up, then run one forward inside the NVTX range that ncu filters on."""
-    run = _runner(name, *_inputs(n, d))
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("measure")
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: separates the cases in ncu's output
+NCU_SEQLENS = (1024, 4096, 16384)
 
 
-def ncu_bytes(name: str, n: int, d: int) -> tuple[float, float] | None:
+def profile_child(cases: list[tuple[str, int, int]]) -> None:
+    """Run under ncu: per case, a warm-up outside the NVTX range, then a marker kernel and one
+    forward inside it; ncu profiles only the kernels inside "measure"."""
+    for name, n, d in cases:
+        run = _runner(name, *_inputs(n, d))
+        run()  # compiles / autotunes outside the range
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("measure")
+        torch.cuda._sleep(1)
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+        del run
+        torch.cuda.empty_cache()
+
+
+def ncu_bytes(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """DRAM bytes (read, written) of one forward per case, from one ncu process."""
     ncu = shutil.which("ncu")
     if ncu is None:
-        return None
-    cmd = [
-        ncu,
-        "--clock-control",
-        "none",
-        "--nvtx",
-        "--nvtx-include",
-        "measure/",
-        "--csv",
-        "--metrics",
-        "dram__bytes_read.sum,dram__bytes_write.sum",
-        sys.executable,
-        __file__,
-        "--one",
-        name,
-        str(n),
-        str(d),
-    ]
+        print("ncu not on PATH: no measured bytes", file=sys.stderr)
+        return {}
+    spec = ",".join(f"{name}:{n}:{d}" for name, n, d in cases)
+    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "measure/", "--csv"]
+    cmd += ["--print-units", "base", "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum"]
+    cmd += [sys.executable, __file__, "--profile-child", spec]
     res = subprocess.run(cmd, capture_output=True, text=True)
     rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
-    read = written = 0.0
+    if res.returncode != 0 or not rows:
+        print(f"ncu failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        return {}
+    # One case = a marker kernel followed by that forward's kernels, in launch order.
+    per_kernel: dict[str, dict[str, float]] = {}
+    order: list[tuple[str, str]] = []
     for row in csv.DictReader(io.StringIO("\n".join(rows))):
+        key = row["ID"]
+        if key not in per_kernel:
+            per_kernel[key] = {}
+            order.append((key, row["Kernel Name"]))
         value = float(row["Metric Value"].replace(",", ""))
-        scale = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}.get(row["Metric Unit"], 1)
-        if row["Metric Name"] == "dram__bytes_read.sum":
-            read += value * scale
-        elif row["Metric Name"] == "dram__bytes_write.sum":
-            written += value * scale
-    return read, written
+        unit = row["Metric Unit"].strip().lower()
+        scale = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9}.get(unit, 1.0)
+        per_kernel[key][row["Metric Name"]] = value * scale
+    out: dict[tuple[str, int, int], tuple[float, float]] = {}
+    idx = -1
+    totals: list[list[float]] = []
+    for key, kname in order:
+        if MARKER in kname:
+            idx += 1
+            totals.append([0.0, 0.0])
+            continue
+        if idx < 0:
+            continue
+        totals[idx][0] += per_kernel[key].get("dram__bytes_read.sum", 0.0)
+        totals[idx][1] += per_kernel[key].get("dram__bytes_write.sum", 0.0)
+    if len(totals) != len(cases):
+        print(f"ncu: {len(totals)} marker kernels for {len(cases)} cases; output ignored")
+        return {}
+    for case, (r, w) in zip(cases, totals, strict=True):
+        out[case] = (r, w)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--one", nargs=3, metavar=("VERSION", "N", "D"))
+    parser.add_argument("--profile-child", help=argparse.SUPPRESS)
     parser.add_argument("--ncu", action="store_true", help="measure DRAM bytes with ncu")
     args = parser.parse_args()
-    if args.one:
-        one(args.one[0], int(args.one[1]), int(args.one[2]))
+    if args.profile_child:
+        cases = [
+            (c.split(":")[0], int(c.split(":")[1]), int(c.split(":")[2]))
+            for c in args.profile_child.split(",")
+        ]
+        profile_child(cases)
         return
     from triton.testing import do_bench
 
+    measured = {}
+    if args.ncu:
+        cases = [(name, n, d) for d in HEAD_DIMS for n in NCU_SEQLENS for name in CONTENDERS]
+        measured = ncu_bytes(cases)
     print("N      D   version  ms       TFLOP/s  model GB r/w     ncu GB r/w")
     for d in HEAD_DIMS:
         for n in SEQLENS:
@@ -138,10 +168,11 @@ def main() -> None:
                     f"{n:<6} {d:<3} {name:8} {ms:8.3f} {flops / ms / 1e9:8.0f}  "
                     f"{m.read / 1e9:6.2f} / {m.written / 1e9:6.2f}"
                 )
-                measured = ncu_bytes(name, n, d) if args.ncu else None
-                if measured is not None:
-                    line += f"   {measured[0] / 1e9:6.2f} / {measured[1] / 1e9:6.2f}"
+                if (name, n, d) in measured:
+                    r, w = measured[(name, n, d)]
+                    line += f"   {r / 1e9:6.2f} / {w / 1e9:6.2f}"
                 print(line, flush=True)
+                del run
                 torch.cuda.empty_cache()
 
 
