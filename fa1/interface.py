@@ -16,6 +16,7 @@ from flashsuite.common.arch import is_overridden, real_arch, triton_interpreter
 from flashsuite.common.validation import AttnParams
 from flashsuite.fa1.configs import (
     MAX_HEAD_DIM,
+    Fa1Config,
     bwd_config,
     fwd_config,
     padded_head_dim,
@@ -102,12 +103,22 @@ def forward(
     descale_q: torch.Tensor | None = None,
     descale_k: torch.Tensor | None = None,
     descale_v: torch.Tensor | None = None,
+    *,
+    cfg: Fa1Config | None = None,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), last dim contiguous.
 
     Returns out (B, Nq, Hq, Dv) contiguous in q's dtype and lse (B, Hq, Nq) float32 (natural
     log, -inf for rows that see no key). Descales are for fp8, which fa1 does not take.
+    `cfg` and `splits` override the tile table and the Q splits (fa1/tune.py).
     """
+    out, lse, _ = _forward(q, k, v, p, cfg, splits)
+    return out, lse
+
+
+def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
+    """`forward`, also returning Triton's compiled kernel (None if nothing was launched)."""
     from flashsuite.fa1.kernels import LOG2E, fa1_fwd_kernel
 
     b, nq, hq, d = q.shape
@@ -115,21 +126,21 @@ def forward(
     out = torch.empty(b, nq, hq, dv, device=q.device, dtype=p.out_dtype)  # (B, Nq, Hq, Dv)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     if b * hq * nq == 0:
-        return out, lse
+        return out, lse, None
     if nk == 0:  # no key at all: every row is fully masked
-        return out.zero_(), lse.fill_(-math.inf)
+        return out.zero_(), lse.fill_(-math.inf), None
     # Alg. 1 line 2: the running O, m, l live in HBM (fp32); their initial values are folded
     # into the first K/V step, so the buffers need no initialisation pass.
     o_acc = torch.empty(b, hq, nq, dv, device=q.device, dtype=torch.float32)  # (B, Hq, Nq, Dv)
     row_max = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     row_sum = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
-    cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal)
+    cfg = cfg or fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal)
     num_q_blocks = -(-nq // cfg.block_m)
-    splits = _num_splits(b * hq, num_q_blocks, q)
+    splits = min(splits, num_q_blocks) if splits else _num_splits(b * hq, num_q_blocks, q)
     per_split = -(-num_q_blocks // splits)
     grid = (b * hq, -(-num_q_blocks // per_split))
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        fa1_fwd_kernel[grid](
+        kernel = fa1_fwd_kernel[grid](
             q, k, v, out, lse, o_acc, row_max, row_sum,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -141,7 +152,7 @@ def forward(
             DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    return out, lse
+    return out, lse, kernel
 
 
 def backward(

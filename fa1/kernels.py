@@ -128,16 +128,22 @@ def _fwd_step(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
     acc_ptrs = acc_base + tl.cast(row0, tl.int64) * HEAD_DIM_V
     acc_ptrs = acc_ptrs + offs_m[:, None] * HEAD_DIM_V + offs_dv[None, :]  # (BLOCK_M, BLOCK_DV)
-    if j > 0:
-        o_i = tl.load(acc_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")  # (BLOCK_M, BLOCK_DV)
-        m_i = tl.load(
-            m_base + row0 + offs_m, mask=row_ok, other=-float("inf"), cache_modifier=".cg"
-        )
-        l_i = tl.load(l_base + row0 + offs_m, mask=row_ok, other=0.0, cache_modifier=".cg")
-    else:
-        o_i = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)  # (BLOCK_M, BLOCK_DV)
-        m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)  # (BLOCK_M,)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
+    # At j = 0 the masks are all false: the loads return the initial values without touching
+    # memory. Masks rather than an `if` keep the loads at the loop's top level, where Triton's
+    # software pipeliner can prefetch step i + 1 while step i computes (num_stages > 1).
+    seen_before = j > 0
+    o_i = tl.load(
+        acc_ptrs, mask=o_mask & seen_before, other=0.0, cache_modifier=".cg"
+    )  # (BLOCK_M, BLOCK_DV)
+    m_i = tl.load(
+        m_base + row0 + offs_m,
+        mask=row_ok & seen_before,
+        other=-float("inf"),
+        cache_modifier=".cg",
+    )  # (BLOCK_M,)
+    l_i = tl.load(
+        l_base + row0 + offs_m, mask=row_ok & seen_before, other=0.0, cache_modifier=".cg"
+    )  # (BLOCK_M,)
 
     # Alg. 1 line 9: S_ij = Q_i K_j^T (scaled, log2 domain).
     s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)

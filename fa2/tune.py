@@ -162,7 +162,10 @@ def probe(
                 cfg.num_warps_dq,
                 cfg.num_stages_dq,
             )
-    ok = all(r["spill"] == 0 and r["smem"] <= SMEM_LIMIT for r in res.values())
+    ok = all(
+        r["spill"] <= int(os.environ.get(_SPILL_ENV, "0")) and r["smem"] <= SMEM_LIMIT
+        for r in res.values()
+    )
     return {"ok": ok, "kernels": res}
 
 
@@ -224,6 +227,9 @@ def _cfg_str(cfg: FwdConfig | BwdConfig) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+# Spill bytes a candidate may have and still be timed (--allow-spill sets it; an environment
+# variable so that the probe's worker processes see it whatever their start method).
+_SPILL_ENV = "FLASHSUITE_FA2_TUNE_ALLOW_SPILL"
 DEVICE = "cuda"  # a smoke test of the sweep's plumbing may set "cpu" under the interpreter
 
 
@@ -296,7 +302,11 @@ QUICK_BWD_CANDIDATES: dict[tuple[int, bool], list[BwdConfig]] = {
         _bwd(32, 64, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),  # 254 regs
         _bwd(16, 128, 128, 64, 8, 2, 8, 3, atomic=True, tail=True),  # 250 regs
     ],
-    (128, True): [_bwd(16, 64, 128, 64, 8, 1, 8, 3, atomic=True)],  # 238 regs; s2 44 B spill
+    (128, True): [
+        _bwd(16, 64, 128, 64, 8, 1, 8, 3, atomic=True),  # 238 regs; s2 44 B spill
+        _bwd(32, 128, 128, 64, 8, 3, 8, 3),  # 255 regs, 24 B spill (with --allow-spill)
+        _bwd(16, 128, 128, 64, 8, 3, 8, 3, tail=True),  # 255 regs, 24 B spill
+    ],
     # wgmma dK/dV (16 queries x 64 keys) against the shipped mma.sync 64x32
     (256, False): [_bwd(16, 64, 128, 32, 8, 2, 8, 3, tail=True)],  # 255 regs
     (256, True): [],  # every wgmma dK/dV tile spills 0.6-1.2 KB
@@ -518,7 +528,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="fa2_tune_out", help="folder for the sweep's JSON")
     ap.add_argument("--d", type=int, nargs="*", default=None, help="head dims")
     ap.add_argument("--n", type=int, nargs="*", default=None, help="seqlens")
+    ap.add_argument(
+        "--allow-spill", type=int, default=0, help="time candidates with up to this many bytes"
+    )
     args = ap.parse_args(argv)
+    os.environ[_SPILL_ENV] = str(args.allow_spill)
     if args.probe:
         dtypes = (torch.bfloat16, torch.float32) if args.fp32 else (torch.bfloat16,)
         sys.exit(0 if probe_table(dtypes) else 1)

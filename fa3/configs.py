@@ -129,14 +129,23 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         # H200 2026-11-29 (bf16, `ablate --final`): N=16k 522 TFLOP/s vs cuDNN 458 (1.14x;
         # two warpgroups 467, 1.02x; tile_n 192 471); causal N=16k 484 vs 441 (1.10x; two
         # warpgroups 436), N=8k 464 vs 436.
-        return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
+        cfg = Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
+        # Causal: the persistent scheduler with tile overlap and the balanced order (v2).
+        # H200 2026-11-29 session 2 (`ablate --persistent`), TFLOP/s vs cuDNN at N = 4k / 8k /
+        # 16k: plain grid 411 / 449 / 471 (1.00 / 1.05 / 1.07x), v2 424 / 469 / 487
+        # (1.04 / 1.10 / 1.11x), v1 round-robin 403 / 451 / 458.
+        return _overlap(cfg) if causal else cfg
     if head_dim <= 96:
         # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
         return Fa3Config(tile_n=128, stages=2)
     if head_dim <= 128:
         if causal:
             # Causal tiles are half masked on the diagonal: keep them square. 193 KiB. R194.
-            return Fa3Config(tile_n=128, stages=2)
+            # Persistent v2 (tile overlap with per-WG sO slabs, balanced order). H200
+            # 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain grid 524 / 565 / 580
+            # (0.94 / 1.04 / 1.04x), v2 560 / 593 / 605 (1.00 / 1.09 / 1.09x); v2 without
+            # the balanced order 449 / 506 / 552, v1 502 / 523 / 535.
+            return _overlap(Fa3Config(tile_n=128, stages=2))
         # FA3's non-causal choice: a wider S (176) amortises the softmax over more columns.
         # 2 stages of 44 KiB for K and V need sO on sQ: 208 KiB. R219.
         # H200 2026-11-29 (bf16), two runs: intra-WG overlap off beats on, 627 vs 613
@@ -148,7 +157,12 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         return Fa3Config(tile_n=112, stages=2, o_alias_q=True)
     # D=256: acc_O alone is 128 registers, so S stays narrow (tile_n 80 as in FA3);
     # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ. R212.
-    return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
+    cfg = Fa3Config(tile_n=80, stages=2, o_alias_q=True)
+    # Causal: persistent v2 (no room for a separate sO: the K-first producer order and the
+    # balanced order only). H200 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain grid
+    # 521 / 597 / 597 (0.93 / 1.00 / 1.01x), v2 600 / 639 / 674 (1.07 / 1.06 / 1.14x), v1
+    # 484 / 507 / 525.
+    return _overlap(cfg) if causal else cfg
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
@@ -203,12 +217,12 @@ def final_variants() -> list[tuple[str, int, bool, Fa3Config]]:
         base = get_config(d, torch.bfloat16, causal)
         cands = {"shipped": base}
         if causal or d == 128:
-            cands["persistent"] = replace(base, persistent=True)
+            cands["persistent"] = replace(_plain(base), persistent=True)  # v1, round-robin
         if d == 64:
             cands["wg3"] = _three_wgs(base)
             cands["wg2"] = _two_wgs(base)
             if causal:
-                cands["wg3_persistent"] = replace(_three_wgs(base), persistent=True)
+                cands["wg3_persistent"] = replace(_three_wgs(_plain(base)), persistent=True)
             else:
                 cands["tile_n_192"] = replace(_two_wgs(base), tile_n=192, stages=2)
         if d == 128 and not causal:
@@ -225,7 +239,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     with and without ping-pong / intra-WG overlap so every barrier protocol is built."""
     bf16 = torch.bfloat16
     d64 = get_config(64, bf16, False)
-    d128c = get_config(128, bf16, True)
+    d128c = _plain(get_config(128, bf16, True))
     d128 = get_config(128, bf16, False)
     d256 = get_config(256, bf16, False)
     return [
@@ -262,6 +276,11 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     ]
 
 
+def _plain(cfg: Fa3Config) -> Fa3Config:
+    """The same tiles on the plain grid (one CTA per tile)."""
+    return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
+
+
 def _overlap(cfg: Fa3Config) -> Fa3Config:
     """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
     return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)
@@ -269,8 +288,9 @@ def _overlap(cfg: Fa3Config) -> Fa3Config:
 
 def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
     """(name, head_dim, causal, config) that `ablate --persistent` times: per shape the plain
-    grid ("plain", the shipped config), the round-robin persistent scheduler ("old") and the
-    overlapped one with the balanced order ("new"; a separate sO wherever it fits).
+    grid ("plain": the shipped tiles, one CTA per tile), the round-robin persistent scheduler
+    ("old") and the overlapped one with the balanced order ("new"; a separate sO wherever it
+    fits; what the causal D = 64, 128, 256 entries ship).
 
     D=128 non-causal ships tile_n 176 with sO on sQ (208 KiB); a separate sO needs tile_n <= 160
     (Q 32 + K/V 2 x 2 x 40 + sO 32 KiB = 225 KiB) or 128 (193 KiB). D=256 cannot have one at
@@ -279,8 +299,9 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
     """
     bf16 = torch.bfloat16
     out = []
-    for d, causal in ((64, True), (128, True), (256, True), (128, False)):
-        base = get_config(d, bf16, causal)
+    shapes = ((64, True), (96, True), (128, True), (192, True), (256, True), (128, False))
+    for d, causal in shapes:
+        base = _plain(get_config(d, bf16, causal))
         out.append(("plain", d, causal, base))
         out.append(("old", d, causal, replace(base, persistent=True)))
         out.append(("new", d, causal, _overlap(base)))

@@ -17,10 +17,11 @@ kernel's own code:
 - descale_q·descale_k (per batch and kv head, read in the kernel) multiplies the softmax scale;
   descale_v multiplies O with 1/l in the epilogue. P stays in [0, 1] before its fp8 rounding.
 - Epilogue: O is bf16 (its own smem buffer: sO is twice as big as the fp8 sQ it cannot alias).
-- Non-persistent only; the fp8 tile table is `FP8_CONFIGS` below.
+- Non-persistent only; the fp8 tile table is `FP8_CONFIGS` (and `FP8_CAUSAL_CONFIGS`) below.
 
-Status: compiled for sm_90a (tests/test_fa3_fp8_compile.py), never run on a GPU. Until it is
-validated, `interface.supports` rejects fp8 unless FLASHSUITE_FA3_FP8=1.
+Status: validated on the H200 (2026-11-29: 142 oracle cases with descales, causal, GQA, odd
+sizes, window and softcap, every head dim; `fp8_check`), compiled for sm_90a in CI
+(tests/test_fa3_fp8_compile.py).
 
 GPU check (correctness against the oracle with descales, then TFLOP/s next to cuDNN bf16 at
 the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
@@ -57,22 +58,28 @@ def _cfg(tile_n: int, stages: int = 2) -> Fa3Config:
     return Fa3Config(tile_m=128, tile_n=tile_n, stages=stages, o_alias_q=False, persistent=False)
 
 
-# head_dim -> tile config. Nothing measured yet (no GPU run): chosen from smem and register
-# arithmetic, 128 x 128 where it fits (FA3's fp8 tiles are wider: the first thing to ablate,
-# `fp8_check --ablate`). Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills.
+# head_dim -> tile config (non-causal and causal unless FP8_CAUSAL_CONFIGS says otherwise).
+# Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills. D = 64, 128, 256
+# from the H200 ablation of 2026-11-29 (session 2, `fp8_check --ablate`, B·N = 16k,
+# Hq·D = 2048, N = 8k, fp8 TFLOP/s with the Vᵀ copy, non-causal / causal); D = 96, 192 are
+# not measured (smem and register arithmetic).
 FP8_CONFIGS: dict[int, Fa3Config] = {
-    # Q 8 + K/V 2 x 2 x 8 + sO 16 KiB = 56 KiB; S 64 + O 32 + P 16 registers. R147.
-    64: _cfg(128),
+    # tile_n 192: 499 / 421 (128: 473 / 419, 256: 489 / 441, 3 stages 476 / 420).
+    # Q 8 + K/V 2 x 2 x 12 + sO 16 KiB = 72 KiB; S 96 + O 32 + P 24 registers.
+    64: _cfg(192),
     # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
     96: _cfg(128),
-    # Q 16 + K/V 2 x 2 x 16 + sO 32 KiB = 112 KiB; S 64 + O 64 + P 16. R171.
-    128: _cfg(128),
+    # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
+    # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24.
+    128: _cfg(192),
     # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
     192: _cfg(128),
-    # acc_O alone is 128 registers: a 64-wide S keeps the consumer low (S 32 + P 8). R197.
-    # Q 32 + K/V 2 x 2 x 16 + sO 64 KiB = 160 KiB.
-    256: _cfg(64),
+    # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
+    # 3 stages 886 / 680, no ping-pong 851 / 684). Q 32 + K/V 2 x 2 x 24 + sO 64 KiB = 192 KiB.
+    256: _cfg(96),
 }
+# Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s).
+FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {64: _cfg(256)}
 
 
 def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
@@ -83,17 +90,20 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
     out = []
     for d, cfg in FP8_CONFIGS.items():
         out.append(("shipped", d, cfg))
+        if d in FP8_CAUSAL_CONFIGS:
+            out.append(("shipped_causal", d, FP8_CAUSAL_CONFIGS[d]))
         cands = {
             "no_intra_wg_overlap": replace(cfg, intra_wg_overlap=False),
             "no_pingpong": replace(cfg, pingpong=False),
             "stages3": replace(cfg, stages=3),
         }
         if d <= 128:
-            cands["tile_n_192"] = replace(cfg, tile_n=192)
-        if d == 64:
+            cands["tile_n_128"] = replace(cfg, tile_n=128)
+        if d == 128:
             cands["tile_n_256"] = replace(cfg, tile_n=256)
         if d == 256:
-            cands["tile_n_96"] = replace(cfg, tile_n=96)
+            cands["tile_n_64"] = replace(cfg, tile_n=64)
+            cands["tile_n_112"] = replace(cfg, tile_n=112)
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
     return out
@@ -140,8 +150,10 @@ def fp8_can_implement(cfg: Fa3Config, head_dim: int) -> tuple[bool, str]:
     return True, ""
 
 
-def fp8_config(head_dim: int) -> Fa3Config:
-    """The fp8 tile config for `head_dim` (causal or not: one table for now)."""
+def fp8_config(head_dim: int, causal: bool = False) -> Fa3Config:
+    """The fp8 tile config for (`head_dim`, `causal`)."""
+    if causal and head_dim in FP8_CAUSAL_CONFIGS:
+        return FP8_CAUSAL_CONFIGS[head_dim]
     return FP8_CONFIGS[head_dim]
 
 
@@ -163,7 +175,7 @@ def supports(p: AttnParams) -> tuple[bool, str]:
         return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
     if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
         return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
-    ok, reason = fp8_can_implement(fp8_config(p.head_dim), p.head_dim)
+    ok, reason = fp8_can_implement(fp8_config(p.head_dim, p.causal), p.head_dim)
     return (True, "fa3: ok (fp8)") if ok else (False, reason)
 
 
@@ -606,7 +618,7 @@ def forward(
         causal=p.causal,
         local=p.is_local,
         softcap=p.softcap > 0,
-        cfg=cfg if cfg is not None else fp8_config(p.head_dim),
+        cfg=cfg if cfg is not None else fp8_config(p.head_dim, p.causal),
     )
     scalars = kernel_scalars(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k

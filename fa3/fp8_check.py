@@ -107,7 +107,7 @@ def probe_one(
         tvm = True
     except ImportError:
         tvm = False
-    cfg = cfg if cfg is not None else fp8.fp8_config(head_dim)
+    cfg = cfg if cfg is not None else fp8.fp8_config(head_dim, causal)
     key = fp8.Fp8CompileKey(head_dim, causal, local, softcap, cfg, tvm_ffi=tvm)
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: fp8.compile_fp8_forward(key))
@@ -131,7 +131,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     _probe_env()
     from flashsuite.fa3 import fp8
 
-    cases = [("shipped", d, c, fp8.fp8_config(d)) for d in fp8.FP8_CONFIGS for c in (False, True)]
+    cases = [("shipped", d, c, fp8.fp8_config(d, c)) for d in fp8.FP8_CONFIGS for c in (False, True)]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
     cases.append(("window_softcap", 128, False, fp8.fp8_config(128)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
@@ -343,7 +343,7 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt_, is_causal=causal)
 
     vt = fp8.transpose_v(v)
-    cfg = cfg if cfg is not None else fp8.fp8_config(d)
+    cfg = cfg if cfg is not None else fp8.fp8_config(d, causal)
     plan = fp8.Fp8CompileKey(d, causal, False, False, cfg)
     kern = fp8.get_fp8_forward(plan)
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16, device=DEV)
@@ -434,7 +434,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_probe(args.head_dim, args.json, args.variants)
     if not args.out:
         ap.error("--out DIR is required for the GPU run")
-    os.environ["FLASHSUITE_FA3_FP8"] = "1"  # the opt-in this run exists to justify
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name()}

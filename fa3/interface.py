@@ -4,13 +4,11 @@ Forward only (`HAS_BACKWARD = False`): the dispatcher pairs it with fa2's backwa
 (q, k, v, out, lse). The kernel (`kernels.Fa3Forward`) is compiled once per `compile.CompileKey`
 (dtype, head_dim, causal/local/softcap flags, tile config) and launched through TVM-FFI on
 torch's current stream; batch, sequence lengths, head counts and strides are runtime values.
-float8_e4m3fn inputs go to `fp8` (bf16 out), opt-in with FLASHSUITE_FA3_FP8=1 until that
-kernel has been validated on a GPU.
+float8_e4m3fn inputs go to `fp8` (bf16 out).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -22,11 +20,6 @@ NAME = "fa3"
 HAS_BACKWARD = False
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
-# The fp8 forward (fa3/fp8.py) is compiled in CI but has not run on a GPU yet: opt-in only.
-FP8_ENV = "FLASHSUITE_FA3_FP8"
-FP8_DISABLED = (
-    "fa3: fp8 forward compiled but not yet validated on a GPU; FLASHSUITE_FA3_FP8=1 enables it"
-)
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -93,9 +86,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 
 
 def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
-    """The fp8 kernel's limits (fa3/fp8.py), behind the FLASHSUITE_FA3_FP8=1 opt-in."""
-    if os.environ.get(FP8_ENV) != "1":
-        return False, FP8_DISABLED
+    """The fp8 kernel's limits (fa3/fp8.py)."""
     try:
         from flashsuite.fa3 import fp8
     except ImportError as e:

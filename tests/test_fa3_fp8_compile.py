@@ -140,19 +140,19 @@ def _fp8_params(d: int = 128):
     return check_inputs(q, kv, kv, causal=True)
 
 
-def test_fp8_is_opt_in(monkeypatch) -> None:
+def test_fp8_support_and_reasons() -> None:
     p = _fp8_params()
-    monkeypatch.delenv(interface.FP8_ENV, raising=False)
-    ok, reason = interface.supports(p, 90)
-    assert not ok
-    assert reason == (
-        "fa3: fp8 forward compiled but not yet validated on a GPU; FLASHSUITE_FA3_FP8=1 enables it"
-    )
-    monkeypatch.setenv(interface.FP8_ENV, "1")
     assert interface.supports(p, 90) == (True, "fa3: ok (fp8)")
     assert not interface.supports(p, None)[0]
+    assert not interface.supports(p, 80)[0]
     ok, reason = interface.supports(_fp8_params(d=80), 90)
     assert not ok and "fp8 head_dim 80" in reason
+
+
+@pytest.mark.parametrize("d", fp8.FP8_HEAD_DIMS)
+def test_fp8_causal_table_entries_can_be_implemented(d: int) -> None:
+    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d, causal=True), d)
+    assert ok, reason
 
 
 def test_transpose_v_layout() -> None:

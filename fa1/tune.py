@@ -1,0 +1,191 @@
+"""fa1 forward tuning on a GPU: tile shapes, warps, stages and Q splits, next to the competition.
+
+    python -m flashsuite.fa1.tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
+
+FA1's loop order re-reads and re-writes the fp32 running output O_i (and m_i, l_i) at every
+(K/V block j, Q block i) step, so a step moves ~10·B_r·D bytes for 4·B_r·B_c·D FLOPs: at
+B_c = 128 that is ~51 FLOP/byte, far under the H200's ~200 FLOP/byte ridge, so the kernel is
+meant to be bandwidth-bound, not latency-bound. The levers: a wide B_c (fewer round trips),
+enough warps in flight per SM to cover the load latency of each step (tile footprint in
+registers and shared memory, Q splits: programs per SM), and software pipelining of the inner
+loop (num_stages: the next step's Q_i, O_i, m_i, l_i are independent of this step's stores).
+
+Shapes: bf16, B·N = 16k tokens, Hq·D = 2048, non-causal (and causal with --causal), D 64 and
+128. Every candidate is checked against the materialising reference (max abs error) and timed
+with `triton.testing.do_bench` (median) next to materialising PyTorch attention (softmax(q·kᵀ)·v
+in bf16, the issue's baseline) and fa2, in the same run. Registers and spills come from the
+compiled kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from flashsuite.common.flops import attention_flops
+from flashsuite.common.validation import check_inputs
+from flashsuite.fa1 import interface
+from flashsuite.fa1.configs import Fa1Config, fwd_config
+
+# (block_m, block_n, num_warps, num_stages): the shipped entry is added per head_dim.
+CANDIDATES = [
+    Fa1Config(bm, bn, w, s)
+    for bm, bn, w in (
+        (32, 128, 4),
+        (32, 128, 8),
+        (32, 256, 8),
+        (64, 64, 4),
+        (64, 128, 4),
+        (64, 128, 8),
+        (64, 256, 8),
+        (128, 64, 8),
+        (128, 128, 8),
+    )
+    for s in (1, 2, 3)
+]
+QUICK = [c for c in CANDIDATES if c.num_stages in (1, 2) and c.block_m in (32, 64)]
+PROGRAMS_PER_SM = (1, 2, 4, 8)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _inputs(n: int, d: int, causal: bool):
+    b, h = 16384 // n, 2048 // d
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn((b, n, h, d), generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3)
+    )  # (B, N, H, D)
+    return q, k, v, check_inputs(q, k, v, causal=causal)
+
+
+def _naive(q, k, v, causal: bool):
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n = q.shape[1]
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else None
+
+    def run():
+        s = (qh * scale) @ kh.transpose(-1, -2)  # (B, H, N, N) in bf16
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.softmax(s, dim=-1) @ vh
+
+    return run
+
+
+def _time(fn) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+
+def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) -> list[dict]:
+    from flashsuite import dispatch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v, p = _inputs(n, d, causal)
+    flops = attention_flops(q.shape[0], q.shape[2], n, n, d, causal=causal)
+    ref = _naive(q, k, v, causal)().transpose(1, 2)  # (B, N, H, D)
+    base = {"D": d, "N": n, "causal": causal}
+    naive_ms = _time(_naive(q, k, v, causal))
+    fa2_ms = _time(lambda: dispatch.attention(q, k, v, causal=causal, version="fa2"))
+    rows = [
+        {**base, "name": "naive", "ms": naive_ms, "tflops": round(flops / naive_ms / 1e9, 1)},
+        {**base, "name": "fa2", "ms": fa2_ms, "tflops": round(flops / fa2_ms / 1e9, 1)},
+    ]
+    _log(f"[peer] D={d} N={n} naive {rows[0]['tflops']} fa2 {rows[1]['tflops']} TFLOP/s")
+    bh = q.shape[0] * q.shape[2]
+    for cfg in cands:
+        nqb = -(-n // cfg.block_m)
+        for per_sm in PROGRAMS_PER_SM:
+            splits = max(1, min(nqb, -(-per_sm * sms // bh)))
+            row = {**base, "name": "fa1", "cfg": asdict(cfg), "per_sm": per_sm}
+            row.update(splits=splits, shipped=cfg == shipped)
+            try:
+                out, _, kern = interface._forward(q, k, v, p, cfg, splits)
+                row["regs"], row["spills"] = kern.n_regs, kern.n_spills
+                row["err"] = (out.float() - ref.float()).abs().max().item()
+                if row["spills"] > 0 or row["err"] > 0.05:
+                    row["skipped"] = "spills" if row["spills"] else "wrong"
+                else:
+                    ms = _time(
+                        lambda cfg=cfg, splits=splits: interface._forward(q, k, v, p, cfg, splits)
+                    )
+                    tf = round(flops / ms / 1e9, 1)
+                    row.update(ms=ms, tflops=tf, x_naive=round(naive_ms / ms, 3))
+            except Exception as e:  # a config the compiler refuses (smem, regs)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            shown = ("regs", "spills", "tflops", "x_naive", "skipped", "error")
+            _log(
+                f"[fa1] D={d} N={n} {cfg.block_m}x{cfg.block_n} w{cfg.num_warps} "
+                f"s{cfg.num_stages} per_sm={per_sm} splits={splits} "
+                + " ".join(f"{key}={row[key]}" for key in shown if key in row)
+            )
+            if splits == nqb or "tflops" not in row:
+                break  # more programs per SM would not change the grid (or it cannot run)
+    return rows
+
+
+def sweep(head_dims, seqlens, causal: bool, quick: bool) -> list[dict]:
+    rows = []
+    for d in head_dims:
+        shipped = fwd_config(d, torch.bfloat16, 90, causal)
+        cands = [shipped] + [c for c in (QUICK if quick else CANDIDATES) if c != shipped]
+        for n in seqlens:
+            rows += _one_shape(d, n, causal, cands, shipped)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def best(rows: list[dict]) -> None:
+    """Per (D, N): the fastest fa1 row, the shipped one and the peers."""
+    keys = sorted({(r["D"], r["N"], r["causal"]) for r in rows})
+    for key in keys:
+        mine = [r for r in rows if (r["D"], r["N"], r["causal"]) == key]
+        fa1 = [r for r in mine if r["name"] == "fa1" and "tflops" in r]
+        peers = {r["name"]: r["tflops"] for r in mine if r["name"] != "fa1"}
+        if not fa1:
+            continue
+        top = max(fa1, key=lambda r: r["tflops"])
+        ship = [r for r in fa1 if r["shipped"]]
+        ship_best = max(ship, key=lambda r: r["tflops"]) if ship else None
+        _log(
+            f"[best] D={key[0]} N={key[1]} causal={key[2]} peers {peers} "
+            f"best {top['cfg']} per_sm={top['per_sm']} {top['tflops']} "
+            f"(x naive {top['x_naive']}); shipped best "
+            + (f"per_sm={ship_best['per_sm']} {ship_best['tflops']}" if ship_best else "-")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="stages 1-2, 32/64-row tiles only")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--head-dim", type=int, action="append")
+    ap.add_argument("--seqlen", type=int, action="append")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = sweep(args.head_dim or [64, 128], args.seqlen or [2048, 16384], args.causal, args.quick)
+    best(rows)
+    res = {"device": torch.cuda.get_device_name(), "rows": rows}
+    res["seconds"] = time.perf_counter() - t0
+    (out / "fa1_tune.json").write_text(json.dumps(res, indent=1))
+    _log(f"[fa1] wrote {out / 'fa1_tune.json'} ({res['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
