@@ -28,7 +28,15 @@ from dataclasses import asdict
 
 import torch
 
-from flashsuite.fa2.configs import SMEM_LIMIT, BwdConfig, FwdConfig, bwd_config, fwd_config, table
+from flashsuite.fa2.configs import (
+    KNOWN_SPILL_BYTES,
+    SMEM_LIMIT,
+    BwdConfig,
+    FwdConfig,
+    bwd_config,
+    fwd_config,
+    table,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Compile probe (no GPU needed)
@@ -204,6 +212,11 @@ def probe_table(dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> bool:
     results = probe_many(rows)
     all_ok = True
     for (kind, d, dtype, causal, cfg), r in zip(rows, results, strict=True):
+        allowed = KNOWN_SPILL_BYTES.get((kind, d, dtype, causal), 0)
+        kernels = r["kernels"].values()
+        r["ok"] = bool(kernels) and all(
+            k["spill"] <= allowed and k["smem"] <= SMEM_LIMIT for k in kernels
+        )
         all_ok &= r["ok"]
         name = _TL_DTYPE[dtype]
         print(f"{kind} D{d:<3} {name} causal={causal!s:5} {_cfg_str(cfg):28} {_fmt_probe(r)}")

@@ -137,7 +137,10 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         return _overlap(cfg) if causal else cfg
     if head_dim <= 96:
         # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
-        return Fa3Config(tile_n=128, stages=2)
+        # Causal: persistent v2. H200 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain
+        # grid 471 / 505 / 522 (1.16 / 1.20 / 1.21x), v2 486 / 523 / 544 (1.20 / 1.25 / 1.26x).
+        cfg = Fa3Config(tile_n=128, stages=2)
+        return _overlap(cfg) if causal else cfg
     if head_dim <= 128:
         if causal:
             # Causal tiles are half masked on the diagonal: keep them square. 193 KiB. R194.
@@ -154,7 +157,11 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         return Fa3Config(tile_n=176, stages=2, o_alias_q=True, intra_wg_overlap=False)
     if head_dim <= 192:
         # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
-        return Fa3Config(tile_n=112, stages=2, o_alias_q=True)
+        # Causal: persistent v2 (sO stays on sQ). H200 2026-11-29 session 2, N = 4k / 8k /
+        # 16k vs cuDNN: plain grid 563 / 609 / 619 (1.02 / 1.08 / 1.04x), v2 584 / 627 / 685
+        # (1.06 / 1.11 / 1.15x).
+        cfg = Fa3Config(tile_n=112, stages=2, o_alias_q=True)
+        return _overlap(cfg) if causal else cfg
     # D=256: acc_O alone is 128 registers, so S stays narrow (tile_n 80 as in FA3);
     # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ. R212.
     cfg = Fa3Config(tile_n=80, stages=2, o_alias_q=True)
@@ -290,7 +297,7 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
     """(name, head_dim, causal, config) that `ablate --persistent` times: per shape the plain
     grid ("plain": the shipped tiles, one CTA per tile), the round-robin persistent scheduler
     ("old") and the overlapped one with the balanced order ("new"; a separate sO wherever it
-    fits; what the causal D = 64, 128, 256 entries ship).
+    fits; what every causal entry ships).
 
     D=128 non-causal ships tile_n 176 with sO on sQ (208 KiB); a separate sO needs tile_n <= 160
     (Q 32 + K/V 2 x 2 x 40 + sO 32 KiB = 225 KiB) or 128 (193 KiB). D=256 cannot have one at

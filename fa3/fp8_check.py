@@ -131,7 +131,9 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     _probe_env()
     from flashsuite.fa3 import fp8
 
-    cases = [("shipped", d, c, fp8.fp8_config(d, c)) for d in fp8.FP8_CONFIGS for c in (False, True)]
+    cases = [
+        ("shipped", d, c, fp8.fp8_config(d, c)) for d in fp8.FP8_CONFIGS for c in (False, True)
+    ]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
     cases.append(("window_softcap", 128, False, fp8.fp8_config(128)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)

@@ -9,7 +9,6 @@ float8_e4m3fn inputs go to `fp8` (bf16 out).
 
 from __future__ import annotations
 
-
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
