@@ -24,6 +24,7 @@ import torch
 from flashsuite.common import arch as arch_mod
 from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
 from flashsuite.dispatch import api, registry
+from flashsuite.dispatch.bench import PEERS
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--fwd-only", action="store_true")
     bench.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     bench.add_argument("--versions", nargs="+", default=None)
-    bench.add_argument("--peers", nargs="*", default=None)
+    bench.add_argument(
+        "--peers", nargs="*", default=None, choices=sorted(PEERS), help="default: all of them"
+    )
     args = parser.parse_args(argv)
     if args.command == "bench":
         return cmd_bench(args)
