@@ -104,14 +104,22 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
     return Fa1Config(block_m=16, block_n=32, num_warps=8, num_stages=1)  # 228 regs, 65 KB
 
 
-def q_splits(batch_heads: int, num_q_blocks: int, num_sms: int) -> int:
+# Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29 session 2, bf16, B·N = 16k,
+# Hq·D = 2048, shipped tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 / 117 / 130 TFLOP/s at
+# D = 128, N = 16k and 52 / 63 / 85 / 87 at D = 64, N = 16k (N = 2k: 116 -> 119, 82 -> 86).
+# Only one 32x256 program fits an SM at a time (144 KB of shared memory): more, shorter
+# programs shrink the last wave and the per-program serial K/V prologue.
+PROGRAMS_PER_SM = 8
+
+
+def q_splits(
+    batch_heads: int, num_q_blocks: int, num_sms: int, programs_per_sm: int = PROGRAMS_PER_SM
+) -> int:
     """How many programs share one (batch, head) of the forward, along the Q blocks.
 
-    The paper's grid is one program per (batch, head): 1 whenever that fills the GPU. When
-    B * H < #SMs (long sequences at a fixed token count: B * H = 32 at N = 16k, D = 64 in
-    the standard sweep, a quarter of an H200), the Q blocks of a head are shared out so that
-    about one program runs per SM; each split re-reads K and V (common/traffic.py, q_splits).
+    The paper's grid is one program per (batch, head). Here the Q blocks of a head are shared
+    out over several programs (same loop order inside each) until there are about
+    `programs_per_sm` programs per SM; each split re-reads K and V (common/traffic.py,
+    q_splits; mostly L2 hits, since the splits of a head run at the same time).
     """
-    if batch_heads >= num_sms:
-        return 1
-    return max(1, min(num_q_blocks, -(-num_sms // batch_heads)))
+    return max(1, min(num_q_blocks, -(-programs_per_sm * num_sms // batch_heads)))

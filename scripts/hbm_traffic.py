@@ -9,7 +9,9 @@ DRAM bytes are `dram__bytes_read.sum` and `dram__bytes_write.sum` summed over ev
 one forward (ncu --clock-control none, NVTX range "measure"), after a warm-up call outside the
 range so compilation and autotuning are not counted. One ncu process profiles every case (N =
 1k, 4k, 16k); a marker kernel before each forward tells the cases apart in ncu's output.
-The model is `common/traffic.py`, with the tile sizes each version actually uses.
+The model is `common/traffic.py`, with the tile sizes (and fa1 Q splits) each version actually
+uses; it counts every tile re-read as HBM traffic. "floor" is the compulsory traffic (q, k, v
+read once, out and LSE written once): re-reads that hit the 50 MB L2 land between the two.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ def main() -> None:
     if args.ncu:
         cases = [(name, n, d) for d in HEAD_DIMS for n in NCU_SEQLENS for name in CONTENDERS]
         measured = ncu_bytes(cases)
-    print("N      D   version  ms       TFLOP/s  model GB r/w     ncu GB r/w")
+    print("N      D   version  ms       TFLOP/s  model GB r/w     floor GB r/w     ncu GB r/w")
     for d in HEAD_DIMS:
         for n in SEQLENS:
             flops = attention_flops(16384 // n, 2048 // d, n, n, d)
@@ -164,9 +166,11 @@ def main() -> None:
                 run = _runner(name, *_inputs(n, d))
                 ms = do_bench(run, warmup=25, rep=100, return_mode="median")
                 m = model_bytes(name, n, d)
+                f = traffic.compulsory_forward(16384 // n, 2048 // d, n, n, d, 2)
                 line = (
                     f"{n:<6} {d:<3} {name:8} {ms:8.3f} {flops / ms / 1e9:8.0f}  "
-                    f"{m.read / 1e9:6.2f} / {m.written / 1e9:6.2f}"
+                    f"{m.read / 1e9:6.2f} / {m.written / 1e9:6.2f}   "
+                    f"{f.read / 1e9:6.2f} / {f.written / 1e9:6.2f}"
                 )
                 if (name, n, d) in measured:
                     r, w = measured[(name, n, d)]

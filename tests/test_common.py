@@ -106,3 +106,15 @@ def test_traffic_models_follow_the_loop_orders() -> None:
     assert big1.written > 15 * fa1.written and big2.written == 4 * fa2.written
     naive = traffic.naive_forward(b, h, n, n, d, e)
     assert naive.written >= 2 * n * n * e  # S and P go through HBM
+    floor = traffic.compulsory_forward(b, h, n, n, d, e)
+    assert floor.read == 3 * n * d * e and floor.written == fa2.written
+    assert all(m.read >= floor.read for m in (fa1, fa2, naive))
+
+
+def test_traffic_model_launches_fa1s_q_splits() -> None:
+    from flashsuite.common import traffic
+    from flashsuite.fa1 import configs
+
+    for bh, n, sms in ((16, 16384, 132), (128, 2048, 132), (1024, 512, 132), (3, 100, 8)):
+        nqb = -(-n // 32)
+        assert traffic._splits(bh, n, 32, sms) == configs.q_splits(bh, nqb, sms)
