@@ -312,6 +312,11 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
         out.append(("plain", d, causal, base))
         out.append(("old", d, causal, replace(base, persistent=True)))
         out.append(("new", d, causal, _overlap(base)))
+        if d == 64:
+            # 3 consumer WGs mask a taller diagonal (192 x 128) on causal tiles: against
+            # two WGs (128 x 128), and 3 WGs with a shallower ring.
+            out.append(("new_wg2", d, causal, _overlap(_two_wgs(base))))
+            out.append(("new_s2", d, causal, replace(_overlap(base), stages=2)))
         if d == 128 and causal:
             # Tile overlap without the balanced order: which of the two a gain comes from.
             out.append(("new_rr", d, causal, replace(_overlap(base), balanced_order=False)))

@@ -158,7 +158,7 @@ def fp8_config(head_dim: int, causal: bool = False) -> Fa3Config:
 
 
 def supports(p: AttnParams) -> tuple[bool, str]:
-    """Whether the fp8 kernel takes `p` (the caller has checked the arch and the opt-in).
+    """Whether the fp8 kernel takes `p` (the caller has checked the arch).
 
     Descales are taken as positive (amax / 448 by construction): the kernel folds
     descale_q·descale_k into the softmax scale after the row max, which a negative product
