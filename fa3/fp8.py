@@ -175,8 +175,14 @@ def supports(p: AttnParams) -> tuple[bool, str]:
         return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
     if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
         return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
-    ok, reason = fp8_can_implement(fp8_config(p.head_dim, p.causal), p.head_dim)
-    return (True, "fa3: ok (fp8)") if ok else (False, reason)
+    cfg = fp8_config(p.head_dim, p.causal)
+    ok, reason = fp8_can_implement(cfg, p.head_dim)
+    if not ok:
+        return False, reason
+    return True, (
+        f"fa3: fp8 e4m3 forward (bf16 out, Vᵀ copied on the host), {cfg.tile_m}x{cfg.tile_n} "
+        f"tiles, {cfg.stages} stages, 2 consumer WGs"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

@@ -77,7 +77,10 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         for name, on in (
             ("ping-pong", cfg.pingpong),
             ("intra-WG overlap", cfg.intra_wg_overlap),
-            ("persistent", cfg.persistent),
+            (
+                "persistent, overlapped balanced tiles" if cfg.overlap_tiles else "persistent",
+                cfg.persistent,
+            ),
         )
         if on
     ]

@@ -142,7 +142,9 @@ def _fp8_params(d: int = 128):
 
 def test_fp8_support_and_reasons() -> None:
     p = _fp8_params()
-    assert interface.supports(p, 90) == (True, "fa3: ok (fp8)")
+    ok, reason = interface.supports(p, 90)
+    cfg = fp8.fp8_config(p.head_dim, p.causal)
+    assert ok and reason.startswith("fa3: fp8 e4m3 forward") and f"x{cfg.tile_n} tiles" in reason
     assert not interface.supports(p, None)[0]
     assert not interface.supports(p, 80)[0]
     ok, reason = interface.supports(_fp8_params(d=80), 90)
