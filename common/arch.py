@@ -77,5 +77,21 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_available(version: str) -> tuple[bool, str]:
+    """The `available()` of a Triton version: Triton importable, and a CUDA GPU or the
+    interpreter to run on (or an arch override: planning for another machine)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install failing at import time
+        return False, f"{version}: cannot import triton: {type(exc).__name__}: {exc}"
+    if triton_interpreter():
+        return True, f"{version}: Triton interpreter (TRITON_INTERPRET=1)"
+    if torch.cuda.is_available():
+        return True, f"{version}: Triton on CUDA"
+    if is_overridden():
+        return True, f"{version}: Triton (planning for an overridden arch; no GPU here to run on)"
+    return False, f"{version}: needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+
+
 def arch_name(arch: int | None) -> str:
     return "cpu" if arch is None else f"sm{arch}"

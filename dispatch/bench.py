@@ -96,6 +96,27 @@ def _ours_fn(version: str, case: Case, q, k, v):
     return (lambda: dispatch.attention(q, k, v, causal=case.causal, version=version)), (q, k, v)
 
 
+def materialising(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
+    """What a user writes without a fused kernel: softmax(q·kᵀ·scale)·v in the input dtype, S and
+    P going through HBM (the baseline of the fa1 issue). q, k, v (B, N, H, D) with Hq = Hkv;
+    returns a callable giving out (B, H, N, D). Causal is bottom-right aligned; rows that see
+    no key (causal, Nq > Nk) come out NaN, as they do in plain PyTorch."""
+    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, N, D)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    n, nk = q.shape[1], k.shape[1]
+    visible = (
+        torch.ones(n, nk, dtype=torch.bool, device=q.device).tril(nk - n) if causal else None
+    )  # (Nq, Nk), bottom-right aligned
+
+    def run():
+        s = (qh * scale) @ kh.transpose(-1, -2)  # (B, H, Nq, Nk)
+        if visible is not None:
+            s = s.masked_fill(~visible, float("-inf"))
+        return torch.softmax(s, dim=-1) @ vh
+
+    return run
+
+
 def make_callable(contender: str, case: Case, q, k, v):
     """(run, leaf tensors) for a version name or a peer name."""
     if contender in PEERS:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from flashsuite.common.arch import is_overridden, real_arch, triton_interpreter
+from flashsuite.common.arch import real_arch, triton_available, triton_interpreter
 from flashsuite.common.validation import AttnParams
 from flashsuite.fa1.configs import (
     MAX_HEAD_DIM,
@@ -36,18 +36,8 @@ SPLITS_ENV = "FLASHSUITE_FA1_QSPLITS"
 
 
 def available() -> tuple[bool, str]:
-    """Triton importable, and a CUDA GPU or the Triton interpreter to run on."""
-    try:
-        import triton  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install failing at import time
-        return False, f"fa1: cannot import triton: {type(exc).__name__}: {exc}"
-    if triton_interpreter():
-        return True, "fa1: Triton interpreter (TRITON_INTERPRET=1)"
-    if torch.cuda.is_available():
-        return True, "fa1: Triton on CUDA"
-    if is_overridden():
-        return True, "fa1: Triton (planning for an overridden arch; no GPU here to run on)"
-    return False, "fa1: needs a CUDA GPU or TRITON_INTERPRET=1"
+    """Triton importable, and a CUDA GPU or the Triton interpreter."""
+    return triton_available(NAME)
 
 
 def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:

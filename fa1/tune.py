@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -29,9 +28,11 @@ from pathlib import Path
 import torch
 
 from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import make_inputs
 from flashsuite.common.validation import check_inputs
+from flashsuite.dispatch.bench import materialising, standard_sweep, time_ms
 from flashsuite.fa1 import interface
-from flashsuite.fa1.configs import Fa1Config, fwd_config
+from flashsuite.fa1.configs import Fa1Config, fwd_config, q_splits
 
 # (block_m, block_n, num_warps, num_stages): the shipped entry is added per head_dim.
 CANDIDATES = [
@@ -50,7 +51,7 @@ CANDIDATES = [
     for s in (1, 2, 3)
 ]
 QUICK = [c for c in CANDIDATES if c.num_stages in (1, 2) and c.block_m in (32, 64)]
-PROGRAMS_PER_SM = (1, 2, 4, 8)
+PER_SM_CANDIDATES = (1, 2, 4, 8)  # programs per SM to try (configs.q_splits)
 
 
 def _log(msg: str) -> None:
@@ -58,34 +59,13 @@ def _log(msg: str) -> None:
 
 
 def _inputs(n: int, d: int, causal: bool):
-    b, h = 16384 // n, 2048 // d
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn((b, n, h, d), generator=gen, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3)
-    )  # (B, N, H, D)
+    (case,) = standard_sweep(head_dims=(d,), seqlens=(n,), causals=(causal,))
+    q, k, v = make_inputs(case, "cuda")  # (B, N, H, D) bf16
     return q, k, v, check_inputs(q, k, v, causal=causal)
 
 
-def _naive(q, k, v, causal: bool):
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, N, D)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    n = q.shape[1]
-    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril() if causal else None
-
-    def run():
-        s = (qh * scale) @ kh.transpose(-1, -2)  # (B, H, N, N) in bf16
-        if mask is not None:
-            s = s.masked_fill(~mask, float("-inf"))
-        return torch.softmax(s, dim=-1) @ vh
-
-    return run
-
-
 def _time(fn) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=5, rep=40, return_mode="median")
+    return time_ms(fn, warmup_ms=5, rep_ms=40)
 
 
 def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) -> list[dict]:
@@ -94,9 +74,10 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     q, k, v, p = _inputs(n, d, causal)
     flops = attention_flops(q.shape[0], q.shape[2], n, n, d, causal=causal)
-    ref = _naive(q, k, v, causal)().transpose(1, 2)  # (B, N, H, D)
+    naive = materialising(q, k, v, causal)
+    ref = naive().transpose(1, 2)  # (B, N, H, D)
     base = {"D": d, "N": n, "causal": causal}
-    naive_ms = _time(_naive(q, k, v, causal))
+    naive_ms = _time(naive)
     fa2_ms = _time(lambda: dispatch.attention(q, k, v, causal=causal, version="fa2"))
     rows = [
         {**base, "name": "naive", "ms": naive_ms, "tflops": round(flops / naive_ms / 1e9, 1)},
@@ -106,8 +87,8 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
     bh = q.shape[0] * q.shape[2]
     for cfg in cands:
         nqb = -(-n // cfg.block_m)
-        for per_sm in PROGRAMS_PER_SM:
-            splits = max(1, min(nqb, -(-per_sm * sms // bh)))
+        for per_sm in PER_SM_CANDIDATES:
+            splits = q_splits(bh, nqb, sms, per_sm)
             row = {**base, "name": "fa1", "cfg": asdict(cfg), "per_sm": per_sm}
             row.update(splits=splits, shipped=cfg == shipped)
             try:

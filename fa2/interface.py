@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import torch
 
-from flashsuite.common.arch import device_arch, is_overridden, triton_interpreter
+from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
 from flashsuite.common.validation import AttnParams
 
 NAME = "fa2"
@@ -27,17 +27,7 @@ LOG2E = 1.4426950408889634
 
 def available() -> tuple[bool, str]:
     """Triton importable, and a CUDA GPU or the Triton interpreter."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return False, f"fa2: triton not importable ({e})"
-    if triton_interpreter():
-        return True, "fa2: Triton interpreter (TRITON_INTERPRET=1)"
-    if torch.cuda.is_available():
-        return True, "fa2: Triton on CUDA"
-    if is_overridden():
-        return True, "fa2: Triton (planning for an overridden arch; no GPU here to run on)"
-    return False, "fa2: needs a CUDA GPU (or TRITON_INTERPRET=1 for the CPU interpreter)"
+    return triton_available(NAME)
 
 
 def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:

@@ -117,38 +117,48 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
 def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     """The shipped config for (head_dim, dtype, causal). fp16 and bf16 share tiles (same bytes).
 
-    D = 64 and D = 128 are chosen from H200 measurements (quoted per branch); the others
-    follow the smem arithmetic and FA3's published choices. Every entry compiles with the
-    wgmma pipeline intact (no ptxas C7512/C7519) and no spills (tests/test_fa3_compile.py).
-    ptxas max register index per consumer thread (budget 240) is noted per branch.
+    Tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
+    (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
+    H200 2026-11-29 session 2 (`ablate --persistent`, bf16, B·N = 16k, Hq·D = 2048), causal
+    TFLOP/s at N = 4k / 8k / 16k, plain grid -> v2 (v2 / cuDNN in the same run):
+
+        D=64   411 / 449 / 471 -> 424 / 469 / 487  (1.04 / 1.10 / 1.11x)  v1: 403 / 451 / 458
+        D=96   471 / 505 / 522 -> 486 / 523 / 544  (1.20 / 1.25 / 1.26x)
+        D=128  524 / 565 / 580 -> 560 / 593 / 605  (1.00 / 1.09 / 1.09x)  v1: 502 / 523 / 535;
+               v2 without the balanced order 449 / 506 / 552
+        D=192  563 / 609 / 619 -> 584 / 627 / 685  (1.06 / 1.11 / 1.15x)
+        D=256  521 / 597 / 597 -> 600 / 639 / 674  (1.07 / 1.06 / 1.14x)  v1: 484 / 507 / 525
+
+    Non-causal keeps the plain grid (D=128: v2 604 vs 597, within noise).
     """
     del dtype  # fp16 and bf16 tiles are the same bytes
+    cfg = _tiles(head_dim, causal)
+    return _overlap(cfg) if causal else cfg
+
+
+def _tiles(head_dim: int, causal: bool) -> Fa3Config:
+    """Tile shape per head_dim (plain grid). D = 64 and D = 128 are chosen from H200
+    measurements (quoted per branch); the others follow the smem arithmetic and FA3's published
+    choices. Every entry compiles with the wgmma pipeline intact (no ptxas C7512/C7519) and no
+    spills (tests/test_fa3_compile.py). ptxas max register index per consumer thread (budget
+    240) is noted per branch.
+    """
     if head_dim <= 64:
         # FA3's D=64 shape: three consumer warpgroups (192 query rows, 32/160 registers),
         # 128-wide K/V tiles, 3 stages (Q 24 + K/V 96 + sO 24 KiB). R157 of 160.
         # H200 2026-11-29 (bf16, `ablate --final`): N=16k 522 TFLOP/s vs cuDNN 458 (1.14x;
         # two warpgroups 467, 1.02x; tile_n 192 471); causal N=16k 484 vs 441 (1.10x; two
-        # warpgroups 436), N=8k 464 vs 436.
-        cfg = Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
-        # Causal: the persistent scheduler with tile overlap and the balanced order (v2).
-        # H200 2026-11-29 session 2 (`ablate --persistent`), TFLOP/s vs cuDNN at N = 4k / 8k /
-        # 16k: plain grid 411 / 449 / 471 (1.00 / 1.05 / 1.07x), v2 424 / 469 / 487
-        # (1.04 / 1.10 / 1.11x), v1 round-robin 403 / 451 / 458.
-        return _overlap(cfg) if causal else cfg
+        # warpgroups 436), N=8k 464 vs 436. Causal under v2, two warpgroups (420 / 438 / 450)
+        # and 3 WGs with 2 stages (367 / 461 / 472) lose to this shape (426 / 473 / 494).
+        return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
     if head_dim <= 96:
         # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
-        # Causal: persistent v2. H200 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain
-        # grid 471 / 505 / 522 (1.16 / 1.20 / 1.21x), v2 486 / 523 / 544 (1.20 / 1.25 / 1.26x).
-        cfg = Fa3Config(tile_n=128, stages=2)
-        return _overlap(cfg) if causal else cfg
+        return Fa3Config(tile_n=128, stages=2)
     if head_dim <= 128:
         if causal:
-            # Causal tiles are half masked on the diagonal: keep them square. 193 KiB. R194.
-            # Persistent v2 (tile overlap with per-WG sO slabs, balanced order). H200
-            # 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain grid 524 / 565 / 580
-            # (0.94 / 1.04 / 1.04x), v2 560 / 593 / 605 (1.00 / 1.09 / 1.09x); v2 without
-            # the balanced order 449 / 506 / 552, v1 502 / 523 / 535.
-            return _overlap(Fa3Config(tile_n=128, stages=2))
+            # Causal tiles are half masked on the diagonal: keep them square. 193 KiB (a
+            # separate sO, so v2 stores O per warpgroup and releases Q early). R194.
+            return Fa3Config(tile_n=128, stages=2)
         # FA3's non-causal choice: a wider S (176) amortises the softmax over more columns.
         # 2 stages of 44 KiB for K and V need sO on sQ: 208 KiB. R219.
         # H200 2026-11-29 (bf16), two runs: intra-WG overlap off beats on, 627 vs 613
@@ -157,19 +167,11 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         return Fa3Config(tile_n=176, stages=2, o_alias_q=True, intra_wg_overlap=False)
     if head_dim <= 192:
         # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
-        # Causal: persistent v2 (sO stays on sQ). H200 2026-11-29 session 2, N = 4k / 8k /
-        # 16k vs cuDNN: plain grid 563 / 609 / 619 (1.02 / 1.08 / 1.04x), v2 584 / 627 / 685
-        # (1.06 / 1.11 / 1.15x).
-        cfg = Fa3Config(tile_n=112, stages=2, o_alias_q=True)
-        return _overlap(cfg) if causal else cfg
+        return Fa3Config(tile_n=112, stages=2, o_alias_q=True)
     # D=256: acc_O alone is 128 registers, so S stays narrow (tile_n 80 as in FA3);
-    # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ. R212.
-    cfg = Fa3Config(tile_n=80, stages=2, o_alias_q=True)
-    # Causal: persistent v2 (no room for a separate sO: the K-first producer order and the
-    # balanced order only). H200 2026-11-29 session 2, N = 4k / 8k / 16k vs cuDNN: plain grid
-    # 521 / 597 / 597 (0.93 / 1.00 / 1.01x), v2 600 / 639 / 674 (1.07 / 1.06 / 1.14x), v1
-    # 484 / 507 / 525.
-    return _overlap(cfg) if causal else cfg
+    # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ (under v2: the K-first
+    # producer order and the balanced order, no per-warpgroup sO). R212.
+    return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
@@ -246,7 +248,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     with and without ping-pong / intra-WG overlap so every barrier protocol is built."""
     bf16 = torch.bfloat16
     d64 = get_config(64, bf16, False)
-    d128c = _plain(get_config(128, bf16, True))
+    d128c = _tiles(128, True)
     d128 = get_config(128, bf16, False)
     d256 = get_config(256, bf16, False)
     return [
@@ -304,11 +306,10 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
     tile_m 128 (Q 64 + sO 64 + K/V >= 128 KiB): it keeps sO on sQ and gets the K-first producer
     order and the balanced order only.
     """
-    bf16 = torch.bfloat16
     out = []
     shapes = ((64, True), (96, True), (128, True), (192, True), (256, True), (128, False))
     for d, causal in shapes:
-        base = _plain(get_config(d, bf16, causal))
+        base = _tiles(d, causal)
         out.append(("plain", d, causal, base))
         out.append(("old", d, causal, replace(base, persistent=True)))
         out.append(("new", d, causal, _overlap(base)))

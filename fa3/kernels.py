@@ -528,13 +528,7 @@ class Fa3Forward:
                     for k in cutlass.range(
                         self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
                     ):
-                        tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
-                        m_block, head, batch = self.tile_coords(
-                            tile, sched.m_blocks, sched.heads_q, sched.batch_n, seqlen_k
-                        )
-                        n_block_min, n_block_max = self.block_range(
-                            m_block, seqlen_q, seqlen_k, window_left, window_right
-                        )
+                        m_block, head, batch, n_block_min, n_block_max = self.tile_work(k, sched)
                         q_state, kv_state = self.load(
                             *load_args,
                             q_state,
@@ -569,13 +563,7 @@ class Fa3Forward:
                 for k in cutlass.range(
                     self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
                 ):
-                    tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
-                    m_block, head, batch = self.tile_coords(
-                        tile, sched.m_blocks, sched.heads_q, sched.batch_n, seqlen_k
-                    )
-                    n_block_min, n_block_max = self.block_range(
-                        m_block, seqlen_q, seqlen_k, window_left, window_right
-                    )
+                    m_block, head, batch, n_block_min, n_block_max = self.tile_work(k, sched)
                     q_state, kv_state = self.consumer(
                         *cons_args,
                         q_state,
@@ -620,6 +608,18 @@ class Fa3Forward:
                     n_block_min,
                     n_block_max,
                 )
+
+    def tile_work(self, k: Int32, sched: SimpleNamespace):
+        """Tile `k` of this persistent CTA (both roles walk the same sequence): its
+        (m_block, head, batch) and its K/V block range [n_block_min, n_block_max)."""
+        tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
+        m_block, head, batch = self.tile_coords(
+            tile, sched.m_blocks, sched.heads_q, sched.batch_n, sched.seqlen_k
+        )
+        n_block_min, n_block_max = self.block_range(
+            m_block, sched.seqlen_q, sched.seqlen_k, sched.window_left, sched.window_right
+        )
+        return m_block, head, batch, n_block_min, n_block_max
 
     def _cta_blocks(self, sched: SimpleNamespace):
         """[n_block_min, n_block_max) of a non-persistent CTA's tile: `sched.blocks` where the

@@ -28,6 +28,8 @@ import torch
 
 from flashsuite.common import traffic
 from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import make_inputs
+from flashsuite.dispatch.bench import materialising, standard_sweep
 
 CONTENDERS = ("fa1", "fa2", "naive")
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -35,13 +37,8 @@ HEAD_DIMS = (64, 128)
 
 
 def _inputs(n: int, d: int):
-    b, h = 16384 // n, 2048 // d
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    shape = (b, n, h, d)
-    q, k, v = (
-        torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in "qkv"
-    )
-    return q, k, v
+    (case,) = standard_sweep(head_dims=(d,), seqlens=(n,), causals=(False,))
+    return make_inputs(case, "cuda")  # q, k, v (B, N, H, D) bf16
 
 
 def _runner(name: str, q, k, v):
@@ -49,10 +46,7 @@ def _runner(name: str, q, k, v):
 
     if name in ("fa1", "fa2"):
         return lambda: dispatch.attention(q, k, v, version=name)
-    qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, N, D)
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    # What a user writes without a fused kernel: S and P go through HBM in bf16.
-    return lambda: torch.softmax((qh * scale) @ kh.transpose(-1, -2), dim=-1) @ vh
+    return materialising(q, k, v)
 
 
 def model_bytes(name: str, n: int, d: int) -> traffic.Traffic:
@@ -120,24 +114,17 @@ def ncu_bytes(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], t
         unit = row["Metric Unit"].strip().lower()
         scale = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9}.get(unit, 1.0)
         per_kernel[key][row["Metric Name"]] = value * scale
-    out: dict[tuple[str, int, int], tuple[float, float]] = {}
-    idx = -1
-    totals: list[list[float]] = []
+    totals: list[list[float]] = []  # [read, written] per case
     for key, kname in order:
         if MARKER in kname:
-            idx += 1
             totals.append([0.0, 0.0])
-            continue
-        if idx < 0:
-            continue
-        totals[idx][0] += per_kernel[key].get("dram__bytes_read.sum", 0.0)
-        totals[idx][1] += per_kernel[key].get("dram__bytes_write.sum", 0.0)
+        elif totals:
+            totals[-1][0] += per_kernel[key].get("dram__bytes_read.sum", 0.0)
+            totals[-1][1] += per_kernel[key].get("dram__bytes_write.sum", 0.0)
     if len(totals) != len(cases):
         print(f"ncu: {len(totals)} marker kernels for {len(cases)} cases; output ignored")
         return {}
-    for case, (r, w) in zip(cases, totals, strict=True):
-        out[case] = (r, w)
-    return out
+    return {case: (r, w) for case, (r, w) in zip(cases, totals, strict=True)}
 
 
 def main() -> None:

@@ -157,3 +157,16 @@ def test_sdpa_is_a_drop_in(case: dict) -> None:
     got = dispatch.sdpa(q, k, v, **kwargs)
     want = F.scaled_dot_product_attention(q, k, v, **kwargs)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("nq", "nk", "causal"), [(40, 40, False), (40, 40, True), (30, 50, True)])
+def test_materialising_baseline_is_exact_attention(nq: int, nk: int, causal: bool) -> None:
+    """The benchmark's materialising baseline (fa1's bar) computes the same attention."""
+    from flashsuite.common.reference import attention_reference
+    from flashsuite.dispatch.bench import materialising
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 3, 16, generator=gen, dtype=F32) for n in (nq, nk, nk))
+    out = materialising(q, k, v, causal)().transpose(1, 2)  # (B, Nq, H, D)
+    ref, _ = attention_reference(q, k, v, causal=causal)
+    torch.testing.assert_close(out, ref.to(F32), atol=1e-5, rtol=1e-5)

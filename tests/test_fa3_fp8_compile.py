@@ -127,9 +127,10 @@ def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
                     assert words[t][4 * kb + r + 2 * h] == want, (kb, t, r, h)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", fp8.FP8_HEAD_DIMS)
-def test_fp8_table_entries_can_be_implemented(d: int) -> None:
-    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d), d)
+def test_fp8_table_entries_can_be_implemented(d: int, causal: bool) -> None:
+    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d, causal), d)
     assert ok, reason
 
 
@@ -149,12 +150,6 @@ def test_fp8_support_and_reasons() -> None:
     assert not interface.supports(p, 80)[0]
     ok, reason = interface.supports(_fp8_params(d=80), 90)
     assert not ok and "fp8 head_dim 80" in reason
-
-
-@pytest.mark.parametrize("d", fp8.FP8_HEAD_DIMS)
-def test_fp8_causal_table_entries_can_be_implemented(d: int) -> None:
-    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d, causal=True), d)
-    assert ok, reason
 
 
 def test_transpose_v_layout() -> None:
