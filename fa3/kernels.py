@@ -159,6 +159,9 @@ class Fa3Forward:
         # other WG's Q·Kᵀ may still read sQ). Q is then released right after the last Q·Kᵀ.
         self.PER_WG_EPILOGUE = self.OVERLAP_TILES and not cfg.o_alias_q
         self.EARLY_Q_RELEASE = self.PER_WG_EPILOGUE and cfg.intra_wg_overlap
+        # A consumer WG whose 64 rows see none of the tile's newest K/V block passes that
+        # block by without products (Fa3Config.skip_masked_wg; causal / right window only).
+        self.SKIP_MASKED_WG = cfg.skip_masked_wg and (causal or local)
         # K and V rows (both tensors, 16-bit) of the (batch, head) pairs that the persistent
         # order keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
         self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * 2)
@@ -945,21 +948,27 @@ class Fa3Forward:
             )
             n_block = n_block_max - 1
             if const_expr(self.INTRA_WG_OVERLAP):
-                # One loop with a uniform runtime mask test rather than one loop per phase:
-                # S, P and O are carried from iteration to iteration, and with several loops
-                # ptxas gives them different registers in each (R227 instead of ~R180 at
-                # D=128) and then serialises the wgmmas for lack of registers (C7512).
-                kv_state = self.first_half_block(ctx, kv_state, n_block)
-                for i in cutlass.range(n_blocks - 1, unroll=1):
-                    masked = i < n_masked_hi
-                    if const_expr(self.HAS_LEFT):
-                        masked = masked | (i >= n_masked_hi + n_unmasked)
-                    kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
-                if const_expr(self.EARLY_Q_RELEASE):
-                    # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
-                    # next tile may land while the last P·V and the epilogue run.
-                    pipe_q.consumer_release(q_state)
-                kv_state = self.last_half_block(ctx, kv_state)
+                if const_expr(self.SKIP_MASKED_WG):
+                    # The WG's rows end at first_row + 64 (cwg + 1) - 1 (padding rows past
+                    # seqlen_q included, so all 64 are masked); they see keys below key_end.
+                    key_end = first_row + 64 * (cwg + 1) + shift + window_right
+                    i_first = Int32(0)
+                    if key_end <= n_block * self.TILE_N:
+                        kv_state = self.pass_block(ctx, kv_state, n_blocks > 1)
+                        i_first = Int32(1)
+                    if i_first < n_blocks:
+                        kv_state = self.overlap_loop(
+                            ctx, kv_state, n_block, i_first, n_blocks, n_masked_hi, n_unmasked,
+                            pipe_q, q_state,
+                        )  # fmt: skip
+                    else:
+                        if const_expr(self.EARLY_Q_RELEASE):
+                            pipe_q.consumer_release(q_state)
+                else:
+                    kv_state = self.overlap_loop(
+                        ctx, kv_state, n_block, 0, n_blocks, n_masked_hi, n_unmasked,
+                        pipe_q, q_state,
+                    )  # fmt: skip
             else:
                 self.pingpong_sync(cwg)
                 kv_state = self.step(ctx, kv_state, n_block, True)
@@ -1211,6 +1220,51 @@ class Fa3Forward:
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def overlap_loop(
+        self, ctx, kv_state, n_block: Int32, i_first, n_blocks: Int32, n_masked_hi: Int32,
+        n_unmasked: Int32, pipe_q: pipeline.PipelineTmaAsync, q_state: pipeline.PipelineState,
+    ):  # fmt: skip
+        """The intra-WG-overlap main loop over blocks n_block - i, i = i_first .. n_blocks - 1.
+
+        One loop with a uniform runtime mask test rather than one loop per phase: S, P and O
+        are carried from iteration to iteration, and with several loops ptxas gives them
+        different registers in each (R227 instead of ~R180 at D=128) and then serialises the
+        wgmmas for lack of registers (C7512).
+        """
+        kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
+        for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
+            masked = i < n_masked_hi
+            if const_expr(self.HAS_LEFT):
+                masked = masked | (i >= n_masked_hi + n_unmasked)
+            kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
+        if const_expr(self.EARLY_Q_RELEASE):
+            # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
+            # next tile may land while the last P·V and the epilogue run.
+            pipe_q.consumer_release(q_state)
+        return self.last_half_block(ctx, kv_state)
+
+    @cute.jit
+    def pass_block(self, ctx, kv_state, take_turn):
+        """SKIP_MASKED_WG: the newest block, which none of this WG's rows can see.
+
+        Its S would be all -inf and its P all 0, so the softmax state and O would not change:
+        the WG only waits for and releases the K and V stages (the other WGs use them) and,
+        if more blocks follow (`take_turn`), takes one empty ping-pong turn, since the
+        step_overlap it replaces syncs and arrives once (the token keeps making whole rounds).
+        The products stay out of the main loop (a predicated wgmma inside it makes ptxas
+        serialise every wgmma: C7515).
+        """
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        ctx.pipe_k.consumer_release(kv_state)
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        if take_turn:
+            self.pingpong_sync(ctx.cwg)
+            self.pingpong_arrive(ctx.cwg)
         return kv_state
 
     @cute.jit
