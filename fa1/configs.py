@@ -30,6 +30,10 @@ class Fa1Config:
     block_n: int  # B_c: K/V rows per outer step, held on chip for the whole inner loop
     num_warps: int
     num_stages: int
+    # Forward only, sm90 + fp16/bf16: Q, K, V, O_i loads and the Out store through TMA
+    # descriptors (kernels.py, USE_DESC); the launcher falls back to pointers where a stride or
+    # base is not 16-byte aligned.
+    use_tma: bool = False
 
 
 def padded_head_dim(head_dim: int) -> int:

@@ -107,6 +107,33 @@ def forward(
     return out, lse
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need 16-byte aligned bases and outer strides (the last dim is dense)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def _descriptors(q, k, v, out, o_acc, cfg: Fa1Config):
+    """Host TMA descriptors (rank 4 over the API layout, per-sequence bounds) for USE_DESC."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    bd, bdv = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    acc3 = o_acc.flatten(0, 1)  # (B * Hq, Nq, Dv) fp32
+    return (
+        desc(q, [1, cfg.block_m, 1, bd]),
+        desc(k, [1, cfg.block_n, 1, bd]),
+        desc(v, [1, cfg.block_n, 1, bdv]),
+        desc(acc3, [1, cfg.block_m, bdv]),
+        desc(out, [1, cfg.block_m, 1, bdv]),
+    )
+
+
 def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     """`forward`, also returning Triton's compiled kernel (None if nothing was launched)."""
     from flashsuite.fa1.kernels import LOG2E, fa1_fwd_kernel
@@ -129,9 +156,11 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     splits = min(splits, num_q_blocks) if splits else _num_splits(b * hq, num_q_blocks, q)
     per_split = -(-num_q_blocks // splits)
     grid = (b * hq, -(-num_q_blocks // per_split))
+    use_desc = cfg.use_tma and q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
+    descs = _descriptors(q, k, v, out, o_acc, cfg) if use_desc else (None,) * 5
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel = fa1_fwd_kernel[grid](
-            q, k, v, out, lse, o_acc, row_max, row_sum,
+            q, k, v, out, lse, o_acc, row_max, row_sum, *descs,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -139,7 +168,8 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
             nq, nk, hq, hq // hkv, p.scale * LOG2E.value, per_split,
             HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=padded_head_dim(d), BLOCK_DV=padded_head_dim(dv),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=p.causal,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            DOT_PRECISION=_dot_precision(q.dtype), USE_DESC=use_desc,
+            PROXY_FENCE=use_desc and q.is_cuda,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse, kernel

@@ -27,9 +27,13 @@ Causal masking is bottom-right aligned (query r sees key c iff c <= r + Nk - Nq)
 j, Q blocks that see none of it are skipped, the few near the diagonal run a masked step, the
 rest an unmasked one. A K/V tail block (Nk % BLOCK_N != 0) always runs masked.
 
-Kernels use plain pointers (no block pointers, no descriptors) so they run under
-TRITON_INTERPRET=1 and on any CUDA arch Triton supports (sm75+). Offsets of the (batch, head)
-bases and of each block's first row are 64-bit; offsets inside a block stay 32-bit.
+Kernels use plain pointers so they run on any CUDA arch Triton supports (sm75+) and under
+TRITON_INTERPRET=1. Offsets of the (batch, head) bases and of each block's first row are
+64-bit; offsets inside a block stay 32-bit. On sm90 the forward takes TMA descriptors instead
+(USE_DESC; the interpreter runs that path too): Q_i and O_i then arrive through shared memory,
+prefetched by the software pipeliner, and the step runs 64-row wgmma tiles. The running O_i is
+still stored with plain stores (generic proxy) and re-read by TMA (async proxy) one K/V block
+later, so each K/V block ends with a proxy fence and a CTA barrier.
 """
 
 from __future__ import annotations
@@ -82,6 +86,35 @@ def _last_kv_block(
 
 
 @triton.jit
+def _final_q_end(
+    j, n_q, shift, num_kv_blocks, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """Among the Q blocks that see K/V block j, those before the returned index see no later
+    block (j is their `_last_kv_block`): all of them at the last block, else (causal) the
+    blocks whose last row stops short of key (j + 1) * BLOCK_N."""
+    if CAUSAL:
+        # Q block i sees block j + 1 iff its last row (i + 1) * BLOCK_M - 1 sees key
+        # (j + 1) * BLOCK_N, i.e. (i + 1) * BLOCK_M >= (j + 1) * BLOCK_N - shift + 1.
+        first_later = tl.cdiv(tl.maximum((j + 1) * BLOCK_N - shift + 1, 0), BLOCK_M) - 1
+        fin = tl.maximum(first_later, 0)
+    else:
+        fin = j * 0
+    if j == num_kv_blocks - 1:
+        fin = tl.cdiv(n_q, BLOCK_M)
+    return fin
+
+
+@triton.jit
+def _proxy_fence():
+    """fence.proxy.async.global: this thread's generic-proxy global writes (st.global) become
+    visible to later async-proxy (TMA) reads; with a CTA barrier after it, to TMA loads that
+    any thread of the CTA issues."""
+    tl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _fwd_step(
     q_base,  # Q at (b, h, row 0)
     out_base,  # Out at (b, h, row 0)
@@ -89,6 +122,12 @@ def _fwd_step(
     acc_base,  # (Nq, HEAD_DIM_V) fp32 scratch O of (b, h)
     m_base,  # (Nq,) fp32 scratch m of (b, h), log2 domain
     l_base,  # (Nq,) fp32 scratch l of (b, h)
+    q_desc,  # USE_DESC: TMA descriptor of Q (B, Nq, Hq, D), block (1, BLOCK_M, 1, BLOCK_D)
+    acc_desc,  # USE_DESC: of the O scratch (B * Hq, Nq, Dv) fp32, block (1, BLOCK_M, BLOCK_DV)
+    out_desc,  # USE_DESC: of Out (B, Nq, Hq, Dv), block (1, BLOCK_M, 1, BLOCK_DV)
+    b,
+    h,
+    bh,  # b * Hq + h: the (batch, head) row of the scratch
     kt,  # (BLOCK_D, BLOCK_N) K_j^T on chip
     v,  # (BLOCK_N, BLOCK_DV) V_j on chip
     i,
@@ -96,7 +135,6 @@ def _fwd_step(
     n_q,
     n_k,
     shift,
-    num_kv_blocks,
     stride_qn,
     stride_on,
     qk_scale,  # softmax scale * log2(e)
@@ -108,7 +146,9 @@ def _fwd_step(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
+    FINAL: tl.constexpr,  # j is the last K/V block Q block i visits
     DOT_PRECISION: tl.constexpr,
+    USE_DESC: tl.constexpr,
 ):
     """One (j, i) step of Alg. 1, lines 8-13, for Q block i against K/V block j."""
     offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
@@ -119,22 +159,23 @@ def _fwd_step(
     d_ok = offs_d < HEAD_DIM  # (BLOCK_D,)
     dv_ok = offs_dv < HEAD_DIM_V  # (BLOCK_DV,)
     o_mask = row_ok[:, None] & dv_ok[None, :]  # (BLOCK_M, BLOCK_DV)
+    acc_ptrs = acc_base + tl.cast(row0, tl.int64) * HEAD_DIM_V
+    acc_ptrs = acc_ptrs + offs_m[:, None] * HEAD_DIM_V + offs_dv[None, :]  # (BLOCK_M, BLOCK_DV)
 
     # Alg. 1 line 8: load Q_i, O_i, l_i, m_i from HBM (O, l, m only after the first K/V step,
     # where they are the line-2 initial values 0, 0, -inf).
-    q_ptrs = (
-        q_base + tl.cast(row0, tl.int64) * stride_qn + offs_m[:, None] * stride_qn + offs_d[None, :]
-    )
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_D)
-    acc_ptrs = acc_base + tl.cast(row0, tl.int64) * HEAD_DIM_V
-    acc_ptrs = acc_ptrs + offs_m[:, None] * HEAD_DIM_V + offs_dv[None, :]  # (BLOCK_M, BLOCK_DV)
+    seen_before = j > 0
+    if USE_DESC:
+        # TMA (sm90): the software pipeliner issues step i + 1's loads while step i computes,
+        # into shared memory (no registers held); rows past Nq and columns past D are zeros.
+        q = q_desc.load([b, row0, h, 0]).reshape(BLOCK_M, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+    else:
+        q_ptrs = q_base + tl.cast(row0, tl.int64) * stride_qn
+        q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # At j = 0 the masks are all false: the loads return the initial values without touching
     # memory. Masks rather than an `if` keep the loads at the loop's top level, where Triton's
-    # software pipeliner can prefetch step i + 1 while step i computes (num_stages > 1).
-    seen_before = j > 0
-    o_i = tl.load(
-        acc_ptrs, mask=o_mask & seen_before, other=0.0, cache_modifier=".cg"
-    )  # (BLOCK_M, BLOCK_DV)
+    # software pipeliner can prefetch step i + 1 (num_stages > 1).
     m_i = tl.load(
         m_base + row0 + offs_m,
         mask=row_ok & seen_before,
@@ -154,36 +195,52 @@ def _fwd_step(
             visible = visible & (cols[None, :] <= (row0 + offs_m)[:, None] + shift)
         s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, BLOCK_N)
 
-    # Alg. 1 line 10: block statistics m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~).
-    # A row with no visible key has m~ = -inf: exponentiate against 0 so P~ = 0, never NaN.
-    m_blk = tl.max(s, 1)  # (BLOCK_M,)
-    m_blk_safe = tl.where(m_blk == -float("inf"), 0.0, m_blk)  # (BLOCK_M,)
-    p = tl.exp2(s - m_blk_safe[:, None])  # (BLOCK_M, BLOCK_N)
-    l_blk = tl.sum(p, 1)  # (BLOCK_M,)
-
-    # Alg. 1 line 11: m_new = max(m_i, m~), l_new = e^{m_i - m_new} l_i + e^{m~ - m_new} l~.
-    m_new = tl.maximum(m_i, m_blk)  # (BLOCK_M,)
+    # Alg. 1 lines 10-11: m~ = rowmax(S), m_new = max(m_i, m~), P~ = exp(S - m~), l~ = rowsum(P~),
+    # l_new = e^{m_i - m_new} l_i + e^{m~ - m_new} l~. The factor e^{m~ - m_new} is folded into
+    # the exponent (P = P~ e^{m~ - m_new} = exp(S - m_new), one exp per score), so l_new =
+    # alpha l_i + rowsum(P). A row that has seen no key keeps m_new = -inf: exponentiate
+    # against 0 so P = 0 and alpha = 0, never NaN.
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
     m_new_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # (BLOCK_M,)
     alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,): 0 when m_i = -inf
-    beta = tl.exp2(m_blk - m_new_safe)  # (BLOCK_M,): 0 when m~ = -inf
-    l_new = alpha * l_i + beta * l_blk  # (BLOCK_M,)
-
-    # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + e^{m~ - m_new} P~ V_j).
-    pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_DV)
+    p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, BLOCK_N)
+    l_new = alpha * l_i + tl.sum(p, 1)  # (BLOCK_M,)
     seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (they stay 0)
     l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
     inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
-    o_new = (o_i * (l_i * alpha)[:, None] + pv * beta[:, None]) * inv_l[:, None]
+
+    # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + P V_j). The
+    # 1/l_new goes onto P (rows of P / l_new lie in [0, 1]) and onto O_i, which then is the
+    # accumulator of the P V product: no second (BLOCK_M, BLOCK_DV) fp32 tile is live.
+    p = p * inv_l[:, None]  # (BLOCK_M, BLOCK_N)
+    # O_i is read here, after the softmax, so that it is not live next to S (with TMA it waits
+    # in shared memory until now, then lands straight in the MMA accumulator layout).
+    if USE_DESC:
+        o_i = acc_desc.load([bh, row0, 0]).reshape(BLOCK_M, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
+        o_i = tl.where(seen_before, o_i, 0.0)  # j = 0: the scratch is not written yet
+    else:
+        o_i = tl.load(
+            acc_ptrs, mask=o_mask & seen_before, other=0.0, cache_modifier=".cg"
+        )  # (BLOCK_M, BLOCK_DV)
+    o_new = o_i * (l_i * alpha * inv_l)[:, None]  # (BLOCK_M, BLOCK_DV)
+    o_new = tl.dot(p.to(v.dtype), v, acc=o_new, input_precision=DOT_PRECISION)
 
     # Alg. 1 lines 12-13: write O_i, l_i, m_i back to HBM; at the last K/V block this Q block
-    # visits, write the result instead (line 16): out in the input dtype, LSE = m + log l.
-    if j == _last_kv_block(i, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL):
-        out_ptrs = out_base + tl.cast(row0, tl.int64) * stride_on
-        out_ptrs = out_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]
-        tl.store(out_ptrs, o_new.to(out_base.dtype.element_ty), mask=o_mask)
+    # visits (FINAL, sorted out by the caller's loop bounds: no branch inside the pipelined
+    # loop), write the result instead (line 16): out in the input dtype, LSE = m + log l.
+    if FINAL:
+        if USE_DESC:
+            o_out = o_new.to(out_desc.dtype).reshape(1, BLOCK_M, 1, BLOCK_DV)
+            out_desc.store([b, row0, h, 0], o_out)  # clipped at Nq and Dv
+        else:
+            out_ptrs = out_base + tl.cast(row0, tl.int64) * stride_on
+            out_ptrs = out_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]
+            tl.store(out_ptrs, o_new.to(out_base.dtype.element_ty), mask=o_mask)
         lse = tl.where(seen, (m_new + tl.log2(l_safe)) * LN2, -float("inf"))  # (BLOCK_M,)
         tl.store(lse_base + row0 + offs_m, lse, mask=row_ok)
     else:
+        # Plain stores also under USE_DESC: the TMA load of O_i at step j + 1 is ordered after
+        # them by the kernel's proxy fence and barrier at the end of each K/V block.
         tl.store(acc_ptrs, o_new, mask=o_mask)
         tl.store(m_base + row0 + offs_m, m_new, mask=row_ok)
         tl.store(l_base + row0 + offs_m, l_new, mask=row_ok)
@@ -199,6 +256,11 @@ def fa1_fwd_kernel(
     OAcc,  # (B, Hq, Nq, HEAD_DIM_V) fp32 contiguous scratch: the running O of Alg. 1
     M,  # (B, Hq, Nq) fp32 contiguous scratch: running row max (log2 domain)
     L,  # (B, Hq, Nq) fp32 contiguous scratch: running row sum
+    q_desc,  # USE_DESC only (else None): TMA descriptors of Q, K, V, OAcc, Out (_fwd_step)
+    k_desc,  # (B, Nk, Hkv, D), block (1, BLOCK_N, 1, BLOCK_D)
+    v_desc,  # (B, Nk, Hkv, Dv), block (1, BLOCK_N, 1, BLOCK_DV)
+    acc_desc,
+    out_desc,
     stride_qb,
     stride_qn,
     stride_qh,
@@ -225,6 +287,8 @@ def fa1_fwd_kernel(
     BLOCK_N: tl.constexpr,  # B_c: K/V rows per outer step
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the default
+    USE_DESC: tl.constexpr,  # sm90: Q, K, V, O_i loads and the Out store through TMA
+    PROXY_FENCE: tl.constexpr,  # USE_DESC on a GPU (the interpreter has no proxies)
 ):
     """Alg. 1: grid (B * Hq, splits): one program per (batch, query head) and Q-block range.
 
@@ -279,33 +343,66 @@ def fa1_fwd_kernel(
         # Alg. 1 line 6: load K_j (transposed, for S = Q K^T) and V_j from HBM, once.
         cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
         col_ok = cols < n_k  # (BLOCK_N,)
-        kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
-        kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn + offs_d[:, None]
-        kt = tl.load(kt_ptrs, mask=col_ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
-        v_ptrs = v_base + kv_row0 * stride_vn + offs_n[:, None] * stride_vn + offs_dv[None, :]
-        v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        if USE_DESC:  # rows past Nk and columns past D are zero-filled
+            kt = tl.trans(k_desc.load([b, j * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = v_desc.load([b, j * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
+            kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn
+            kt_ptrs = kt_ptrs + offs_d[:, None]
+            kt = tl.load(kt_ptrs, mask=col_ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+            v_ptrs = v_base + kv_row0 * stride_vn + offs_n[:, None] * stride_vn
+            v_ptrs = v_ptrs + offs_dv[None, :]
+            v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
         # kt: (BLOCK_D, BLOCK_N), v: (BLOCK_N, BLOCK_DV)
 
         # Alg. 1 line 7: inner loop over Q blocks i, skipping those that see none of block j.
+        # Four ranges with the mask and the final write decided at compile time: [lo, mid)
+        # needs the mask, [mid, q_end) does not; [lo, fin) is the prefix of Q blocks for which
+        # j is the last K/V block they see (_last_kv_block is nondecreasing in i).
         lo, mid = _causal_q_range(j, n_q, n_k, shift, num_q_blocks, BLOCK_M, BLOCK_N, CAUSAL)
         lo = tl.maximum(lo, q_begin)
         mid = tl.minimum(tl.maximum(mid, lo), q_end)
-        for i in range(lo, mid):
+        fin = _final_q_end(j, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL)
+        fin_m = tl.minimum(tl.maximum(fin, lo), mid)
+        fin_u = tl.minimum(tl.maximum(fin, mid), q_end)
+        for i in range(lo, fin_m):
             _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base, kt, v,
-                i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_on, qk_scale,
+                q_base, out_base, lse_base, acc_base, m_base, l_base,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
-                True, DOT_PRECISION,
+                True, True, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
-        for i in range(mid, q_end):
+        for i in range(fin_m, mid):
             _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base, kt, v,
-                i, j, n_q, n_k, shift, num_kv_blocks, stride_qn, stride_on, qk_scale,
+                q_base, out_base, lse_base, acc_base, m_base, l_base,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
-                False, DOT_PRECISION,
+                True, False, DOT_PRECISION, USE_DESC,
+            )  # fmt: skip
+        for i in range(mid, fin_u):
+            _fwd_step(
+                q_base, out_base, lse_base, acc_base, m_base, l_base,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                False, True, DOT_PRECISION, USE_DESC,
+            )  # fmt: skip
+        for i in range(fin_u, q_end):
+            _fwd_step(
+                q_base, out_base, lse_base, acc_base, m_base, l_base,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                False, False, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
         # O_i, m_i, l_i written by one thread are read by another at step j + 1: make the
-        # CTA's global writes visible before the next K/V block (one barrier per block j).
+        # CTA's global writes visible before the next K/V block (one barrier per block j);
+        # with TMA loads the reader is the async proxy: fence it first.
+        if PROXY_FENCE:
+            _proxy_fence()
         tl.debug_barrier()
 
 

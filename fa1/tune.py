@@ -51,6 +51,12 @@ CANDIDATES = [
     for s in (1, 2, 3)
 ]
 QUICK = [c for c in CANDIDATES if c.num_stages in (1, 2) and c.block_m in (32, 64)]
+# sm90 TMA path (kernels.py USE_DESC): one 64-row wgmma tile per warpgroup.
+TMA_CANDIDATES = [
+    Fa1Config(bm, bn, w, s, use_tma=True)
+    for bm, bn, w in ((64, 64, 4), (64, 128, 4), (64, 256, 4), (128, 64, 8), (128, 128, 8))
+    for s in (1, 2, 3)
+]
 PER_SM_CANDIDATES = (1, 2, 4, 8)  # programs per SM to try (configs.q_splits)
 
 
@@ -117,11 +123,12 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
     return rows
 
 
-def sweep(head_dims, seqlens, causal: bool, quick: bool) -> list[dict]:
+def sweep(head_dims, seqlens, causal: bool, quick: bool, tma: bool = False) -> list[dict]:
     rows = []
     for d in head_dims:
         shipped = fwd_config(d, torch.bfloat16, 90, causal)
-        cands = [shipped] + [c for c in (QUICK if quick else CANDIDATES) if c != shipped]
+        pool = TMA_CANDIDATES if tma else QUICK if quick else CANDIDATES
+        cands = [shipped] + [c for c in pool if c != shipped]
         for n in seqlens:
             rows += _one_shape(d, n, causal, cands, shipped)
             torch.cuda.empty_cache()
@@ -153,18 +160,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="stages 1-2, 32/64-row tiles only")
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--tma", action="store_true", help="the sm90 TMA candidates only")
     ap.add_argument("--head-dim", type=int, action="append")
     ap.add_argument("--seqlen", type=int, action="append")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = sweep(args.head_dim or [64, 128], args.seqlen or [2048, 16384], args.causal, args.quick)
+    rows = sweep(
+        args.head_dim or [64, 128], args.seqlen or [2048, 16384], args.causal, args.quick, args.tma
+    )
     best(rows)
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
     res["seconds"] = time.perf_counter() - t0
-    (out / "fa1_tune.json").write_text(json.dumps(res, indent=1))
-    _log(f"[fa1] wrote {out / 'fa1_tune.json'} ({res['seconds']:.0f} s)")
+    (out / f"fa1_tune{'_tma' if args.tma else ''}{'_causal' if args.causal else ''}.json").write_text(json.dumps(res, indent=1))
+    _log(f"[fa1] done ({res['seconds']:.0f} s)")
     return 0
 
 
