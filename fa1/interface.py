@@ -116,21 +116,25 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _descriptors(q, k, v, out, o_acc, cfg: Fa1Config):
-    """Host TMA descriptors (rank 4 over the API layout, per-sequence bounds) for USE_DESC."""
+    """Host TMA descriptors for USE_DESC: rank 4 over the API tensors seen as (B, H, N, D)
+    (a strided view, no copy; bounds per sequence, so tails are zero-filled / clipped). The
+    unit dims lead, so the kernel's (1, 1, rows, D) boxes reshape to 2-D shared-memory tiles
+    that wgmma reads in place (a (1, rows, 1, D) box is copied to registers first)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     bd, bdv = padded_head_dim(q.shape[3]), padded_head_dim(v.shape[3])
 
     def desc(t, block):
+        t = t.transpose(1, 2)  # (B, H, N, D) view
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
     acc3 = o_acc.flatten(0, 1)  # (B * Hq, Nq, Dv) fp32
     return (
-        desc(q, [1, cfg.block_m, 1, bd]),
-        desc(k, [1, cfg.block_n, 1, bd]),
-        desc(v, [1, cfg.block_n, 1, bdv]),
-        desc(acc3, [1, cfg.block_m, bdv]),
-        desc(out, [1, cfg.block_m, 1, bdv]),
+        desc(q, [1, 1, cfg.block_m, bd]),
+        desc(k, [1, 1, cfg.block_n, bd]),
+        desc(v, [1, 1, cfg.block_n, bdv]),
+        TensorDescriptor(acc3, list(acc3.shape), list(acc3.stride()), [1, cfg.block_m, bdv]),
+        desc(out, [1, 1, cfg.block_m, bdv]),
     )
 
 

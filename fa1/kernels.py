@@ -32,8 +32,8 @@ TRITON_INTERPRET=1. Offsets of the (batch, head) bases and of each block's first
 64-bit; offsets inside a block stay 32-bit. On sm90 the forward takes TMA descriptors instead
 (USE_DESC; the interpreter runs that path too): Q_i and O_i then arrive through shared memory,
 prefetched by the software pipeliner, and the step runs 64-row wgmma tiles. The running O_i is
-still stored with plain stores (generic proxy) and re-read by TMA (async proxy) one K/V block
-later, so each K/V block ends with a proxy fence and a CTA barrier.
+stored by TMA (and m_i, l_i with plain stores) and re-read by TMA one K/V block
+later, so each K/V block ends with a bulk-store wait, a proxy fence and a CTA barrier.
 """
 
 from __future__ import annotations
@@ -105,12 +105,18 @@ def _final_q_end(
 
 
 @triton.jit
-def _proxy_fence():
-    """fence.proxy.async.global: this thread's generic-proxy global writes (st.global) become
-    visible to later async-proxy (TMA) reads; with a CTA barrier after it, to TMA loads that
-    any thread of the CTA issues."""
+def _tma_writes_done():
+    """Make this thread's global writes visible to TMA loads that any thread of the CTA issues
+    after the next CTA barrier: wait until its bulk (TMA) stores have completed, not only read
+    their shared memory (Triton waits for that much after each store), then fence the generic
+    proxy (plain st.global) against the async proxy."""
     tl.inline_asm_elementwise(
-        "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        "cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;",
+        "=r",
+        [],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
     )
 
 
@@ -122,9 +128,9 @@ def _fwd_step(
     acc_base,  # (Nq, HEAD_DIM_V) fp32 scratch O of (b, h)
     m_base,  # (Nq,) fp32 scratch m of (b, h), log2 domain
     l_base,  # (Nq,) fp32 scratch l of (b, h)
-    q_desc,  # USE_DESC: TMA descriptor of Q (B, Nq, Hq, D), block (1, BLOCK_M, 1, BLOCK_D)
+    q_desc,  # USE_DESC: TMA descriptor of Q as (B, Hq, Nq, D), block (1, 1, BLOCK_M, BLOCK_D)
     acc_desc,  # USE_DESC: of the O scratch (B * Hq, Nq, Dv) fp32, block (1, BLOCK_M, BLOCK_DV)
-    out_desc,  # USE_DESC: of Out (B, Nq, Hq, Dv), block (1, BLOCK_M, 1, BLOCK_DV)
+    out_desc,  # USE_DESC: of Out as (B, Hq, Nq, Dv), block (1, 1, BLOCK_M, BLOCK_DV)
     b,
     h,
     bh,  # b * Hq + h: the (batch, head) row of the scratch
@@ -168,7 +174,7 @@ def _fwd_step(
     if USE_DESC:
         # TMA (sm90): the software pipeliner issues step i + 1's loads while step i computes,
         # into shared memory (no registers held); rows past Nq and columns past D are zeros.
-        q = q_desc.load([b, row0, h, 0]).reshape(BLOCK_M, BLOCK_D)  # (BLOCK_M, BLOCK_D)
+        q = q_desc.load([b, h, row0, 0]).reshape(BLOCK_M, BLOCK_D)  # (BLOCK_M, BLOCK_D)
     else:
         q_ptrs = q_base + tl.cast(row0, tl.int64) * stride_qn
         q_ptrs = q_ptrs + offs_m[:, None] * stride_qn + offs_d[None, :]  # (BLOCK_M, BLOCK_D)
@@ -230,8 +236,8 @@ def _fwd_step(
     # loop), write the result instead (line 16): out in the input dtype, LSE = m + log l.
     if FINAL:
         if USE_DESC:
-            o_out = o_new.to(out_desc.dtype).reshape(1, BLOCK_M, 1, BLOCK_DV)
-            out_desc.store([b, row0, h, 0], o_out)  # clipped at Nq and Dv
+            o_out = o_new.to(out_desc.dtype).reshape(1, 1, BLOCK_M, BLOCK_DV)
+            out_desc.store([b, h, row0, 0], o_out)  # clipped at Nq and Dv
         else:
             out_ptrs = out_base + tl.cast(row0, tl.int64) * stride_on
             out_ptrs = out_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]
@@ -239,9 +245,13 @@ def _fwd_step(
         lse = tl.where(seen, (m_new + tl.log2(l_safe)) * LN2, -float("inf"))  # (BLOCK_M,)
         tl.store(lse_base + row0 + offs_m, lse, mask=row_ok)
     else:
-        # Plain stores also under USE_DESC: the TMA load of O_i at step j + 1 is ordered after
-        # them by the kernel's proxy fence and barrier at the end of each K/V block.
-        tl.store(acc_ptrs, o_new, mask=o_mask)
+        if USE_DESC:
+            # A TMA store straight from the accumulator layout (no layout conversion, no
+            # address registers). The TMA load of O_i at step j + 1 is ordered after it by the
+            # kernel's bulk wait, proxy fence and barrier at the end of each K/V block.
+            acc_desc.store([bh, row0, 0], o_new.reshape(1, BLOCK_M, BLOCK_DV))
+        else:
+            tl.store(acc_ptrs, o_new, mask=o_mask)
         tl.store(m_base + row0 + offs_m, m_new, mask=row_ok)
         tl.store(l_base + row0 + offs_m, l_new, mask=row_ok)
 
@@ -257,8 +267,8 @@ def fa1_fwd_kernel(
     M,  # (B, Hq, Nq) fp32 contiguous scratch: running row max (log2 domain)
     L,  # (B, Hq, Nq) fp32 contiguous scratch: running row sum
     q_desc,  # USE_DESC only (else None): TMA descriptors of Q, K, V, OAcc, Out (_fwd_step)
-    k_desc,  # (B, Nk, Hkv, D), block (1, BLOCK_N, 1, BLOCK_D)
-    v_desc,  # (B, Nk, Hkv, Dv), block (1, BLOCK_N, 1, BLOCK_DV)
+    k_desc,  # K as (B, Hkv, Nk, D), block (1, 1, BLOCK_N, BLOCK_D)
+    v_desc,  # V as (B, Hkv, Nk, Dv), block (1, 1, BLOCK_N, BLOCK_DV)
     acc_desc,
     out_desc,
     stride_qb,
@@ -344,8 +354,8 @@ def fa1_fwd_kernel(
         cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
         col_ok = cols < n_k  # (BLOCK_N,)
         if USE_DESC:  # rows past Nk and columns past D are zero-filled
-            kt = tl.trans(k_desc.load([b, j * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = v_desc.load([b, j * BLOCK_N, hk, 0]).reshape(BLOCK_N, BLOCK_DV)
+            kt = tl.trans(k_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D))
+            v = v_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
             kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn
@@ -400,9 +410,9 @@ def fa1_fwd_kernel(
             )  # fmt: skip
         # O_i, m_i, l_i written by one thread are read by another at step j + 1: make the
         # CTA's global writes visible before the next K/V block (one barrier per block j);
-        # with TMA loads the reader is the async proxy: fence it first.
+        # with TMA the writer and reader of O_i are the async proxy: complete and fence first.
         if PROXY_FENCE:
-            _proxy_fence()
+            _tma_writes_done()
         tl.debug_barrier()
 
 

@@ -25,12 +25,15 @@ from flashsuite.fa1.configs import Fa1Config, bwd_config, fwd_config, padded_hea
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _FP32_ARGS = ("Lse", "OAcc", "M", "L", "Delta", "DQAcc")
+_DESC_ARGS = ("q_desc", "k_desc", "v_desc", "acc_desc", "out_desc")
 
 
 def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
     """Argument types as a launch would specialise them (16-byte aligned pointers, strides)."""
     sig, attrs = {}, {}
     for idx, name in enumerate(fn.arg_names):
+        if name in _DESC_ARGS:
+            continue  # filled in by `probe` (tensordesc types, or None constexprs)
         if name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper():  # tensors
@@ -60,7 +63,24 @@ def probe(
         "CAUSAL": causal,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
+    descs = {}
+    if "USE_DESC" in fn.arg_names:  # the forward
+        constexprs.update(USE_DESC=cfg.use_tma, PROXY_FENCE=cfg.use_tma)
+        t, bm, bn = _TYPES[dtype], cfg.block_m, cfg.block_n
+        blocks = {
+            "q_desc": f"{t}[1,1,{bm},{block_d}]",
+            "k_desc": f"{t}[1,1,{bn},{block_d}]",
+            "v_desc": f"{t}[1,1,{bn},{block_d}]",
+            "acc_desc": f"fp32[1,{bm},{block_d}]",
+            "out_desc": f"{t}[1,1,{bm},{block_d}]",
+        }
+        for name, block in blocks.items():
+            if cfg.use_tma:
+                descs[name] = f"tensordesc<{block}>"
+            else:
+                constexprs[name] = None
     sig, attrs = _signature(fn, _TYPES[dtype], constexprs)
+    sig.update(descs)
     compiled = triton.compile(
         ASTSource(fn, sig, constexprs, attrs),
         target=GPUTarget("cuda", arch, 32),

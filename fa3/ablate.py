@@ -497,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--head-dim",
         type=int,
-        help="head_dim of the ablation table (default 128); with --persistent: only this one",
+        action="append",
+        help="head_dim of the ablation table (default 128; the first one given); with "
+        "--persistent: only these (repeatable)",
     )
     ap.add_argument(
         "--final",
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.persistent:
         t0 = time.perf_counter()
-        dims = [args.head_dim] if args.head_dim else None
+        dims = args.head_dim
         run_persistent(result, save, smoke=args.smoke, only=args.variant, head_dims=dims)
         result["seconds"] = time.perf_counter() - t0
         save()
@@ -564,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         result["bench"] = run_bench()
         save()
     if not args.skip_ablation:
-        result["ablation"] = run_ablation(args.head_dim or 128)
+        result["ablation"] = run_ablation(args.head_dim[0] if args.head_dim else 128)
         save()
     if not args.smoke:
         try:
