@@ -34,6 +34,10 @@ class Fa1Config:
     # descriptors (kernels.py, USE_DESC); the launcher falls back to pointers where a stride or
     # base is not 16-byte aligned.
     use_tma: bool = False
+    # With use_tma: K_j, V_j load as two halves of block_n / 2 rows and each (j, i) step runs
+    # S, P on one half after the other (kernels.py SPLIT_KV): B_c = block_n for the O_i round
+    # trips, block_n / 2 for registers.
+    split_kv: bool = False
 
 
 def padded_head_dim(head_dim: int) -> int:

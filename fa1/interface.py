@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import replace
 
 import torch
 
@@ -129,10 +130,11 @@ def _descriptors(q, k, v, out, o_acc, cfg: Fa1Config):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
     acc3 = o_acc.flatten(0, 1)  # (B * Hq, Nq, Dv) fp32
+    kv_rows = cfg.block_n // 2 if cfg.split_kv else cfg.block_n  # one K/V load's rows
     return (
         desc(q, [1, 1, cfg.block_m, bd]),
-        desc(k, [1, 1, cfg.block_n, bd]),
-        desc(v, [1, 1, cfg.block_n, bdv]),
+        desc(k, [1, 1, kv_rows, bd]),
+        desc(v, [1, 1, kv_rows, bdv]),
         TensorDescriptor(acc3, list(acc3.shape), list(acc3.stride()), [1, cfg.block_m, bdv]),
         desc(out, [1, 1, cfg.block_m, bdv]),
     )
@@ -162,6 +164,9 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     grid = (b * hq, -(-num_q_blocks // per_split))
     use_desc = cfg.use_tma and q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
     descs = _descriptors(q, k, v, out, o_acc, cfg) if use_desc else (None,) * 5
+    if cfg.split_kv and not use_desc:  # the pointer path holds K_j, V_j as one tile
+        cfg = replace(cfg, block_n=cfg.block_n // 2, split_kv=False)
+    block_ns = cfg.block_n // 2 if cfg.split_kv else cfg.block_n
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel = fa1_fwd_kernel[grid](
             q, k, v, out, lse, o_acc, row_max, row_sum, *descs,
@@ -171,8 +176,8 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
             out.stride(0), out.stride(1), out.stride(2),
             nq, nk, hq, hq // hkv, p.scale * LOG2E.value, per_split,
             HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=padded_head_dim(d), BLOCK_DV=padded_head_dim(dv),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=p.causal,
-            DOT_PRECISION=_dot_precision(q.dtype), USE_DESC=use_desc,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_NS=block_ns, SPLIT_KV=cfg.split_kv,
+            CAUSAL=p.causal, DOT_PRECISION=_dot_precision(q.dtype), USE_DESC=use_desc,
             PROXY_FENCE=use_desc and q.is_cuda,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

@@ -105,6 +105,23 @@ def _final_q_end(
 
 
 @triton.jit
+def _scores(
+    q, kt, col0, row0, n_k, shift, qk_scale, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr,
+    CAUSAL: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """S = Q_i K^T * scale (log2 domain) for keys col0 .. col0 + WIDTH, masked if MASKED."""
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, WIDTH)
+    if MASKED:
+        cols = col0 + tl.arange(0, WIDTH)  # (WIDTH,)
+        visible = (cols < n_k)[None, :]  # (1, WIDTH)
+        if CAUSAL:
+            rows = row0 + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+            visible = visible & (cols[None, :] <= rows[:, None] + shift)
+        s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, WIDTH)
+    return s
+
+
+@triton.jit
 def _tma_writes_done():
     """Make this thread's global writes visible to TMA loads that any thread of the CTA issues
     after the next CTA barrier: wait until its bulk (TMA) stores have completed, not only read
@@ -134,8 +151,10 @@ def _fwd_step(
     b,
     h,
     bh,  # b * Hq + h: the (batch, head) row of the scratch
-    kt,  # (BLOCK_D, BLOCK_N) K_j^T on chip
-    v,  # (BLOCK_N, BLOCK_DV) V_j on chip
+    kt,  # (BLOCK_D, BLOCK_NS) K_j^T on chip (with SPLIT_KV its first half)
+    v,  # (BLOCK_NS, BLOCK_DV) V_j on chip (with SPLIT_KV its first half)
+    kt2,  # SPLIT_KV: the second halves of K_j^T and V_j (else unused)
+    v2,
     i,
     j,
     n_q,
@@ -150,6 +169,8 @@ def _fwd_step(
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_NS: tl.constexpr,  # columns per S tile: BLOCK_N, or BLOCK_N / 2 with SPLIT_KV
+    SPLIT_KV: tl.constexpr,
     CAUSAL: tl.constexpr,
     MASKED: tl.constexpr,
     FINAL: tl.constexpr,  # j is the last K/V block Q block i visits
@@ -192,14 +213,11 @@ def _fwd_step(
         l_base + row0 + offs_m, mask=row_ok & seen_before, other=0.0, cache_modifier=".cg"
     )  # (BLOCK_M,)
 
-    # Alg. 1 line 9: S_ij = Q_i K_j^T (scaled, log2 domain).
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-    if MASKED:
-        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        visible = (cols < n_k)[None, :]  # (1, BLOCK_N)
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= (row0 + offs_m)[:, None] + shift)
-        s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, BLOCK_N)
+    # Alg. 1 line 9: S_ij = Q_i K_j^T (scaled, log2 domain); with SPLIT_KV, of the first half.
+    s = _scores(
+        q, kt, j * BLOCK_N, row0, n_k, shift, qk_scale, BLOCK_M, BLOCK_NS, CAUSAL, MASKED,
+        DOT_PRECISION,
+    )  # fmt: skip
 
     # Alg. 1 lines 10-11: m~ = rowmax(S), m_new = max(m_i, m~), P~ = exp(S - m~), l~ = rowsum(P~),
     # l_new = e^{m_i - m_new} l_i + e^{m~ - m_new} l~. The factor e^{m~ - m_new} is folded into
@@ -209,18 +227,13 @@ def _fwd_step(
     m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
     m_new_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # (BLOCK_M,)
     alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,): 0 when m_i = -inf
-    p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, BLOCK_N)
+    p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, BLOCK_NS)
     l_new = alpha * l_i + tl.sum(p, 1)  # (BLOCK_M,)
-    seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (they stay 0)
-    l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
-    inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
 
-    # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + P V_j). The
-    # 1/l_new goes onto P (rows of P / l_new lie in [0, 1]) and onto O_i, which then is the
-    # accumulator of the P V product: no second (BLOCK_M, BLOCK_DV) fp32 tile is live.
-    p = p * inv_l[:, None]  # (BLOCK_M, BLOCK_N)
-    # O_i is read here, after the softmax, so that it is not live next to S (with TMA it waits
-    # in shared memory until now, then lands straight in the MMA accumulator layout).
+    # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + P V_j), with O_i as
+    # the accumulator of the P V product (no second (BLOCK_M, BLOCK_DV) fp32 tile is live). O_i
+    # is read here, after the softmax, so that it is not live next to S (with TMA it waits in
+    # shared memory until now, then lands straight in the MMA accumulator layout).
     if USE_DESC:
         o_i = acc_desc.load([bh, row0, 0]).reshape(BLOCK_M, BLOCK_DV)  # (BLOCK_M, BLOCK_DV)
         o_i = tl.where(seen_before, o_i, 0.0)  # j = 0: the scratch is not written yet
@@ -228,8 +241,36 @@ def _fwd_step(
         o_i = tl.load(
             acc_ptrs, mask=o_mask & seen_before, other=0.0, cache_modifier=".cg"
         )  # (BLOCK_M, BLOCK_DV)
-    o_new = o_i * (l_i * alpha * inv_l)[:, None]  # (BLOCK_M, BLOCK_DV)
-    o_new = tl.dot(p.to(v.dtype), v, acc=o_new, input_precision=DOT_PRECISION)
+    if SPLIT_KV:
+        # B_c = 2 x BLOCK_NS: the block's second half goes through the same update on chip
+        # (its own max, a rescale of what the first half added), so O_i makes one HBM round
+        # trip per BLOCK_N keys while S, P stay BLOCK_NS wide. Unnormalised until the end.
+        o_new = o_i * (l_i * alpha)[:, None]  # (BLOCK_M, BLOCK_DV)
+        o_new = tl.dot(p.to(v.dtype), v, acc=o_new, input_precision=DOT_PRECISION)
+        s = _scores(
+            q, kt2, j * BLOCK_N + BLOCK_NS, row0, n_k, shift, qk_scale, BLOCK_M, BLOCK_NS,
+            CAUSAL, MASKED, DOT_PRECISION,
+        )  # fmt: skip
+        m_half = tl.maximum(m_new, tl.max(s, 1))  # (BLOCK_M,)
+        m_half_safe = tl.where(m_half == -float("inf"), 0.0, m_half)  # (BLOCK_M,)
+        beta = tl.exp2(m_new - m_half_safe)  # (BLOCK_M,): 0 when m_new = -inf
+        p = tl.exp2(s - m_half_safe[:, None])  # (BLOCK_M, BLOCK_NS)
+        l_new = beta * l_new + tl.sum(p, 1)  # (BLOCK_M,)
+        m_new = m_half
+        o_new = o_new * beta[:, None]
+        o_new = tl.dot(p.to(v2.dtype), v2, acc=o_new, input_precision=DOT_PRECISION)
+        seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (stay 0)
+        l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
+        inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
+        o_new = o_new * inv_l[:, None]
+    else:
+        seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (stay 0)
+        l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
+        inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
+        # The 1/l_new goes onto P (rows of P / l_new lie in [0, 1]) and onto O_i.
+        p = p * inv_l[:, None]  # (BLOCK_M, BLOCK_NS)
+        o_new = o_i * (l_i * alpha * inv_l)[:, None]  # (BLOCK_M, BLOCK_DV)
+        o_new = tl.dot(p.to(v.dtype), v, acc=o_new, input_precision=DOT_PRECISION)
 
     # Alg. 1 lines 12-13: write O_i, l_i, m_i back to HBM; at the last K/V block this Q block
     # visits (FINAL, sorted out by the caller's loop bounds: no branch inside the pipelined
@@ -295,6 +336,8 @@ def fa1_fwd_kernel(
     BLOCK_DV: tl.constexpr,  # HEAD_DIM_V padded to a power of two (masked)
     BLOCK_M: tl.constexpr,  # B_r: Q rows per inner step
     BLOCK_N: tl.constexpr,  # B_c: K/V rows per outer step
+    BLOCK_NS: tl.constexpr,  # K/V rows per S tile: BLOCK_N, or BLOCK_N / 2 with SPLIT_KV
+    SPLIT_KV: tl.constexpr,  # USE_DESC only: K_j, V_j as two halves, one O_i round trip
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, else the default
     USE_DESC: tl.constexpr,  # sm90: Q, K, V, O_i loads and the Out store through TMA
@@ -354,8 +397,15 @@ def fa1_fwd_kernel(
         cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
         col_ok = cols < n_k  # (BLOCK_N,)
         if USE_DESC:  # rows past Nk and columns past D are zero-filled
-            kt = tl.trans(k_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D))
-            v = v_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_DV)
+            kt = tl.trans(k_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_NS, BLOCK_D))
+            v = v_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_NS, BLOCK_DV)
+            if SPLIT_KV:
+                half = j * BLOCK_N + BLOCK_NS
+                kt2 = tl.trans(k_desc.load([b, hk, half, 0]).reshape(BLOCK_NS, BLOCK_D))
+                v2 = v_desc.load([b, hk, half, 0]).reshape(BLOCK_NS, BLOCK_DV)
+            else:
+                kt2 = kt
+                v2 = v
         else:
             kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
             kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn
@@ -364,7 +414,9 @@ def fa1_fwd_kernel(
             v_ptrs = v_base + kv_row0 * stride_vn + offs_n[:, None] * stride_vn
             v_ptrs = v_ptrs + offs_dv[None, :]
             v = tl.load(v_ptrs, mask=col_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
-        # kt: (BLOCK_D, BLOCK_N), v: (BLOCK_N, BLOCK_DV)
+            kt2 = kt
+            v2 = v
+        # kt: (BLOCK_D, BLOCK_NS), v: (BLOCK_NS, BLOCK_DV)
 
         # Alg. 1 line 7: inner loop over Q blocks i, skipping those that see none of block j.
         # Four ranges with the mask and the final write decided at compile time: [lo, mid)
@@ -379,33 +431,37 @@ def fa1_fwd_kernel(
         for i in range(lo, fin_m):
             _fwd_step(
                 q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
                 i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
+                CAUSAL,
                 True, True, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
         for i in range(fin_m, mid):
             _fwd_step(
                 q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
                 i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
+                CAUSAL,
                 True, False, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
         for i in range(mid, fin_u):
             _fwd_step(
                 q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
                 i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
+                CAUSAL,
                 False, True, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
         for i in range(fin_u, q_end):
             _fwd_step(
                 q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v,
+                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
                 i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, CAUSAL,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
+                CAUSAL,
                 False, False, DOT_PRECISION, USE_DESC,
             )  # fmt: skip
         # O_i, m_i, l_i written by one thread are read by another at step j + 1: make the

@@ -65,8 +65,10 @@ def probe(
     }
     descs = {}
     if "USE_DESC" in fn.arg_names:  # the forward
+        bns = cfg.block_n // 2 if cfg.split_kv else cfg.block_n
         constexprs.update(USE_DESC=cfg.use_tma, PROXY_FENCE=cfg.use_tma)
-        t, bm, bn = _TYPES[dtype], cfg.block_m, cfg.block_n
+        constexprs.update(BLOCK_NS=bns, SPLIT_KV=cfg.split_kv)
+        t, bm, bn = _TYPES[dtype], cfg.block_m, bns
         blocks = {
             "q_desc": f"{t}[1,1,{bm},{block_d}]",
             "k_desc": f"{t}[1,1,{bn},{block_d}]",

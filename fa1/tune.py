@@ -53,9 +53,14 @@ CANDIDATES = [
 QUICK = [c for c in CANDIDATES if c.num_stages in (1, 2) and c.block_m in (32, 64)]
 # sm90 TMA path (kernels.py USE_DESC): one 64-row wgmma tile per warpgroup.
 TMA_CANDIDATES = [
-    Fa1Config(bm, bn, w, s, use_tma=True)
-    for bm, bn, w in ((64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8))
-    for s in (1, 2, 3)
+    Fa1Config(bm, bn, w, s, use_tma=True, split_kv=split)
+    for bm, bn, w, split, stages in (
+        (64, 128, 4, False, (1, 2, 3)),
+        (128, 128, 8, False, (1,)),
+        (64, 256, 4, True, (1, 2, 3)),  # B_c 256 in two 128-wide halves
+        (128, 256, 8, True, (1, 2)),
+    )
+    for s in stages
 ]
 PER_SM_CANDIDATES = (1, 2, 4, 8)
 ALLOW_SPILL = 0  # spill bytes a candidate may have and still be timed (--allow-spill)  # programs per SM to try (configs.q_splits)

@@ -138,10 +138,22 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         D=256  521 / 597 / 597 -> 600 / 639 / 674  (1.07 / 1.06 / 1.14x)  v1: 484 / 507 / 525
 
     Non-causal keeps the plain grid (D=128: v2 604 vs 597, within noise).
+
+    skip_masked_wg on top of v2 (session 3, `ablate --persistent --variant new --variant
+    new_skip`, same run, v2 -> v2 + skip, TFLOP/s at N = 4k / 8k / 16k; cuDNN):
+        D=64   421 / 469 / 488 -> 431 / 472 / 497  (cuDNN 413 / 426 / 433)   shipped
+        D=192  553 / 621 / 657 -> 571 / 631 / 663  (cuDNN 530 / 570 / 585)   shipped
+        D=256  606 / 637 / 668 -> 589 / 638 / 660  (cuDNN 557 / 578 / 614)   not shipped
     """
     del dtype  # fp16 and bf16 tiles are the same bytes
     cfg = _tiles(head_dim, causal)
-    return _overlap(cfg) if causal else cfg
+    if not causal:
+        return cfg
+    return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
+
+
+# Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
+_SKIP_MASKED_WG_DIMS = (64, 192)
 
 
 def _tiles(head_dim: int, causal: bool) -> Fa3Config:
@@ -283,7 +295,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             for name, d, causal, cfg in persistent_variants()
             if cfg.overlap_tiles and cfg.balanced_order  # new_rr: the same code, old order
         ),
-        ("skip-masked-wg-fp16", 64, torch.float16, True, replace(get_config(64, bf16, True), skip_masked_wg=True)),
+        ("no-skip-masked-wg", 64, torch.float16, True, _overlap(_tiles(64, True))),
         (
             "persistent-new-no-iwo",
             128,
