@@ -49,6 +49,7 @@ def fa1_forward(
     Dv: int | None = None,
     fold_first_and_last: bool = True,
     q_splits: int = 1,
+    reads_initial_o: bool = False,
 ) -> Traffic:
     """FA1 (Dao et al. 2022, Alg. 1): outer loop over K/V tiles j, inner over Q tiles i.
 
@@ -73,6 +74,9 @@ def fa1_forward(
     The quadratic term is Tc*Nq*(D*e + 2*(Dv + 2)*4) ~ Nq*Nk/BN * (D*e + 8*Dv): only a
     larger K/V tile BN cuts it.
 
+    `reads_initial_o` (fa1's sm90 TMA path): the j = 0 step still loads the O_i tile (a TMA
+    load cannot be masked; the values are discarded), one Nq*Dv*4 read more per (batch, head).
+
     `q_splits` > 1 (flashsuite's fa1 aims at 8 programs per SM): each (batch, head) is shared
     by that many programs, each owning a range of Q tiles and reading all of K and V, so the
     K/V term is multiplied by q_splits (non-causal; causal splits skip the K/V tiles they
@@ -86,7 +90,7 @@ def fa1_forward(
     q_reads = tc * Nq * D * elem
     final = Nq * (Dv * elem + F32)  # out and LSE
     if fold_first_and_last:
-        read = bh * (kv + q_reads + (tc - 1) * state)
+        read = bh * (kv + q_reads + (tc - 1) * state + (Nq * Dv * F32 if reads_initial_o else 0))
         written = bh * ((tc - 1) * state + final)
     else:
         read = bh * (kv + q_reads + tc * state + state)  # + finalize reads the state once

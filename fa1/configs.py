@@ -57,10 +57,30 @@ def _smem_kb(arch: int) -> int:
 
 
 def fwd_config(
-    head_dim: int, dtype: torch.dtype, arch: int | None, causal: bool = False
+    head_dim: int, dtype: torch.dtype, arch: int | None, causal: bool = False, tma: bool = True
 ) -> Fa1Config:
-    """Forward tiles for a head dim, input dtype, arch (None = the interpreter) and mask."""
+    """Forward tiles for a head dim, input dtype, arch (None = the interpreter) and mask.
+
+    `tma=False`: the pointer-path entry (the launcher's fallback where a tensor is not
+    16-byte aligned for a TMA descriptor).
+    """
     d = padded_head_dim(head_dim)
+    if tma and arch is not None and arch >= 90 and dtype != torch.float32 and d <= 128:
+        # sm90: TMA descriptors, 64-row wgmma tiles per warpgroup, K_j / V_j as two 128-row
+        # halves (B_c = 256: one O_i round trip per 256 keys, S and P 128 wide). fa1/tune.py
+        # --tma on the H200 (2026-11-29 session 3, bf16, B·N = 16k, Hq·D = 2048, non-causal,
+        # TFLOP/s at N = 2k / 16k, materialising attention in the same run 73 / 89 at D = 64,
+        # 152 / 175 at D = 128; the pointer path's 32 x 256 tiles 82 / 80, 112 / 131):
+        #   D = 64:  64 x 256 w4 s2 204 / 202; 64 x 128 w4 s3 156 / 160 (no split);
+        #            128 x 256 w8 s2 157 / 168.
+        #   D = 128: 128 x 256 w8 s1 219 / 236 (26 B of spill in that compile); 64 x 256 w4 s1
+        #            170 / 197 (12 B); 64 x 128 w4 s1 158 / 161 and s3 147 / 165 (no spill).
+        #            Two stages do not fit next to a 256-row K/V block (Q + O_i + the O_i store
+        #            tile: 96 KB per stage at 128 rows); one stage still overlaps the loads of
+        #            one warpgroup with the other's work.
+        if d <= 64:
+            return Fa1Config(64, 256, num_warps=4, num_stages=2, use_tma=True, split_kv=True)
+        return Fa1Config(128, 256, num_warps=8, num_stages=1, use_tma=True, split_kv=True)
     if arch is None:
         # Interpreter: cost is per tile element and test shapes are small (N <= 256), so
         # small tiles waste the least on padding.

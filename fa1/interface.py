@@ -157,14 +157,17 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     o_acc = torch.empty(b, hq, nq, dv, device=q.device, dtype=torch.float32)  # (B, Hq, Nq, Dv)
     row_max = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     row_sum = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
-    cfg = cfg or fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal)
+    if cfg is None:
+        cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal)
+        if cfg.use_tma and not _tma_ok(q, k, v):  # a TMA descriptor needs 16-byte strides
+            cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal, tma=False)
     num_q_blocks = -(-nq // cfg.block_m)
     splits = min(splits, num_q_blocks) if splits else _num_splits(b * hq, num_q_blocks, q)
     per_split = -(-num_q_blocks // splits)
     grid = (b * hq, -(-num_q_blocks // per_split))
     use_desc = cfg.use_tma and q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
     descs = _descriptors(q, k, v, out, o_acc, cfg) if use_desc else (None,) * 5
-    if cfg.split_kv and not use_desc:  # the pointer path holds K_j, V_j as one tile
+    if cfg.split_kv and not use_desc:  # an explicit cfg: the pointer path has no halves
         cfg = replace(cfg, block_n=cfg.block_n // 2, split_kv=False)
     block_ns = cfg.block_n // 2 if cfg.split_kv else cfg.block_n
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():

@@ -123,9 +123,11 @@ def main(archs: list[int]) -> None:
                         else:
                             cfg = bwd_config(d, dtype, arch)
                         r = probe(fn, dtype, d, causal, arch, cfg)
+                        path = (" tma" + (" split" if cfg.split_kv else "")) if cfg.use_tma else ""
                         print(
                             f"sm{arch} {name} {_TYPES[dtype]} D={d:3d} causal={int(causal)} "
-                            f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}: "
+                            f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                            f"{path}: "
                             f"{r['regs']:3d} regs, spill {r['spill_st']}/{r['spill_ld']} B, "
                             f"smem {r['smem_kb']:.1f} KB, {r['mma']}",
                             flush=True,

@@ -129,11 +129,13 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
     return rows
 
 
-def sweep(head_dims, seqlens, causal: bool, quick: bool, tma: bool = False) -> list[dict]:
+def sweep(
+    head_dims, seqlens, causal: bool, quick: bool, tma: bool = False, shipped_only: bool = False
+) -> list[dict]:
     rows = []
     for d in head_dims:
         shipped = fwd_config(d, torch.bfloat16, 90, causal)
-        pool = TMA_CANDIDATES if tma else QUICK if quick else CANDIDATES
+        pool = [] if shipped_only else TMA_CANDIDATES if tma else QUICK if quick else CANDIDATES
         cands = [shipped] + [c for c in pool if c != shipped]
         for n in seqlens:
             rows += _one_shape(d, n, causal, cands, shipped)
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="stages 1-2, 32/64-row tiles only")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--tma", action="store_true", help="the sm90 TMA candidates only")
+    ap.add_argument("--shipped", action="store_true", help="only the table's config")
     ap.add_argument("--allow-spill", type=int, default=0, help="time configs with <= B spills")
     ap.add_argument("--per-sm", type=int, action="append", help="programs per SM to try")
     ap.add_argument("--head-dim", type=int, action="append")
@@ -179,12 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     ALLOW_SPILL = args.allow_spill
     PER_SM_CANDIDATES = tuple(args.per_sm or PER_SM_CANDIDATES)
     rows = sweep(
-        args.head_dim or [64, 128], args.seqlen or [2048, 16384], args.causal, args.quick, args.tma
+        args.head_dim or [64, 128],
+        args.seqlen or [2048, 16384],
+        args.causal,
+        args.quick,
+        args.tma,
+        args.shipped,
     )
     best(rows)
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
     res["seconds"] = time.perf_counter() - t0
-    (out / f"fa1_tune{'_tma' if args.tma else ''}{'_causal' if args.causal else ''}.json").write_text(json.dumps(res, indent=1))
+    tag = "_shipped" if args.shipped else "_tma" if args.tma else ""
+    (out / f"fa1_tune{tag}{'_causal' if args.causal else ''}.json").write_text(json.dumps(res, indent=1))
     _log(f"[fa1] done ({res['seconds']:.0f} s)")
     return 0
 

@@ -58,7 +58,10 @@ def model_bytes(name: str, n: int, d: int) -> traffic.Traffic:
         cfg = configs.fwd_config(d, torch.bfloat16, 90, False)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         splits = configs.q_splits(b * h, math.ceil(n / cfg.block_m), sms)
-        return traffic.fa1_forward(b, h, n, n, d, 2, cfg.block_m, cfg.block_n, q_splits=splits)
+        return traffic.fa1_forward(
+            b, h, n, n, d, 2, cfg.block_m, cfg.block_n, q_splits=splits,
+            reads_initial_o=cfg.use_tma,
+        )  # fmt: skip
     if name == "fa2":
         from flashsuite.fa2 import configs
 
