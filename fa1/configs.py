@@ -88,13 +88,15 @@ def fwd_config(
     if dtype == torch.float32 or arch < 80:
         # No tensor cores: fp32 dots ask for IEEE products (FMA), and Triton 3.6 emits no
         # mma for sm75 (checked: fp16 tl.dot compiles to FMA there). An FMA dot holds both
-        # operands in registers, so tiles stay small: 32x32 w4 at d <= 64 (166-172 regs), 16x16
-        # above (161 regs at d = 128; 128 regs with w8 at 256). The sm90 fp32 probe shows
-        # 12-28 B of spill in four entries (fwd d=64, bwd causal d=64/96): an FMA path, kept
-        # for correctness, not speed (tests/test_compile_probes.py pins it at <= 32 B).
-        if d <= 64:
+        # operands in registers, so tiles stay small: 32x32 w4 at d <= 32, 32x32 w8 at d = 64,
+        # 16x16 w8 above: no spill on sm90 (probe, session 3; with 4 warps d = 64..128 spilled
+        # 12-44 B). On sm75 the d = 64 causal entry spills 8 B (fp32) / 12 B (fp16). An FMA
+        # path, kept for correctness, not speed (tests/test_compile_probes.py pins the spill).
+        if d <= 32:
             return Fa1Config(block_m=32, block_n=32, num_warps=4, num_stages=1)
-        return Fa1Config(block_m=16, block_n=16, num_warps=4 if d <= 128 else 8, num_stages=1)
+        if d <= 64:
+            return Fa1Config(block_m=32, block_n=32, num_warps=8, num_stages=1)
+        return Fa1Config(block_m=16, block_n=16, num_warps=8, num_stages=1)
     # Tensor cores (sm80+). The fp32 running O_i plus the S tile bound the Q tile: 64-row
     # tiles (wgmma on sm90) spill from d = 96 on (116-584 B at 64x64 / 64x32), so the Q tile
     # is 32 rows (mma.sync) and the K/V tile as large as registers and smem allow, since the
@@ -131,6 +133,26 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
         return Fa1Config(block_m=32, block_n=64, num_warps=8, num_stages=1)
     return Fa1Config(block_m=16, block_n=32, num_warps=8, num_stages=1)  # 228 regs, 65 KB
 
+
+# Spill stores (bytes per thread) of the sm90 TMA forward entries, per (padded head_dim,
+# causal): (at launch on the H200, in probe.py's compile). Launch: `n_spills` of the compiled
+# kernel (Triton 3.6.0, ptxas 12.8; the same for the B·N = 16k shapes at N = 2k..16k and for
+# N = 2000). Probe: the same kernel compiled by `probe.py` on any machine, without the launch's
+# argument specialisation: ptxas spills more there (the same ptxas 12.8 gives these numbers on
+# the H200 host too). CI pins the probe column (tests/test_compile_probes.py), the GPU suite the
+# launch column (tests/test_fa1_tma.py). What the spill costs is in the measurements: at D = 128
+# the spilling 128 x 256 tile beats every spill-free tile, 236 vs 165 TFLOP/s at N = 16k
+# (192 vs 153 causal-free at N = 2000; causal 151 vs 138).
+TMA_SPILL_BYTES: dict[tuple[int, bool], tuple[int | None, int]] = {
+    (16, False): (None, 0),
+    (16, True): (None, 8),
+    (32, False): (None, 0),
+    (32, True): (None, 8),
+    (64, False): (0, 20),
+    (64, True): (14, 100),
+    (128, False): (26, 144),
+    (128, True): (126, 596),
+}
 
 # Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29 session 2, bf16, B·N = 16k,
 # Hq·D = 2048, shipped tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 / 117 / 130 TFLOP/s at

@@ -34,10 +34,25 @@ def test_fa1_table_compiles_without_spills() -> None:
     rows = [line for line in res.stdout.splitlines() if "regs" in line]
     assert res.returncode == 0, res.stderr[-2000:]
     assert rows, res.stdout[-2000:]
-    # 16-bit entries (the tensor-core paths) must not spill at all. fp32 runs on FMA with 16-
-    # and 32-row tiles and is known to spill up to 28 B in four entries (fa1/configs.py): pin
-    # that so it cannot grow unnoticed.
-    spilling = [row for row in rows if " fp32 " not in row and "spill 0/0 B" not in row]
+    # 16-bit pointer-path entries must not spill at all. fp32 runs on FMA with 16- and 32-row
+    # tiles; its causal backward is known to spill 20-24 B in three entries (probe, session 3):
+    # pin that so it cannot grow unnoticed. The sm90 TMA entries spill in this compile by the amounts pinned in
+    # configs.TMA_SPILL_BYTES (their launch-time spill is pinned by the GPU suite).
+    from flashsuite.fa1.configs import TMA_SPILL_BYTES
+
+    tma = [row for row in rows if " tma" in row]
+    assert tma, res.stdout[-2000:]
+    for row in tma:
+        d = int(row.split("D=")[1].split()[0])
+        causal = "causal=1" in row
+        padded = max(16, 1 << (d - 1).bit_length())
+        spill = int(row.split("spill ")[1].split("/")[0])
+        assert spill <= TMA_SPILL_BYTES[(padded, causal)][1], row
+    spilling = [
+        row
+        for row in rows
+        if " fp32 " not in row and " tma" not in row and "spill 0/0 B" not in row
+    ]
     assert not spilling, "\n".join(spilling)
     fp32 = [row for row in rows if " fp32 " in row]
     worst = max(int(row.split("spill ")[1].split("/")[0]) for row in fp32) if fp32 else 0
