@@ -19,7 +19,13 @@ Deviations from the paper, all traffic-neutral or cheaper:
   values without reading them; blocks never visited (causal, Nq > Nk) are written as out 0,
   LSE -inf up front;
 - Alg. 1 line 16 (return O) is fused into the last K/V step that visits Q block i: that step
-  writes out (input dtype) and LSE instead of the fp32 scratch O_i, m_i, l_i;
+  writes out (input dtype) and LSE instead of the fp32 scratch O_i, m_i, l_i (on the TMA path
+  the j = 0 step still loads the unwritten O_i tile and discards it: a TMA load has no mask);
+- lines 10-12 in fewer passes: P = exp(S - m_new) directly (the paper's P~ e^{m~ - m_new}), and
+  the rescaled O_i is the accumulator of the P V product (no second O-sized tile);
+- SPLIT_KV (sm90): a K/V block of B_c rows is processed as two halves, each with its own max
+  and an on-chip rescale of what the first added (lines 9-12 applied twice inside one step):
+  the HBM round trip of O_i, m_i, l_i happens once per B_c keys, S and P are B_c / 2 wide;
 - the backward recomputes P from the stored LSE (one statistic) instead of (m, l), and reads
   D_i = rowsum(dO_i * O_i) from a preprocess kernel instead of recomputing it per step.
 
@@ -32,8 +38,11 @@ TRITON_INTERPRET=1. Offsets of the (batch, head) bases and of each block's first
 64-bit; offsets inside a block stay 32-bit. On sm90 the forward takes TMA descriptors instead
 (USE_DESC; the interpreter runs that path too): Q_i and O_i then arrive through shared memory,
 prefetched by the software pipeliner, and the step runs 64-row wgmma tiles. The running O_i is
-stored by TMA (and m_i, l_i with plain stores) and re-read by TMA one K/V block
-later, so each K/V block ends with a bulk-store wait, a proxy fence and a CTA barrier.
+stored by TMA (and m_i, l_i with plain stores) and re-read by TMA one K/V block later, so each
+K/V block ends with a bulk-store wait, a proxy fence and a CTA barrier. Which steps mask and
+which write the final result is decided by loop bounds (four compile-time variants of the
+step), not by a branch inside the loop: Triton 3.6's pipeliner fails on a loop whose body
+holds an if around the stores.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """fa1 forward tuning on a GPU: tile shapes, warps, stages and Q splits, next to the competition.
 
     python -m flashsuite.fa1.tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
+    python -m flashsuite.fa1.tune --out DIR --tma [--causal] [--allow-spill B] [--per-sm 8]
+                                                           # the sm90 TMA tiles (fa1_tune_tma*.json)
+    python -m flashsuite.fa1.tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
 
 FA1's loop order re-reads and re-writes the fp32 running output O_i (and m_i, l_i) at every
 (K/V block j, Q block i) step, so a step moves ~10·B_r·D bytes for 4·B_r·B_c·D FLOPs: at
@@ -62,8 +65,7 @@ TMA_CANDIDATES = [
     )
     for s in stages
 ]
-PER_SM_CANDIDATES = (1, 2, 4, 8)
-ALLOW_SPILL = 0  # spill bytes a candidate may have and still be timed (--allow-spill)  # programs per SM to try (configs.q_splits)
+PER_SM_CANDIDATES = (1, 2, 4, 8)  # programs per SM to try (configs.q_splits)
 
 
 def _log(msg: str) -> None:
@@ -80,7 +82,15 @@ def _time(fn) -> float:
     return time_ms(fn, warmup_ms=5, rep_ms=40)
 
 
-def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) -> list[dict]:
+def _one_shape(
+    d: int,
+    n: int,
+    causal: bool,
+    cands: list[Fa1Config],
+    shipped,
+    allow_spill: int = 0,  # spill bytes a candidate may have and still be timed
+    per_sm_candidates: tuple[int, ...] = PER_SM_CANDIDATES,
+) -> list[dict]:
     from flashsuite import dispatch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -99,7 +109,7 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
     bh = q.shape[0] * q.shape[2]
     for cfg in cands:
         nqb = -(-n // cfg.block_m)
-        for per_sm in PER_SM_CANDIDATES:
+        for per_sm in per_sm_candidates:
             splits = q_splits(bh, nqb, sms, per_sm)
             row = {**base, "name": "fa1", "cfg": asdict(cfg), "per_sm": per_sm}
             row.update(splits=splits, shipped=cfg == shipped)
@@ -107,8 +117,8 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
                 out, _, kern = interface._forward(q, k, v, p, cfg, splits)
                 row["regs"], row["spills"] = kern.n_regs, kern.n_spills
                 row["err"] = (out.float() - ref.float()).abs().max().item()
-                if row["spills"] > ALLOW_SPILL or row["err"] > 0.05:
-                    row["skipped"] = "spills" if row["spills"] > ALLOW_SPILL else "wrong"
+                if row["spills"] > allow_spill or row["err"] > 0.05:
+                    row["skipped"] = "spills" if row["spills"] > allow_spill else "wrong"
                 else:
                     ms = _time(
                         lambda cfg=cfg, splits=splits: interface._forward(q, k, v, p, cfg, splits)
@@ -130,7 +140,14 @@ def _one_shape(d: int, n: int, causal: bool, cands: list[Fa1Config], shipped) ->
 
 
 def sweep(
-    head_dims, seqlens, causal: bool, quick: bool, tma: bool = False, shipped_only: bool = False
+    head_dims,
+    seqlens,
+    causal: bool,
+    quick: bool,
+    tma: bool = False,
+    shipped_only: bool = False,
+    allow_spill: int = 0,
+    per_sm_candidates: tuple[int, ...] = PER_SM_CANDIDATES,
 ) -> list[dict]:
     rows = []
     for d in head_dims:
@@ -138,7 +155,7 @@ def sweep(
         pool = [] if shipped_only else TMA_CANDIDATES if tma else QUICK if quick else CANDIDATES
         cands = [shipped] + [c for c in pool if c != shipped]
         for n in seqlens:
-            rows += _one_shape(d, n, causal, cands, shipped)
+            rows += _one_shape(d, n, causal, cands, shipped, allow_spill, per_sm_candidates)
             torch.cuda.empty_cache()
     return rows
 
@@ -178,9 +195,6 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    global ALLOW_SPILL, PER_SM_CANDIDATES
-    ALLOW_SPILL = args.allow_spill
-    PER_SM_CANDIDATES = tuple(args.per_sm or PER_SM_CANDIDATES)
     rows = sweep(
         args.head_dim or [64, 128],
         args.seqlen or [2048, 16384],
@@ -188,12 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         args.quick,
         args.tma,
         args.shipped,
+        args.allow_spill,
+        tuple(args.per_sm or PER_SM_CANDIDATES),
     )
     best(rows)
     res = {"device": torch.cuda.get_device_name(), "rows": rows}
     res["seconds"] = time.perf_counter() - t0
     tag = "_shipped" if args.shipped else "_tma" if args.tma else ""
-    (out / f"fa1_tune{tag}{'_causal' if args.causal else ''}.json").write_text(json.dumps(res, indent=1))
+    (out / f"fa1_tune{tag}{'_causal' if args.causal else ''}.json").write_text(
+        json.dumps(res, indent=1)
+    )
     _log(f"[fa1] done ({res['seconds']:.0f} s)")
     return 0
 

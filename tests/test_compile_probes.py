@@ -36,8 +36,8 @@ def test_fa1_table_compiles_without_spills() -> None:
     assert rows, res.stdout[-2000:]
     # 16-bit pointer-path entries must not spill at all. fp32 runs on FMA with 16- and 32-row
     # tiles; its causal backward is known to spill 20-24 B in three entries (probe, session 3):
-    # pin that so it cannot grow unnoticed. The sm90 TMA entries spill in this compile by the amounts pinned in
-    # configs.TMA_SPILL_BYTES (their launch-time spill is pinned by the GPU suite).
+    # pin that so it cannot grow unnoticed. The sm90 TMA entries spill in this compile by the
+    # amounts pinned in configs.TMA_SPILL_BYTES (their launch spill is pinned by the GPU suite).
     from flashsuite.fa1.configs import TMA_SPILL_BYTES
 
     tma = [row for row in rows if " tma" in row]
