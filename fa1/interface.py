@@ -109,9 +109,14 @@ def forward(
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """TMA descriptors need 16-byte aligned bases and outer strides (the last dim is dense)."""
+    """TMA descriptors need 16-byte aligned bases and positive outer strides that are multiples
+    of 16 bytes (the last dim is dense); a broadcast (stride 0) dim of size > 1 does not do."""
     return all(
-        t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1])
+        t.data_ptr() % 16 == 0
+        and all(
+            (st > 0 or size == 1) and st * t.element_size() % 16 == 0
+            for st, size in zip(t.stride()[:-1], t.shape[:-1], strict=True)
+        )
         for t in tensors
     )
 
@@ -157,15 +162,15 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     o_acc = torch.empty(b, hq, nq, dv, device=q.device, dtype=torch.float32)  # (B, Hq, Nq, Dv)
     row_max = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     row_sum = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
+    # TMA descriptors (sm90 entries) need 16-byte strides; otherwise the pointer entry.
+    tma_ok = q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
     if cfg is None:
-        cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal)
-        if cfg.use_tma and not _tma_ok(q, k, v):  # a TMA descriptor needs 16-byte strides
-            cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal, tma=False)
+        cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal, tma=tma_ok)
     num_q_blocks = -(-nq // cfg.block_m)
     splits = min(splits, num_q_blocks) if splits else _num_splits(b * hq, num_q_blocks, q)
     per_split = -(-num_q_blocks // splits)
     grid = (b * hq, -(-num_q_blocks // per_split))
-    use_desc = cfg.use_tma and q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
+    use_desc = cfg.use_tma and tma_ok
     descs = _descriptors(q, k, v, out, o_acc, cfg) if use_desc else (None,) * 5
     if cfg.split_kv and not use_desc:  # an explicit cfg: the pointer path has no halves
         cfg = replace(cfg, block_n=cfg.block_n // 2, split_kv=False)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
-#   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench (default: check tests bench)
+#   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
+#                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests` (e.g. "-k fa2 -x")
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
+#   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
+#                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
 # With the CuTe DSL bundle (see README): source .gpu/activate.sh first.
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [check|tests|bench|pybench ...]}
@@ -35,6 +38,16 @@ for part in $parts; do
     pybench)
       python3 -m pytest tests/benchmarks -q -p no:cacheprovider --benchmark-only \
         --benchmark-json "$out/pytest-bench.json" 2>&1 | tee "$out/pybench.log" || status=1 ;;
+    sanitize)
+      # compute-sanitizer memcheck, then racecheck, on fa3's smoke cases (3 small problems
+      # checked against the oracle: one tile, keyless tiles, several tiles per CTA).
+      for tool in memcheck racecheck; do
+        timeout "${SANITIZE_TIMEOUT:-280}" compute-sanitizer --tool "$tool" \
+          python3 -m flashsuite.fa3.ablate --out "$out/sanitize-$tool" --persistent --smoke \
+          --variant "${SANITIZE_VARIANT:-new_skip}" --head-dim "${SANITIZE_HEAD_DIM:-64}" \
+          > "$out/sanitize-$tool.log" 2>&1 || status=1
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|correctness" "$out/sanitize-$tool.log" | tail -8
+      done ;;
     *) echo "unknown part: $part"; status=2 ;;
   esac
 done

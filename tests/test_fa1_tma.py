@@ -62,3 +62,28 @@ def test_tma_entry_launch_spills_are_pinned(head_dim: int, causal: bool) -> None
     assert cfg.use_tma
     _, _, kern = interface._forward(q, k, v, p, None, None)
     assert kern.n_spills <= TMA_SPILL_BYTES[(head_dim, causal)][0], (cfg, kern.n_spills)
+
+
+def test_tma_alignment_check() -> None:
+    """Descriptors only for 16-byte aligned, positive outer strides; the rest takes pointers."""
+    q = torch.zeros(2, 8, 4, 64, dtype=BF16)
+    assert interface._tma_ok(q)
+    assert interface._tma_ok(q.transpose(1, 2))  # any order of aligned strides
+    assert not interface._tma_ok(torch.zeros(2, 8, 4, 4, dtype=BF16))  # 8-byte rows
+    assert not interface._tma_ok(torch.zeros(2, 8, 1, 64, dtype=BF16).expand(2, 8, 4, 64))
+    assert not interface._tma_ok(torch.zeros(2 * 8 * 4 * 64 + 1, dtype=BF16)[1:].view(2, 8, 4, 64))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="interpreter check of the fallback")
+def test_unaligned_inputs_fall_back_to_pointers() -> None:
+    """A TMA config on tensors TMA cannot describe (4-wide heads: 8-byte rows) still computes
+    the right answer, through the pointer kernel with the block's halves as one tile."""
+    case = Case(1, 40, 70, 2, 1, 4, dtype=F16, causal=True)
+    q, k, v = make_inputs(case, DEVICE)
+    assert not interface._tma_ok(q)
+    p = check_inputs(q, k, v, **case.options())
+    out, lse = interface.forward(q, k, v, p, cfg=Fa1Config(16, 64, 4, 1, True, True))
+    ref = reference_pair(q, k, v, **case.options())
+    for name, ours in (("out", out), ("lse", lse)):
+        res = compare(name, ours, *ref[name], dtype=q.dtype)
+        assert res.ok, res
