@@ -73,8 +73,8 @@ def fwd_config(
         # 152 / 175 at D = 128; the pointer path's 32 x 256 tiles 82 / 80, 112 / 131):
         #   D = 64:  64 x 256 w4 s2 204 / 202; 64 x 128 w4 s3 156 / 160 (no split);
         #            128 x 256 w8 s2 157 / 168.
-        #   D = 128: 128 x 256 w8 s1 219 / 236 (26 B of spill in that compile); 64 x 256 w4 s1
-        #            170 / 197 (12 B); 64 x 128 w4 s1 158 / 161 and s3 147 / 165 (no spill).
+        #   D = 128: 128 x 256 w8 s1 219 / 236 (104 B of spill stack, TMA_STACK_BYTES); 64 x 256
+        #            w4 s1 170 / 197 (48 B); 64 x 128 w4 s1 158 / 161 and s3 147 / 165 (none).
         #            Two stages do not fit next to a 256-row K/V block (Q + O_i + the O_i store
         #            tile: 96 KB per stage at 128 rows); one stage still overlaps the loads of
         #            one warpgroup with the other's work.
@@ -134,24 +134,22 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
     return Fa1Config(block_m=16, block_n=32, num_warps=8, num_stages=1)  # 228 regs, 65 KB
 
 
-# Spill stores (bytes per thread) of the sm90 TMA forward entries, per (padded head_dim,
-# causal): (at launch on the H200, in probe.py's compile). Launch: `n_spills` of the compiled
-# kernel (Triton 3.6.0, ptxas 12.8; the same for the B·N = 16k shapes at N = 2k..16k and for
-# N = 2000). Probe: the same kernel compiled by `probe.py` on any machine, without the launch's
-# argument specialisation: ptxas spills more there (the same ptxas 12.8 gives these numbers on
-# the H200 host too). CI pins the probe column (tests/test_compile_probes.py), the GPU suite the
-# launch column (tests/test_fa1_tma.py). What the spill costs is in the measurements: at D = 128
-# the spilling 128 x 256 tile beats every spill-free tile, 236 vs 165 TFLOP/s at N = 16k
-# (192 vs 153 causal-free at N = 2000; causal 151 vs 138).
-TMA_SPILL_BYTES: dict[tuple[int, bool], tuple[int | None, int]] = {
-    (16, False): (None, 0),
-    (16, True): (None, 8),
-    (32, False): (None, 0),
-    (32, True): (None, 8),
-    (64, False): (0, 20),
-    (64, True): (14, 100),
-    (128, False): (26, 144),
-    (128, True): (126, 596),
+# Local memory (the spill stack frame, bytes per thread) of the sm90 TMA forward entries, per
+# (padded head_dim, causal), as a launch compiles them: ptxas "bytes stack frame" in probe.py's
+# `launch_probe` (Triton 3.6.0, ptxas 12.8), and the same number on the H200 as Triton's
+# `n_spills` x 4 (n_spills counts 4-byte words: 0 / 14 / 26 / 126 at D = 64 / 64 causal / 128 /
+# 128 causal, N = 2k..16k and N = 2000). ptxas's spill stores for them: 0 / 64 / 112 / 656 B.
+# CI pins these in the probe (tests/test_compile_probes.py), the GPU suite at launch
+# (tests/test_fa1_tma.py). What the spill costs is in the measurements: at D = 128 the spilling
+# 128 x 256 tile beats every spill-free tile, 236 vs 165 TFLOP/s at N = 16k (193 vs 153 at
+# N = 2000; causal 151 vs 138).
+TMA_STACK_BYTES: dict[tuple[int, bool], int] = {
+    (32, False): 0,
+    (32, True): 32,
+    (64, False): 0,
+    (64, True): 56,
+    (128, False): 104,
+    (128, True): 504,
 }
 
 # Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29 session 2, bf16, B·N = 16k,

@@ -4,6 +4,12 @@
 head_dim, causal) of `configs.py` with `triton.compile` for `GPUTarget("cuda", ARCH, 32)`, no
 GPU needed, and prints registers and spills (ptxas -v, from the Triton wheel), shared memory
 (`metadata.shared`) and which MMA the PTX uses (wgmma, mma.sync, or none: FMA).
+
+The sm90 TMA entries are compiled the way a launch compiles them (`launch_probe`: Triton's own
+argument binder on CPU tensors and host descriptors of a standard-sweep shape, so the integer
+and alignment specialisation matches a real call) and also print the stack frame: its bytes
+are the local memory a launch reports (Triton's `n_spills` counts it in 4-byte words). The
+plain signature `probe` builds leaves those integers unspecialised and spills more.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from flashsuite.fa1 import kernels
-from flashsuite.fa1.configs import Fa1Config, bwd_config, fwd_config, padded_head_dim
+from flashsuite.fa1.configs import Fa1Config, bwd_config, fwd_config, padded_head_dim, q_splits
 
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -88,6 +94,54 @@ def probe(
         target=GPUTarget("cuda", arch, 32),
         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
     )
+    return _ptxas(compiled, arch)
+
+
+def launch_probe(dtype: torch.dtype, head_dim: int, causal: bool, cfg: Fa1Config) -> dict:
+    """Compile the sm90 TMA forward as `interface._forward` would launch it (B·N = 16k,
+    N = 2048, Hq·D = 2048, contiguous inputs); ptxas -v of that PTX."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa1 import interface
+
+    n, h = 2048, max(1, 2048 // head_dim)
+    b = 16384 // n
+    q = torch.zeros(b, n, h, head_dim, dtype=dtype)  # (B, N, H, D)
+    k, v, out = torch.zeros_like(q), torch.zeros_like(q), torch.empty_like(q)
+    lse, row_max, row_sum = (torch.empty(b, h, n) for _ in range(3))  # (B, H, N)
+    o_acc = torch.empty(b, h, n, head_dim)  # (B, H, N, D)
+    p = check_inputs(q, k, v, causal=causal)
+    num_q_blocks = -(-n // cfg.block_m)
+    per_split = -(-num_q_blocks // q_splits(b * h, num_q_blocks, 132))
+    d = padded_head_dim(head_dim)
+    fn = kernels.fa1_fwd_kernel
+    args = (
+        q, k, v, out, lse, o_acc, row_max, row_sum,
+        *interface._descriptors(q, k, v, out, o_acc, cfg),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        n, n, h, 1, p.scale * kernels.LOG2E.value, per_split,
+    )  # fmt: skip
+    kwargs = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_NS=cfg.block_n // 2 if cfg.split_kv else cfg.block_n,
+        SPLIT_KV=cfg.split_kv, CAUSAL=causal, DOT_PRECISION="tf32", USE_DESC=True,
+        PROXY_FENCE=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    compiled = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
+    return _ptxas(compiled, 90)
+
+
+def _ptxas(compiled, arch: int) -> dict:
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
@@ -105,6 +159,7 @@ def probe(
         "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
         "spill_st": int(spill.group(1)),
         "spill_ld": int(spill.group(2)),
+        "stack": int(re.search(r"(\d+) bytes stack frame", log).group(1)),
         "smem_kb": compiled.metadata.shared / 1024,
         "mma": "wgmma" if "wgmma" in ptx else ("mma.sync" if "mma.sync" in ptx else "fma"),
     }
@@ -122,14 +177,18 @@ def main(archs: list[int]) -> None:
                             cfg = fwd_config(d, dtype, arch, causal)
                         else:
                             cfg = bwd_config(d, dtype, arch)
-                        r = probe(fn, dtype, d, causal, arch, cfg)
+                        if cfg.use_tma and name == "fwd":
+                            r = launch_probe(dtype, d, causal, cfg)
+                        else:
+                            r = probe(fn, dtype, d, causal, arch, cfg)
                         path = (" tma" + (" split" if cfg.split_kv else "")) if cfg.use_tma else ""
+                        stack = f", stack {r['stack']} B" if cfg.use_tma else ""
                         print(
                             f"sm{arch} {name} {_TYPES[dtype]} D={d:3d} causal={int(causal)} "
                             f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
                             f"{path}: "
                             f"{r['regs']:3d} regs, spill {r['spill_st']}/{r['spill_ld']} B, "
-                            f"smem {r['smem_kb']:.1f} KB, {r['mma']}",
+                            f"smem {r['smem_kb']:.1f} KB, {r['mma']}{stack}",
                             flush=True,
                         )
 

@@ -187,7 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--tma", action="store_true", help="the sm90 TMA candidates only")
     ap.add_argument("--shipped", action="store_true", help="only the table's config")
-    ap.add_argument("--allow-spill", type=int, default=0, help="time configs with <= B spills")
+    ap.add_argument(
+        "--allow-spill",
+        type=int,
+        default=0,
+        help="also time configs with Triton's n_spills <= N (4-byte words of local memory)",
+    )
     ap.add_argument("--per-sm", type=int, action="append", help="programs per SM to try")
     ap.add_argument("--head-dim", type=int, action="append")
     ap.add_argument("--seqlen", type=int, action="append")
