@@ -378,13 +378,19 @@ def _persistent_shapes(d: int, causal: bool) -> tuple[int, ...]:
 
 
 def run_persistent(
-    res: dict, save, smoke: bool = False, only: list[str] | None = None, head_dims=None
+    res: dict,
+    save,
+    smoke: bool = False,
+    only: list[str] | None = None,
+    head_dims=None,
+    seqlens: list[int] | None = None,
 ) -> None:
     """Correctness, then TFLOP/s vs cuDNN, of configs.persistent_variants into res["persistent"]:
     plain and old first, the new variants after them (the likeliest to hang).
 
     `smoke`: only the new variants on 3 cases (one tile, keyless tiles, several tiles per CTA)
-    and no timing, for compute-sanitizer. `only` / `head_dims` keep those variant names / dims.
+    and no timing, for compute-sanitizer. `only` / `head_dims` keep those variant names / dims;
+    `seqlens` replaces the timed N.
     """
     res["persistent"] = per = {"correctness": [], "bench": []}
     cudnn: dict[tuple, float | None] = {}
@@ -418,7 +424,7 @@ def run_persistent(
                 ok.append((name, d, causal, cfg))
             save()
         for name, d, causal, cfg in ok:
-            for n in _persistent_shapes(d, causal):
+            for n in seqlens or _persistent_shapes(d, causal):
                 key = (d, causal, n)
                 row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
                 faulthandler.dump_traceback_later(_HANG_S, exit=True)
@@ -517,6 +523,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --persistent: only these configs.persistent_variants names (plain, old, new..)",
     )
     ap.add_argument(
+        "--seqlen",
+        type=int,
+        action="append",
+        help="with --persistent: time these N instead of 4k/8k/16k (causal) / 16k (repeatable)",
+    )
+    ap.add_argument(
         "--smoke",
         action="store_true",
         help="only the first 3 correctness cases (for compute-sanitizer), nothing else; with "
@@ -541,7 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.persistent:
         t0 = time.perf_counter()
         dims = args.head_dim
-        run_persistent(result, save, smoke=args.smoke, only=args.variant, head_dims=dims)
+        run_persistent(
+            result, save, smoke=args.smoke, only=args.variant, head_dims=dims, seqlens=args.seqlen
+        )
         result["seconds"] = time.perf_counter() - t0
         save()
         _log(f"[fa3] wrote {path} ({result['seconds']:.0f} s)")
