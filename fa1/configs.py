@@ -135,14 +135,16 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
 
 
 # Local memory (the spill stack frame, bytes per thread) of the sm90 TMA forward entries, per
-# (padded head_dim, causal), as a launch compiles them: ptxas "bytes stack frame" in probe.py's
-# `launch_probe` (Triton 3.6.0, ptxas 12.8), and the same number on the H200 as Triton's
-# `n_spills` x 4 (n_spills counts 4-byte words: 0 / 14 / 26 / 126 at D = 64 / 64 causal / 128 /
-# 128 causal, N = 2k..16k and N = 2000). ptxas's spill stores for them: 0 / 64 / 112 / 656 B.
-# CI pins these in the probe (tests/test_compile_probes.py), the GPU suite at launch
-# (tests/test_fa1_tma.py). What the spill costs is in the measurements: at D = 128 the spilling
-# 128 x 256 tile beats every spill-free tile, 236 vs 165 TFLOP/s at N = 16k (193 vs 153 at
-# N = 2000; causal 151 vs 138).
+# (padded head_dim, causal), as a launch of the standard sweep (B·N = 16k, Hq·D = 2048) compiles
+# them: ptxas "bytes stack frame" in probe.py's `launch_probe` (N = 2048; Triton 3.6.0, ptxas
+# 12.8). On the H200, Triton's `n_spills` is the same frame in 4-byte words: 0 / 14 / 26 / 126
+# at D = 64 / 64 causal / 128 / 128 causal, at N = 2k..16k and N = 2000. ptxas's spill stores
+# for them: 0 / 64 / 112 / 656 B. CI pins these through the probe (tests/test_compile_probes.py),
+# the GPU suite at launch (tests/test_fa1_tma.py), both at that shape: the frame depends on
+# the launch's integer specialisation (B = 1, N = 1024, where each program owns one Q block
+# and Triton makes that count a constant, gives 24 / 72 / 136 / 400 B). What the spill costs is
+# in the measurements: at D = 128 the spilling 128 x 256 tile beats every spill-free tile, 236
+# vs 165 TFLOP/s at N = 16k (193 vs 153 at N = 2000; causal 151 vs 138).
 TMA_STACK_BYTES: dict[tuple[int, bool], int] = {
     (32, False): 0,
     (32, True): 32,
