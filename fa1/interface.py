@@ -63,7 +63,12 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
             return False, f"fa1: {name} {d} not in [1, {MAX_HEAD_DIM}]"
     if arch is not None and arch < 80 and max(p.head_dim, p.head_dim_v) > 128:
         return False, f"fa1: head_dim > 128 needs sm80+ (64 KB of shared memory on sm{arch})"
-    return True, "fa1: ok"
+    cfg = fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, arch, p.causal)
+    tiles = f"{cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps, {cfg.num_stages} stage(s)"
+    if cfg.use_tma:
+        split = ", K/V block in two halves" if cfg.split_kv else ""
+        return True, f"fa1: {tiles}{split}, TMA (pointer loads if a stride is not 16-byte aligned)"
+    return True, f"fa1: {tiles}, pointer loads" + (" (Triton interpreter)" if arch is None else "")
 
 
 def _arch_of(t: torch.Tensor) -> int | None:
