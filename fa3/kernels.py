@@ -766,41 +766,17 @@ class Fa3Forward:
             # K(first) -> Q -> V(first) -> the other blocks: the first K load only needs a free
             # K stage, so it is in flight before the consumers release sQ (protocol above).
             if n_block_max > n_block_min:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(
-                    tma_k,
-                    tKg[None, n_block_max - 1],
-                    tKs[None, kv_state.index],
-                    tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
-                )
+                self._load_block(pipe_k, tma_k, tKg, tKs, n_block_max - 1, kv_state)
             pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
             if n_block_max > n_block_min:
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(
-                    tma_v,
-                    tVg[None, n_block_max - 1],
-                    tVs[None, kv_state.index],
-                    tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
-                )
+                self._load_block(pipe_v, tma_v, tVg, tVs, n_block_max - 1, kv_state)
                 kv_state.advance()
                 for i in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
                     n_block = n_block_max - 2 - i
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(
-                        tma_k,
-                        tKg[None, n_block],
-                        tKs[None, kv_state.index],
-                        tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
-                    )
-                    pipe_v.producer_acquire(kv_state)
-                    cute.copy(
-                        tma_v,
-                        tVg[None, n_block],
-                        tVs[None, kv_state.index],
-                        tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
-                    )
+                    self._load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
+                    self._load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
                     kv_state.advance()
         else:
             if const_expr(self.PERSISTENT):
@@ -813,22 +789,29 @@ class Fa3Forward:
                     cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 for i in cutlass.range(n_block_max - n_block_min, unroll=1):
                     n_block = n_block_max - 1 - i
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(
-                        tma_k,
-                        tKg[None, n_block],
-                        tKs[None, kv_state.index],
-                        tma_bar_ptr=pipe_k.producer_get_barrier(kv_state),
-                    )
-                    pipe_v.producer_acquire(kv_state)
-                    cute.copy(
-                        tma_v,
-                        tVg[None, n_block],
-                        tVs[None, kv_state.index],
-                        tma_bar_ptr=pipe_v.producer_get_barrier(kv_state),
-                    )
+                    self._load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
+                    self._load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
                     kv_state.advance()
         return q_state, kv_state
+
+    @cute.jit
+    def _load_block(
+        self,
+        pipe: pipeline.PipelineTmaAsync,
+        tma: cute.CopyAtom,
+        tXg: cute.Tensor,  # (TMA, n_blocks) global blocks of K or V
+        tXs: cute.Tensor,  # (TMA, STAGES) their shared-memory ring
+        n_block: Int32,
+        kv_state: pipeline.PipelineState,
+    ):
+        """Wait for ring stage `kv_state` to be free, then TMA-load block n_block into it."""
+        pipe.producer_acquire(kv_state)
+        cute.copy(
+            tma,
+            tXg[None, n_block],
+            tXs[None, kv_state.index],
+            tma_bar_ptr=pipe.producer_get_barrier(kv_state),
+        )
 
     # ----------------------------------------------------------------------------------------
     # consumer: main loop
