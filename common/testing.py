@@ -4,7 +4,10 @@ check relative to PyTorch's own error, and the Triton-interpreter bf16 fix.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -222,3 +225,17 @@ def patch_triton_interpreter_bf16() -> bool:
     create_dot._flashsuite_bf16 = True
     builder.create_dot = create_dot
     return True
+
+
+@contextlib.contextmanager
+def hang_watchdog(seconds: float) -> Iterator[None]:
+    """End the process (printing every thread's traceback) if the block runs past `seconds`.
+
+    For GPU checks of kernels with barriers: a protocol bug hangs the GPU, which no in-process
+    exception can interrupt; the scripts save their JSON before each watched step.
+    """
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

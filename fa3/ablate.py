@@ -34,7 +34,6 @@ then every entry is timed at N = 16384 (causal also 8192) next to cuDNN in the s
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import time
 import traceback
@@ -45,7 +44,7 @@ from typing import Any
 import torch
 
 from flashsuite.common.flops import attention_flops
-from flashsuite.common.testing import compare, reference_pair
+from flashsuite.common.testing import compare, hang_watchdog, reference_pair
 from flashsuite.common.validation import check_inputs
 from flashsuite.fa3 import interface
 from flashsuite.fa3.configs import (
@@ -235,19 +234,17 @@ def run_ablation(d: int = 128, n: int = 8192) -> list[dict]:
         if not _compiles(d, False, cfg, rows, name):
             continue
         row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
-        faulthandler.dump_traceback_later(4 * _HANG_S, exit=True)  # a hang ends the run
-        try:
-            chk = [check_case({**small, "causal": c}, cfg=cfg)["status"] for c in (False, True)]
-            row["correct"] = chk
-            if all(s == "PASS" for s in chk):
-                for causal in (False, True):
-                    r = bench_one(d, n, causal, cfg=cfg, peers=False)
-                    row[f"tflops_causal_{causal}"] = r.get("fa3_tflops")
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        with hang_watchdog(4 * _HANG_S):
+            try:
+                chk = [check_case({**small, "causal": c}, cfg=cfg)["status"] for c in (False, True)]
+                row["correct"] = chk
+                if all(s == "PASS" for s in chk):
+                    for causal in (False, True):
+                        r = bench_one(d, n, causal, cfg=cfg, peers=False)
+                        row[f"tflops_causal_{causal}"] = r.get("fa3_tflops")
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
         _log(
             f"[ablation] {name:28s} {row.get('correct')} "
             f"full {row.get('tflops_causal_False')} causal {row.get('tflops_causal_True')}"
@@ -287,18 +284,22 @@ def final_cases(d: int) -> list[dict]:
     ]
 
 
+def _watched_check(case: dict, cfg: Fa3Config) -> dict:
+    """check_case under a watchdog: a hang (a barrier bug cannot be caught in-process) ends the
+    process after _HANG_S, after the JSON written so far; an exception becomes status ERROR."""
+    with hang_watchdog(_HANG_S):
+        try:
+            return check_case(case, cfg=cfg)
+        except Exception as e:
+            return {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
+
+
 def _check_variant(tag: str, d: int, cfg: Fa3Config, rows: list) -> bool:
     """final_cases for one config; a watchdog ends the process if a case hangs (a barrier bug
     cannot be caught in-process), after the JSON written so far."""
     statuses = []
     for c in final_cases(d):
-        faulthandler.dump_traceback_later(_HANG_S, exit=True)
-        try:
-            r = check_case(c, cfg=cfg)
-        except Exception as e:
-            r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        r = _watched_check(c, cfg)
         statuses.append(r["status"])
         rows.append({"variant": tag, "case": _case_name(c), **r})
         if r["status"] != "PASS":
@@ -334,15 +335,13 @@ def run_final(res: dict, save) -> None:
             for n in (8192, 16384) if causal else (16384,):
                 key = (d, causal, n)
                 row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
-                faulthandler.dump_traceback_later(_HANG_S, exit=True)
-                try:
-                    row.update(bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn))
-                    if key not in cudnn:
-                        cudnn[key] = row.get("cudnn_tflops")
-                except Exception as e:
-                    row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
-                finally:
-                    faulthandler.cancel_dump_traceback_later()
+                with hang_watchdog(_HANG_S):
+                    try:
+                        row.update(bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn))
+                        if key not in cudnn:
+                            cudnn[key] = row.get("cudnn_tflops")
+                    except Exception as e:
+                        row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
                 t, c = row.get("fa3_tflops"), cudnn.get(key)
                 row["ratio_vs_cudnn"] = t / c if t and c else None
                 fin["bench"].append(row)
@@ -407,13 +406,7 @@ def run_persistent(
             statuses = []
             cases = persistent_cases(d, causal)
             for c in [cases[i] for i in (0, 5, 6)] if smoke else cases:
-                faulthandler.dump_traceback_later(_HANG_S, exit=True)
-                try:
-                    r = check_case(c, cfg=cfg)
-                except Exception as e:
-                    r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
-                finally:
-                    faulthandler.cancel_dump_traceback_later()
+                r = _watched_check(c, cfg)
                 statuses.append(r["status"])
                 per["correctness"].append({"variant": tag, "case": _case_name(c), **r})
                 if r["status"] != "PASS":
@@ -427,17 +420,15 @@ def run_persistent(
             for n in seqlens or _persistent_shapes(d, causal):
                 key = (d, causal, n)
                 row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
-                faulthandler.dump_traceback_later(_HANG_S, exit=True)
-                try:
-                    row.update(
-                        bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn, flash=False)
-                    )
-                    if key not in cudnn:
-                        cudnn[key] = row.get("cudnn_tflops")
-                except Exception as e:
-                    row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
-                finally:
-                    faulthandler.cancel_dump_traceback_later()
+                with hang_watchdog(_HANG_S):
+                    try:
+                        row.update(
+                            bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn, flash=False)
+                        )
+                        if key not in cudnn:
+                            cudnn[key] = row.get("cudnn_tflops")
+                    except Exception as e:
+                        row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
                 t, c = row.get("fa3_tflops"), cudnn.get(key)
                 row["ratio_vs_cudnn"] = t / c if t and c else None
                 tflops[(*key, name)] = t

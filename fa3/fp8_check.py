@@ -22,7 +22,6 @@ The GPU run writes DIR/fa3_fp8.json:
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import os
 import re
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from flashsuite.common.testing import hang_watchdog
 
 _HANG_S = 90  # seconds one correctness case may take (compiles included)
 
@@ -300,14 +301,12 @@ def _case_name(c: dict) -> str:
 def run_correctness(smoke: bool) -> list[dict]:
     rows = []
     for c in correctness_cases(smoke):
-        faulthandler.dump_traceback_later(_HANG_S, exit=True)  # a barrier bug hangs
-        try:
-            r = check_case(c)
-        except Exception as e:
-            r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
-            traceback.print_exc()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        with hang_watchdog(_HANG_S):  # a barrier bug hangs
+            try:
+                r = check_case(c)
+            except Exception as e:
+                r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
+                traceback.print_exc()
         err = (
             f"out {r['out_err']:.3g} (<= {r['out_bound']:.3g}) "
             f"mean {r['out_mean_err']:.3g} (<= {r['out_mean_bound']:.3g}) "
@@ -403,13 +402,11 @@ def run_ablation(n: int = 8192) -> list[dict]:
         small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, descale=True)
         statuses = []
         for c in (small, {**small, "causal": True}, {**small, "nq": 17, "nk": 700}):
-            faulthandler.dump_traceback_later(_HANG_S, exit=True)
-            try:
-                statuses.append(check_case(c, cfg=cfg)["status"])
-            except Exception as e:
-                statuses.append(f"ERROR {type(e).__name__}: {e}")
-            finally:
-                faulthandler.cancel_dump_traceback_later()
+            with hang_watchdog(_HANG_S):
+                try:
+                    statuses.append(check_case(c, cfg=cfg)["status"])
+                except Exception as e:
+                    statuses.append(f"ERROR {type(e).__name__}: {e}")
         row["correct"] = statuses
         if all(st == "PASS" for st in statuses):
             for causal in (False, True):

@@ -118,3 +118,27 @@ def test_traffic_model_launches_fa1s_q_splits() -> None:
     for bh, n, sms in ((16, 16384, 132), (128, 2048, 132), (1024, 512, 132), (3, 100, 8)):
         nqb = -(-n // 32)
         assert traffic._splits(bh, n, 32, sms) == configs.q_splits(bh, nqb, sms)
+
+
+def test_hang_watchdog_ends_a_hung_process_and_lets_a_quick_one_go() -> None:
+    """The GPU scripts' guard against barrier hangs: past its deadline the process exits with
+    every thread's traceback; within it, nothing happens."""
+    import subprocess
+    import sys
+
+    code = (
+        "import time\n"
+        "from flashsuite.common.testing import hang_watchdog\n"
+        "with hang_watchdog({s}):\n"
+        "    time.sleep({t})\n"
+        "print('finished')\n"
+    )
+    hung = subprocess.run(
+        [sys.executable, "-c", code.format(s=0.5, t=30)], capture_output=True, text=True, timeout=25
+    )
+    assert hung.returncode != 0 and "finished" not in hung.stdout
+    assert "Timeout" in hung.stderr, hung.stderr[-500:]  # faulthandler's dump
+    quick = subprocess.run(
+        [sys.executable, "-c", code.format(s=5, t=0.1)], capture_output=True, text=True, timeout=25
+    )
+    assert quick.returncode == 0 and "finished" in quick.stdout, quick.stderr[-500:]
