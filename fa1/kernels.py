@@ -268,14 +268,12 @@ def _fwd_step(
         m_new = m_half
         o_new = o_new * beta[:, None]
         o_new = tl.dot(p.to(v2.dtype), v2, acc=o_new, input_precision=DOT_PRECISION)
-        seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (stay 0)
-        l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
-        inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
+    seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (they stay 0)
+    l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
+    inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
+    if SPLIT_KV:
         o_new = o_new * inv_l[:, None]
     else:
-        seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (stay 0)
-        l_safe = tl.where(seen, l_new, 1.0)  # (BLOCK_M,)
-        inv_l = tl.where(seen, 1.0 / l_safe, 0.0)  # (BLOCK_M,)
         # The 1/l_new goes onto P (rows of P / l_new lie in [0, 1]) and onto O_i.
         p = p * inv_l[:, None]  # (BLOCK_M, BLOCK_NS)
         o_new = o_i * (l_i * alpha * inv_l)[:, None]  # (BLOCK_M, BLOCK_DV)
@@ -403,8 +401,6 @@ def fa1_fwd_kernel(
     # Alg. 1 line 5: outer loop over K/V blocks j.
     for j in range(0, kv_end):
         # Alg. 1 line 6: load K_j (transposed, for S = Q K^T) and V_j from HBM, once.
-        cols = j * BLOCK_N + offs_n  # (BLOCK_N,)
-        col_ok = cols < n_k  # (BLOCK_N,)
         if USE_DESC:  # rows past Nk and columns past D are zero-filled
             kt = tl.trans(k_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_NS, BLOCK_D))
             v = v_desc.load([b, hk, j * BLOCK_N, 0]).reshape(BLOCK_NS, BLOCK_DV)
@@ -416,6 +412,7 @@ def fa1_fwd_kernel(
                 kt2 = kt
                 v2 = v
         else:
+            col_ok = j * BLOCK_N + offs_n < n_k  # (BLOCK_N,)
             kv_row0 = tl.cast(j * BLOCK_N, tl.int64)
             kt_ptrs = k_base + kv_row0 * stride_kn + offs_n[None, :] * stride_kn
             kt_ptrs = kt_ptrs + offs_d[:, None]
@@ -437,42 +434,18 @@ def fa1_fwd_kernel(
         fin = _final_q_end(j, n_q, shift, num_kv_blocks, BLOCK_M, BLOCK_N, CAUSAL)
         fin_m = tl.minimum(tl.maximum(fin, lo), mid)
         fin_u = tl.minimum(tl.maximum(fin, mid), q_end)
-        for i in range(lo, fin_m):
-            _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
-                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
-                CAUSAL,
-                True, True, DOT_PRECISION, USE_DESC,
-            )  # fmt: skip
-        for i in range(fin_m, mid):
-            _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
-                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
-                CAUSAL,
-                True, False, DOT_PRECISION, USE_DESC,
-            )  # fmt: skip
-        for i in range(mid, fin_u):
-            _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
-                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
-                CAUSAL,
-                False, True, DOT_PRECISION, USE_DESC,
-            )  # fmt: skip
-        for i in range(fin_u, q_end):
-            _fwd_step(
-                q_base, out_base, lse_base, acc_base, m_base, l_base,
-                q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
-                i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
-                CAUSAL,
-                False, False, DOT_PRECISION, USE_DESC,
-            )  # fmt: skip
+        # The ranges [bounds[r], bounds[r + 1]) for r = 0..3, unrolled at compile time: masked
+        # for r < 2, final for even r.
+        bounds = (lo, fin_m, mid, fin_u, q_end)
+        for r in tl.static_range(4):
+            for i in range(bounds[r], bounds[r + 1]):
+                _fwd_step(
+                    q_base, out_base, lse_base, acc_base, m_base, l_base,
+                    q_desc, acc_desc, out_desc, b, h, pid, kt, v, kt2, v2,
+                    i, j, n_q, n_k, shift, stride_qn, stride_on, qk_scale,
+                    HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, BLOCK_NS, SPLIT_KV,
+                    CAUSAL, r < 2, r % 2 == 0, DOT_PRECISION, USE_DESC,
+                )  # fmt: skip
         # O_i, m_i, l_i written by one thread are read by another at step j + 1: make the
         # CTA's global writes visible before the next K/V block (one barrier per block j);
         # with TMA the writer and reader of O_i are the async proxy: complete and fence first.
@@ -571,13 +544,10 @@ def _bwd_step(
     lse2 = tl.where(lse == -float("inf"), 0.0, lse * LOG2E)  # (BLOCK_M,)
 
     # Alg. 4 lines 9-13: recompute S_ij = scale Q_i K_j^T and P_ij = exp(S_ij - LSE_i).
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-    if MASKED:
-        cols = j * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-        visible = (cols < n_k)[None, :]  # (1, BLOCK_N)
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= (row0 + offs_m)[:, None] + shift)
-        s = tl.where(visible, s, -float("inf"))  # (BLOCK_M, BLOCK_N)
+    s = _scores(
+        q, tl.trans(k), j * BLOCK_N, row0, n_k, shift, qk_scale, BLOCK_M, BLOCK_N, CAUSAL,
+        MASKED, DOT_PRECISION,
+    )  # (BLOCK_M, BLOCK_N)  # fmt: skip
     p = tl.exp2(s - lse2[:, None])  # (BLOCK_M, BLOCK_N)
 
     # Alg. 4 line 16: dV_j += P_ij^T dO_i.
