@@ -158,7 +158,10 @@ TMA_STACK_BYTES: dict[tuple[int, bool], int] = {
 # Hq·D = 2048, shipped tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 / 117 / 130 TFLOP/s at
 # D = 128, N = 16k and 52 / 63 / 85 / 87 at D = 64, N = 16k (N = 2k: 116 -> 119, 82 -> 86).
 # Only one 32x256 program fits an SM at a time (144 KB of shared memory): more, shorter
-# programs shrink the last wave and the per-program serial K/V prologue.
+# programs shrink the last wave and the per-program serial K/V prologue. The sm90 TMA tiles
+# (session 3) keep 8: `tune --tma --per-sm 2 --per-sm 8` (fa1-tune-tma-8799983.json), shipped
+# tiles at N = 16k: 8 gives 236 / 202 TFLOP/s (D = 128 / 64) against 232 / 145 for 2; at N = 2k
+# 2 per SM is the faster one, 219 / 204 against 201 / 192 (a per-N choice not made yet).
 PROGRAMS_PER_SM = 8
 
 

@@ -152,16 +152,33 @@ def _descriptors(q, k, v, out, o_acc, cfg: Fa1Config):
 
 def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     """`forward`, also returning Triton's compiled kernel (None if nothing was launched)."""
-    from flashsuite.fa1.kernels import LOG2E, fa1_fwd_kernel
+    from flashsuite.fa1.kernels import fa1_fwd_kernel
 
-    b, nq, hq, d = q.shape
-    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    b, nq, hq, _ = q.shape
+    nk, dv = k.shape[1], v.shape[3]
     out = torch.empty(b, nq, hq, dv, device=q.device, dtype=p.out_dtype)  # (B, Nq, Hq, Dv)
     lse = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     if b * hq * nq == 0:
         return out, lse, None
     if nk == 0:  # no key at all: every row is fully masked
         return out.zero_(), lse.fill_(-math.inf), None
+    grid, args, kwargs = fwd_launch(q, k, v, out, lse, p, cfg, splits, on_gpu=q.is_cuda)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        kernel = fa1_fwd_kernel[grid](*args, **kwargs)
+    return out, lse, kernel
+
+
+def fwd_launch(
+    q, k, v, out, lse, p: AttnParams, cfg: Fa1Config | None, splits: int | None, *, on_gpu: bool
+) -> tuple[tuple[int, int], tuple, dict]:
+    """The forward kernel's grid, positional and keyword arguments (allocating the fp32
+    scratch): what `_forward` launches and what probe.launch_probe compiles. `on_gpu`: the
+    kernel will run on a GPU (the TMA path then fences its proxies; the interpreter has none).
+    """
+    from flashsuite.fa1.kernels import LOG2E
+
+    b, nq, hq, d = q.shape
+    nk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     # Alg. 1 line 2: the running O, m, l live in HBM (fp32); their initial values are folded
     # into the first K/V step, so the buffers need no initialisation pass.
     o_acc = torch.empty(b, hq, nq, dv, device=q.device, dtype=torch.float32)  # (B, Hq, Nq, Dv)
@@ -179,22 +196,23 @@ def _forward(q, k, v, p: AttnParams, cfg: Fa1Config | None, splits: int | None):
     descs = _descriptors(q, k, v, out, o_acc, cfg) if use_desc else (None,) * 5
     if cfg.split_kv and not use_desc:  # an explicit cfg: the pointer path has no halves
         cfg = replace(cfg, block_n=cfg.block_n // 2, split_kv=False)
-    block_ns = cfg.block_n // 2 if cfg.split_kv else cfg.block_n
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        kernel = fa1_fwd_kernel[grid](
-            q, k, v, out, lse, o_acc, row_max, row_sum, *descs,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            nq, nk, hq, hq // hkv, p.scale * LOG2E.value, per_split,
-            HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=padded_head_dim(d), BLOCK_DV=padded_head_dim(dv),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_NS=block_ns, SPLIT_KV=cfg.split_kv,
-            CAUSAL=p.causal, DOT_PRECISION=_dot_precision(q.dtype), USE_DESC=use_desc,
-            PROXY_FENCE=use_desc and q.is_cuda,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-    return out, lse, kernel
+    args = (
+        q, k, v, out, lse, o_acc, row_max, row_sum, *descs,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        nq, nk, hq, hq // hkv, p.scale * LOG2E.value, per_split,
+    )  # fmt: skip
+    kwargs = dict(
+        HEAD_DIM=d, HEAD_DIM_V=dv, BLOCK_D=padded_head_dim(d), BLOCK_DV=padded_head_dim(dv),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_NS=cfg.block_n // 2 if cfg.split_kv else cfg.block_n, SPLIT_KV=cfg.split_kv,
+        CAUSAL=p.causal, DOT_PRECISION=_dot_precision(q.dtype), USE_DESC=use_desc,
+        PROXY_FENCE=use_desc and on_gpu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return grid, args, kwargs
 
 
 def backward(

@@ -38,8 +38,6 @@ def _signature(fn, dtype: str, constexprs: dict) -> tuple[dict, dict]:
     """Argument types as a launch would specialise them (16-byte aligned pointers, strides)."""
     sig, attrs = {}, {}
     for idx, name in enumerate(fn.arg_names):
-        if name in _DESC_ARGS:
-            continue  # filled in by `probe` (tensordesc types, or None constexprs)
         if name in constexprs:
             sig[name] = "constexpr"
         elif name[0].isupper():  # tensors
@@ -69,26 +67,11 @@ def probe(
         "CAUSAL": causal,
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
     }
-    descs = {}
-    if "USE_DESC" in fn.arg_names:  # the forward
-        bns = cfg.block_n // 2 if cfg.split_kv else cfg.block_n
-        constexprs.update(USE_DESC=cfg.use_tma, PROXY_FENCE=cfg.use_tma)
-        constexprs.update(BLOCK_NS=bns, SPLIT_KV=cfg.split_kv)
-        t, bm, bn = _TYPES[dtype], cfg.block_m, bns
-        blocks = {
-            "q_desc": f"{t}[1,1,{bm},{block_d}]",
-            "k_desc": f"{t}[1,1,{bn},{block_d}]",
-            "v_desc": f"{t}[1,1,{bn},{block_d}]",
-            "acc_desc": f"fp32[1,{bm},{block_d}]",
-            "out_desc": f"{t}[1,1,{bm},{block_d}]",
-        }
-        for name, block in blocks.items():
-            if cfg.use_tma:
-                descs[name] = f"tensordesc<{block}>"
-            else:
-                constexprs[name] = None
+    if "USE_DESC" in fn.arg_names:  # the forward's pointer path (TMA entries: launch_probe)
+        assert not cfg.use_tma, "compile TMA entries with launch_probe"
+        constexprs.update(USE_DESC=False, PROXY_FENCE=False, BLOCK_NS=cfg.block_n, SPLIT_KV=False)
+        constexprs.update({name: None for name in _DESC_ARGS})
     sig, attrs = _signature(fn, _TYPES[dtype], constexprs)
-    sig.update(descs)
     compiled = triton.compile(
         ASTSource(fn, sig, constexprs, attrs),
         target=GPUTarget("cuda", arch, 32),
@@ -98,9 +81,10 @@ def probe(
 
 
 def launch_probe(dtype: torch.dtype, head_dim: int, causal: bool, cfg: Fa1Config) -> dict:
-    """Compile the sm90 TMA forward as `interface._forward` would launch it (B·N = 16k,
-    N = 2048, Hq·D = 2048, contiguous inputs); ptxas -v of that PTX."""
-    from triton.backends.compiler import GPUTarget
+    """Compile the sm90 TMA forward as a launch compiles it: the launcher's own arguments
+    (`interface.fwd_launch`) for the standard sweep's shape at N = 2048 (B·N = 16k,
+    Hq·D = 2048, contiguous CPU tensors, 132 SMs' Q splits), specialised by Triton's binder;
+    ptxas -v of that PTX."""
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
@@ -111,25 +95,12 @@ def launch_probe(dtype: torch.dtype, head_dim: int, causal: bool, cfg: Fa1Config
     b = 16384 // n
     q = torch.zeros(b, n, h, head_dim, dtype=dtype)  # (B, N, H, D)
     k, v, out = torch.zeros_like(q), torch.zeros_like(q), torch.empty_like(q)
-    lse, row_max, row_sum = (torch.empty(b, h, n) for _ in range(3))  # (B, H, N)
-    o_acc = torch.empty(b, h, n, head_dim)  # (B, H, N, D)
+    lse = torch.empty(b, h, n)  # (B, H, N)
     p = check_inputs(q, k, v, causal=causal)
-    num_q_blocks = -(-n // cfg.block_m)
-    per_split = -(-num_q_blocks // q_splits(b * h, num_q_blocks, 132))
-    d = padded_head_dim(head_dim)
+    splits = q_splits(b * h, -(-n // cfg.block_m), 132)
+    _, args, kwargs = interface.fwd_launch(q, k, v, out, lse, p, cfg, splits, on_gpu=True)
+    assert kwargs["USE_DESC"], cfg
     fn = kernels.fa1_fwd_kernel
-    args = (
-        q, k, v, out, lse, o_acc, row_max, row_sum,
-        *interface._descriptors(q, k, v, out, o_acc, cfg),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        n, n, h, 1, p.scale * kernels.LOG2E.value, per_split,
-    )  # fmt: skip
-    kwargs = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim, BLOCK_D=d, BLOCK_DV=d, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_NS=cfg.block_n // 2 if cfg.split_kv else cfg.block_n,
-        SPLIT_KV=cfg.split_kv, CAUSAL=causal, DOT_PRECISION="tf32", USE_DESC=True,
-        PROXY_FENCE=True, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)

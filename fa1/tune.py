@@ -1,7 +1,7 @@
 """fa1 forward tuning on a GPU: tile shapes, warps, stages and Q splits, next to the competition.
 
     python -m flashsuite.fa1.tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
-    python -m flashsuite.fa1.tune --out DIR --tma [--causal] [--allow-spill B] [--per-sm 8]
+    python -m flashsuite.fa1.tune --out DIR --tma [--causal] [--allow-spill N] [--per-sm 8]
                                                            # the sm90 TMA tiles (fa1_tune_tma*.json)
     python -m flashsuite.fa1.tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
 
