@@ -1373,16 +1373,17 @@ class Fa3Forward:
             gO = cute.local_tile(
                 tO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
             )  # (TILE_M, D)
-            tOs, tOg = cpasync.tma_partition(
-                tma_o,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO, 0, 2),
-                cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_o, tOs, tOg)
-            cute.arch.cp_async_bulk_commit_group()
+            self._tma_store(tma_o, sO, gO)
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _tma_store(self, tma_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor):
+        """One thread: TMA-store the (rows, D) smem tile sO to gO and commit the bulk group."""
+        tOs, tOg = cpasync.tma_partition(
+            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        )
+        cute.copy(tma_o, tOs, tOg)
+        cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_o_wg(
@@ -1437,12 +1438,4 @@ class Fa3Forward:
                 (64, self.HEAD_DIM),
                 (m_block * self.NUM_CONSUMER_WGS + cwg, 0),
             )  # (64, D)
-            tOs, tOg = cpasync.tma_partition(
-                tma_o,
-                0,
-                cute.make_layout(1),
-                cute.group_modes(sO_wg, 0, 2),
-                cute.group_modes(gO, 0, 2),
-            )
-            cute.copy(tma_o, tOs, tOg)
-            cute.arch.cp_async_bulk_commit_group()
+            self._tma_store(tma_o, sO_wg, gO)
