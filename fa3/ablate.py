@@ -284,6 +284,31 @@ def final_cases(d: int) -> list[dict]:
     ]
 
 
+def _bench_vs_cudnn(
+    name: str, d: int, n: int, causal: bool, cfg: Fa3Config, cudnn: dict, flash: bool
+) -> dict:
+    """Time one variant (bench_one, under the watchdog) and set its ratio to cuDNN. cuDNN is
+    timed once per shape, with the first variant, and remembered in `cudnn`."""
+    key = (d, causal, n)
+    row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
+    with hang_watchdog(_HANG_S):
+        try:
+            row.update(bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn, flash=flash))
+            if key not in cudnn:
+                cudnn[key] = row.get("cudnn_tflops")
+        except Exception as e:
+            row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
+    t, c = row.get("fa3_tflops"), cudnn.get(key)
+    row["ratio_vs_cudnn"] = t / c if t and c else None
+    _log(
+        f"{d:4d} {causal!s:>6} {n:6d} {name:22s} "
+        f"{'n/a' if t is None else f'{t:8.1f}':>8} "
+        f"{'n/a' if c is None else f'{c:7.1f}':>7} "
+        f"{'n/a' if row['ratio_vs_cudnn'] is None else f'{t / c:6.3f}':>6}"
+    )
+    return row
+
+
 def _watched_check(case: dict, cfg: Fa3Config) -> dict:
     """check_case under a watchdog: a hang (a barrier bug cannot be caught in-process) ends the
     process after _HANG_S, after the JSON written so far; an exception becomes status ERROR."""
@@ -333,24 +358,7 @@ def run_final(res: dict, save) -> None:
             save()
         for name, d, causal, cfg in ok:
             for n in (8192, 16384) if causal else (16384,):
-                key = (d, causal, n)
-                row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
-                with hang_watchdog(_HANG_S):
-                    try:
-                        row.update(bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn))
-                        if key not in cudnn:
-                            cudnn[key] = row.get("cudnn_tflops")
-                    except Exception as e:
-                        row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
-                t, c = row.get("fa3_tflops"), cudnn.get(key)
-                row["ratio_vs_cudnn"] = t / c if t and c else None
-                fin["bench"].append(row)
-                _log(
-                    f"{d:4d} {causal!s:>6} {n:6d} {name:22s} "
-                    f"{'n/a' if t is None else f'{t:8.1f}':>8} "
-                    f"{'n/a' if c is None else f'{c:7.1f}':>7} "
-                    f"{'n/a' if row['ratio_vs_cudnn'] is None else f'{t / c:5.3f}':>5}"
-                )
+                fin["bench"].append(_bench_vs_cudnn(name, d, n, causal, cfg, cudnn, flash=True))
             save()
 
 
@@ -418,27 +426,9 @@ def run_persistent(
             save()
         for name, d, causal, cfg in ok:
             for n in seqlens or _persistent_shapes(d, causal):
-                key = (d, causal, n)
-                row: dict[str, Any] = {"variant": name, "config": asdict(cfg)}
-                with hang_watchdog(_HANG_S):
-                    try:
-                        row.update(
-                            bench_one(d, n, causal, cfg=cfg, peers=key not in cudnn, flash=False)
-                        )
-                        if key not in cudnn:
-                            cudnn[key] = row.get("cudnn_tflops")
-                    except Exception as e:
-                        row.update(D=d, N=n, causal=causal, error=f"{type(e).__name__}: {e}")
-                t, c = row.get("fa3_tflops"), cudnn.get(key)
-                row["ratio_vs_cudnn"] = t / c if t and c else None
-                tflops[(*key, name)] = t
+                row = _bench_vs_cudnn(name, d, n, causal, cfg, cudnn, flash=False)
+                tflops[(d, causal, n, name)] = row.get("fa3_tflops")
                 per["bench"].append(row)
-                _log(
-                    f"{d:4d} {causal!s:>6} {n:6d} {name:10s} "
-                    f"{'n/a' if t is None else f'{t:8.1f}':>8} "
-                    f"{'n/a' if c is None else f'{c:7.1f}':>7} "
-                    f"{'n/a' if row['ratio_vs_cudnn'] is None else f'{t / c:6.3f}':>6}"
-                )
             save()
     # One row per shape: every variant's TFLOP/s and its ratio to cuDNN, side by side.
     order = [name for name, *_ in persistent_variants()]
