@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -233,7 +234,10 @@ def hang_watchdog(seconds: float) -> Iterator[None]:
 
     For GPU checks of kernels with barriers: a protocol bug hangs the GPU, which no in-process
     exception can interrupt; the scripts save their JSON before each watched step.
+    FLASHSUITE_HANG_SCALE multiplies every limit, for runs where everything is slower
+    (compute-sanitizer's racecheck makes the oracle's matmuls many times slower).
     """
+    seconds *= float(os.environ.get("FLASHSUITE_HANG_SCALE", "1"))
     faulthandler.dump_traceback_later(seconds, exit=True)
     try:
         yield

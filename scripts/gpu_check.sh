@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                (default: check tests bench)
 # Environment knobs:
-#   PYTEST_ARGS   extra pytest arguments for `tests` (e.g. "-k fa2 -x")
+#   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
 #   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
 #                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
@@ -28,8 +28,9 @@ for part in $parts; do
     tests)
       # Parallel workers (pytest-xdist, if installed) hide the Triton/CuTe compile times.
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      eval "extra=(${PYTEST_ARGS:-})"  # keeps quoted words together: -k 'fa1 or tma'
       # shellcheck disable=SC2086
-      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" $xdist ${PYTEST_ARGS:-} 2>&1 \
+      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" $xdist "${extra[@]}" 2>&1 \
         | tee "$out/tests.log" || status=1 ;;
     bench)
       # shellcheck disable=SC2086
@@ -40,9 +41,10 @@ for part in $parts; do
         --benchmark-json "$out/pytest-bench.json" 2>&1 | tee "$out/pybench.log" || status=1 ;;
     sanitize)
       # compute-sanitizer memcheck, then racecheck, on fa3's smoke cases (3 small problems
-      # checked against the oracle: one tile, keyless tiles, several tiles per CTA).
+      # checked against the oracle: one tile, keyless tiles, several tiles per CTA). The hang
+      # watchdog's limits are stretched: racecheck slows the oracle's matmuls many times over.
       for tool in memcheck racecheck; do
-        timeout "${SANITIZE_TIMEOUT:-280}" compute-sanitizer --tool "$tool" \
+        FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-280}" compute-sanitizer --tool "$tool" \
           python3 -m flashsuite.fa3.ablate --out "$out/sanitize-$tool" --persistent --smoke \
           --variant "${SANITIZE_VARIANT:-new_skip}" --head-dim "${SANITIZE_HEAD_DIM:-64}" \
           > "$out/sanitize-$tool.log" 2>&1 || status=1
