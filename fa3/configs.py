@@ -351,4 +351,7 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
             for tile_n in (160, 128):
                 cfg = _overlap(replace(base, tile_n=tile_n, o_alias_q=False))
                 out.append((f"new_n{tile_n}", d, causal, cfg))
+            # 176 leaves a ragged last K/V block at every power-of-two N (2048 = 11 x 176 + 112):
+            # the plain grid with a tile_n that divides N.
+            out.append(("plain_n128", d, causal, replace(base, tile_n=128)))
     return out
