@@ -328,16 +328,17 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
     order and the balanced order only.
     """
     out = []
-    shapes = ((64, True), (96, True), (128, True), (192, True), (256, True), (128, False))
+    shapes = ((64, True), (96, True), (128, True), (192, True), (256, True))
+    shapes += ((64, False), (128, False), (256, False))
     for d, causal in shapes:
         base = _tiles(d, causal)
         out.append(("plain", d, causal, base))
         out.append(("old", d, causal, replace(base, persistent=True)))
         out.append(("new", d, causal, _overlap(base)))
-        if d in (64, 192, 256):
+        if d in (64, 192, 256) and causal:
             # Tiles taller than tile_n leave a WG a whole block short on the diagonal.
             out.append(("new_skip", d, causal, replace(_overlap(base), skip_masked_wg=True)))
-        if d == 64:
+        if d == 64 and causal:
             # 3 consumer WGs mask a taller diagonal (192 x 128) on causal tiles: against
             # two WGs (128 x 128), and 3 WGs with a shallower ring.
             out.append(("new_wg2", d, causal, _overlap(_two_wgs(base))))
@@ -354,4 +355,9 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
             # 176 leaves a ragged last K/V block at every power-of-two N (2048 = 11 x 176 + 112):
             # the plain grid with a tile_n that divides N.
             out.append(("plain_n128", d, causal, replace(base, tile_n=128)))
+            # Intra-WG overlap was measured off at N = 8k/16k; short tiles (few K/V blocks) pay
+            # the un-overlapped first and last blocks more often.
+            out.append(("plain_iwo", d, causal, replace(base, intra_wg_overlap=True)))
+            cfg = _overlap(replace(base, tile_n=128, o_alias_q=False, intra_wg_overlap=True))
+            out.append(("new_n128_iwo", d, causal, cfg))
     return out
