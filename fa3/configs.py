@@ -122,8 +122,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
     return True, ""
 
 
-def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
-    """The shipped config for (head_dim, dtype, causal). fp16 and bf16 share tiles (same bytes).
+def get_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, seqlen_k: int | None = None
+) -> Fa3Config:
+    """The shipped config for (head_dim, dtype, causal), and for non-causal D = 64 the key length
+    `seqlen_k` (None: a long one). fp16 and bf16 share tiles (same bytes).
 
     Tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
     (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
@@ -144,16 +147,30 @@ def get_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
         D=64   421 / 469 / 488 -> 431 / 472 / 497  (cuDNN 413 / 426 / 433)   shipped
         D=192  553 / 621 / 657 -> 571 / 631 / 663  (cuDNN 530 / 570 / 585)   shipped
         D=256  606 / 637 / 668 -> 589 / 638 / 660  (cuDNN 557 / 578 / 614)   not shipped
+
+    Short non-causal problems (session 4, `ablate --persistent --seqlen 512 ... 4096`, same
+    run, plain grid -> v2, TFLOP/s at N = 512 / 1k / 2k / 4k; cuDNN): a tile of a few K/V blocks
+    pays its fill, drain and epilogue often, and v2 overlaps the epilogue with the next tile.
+        D=64   298 / 382 / 457 / 494 -> 331 / 392 / 443 / 429  (cuDNN 390 / 428 / 448 / 459)
+               v2 for seqlen_k <= SHORT_SEQLEN_K
+        D=128  411 / 504 / 568 / 604 -> 385 / 455 / 516 / 532  (cuDNN 512 / 568 / 602 / 610)
+               plain; tile_n 128 + own sO + intra-WG overlap on v2: 427 / 493 / 517 / 538
+        D=256  455 / 585 / 655 / 649 -> 436 / 521 / 586 / 599  (cuDNN 519 / 602 / 635 / 705)
+               plain
     """
     del dtype  # fp16 and bf16 tiles are the same bytes
     cfg = _tiles(head_dim, causal)
     if not causal:
-        return cfg
+        short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
+        return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
     return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
 
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
+# Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
+SHORT_SEQLEN_K = 1024
+_SHORT_PERSISTENT_DIMS = (64,)
 
 
 def _tiles(head_dim: int, causal: bool) -> Fa3Config:
@@ -195,10 +212,21 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
-    """Every (head_dim, dtype, causal, config) the table can return: what CI compiles."""
+    """Every (head_dim, dtype, causal, config) the table returns for long keys."""
     return [
         (d, dt, c, get_config(d, dt, c)) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
     ]
+
+
+def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
+    """Every config the table can return, named: "shipped" (long keys) and "shipped-short"
+    (seqlen_k <= SHORT_SEQLEN_K, where that differs). What CI compiles."""
+    out = [("shipped", *c) for c in shipped_configs()]
+    for d, dt, c, cfg in shipped_configs():
+        short = get_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)
+        if short != cfg:
+            out.append(("shipped-short", d, dt, c, short))
+    return out
 
 
 def _three_wgs(cfg: Fa3Config) -> Fa3Config:

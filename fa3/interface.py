@@ -98,7 +98,7 @@ def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
 
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for `p` (configs.get_config)."""
-    return get_config(p.head_dim, p.dtype, p.causal)
+    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -121,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from flashsuite.fa3.configs import flag_variants, shipped_configs
+    from flashsuite.fa3.configs import flag_variants, shipped_cases
 
     i, n = (int(x) for x in args.shard.split("/"))
-    cases = [("shipped", *c) for c in shipped_configs()]
+    cases = shipped_cases()
     if args.variants:
         cases += flag_variants()
     todo = [c for c in cases if not args.head_dim or c[1] in args.head_dim][i::n]

@@ -1,6 +1,6 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
-Every shipped config (configs.shipped_configs) and every non-default flag variant
+Every shipped config (configs.shipped_cases) and every non-default flag variant
 (configs.flag_variants: 3 consumer warpgroups, the persistent scheduler old and new: tile
 overlap with per-WG epilogues, balanced order) is compiled by
 `python -m flashsuite.fa3.probe --variants` in two subprocesses at once (the CuTe DSL reads its
@@ -27,12 +27,13 @@ from flashsuite.fa3.configs import (
     SMEM_CAPACITY,
     can_implement,
     flag_variants,
+    shipped_cases,
     shipped_configs,
     smem_bytes,
 )
 
 SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
-CASES = [("shipped", *c) for c in shipped_configs()] + flag_variants()
+CASES = shipped_cases() + flag_variants()
 
 
 def _id(case) -> str:
@@ -109,15 +110,18 @@ def test_flag_variants_cover_new_flags() -> None:
 
 def test_shipped_persistent_entries_are_v2() -> None:
     """The persistent scheduler ships only as v2 (tile overlap + balanced order), only where it
-    was measured faster: causal, every head_dim (configs.get_config quotes the numbers)."""
+    was measured faster: causal, every head_dim, and short non-causal D = 64
+    (configs.get_config quotes the numbers)."""
     persistent = set()
-    for d, _, causal, cfg in shipped_configs():
+    for name, d, _, causal, cfg in shipped_cases():
         if cfg.persistent:
             assert cfg.overlap_tiles and cfg.balanced_order, cfg
-            persistent.add((d, causal))
+            persistent.add((name, d, causal))
         else:
             assert not (cfg.overlap_tiles or cfg.balanced_order), cfg
-    assert persistent == {(d, True) for d in (64, 96, 128, 192, 256)}
+    causal = {("shipped", d, True) for d in (64, 96, 128, 192, 256)}
+    # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too.
+    assert persistent == causal | {("shipped-short", 64, False)}
 
 
 def test_overlap_needs_persistent() -> None:
@@ -137,3 +141,17 @@ def test_overlap_epilogue_barriers(case, probes) -> None:
     else:
         assert ptx["bar_sync_wg"] > 0 and ptx["bar_sync_epilogue_all"] == 0, ptx
         assert ptx["bulk_wait_read"] == 2, ptx
+
+
+def test_short_keys_pick_their_own_config() -> None:
+    """The key length picks the schedule only where measured (non-causal D = 64, short keys);
+    every other entry is the same for any seqlen_k."""
+    from flashsuite.fa3.configs import SHORT_SEQLEN_K, get_config
+
+    bf16 = torch.bfloat16
+    assert get_config(64, bf16, False, SHORT_SEQLEN_K).persistent
+    assert not get_config(64, bf16, False, SHORT_SEQLEN_K + 1).persistent
+    assert get_config(64, bf16, False, None) == get_config(64, bf16, False, 16384)
+    for d, dt, causal, cfg in shipped_configs():
+        if (d, causal) != (64, False):
+            assert get_config(d, dt, causal, 512) == cfg == get_config(d, dt, causal, 16384)
