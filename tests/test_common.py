@@ -146,7 +146,10 @@ def test_hang_watchdog_ends_a_hung_process_and_lets_a_quick_one_go() -> None:
     # FLASHSUITE_HANG_SCALE stretches the deadline (sanitizer runs): 0.5 s x 20 outlasts 1 s.
     env = {**os.environ, "FLASHSUITE_HANG_SCALE": "20"}
     scaled = subprocess.run(
-        [sys.executable, "-c", code.format(s=0.5, t=1)], capture_output=True, text=True,
-        timeout=25, env=env,
+        [sys.executable, "-c", code.format(s=0.5, t=1)],
+        capture_output=True,
+        text=True,
+        timeout=25,
+        env=env,
     )
     assert scaled.returncode == 0 and "finished" in scaled.stdout, scaled.stderr[-500:]
