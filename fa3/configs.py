@@ -152,7 +152,9 @@ def get_config(
     run, plain grid -> v2, TFLOP/s at N = 512 / 1k / 2k / 4k; cuDNN): a tile of a few K/V blocks
     pays its fill, drain and epilogue often, and v2 overlaps the epilogue with the next tile.
         D=64   298 / 382 / 457 / 494 -> 331 / 392 / 443 / 429  (cuDNN 390 / 428 / 448 / 459)
-               v2 for seqlen_k <= SHORT_SEQLEN_K
+               second run, N = 512 / 768 / 1k / 1.5k / 2k: 299 / 382 / 372 / 444 / 453 ->
+               326 / 393 / 350 / 420 / 433: v2 for seqlen_k <= SHORT_SEQLEN_K = 768 (1k: +3 %
+               in one run, -6 % in the other)
         D=128  411 / 504 / 568 / 604 -> 385 / 455 / 516 / 532  (cuDNN 512 / 568 / 602 / 610)
                plain; tile_n 128 + own sO + intra-WG overlap on v2: 427 / 493 / 517 / 538
         D=256  455 / 585 / 655 / 649 -> 436 / 521 / 586 / 599  (cuDNN 519 / 602 / 635 / 705)
@@ -169,7 +171,7 @@ def get_config(
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
-SHORT_SEQLEN_K = 1024
+SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
 
 
