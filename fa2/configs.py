@@ -47,6 +47,10 @@ class BwdConfig:
     # Pipeline the dK/dV kernel's last masked stage (query/key tail) with num_stages instead
     # of running it unpipelined: a register-allocation lever, chosen per tile by the probe.
     tail_pipelined: bool = False
+    # Two launches of the dK/dV kernel, dV (2 GEMMs per step) then dK (3 GEMMs, dQ atomics
+    # there if asked): 5 GEMMs instead of 4, but one fp32 accumulator and one of K/V tiles
+    # live at a time, so D = 256 fits a wgmma tile without spilling.
+    split_dkdv: bool = False
 
 
 # Under TRITON_INTERPRET=1 warps and stages mean nothing and each block step costs ~ms: small

@@ -205,14 +205,16 @@ def backward(
         )
         dq_strides = dq_acc.stride()[:3]  # (b, h, n)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
-        q, k, v, dout, lse2, delta, dk, dv, dq_arg,
-        *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_strides,
-        seqlen_pad=pad, num_heads=hq, scale=p.scale, DQ_ATOMIC=cfg.dq_atomic, **common,
-        TAIL_STAGES=None if cfg.tail_pipelined else 1,
-        BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    # (WANT_DK, WANT_DV) per launch: both at once, or dV then dK (BwdConfig.split_dkdv).
+    for want_dk, want_dv in ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),):
+        kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
+            q, k, v, dout, lse2, delta, dk, dv, dq_arg,
+            *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_strides,
+            seqlen_pad=pad, num_heads=hq, scale=p.scale, DQ_ATOMIC=cfg.dq_atomic and want_dk,
+            **common, TAIL_STAGES=None if cfg.tail_pipelined else 1,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if cfg.dq_atomic:
         dq.copy_(dq_acc[:, :, :nq].transpose(1, 2))
     else:

@@ -466,11 +466,15 @@ def _bwd_dkdv_inner(
     DV_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
 ):
     """Accumulate dK, dV of one key block over the Q blocks [lo, hi) of one query head.
 
     Works on transposed tiles (keys x queries) so that dV += P^T dO and dK += dS^T Q are plain
     dots. Q rows past seqlen_q load zeros and a padded lse2 of +inf: P = 0, no contribution.
+    WANT_DK / WANT_DV: which of the two this launch accumulates (a split launch does dV with
+    2 GEMMs per step, then dK with 3, so only one fp32 accumulator lives in registers).
     """
     # Scalar block pointers advance; per-element offsets are loop invariant (see _fwd_inner).
     q_blk = q_base + tl.cast(lo, tl.int64) * stride_qn  # Q at row `lo`
@@ -485,7 +489,9 @@ def _bwd_dkdv_inner(
         q_ptrs = q_blk + q_offs  # (BLOCK_M, D_PAD)
         do_ptrs = do_blk + do_offs  # (BLOCK_M, DV_PAD)
         lse2 = tl.load(lse2_blk + offs_m)  # (BLOCK_M,) log2 domain, +inf: no contribution
-        delta = tl.load(delta_blk + offs_m)  # (BLOCK_M,)
+        delta = lse2  # a dV-only launch never reads delta
+        if WANT_DK:
+            delta = tl.load(delta_blk + offs_m)  # (BLOCK_M,)
         if MASKED:
             m_ok = (start_m + offs_m) < seqlen_q  # (BLOCK_M,)
             q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok, other=0.0)  # (BLOCK_M, D_PAD)
@@ -514,19 +520,21 @@ def _bwd_dkdv_inner(
             )  # (BLOCK_N, BLOCK_M)
             sT = tl.where(vis, sT, float("-inf"))
         pT = tl.math.exp2(sT - lse2[None, :])  # (BLOCK_N, BLOCK_M); 0 where masked / lse=-inf
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (BLOCK_N, DV_PAD)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
-        dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M): dL/ds (scaled, capped score)
-        if SOFTCAP:
-            dsT = dsT * (1.0 - tT * tT)  # d softcap*tanh(x/softcap) / dx
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (BLOCK_N, D_PAD)
-        if DQ_ATOMIC:
-            # dQ^T = K^T dS^T keeps the keys as the reduction and the 64+ rows of D as wgmma's
-            # M (BLOCK_M is 16-32 here). One TMA reduce-add per tile (cp.reduce.async.bulk),
-            # no per-element addresses: pointer atomics cost 0.2-0.3 KB of spills. Rows past
-            # seqlen_q add exact zeros (P = 0 there) into the padded accumulator.
-            dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION)  # (D, M)
-            dq_desc.atomic_add([dq_row0 + start_m, 0], tl.trans(dqT) * scale)  # (M, D_PAD)
+        if WANT_DV:
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # (N, DV_PAD)
+        if WANT_DK:
+            dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
+            dsT = pT * (dpT - delta[None, :])  # (BLOCK_N, BLOCK_M): dL/ds (scaled, capped)
+            if SOFTCAP:
+                dsT = dsT * (1.0 - tT * tT)  # d softcap*tanh(x/softcap) / dx
+            dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # (N, D_PAD)
+            if DQ_ATOMIC:
+                # dQ^T = K^T dS^T keeps the keys as the reduction and the 64+ rows of D as
+                # wgmma's M (BLOCK_M is 16-32 here). One TMA reduce-add per tile
+                # (cp.reduce.async.bulk), no per-element addresses: pointer atomics cost
+                # 0.2-0.3 KB of spills. Rows past seqlen_q add exact zeros (P = 0 there).
+                dqT = tl.dot(tl.trans(k), dsT.to(k.dtype), input_precision=DOT_PRECISION)
+                dq_desc.atomic_add([dq_row0 + start_m, 0], tl.trans(dqT) * scale)  # (M, D_PAD)
         q_blk += BLOCK_M * stride_qn
         do_blk += BLOCK_M * stride_don
         lse2_blk += BLOCK_M
@@ -589,6 +597,8 @@ def _bwd_dkdv(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TAIL_STAGES: tl.constexpr,  # pipelining of the last masked stage: 1, or None (num_stages)
+    WANT_DK: tl.constexpr,  # both True, or one of them: a split launch's dK / dV half
+    WANT_DV: tl.constexpr,
 ):
     """One program per (key block, kv head, batch); loops over the GQA group's query heads.
 
@@ -618,7 +628,9 @@ def _bwd_dkdv(
     v_ptrs = v_ptrs + start_n.to(tl.int64) * stride_vn
     v_ptrs = v_ptrs + offs_nl[:, None] * stride_vn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
     k = tl.load(k_ptrs, mask=n_ok & d_ok, other=0.0)  # (BLOCK_N, D_PAD)
-    v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
+    v = k  # unused by a dV-only launch (dP needs V)
+    if WANT_DK:
+        v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
 
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)  # (BLOCK_N, D_PAD)
     dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)  # (BLOCK_N, DV_PAD)
@@ -653,7 +665,7 @@ def _bwd_dkdv(
                 lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
                 qk_scale, softcap_log2, scale,
                 True, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
-                DV_PAD, BLOCK_M, DOT_PRECISION,
+                DV_PAD, BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
             )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dQacc, dq_row0,
@@ -661,7 +673,7 @@ def _bwd_dkdv(
             full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, scale,
             False, None, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
-            DV_PAD, BLOCK_M, DOT_PRECISION,
+            DV_PAD, BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
         )  # fmt: skip
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dQacc, dq_row0,
@@ -669,18 +681,20 @@ def _bwd_dkdv(
             full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
             qk_scale, softcap_log2, scale,
             True, TAIL_STAGES, HAS_LEFT, HAS_RIGHT, SOFTCAP, DQ_ATOMIC, HEAD_DIM, HEAD_DIM_V, D_PAD,
-            DV_PAD, BLOCK_M, DOT_PRECISION,
+            DV_PAD, BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
         )  # fmt: skip
 
-    dk = dk * scale  # the softmax scale of s = scale * q·k, applied once
-    dk_ptrs = dK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
-    dk_ptrs = dk_ptrs + start_n.to(tl.int64) * stride_dkn
-    dk_ptrs = dk_ptrs + offs_nl[:, None] * stride_dkn + offs_d[None, :]  # (BLOCK_N, D_PAD)
-    tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=n_ok & d_ok)
-    dv_ptrs = dV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
-    dv_ptrs = dv_ptrs + start_n.to(tl.int64) * stride_dvn
-    dv_ptrs = dv_ptrs + offs_nl[:, None] * stride_dvn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
-    tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)
+    if WANT_DK:
+        dk = dk * scale  # the softmax scale of s = scale * q·k, applied once
+        dk_ptrs = dK + off_b.to(tl.int64) * stride_dkb + off_hkv.to(tl.int64) * stride_dkh
+        dk_ptrs = dk_ptrs + start_n.to(tl.int64) * stride_dkn
+        dk_ptrs = dk_ptrs + offs_nl[:, None] * stride_dkn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+        tl.store(dk_ptrs, dk.to(dK.dtype.element_ty), mask=n_ok & d_ok)
+    if WANT_DV:
+        dv_ptrs = dV + off_b.to(tl.int64) * stride_dvb + off_hkv.to(tl.int64) * stride_dvh
+        dv_ptrs = dv_ptrs + start_n.to(tl.int64) * stride_dvn
+        dv_ptrs = dv_ptrs + offs_nl[:, None] * stride_dvn + offs_dv[None, :]  # (N, DV_PAD)
+        tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)
 
 
 @triton.jit

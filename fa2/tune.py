@@ -149,19 +149,26 @@ def probe(
         )
     else:
         assert isinstance(cfg, BwdConfig)
-        res["dkdv"] = _compile_one(
-            kernels._bwd_dkdv,
-            dtype,
-            dict(
-                flags,
-                BLOCK_M=cfg.block_m1,
-                BLOCK_N=cfg.block_n1,
-                DQ_ATOMIC=cfg.dq_atomic,
-                TAIL_STAGES=None if cfg.tail_pipelined else 1,
-            ),
-            cfg.num_warps,
-            cfg.num_stages,
-        )
+        # One dK/dV kernel, or its two halves (split_dkdv), as interface.backward launches them.
+        halves = {"dv": (False, True), "dk": (True, False)}
+        for name, (want_dk, want_dv) in (
+            halves.items() if cfg.split_dkdv else [("dkdv", (True, True))]
+        ):
+            res[name] = _compile_one(
+                kernels._bwd_dkdv,
+                dtype,
+                dict(
+                    flags,
+                    BLOCK_M=cfg.block_m1,
+                    BLOCK_N=cfg.block_n1,
+                    DQ_ATOMIC=cfg.dq_atomic and want_dk,
+                    TAIL_STAGES=None if cfg.tail_pipelined else 1,
+                    WANT_DK=want_dk,
+                    WANT_DV=want_dv,
+                ),
+                cfg.num_warps,
+                cfg.num_stages,
+            )
         if not cfg.dq_atomic:
             res["dq"] = _compile_one(
                 kernels._bwd_dq,
@@ -232,7 +239,8 @@ def _cfg_str(cfg: FwdConfig | BwdConfig) -> str:
         else f"dq {cfg.block_m2}x{cfg.block_n2} w{cfg.num_warps_dq} s{cfg.num_stages_dq}"
     )
     tail = " tail-pipe" if cfg.tail_pipelined else ""
-    return f"{cfg.block_m1}x{cfg.block_n1} w{cfg.num_warps} s{cfg.num_stages}{tail} {dq}"
+    split = " split" if cfg.split_dkdv else ""
+    return f"{cfg.block_m1}x{cfg.block_n1} w{cfg.num_warps} s{cfg.num_stages}{tail}{split} {dq}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -246,8 +254,10 @@ _SPILL_ENV = "FLASHSUITE_FA2_TUNE_ALLOW_SPILL"
 DEVICE = "cuda"  # a smoke test of the sweep's plumbing may set "cpu" under the interpreter
 
 
-def _bwd(m1, n1, m2, n2, w, s, wq, sq, atomic=False, tail=False):
-    return BwdConfig(m1, n1, m2, n2, w, s, wq, sq, dq_atomic=atomic, tail_pipelined=tail)
+def _bwd(m1, n1, m2, n2, w, s, wq, sq, atomic=False, tail=False, split=False):
+    return BwdConfig(
+        m1, n1, m2, n2, w, s, wq, sq, dq_atomic=atomic, tail_pipelined=tail, split_dkdv=split
+    )
 
 
 # The shipped config (configs.fwd_config / bwd_config) is always timed first; these are the
@@ -299,6 +309,9 @@ BWD_CANDIDATES: dict[int, list[BwdConfig]] = {
         _bwd(64, 32, 32, 32, 8, 2, 4, 2),
         _bwd(32, 32, 32, 32, 8, 2, 4, 2),
         _bwd(64, 32, 32, 32, 8, 2, 4, 2, atomic=True),
+        _bwd(16, 128, 128, 32, 8, 2, 8, 3, split=True),
+        _bwd(32, 64, 128, 32, 8, 2, 8, 3, tail=True, split=True),
+        _bwd(16, 128, 32, 32, 8, 2, 4, 2, split=True),
     ],
 }
 
@@ -320,9 +333,16 @@ QUICK_BWD_CANDIDATES: dict[tuple[int, bool], list[BwdConfig]] = {
         _bwd(32, 128, 128, 64, 8, 3, 8, 3),  # 255 regs, 24 B spill (with --allow-spill)
         _bwd(16, 128, 128, 64, 8, 3, 8, 3, tail=True),  # 255 regs, 24 B spill
     ],
-    # wgmma dK/dV (16 queries x 64 keys) against the shipped mma.sync 64x32
-    (256, False): [_bwd(16, 64, 128, 32, 8, 2, 8, 3, tail=True)],  # 255 regs
-    (256, True): [],  # every wgmma dK/dV tile spills 0.6-1.2 KB
+    # wgmma dK/dV (16 queries x 64 keys) against the shipped mma.sync 64x32; the split
+    # dK/dV launches (dV, then dK) are the only spill-free wgmma tiles with 64+ keys
+    # (probe 2026-11-29, regs dV / dK; 32x64 and 64x64 without tail-pipe spill 60-970 B).
+    (256, False): [
+        _bwd(16, 64, 128, 32, 8, 2, 8, 3, tail=True),  # 255 regs
+        _bwd(16, 128, 128, 32, 8, 2, 8, 3, split=True),  # 248 / 255 regs, 96 / 160 KB
+        _bwd(32, 64, 128, 32, 8, 2, 8, 3, tail=True, split=True),  # 235 / 255, 96 / 128 KB
+    ],
+    # Unsplit, every wgmma dK/dV tile spills 0.6-1.2 KB; dQ 128x32 spills 16 B when causal.
+    (256, True): [_bwd(16, 128, 32, 32, 8, 2, 4, 2, split=True)],  # 255 / 255 regs
 }
 
 
