@@ -342,7 +342,12 @@ QUICK_BWD_CANDIDATES: dict[tuple[int, bool], list[BwdConfig]] = {
         _bwd(32, 64, 128, 32, 8, 2, 8, 3, tail=True, split=True),  # 235 / 255, 96 / 128 KB
     ],
     # Unsplit, every wgmma dK/dV tile spills 0.6-1.2 KB; dQ 128x32 spills 16 B when causal.
-    (256, True): [_bwd(16, 128, 32, 32, 8, 2, 4, 2, split=True)],  # 255 / 255 regs
+    # The causal dQ pass: every wgmma tile spills (128x32 s3 16 B, s2 40 B; 64x32 w8 40 B),
+    # the shipped 32x32 w4 runs mma.sync; the second entry needs --allow-spill 16.
+    (256, True): [
+        _bwd(16, 128, 32, 32, 8, 2, 4, 2, split=True),  # 255 / 255 regs
+        _bwd(16, 128, 128, 32, 8, 2, 8, 3, split=True),  # dQ: 16 B spill
+    ],
 }
 
 
