@@ -99,6 +99,11 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         }
         if d <= 128:
             cands["tile_n_128"] = replace(cfg, tile_n=128)
+        if d == 64:
+            # The bf16 kernel's D = 64 shape: three consumer WGs (192 query rows, 160
+            # registers each: S 64 + O 32 + P 16 at tile_n 128).
+            cands["wg3_n128"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=128)
+            cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
         if d == 128:
             cands["tile_n_256"] = replace(cfg, tile_n=256)
         if d == 256:
@@ -130,8 +135,8 @@ def fp8_can_implement(cfg: Fa3Config, head_dim: int) -> tuple[bool, str]:
     if head_dim not in FP8_HEAD_DIMS:
         dims = ", ".join(map(str, FP8_HEAD_DIMS))
         return False, f"fa3: fp8 head_dim {head_dim} not in {{{dims}}}"
-    if cfg.num_consumer_wgs != 2 or cfg.tile_m != 128:
-        return False, "fa3: fp8 runs two consumer warpgroups (tile_m 128)"
+    if cfg.num_consumer_wgs not in (2, 3) or cfg.tile_m != 64 * cfg.num_consumer_wgs:
+        return False, "fa3: fp8 runs two or three consumer warpgroups (tile_m 128 or 192)"
     if cfg.persistent or cfg.o_alias_q:
         return False, "fa3: fp8 is non-persistent with its own sO buffer"
     # P is the K operand of PV (blocks of 32 keys); Vᵀ's smem rows are tile_n bytes and need a
@@ -145,8 +150,9 @@ def fp8_can_implement(cfg: Fa3Config, head_dim: int) -> tuple[bool, str]:
         return False, f"fa3: fp8 {smem} B of shared memory > {SMEM_CAPACITY} B"
     acc_s = 64 * cfg.tile_n // 128
     regs = acc_s + 64 * head_dim // 128 + acc_s // 4 + _REG_OVERHEAD
-    if regs > REG_SPLIT[2][1]:
-        return False, f"fa3: fp8 ~{regs} registers per consumer thread > {REG_SPLIT[2][1]}"
+    budget = REG_SPLIT[cfg.num_consumer_wgs][1]
+    if regs > budget:
+        return False, f"fa3: fp8 ~{regs} registers per consumer thread > {budget}"
     return True, ""
 
 

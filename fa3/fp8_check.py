@@ -2,6 +2,7 @@
 
     python -m flashsuite.fa3.fp8_check --probe [--json F] [--head-dim D]   # sm_90a, no GPU
     python -m flashsuite.fa3.fp8_check --out DIR [--smoke] [--skip-bench]   # on the H200
+    python -m flashsuite.fa3.fp8_check --out DIR --ablate [--head-dim D]   # H200: the variants
 
 --probe compiles every fp8 table entry (fp8.FP8_CONFIGS; causal and not) and reports PTX
 instruction counts, ptxas registers / spills / C75xx remarks and CuTe's fragment layouts that
@@ -389,14 +390,14 @@ def run_bench() -> list[dict]:
     return rows
 
 
-def run_ablation(n: int = 8192) -> list[dict]:
-    """Each fp8.fp8_variants entry at D 64/128/256: 3 small cases, then TFLOP/s (kernel alone
-    and with the Vᵀ copy) at N = 8192, causal or not."""
+def run_ablation(n: int = 8192, head_dims: list[int] | None = None) -> list[dict]:
+    """Each fp8.fp8_variants entry at D 64/128/256 (or `head_dims`): 3 small cases, then
+    TFLOP/s (kernel alone and with the Vᵀ copy) at N = 8192, causal or not."""
     from flashsuite.fa3 import fp8
 
     rows = []
     for name, d, cfg in fp8.fp8_variants():
-        if d not in (64, 128, 256):
+        if d not in (head_dims or (64, 128, 256)):
             continue
         row: dict[str, Any] = {"variant": name, "D": d, "config": asdict(cfg)}
         small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, descale=True)
@@ -422,9 +423,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--probe", action="store_true", help="compile for sm_90a only (no GPU)")
     ap.add_argument("--json", help="--probe: write the results here")
-    ap.add_argument("--head-dim", type=int, action="append", help="--probe: only these")
+    ap.add_argument("--head-dim", type=int, action="append", help="--probe / --ablate: only these")
     ap.add_argument("--variants", action="store_true", help="--probe: also fp8.fp8_variants")
-    ap.add_argument("--ablate", action="store_true", help="GPU run: time fp8.fp8_variants")
+    ap.add_argument(
+        "--ablate",
+        action="store_true",
+        help="GPU run: only fp8.fp8_variants (3 cases each, then TFLOP/s); --head-dim narrows",
+    )
     ap.add_argument("--out", help="GPU run: output folder")
     ap.add_argument("--smoke", action="store_true", help="GPU run: 3 small cases only")
     ap.add_argument("--skip-bench", action="store_true")
@@ -440,15 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (out / "fa3_fp8.json").write_text(json.dumps(res, indent=1, default=str))
 
+    if args.ablate:  # the variants only, each checked on its own 3 small cases first
+        res["ablation"] = run_ablation(head_dims=args.head_dim)
+        save()
+        return 0
     res["correctness"] = run_correctness(args.smoke)
     save()
     n_pass = sum(r["status"] == "PASS" for r in res["correctness"])
     _log(f"[correctness] {n_pass}/{len(res['correctness'])} PASS")
     if not args.skip_bench and not args.smoke:
         res["bench"] = run_bench()
-        save()
-    if args.ablate:
-        res["ablation"] = run_ablation()
         save()
     return 0
 
