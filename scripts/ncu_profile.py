@@ -1,0 +1,140 @@
+"""Nsight Compute sections of one forward per (contender, shape), side by side.
+
+For questions a timing table cannot answer (why fa3 trails cuDNN at N = 512): on a GPU host,
+
+    python scripts/ncu_profile.py --out DIR --shape 128:0:512 --shape 128:0:16384 \\
+        --contender fa3 --contender sdpa-cudnn
+
+Shapes are D:causal:N of the standard sweep (B·N = 16k tokens, Hq·D = 2048, bf16). It runs
+itself under `ncu --clock-control none` (the card's clocks are left alone) with the
+SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and SchedulerStats sections; each case is
+one forward inside the NVTX range "measure" after a warm-up call outside it, and a marker kernel
+before it tells the cases apart. Writes DIR/ncu.json (every metric of every kernel, per case)
+and prints the headline metrics of each case's longest kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from flashsuite.common.testing import make_inputs
+from flashsuite.dispatch.bench import PEERS, make_callable, standard_sweep
+
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "SchedulerStats")
+HEADLINE = (
+    "Duration",
+    "Compute (SM) Throughput",
+    "Memory Throughput",
+    "Registers Per Thread",
+    "Waves Per SM",
+    "Achieved Occupancy",
+    "Warp Cycles Per Issued Instruction",
+    "Issued Warp Per Scheduler",
+    "No Eligible",
+)
+
+
+def _case(spec: str):
+    d, causal, n = (int(x) for x in spec.split(":"))
+    (case,) = standard_sweep(head_dims=(d,), seqlens=(n,), causals=(bool(causal),))
+    return case
+
+
+def profile_child(contenders: list[str], shapes: list[str]) -> None:
+    """Under ncu: per (contender, shape) a warm-up, then a marker and one forward in "measure"."""
+    for spec in shapes:
+        case = _case(spec)
+        q, k, v = make_inputs(case, "cuda")
+        for name in contenders:
+            run, _ = make_callable(name, case, q, k, v)
+            with torch.no_grad():
+                run()  # compiles / builds plans outside the range
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_push("measure")
+                torch.cuda._sleep(1)
+                run()
+                torch.cuda.synchronize()
+                torch.cuda.nvtx.range_pop()
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def parse(stdout: str) -> list[list[dict]]:
+    """ncu's --csv details -> per case (marker-separated), per kernel: name and metrics."""
+    rows = [line for line in stdout.splitlines() if line.startswith('"')]
+    kernels: dict[str, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(rows))):
+        kern = kernels.setdefault(row["ID"], {"name": row["Kernel Name"], "metrics": {}})
+        kern["metrics"][row["Metric Name"]] = f"{row['Metric Value']} {row['Metric Unit']}".strip()
+    cases: list[list[dict]] = []
+    for kern in kernels.values():  # dicts keep ncu's launch order
+        if MARKER in kern["name"]:
+            cases.append([])
+        elif cases:
+            cases[-1].append(kern)
+    return cases
+
+
+def _duration_us(kern: dict) -> float:
+    value, _, unit = kern["metrics"].get("Duration", "0 us").partition(" ")
+    scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
+    return float(value.replace(",", "")) * scale
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for ncu.json")
+    ap.add_argument("--shape", action="append", required=True, help="D:causal:N (repeatable)")
+    ap.add_argument("--contender", action="append", help=f"fa1/fa2/fa3 or one of {sorted(PEERS)}")
+    ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    contenders = args.contender or ["fa3", "sdpa-cudnn"]
+    if args.profile_child:
+        profile_child(contenders, args.shape)
+        return 0
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        print("ncu not on PATH", file=sys.stderr)
+        return 2
+    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "measure/", "--csv"]
+    cmd += [arg for s in SECTIONS for arg in ("--section", s)]
+    cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
+    cmd += [arg for s in args.shape for arg in ("--shape", s)]
+    cmd += [arg for c in contenders for arg in ("--contender", c)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    cases = parse(res.stdout)
+    labels = [(s, c) for s in args.shape for c in contenders]
+    if res.returncode != 0 or len(cases) != len(labels):
+        print(f"ncu rc {res.returncode}, {len(cases)} cases for {len(labels)}:")
+        print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = [
+        {"shape": s, "contender": c, "kernels": ks}
+        for (s, c), ks in zip(labels, cases, strict=True)
+    ]
+    (out / "ncu.json").write_text(json.dumps(report, indent=1))
+    for r in report:
+        main_kernel = max(r["kernels"], key=_duration_us)
+        print(f"== {r['contender']} D:causal:N={r['shape']} ({len(r['kernels'])} kernels), "
+              f"longest: {main_kernel['name'][:60]}")  # fmt: skip
+        for name in HEADLINE:
+            for metric, value in main_kernel["metrics"].items():
+                if metric.startswith(name):
+                    print(f"   {metric:45s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
