@@ -17,7 +17,10 @@ kernel's own code:
 - descale_q·descale_k (per batch and kv head, read in the kernel) multiplies the softmax scale;
   descale_v multiplies O with 1/l in the epilogue. P stays in [0, 1] before its fp8 rounding.
 - Epilogue: O is bf16 (its own smem buffer: sO is twice as big as the fp8 sQ it cannot alias).
-- Non-persistent only; the fp8 tile table is `FP8_CONFIGS` (and `FP8_CAUSAL_CONFIGS`) below.
+- The shipped fp8 tiles (`FP8_CONFIGS`, `FP8_CAUSAL_CONFIGS` below) run one CTA per tile. The
+  kernel also builds on the persistent scheduler (v2, per-WG epilogue: `fp8_variants`'
+  "persistent_v2"), reading each tile's descales in `tile_scales`, and with three consumer
+  warpgroups; both compile for sm_90a in CI and wait for an H200 run (`fp8_check --ablate`).
 
 Status: validated on the H200 (2026-11-29: 142 oracle cases with descales, causal, GQA, odd
 sizes, window and softcap, every head dim; `fp8_check`), compiled for sm_90a in CI
@@ -29,7 +32,6 @@ the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
 
 # No `from __future__ import annotations`: the CuTe DSL reads kernel annotations as objects.
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 from typing import Any
 
 import cutlass
@@ -99,6 +101,11 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         }
         if d <= 128:
             cands["tile_n_128"] = replace(cfg, tile_n=128)
+        # The persistent scheduler v2 (tile overlap, balanced order, per-WG epilogue) that
+        # every causal bf16 entry ships; descales are read per tile (`tile_scales`).
+        cands["persistent_v2"] = replace(
+            cfg, persistent=True, overlap_tiles=True, balanced_order=True
+        )
         if d == 64:
             # The bf16 kernel's D = 64 shape: three consumer WGs (192 query rows, 160
             # registers each: S 64 + O 32 + P 16 at tile_n 128).
@@ -137,8 +144,10 @@ def fp8_can_implement(cfg: Fa3Config, head_dim: int) -> tuple[bool, str]:
         return False, f"fa3: fp8 head_dim {head_dim} not in {{{dims}}}"
     if cfg.num_consumer_wgs not in (2, 3) or cfg.tile_m != 64 * cfg.num_consumer_wgs:
         return False, "fa3: fp8 runs two or three consumer warpgroups (tile_m 128 or 192)"
-    if cfg.persistent or cfg.o_alias_q:
-        return False, "fa3: fp8 is non-persistent with its own sO buffer"
+    if cfg.o_alias_q:
+        return False, "fa3: fp8 needs its own sO buffer (bf16 O does not fit on the fp8 sQ)"
+    if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
+        return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     # P is the K operand of PV (blocks of 32 keys); Vᵀ's smem rows are tile_n bytes and need a
     # swizzle width (32, 64 or 128 bytes) that divides them.
     if not (MMA_K_FP8 <= cfg.tile_n <= 256 and cfg.tile_n % MMA_K_FP8 == 0):
@@ -267,7 +276,7 @@ class Fp8Forward(Fa3Forward):
     Overrides only the steps that differ: the smem layouts (`_make_layouts`), PV's B operand
     (`_pv_b_major`, `V_VIEW`, `_v_box`, `_v_blocks`, `_v_operand`), the P conversion
     (`probs_to_operand`), the O scale (`_o_scale`), and the host launch and kernel entry
-    (descale arguments, non-persistent grid).
+    (descale arguments; per-tile descales with the persistent scheduler, `tile_scales`).
     """
 
     # Vᵀ (B, Hkv, D, Nk) -> (D, Nk, Hkv, B): the host's transpose, loaded as (D, TILE_N) blocks.
@@ -279,9 +288,11 @@ class Fp8Forward(Fa3Forward):
             raise ValueError(reason)
         super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
         self.o_dtype = BFloat16
-        # descale_v of the CTA's (batch, kv head): set by `kernel` while tracing, read by
-        # `_o_scale` in the base class's epilogue.
+        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim)  # K and Vᵀ rows of 1-byte elements
+        # descale_v of the tile's (batch, kv head): set while tracing (by `kernel`, or per tile
+        # by `tile_scales` when persistent), read by `_o_scale` in the base class's epilogue.
         self._descale_v = None
+        self._descales = None  # persistent: (mDescaleQ, mDescaleK, mDescaleV, group)
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, V's place (the base class's hooks)
@@ -296,7 +307,10 @@ class Fp8Forward(Fa3Forward):
         vt_atom = self._k_major_atom(tn, Float8E4M3FN)
         sVt_l = cute.tile_to_shape(vt_atom, (d, tn, st), order=(0, 1, 2))
         o_atom = self._k_major_atom(2 * d, BFloat16)
-        sO_l = cute.tile_to_shape(o_atom, (self.TILE_M, d), order=(0, 1))
+        if self.PER_WG_EPILOGUE:  # one contiguous (64, D) slab per consumer WG (`_o_layout`)
+            sO_l = cute.tile_to_shape(o_atom, (64, d, self.NUM_CONSUMER_WGS), order=(0, 1, 2))
+        else:
+            sO_l = cute.tile_to_shape(o_atom, (self.TILE_M, d), order=(0, 1))
         return sQ_l, sK_l, sVt_l, sO_l
 
     def _pv_b_major(self):
@@ -318,6 +332,19 @@ class Fp8Forward(Fa3Forward):
     def _o_scale(self, rcp_l: Float32) -> Float32:
         """O = descale_v · P·V / l."""
         return rcp_l * self._descale_v
+
+    def tile_scales(self, head: Int32, batch: Int32, scale_log2: Float32, softcap_pre: Float32):
+        """Persistent: the descales of this tile's (batch, kv head) folded into the score scale
+        (see `kernel`) and descale_v kept for the epilogue. Plain grid: `kernel` did that."""
+        if const_expr(not self.PERSISTENT):
+            return scale_log2, softcap_pre
+        m_dq, m_dk, m_dv, group = self._descales
+        head_kv = head // group
+        qk_descale = m_dq[batch, head_kv] * m_dk[batch, head_kv]
+        self._descale_v = m_dv[batch, head_kv]  # read by the epilogue of the same tile
+        if const_expr(self.SOFTCAP):
+            return scale_log2, softcap_pre * qk_descale
+        return scale_log2 * qk_descale, softcap_pre
 
     @cute.jit
     def probs_to_operand(self, ctx):
@@ -370,6 +397,7 @@ class Fp8Forward(Fa3Forward):
         softcap_pre: Float32,  # scale / softcap (unused without SOFTCAP)
         window_left: Int32,
         window_right: Int32,
+        max_ctas: Int32,  # persistent grid size (the SM count); unused otherwise
         stream,
     ):
         mQ, mK, mVt, mO, mLSE = self._kernel_views(mQ, mK, mVt, mO, mLSE)
@@ -384,6 +412,9 @@ class Fp8Forward(Fa3Forward):
         heads_q = mQ.shape[2]
         group = heads_q // mK.shape[2]
         m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        grid = (m_blocks, heads_q, mQ.shape[3])
+        if const_expr(self.PERSISTENT):
+            grid = (cutlass.min(m_blocks * heads_q * mQ.shape[3], max_ctas), 1, 1)
         self.kernel(
             tma_q,
             tQ,
@@ -410,8 +441,10 @@ class Fp8Forward(Fa3Forward):
             softcap_pre,
             window_left,
             window_right,
+            Int32(heads_q),
+            Int32(mQ.shape[3]),
         ).launch(
-            grid=(m_blocks, heads_q, mQ.shape[3]),
+            grid=grid,
             block=[self.NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
@@ -448,9 +481,14 @@ class Fp8Forward(Fa3Forward):
         softcap_pre: Float32,
         window_left: Int32,
         window_right: Int32,
+        heads_q: Int32,
+        batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()  # one tile per CTA
+        sched = self._schedule(
+            seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
+        )
+        m_block, head, batch = sched.tile0  # plain grid: one tile per CTA
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -461,33 +499,27 @@ class Fp8Forward(Fa3Forward):
         pipes, smem = self._allocate_smem(sQ_l, sK_l, sVt_l, sO_l)
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sVt, _, sO = smem  # the loaded sVt is already PV's B operand
-        n_block_min, n_block_max = self.block_range(
-            m_block, seqlen_q, seqlen_k, window_left, window_right
-        )
-
-        head_kv = head // group
-        # Scores are (q·descale_q)·(k·descale_k) = descale_q·descale_k·(q·k): the product scales
-        # what multiplies the raw fp32 score (the exp2 scale, or tanh's argument). Read here, in
-        # the kernel's top region (a value assigned inside the role `if` cannot reach `self`).
-        qk_descale = mDescaleQ[batch, head_kv] * mDescaleK[batch, head_kv]
         qk_scale_log2 = scale_log2
         qk_softcap_pre = softcap_pre
-        if const_expr(self.SOFTCAP):
-            qk_softcap_pre = softcap_pre * qk_descale
+        if const_expr(self.PERSISTENT):
+            # Every tile has its own (batch, kv head): `tile_scales` reads its descales.
+            self._descales = (mDescaleQ, mDescaleK, mDescaleV, group)
         else:
-            qk_scale_log2 = scale_log2 * qk_descale
-        # Read by `_o_scale` in the epilogue (same trace): O = descale_v · P·V / l.
-        self._descale_v = mDescaleV[batch, head_kv]
+            # Computed once here, for both roles.
+            sched.blocks = self.block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
+            head_kv = head // group
+            # Scores are (q·descale_q)·(k·descale_k) = descale_q·descale_k·(q·k): the product
+            # scales what multiplies the raw fp32 score (the exp2 scale, or tanh's argument).
+            # Read here, in the kernel's top region (a value assigned inside the role `if`
+            # cannot reach `self`).
+            qk_descale = mDescaleQ[batch, head_kv] * mDescaleK[batch, head_kv]
+            if const_expr(self.SOFTCAP):
+                qk_softcap_pre = softcap_pre * qk_descale
+            else:
+                qk_scale_log2 = scale_log2 * qk_descale
+            # Read by `_o_scale` in the epilogue (same trace): O = descale_v · P·V / l.
+            self._descale_v = mDescaleV[batch, head_kv]
 
-        sched = SimpleNamespace(
-            tile0=(m_block, head, batch),
-            blocks=(n_block_min, n_block_max),  # computed once, for both roles
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            group=group,
-            window_left=window_left,
-            window_right=window_right,
-        )
         self.warp_roles(
             wg,
             warp,
@@ -555,6 +587,7 @@ def compile_fp8_forward(key: Fp8CompileKey, extra_options: str = "") -> Any:
         Float32(1.0),
         Int32(0),
         Int32(0),
+        Int32(1),  # max_ctas (a runtime scalar)
         stream,
         options=options,
     )
@@ -579,6 +612,15 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     vt = vt[..., :nk]  # (B, Hkv, D, Nk)
     vt.copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
     return vt.view(v.dtype)
+
+
+_sms: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device not in _sms:
+        _sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms[device]
 
 
 _ones: dict[tuple, torch.Tensor] = {}
@@ -636,5 +678,6 @@ def forward(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
     )
     ds = (_descale(t, b, hkv, dev) for t in (descale_q, descale_k, descale_v))
-    get_fp8_forward(key)(q, k, transpose_v(v), out, lse, *ds, *scalars)
+    sms = _sm_count(dev)  # the persistent grid's CTA count
+    get_fp8_forward(key)(q, k, transpose_v(v), out, lse, *ds, *scalars, sms)
     return out, lse

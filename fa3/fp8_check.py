@@ -138,8 +138,18 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     ]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
     cases.append(("window_softcap", 128, False, fp8.fp8_config(128)))
+    # Not shipped yet, compiled in CI so the code paths stay built: the persistent scheduler
+    # (per-tile descales, per-WG epilogue) and three consumer warpgroups.
+    named = {(n, d): cfg for n, d, cfg in fp8.fp8_variants()}
+    cases.append(("persistent_v2", 128, True, named[("persistent_v2", 128)]))
+    cases.append(("wg3_n128", 64, False, named[("wg3_n128", 64)]))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
-        cases += [(n, d, False, cfg) for n, d, cfg in fp8.fp8_variants() if n != "shipped"]
+        done = {(n, d) for n, d, _, _ in cases}
+        cases += [
+            (n, d, False, cfg)
+            for n, d, cfg in fp8.fp8_variants()
+            if n != "shipped" and (n, d) not in done
+        ]
     results: dict[str, Any] = {"layouts": fragment_layouts(), "configs": []}
     for name, d, causal, cfg in cases:
         if head_dims and d not in head_dims:
@@ -353,9 +363,10 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
     from flashsuite.fa3.compile import kernel_scalars
 
     sc = kernel_scalars(p8.scale, 0.0, (p8.window_left, p8.window_right), causal, n, n)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count  # persistent grid
     timings = {
         "fa3_fp8": lambda: interface.forward(q, k, v, p8, *ds, cfg=cfg),  # with the Vᵀ copy
-        "fa3_fp8_kernel": lambda: kern(q, k, vt, out, lse, *ds, *sc),  # kernel alone
+        "fa3_fp8_kernel": lambda: kern(q, k, vt, out, lse, *ds, *sc, sms),  # kernel alone
     }
     if peers:
         timings["vt_copy"] = lambda: fp8.transpose_v(v)

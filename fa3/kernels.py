@@ -455,13 +455,9 @@ class Fa3Forward:
         batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        # One tile per CTA: the grid is (m_blocks, Hq, B). Persistent: the grid is (CTAs, 1, 1)
-        # and each CTA takes tiles bid_x, bid_x + grid_x, ... of the tile_coords order.
-        m_block0, head0, batch0 = cute.arch.block_idx()
-        bid_x = m_block0
-        grid_x, _, _ = cute.arch.grid_dim()
-        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
-        num_tiles = m_blocks * heads_q * batch_n
+        sched = self._schedule(
+            seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
+        )
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -473,20 +469,6 @@ class Fa3Forward:
         pipes, smem = self._allocate_smem(sQ_l, sK_l, sK_l, sO_l)
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sV, sVt, sO = smem
-        sched = SimpleNamespace(
-            tile0=(m_block0, head0, batch0),
-            bid_x=bid_x,
-            grid_x=grid_x,
-            num_tiles=num_tiles,
-            m_blocks=m_blocks,
-            heads_q=heads_q,
-            batch_n=batch_n,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            group=group,
-            window_left=window_left,
-            window_right=window_right,
-        )
         self.warp_roles(
             wg,
             warp,
@@ -496,6 +478,37 @@ class Fa3Forward:
             sched,
             scale_log2,
             softcap_pre,
+        )
+
+    def _schedule(
+        self,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        window_left: Int32,
+        window_right: Int32,
+        heads_q: Int32,
+        batch_n: Int32,
+    ) -> SimpleNamespace:
+        """`warp_roles`' `sched`, built in the kernel's top region. One tile per CTA: the grid
+        is (m_blocks, Hq, B). Persistent: the grid is (CTAs, 1, 1) and each CTA takes tiles
+        bid_x, bid_x + grid_x, ... of the tile_coords order."""
+        m_block0, head0, batch0 = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
+        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        return SimpleNamespace(
+            tile0=(m_block0, head0, batch0),
+            bid_x=m_block0,
+            grid_x=grid_x,
+            num_tiles=m_blocks * heads_q * batch_n,
+            m_blocks=m_blocks,
+            heads_q=heads_q,
+            batch_n=batch_n,
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            group=group,
+            window_left=window_left,
+            window_right=window_right,
         )
 
     @cute.jit
@@ -848,6 +861,7 @@ class Fa3Forward:
         n_block_min: Int32,
         n_block_max: Int32,
     ):
+        scale_log2, softcap_pre = self.tile_scales(head, batch, scale_log2, softcap_pre)
         thr_qk = mma_qk.get_slice(ctid)
         thr_pv = mma_pv.get_slice(ctid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
@@ -1000,6 +1014,11 @@ class Fa3Forward:
                 pipe_q.consumer_release(q_state)
             q_state.advance()
         return q_state, kv_state
+
+    def tile_scales(self, head: Int32, batch: Int32, scale_log2: Float32, softcap_pre: Float32):
+        """The score scales of the tile of (`head`, `batch`), at the top of `consumer`: the
+        kernel's own for 16-bit inputs (fp8 folds in per-(batch, kv head) descales)."""
+        return scale_log2, softcap_pre
 
     @cute.jit
     def pingpong_start(self, cwg: Int32):

@@ -26,6 +26,8 @@ from flashsuite.fa3 import fp8, interface
 SHARDS = ((64, 128, 192), (96, 256))  # two compiler processes (the CI machine has 2 cores)
 CASES = [("shipped", d, causal) for d in fp8.FP8_HEAD_DIMS for causal in (False, True)]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
+CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue (not shipped)
+CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
 
 # The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
 # index = m + 64 k): the probe reads CuTe's own and must find exactly these.
