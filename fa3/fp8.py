@@ -289,10 +289,10 @@ class Fp8Forward(Fa3Forward):
         super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
         self.o_dtype = BFloat16
         self.L2_KV_ROWS = (32 << 20) // (2 * head_dim)  # K and Vᵀ rows of 1-byte elements
-        # descale_v of the tile's (batch, kv head): set while tracing (by `kernel`, or per tile
-        # by `tile_scales` when persistent), read by `_o_scale` in the base class's epilogue.
+        # descale_v of the tile's (batch, kv head): set while tracing by `tile_scales`, read by
+        # `_o_scale` in the base class's epilogue.
         self._descale_v = None
-        self._descales = None  # persistent: (mDescaleQ, mDescaleK, mDescaleV, group)
+        self._descales = None  # (mDescaleQ, mDescaleK, mDescaleV, group), set by `kernel`
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, V's place (the base class's hooks)
@@ -334,14 +334,15 @@ class Fp8Forward(Fa3Forward):
         return rcp_l * self._descale_v
 
     def tile_scales(self, head: Int32, batch: Int32, scale_log2: Float32, softcap_pre: Float32):
-        """Persistent: the descales of this tile's (batch, kv head) folded into the score scale
-        (see `kernel`) and descale_v kept for the epilogue. Plain grid: `kernel` did that."""
-        if const_expr(not self.PERSISTENT):
-            return scale_log2, softcap_pre
+        """The descales of this tile's (batch, kv head), read at the top of its consumer work
+        (one tile per CTA, or each tile of a persistent CTA). Scores are (q·descale_q)·
+        (k·descale_k) = descale_q·descale_k·(q·k): the product scales what multiplies the raw
+        fp32 score (the exp2 scale, or tanh's argument). descale_v is kept for `_o_scale` in
+        the same tile's epilogue (same trace region): O = descale_v · P·V / l."""
         m_dq, m_dk, m_dv, group = self._descales
         head_kv = head // group
         qk_descale = m_dq[batch, head_kv] * m_dk[batch, head_kv]
-        self._descale_v = m_dv[batch, head_kv]  # read by the epilogue of the same tile
+        self._descale_v = m_dv[batch, head_kv]
         if const_expr(self.SOFTCAP):
             return scale_log2, softcap_pre * qk_descale
         return scale_log2 * qk_descale, softcap_pre
@@ -488,7 +489,6 @@ class Fp8Forward(Fa3Forward):
         sched = self._schedule(
             seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
         )
-        m_block, head, batch = sched.tile0  # plain grid: one tile per CTA
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -499,26 +499,12 @@ class Fp8Forward(Fa3Forward):
         pipes, smem = self._allocate_smem(sQ_l, sK_l, sVt_l, sO_l)
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sVt, _, sO = smem  # the loaded sVt is already PV's B operand
-        qk_scale_log2 = scale_log2
-        qk_softcap_pre = softcap_pre
-        if const_expr(self.PERSISTENT):
-            # Every tile has its own (batch, kv head): `tile_scales` reads its descales.
-            self._descales = (mDescaleQ, mDescaleK, mDescaleV, group)
-        else:
-            # Computed once here, for both roles.
-            sched.blocks = self.block_range(m_block, seqlen_q, seqlen_k, window_left, window_right)
-            head_kv = head // group
-            # Scores are (q·descale_q)·(k·descale_k) = descale_q·descale_k·(q·k): the product
-            # scales what multiplies the raw fp32 score (the exp2 scale, or tanh's argument).
-            # Read here, in the kernel's top region (a value assigned inside the role `if`
-            # cannot reach `self`).
-            qk_descale = mDescaleQ[batch, head_kv] * mDescaleK[batch, head_kv]
-            if const_expr(self.SOFTCAP):
-                qk_softcap_pre = softcap_pre * qk_descale
-            else:
-                qk_scale_log2 = scale_log2 * qk_descale
-            # Read by `_o_scale` in the epilogue (same trace): O = descale_v · P·V / l.
-            self._descale_v = mDescaleV[batch, head_kv]
+        if const_expr(not self.PERSISTENT):  # the CTA's one tile: computed once, for both roles
+            sched.blocks = self.block_range(
+                sched.tile0[0], seqlen_q, seqlen_k, window_left, window_right
+            )
+        # Each tile's consumer reads its (batch, kv head) descales (`tile_scales`).
+        self._descales = (mDescaleQ, mDescaleK, mDescaleV, group)
 
         self.warp_roles(
             wg,
@@ -527,8 +513,8 @@ class Fp8Forward(Fa3Forward):
             (tma_q, tQ, tma_k, tK, tma_v, tVt, sQ, sK, sVt, pipe_q, pipe_k, pipe_v),
             (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
             sched,
-            qk_scale_log2,
-            qk_softcap_pre,
+            scale_log2,
+            softcap_pre,
         )
 
 
