@@ -53,6 +53,15 @@ class BwdConfig:
     split_dkdv: bool = False
 
 
+def dkdv_launches(cfg: BwdConfig) -> tuple[tuple[str, bool, bool], ...]:
+    """(name, WANT_DK, WANT_DV) of each launch of the dK/dV kernel, in order: one doing both,
+    or with split_dkdv a dV launch, then a dK launch (interface.backward launches these,
+    tune.probe compiles them)."""
+    if cfg.split_dkdv:
+        return (("dv", False, True), ("dk", True, False))
+    return (("dkdv", True, True),)
+
+
 # Under TRITON_INTERPRET=1 warps and stages mean nothing and each block step costs ~ms: small
 # tiles keep several blocks (and every masked/unmasked stage) in play at test sizes (N <= 256).
 INTERPRETER_FWD = FwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)

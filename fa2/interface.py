@@ -205,8 +205,7 @@ def backward(
         )
         dq_strides = dq_acc.stride()[:3]  # (b, h, n)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
-    # (WANT_DK, WANT_DV) per launch: both at once, or dV then dK (BwdConfig.split_dkdv).
-    for want_dk, want_dv in ((False, True), (True, False)) if cfg.split_dkdv else ((True, True),):
+    for _, want_dk, want_dv in configs.dkdv_launches(cfg):  # one launch, or dV then dK
         kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
             q, k, v, dout, lse2, delta, dk, dv, dq_arg,
             *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_strides,

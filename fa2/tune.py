@@ -34,6 +34,7 @@ from flashsuite.fa2.configs import (
     BwdConfig,
     FwdConfig,
     bwd_config,
+    dkdv_launches,
     fwd_config,
     table,
 )
@@ -149,11 +150,7 @@ def probe(
         )
     else:
         assert isinstance(cfg, BwdConfig)
-        # One dK/dV kernel, or its two halves (split_dkdv), as interface.backward launches them.
-        halves = {"dv": (False, True), "dk": (True, False)}
-        for name, (want_dk, want_dv) in (
-            halves.items() if cfg.split_dkdv else [("dkdv", (True, True))]
-        ):
+        for name, want_dk, want_dv in dkdv_launches(cfg):  # as interface.backward launches
             res[name] = _compile_one(
                 kernels._bwd_dkdv,
                 dtype,
@@ -341,9 +338,9 @@ QUICK_BWD_CANDIDATES: dict[tuple[int, bool], list[BwdConfig]] = {
         _bwd(16, 128, 128, 32, 8, 2, 8, 3, split=True),  # 248 / 255 regs, 96 / 160 KB
         _bwd(32, 64, 128, 32, 8, 2, 8, 3, tail=True, split=True),  # 235 / 255, 96 / 128 KB
     ],
-    # Unsplit, every wgmma dK/dV tile spills 0.6-1.2 KB; dQ 128x32 spills 16 B when causal.
-    # The causal dQ pass: every wgmma tile spills (128x32 s3 16 B, s2 40 B; 64x32 w8 40 B),
-    # the shipped 32x32 w4 runs mma.sync; the second entry needs --allow-spill 16.
+    # Causal, unsplit, every wgmma dK/dV tile spills 0.6-1.2 KB. The causal dQ pass spills on
+    # every wgmma tile too (128x32 s3 16 B, s2 40 B; 64x32 w8 40 B), so the shipped 32x32 w4
+    # runs mma.sync; the second entry needs --allow-spill 16.
     (256, True): [
         _bwd(16, 128, 32, 32, 8, 2, 4, 2, split=True),  # 255 / 255 regs
         _bwd(16, 128, 128, 32, 8, 2, 8, 3, split=True),  # dQ: 16 B spill

@@ -38,16 +38,15 @@ def test_fa1_table_compiles_without_spills() -> None:
     # tiles; its causal backward is known to spill 20-24 B in three entries (probe, session 3):
     # pin that so it cannot grow unnoticed. The sm90 TMA entries (compiled as a launch compiles
     # them) spill by the stack frames pinned in configs.TMA_STACK_BYTES.
-    from flashsuite.fa1.configs import TMA_STACK_BYTES
+    from flashsuite.fa1.configs import TMA_STACK_BYTES, padded_head_dim
 
     tma = [row for row in rows if " tma" in row]
     assert tma, res.stdout[-2000:]
     for row in tma:
         d = int(row.split("D=")[1].split()[0])
         causal = "causal=1" in row
-        padded = max(16, 1 << (d - 1).bit_length())
         stack = int(row.split("stack ")[1].split()[0])
-        assert stack <= TMA_STACK_BYTES[(padded, causal)], row
+        assert stack <= TMA_STACK_BYTES[(padded_head_dim(d), causal)], row
     spilling = [
         row
         for row in rows

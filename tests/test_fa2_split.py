@@ -2,7 +2,8 @@
 the oracle and against the one-launch kernel.
 
 No table entry ships it yet (it exists for D = 192/256, where one launch holding both fp32
-accumulators spills on every wgmma tile), so the shared suite does not reach it: these cases
+accumulators spills on every wgmma tile but one non-causal 16-query tile), so the shared suite
+does not reach it: these cases
 force it, on the CPU under the interpreter with small tiles, on an sm90 GPU with the tiles the
 compile probe found spill-free (fa2/tune.py QUICK_BWD_CANDIDATES).
 """
