@@ -131,6 +131,22 @@ def _scores(
 
 
 @triton.jit
+def _online_softmax(m_i, l_i, s):
+    """Fold scores s (BLOCK_M, W; log2 domain) into the running row max m_i and sum l_i.
+
+    Returns m_new = max(m_i, rowmax(s)), alpha = e^{m_i - m_new} (what rescales earlier
+    output), P = exp(s - m_new) and l_new = alpha l_i + rowsum(P). A row that has seen no key
+    keeps m_new = -inf: exponentiate against 0 so P = 0 and alpha = 0, never NaN.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+    m_new_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # (BLOCK_M,)
+    alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,): 0 when m_i = -inf
+    p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, W)
+    l_new = alpha * l_i + tl.sum(p, 1)  # (BLOCK_M,)
+    return m_new, alpha, p, l_new
+
+
+@triton.jit
 def _tma_writes_done():
     """Make this thread's global writes visible to TMA loads that any thread of the CTA issues
     after the next CTA barrier: wait until its bulk (TMA) stores have completed, not only read
@@ -231,13 +247,8 @@ def _fwd_step(
     # Alg. 1 lines 10-11: m~ = rowmax(S), m_new = max(m_i, m~), P~ = exp(S - m~), l~ = rowsum(P~),
     # l_new = e^{m_i - m_new} l_i + e^{m~ - m_new} l~. The factor e^{m~ - m_new} is folded into
     # the exponent (P = P~ e^{m~ - m_new} = exp(S - m_new), one exp per score), so l_new =
-    # alpha l_i + rowsum(P). A row that has seen no key keeps m_new = -inf: exponentiate
-    # against 0 so P = 0 and alpha = 0, never NaN.
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
-    m_new_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # (BLOCK_M,)
-    alpha = tl.exp2(m_i - m_new_safe)  # (BLOCK_M,): 0 when m_i = -inf
-    p = tl.exp2(s - m_new_safe[:, None])  # (BLOCK_M, BLOCK_NS)
-    l_new = alpha * l_i + tl.sum(p, 1)  # (BLOCK_M,)
+    # alpha l_i + rowsum(P) (_online_softmax).
+    m_new, alpha, p, l_new = _online_softmax(m_i, l_i, s)
 
     # Alg. 1 line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i - m_new} O_i + P V_j), with O_i as
     # the accumulator of the P V product (no second (BLOCK_M, BLOCK_DV) fp32 tile is live). O_i
@@ -260,12 +271,7 @@ def _fwd_step(
             q, kt2, j * BLOCK_N + BLOCK_NS, row0, n_k, shift, qk_scale, BLOCK_M, BLOCK_NS,
             CAUSAL, MASKED, DOT_PRECISION,
         )  # fmt: skip
-        m_half = tl.maximum(m_new, tl.max(s, 1))  # (BLOCK_M,)
-        m_half_safe = tl.where(m_half == -float("inf"), 0.0, m_half)  # (BLOCK_M,)
-        beta = tl.exp2(m_new - m_half_safe)  # (BLOCK_M,): 0 when m_new = -inf
-        p = tl.exp2(s - m_half_safe[:, None])  # (BLOCK_M, BLOCK_NS)
-        l_new = beta * l_new + tl.sum(p, 1)  # (BLOCK_M,)
-        m_new = m_half
+        m_new, beta, p, l_new = _online_softmax(m_new, l_new, s)
         o_new = o_new * beta[:, None]
         o_new = tl.dot(p.to(v2.dtype), v2, acc=o_new, input_precision=DOT_PRECISION)
     seen = l_new > 0.0  # (BLOCK_M,): False for rows that have seen no key yet (they stay 0)
