@@ -17,8 +17,6 @@ read once, out and LSE written once): re-reads that hit the 50 MB L2 land betwee
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import math
 import shutil
 import subprocess
@@ -26,10 +24,10 @@ import sys
 
 import torch
 
-from flashsuite.common import traffic
+from flashsuite.common import ncu, traffic
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import make_inputs
-from flashsuite.dispatch.bench import materialising, standard_sweep
+from flashsuite.dispatch.bench import materialising, standard_sweep, time_ms
 
 CONTENDERS = ("fa1", "fa2", "naive")
 SEQLENS = (1024, 2048, 4096, 8192, 16384)
@@ -70,64 +68,42 @@ def model_bytes(name: str, n: int, d: int) -> traffic.Traffic:
     return traffic.naive_forward(b, h, n, n, d, 2)
 
 
-MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: separates the cases in ncu's output
 NCU_SEQLENS = (1024, 4096, 16384)
+_BYTES = {"byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9}
 
 
 def profile_child(cases: list[tuple[str, int, int]]) -> None:
-    """Run under ncu: per case, a warm-up outside the NVTX range, then a marker kernel and one
-    forward inside it; ncu profiles only the kernels inside "measure"."""
+    """Run under ncu: per case, one forward in the profiled range (common/ncu.py)."""
     for name, n, d in cases:
         run = _runner(name, *_inputs(n, d))
-        run()  # compiles / autotunes outside the range
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push("measure")
-        torch.cuda._sleep(1)
-        run()
-        torch.cuda.synchronize()
-        torch.cuda.nvtx.range_pop()
+        ncu.measure_once(run)
         del run
         torch.cuda.empty_cache()
 
 
 def ncu_bytes(cases: list[tuple[str, int, int]]) -> dict[tuple[str, int, int], tuple[float, float]]:
     """DRAM bytes (read, written) of one forward per case, from one ncu process."""
-    ncu = shutil.which("ncu")
-    if ncu is None:
+    exe = shutil.which("ncu")
+    if exe is None:
         print("ncu not on PATH: no measured bytes", file=sys.stderr)
         return {}
     spec = ",".join(f"{name}:{n}:{d}" for name, n, d in cases)
-    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "measure/", "--csv"]
-    cmd += ["--print-units", "base", "--metrics", "dram__bytes_read.sum,dram__bytes_write.sum"]
+    cmd = ncu.command(exe, "--print-units", "base")
+    cmd += ["--metrics", "dram__bytes_read.sum,dram__bytes_write.sum"]
     cmd += [sys.executable, __file__, "--profile-child", spec]
     res = subprocess.run(cmd, capture_output=True, text=True)
-    rows = [line for line in res.stdout.splitlines() if line.startswith('"')]
-    if res.returncode != 0 or not rows:
-        print(f"ncu failed (rc {res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    per_case = ncu.cases(res.stdout)
+    if res.returncode != 0 or len(per_case) != len(cases):
+        print(f"ncu rc {res.returncode}, {len(per_case)} marker kernels for {len(cases)} cases:")
+        print(f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
         return {}
-    # One case = a marker kernel followed by that forward's kernels, in launch order.
-    per_kernel: dict[str, dict[str, float]] = {}
-    order: list[tuple[str, str]] = []
-    for row in csv.DictReader(io.StringIO("\n".join(rows))):
-        key = row["ID"]
-        if key not in per_kernel:
-            per_kernel[key] = {}
-            order.append((key, row["Kernel Name"]))
-        value = float(row["Metric Value"].replace(",", ""))
-        unit = row["Metric Unit"].strip().lower()
-        scale = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9}.get(unit, 1.0)
-        per_kernel[key][row["Metric Name"]] = value * scale
-    totals: list[list[float]] = []  # [read, written] per case
-    for key, kname in order:
-        if MARKER in kname:
-            totals.append([0.0, 0.0])
-        elif totals:
-            totals[-1][0] += per_kernel[key].get("dram__bytes_read.sum", 0.0)
-            totals[-1][1] += per_kernel[key].get("dram__bytes_write.sum", 0.0)
-    if len(totals) != len(cases):
-        print(f"ncu: {len(totals)} marker kernels for {len(cases)} cases; output ignored")
-        return {}
-    return {case: (r, w) for case, (r, w) in zip(cases, totals, strict=True)}
+    totals = {}
+    for case, kernels in zip(cases, per_case, strict=True):
+        totals[case] = tuple(
+            sum(ncu.value(k["metrics"][m], _BYTES) for k in kernels if m in k["metrics"])
+            for m in ("dram__bytes_read.sum", "dram__bytes_write.sum")
+        )
+    return totals
 
 
 def main() -> None:
@@ -142,8 +118,6 @@ def main() -> None:
         ]
         profile_child(cases)
         return
-    from triton.testing import do_bench
-
     measured = {}
     if args.ncu:
         cases = [(name, n, d) for d in HEAD_DIMS for n in NCU_SEQLENS for name in CONTENDERS]
@@ -154,7 +128,7 @@ def main() -> None:
             flops = attention_flops(16384 // n, 2048 // d, n, n, d)
             for name in CONTENDERS:
                 run = _runner(name, *_inputs(n, d))
-                ms = do_bench(run, warmup=25, rep=100, return_mode="median")
+                ms = time_ms(run)
                 m = model_bytes(name, n, d)
                 f = traffic.compulsory_forward(16384 // n, 2048 // d, n, n, d, 2)
                 line = (

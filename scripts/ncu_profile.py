@@ -16,8 +16,6 @@ and prints the headline metrics of each case's longest kernel.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import shutil
 import subprocess
@@ -26,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from flashsuite.common import ncu
 from flashsuite.common.testing import make_inputs
 from flashsuite.dispatch.bench import PEERS, make_callable, standard_sweep
 
-MARKER = "spin_kernel"  # torch.cuda._sleep's kernel
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "SchedulerStats")
 HEADLINE = (
     "Duration",
@@ -51,44 +49,25 @@ def _case(spec: str):
 
 
 def profile_child(contenders: list[str], shapes: list[str]) -> None:
-    """Under ncu: per (contender, shape) a warm-up, then a marker and one forward in "measure"."""
+    """Under ncu: per (contender, shape), one forward in the profiled range (common/ncu.py)."""
     for spec in shapes:
         case = _case(spec)
         q, k, v = make_inputs(case, "cuda")
         for name in contenders:
             run, _ = make_callable(name, case, q, k, v)
             with torch.no_grad():
-                run()  # compiles / builds plans outside the range
-                torch.cuda.synchronize()
-                torch.cuda.nvtx.range_push("measure")
-                torch.cuda._sleep(1)
-                run()
-                torch.cuda.synchronize()
-                torch.cuda.nvtx.range_pop()
+                ncu.measure_once(run)
         del q, k, v
         torch.cuda.empty_cache()
 
 
-def parse(stdout: str) -> list[list[dict]]:
-    """ncu's --csv details -> per case (marker-separated), per kernel: name and metrics."""
-    rows = [line for line in stdout.splitlines() if line.startswith('"')]
-    kernels: dict[str, dict] = {}
-    for row in csv.DictReader(io.StringIO("\n".join(rows))):
-        kern = kernels.setdefault(row["ID"], {"name": row["Kernel Name"], "metrics": {}})
-        kern["metrics"][row["Metric Name"]] = f"{row['Metric Value']} {row['Metric Unit']}".strip()
-    cases: list[list[dict]] = []
-    for kern in kernels.values():  # dicts keep ncu's launch order
-        if MARKER in kern["name"]:
-            cases.append([])
-        elif cases:
-            cases[-1].append(kern)
-    return cases
+def _text(metric: tuple[str, str]) -> str:
+    return f"{metric[0]} {metric[1]}".strip()
 
 
 def _duration_us(kern: dict) -> float:
-    value, _, unit = kern["metrics"].get("Duration", "0 us").partition(" ")
-    scale = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}.get(unit, 1.0)
-    return float(value.replace(",", "")) * scale
+    scales = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    return ncu.value(kern["metrics"].get("Duration", ("0", "us")), scales)
 
 
 def main() -> int:
@@ -102,17 +81,16 @@ def main() -> int:
     if args.profile_child:
         profile_child(contenders, args.shape)
         return 0
-    ncu = shutil.which("ncu")
-    if ncu is None:
+    exe = shutil.which("ncu")
+    if exe is None:
         print("ncu not on PATH", file=sys.stderr)
         return 2
-    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "measure/", "--csv"]
-    cmd += [arg for s in SECTIONS for arg in ("--section", s)]
+    cmd = ncu.command(exe, *(arg for s in SECTIONS for arg in ("--section", s)))
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
     cmd += [arg for c in contenders for arg in ("--contender", c)]
     res = subprocess.run(cmd, capture_output=True, text=True)
-    cases = parse(res.stdout)
+    cases = ncu.cases(res.stdout)
     labels = [(s, c) for s in args.shape for c in contenders]
     if res.returncode != 0 or len(cases) != len(labels):
         print(f"ncu rc {res.returncode}, {len(cases)} cases for {len(labels)}:")
@@ -126,13 +104,16 @@ def main() -> int:
     ]
     (out / "ncu.json").write_text(json.dumps(report, indent=1))
     for r in report:
+        if not r["kernels"]:
+            print(f"== {r['contender']} D:causal:N={r['shape']}: no kernel profiled")
+            continue
         main_kernel = max(r["kernels"], key=_duration_us)
         print(f"== {r['contender']} D:causal:N={r['shape']} ({len(r['kernels'])} kernels), "
               f"longest: {main_kernel['name'][:60]}")  # fmt: skip
         for name in HEADLINE:
             for metric, value in main_kernel["metrics"].items():
                 if metric.startswith(name):
-                    print(f"   {metric:45s} {value}")
+                    print(f"   {metric:45s} {_text(value)}")
     return 0
 
 

@@ -153,3 +153,34 @@ def test_hang_watchdog_ends_a_hung_process_and_lets_a_quick_one_go() -> None:
         env=env,
     )
     assert scaled.returncode == 0 and "finished" in scaled.stdout, scaled.stderr[-500:]
+
+
+def test_ncu_csv_is_split_into_cases_at_the_marker_kernels() -> None:
+    """common/ncu.py: the GPU scripts' ncu parsing (kernels before the first marker dropped,
+    thousands separators and units read)."""
+    from flashsuite.common import ncu
+
+    head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"'
+
+    def row(i, name, metric, unit, value):
+        return f'"{i}","{name}","S","{metric}","{unit}","{value}"'
+
+    stdout = "\n".join(
+        [
+            "==PROF== Connected to process",
+            head,
+            row(0, "warmup_leftover", "dram__bytes_read.sum", "byte", "5"),
+            row(1, ncu.MARKER, "dram__bytes_read.sum", "byte", "1"),
+            row(2, "attn_fwd", "dram__bytes_read.sum", "Kbyte", "1,500"),
+            row(2, "attn_fwd", "Duration", "us", "12.5"),
+            row(3, "lse_fix", "dram__bytes_read.sum", "byte", "250"),
+            row(4, ncu.MARKER, "dram__bytes_read.sum", "byte", "1"),
+            row(5, "attn_fwd", "dram__bytes_read.sum", "Mbyte", "2"),
+        ]
+    )
+    cases = ncu.cases(stdout)
+    assert [[k["name"] for k in c] for c in cases] == [["attn_fwd", "lse_fix"], ["attn_fwd"]]
+    scales = {"byte": 1.0, "kbyte": 1e3, "mbyte": 1e6}
+    read = [sum(ncu.value(k["metrics"]["dram__bytes_read.sum"], scales) for k in c) for c in cases]
+    assert read == [1_500_250.0, 2_000_000.0]
+    assert cases[0][0]["metrics"]["Duration"] == ("12.5", "us")
