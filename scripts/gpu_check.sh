@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
+#                                                smallshapes sanitize-small
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -50,6 +51,21 @@ for part in $parts; do
           > "$out/sanitize-$tool.log" 2>&1 || status=1
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|correctness" "$out/sanitize-$tool.log" | tail -8
       done ;;
+    smallshapes)
+      # The small/odd-shape sweep (tests/test_small_shapes.py) in a process of its own: a
+      # memory fault loses the CUDA context, and every later test in that process would fail.
+      python3 -m pytest tests/test_small_shapes.py -q -p no:cacheprovider -rs \
+        --junitxml "$out/smallshapes.xml" 2>&1 | tee "$out/smallshapes.log" || status=1 ;;
+    sanitize-small)
+      # compute-sanitizer memcheck over a subset of that sweep: every version, forward and
+      # backward, D 64 / Dv 32 at N = 8 ... 48 and Nq = 1, 17, 65, 129. Any error counts,
+      # also a read past a tensor's end whose value is never used.
+      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
+        compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest tests/test_small_shapes.py -q -p no:cacheprovider -rs \
+        -k "head_dim_v_smaller or nq001 or nq017 or nq065 or nq129" \
+        > "$out/sanitize-small.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-small.log" | tail -12 ;;
     *) echo "unknown part: $part"; status=2 ;;
   esac
 done

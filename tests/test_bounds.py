@@ -1,0 +1,159 @@
+"""Every global load and store of the Triton kernels stays inside the tensors it was given.
+
+Under TRITON_INTERPRET=1 each `tl.load` / `tl.store` is checked lane by lane: an active
+(unmasked) lane must address an element of one of the launch's tensor arguments (the exact
+span of the view, not its storage). A read past a tensor's end fails even when the value read
+is masked out later or happens not to change the result. The launches use the GPU tile table
+(sm90 entries, not the interpreter's small tiles), so the block shapes, padded head dims and
+masked/unmasked loop stages are those of an H200 run at these sequence lengths.
+
+This checks the kernels' address arithmetic; what the compiled code does with it (shared
+memory layouts, pipelining) is covered by the GPU sweep in test_small_shapes.py and its
+compute-sanitizer run (scripts/gpu_check.sh parts `smallshapes` and `sanitize-small`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="address checks need the Triton interpreter (TRITON_INTERPRET=1)",
+)
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+from flashsuite.common.validation import check_inputs  # noqa: E402
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] of the elements a view can address."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    hi = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s > 0)
+    lo = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if s < 0)
+    size = t.element_size()
+    return t.data_ptr() + lo * size, t.data_ptr() + (hi + 1) * size
+
+
+@contextlib.contextmanager
+def bounds_checked() -> Iterator[list[str]]:
+    """Yields a list that collects one line per out-of-bounds load/store (kernel, op, lanes)."""
+    import numpy as np
+    from triton.runtime import interpreter as interp
+
+    violations: list[str] = []
+    launch: dict = {"name": "?", "spans": []}
+    grid_call = interp.GridExecutor.__call__
+    masked_load = interp.InterpreterBuilder.create_masked_load
+    masked_store = interp.InterpreterBuilder.create_masked_store
+
+    def call(self, *args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors += [a.base for a in (*args, *kwargs.values()) if hasattr(a, "block_shape")]
+        launch["spans"] = [_span(t) for t in tensors]
+        launch["name"] = getattr(self.fn, "__name__", "?")
+        return grid_call(self, *args, **kwargs)
+
+    def check(op: str, ptrs, mask) -> None:
+        addr = ptrs.data[mask.data].astype(np.uint64).ravel()
+        if addr.size == 0:
+            return
+        size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize
+        inside = np.zeros(addr.shape, dtype=bool)
+        for lo, hi in launch["spans"]:
+            inside |= (addr >= lo) & (addr + size <= hi)
+        if not inside.all():
+            violations.append(f"{launch['name']}: {op} of {int((~inside).sum())} lanes")
+
+    def load(self, ptrs, mask, *args, **kwargs):
+        check("load", ptrs, mask)
+        return masked_load(self, ptrs, mask, *args, **kwargs)
+
+    def store(self, ptrs, value, mask, *args, **kwargs):
+        check("store", ptrs, mask)
+        return masked_store(self, ptrs, value, mask, *args, **kwargs)
+
+    interp.GridExecutor.__call__ = call
+    interp.InterpreterBuilder.create_masked_load = load
+    interp.InterpreterBuilder.create_masked_store = store
+    try:
+        yield violations
+    finally:
+        interp.GridExecutor.__call__ = grid_call
+        interp.InterpreterBuilder.create_masked_load = masked_load
+        interp.InterpreterBuilder.create_masked_store = masked_store
+
+
+@triton.jit
+def _copy_kernel(src, dst, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    if MASKED:
+        x = tl.load(src + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(src + offs)
+    tl.store(dst + offs, x, mask=offs < n)
+
+
+@pytest.mark.parametrize("masked", [True, False])
+def test_checker_flags_a_read_past_the_end(masked: bool) -> None:
+    """The checker itself: a masked copy is clean, the same copy without the mask is not."""
+    src, dst = torch.randn(64 + 10)[:10], torch.empty(10)  # storage beyond the view: still OOB
+    with bounds_checked() as bad:
+        _copy_kernel[(1,)](src, dst, 10, BLOCK=16, MASKED=masked)
+    assert bool(bad) == (not masked), bad
+    assert torch.equal(dst, src)
+
+
+# The H200 crash shapes (D 64 / Dv 32 at N = 8 ... 48) and their neighbours, both sides of
+# the 64-key and 128-query tiles, Nq != Nk, GQA, causal and a sliding window.
+_SHAPES = [
+    # (Nq, Nk, Hq, Hkv, D, Dv, options)
+    (8, 8, 2, 2, 64, 32, {}),
+    (24, 24, 2, 2, 64, 32, {}),
+    (48, 48, 2, 2, 64, 32, {"causal": True}),
+    (72, 72, 2, 2, 64, 32, {}),
+    (12, 33, 4, 2, 64, 32, {"causal": True}),
+    (65, 17, 2, 1, 128, 64, {"window_size": (5, 3)}),
+    (130, 7, 2, 2, 32, 32, {"causal": True}),
+    (3, 129, 2, 2, 96, 96, {}),
+]
+
+
+def _run(version: str, case, dtype: torch.dtype, monkeypatch) -> list[str]:
+    """Forward and backward of `version` at `case` with the sm90 tile table; returns the
+    out-of-bounds accesses seen."""
+    from flashsuite.dispatch import registry
+
+    nq, nk, hq, hkv, d, dv, options = case
+    module = registry.module(version)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, nq, hq, d, generator=gen).to(dtype)
+    k = torch.randn(1, nk, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(1, nk, hkv, dv, generator=gen).to(dtype)
+    p = check_inputs(q, k, v, **options)
+    ok, why = module.supports(p, None)
+    if not ok:
+        pytest.skip(why)
+    if version == "fa2":
+        monkeypatch.setattr(module, "_arch", lambda t: 90)
+    else:
+        monkeypatch.setattr(module, "_arch_of", lambda t: 90)
+    with bounds_checked() as bad:
+        out, lse = module.forward(q, k, v, p)
+        dout = torch.randn(out.shape, generator=gen).to(dtype)
+        module.backward(dout, q, k, v, out, lse, p)
+    return bad
+
+
+@pytest.mark.parametrize(
+    "case", _SHAPES, ids=lambda c: f"{c[0]}x{c[1]}-h{c[2]}/{c[3]}-d{c[4]}/{c[5]}"
+)
+@pytest.mark.parametrize("version", ["fa1", "fa2"])
+def test_kernels_stay_inside_their_tensors(version: str, case, monkeypatch) -> None:
+    assert _run(version, case, torch.bfloat16, monkeypatch) == []
