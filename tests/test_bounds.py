@@ -41,9 +41,14 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr() + lo * size, t.data_ptr() + (hi + 1) * size
 
 
+descriptors_seen = [0]
+
+
 @contextlib.contextmanager
 def bounds_checked() -> Iterator[list[str]]:
-    """Yields a list that collects one line per out-of-bounds load/store (kernel, op, lanes)."""
+    """Yields a list that collects one line per out-of-bounds load/store (kernel, op, lanes)
+    or TMA descriptor whose declared extent leaves its tensor. `descriptors_seen` (a module
+    global) counts the descriptors checked, so a test can tell that the TMA path ran."""
     import numpy as np
     from triton.runtime import interpreter as interp
 
@@ -55,9 +60,16 @@ def bounds_checked() -> Iterator[list[str]]:
 
     def call(self, *args, **kwargs):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        tensors += [a.base for a in (*args, *kwargs.values()) if hasattr(a, "block_shape")]
-        launch["spans"] = [_span(t) for t in tensors]
+        descs = [a for a in (*args, *kwargs.values()) if hasattr(a, "block_shape")]
+        launch["spans"] = [_span(t) for t in tensors + [d.base for d in descs]]
         launch["name"] = getattr(self.fn, "__name__", "?")
+        for d in descs:  # TMA clips boxes to the declared extent: that must lie in the tensor
+            lo, hi = _span(d.base)
+            size = d.base.element_size()
+            last = sum((n - 1) * s for n, s in zip(d.shape, d.strides, strict=True))
+            if d.base.data_ptr() < lo or d.base.data_ptr() + (last + 1) * size > hi:
+                violations.append(f"{launch['name']}: descriptor {list(d.shape)} past its tensor")
+        descriptors_seen[0] += len(descs)
         return grid_call(self, *args, **kwargs)
 
     def check(op: str, ptrs, mask) -> None:
@@ -110,6 +122,26 @@ def test_checker_flags_a_read_past_the_end(masked: bool) -> None:
     assert torch.equal(dst, src)
 
 
+@triton.jit
+def _desc_copy_kernel(src_desc, dst, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(dst + offs, src_desc.load([0]), mask=offs < 10)
+
+
+@pytest.mark.parametrize("extent", [10, 16])
+def test_checker_flags_a_descriptor_past_the_end(extent: int) -> None:
+    """A TMA descriptor declared longer than its tensor is flagged; an exact one is not."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    src, dst = torch.randn(64 + 10)[:10], torch.empty(10)
+    desc = TensorDescriptor(src.as_strided((extent,), (1,)), [extent], [1], [16])
+    desc.base = src  # the tensor the kernel was meant to read
+    with bounds_checked() as bad:
+        _desc_copy_kernel[(1,)](desc, dst, BLOCK=16)
+    assert bool(bad) == (extent > 10), bad
+    assert torch.equal(dst, src)
+
+
 # The H200 crash shapes (D 64 / Dv 32 at N = 8 ... 48) and their neighbours, both sides of
 # the 64-key and 128-query tiles, Nq != Nk, GQA, causal and a sliding window.
 _SHAPES = [
@@ -144,10 +176,13 @@ def _run(version: str, case, dtype: torch.dtype, monkeypatch) -> list[str]:
         monkeypatch.setattr(module, "_arch", lambda t: 90)
     else:
         monkeypatch.setattr(module, "_arch_of", lambda t: 90)
+    before = descriptors_seen[0]
     with bounds_checked() as bad:
         out, lse = module.forward(q, k, v, p)
         dout = torch.randn(out.shape, generator=gen).to(dtype)
         module.backward(dout, q, k, v, out, lse, p)
+    if version == "fa1":  # the sm90 fa1 entries load through TMA descriptors
+        assert descriptors_seen[0] > before, "fa1: no TMA descriptor reached the kernels"
     return bad
 
 
