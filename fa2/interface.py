@@ -58,8 +58,17 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pad(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
+def _pad(d: int, dtype: torch.dtype | None = None) -> int:
+    """The kernels' head-dim tile: d rounded up to a power of two, at least 16.
+
+    fp16/bf16 on the GPU use at least 64: Triton 3.6's sm90 wgmma path with a 32-wide operand
+    (64-byte shared-memory rows: the P.V GEMM when Dv = 32 beside D = 64) reads shared memory
+    past the kernel's allocation (compute-sanitizer memcheck on the H200: "Invalid __shared__
+    read of size 1024 bytes" in _attn_fwd at D = 64, Dv = 32, N = 8..48), which faults the
+    context. The padded columns are masked on load and store, so only the speed changes.
+    """
+    floor = 64 if dtype in (torch.float16, torch.bfloat16) and not triton_interpreter() else 16
+    return max(floor, 1 << (d - 1).bit_length())
 
 
 def _arch(t: torch.Tensor) -> int | None:
@@ -100,8 +109,8 @@ def _common(p: AttnParams) -> dict:
         SOFTCAP=softcap,
         HEAD_DIM=p.head_dim,
         HEAD_DIM_V=p.head_dim_v,
-        D_PAD=_pad(p.head_dim),
-        DV_PAD=_pad(p.head_dim_v),
+        D_PAD=_pad(p.head_dim, p.dtype),
+        DV_PAD=_pad(p.head_dim_v, p.dtype),
         DOT_PRECISION="ieee" if p.dtype == torch.float32 else "tf32",
     )
 
