@@ -1,6 +1,6 @@
 """FLOP counting (causal- and window-aware) and the bytes a perfect kernel moves.
 
-Conventions (DESIGN.md, "Performance method"): the forward does two GEMMs per visible
+Conventions (docs/design.md, "Performance method"): the forward does two GEMMs per visible
 (query, key) pair, 2·D FLOPs for S = QKᵀ and 2·Dv for O = PV, so 4·B·Hq·Nq·Nk·D without
 masking. Masked pairs are not counted: causal is about half. The backward is 2.5× the
 forward (five GEMMs instead of two), whatever a kernel recomputes on top.

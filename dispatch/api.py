@@ -23,7 +23,7 @@ class Unsupported(ValueError):
 
 
 def auto_order(arch: int | None) -> tuple[str, ...]:
-    """Candidates for version="auto", best first (DESIGN.md, "Auto selection")."""
+    """Candidates for version="auto", best first (docs/design.md, "How the pieces fit")."""
     if arch is None:
         return ("torch",)  # CPU: no kernel runs here (the Triton interpreter is for tests)
     if 90 <= arch < 100:
@@ -159,7 +159,7 @@ def attention(
     q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), Hq % Hkv == 0, last dim contiguous.
     Returns out (B, Nq, Hq, Dv) in q's dtype (bf16 for float8 inputs) and, with
     `return_lse=True`, lse (B, Hq, Nq) float32 (natural log; -inf where a row sees no key).
-    `causal` is bottom-right aligned; see DESIGN.md for window_size and softcap.
+    `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
     """
     p = check_inputs(
         q,

@@ -32,7 +32,8 @@ def standard_sweep(
     causals=(False, True),
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[Case]:
-    """DESIGN.md's sweep: B·N = 16k tokens, Hq·D = 2048, N from 512 to 16k."""
+    """The standard sweep (docs/design.md, "Performance method"): B·N = 16k tokens, Hq·D = 2048,
+    N from 512 to 16k."""
     return [
         Case(
             batch=TOKENS // n,
@@ -98,7 +99,7 @@ def _ours_fn(version: str, case: Case, q, k, v):
 
 def materialising(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
     """What a user writes without a fused kernel: softmax(q·kᵀ·scale)·v in the input dtype, S and
-    P going through HBM (the baseline of the fa1 issue). q, k, v (B, N, H, D) with Hq = Hkv;
+    P going through HBM (the baseline fa1 is measured against). q, k, v (B, N, H, D) with Hq = Hkv;
     returns a callable giving out (B, H, N, D). Causal is bottom-right aligned; rows that see
     no key (causal, Nq > Nk) come out NaN, as they do in plain PyTorch."""
     qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # (B, H, N, D)

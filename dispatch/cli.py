@@ -203,7 +203,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     contenders = versions + (args.peers if args.peers is not None else list(PEERS))
     seqlens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
     cases = standard_sweep(head_dims=args.head_dims, seqlens=seqlens)
-    # The long sequences (where the issue bars are set) first, should the run be cut short.
+    # The long sequences (the headline numbers) first, should the run be cut short.
     cases.sort(key=lambda c: (c.seqlen_q < 2048, -c.seqlen_q, c.head_dim, c.causal))
     directions = ["fwd"] if args.fwd_only else ["fwd", "bwd"]
     meta = dict(

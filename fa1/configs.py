@@ -7,9 +7,10 @@ step, so its HBM traffic is about (Nk / BLOCK_N) * Nq * Dv * 8 bytes per (batch,
 the whole inner loop) and the S tile cost in registers and shared memory.
 
 Register and spill counts are from a compile probe (triton 3.6.0 compiling for sm_90a and
-sm_75 on a CPU machine, ptxas -v). Throughput is not measured yet: every branch is "no spill,
-fits shared memory", not "fastest". num_stages = 1 throughout: the O_i / dQ_i read-modify-write
-of every inner step leaves little to prefetch, and stage 2 added spills (28-200 B).
+sm_75 on a CPU machine, ptxas -v). The pointer-path branches are "no spill, fits shared
+memory", not "fastest"; the sm90 TMA branch quotes the H200 timings that chose it. The pointer
+path uses num_stages = 1: the O_i / dQ_i read-modify-write of every inner step leaves little to
+prefetch, and stage 2 added spills (28-200 B).
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ def fwd_config(
     if tma and arch is not None and arch >= 90 and dtype != torch.float32 and d <= 128:
         # sm90: TMA descriptors, 64-row wgmma tiles per warpgroup, K_j / V_j as two 128-row
         # halves (B_c = 256: one O_i round trip per 256 keys, S and P 128 wide). fa1/tune.py
-        # --tma on the H200 (2026-11-29 session 3, bf16, B·N = 16k, Hq·D = 2048, non-causal,
-        # TFLOP/s at N = 2k / 16k, materialising attention in the same run 73 / 89 at D = 64,
-        # 152 / 175 at D = 128; the pointer path's 32 x 256 tiles 82 / 80, 112 / 131):
+        # --tma on the H200 (2026-11-29, commit 8799983, bf16, B·N = 16k, Hq·D = 2048,
+        # non-causal, TFLOP/s at N = 2k / 16k, materialising attention in the same run 73 / 89
+        # at D = 64, 152 / 175 at D = 128; the pointer path's 32 x 256 tiles 82 / 80, 112 / 131):
         #   D = 64:  64 x 256 w4 s2 204 / 202; 64 x 128 w4 s3 156 / 160 (no split);
         #            128 x 256 w8 s2 157 / 168.
         #   D = 128: 128 x 256 w8 s1 219 / 236 (104 B of spill stack, TMA_STACK_BYTES); 64 x 256
@@ -89,7 +90,7 @@ def fwd_config(
         # No tensor cores: fp32 dots ask for IEEE products (FMA), and Triton 3.6 emits no
         # mma for sm75 (checked: fp16 tl.dot compiles to FMA there). An FMA dot holds both
         # operands in registers, so tiles stay small: 32x32 w4 at d <= 32, 32x32 w8 at d = 64,
-        # 16x16 w8 above: no spill on sm90 (probe, session 3; with 4 warps d = 64..128 spilled
+        # 16x16 w8 above: no spill on sm90 (compile probe; with 4 warps d = 64..128 spill
         # 12-44 B). On sm75 the d = 64 causal entry spills 8 B (fp32) / 12 B (fp16). An FMA
         # path, kept for correctness, not speed (tests/test_compile_probes.py pins the spill).
         if d <= 32:
@@ -154,14 +155,15 @@ TMA_STACK_BYTES: dict[tuple[int, bool], int] = {
     (128, True): 504,
 }
 
-# Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29 session 2, bf16, B·N = 16k,
-# Hq·D = 2048, shipped tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 / 117 / 130 TFLOP/s at
-# D = 128, N = 16k and 52 / 63 / 85 / 87 at D = 64, N = 16k (N = 2k: 116 -> 119, 82 -> 86).
-# Only one 32x256 program fits an SM at a time (144 KB of shared memory): more, shorter
-# programs shrink the last wave and the per-program serial K/V prologue. The sm90 TMA tiles
-# (session 3) keep 8: `tune --tma --per-sm 2 --per-sm 8` (fa1-tune-tma-8799983.json), shipped
-# tiles at N = 16k: 8 gives 236 / 202 TFLOP/s (D = 128 / 64) against 232 / 145 for 2; at N = 2k
-# 2 per SM is the faster one, 219 / 204 against 201 / 192 (a per-N choice not made yet).
+# Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29, commit e035e4e, bf16,
+# B·N = 16k, Hq·D = 2048, pointer-path tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 /
+# 117 / 130 TFLOP/s at D = 128, N = 16k and 52 / 63 / 85 / 87 at D = 64, N = 16k (N = 2k:
+# 116 -> 119, 82 -> 86). Only one 32x256 program fits an SM at a time (144 KB of shared
+# memory): more, shorter programs shrink the last wave and the per-program serial K/V
+# prologue. The sm90 TMA tiles keep 8: `tune --tma --per-sm 2 --per-sm 8`
+# (fa1-tune-tma-8799983.json), shipped tiles at N = 16k: 8 gives 236 / 202 TFLOP/s
+# (D = 128 / 64) against 232 / 145 for 2; at N = 2k 2 per SM is the faster one, 219 / 204
+# against 201 / 192 (one value serves every N).
 PROGRAMS_PER_SM = 8
 
 

@@ -3,7 +3,7 @@
 Every bf16/fp16 GPU entry was compiled for sm_90a on a CPU machine (`python -m
 flashsuite.fa2.tune --probe`, triton 3.6.0): 0 spilled bytes and shared memory <= 232,448 B
 (fp32 entries: see `_fwd_fp32`; `--probe --fp32` lists them). The
-starting points are the compile probe in shared/TRITON_HOPPER.md §1/§3 (pointer loads); the
+candidates are the pointer-load tiles that compile within those limits; the
 H200 timing sweep (`python -m flashsuite.fa2.tune --out DIR`) decides between the survivors.
 Timings quoted below: H200, 2026-11-29, N=8192 bf16, B·N = 16k, Hq·D = 2048, TFLOP/s (SDPA's
 flash backend in the same run in brackets).
@@ -128,16 +128,16 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
     elif head_dim <= 128:
         # dK/dV 32x128 w8 (96 KB), H200 2026-11-29, N=8192 bf16 (`tune --quick-bwd`):
         # non-causal s3 with the tail stage pipelined 380 TFLOP/s (1.24x flash 307; s2: 327,
-        # the earlier 32x64 s2: 184); causal s2 with the tail unpipelined 277-279 (0.95x flash
+        # 32x64 s2: 184); causal s2 with the tail unpipelined 277-279 (0.95x flash
         # 292; pipelined it spills 168 B). 64x128 and 64x64 spill 56-1000 B either way. Both
         # entries sit at 255 regs: small code changes tip them into 8-16 B of spills, so
         # re-probe after any edit of _bwd_dkdv. dQ 128x64 w8 s3: 219-229 regs, 0 spills.
         # dQ by TMA reduce-adds (dq_atomic, 5 GEMMs) measured slower here: 32x64 s2 158,
         # 16x128 s2 193 (non-causal).
-        # Causal, H200 2026-11-29 session 2 (`tune --quick-bwd --allow-spill 32`), N = 8k /
-        # 16k: s3 with the tail unpipelined 297 / 325 TFLOP/s (1.02 / 1.03x flash 292 / 316)
-        # against s2 278 / 300 (0.95x) and 16x128 s3 tail-pipelined 236 / 257. It is the one
-        # entry that spills (24 B, KNOWN_SPILL_BYTES): faster than every clean one. D=96
+        # Causal, H200 2026-11-29, commit e035e4e (`tune --quick-bwd --allow-spill 32`),
+        # N = 8k / 16k: s3 with the tail unpipelined 297 / 325 TFLOP/s (1.02 / 1.03x flash
+        # 292 / 316) against s2 278 / 300 (0.95x) and 16x128 s3 tail-pipelined 236 / 257. It is
+        # the one entry that spills (24 B, KNOWN_SPILL_BYTES): faster than every clean one. D=96
         # causal keeps s2 (s3 spills 72 B there; not timed).
         stages = 2 if causal and head_dim <= 96 else 3
         cfg = BwdConfig(32, 128, 128, 64, num_warps=8, num_stages=stages, num_warps_dq=8,
@@ -152,7 +152,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
     else:
         # dK/dV 64x32 w8 s2 (mma.sync) + dQ 128x32 w8 s3 (255 regs, 224 KB, wgmma): 192 (0.74x
         # flash 258). The one spill-free wgmma dK/dV tile is 16x64 w8 s2 with the tail
-        # pipelined (255 regs, 0 spills, 96 KB; s3 48 B): not timed yet (`tune --quick-bwd`).
+        # pipelined (255 regs, 0 spills, 96 KB; s3 48 B): untimed (`tune --quick-bwd` times it).
         cfg = BwdConfig(64, 32, 128, 32, num_warps=8, num_stages=2, num_warps_dq=8,
                         num_stages_dq=3)  # fmt: skip
     return _fit_smem(cfg, arch)

@@ -1,7 +1,7 @@
 """Tile configurations for the fa3 forward, one frozen dataclass per (head_dim, dtype, causal).
 
 Every entry was chosen from the shared-memory and register arithmetic written next to it (and
-FA3's published choices); the first H200 run's numbers are noted where they were measured.
+FA3's published choices); H200 numbers are noted where an entry was measured.
 `python -m flashsuite.fa3.ablate --final` times the candidates that may replace them.
 """
 
@@ -130,8 +130,9 @@ def get_config(
 
     Tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
     (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
-    H200 2026-11-29 session 2 (`ablate --persistent`, bf16, B·N = 16k, Hq·D = 2048), causal
-    TFLOP/s at N = 4k / 8k / 16k, plain grid -> v2 (v2 / cuDNN in the same run):
+    H200 2026-11-29, commit 8867277 (D=96/192: e035e4e; `ablate --persistent`, bf16,
+    B·N = 16k, Hq·D = 2048), causal TFLOP/s at N = 4k / 8k / 16k, plain grid -> v2 (v2 / cuDNN
+    in the same run):
 
         D=64   411 / 449 / 471 -> 424 / 469 / 487  (1.04 / 1.10 / 1.11x)  v1: 403 / 451 / 458
         D=96   471 / 505 / 522 -> 486 / 523 / 544  (1.20 / 1.25 / 1.26x)
@@ -142,13 +143,13 @@ def get_config(
 
     Non-causal keeps the plain grid (D=128: v2 604 vs 597, within noise).
 
-    skip_masked_wg on top of v2 (session 3, `ablate --persistent --variant new --variant
-    new_skip`, same run, v2 -> v2 + skip, TFLOP/s at N = 4k / 8k / 16k; cuDNN):
+    skip_masked_wg on top of v2 (commits cceee11 / 11d046f, `ablate --persistent --variant new
+    --variant new_skip`, same run, v2 -> v2 + skip, TFLOP/s at N = 4k / 8k / 16k; cuDNN):
         D=64   421 / 469 / 488 -> 431 / 472 / 497  (cuDNN 413 / 426 / 433)   shipped
         D=192  553 / 621 / 657 -> 571 / 631 / 663  (cuDNN 530 / 570 / 585)   shipped
         D=256  606 / 637 / 668 -> 589 / 638 / 660  (cuDNN 557 / 578 / 614)   not shipped
 
-    Short non-causal problems (session 4, `ablate --persistent --seqlen 512 ... 4096`, same
+    Short non-causal problems (commit 9a03882, `ablate --persistent --seqlen 512 ... 4096`, same
     run, plain grid -> v2, TFLOP/s at N = 512 / 1k / 2k / 4k; cuDNN): a tile of a few K/V blocks
     pays its fill, drain and epilogue often, and v2 overlaps the epilogue with the next tile.
         D=64   298 / 382 / 457 / 494 -> 331 / 392 / 443 / 429  (cuDNN 390 / 428 / 448 / 459)

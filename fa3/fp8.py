@@ -62,7 +62,7 @@ def _cfg(tile_n: int, stages: int = 2) -> Fa3Config:
 
 # head_dim -> tile config (non-causal and causal unless FP8_CAUSAL_CONFIGS says otherwise).
 # Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills. D = 64, 128, 256
-# from the H200 ablation of 2026-11-29 (session 2, `fp8_check --ablate`, B·N = 16k,
+# from the H200 ablation of 2026-11-29 (commit 8867277, `fp8_check --ablate`, B·N = 16k,
 # Hq·D = 2048, N = 8k, fp8 TFLOP/s with the Vᵀ copy, non-causal / causal); D = 96, 192 are
 # not measured (smem and register arithmetic).
 FP8_CONFIGS: dict[int, Fa3Config] = {

@@ -218,5 +218,5 @@ def _launch_plan(p: AttnParams, cfg: Fa3Config | None, device: torch.device) -> 
 
 
 def backward(dout, q, k, v, out, lse, p: AttnParams):
-    """fa3 has no backward yet: the dispatcher pairs its forward with fa2's backward."""
+    """fa3 has no backward of its own: the dispatcher pairs its forward with fa2's backward."""
     raise NotImplementedError("fa3: no backward; dispatch pairs the forward with fa2's backward")

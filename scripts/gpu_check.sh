@@ -8,7 +8,7 @@
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
 #   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
 #                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
-# With the CuTe DSL bundle (see README): source .gpu/activate.sh first.
+# fa3 needs the CuTe DSL installed (the `cute` extra; docs/gpu.md shows an offline install).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUTDIR [check|tests|bench|pybench ...]}
 shift

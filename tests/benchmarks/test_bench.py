@@ -1,5 +1,6 @@
 """The benchmark comparison (pytest-benchmark): every available version next to PyTorch SDPA's
-flash / cuDNN / efficient backends over DESIGN.md's standard sweep, forward and backward.
+flash / cuDNN / efficient backends over the standard sweep of docs/design.md, forward and
+backward.
 
 Not run by default (`--benchmark-skip` in pyproject); on a GPU host:
 
@@ -7,7 +8,7 @@ Not run by default (`--benchmark-skip` in pyproject); on a GPU host:
     python -m flashsuite.dispatch.report bench.json --out docs/results
 
 The numbers that matter are CUDA-event medians from `triton.testing.do_bench` (in
-`extra_info`: ms, TFLOP/s and the ratio to each peer timed in the same session);
+`extra_info`: ms, TFLOP/s and the ratio to each peer timed in the same run);
 pytest-benchmark's own columns time the same call with a device synchronisation.
 """
 
