@@ -63,15 +63,31 @@ def test_env_arch_override(monkeypatch) -> None:
         parse_arch("hopper")
 
 
-def test_fa3_forward_pairs_with_fa2_backward() -> None:
-    q, k, v = _qkv(requires_grad=True)
+@pytest.mark.parametrize(
+    ("d", "options", "env", "backward", "why"),
+    [
+        (128, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (64, {}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (128, {"causal": True}, "0", "fa2", "FLASHSUITE_FA3_BWD=0"),
+        (128, {"softcap": 30.0}, None, "fa2", "softcap not implemented"),
+        (128, {"window_size": (64, 0)}, None, "fa2", "sliding window not implemented"),
+        (256, {}, None, "fa2", "head_dim 256 not in"),
+    ],
+)
+def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) -> None:
+    if env is None:
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", env)
+    q, k, v = _qkv(d=d, requires_grad=True)
     with override_arch(90):
         if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
             pytest.skip("needs fa3 and fa2 importable")
-        choice = dispatch.select(q, k, v, causal=True)
-        text = dispatch.explain(q, k, v, causal=True)
-    assert (choice.version, choice.backward) == ("fa3", "fa2")
-    assert "backward: fa2" in text
+        choice = dispatch.select(q, k, v, **options)
+        text = dispatch.explain(q, k, v, **options)
+    assert (choice.version, choice.backward) == ("fa3", backward), text
+    assert f"backward: {backward}" in text
+    assert why in text, text
 
 
 def test_env_version_overrides_auto(monkeypatch) -> None:
