@@ -644,11 +644,10 @@ class Fa3Backward:
         gdQ = cute.local_tile(
             mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
         )  # (TILE_M, D)
-        tdQgdQ = thr_dq.partition_C(gdQ)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
-                ptr = tdQgdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
+                ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
                 cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
 
     @cute.jit

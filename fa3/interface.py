@@ -287,6 +287,9 @@ def backward(
         causal=p.causal,
         cfg=cfg if cfg is not None else bwd_config_for(p.head_dim, p.dtype, p.causal),
     )
+    # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()
     dout = _tma_ready(dout)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     return run_backward(key, dout, q, k, v, out.contiguous(), lse.contiguous(), p.scale)
