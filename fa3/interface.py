@@ -241,6 +241,8 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, "fa3 backward: sliding window not implemented yet"
     if p.softcap > 0:
         return False, "fa3 backward: softcap not implemented yet"
+    if torch.are_deterministic_algorithms_enabled():
+        return False, "fa3 backward: dQ is reduced with atomics (order not fixed); deterministic"
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"

@@ -186,3 +186,33 @@ def test_materialising_baseline_is_exact_attention(nq: int, nk: int, causal: boo
     out = materialising(q, k, v, causal)().transpose(1, 2)  # (B, Nq, H, D)
     ref, _ = attention_reference(q, k, v, causal=causal)
     torch.testing.assert_close(out, ref.to(F32), atol=1e-5, rtol=1e-5)
+
+
+def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
+    """The op's backward asks supports_backward (and FLASHSUITE_FA3_BWD) on every call."""
+    from flashsuite.common.validation import check_inputs
+
+    with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
+    calls = []
+    for name in ("fa3", "fa2"):
+        monkeypatch.setattr(
+            registry.module(name), "backward", lambda *a, _n=name: calls.append(_n) or a[1:4]
+        )
+    monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+    backward = registry._choosing_backward("fa3")
+    q, k, v = _qkv(d=128)
+    with override_arch(90):
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, softcap=30.0))
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD")
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:  # atomics reduce dQ in no fixed order: deterministic mode takes fa2's backward
+            backward(q, q, k, v, q, None, check_inputs(q, k, v))
+        finally:
+            torch.use_deterministic_algorithms(was)
+    assert calls == ["fa3", "fa2", "fa2", "fa2"]

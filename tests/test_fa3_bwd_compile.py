@@ -93,3 +93,19 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         # C7508: setmaxnreg ignored. C7512/C7515: every wgmma serialised.
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
+    """LSE in base 2 with -inf kept and padding rows -inf; D = rowsum(dO * O), 0 on padding."""
+    from flashsuite.fa3.bwd_host import LOG2E, preprocess
+
+    b, nq, hq, d = 2, 70, 3, 64
+    dout, out = torch.randn(b, nq, hq, d), torch.randn(b, nq, hq, d)
+    lse = torch.randn(b, hq, nq)
+    lse[0, 1, :5] = float("-inf")
+    lse_log2, dsum = preprocess(dout, out, lse, tile_m=64)
+    assert lse_log2.shape == dsum.shape == (b, hq, 128)
+    torch.testing.assert_close(lse_log2[:, :, :nq], lse * LOG2E)
+    assert torch.isneginf(lse_log2[0, 1, :5]).all() and torch.isneginf(lse_log2[:, :, nq:]).all()
+    torch.testing.assert_close(dsum[:, :, :nq], (dout * out).sum(-1).transpose(1, 2))
+    assert (dsum[:, :, nq:] == 0).all()
