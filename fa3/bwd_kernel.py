@@ -31,7 +31,9 @@ warp's dV/dK/dQ wgmmas (the last readers of sQ/sdO) have retired and its LSE/D s
 done. `pipe_kv` is waited for once. Named barriers on the 128 x NUM_MMA_WGS MMA threads, each
 synced once per row block by every MMA thread: DS_FREE before sdS is written (every WG has
 retired the previous block's dQ wgmma, which read sdS) and DS_READY after the write and the
-async-proxy fence (sdS is complete before either WG's dQ wgmma reads it).
+async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T goes to sdS
+before the dK wgmma is issued (a wgmma's register operands may not be read until it has
+retired); dV, dK and dQ then run together and one wait_group(0) retires all three.
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
@@ -538,22 +540,23 @@ class Fa3Backward:
                 )  # fmt: skip
                 self.pack(acc_S, tdVrP)
                 self.pack(acc_dP, tdKrdS)
-                self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
-                # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired.
+                # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
+                # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
+                # touched (read included) until a wait_group has retired it.
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
                 )
                 cute.autovec_copy(rdS, tSsdS)
-                # dV and dK retired: the P^T and dS^T registers are free for dQ's accumulator.
-                warpgroup.wait_group(0)
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
+                self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
                 )
                 self.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQrK, False)
-                warpgroup.wait_group(0)  # dQ retired: the sQ / sdO stage and sdS are read
+                # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
+                warpgroup.wait_group(0)
                 pipe_qdo.consumer_release(state)
                 state.advance()
                 self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
