@@ -17,11 +17,12 @@ Roles (`WarpRole`):
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
                        MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
-  and add dQ into the float32 accumulator in global memory with `red.global.add.f32`
-  (per-element atomics from registers; the TMA bulk reduce-add from smem by a dedicated warp
-  is the faster form docs/design.md plans next). Computing S^T and dP^T (K and V as the A
-  operand) puts P^T and dS^T in the accumulator layout, which is the A-fragment layout of the
-  RS wgmmas for dV and dK: no transpose through shared memory for those two.
+  and add dQ into the float32 accumulator in global memory with `atom.global.add.f32`
+  (per-element atomics from registers, REDG in SASS as the old value is unused; the TMA bulk
+  reduce-add from smem by a dedicated warp is the form docs/design.md plans to measure next).
+  Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
+  layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
+  shared memory for those two.
 - Epilogue: dK and dV (fp32, scale already folded into dS) converted to the input dtype and
   stored from registers with a bounds test per key row.
 

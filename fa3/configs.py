@@ -455,9 +455,9 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: num_mma_wgs {cfg.num_mma_wgs} not in {set(BWD_REG_SPLIT)}"
     if cfg.tile_n != 64 * cfg.num_mma_wgs:
         return False, f"fa3 backward: tile_n must be {64 * cfg.num_mma_wgs} (64 keys per MMA WG)"
-    # tile_m is S^T's wgmma N and the K of dV/dK (multiple of 16); its LSE TMA box is 16-byte.
-    if cfg.tile_m not in (64, 128):
-        return False, f"fa3 backward: tile_m {cfg.tile_m} not in (64, 128)"
+    # tile_m is the M of dQ's wgmma (one 64-row atom, the WGs split D) and S^T's N.
+    if cfg.tile_m != 64:
+        return False, f"fa3 backward: tile_m {cfg.tile_m} must be 64 (dQ's wgmma M)"
     if head_dim % (8 * cfg.num_mma_wgs) != 0:
         return False, f"fa3 backward: head_dim {head_dim} not split by {cfg.num_mma_wgs} WGs"
     if cfg.stages < 1:

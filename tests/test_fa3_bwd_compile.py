@@ -68,6 +68,8 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert not ok and "tile_n must be 128" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 256, torch.bfloat16)
     assert not ok and "head_dim 256" in reason
+    ok, reason = bwd_can_implement(BwdConfig(tile_m=128), 64, torch.bfloat16)
+    assert not ok and "tile_m 128 must be 64" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
     assert not ok and "dtype" in reason
 
