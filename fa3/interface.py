@@ -242,7 +242,7 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     if p.softcap > 0:
         return False, "fa3 backward: softcap not implemented yet"
     if torch.are_deterministic_algorithms_enabled():
-        return False, "fa3 backward: dQ is reduced with atomics (order not fixed); deterministic"
+        return False, "fa3 backward: deterministic mode (dQ is reduced by atomics, no fixed order)"
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
