@@ -60,14 +60,19 @@ def _check(name: str, p: AttnParams, arch: int | None, needs_grad: bool) -> tupl
     if not ok:
         return False, reason
     if needs_grad and not p.is_fp8:
-        bwd = registry.backward_source(name)
+        bwd = registry.backward_source(name, p, arch)
         if bwd is None:
             return False, "no backward available for this version (inputs require grad)"
+        partial = hasattr(mod, "supports_backward") and not mod.HAS_BACKWARD
         if bwd != name:
             ok, why = registry.module(bwd).supports(p, arch)
             if not ok:
                 return False, f"its backward comes from {bwd}, which cannot take it: {why}"
             reason = f"{reason}; backward by {bwd} (recompute from saved q, k, v, out, lse)"
+            if partial:
+                reason += f", not its own: {registry.own_backward(name, p, arch)[1]}"
+        elif partial:
+            reason = f"{reason}; own backward: {registry.own_backward(name, p, arch)[1]}"
     return True, reason
 
 
@@ -86,18 +91,18 @@ def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
             )
         how = "FLASHSUITE_VERSION" if version == "auto" else "explicit version="
         reasons = (f"{requested}: {how}; {reason}",)
-        return Choice(requested, _bwd(requested, needs_grad), arch, reasons, p)
+        return Choice(requested, _bwd(requested, needs_grad, p, arch), arch, reasons, p)
     reasons = []
     for name in auto_order(arch):
         ok, reason = _check(name, p, arch, needs_grad)
         reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
         if ok:
-            return Choice(name, _bwd(name, needs_grad), arch, tuple(reasons), p)
+            return Choice(name, _bwd(name, needs_grad, p, arch), arch, tuple(reasons), p)
     raise AssertionError("the portable version supports everything")  # pragma: no cover
 
 
-def _bwd(name: str, needs_grad: bool) -> str | None:
-    return registry.backward_source(name) if needs_grad else None
+def _bwd(name: str, needs_grad: bool, p: AttnParams, arch: int | None) -> str | None:
+    return registry.backward_source(name, p, arch) if needs_grad else None
 
 
 def select(q, k, v, *, version: str = "auto", **options) -> Choice:
@@ -116,6 +121,12 @@ def explain_choice(c: Choice) -> str:
     lines += [f"  {r}" for r in c.reasons]
     if c.backward is not None and c.backward != c.version:
         lines.append(f"  backward: {c.backward} (paired by dispatch on the saved tensors)")
+    elif (
+        c.backward is not None
+        and c.backward == c.version
+        and c.version in registry.BACKWARD_PARTNER
+    ):
+        lines.append(f"  backward: {c.backward}'s own kernel")
     return "\n".join(lines)
 
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
-from flashsuite.common.ops import AttentionOp
+from flashsuite.common.arch import device_arch
+from flashsuite.common.ops import AttentionOp, BackwardFn
+from flashsuite.common.validation import AttnParams
 
 VERSIONS = ("fa3", "fa2", "fa1", "torch")
 
@@ -23,7 +26,8 @@ _MODULES = {
 }
 
 # A version without a backward of its own borrows one, on the same saved (q, k, v, out, lse).
-# The pairing lives here, not in the versions, which never import each other.
+# The pairing lives here, not in the versions, which never import each other. A version with a
+# `supports_backward(p, arch)` runs its own backward where that says yes and borrows elsewhere.
 BACKWARD_PARTNER = {"fa3": "fa2"}
 
 
@@ -68,9 +72,33 @@ def available_versions(kernels_only: bool = False) -> list[str]:
     return [n for n in names if n != "torch"] if kernels_only else names
 
 
-def backward_source(name: str) -> str | None:
-    """The version whose backward differentiates `name`'s forward (None: no backward)."""
-    if module(name).HAS_BACKWARD:
+def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]:
+    """Whether `name` differentiates problem `p` with its own backward kernel, and why.
+
+    `FLASHSUITE_<NAME>_BWD=0` (e.g. FLASHSUITE_FA3_BWD=0) turns a partial own backward off, so
+    that the partner's backward runs without a code change.
+    """
+    mod = module(name)
+    if mod.HAS_BACKWARD:
+        return True, f"{name}: own backward"
+    check = getattr(mod, "supports_backward", None)
+    if check is None:
+        return False, f"{name}: no backward of its own"
+    switch = f"FLASHSUITE_{name.upper()}_BWD"
+    if os.environ.get(switch, "1") == "0":
+        return False, f"{name}: own backward turned off ({switch}=0)"
+    return check(p, arch)
+
+
+def backward_source(name: str, p: AttnParams | None = None, arch: int | None = None) -> str | None:
+    """The version whose backward differentiates `name`'s forward on `p` (None: no backward).
+
+    Without `p`, a version whose own backward is partial answers with its partner.
+    """
+    mod = module(name)
+    if mod.HAS_BACKWARD:
+        return name
+    if p is not None and hasattr(mod, "supports_backward") and own_backward(name, p, arch)[0]:
         return name
     partner = BACKWARD_PARTNER.get(name)
     if partner is not None and available(partner)[0]:
@@ -78,11 +106,26 @@ def backward_source(name: str) -> str | None:
     return None
 
 
+def _choosing_backward(name: str) -> BackwardFn:
+    """A backward that runs `name`'s own kernel where `own_backward` says yes, else the
+    partner's; decided per call, on the problem being differentiated."""
+
+    def backward(dout, q, k, v, out, lse, p: AttnParams):
+        source = backward_source(name, p, device_arch(p.device))
+        if source is None:
+            raise RuntimeError(f"{name}: no backward can take {p.describe()}")
+        return module(source).backward(dout, q, k, v, out, lse, p)
+
+    return backward
+
+
 @functools.cache
 def op(name: str) -> AttentionOp:
     """The custom-op pair `flashsuite::<name>_fwd/_bwd`, defined on first use (afterwards also
     reachable as `torch.ops.flashsuite.<name>_fwd`)."""
     mod = module(name)
+    if hasattr(mod, "supports_backward") and not mod.HAS_BACKWARD:
+        return AttentionOp(name, mod.forward, _choosing_backward(name))
     source = backward_source(name)
     backward = module(source).backward if source is not None else None
     return AttentionOp(name, mod.forward, backward)

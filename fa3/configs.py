@@ -392,3 +392,91 @@ def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
             cfg = _overlap(replace(base, tile_n=128, o_alias_q=False, intra_wg_overlap=True))
             out.append(("new_n128_iwo", d, causal, cfg))
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# backward (bwd_kernel.Fa3Backward)
+# ------------------------------------------------------------------------------------------------
+# setmaxnreg split (producer, MMA) per number of MMA warpgroups: 128 x 24 + 256 x 240 = 64,512.
+BWD_REG_SPLIT = {2: (24, 240)}
+BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Static tile shape of the fa3 backward (part of its compile key)."""
+
+    tile_m: int = 64  # query rows per step of the row-block loop (S^T's N, dV/dK's K)
+    tile_n: int = 128  # key rows per CTA: 64 per MMA warpgroup
+    stages: int = 2  # depth of the Q / dO / LSE / D TMA ring
+    num_mma_wgs: int = 2
+
+
+def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
+    mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV and sdS."""
+    mbar = 8 * (2 + 2 * cfg.stages)
+    stats = 2 * _align(cfg.tile_m * cfg.stages * 4, 128)
+    q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
+    kv = cfg.tile_n * head_dim * elem_bytes
+    ds = cfg.tile_m * cfg.tile_n * elem_bytes
+    return _align(_align(mbar, 128) + stats) + 2 * _align(q) + 2 * _align(kv) + _align(ds)
+
+
+def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
+    """fp32 S^T, dP^T, dV and dK fragments per MMA thread plus overhead. The packed 16-bit
+    P^T and dS^T take the place of S^T and dP^T, and dQ's fragment comes after both are
+    consumed, so neither is counted; ptxas (tests/test_fa3_bwd_compile.py) is the judge."""
+    rows = cfg.tile_n // cfg.num_mma_wgs
+    s = rows * cfg.tile_m // 128
+    dkv = rows * head_dim // 128
+    return 2 * s + 2 * dkv + 24
+
+
+def bwd_config_for(head_dim: int, dtype: torch.dtype, causal: bool) -> BwdConfig:
+    """The backward tile config for (head_dim, dtype, causal); fp16 and bf16 share tiles.
+
+    64 x 128 tiles with 2 MMA warpgroups, 2 stages at D = 64 and D = 128: FA3's published shape
+    for these head dims; compiles spill-free for sm_90a (tests/test_fa3_bwd_compile.py);
+    not yet timed.
+    """
+    del dtype, causal
+    if head_dim not in BWD_HEAD_DIMS:
+        raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
+    return BwdConfig(tile_m=64, tile_n=128, stages=2)
+
+
+def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether Fa3Backward can be built for this config: tile legality, smem and registers."""
+    if dtype not in DTYPES:
+        return False, f"fa3 backward: dtype {dtype} not in (float16, bfloat16)"
+    if head_dim not in BWD_HEAD_DIMS:
+        return False, f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}"
+    if cfg.num_mma_wgs not in BWD_REG_SPLIT:
+        return False, f"fa3 backward: num_mma_wgs {cfg.num_mma_wgs} not in {set(BWD_REG_SPLIT)}"
+    if cfg.tile_n != 64 * cfg.num_mma_wgs:
+        return False, f"fa3 backward: tile_n must be {64 * cfg.num_mma_wgs} (64 keys per MMA WG)"
+    # tile_m is the M of dQ's wgmma (one 64-row atom, the WGs split D) and S^T's N.
+    if cfg.tile_m != 64:
+        return False, f"fa3 backward: tile_m {cfg.tile_m} must be 64 (dQ's wgmma M)"
+    if head_dim % (8 * cfg.num_mma_wgs) != 0:
+        return False, f"fa3 backward: head_dim {head_dim} not split by {cfg.num_mma_wgs} WGs"
+    if cfg.stages < 1:
+        return False, f"fa3 backward: stages {cfg.stages} < 1"
+    smem = bwd_smem_bytes(cfg, head_dim)
+    if smem > SMEM_CAPACITY:
+        return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"
+    regs, budget = bwd_regs_estimate(cfg, head_dim), BWD_REG_SPLIT[cfg.num_mma_wgs][1]
+    if regs > budget:
+        return False, f"fa3 backward: ~{regs} registers per MMA thread > {budget}"
+    return True, ""
+
+
+def bwd_shipped_configs() -> list[tuple[int, torch.dtype, bool, BwdConfig]]:
+    """Every (head_dim, dtype, causal, config) bwd_config_for returns."""
+    return [
+        (d, dt, c, bwd_config_for(d, dt, c))
+        for d in BWD_HEAD_DIMS
+        for dt in DTYPES
+        for c in (False, True)
+    ]

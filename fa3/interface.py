@@ -1,10 +1,13 @@
-"""fa3: FlashAttention-3-style forward for Hopper in the CuTe DSL. The contract of docs/versions.md.
+"""fa3: FlashAttention-3-style forward and backward for Hopper in the CuTe DSL. The contract of
+docs/versions.md.
 
-Forward only (`HAS_BACKWARD = False`): the dispatcher pairs it with fa2's backward on the saved
-(q, k, v, out, lse). The kernel (`kernels.Fa3Forward`) is compiled once per `compile.CompileKey`
-(dtype, head_dim, causal/local/softcap flags, tile config) and launched through TVM-FFI on
-torch's current stream; batch, sequence lengths, head counts and strides are runtime values.
-float8_e4m3fn inputs go to `fp8` (bf16 out).
+The backward (`bwd_kernel.Fa3Backward`, launched by `bwd_host`) covers part of what the forward
+takes: `supports_backward` says which; the dispatcher pairs the forward with fa2's backward on
+the saved (q, k, v, out, lse) for the rest (`HAS_BACKWARD = False`: not every problem), and
+FLASHSUITE_FA3_BWD=0 sends every backward there. The forward kernel (`kernels.Fa3Forward`) is
+compiled once per `compile.CompileKey` (dtype, head_dim, causal/local/softcap flags, tile
+config) and launched through TVM-FFI on torch's current stream; batch, sequence lengths, head
+counts and strides are runtime values. float8_e4m3fn inputs go to `fp8` (bf16 out).
 """
 
 from __future__ import annotations
@@ -13,7 +16,17 @@ import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
 from flashsuite.common.validation import AttnParams
-from flashsuite.fa3.configs import DTYPES, HEAD_DIMS, Fa3Config, can_implement, get_config
+from flashsuite.fa3.configs import (
+    BWD_HEAD_DIMS,
+    DTYPES,
+    HEAD_DIMS,
+    BwdConfig,
+    Fa3Config,
+    bwd_can_implement,
+    bwd_config_for,
+    can_implement,
+    get_config,
+)
 
 NAME = "fa3"
 HAS_BACKWARD = False
@@ -217,6 +230,68 @@ def _launch_plan(p: AttnParams, cfg: Fa3Config | None, device: torch.device) -> 
     return plan
 
 
-def backward(dout, q, k, v, out, lse, p: AttnParams):
-    """fa3 has no backward of its own: the dispatcher pairs its forward with fa2's backward."""
-    raise NotImplementedError("fa3: no backward; dispatch pairs the forward with fa2's backward")
+def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
+    """Whether fa3's own backward kernel takes problem `p` on `arch` (else fa2's runs)."""
+    ok, reason = supports(p, arch)
+    if not ok:
+        return False, reason
+    if p.is_fp8:
+        return False, "fa3 backward: float8 is forward-only"
+    if p.is_local:
+        return False, "fa3 backward: sliding window not implemented yet"
+    if p.softcap > 0:
+        return False, "fa3 backward: softcap not implemented yet"
+    if torch.are_deterministic_algorithms_enabled():
+        return False, "fa3 backward: deterministic mode (dQ is reduced by atomics, no fixed order)"
+    if p.head_dim not in BWD_HEAD_DIMS:
+        dims = ", ".join(map(str, BWD_HEAD_DIMS))
+        return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
+    cfg = bwd_config_for(p.head_dim, p.dtype, p.causal)
+    if -(-p.seqlen_k // cfg.tile_n) > 2**31 - 1 or p.heads_kv > _MAX_GRID_YZ:
+        return False, f"fa3 backward: kv heads ({p.heads_kv}) must be <= {_MAX_GRID_YZ}"
+    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    if not ok:
+        return False, reason
+    return True, (
+        f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
+        f"{cfg.num_mma_wgs} MMA WGs, dQ by atomics"
+    )
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    p: AttnParams,
+    *,
+    cfg: BwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv in the input dtype, contiguous, for what `supports_backward` accepts.
+
+    dout, q, out (B, Nq, Hq, D); k, v (B, Nk, Hkv, D), fp16/bf16 on an sm90 GPU, last dim
+    contiguous; lse (B, Hq, Nq) float32 (natural log, -inf for rows that see no key). `cfg`
+    overrides the tile config from configs.bwd_config_for.
+    """
+    ok, reason = supports_backward(p, 90)
+    if not ok:
+        raise ValueError(f"fa3 backward: cannot take {p.describe()}: {reason}")
+    if q.numel() == 0 or k.numel() == 0:
+        # No row or no key: every gradient is 0 (TMA cannot describe a zero-length tensor).
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    from flashsuite.fa3.bwd_host import BwdCompileKey, run_backward
+
+    key = BwdCompileKey(
+        dtype=p.dtype,
+        head_dim=p.head_dim,
+        causal=p.causal,
+        cfg=cfg if cfg is not None else bwd_config_for(p.head_dim, p.dtype, p.causal),
+    )
+    # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()
+    dout = _tma_ready(dout)
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    return run_backward(key, dout, q, k, v, out.contiguous(), lse.contiguous(), p.scale)

@@ -63,15 +63,31 @@ def test_env_arch_override(monkeypatch) -> None:
         parse_arch("hopper")
 
 
-def test_fa3_forward_pairs_with_fa2_backward() -> None:
-    q, k, v = _qkv(requires_grad=True)
+@pytest.mark.parametrize(
+    ("d", "options", "env", "backward", "why"),
+    [
+        (128, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (64, {}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (128, {"causal": True}, "0", "fa2", "FLASHSUITE_FA3_BWD=0"),
+        (128, {"softcap": 30.0}, None, "fa2", "softcap not implemented"),
+        (128, {"window_size": (64, 0)}, None, "fa2", "sliding window not implemented"),
+        (256, {}, None, "fa2", "head_dim 256 not in"),
+    ],
+)
+def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) -> None:
+    if env is None:
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+    else:
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", env)
+    q, k, v = _qkv(d=d, requires_grad=True)
     with override_arch(90):
         if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
             pytest.skip("needs fa3 and fa2 importable")
-        choice = dispatch.select(q, k, v, causal=True)
-        text = dispatch.explain(q, k, v, causal=True)
-    assert (choice.version, choice.backward) == ("fa3", "fa2")
-    assert "backward: fa2" in text
+        choice = dispatch.select(q, k, v, **options)
+        text = dispatch.explain(q, k, v, **options)
+    assert (choice.version, choice.backward) == ("fa3", backward), text
+    assert f"backward: {backward}" in text
+    assert why in text, text
 
 
 def test_env_version_overrides_auto(monkeypatch) -> None:
@@ -170,3 +186,33 @@ def test_materialising_baseline_is_exact_attention(nq: int, nk: int, causal: boo
     out = materialising(q, k, v, causal)().transpose(1, 2)  # (B, Nq, H, D)
     ref, _ = attention_reference(q, k, v, causal=causal)
     torch.testing.assert_close(out, ref.to(F32), atol=1e-5, rtol=1e-5)
+
+
+def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
+    """The op's backward asks supports_backward (and FLASHSUITE_FA3_BWD) on every call."""
+    from flashsuite.common.validation import check_inputs
+
+    with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
+    calls = []
+    for name in ("fa3", "fa2"):
+        monkeypatch.setattr(
+            registry.module(name), "backward", lambda *a, _n=name: calls.append(_n) or a[1:4]
+        )
+    monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+    backward = registry._choosing_backward("fa3")
+    q, k, v = _qkv(d=128)
+    with override_arch(90):
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, softcap=30.0))
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD")
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:  # atomics reduce dQ in no fixed order: deterministic mode takes fa2's backward
+            backward(q, q, k, v, q, None, check_inputs(q, k, v))
+        finally:
+            torch.use_deterministic_algorithms(was)
+    assert calls == ["fa3", "fa2", "fa2", "fa2"]

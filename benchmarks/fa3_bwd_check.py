@@ -1,0 +1,294 @@
+"""fa3's own backward on the H200: correctness against the oracle, then backward TFLOP/s.
+
+    source .gpu/activate.sh
+    python3 benchmarks/fa3_bwd_check.py --out $OUT/bwd [--smoke] [--bench]
+
+1. Correctness (always): dq, dk, dv of `dispatch.attention(..., version="fa3")` (fa3's forward
+   and, where supports_backward says yes, fa3's own backward) against the oracle
+   (common.testing.reference_pair; DESIGN's rule with factor 3 for gradients), and out / lse
+   against it too (factor 2: the forward is untouched). D 64 and 128, bf16 and fp16, causal or
+   not, GQA / MQA, Nq != Nk both ways, odd lengths (1, 17, 113, 1000), fully masked rows
+   (causal with Nq > Nk), strided inputs, N up to 4k. fa2's backward error on the same case is
+   recorded beside ours. One line per case; DIR/fa3_bwd.json is written before every case and
+   each GPU step runs under a hang watchdog (a barrier bug hangs the GPU: the JSON then shows
+   which case was running). --smoke: the first three cases only.
+2. --bench: backward TFLOP/s (2.5x the forward FLOPs, causal halved) over B*N = 16k tokens,
+   Hq*D = 2048, N 1k / 4k / 16k, D 64 / 128, causal and not: fa3 (own backward), fa3 with
+   FLASHSUITE_FA3_BWD=0 (fa2's backward, the previous pairing), SDPA cuDNN and flash, and FA4's
+   CuTe-DSL SM90 backward (flash_attn.cute, skipped with a note if not importable), all timed in
+   this run with triton.testing.do_bench (median); then a training step (forward + backward) at
+   D = 128, N = 8k. A summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import (
+    Case,
+    compare,
+    hang_watchdog,
+    make_grad_out,
+    make_inputs,
+    reference_pair,
+)
+
+_HANG_S = 240  # seconds one GPU step may take (a first compile of the backward included)
+BF16, F16 = torch.bfloat16, torch.float16
+SWITCH = "FLASHSUITE_FA3_BWD"
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def correctness_cases() -> list[Case]:
+    """Small and tile-edge problems first (the smoke set), then the rest."""
+    c = []
+    c.append(Case(1, 128, 128, 2, 2, 64, dtype=BF16, tags=("one-block",)))
+    c.append(Case(1, 17, 113, 2, 2, 128, dtype=BF16, causal=True, tags=("odd",)))
+    c.append(Case(2, 300, 260, 4, 2, 64, dtype=F16, causal=True, tags=("gqa",)))
+    for d in (64, 128):
+        for causal in (False, True):
+            c.append(Case(2, 1000, 1000, 4, 4, d, dtype=BF16, causal=causal))
+            c.append(Case(1, 1, 17, 2, 2, d, dtype=BF16, causal=causal, tags=("nq1",)))
+            c.append(Case(1, 113, 17, 2, 2, d, dtype=BF16, causal=causal, tags=("nq>nk",)))
+            c.append(Case(1, 17, 1000, 2, 2, d, dtype=BF16, causal=causal, tags=("nk>nq",)))
+            c.append(Case(2, 513, 700, 8, 1, d, dtype=BF16, causal=causal, tags=("mqa",)))
+            c.append(Case(1, 4096, 4096, 4, 2, d, dtype=BF16, causal=causal, tags=("long",)))
+        c.append(Case(2, 1000, 1000, 4, 4, d, dtype=F16))
+        # Causal with Nq > Nk: the first Nq - Nk rows see no key (LSE -inf, zero gradients).
+        c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
+        c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
+    return c
+
+
+def _p(case: Case, q, k, v):
+    from flashsuite.common.validation import check_inputs
+
+    return check_inputs(q, k, v, **case.options())
+
+
+def check_case(case: Case) -> dict:
+    """One correctness case: fa3 through dispatch vs the oracle, and fa2's backward error."""
+    from flashsuite import dispatch
+    from flashsuite.dispatch import registry
+
+    q, k, v = make_inputs(case, "cuda", requires_grad=True)
+    dout = make_grad_out(case, "cuda")
+    choice = dispatch.select(q, k, v, version="fa3", **case.options())
+    t0 = time.perf_counter()
+    with hang_watchdog(_HANG_S):
+        out, lse = dispatch.attention(q, k, v, version="fa3", return_lse=True, **case.options())
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    ref = reference_pair(q, k, v, grad_out=dout, **case.options())
+    ours = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    comps = [
+        compare(name, ours[name], *ref[name], factor=2.0 if name in ("out", "lse") else 3.0)
+        for name in ("out", "lse", "dq", "dk", "dv")
+    ]
+    # fa2's backward on the same saved tensors: the yardstick the old pairing met.
+    with hang_watchdog(_HANG_S):
+        fa2 = registry.module("fa2").backward(
+            dout, q.detach(), k.detach(), v.detach(), out.detach(), lse, _p(case, q, k, v)
+        )
+        torch.cuda.synchronize()
+    fa2_err = {
+        name: (g.double() - ref[name][0].double()).abs().max().item()
+        for name, g in zip(("dq", "dk", "dv"), fa2, strict=True)
+    }
+    return {
+        "case": case.id,
+        "backward": choice.backward,
+        "ok": all(c.ok for c in comps),
+        "seconds": round(secs, 2),
+        "checks": {c.name: {"err": c.err, "bound": c.bound, "ok": c.ok} for c in comps},
+        "fa2_err": fa2_err,
+        "text": "; ".join(str(c) for c in comps),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+def _fa4():
+    """FA4's flash_attn_func (flash_attn.cute), or None with the reason."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # not installed, or its DSL import failed
+        return None, f"{type(exc).__name__}: {exc}"
+    return flash_attn_func, ""
+
+
+def _forward_fn(contender: str, case: Case, q, k, v):
+    """(forward callable returning out, leaves) for one contender."""
+    from flashsuite import dispatch
+    from flashsuite.dispatch.bench import PEERS, _sdpa_fn
+
+    if contender in PEERS:
+        return _sdpa_fn(contender, case, q, k, v)
+    if contender == "fa4":
+        fa4, _ = _fa4()
+
+        def run():
+            res = fa4(q, k, v, causal=case.causal)
+            return res[0] if isinstance(res, tuple) else res
+
+        return run, (q, k, v)
+    return (lambda: dispatch.attention(q, k, v, causal=case.causal, version="fa3")), (q, k, v)
+
+
+def time_case(contender: str, case: Case, step: bool = False) -> dict:
+    """Backward (or, with `step`, forward + backward) TFLOP/s of one contender on one case."""
+    from flashsuite.dispatch.bench import time_ms
+
+    flops = attention_flops(
+        case.batch,
+        case.heads_q,
+        case.seqlen_q,
+        case.seqlen_k,
+        case.head_dim,
+        causal=case.causal,
+        backward=True,
+    )
+    if step:
+        flops += attention_flops(
+            case.batch, case.heads_q, case.seqlen_q, case.seqlen_k, case.head_dim,
+            causal=case.causal,
+        )  # fmt: skip
+    row = {"contender": contender, "case": case.id, "step": step, "n": case.seqlen_q}
+    row.update(d=case.head_dim, causal=case.causal)
+    saved = os.environ.get(SWITCH)
+    try:
+        if contender == "fa3-fa2bwd":
+            os.environ[SWITCH] = "0"
+        q, k, v = make_inputs(case, "cuda", requires_grad=True)
+        run, leaves = _forward_fn(
+            "fa3" if contender.startswith("fa3") else contender, case, q, k, v
+        )
+        dout = make_grad_out(case, "cuda")
+        with hang_watchdog(_HANG_S):
+            out = run()
+            if out.shape != dout.shape:  # SDPA works in (B, H, N, D)
+                dout = dout.transpose(1, 2).contiguous()
+            if step:
+                ms = time_ms(lambda: torch.autograd.grad(run(), leaves, dout))
+            else:
+                ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+        row.update(ms=ms, tflops=flops / ms / 1e9)
+    except Exception as exc:  # a peer missing on this build, an unsupported shape
+        row.update(ms=math.nan, tflops=math.nan, error=f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        if saved is None:
+            os.environ.pop(SWITCH, None)
+        else:
+            os.environ[SWITCH] = saved
+        torch.cuda.empty_cache()
+    return row
+
+
+def sweep_cases() -> list[Case]:
+    from flashsuite.dispatch.bench import standard_sweep
+
+    return standard_sweep(head_dims=(64, 128), seqlens=(1024, 4096, 16384))
+
+
+def _summary(rows: list[dict], contenders: list[str]) -> str:
+    lines = ["backward TFLOP/s (bf16, B*N = 16k, Hq*D = 2048); step = fwd+bwd TFLOP/s"]
+    head = f"{'D':>4} {'causal':>6} {'N':>6} {'kind':>5} " + " ".join(
+        f"{c:>11}" for c in contenders
+    )
+    lines.append(head + f" {'fa3/cudnn':>9}")
+    keys = sorted({(r["d"], r["causal"], r["n"], r["step"]) for r in rows})
+    for d, causal, n, step in keys:
+        got = {
+            r["contender"]: r["tflops"]
+            for r in rows
+            if (r["d"], r["causal"], r["n"], r["step"]) == (d, causal, n, step)
+        }
+        cells = " ".join(f"{got.get(c, math.nan):11.1f}" for c in contenders)
+        ratio = got.get("fa3", math.nan) / got.get("sdpa-cudnn", math.nan)
+        kind = "step" if step else "bwd"
+        lines.append(f"{d:>4} {causal!s:>6} {n:>6} {kind:>5} {cells} {ratio:9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True, help="folder for fa3_bwd.json")
+    ap.add_argument("--smoke", action="store_true", help="the first three correctness cases")
+    ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        _log("fa3_bwd_check: needs a CUDA GPU (sm90)")
+        return 2
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "fa3_bwd.json"
+    report: dict = {"device": torch.cuda.get_device_name(), "cases": [], "bench": []}
+
+    def save(running: str = "") -> None:
+        report["running"] = running
+        path.write_text(json.dumps(report, indent=1))
+
+    cases = correctness_cases()
+    if args.smoke:
+        cases = cases[:3]
+    failures = 0
+    for case in cases:
+        save(running=case.id)
+        try:
+            r = check_case(case)
+        except Exception as exc:
+            r = {"case": case.id, "ok": False, "error": traceback.format_exc(limit=4)}
+            _log(f"ERROR {case.id}: {type(exc).__name__}: {exc}")
+        report["cases"].append(r)
+        failures += not r["ok"]
+        if "text" in r:
+            verdict = "ok  " if r["ok"] else "FAIL"
+            _log(f"{verdict} {case.id} [bwd {r['backward']}, {r['seconds']}s] {r['text']}")
+    save()
+    _log(f"correctness: {len(cases) - failures}/{len(cases)} cases pass")
+
+    if args.bench:
+        fa4, why = _fa4()
+        contenders = ["fa3", "fa3-fa2bwd", "sdpa-cudnn", "sdpa-flash"]
+        if fa4 is None:
+            report["fa4_skipped"] = why
+            _log(f"FA4 (flash_attn.cute) not importable, skipped: {why}")
+        else:
+            contenders.append("fa4")
+        for case in sweep_cases():
+            for c in contenders:
+                save(running=f"bench {c} {case.id}")
+                row = time_case(c, case)
+                report["bench"].append(row)
+                _log(f"{c:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
+        step = Case(2, 8192, 8192, 16, 16, 128, dtype=BF16)
+        for causal in (False, True):
+            case = replace(step, causal=causal)
+            for c in contenders:
+                save(running=f"step {c} {case.id}")
+                row = time_case(c, case, step=True)
+                report["bench"].append(row)
+                _log(f"{c:11s} step {case.id}: {row['tflops']:.1f} TFLOP/s")
+        save()
+        _log(_summary(report["bench"], contenders))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

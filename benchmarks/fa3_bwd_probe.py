@@ -1,0 +1,94 @@
+"""Compile probe of the fa3 backward: build configs for sm_90a (no GPU) and report PTX facts.
+
+    python benchmarks/fa3_bwd_probe.py                  # the CI set, a table
+    python benchmarks/fa3_bwd_probe.py --all            # every shipped (head_dim, dtype, causal)
+    python benchmarks/fa3_bwd_probe.py --json out.json  # the same, as JSON
+    python benchmarks/fa3_bwd_probe.py --shard 0/2      # every other case (CI runs 2 at once)
+
+Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
+barriers, the dQ reduction) and ptxas' spill bytes and remarks. flashsuite.fa3.probe sets the
+CUTE_DSL_* variables (sm_90a, ptxas -v, PTX kept) when imported, before cutlass is: run this
+in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+from flashsuite.fa3 import probe  # first: sets CUTE_DSL_* before cutlass is imported
+
+# The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
+DQ_REDUCE = r"(?:atom|red)\.global\.add\.f32|cp\.reduce\.async\.bulk"
+
+
+def cases(everything: bool) -> list[tuple]:
+    """(head_dim, dtype, causal, cfg) to compile. The CI set is every shipped (head_dim, causal)
+    in bf16 plus fp16 once: the dtype changes only the conversion instructions."""
+    import torch
+
+    from flashsuite.fa3.configs import bwd_shipped_configs
+
+    shipped = bwd_shipped_configs()
+    if everything:
+        return shipped
+    picked = [c for c in shipped if c[1] == torch.bfloat16]
+    picked += [c for c in shipped if c[1] == torch.float16 and c[0] == 64 and c[2]]
+    return picked
+
+
+def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
+    """Compile one backward config and return its PTX counts and ptxas facts."""
+    from flashsuite.fa3.bwd_host import BwdCompileKey, compile_backward
+
+    try:
+        import tvm_ffi  # noqa: F401
+
+        tvm = True
+    except ImportError:
+        tvm = False
+    key = BwdCompileKey(dtype, head_dim, causal, cfg, tvm_ffi=tvm)
+    t0 = time.perf_counter()
+    compiled, log = probe._capture_fd2(lambda: compile_backward(key))
+    ptx = getattr(compiled, "__ptx__", None) or ""
+    counts = probe.ptx_counts(ptx)
+    counts["dq_reduce"] = len(re.findall(DQ_REDUCE, ptx))
+    return {
+        "head_dim": head_dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "causal": causal,
+        "config": cfg.__dict__,
+        "compile_s": round(time.perf_counter() - t0, 2),
+        "ptx": counts,
+        **probe.parse_ptxas(log),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--shard", default="0/1", help="i/n: probe cases i, i+n, i+2n, ...")
+    ap.add_argument("--all", action="store_true", help="every dtype, not only the CI set")
+    args = ap.parse_args(argv)
+    i, n = (int(x) for x in args.shard.split("/"))
+    results = []
+    for d, dt, causal, cfg in cases(args.all)[i::n]:
+        r = probe_backward(d, dt, causal, cfg)
+        results.append(r)
+        if not args.json:
+            print(
+                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} "
+                f"spill={r['spill_stores']}/{r['spill_loads']} remarks={r['remarks']} "
+                f"{r['compile_s']}s {r['ptx']}"
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

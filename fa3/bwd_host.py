@@ -1,0 +1,134 @@
+"""Host side of the fa3 backward: compile cache, pre/postprocess and the launch.
+
+`BwdCompileKey` holds only what changes the generated code (dtype, head_dim, causal, local,
+softcap, tile config, arch); batch, sequence lengths, head counts and strides are symbolic in
+the fake tensors the kernel is compiled from, so new shapes never recompile. The binary is built
+with `--enable-tvm-ffi` and takes torch tensors on torch's current stream.
+
+Pre- and postprocess are small torch ops for now (docs/design.md): D = rowsum(dO * O) in
+float32, LSE * log2(e) (-inf kept: the kernel reads it as P = 0), both padded to whole row
+blocks with 0 / -inf; the float32 dQ accumulator zeroed; dQ cast to the input dtype at the end
+(the softmax scale is folded into dS inside the kernel).
+
+`CUTE_DSL_*` environment settings are read when `cutlass.cute` is first imported; set
+`CUTE_DSL_ARCH=sm_90a` before importing this module to compile on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+import torch
+
+from flashsuite.fa3.bwd_kernel import Fa3Backward
+from flashsuite.fa3.compile import cached, check_storage, compile_options
+from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes
+
+_TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class BwdCompileKey:
+    """Everything that changes the generated code of one backward kernel."""
+
+    dtype: torch.dtype
+    head_dim: int
+    causal: bool
+    cfg: BwdConfig
+    local: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
+    softcap: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
+    arch: str = "sm_90a"
+    tvm_ffi: bool = True
+
+
+def _fake_inputs(key: BwdCompileKey) -> tuple:
+    """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides."""
+    dt = _TORCH_TO_CUTLASS[key.dtype]
+    d = key.head_dim
+    b, nq, nk, hq, hkv, nq_pad = (cute.sym_int() for _ in range(6))
+    elems_16b = 16 // (dt.width // 8)  # TMA: outer strides are multiples of 16 bytes
+
+    def strided(n: Any, h: Any) -> Any:
+        stride = (*(cute.sym_int64(divisibility=elems_16b) for _ in range(3)), 1)
+        return cute.runtime.make_fake_tensor(dt, (b, n, h, d), stride=stride, assumed_align=16)
+
+    def compact(dtype: Any, n: Any, h: Any) -> Any:
+        return cute.runtime.make_fake_compact_tensor(
+            dtype, (b, n, h, d), stride_order=(3, 2, 1, 0), assumed_align=16
+        )
+
+    def stats() -> Any:  # (B, Hq, Nq_pad) fp32, rows padded to whole row blocks
+        stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
+        return cute.runtime.make_fake_tensor(
+            cutlass.Float32, (b, hq, nq_pad), stride=stride, assumed_align=16
+        )
+
+    q, k, v, do = strided(nq, hq), strided(nk, hkv), strided(nk, hkv), strided(nq, hq)
+    dq_acc = compact(cutlass.Float32, nq, hq)
+    dk, dv = compact(dt, nk, hkv), compact(dt, nk, hkv)
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv
+
+
+def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
+    """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
+    if key.local or key.softcap:
+        raise ValueError("fa3 backward: sliding window and softcap are not implemented")
+    kernel = Fa3Backward(_TORCH_TO_CUTLASS[key.dtype], key.head_dim, key.cfg, key.causal)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    compiled = cute.compile(
+        kernel,
+        *_fake_inputs(key),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        stream,
+        options=compile_options(key.arch, key.tvm_ffi, extra_options),
+    )
+    check_storage(kernel, bwd_smem_bytes(key.cfg, key.head_dim), f"backward {key.cfg}")
+    return compiled
+
+
+def get_backward(key: BwdCompileKey) -> Any:
+    """The cached binary for `key`, compiled on first use (thread-safe)."""
+    return cached(key, compile_backward)
+
+
+def preprocess(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lse_log2, dsum), both (B, Hq, Nq_pad) float32 with Nq_pad a multiple of `tile_m`.
+
+    lse_log2 = lse * log2(e) (-inf stays -inf, padding rows -inf); dsum = rowsum(dout * out)
+    (padding rows 0). dout, out (B, Nq, Hq, D); lse (B, Hq, Nq) float32, natural log.
+    """
+    b, nq, hq, _ = out.shape
+    nq_pad = -(-nq // tile_m) * tile_m
+    lse_log2 = torch.full((b, hq, nq_pad), -math.inf, dtype=torch.float32, device=out.device)
+    lse_log2[:, :, :nq] = lse * LOG2E  # (B, Hq, Nq)
+    dsum = torch.zeros((b, hq, nq_pad), dtype=torch.float32, device=out.device)
+    dsum[:, :, :nq] = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, Hq, Nq)
+    return lse_log2, dsum
+
+
+def run_backward(
+    key: BwdCompileKey,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D)."""
+    lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
+    fn = get_backward(key)
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale * LOG2E, scale)
+    return dq_acc.to(q.dtype), dk, dv

@@ -1,0 +1,678 @@
+"""FA3-style attention backward for Hopper (sm_90a) in the CuTe DSL.
+
+One CTA owns one K/V column block (TILE_N = 64 x NUM_MMA_WGS key rows) of one (kv head, batch)
+and walks the query row blocks (TILE_M rows) of every query head of its GQA group that can see
+the block. The grid is (n_blocks, Hkv, B); 128 + 128 x NUM_MMA_WGS threads.
+
+Roles (`WarpRole`):
+- WG0, the producer (24 registers): warp 0 loads K and V once (`pipe_kv`, one stage, never
+  released) and then, per row block, Q, dO, LSE (base 2) and D = rowsum(dO * O) into a
+  STAGES-deep TMA ring (`pipe_qdo`: the four copies complete one mbarrier per stage).
+- WG1.., the MMA warpgroups (240 registers), 64 key rows each. Per row block:
+    S^T  = K Q^T       SS wgmma: A = sK (K-major), B = sQ stage (K-major)
+    dP^T = V dO^T      SS wgmma: A = sV, B = sdO stage
+    P^T  = exp2(S^T * scale_log2 - LSE_log2), dS^T = P^T * (dP^T - D) * scale, in registers
+    dV  += P^T dO      RS wgmma: A = P^T (registers, 16-bit), B = sdO stage as an MN-major
+                       (D, TILE_M) view
+    dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
+    dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
+                       MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
+  and add dQ into the float32 accumulator in global memory with `atom.global.add.f32`
+  (per-element atomics from registers, REDG in SASS as the old value is unused; the TMA bulk
+  reduce-add from smem by a dedicated warp is the form docs/design.md plans to measure next).
+  Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
+  layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
+  shared memory for those two.
+- Epilogue: dK and dV (fp32, scale already folded into dS) converted to the input dtype and
+  stored from registers with a bounds test per key row.
+
+Barriers. `pipe_qdo`: full barriers complete on the producer's arrive_and_expect_tx (count 1)
+plus the TMA bytes of Q, dO, LSE and D; empty barriers on one arrival per MMA warp after the
+warp's dV/dK/dQ wgmmas (the last readers of sQ/sdO) have retired and its LSE/D smem reads are
+done. `pipe_kv` is waited for once. Named barriers on the 128 x NUM_MMA_WGS MMA threads, each
+synced once per row block by every MMA thread: DS_FREE before sdS is written (every WG has
+retired the previous block's dQ wgmma, which read sdS) and DS_READY after the write and the
+async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T goes to sdS
+before the dK wgmma is issued (a wgmma's register operands may not be read until it has
+retired); dV, dK and dQ then run together and one wait_group(0) retires all three.
+
+Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
+sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
+masked blocks are never visited. Blocks on the causal diagonal or holding keys past Nk set
+S = -inf there. LSE = -inf (a row that sees no key, and the padding rows past Nq, which the
+host fills with -inf) is read as +inf, so P = exp2(s - inf) = 0: zero gradients, no NaN.
+
+Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B) for 4-D
+TMA descriptors (tail row blocks load zeros); LSE and D as (Nq_pad, H, B).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
+import enum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
+from flashsuite.fa3.kernels import Fa3Forward, cvt_pack_16x2
+
+
+class WarpRole(enum.IntEnum):
+    """Warpgroup index -> role (NUM_THREADS = (1 + NUM_MMA_WGS) x 128 threads)."""
+
+    PRODUCER = 0
+    MMA0 = 1
+    MMA1 = 2
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids over the MMA threads; 0 is __syncthreads."""
+
+    DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
+    DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
+
+
+class Fa3Backward:
+    """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
+
+    def __init__(
+        self, dtype: type[cutlass.Numeric], head_dim: int, cfg: BwdConfig, causal: bool
+    ) -> None:
+        self.dtype = dtype
+        self.HEAD_DIM = head_dim
+        self.TILE_M = cfg.tile_m
+        self.TILE_N = cfg.tile_n
+        self.STAGES = cfg.stages
+        self.NUM_MMA_WGS = cfg.num_mma_wgs
+        self.PRODUCER_REGS, self.MMA_REGS = BWD_REG_SPLIT[cfg.num_mma_wgs]
+        self.MMA_THREADS = 128 * cfg.num_mma_wgs
+        self.NUM_THREADS = 128 + self.MMA_THREADS
+        self.CAUSAL = causal
+
+    # ----------------------------------------------------------------------------------------
+    # layouts, MMAs, shared storage (trace-time helpers)
+    # ----------------------------------------------------------------------------------------
+    def _make_layouts(self):
+        """sQ and sdO (TILE_M, D, STAGES), sK and sV (TILE_N, D), sdS (TILE_M, TILE_N), sLSE and
+        sD (TILE_M, STAGES). Rows are contiguous along D (along TILE_N for sdS)."""
+        width = self.dtype.width // 8
+        d_atom = Fa3Forward._k_major_atom(self.HEAD_DIM * width, self.dtype)
+        sQ_l = cute.tile_to_shape(
+            d_atom, (self.TILE_M, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
+        )
+        sK_l = cute.tile_to_shape(d_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
+        n_atom = Fa3Forward._k_major_atom(self.TILE_N * width, self.dtype)
+        sdS_l = cute.tile_to_shape(n_atom, (self.TILE_M, self.TILE_N), order=(0, 1))
+        sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
+        return sQ_l, sK_l, sdS_l, sLSE_l
+
+    def _make_mmas(self):
+        major = cute.nvgpu.OperandMajorMode
+        dt = self.dtype
+        # S^T and dP^T: the MMA warpgroups stacked along the key rows (64 each).
+        mma_sdp = sm90.make_trivial_tiled_mma(
+            dt, dt, major.K, major.K, Float32, (self.NUM_MMA_WGS, 1, 1), (64, self.TILE_M)
+        )
+        # dV and dK: same rows, A (P^T or dS^T) from registers, B = dO or Q (D contiguous).
+        mma_dkv = sm90.make_trivial_tiled_mma(
+            dt,
+            dt,
+            major.K,
+            major.MN,
+            Float32,
+            (self.NUM_MMA_WGS, 1, 1),
+            (64, self.HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        # dQ (TILE_M x D): the warpgroups split the D columns.
+        mma_dq = sm90.make_trivial_tiled_mma(
+            dt,
+            dt,
+            major.K,
+            major.MN,
+            Float32,
+            (1, self.NUM_MMA_WGS, 1),
+            (self.TILE_M, self.HEAD_DIM // self.NUM_MMA_WGS),
+        )
+        return mma_sdp, mma_dkv, mma_dq
+
+    def _storage(self, sQ_l, sK_l, sdS_l, sLSE_l):
+        """The shared-memory struct: mbarriers, sQ, sdO, sK, sV, sdS, sLSE, sD."""
+        dt = self.dtype
+        mrange, align = cute.struct.MemRange, cute.struct.Align
+        n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
+        st = self.STAGES
+
+        @cute.struct
+        class Storage:
+            mbar_kv: mrange[cutlass.Int64, 2]
+            mbar_qdo: mrange[cutlass.Int64, 2 * st]
+            sLSE: align[mrange[Float32, n_lse], 128]
+            sD: align[mrange[Float32, n_lse], 128]
+            sQ: align[mrange[dt, n_q], 1024]
+            sdO: align[mrange[dt, n_q], 1024]
+            sK: align[mrange[dt, n_k], 1024]
+            sV: align[mrange[dt, n_k], 1024]
+            sdS: align[mrange[dt, n_ds], 1024]
+
+        return Storage
+
+    @staticmethod
+    def _transposed(s: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.Tensor:
+        """(cols, rows[, stages]) view of a (rows, cols[, stages]) smem tensor: the MN-major
+        B operand of a GEMM that contracts over `rows`."""
+        if stages:
+            return cute.composition(
+                s, cute.make_ordered_layout((cols, rows, stages), order=(1, 0, 2))
+            )
+        return cute.composition(s, cute.make_ordered_layout((cols, rows), order=(1, 0)))
+
+    # ----------------------------------------------------------------------------------------
+    # host side
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Nq, Hq, D)
+        mK: cute.Tensor,  # (B, Nk, Hkv, D)
+        mV: cute.Tensor,  # (B, Nk, Hkv, D)
+        mdO: cute.Tensor,  # (B, Nq, Hq, D)
+        mLSE: cute.Tensor,  # (B, Hq, Nq_pad) fp32, LSE * log2(e), -inf for empty/padding rows
+        mDsum: cute.Tensor,  # (B, Hq, Nq_pad) fp32, rowsum(dO * O), 0 on padding rows
+        mdQacc: cute.Tensor,  # (B, Nq, Hq, D) fp32, zeroed; dQ (scale folded in) is added here
+        mdK: cute.Tensor,  # (B, Nk, Hkv, D) input dtype
+        mdV: cute.Tensor,  # (B, Nk, Hkv, D) input dtype
+        scale_log2: Float32,  # softmax_scale * log2(e)
+        scale: Float32,  # softmax_scale
+        stream,
+    ):
+        to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
+        mQ, mK, mV, mdO, mdQacc, mdK, mdV = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_ndhb))
+            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+        )
+        mLSE, mDsum = (
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+            for t in (mLSE, mDsum)
+        )  # (Nq_pad, Hq, B)
+        sQ_l, sK_l, sdS_l, sLSE_l = self._make_layouts()
+        mma_sdp, mma_dkv, mma_dq = self._make_mmas()
+        self.storage = self._storage(sQ_l, sK_l, sdS_l, sLSE_l)
+
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        row_tile = (self.TILE_M, self.HEAD_DIM)
+        q_stage = cute.select(sQ_l, mode=[0, 1])
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, q_stage, row_tile)
+        tma_do, tdO = cpasync.make_tiled_tma_atom(g2s, mdO, q_stage, row_tile)
+        col_tile = (self.TILE_N, self.HEAD_DIM)
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, sK_l, col_tile)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, sK_l, col_tile)
+        lse_stage = cute.make_layout((self.TILE_M,))
+        tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, lse_stage, (self.TILE_M,))
+        tma_dsum, tDsum = cpasync.make_tiled_tma_atom(g2s, mDsum, lse_stage, (self.TILE_M,))
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        group = mQ.shape[2] // mK.shape[2]  # query heads per kv head (GQA/MQA)
+        n_blocks = (seqlen_k + self.TILE_N - 1) // self.TILE_N
+        self.kernel(
+            (tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum),
+            mdQacc,
+            mdK,
+            mdV,
+            mma_sdp,
+            mma_dkv,
+            mma_dq,
+            sQ_l,
+            sK_l,
+            sdS_l,
+            sLSE_l,
+            Int32(seqlen_q),
+            Int32(seqlen_k),
+            Int32(group),
+            scale_log2,
+            scale,
+        ).launch(
+            grid=(n_blocks, mK.shape[2], mK.shape[3]),
+            block=[self.NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # device side
+    # ----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tmas: tuple,  # (atom, coordinates) of Q, dO, K, V, LSE, D
+        mdQacc: cute.Tensor,  # (Nq, D, Hq, B) fp32
+        mdK: cute.Tensor,  # (Nk, D, Hkv, B)
+        mdV: cute.Tensor,  # (Nk, D, Hkv, B)
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        sQ_l: cute.ComposedLayout,  # (TILE_M, D, STAGES)
+        sK_l: cute.ComposedLayout,  # (TILE_N, D)
+        sdS_l: cute.ComposedLayout,  # (TILE_M, TILE_N)
+        sLSE_l: cute.Layout,  # (TILE_M, STAGES)
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        group: Int32,
+        scale_log2: Float32,
+        scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+
+        if warp == 0:
+            for i in cutlass.range_constexpr(0, len(tmas), 2):
+                cpasync.prefetch_descriptor(tmas[i])
+
+        st = SmemAllocator().allocate(self.storage)
+        pipe_kv, pipe_qdo = self._make_pipelines(st, sQ_l, sK_l, sLSE_l)
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D, STAGES)
+        sdO = st.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D, STAGES)
+        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
+        sV = st.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
+        sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N)
+        sLSE = st.sLSE.get_tensor(sLSE_l)  # (TILE_M, STAGES)
+        sD = st.sD.get_tensor(sLSE_l)  # (TILE_M, STAGES)
+        pipeline.pipeline_init_wait()
+
+        if wg == WarpRole.PRODUCER:
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tmas,
+                    (sQ, sdO, sK, sV, sLSE, sD),
+                    pipe_kv,
+                    pipe_qdo,
+                    n_block,
+                    head_kv,
+                    batch,
+                    group,
+                    seqlen_q,
+                    seqlen_k,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.MMA_REGS)
+            self.mma(
+                mma_sdp,
+                mma_dkv,
+                mma_dq,
+                (sQ, sdO, sK, sV, sdS, sLSE, sD),
+                pipe_kv,
+                pipe_qdo,
+                mdQacc,
+                mdK,
+                mdV,
+                tidx - 128,
+                n_block,
+                head_kv,
+                batch,
+                group,
+                seqlen_q,
+                seqlen_k,
+                scale_log2,
+                scale,
+            )
+
+    def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
+        """pipe_kv (K and V, one stage) and pipe_qdo (Q, dO, LSE, D per stage), init included."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumer_release arrives from one lane per warp: the count is MMA *warps*.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.MMA_THREADS // 32)
+        kv_bytes = 2 * cute.size_in_bytes(self.dtype, sK_l)
+        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_l, mode=[0, 1]))
+        qdo_bytes = 2 * q_bytes + 2 * self.TILE_M * 4  # Q, dO, LSE and D of one row block
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            num_stages=1,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=kv_bytes,
+            barrier_storage=st.mbar_kv.data_ptr(),
+            defer_sync=True,
+        )
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            num_stages=self.STAGES,
+            producer_group=producer,
+            consumer_group=consumers,
+            tx_count=qdo_bytes,
+            barrier_storage=st.mbar_qdo.data_ptr(),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive()
+        return pipe_kv, pipe_qdo
+
+    @cute.jit
+    def row_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, group: Int32):
+        """(m_block_min, n_m, n_iter): the row blocks [m_block_min, m_block_min + n_m) with a
+        row that sees a key of n_block, and n_iter = n_m * group steps over the query heads.
+
+        Called inside each role's branch, after setmaxnreg: values computed in the kernel's
+        top region live through the register reallocation and ptxas spilled one there."""
+        m_block_max = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        m_block_min = Int32(0)
+        if const_expr(self.CAUSAL):
+            # Row i sees key j iff i >= j - (seqlen_k - seqlen_q): the first row that sees the
+            # block's first key.
+            first_row = cutlass.max(n_block * self.TILE_N - (seqlen_k - seqlen_q), 0)
+            m_block_min = cutlass.min(first_row // self.TILE_M, m_block_max)
+        n_m = m_block_max - m_block_min
+        return m_block_min, n_m, n_m * group
+
+    # ----------------------------------------------------------------------------------------
+    # producer
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def load(
+        self,
+        tmas: tuple,
+        smem: tuple,
+        pipe_kv: pipeline.PipelineTmaAsync,
+        pipe_qdo: pipeline.PipelineTmaAsync,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        group: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """Producer warp: K and V once, then Q, dO, LSE, D of row block i = 0 .. n_iter - 1
+        (query head head_kv * group + i // n_m, row block m_block_min + i % n_m)."""
+        tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum = tmas
+        sQ, sdO, sK, sV, sLSE, sD = smem
+        one = cute.make_layout(1)
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        if n_iter > 0:  # a CTA without row blocks loads nothing (no TMA in flight at exit)
+            gK = cute.local_tile(
+                tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
+            )  # (TILE_N, D)
+            gV = cute.local_tile(
+                tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
+            )  # (TILE_N, D)
+            tKs, tKg = cpasync.tma_partition(
+                tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVs, tVg = cpasync.tma_partition(
+                tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
+            )
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_kv.producer_acquire(kv_state)
+            bar = pipe_kv.producer_get_barrier(kv_state)
+            cute.copy(tma_k, tKg, tKs, tma_bar_ptr=bar)
+            cute.copy(tma_v, tVg, tVs, tma_bar_ptr=bar)
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
+            for i in cutlass.range(n_iter, unroll=1):
+                hq = i // n_m
+                head = head_kv * group + hq
+                m_block = m_block_min + i - hq * n_m
+                gQ = cute.local_tile(
+                    tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+                )  # (TILE_M, D)
+                gdO = cute.local_tile(
+                    tdO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+                )  # (TILE_M, D)
+                gLSE = cute.local_tile(
+                    tLSE[None, head, batch], (self.TILE_M,), (m_block,)
+                )  # (TILE_M,)
+                gD = cute.local_tile(tDsum[None, head, batch], (self.TILE_M,), (m_block,))
+                tQs, tQg = cpasync.tma_partition(
+                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+                )  # (TMA, STAGES), (TMA,)
+                tdOs, tdOg = cpasync.tma_partition(
+                    tma_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
+                )
+                tLs, tLg = cpasync.tma_partition(
+                    tma_lse, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
+                )
+                tDs, tDg = cpasync.tma_partition(
+                    tma_dsum, 0, one, cute.group_modes(sD, 0, 1), cute.group_modes(gD, 0, 1)
+                )
+                pipe_qdo.producer_acquire(state)
+                bar = pipe_qdo.producer_get_barrier(state)
+                s = state.index
+                cute.copy(tma_q, tQg, tQs[None, s], tma_bar_ptr=bar)
+                cute.copy(tma_do, tdOg, tdOs[None, s], tma_bar_ptr=bar)
+                cute.copy(tma_lse, tLg, tLs[None, s], tma_bar_ptr=bar)
+                cute.copy(tma_dsum, tDg, tDs[None, s], tma_bar_ptr=bar)
+                state.advance()
+
+    # ----------------------------------------------------------------------------------------
+    # MMA warpgroups
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def mma(
+        self,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        smem: tuple,
+        pipe_kv: pipeline.PipelineTmaAsync,
+        pipe_qdo: pipeline.PipelineTmaAsync,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mtid: Int32,  # 0 .. MMA_THREADS - 1
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        group: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        scale_log2: Float32,
+        scale: Float32,
+    ):
+        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
+        sQ, sdO, sK, sV, sdS, sLSE, sD = smem
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
+        thr_sdp = mma_sdp.get_slice(mtid)
+        thr_dkv = mma_dkv.get_slice(mtid)
+        thr_dq = mma_dq.get_slice(mtid)
+        # S^T = K Q^T and dP^T = V dO^T.
+        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))  # (MMA, 1, D/16)
+        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))  # (MMA, 1, D/16)
+        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGES)
+        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))  # (MMA, 1, D/16, STAGES)
+        acc_S = thr_sdp.make_fragment_C(
+            thr_sdp.partition_shape_C((TN, TM))
+        )  # ((2, 2, TILE_M/8), 1, 1) fp32: 2 key rows per thread
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TN, TM)))
+        # dV += P^T dO and dK += dS^T Q: B is dO / Q as a (D, TILE_M) MN-major view.
+        sdOt = self._transposed(sdO, TM, D, ST)  # (D, TILE_M, STAGES)
+        sQt = self._transposed(sQ, TM, D, ST)  # (D, TILE_M, STAGES)
+        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))  # (MMA, 1, TILE_M/16, ST)
+        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt))  # (MMA, 1, TILE_M/16, ST)
+        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit P^T
+        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit dS^T
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))  # ((2,2,D/8),1,1)
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))
+        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
+        sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TILE_N/16)
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
+        # The elementwise code indexes acc_S as i = c + 2r + 4j (m64nNk16 C layout, one MMA
+        # tile per warpgroup) and relies on the C fragment of S^T having the element order of
+        # the A fragment of dV/dK: check the shapes those rest on.
+        assert cute.size(acc_S, mode=[1]) == 1 and cute.size(acc_S, mode=[2]) == 1
+        assert cute.size(acc_S) == TM // 2 and cute.size(acc_dV) == D // 2
+        assert cute.size(tdVrP) == cute.size(acc_S)
+        tScS = thr_sdp.partition_C(cute.make_identity_tensor((TN, TM)))  # (key, row) coords
+        sdSt = self._transposed(sdS, TM, TN)  # (TILE_N, TILE_M) view: dS^T as written
+        tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
+        rdS = cute.make_tensor(tdKrdS.iterator, acc_S.layout)  # tdKrdS in acc_S's shape
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        if n_iter > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ST)
+            shift = seqlen_k - seqlen_q
+            # Key columns of this block that some row may not see: past seqlen_k, or (causal)
+            # above the diagonal of rows below first_free_row.
+            key_tail = (n_block + 1) * TN > seqlen_k
+            first_free_row = (n_block + 1) * TN - 1 - shift  # rows >= this see every key
+            for i in cutlass.range(n_iter, unroll=1):
+                hq = i // n_m
+                head = head_kv * group + hq
+                m_block = m_block_min + i - hq * n_m
+                masked = key_tail
+                if const_expr(self.CAUSAL):
+                    masked = masked | (m_block * TM < first_free_row)
+                s = state.index
+                pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+                self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
+                self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
+                warpgroup.wait_group(0)
+                self.grad_scores(
+                    acc_S, acc_dP, tScS, sLSE, sD, s, masked, n_block, m_block, seqlen_k,
+                    shift, scale_log2, scale,
+                )  # fmt: skip
+                self.pack(acc_S, tdVrP)
+                self.pack(acc_dP, tdKrdS)
+                # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
+                # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
+                # touched (read included) until a wait_group has retired it.
+                cute.arch.barrier(
+                    barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
+                )
+                cute.autovec_copy(rdS, tSsdS)
+                # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
+                cute.arch.barrier(
+                    barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
+                )
+                self.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQrK, False)
+                # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
+                warpgroup.wait_group(0)
+                pipe_qdo.consumer_release(state)
+                state.advance()
+                self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
+
+    @cute.jit
+    def gemm_ss(self, tiled: cute.TiledMma, acc, tA, tB, accumulate: cutlass.Constexpr[bool]):
+        """Issue acc (+)= A·B (both operands from smem descriptors) and commit."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_rs(self, tiled: cute.TiledMma, acc, tA, tB):
+        """Issue acc += A·B (A from registers) and commit."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def grad_scores(
+        self,
+        acc_S: cute.Tensor,
+        acc_dP: cute.Tensor,
+        tScS: cute.Tensor,
+        sLSE: cute.Tensor,
+        sD: cute.Tensor,
+        stage: Int32,
+        masked,
+        n_block: Int32,
+        m_block: Int32,
+        seqlen_k: Int32,
+        shift: Int32,
+        scale_log2: Float32,
+        scale: Float32,
+    ):
+        """P^T into acc_S and dS^T (softmax_scale folded in) into acc_dP, in place."""
+        if masked:
+            # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
+            # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
+            key_end = seqlen_k - n_block * self.TILE_N
+            diag = m_block * self.TILE_M + shift - n_block * self.TILE_N
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                limit = key_end
+                if const_expr(self.CAUSAL):
+                    limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
+                acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            col = tScS[i][1]
+            lse = sLSE[col, stage]
+            # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
+            # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
+            lse = Float32.inf if lse == -Float32.inf else lse
+            p = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
+            acc_S[i] = p
+            acc_dP[i] = p * (acc_dP[i] - sD[col, stage]) * scale
+
+    @cute.jit
+    def pack(self, acc: cute.Tensor, frag: cute.Tensor):
+        """fp32 accumulator -> 16-bit A fragment of the same per-thread order (no data moves)."""
+        n = cute.size(acc)
+        r32 = cute.make_tensor(
+            cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(n // 2)
+        )  # (n/2,) 32-bit view of the fragment's registers
+        for j in cutlass.range_constexpr(n // 2):
+            r32[j] = cvt_pack_16x2(acc[2 * j], acc[2 * j + 1], self.dtype is cutlass.BFloat16)
+
+    @cute.jit
+    def add_dq(
+        self,
+        thr_dq,
+        acc_dQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        head: Int32,
+        batch: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+    ):
+        """dQ of this row block added into the fp32 accumulator, one red.global.add per value;
+        rows past seqlen_q are skipped."""
+        gdQ = cute.local_tile(
+            mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+        )  # (TILE_M, D)
+        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
+                ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
+                cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
+
+    @cute.jit
+    def store_dkv(
+        self,
+        thr_dkv,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        seqlen_k: Int32,
+    ):
+        """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped)."""
+        tile = (self.TILE_N, self.HEAD_DIM)
+        tcD = thr_dkv.partition_C(cute.make_identity_tensor(tile))
+        for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
+            g = cute.local_tile(m[None, None, head_kv, batch], tile, (n_block, 0))  # (TILE_N, D)
+            tg = thr_dkv.partition_C(g)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if n_block * self.TILE_N + tcD[i][0] < seqlen_k:
+                    tg[i] = acc[i].to(self.dtype)

@@ -1,0 +1,113 @@
+"""The fa3 backward compiles for sm_90a on a machine without a GPU, with the Hopper machinery in
+its PTX.
+
+`benchmarks/fa3_bwd_probe.py` compiles every shipped (head_dim, causal) backward config (bf16,
+and fp16 once) in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at
+import). Each must show the five GEMMs as wgmma (dV and dK with P^T and dS^T from registers),
+TMA loads of K, V, Q, dO, LSE and D, setmaxnreg, the two named barriers around sdS, the dQ
+reduction instruction, and 0 spill bytes without serialised wgmma.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+
+from flashsuite.fa3.configs import (
+    SMEM_CAPACITY,
+    BwdConfig,
+    bwd_can_implement,
+    bwd_shipped_configs,
+    bwd_smem_bytes,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
+
+
+def _id(r: dict) -> str:
+    return f"D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}"
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fa3_bwd_probe")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+
+    def run(i: int) -> list[dict]:
+        path = out / f"shard{i}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "fa3_bwd_probe.py")]
+        cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
+        return json.loads(path.read_text())
+
+    with ThreadPoolExecutor(SHARDS) as pool:
+        return [r for shard in pool.map(run, range(SHARDS)) for r in shard]
+
+
+@pytest.mark.parametrize("case", bwd_shipped_configs(), ids=lambda c: f"D{c[0]}-{c[1]}-{c[2]}")
+def test_bwd_config_can_implement(case) -> None:
+    d, dt, _, cfg = case
+    ok, reason = bwd_can_implement(cfg, d, dt)
+    assert ok, reason
+    assert bwd_smem_bytes(cfg, d) <= SMEM_CAPACITY
+
+
+def test_bwd_can_implement_refuses_with_reason() -> None:
+    ok, reason = bwd_can_implement(BwdConfig(tile_n=192), 128, torch.bfloat16)
+    assert not ok and "tile_n must be 128" in reason
+    ok, reason = bwd_can_implement(BwdConfig(), 256, torch.bfloat16)
+    assert not ok and "head_dim 256" in reason
+    ok, reason = bwd_can_implement(BwdConfig(tile_m=128), 64, torch.bfloat16)
+    assert not ok and "tile_m 128 must be 64" in reason
+    ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
+    assert not ok and "dtype" in reason
+
+
+def test_bwd_compiles_with_hopper_machinery(probes) -> None:
+    seen = {(r["head_dim"], r["causal"]) for r in probes}
+    shipped = {(d, c) for d, _, c, _ in bwd_shipped_configs()}
+    assert seen == shipped, f"compiled {sorted(seen)}, shipped {sorted(shipped)}"
+    for r in probes:
+        ptx, d, cfg = r["ptx"], r["head_dim"], r["config"]
+        where = _id(r)
+        # Per row block: S^T and dP^T (D/16 k-steps each), dV and dK (tile_m/16 each, RS),
+        # dQ (tile_n/16): every k-step is one wgmma instruction in the unrolled loop body.
+        expected = 2 * d // 16 + 2 * cfg["tile_m"] // 16 + cfg["tile_n"] // 16
+        assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
+        assert ptx["wgmma_rs"] == 2 * cfg["tile_m"] // 16, f"{where}: dV/dK not RS wgmma"
+        # K, V, Q, dO (one copy per 64-column swizzle atom at D = 128) and LSE, D.
+        assert ptx["tma_load"] >= 6, f"{where}: {ptx['tma_load']} cp.async.bulk.tensor loads"
+        assert ptx["setmaxnreg"] == 2, f"{where}: setmaxnreg missing"
+        assert ptx["bar_sync"] >= 2, f"{where}: the sdS named barriers are missing"
+        assert ptx["dq_reduce"] > 0, f"{where}: no dQ reduction instruction"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        # C7508: setmaxnreg ignored. C7512/C7515: every wgmma serialised.
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
+    """LSE in base 2 with -inf kept and padding rows -inf; D = rowsum(dO * O), 0 on padding."""
+    from flashsuite.fa3.bwd_host import LOG2E, preprocess
+
+    b, nq, hq, d = 2, 70, 3, 64
+    dout, out = torch.randn(b, nq, hq, d), torch.randn(b, nq, hq, d)
+    lse = torch.randn(b, hq, nq)
+    lse[0, 1, :5] = float("-inf")
+    lse_log2, dsum = preprocess(dout, out, lse, tile_m=64)
+    assert lse_log2.shape == dsum.shape == (b, hq, 128)
+    torch.testing.assert_close(lse_log2[:, :, :nq], lse * LOG2E)
+    assert torch.isneginf(lse_log2[0, 1, :5]).all() and torch.isneginf(lse_log2[:, :, nq:]).all()
+    torch.testing.assert_close(dsum[:, :, :nq], (dout * out).sum(-1).transpose(1, 2))
+    assert (dsum[:, :, nq:] == 0).all()
