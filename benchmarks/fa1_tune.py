@@ -1,9 +1,9 @@
 """fa1 forward tuning on a GPU: tile shapes, warps, stages and Q splits, next to the competition.
 
-    python -m flashsuite.fa1.tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
-    python -m flashsuite.fa1.tune --out DIR --tma [--causal] [--allow-spill N] [--per-sm 8]
+    python -m benchmarks.fa1_tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
+    python -m benchmarks.fa1_tune --out DIR --tma [--causal] [--allow-spill N] [--per-sm 8]
                                                            # the sm90 TMA tiles (fa1_tune_tma*.json)
-    python -m flashsuite.fa1.tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
+    python -m benchmarks.fa1_tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
 
 FA1's loop order re-reads and re-writes the fp32 running output O_i (and m_i, l_i) at every
 (K/V block j, Q block i) step, so a step moves ~10·B_r·D bytes for 4·B_r·B_c·D FLOPs: at
