@@ -251,7 +251,6 @@ class Fp8Forward(Fa3Forward):
             raise ValueError(reason)
         super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
         self.o_dtype = BFloat16
-        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim)  # K and Vᵀ rows of 1-byte elements
         # descale_v of the tile's (batch, kv head): set while tracing by `tile_scales`, read by
         # `_o_scale` in the base class's epilogue.
         self._descale_v = None
@@ -449,7 +448,7 @@ class Fp8Forward(Fa3Forward):
         batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        sched = self._schedule(
+        sched = self.scheduler.problem(
             seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
         )
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -463,7 +462,7 @@ class Fp8Forward(Fa3Forward):
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sVt, _, sO = smem  # the loaded sVt is already PV's B operand
         if const_expr(not self.PERSISTENT):  # the CTA's one tile: computed once, for both roles
-            sched.blocks = self.block_range(
+            sched.blocks = self.scheduler.block_range(
                 sched.tile0[0], seqlen_q, seqlen_k, window_left, window_right
             )
         # Each tile's consumer reads its (batch, kv head) descales (`tile_scales`).
