@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashsuite.common.validation import AttnParams
+
 # Hopper: 227 KiB of dynamic shared memory per CTA (cutlass.memory.get_smem_capacity_in_bytes).
 SMEM_CAPACITY = 232_448
 # setmaxnreg split (producer, consumer) per number of consumer warpgroups, at one CTA per SM
@@ -211,6 +213,12 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ (under v2: the K-first
     # producer order and the balanced order, no per-warpgroup sO). R212.
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
+
+
+def config_for(p: AttnParams) -> Fa3Config:
+    """The tile config fa3 uses for the 16-bit problem `p` (`get_config` of its head_dim,
+    dtype, causal flag and key length)."""
+    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:

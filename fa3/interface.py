@@ -13,7 +13,13 @@ import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
 from flashsuite.common.validation import AttnParams
-from flashsuite.fa3.configs import DTYPES, HEAD_DIMS, Fa3Config, can_implement, get_config
+from flashsuite.fa3.configs import (
+    DTYPES,
+    HEAD_DIMS,
+    Fa3Config,
+    can_implement,
+    config_for,
+)
 
 NAME = "fa3"
 HAS_BACKWARD = False
@@ -94,11 +100,6 @@ def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
     except ImportError as e:
         return False, f"fa3: fp8 needs the CuTe DSL ({e})"
     return fp8.supports(p)
-
-
-def config_for(p: AttnParams) -> Fa3Config:
-    """The tile config fa3 uses for `p` (configs.get_config)."""
-    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
