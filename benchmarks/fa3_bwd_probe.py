@@ -1,12 +1,12 @@
 """Compile probe of the fa3 backward: build configs for sm_90a (no GPU) and report PTX facts.
 
-    python benchmarks/fa3_bwd_probe.py                  # the CI set, a table
-    python benchmarks/fa3_bwd_probe.py --all            # every shipped (head_dim, dtype, causal)
-    python benchmarks/fa3_bwd_probe.py --json out.json  # the same, as JSON
-    python benchmarks/fa3_bwd_probe.py --shard 0/2      # every other case (CI runs 2 at once)
+    python -m benchmarks.fa3_bwd_probe                  # the CI set, a table
+    python -m benchmarks.fa3_bwd_probe --all            # every shipped (head_dim, dtype, causal)
+    python -m benchmarks.fa3_bwd_probe --json out.json  # the same, as JSON
+    python -m benchmarks.fa3_bwd_probe --shard 0/2      # every other case (CI runs 2 at once)
 
 Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
-barriers, the dQ reduction) and ptxas' spill bytes and remarks. flashsuite.fa3.probe sets the
+barriers, the dQ reduction) and ptxas' spill bytes and remarks. benchmarks.fa3_probe sets the
 CUTE_DSL_* variables (sm_90a, ptxas -v, PTX kept) when imported, before cutlass is: run this
 in its own process.
 """
@@ -19,7 +19,7 @@ import re
 import sys
 import time
 
-from flashsuite.fa3 import probe  # first: sets CUTE_DSL_* before cutlass is imported
+from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass is imported
 
 # The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
 DQ_REDUCE = r"(?:atom|red)\.global\.add\.f32|cp\.reduce\.async\.bulk"

@@ -21,31 +21,10 @@ from typing import Optional
 
 import torch
 
-from flashsuite.common.validation import AttnParams, check_inputs
+from flashsuite.common.validation import AttnParams
 
 ForwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 BackwardFn = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def params_from_op_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-) -> AttnParams:
-    return check_inputs(
-        q,
-        k,
-        v,
-        causal=causal,
-        softmax_scale=scale,
-        window_size=(window_left, window_right),
-        softcap=softcap,
-    )
 
 
 class AttentionOp:
@@ -67,26 +46,14 @@ class AttentionOp:
         descale_k: torch.Tensor | None = None,
         descale_v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.fwd(
-            q,
-            k,
-            v,
-            p.causal,
-            p.scale,
-            p.window_left,
-            p.window_right,
-            p.softcap,
-            descale_q,
-            descale_k,
-            descale_v,
-        )
+        return self.fwd(q, k, v, *p.to_op_args(), descale_q, descale_k, descale_v)
 
     @staticmethod
     def _setup_context(ctx, inputs, output) -> None:
-        q, k, v, causal, scale, wl, wr, softcap = inputs[:8]
+        q, k, v = inputs[:3]
         out, lse = output
         ctx.mark_non_differentiable(lse)
-        ctx.options = (causal, scale, wl, wr, softcap)
+        ctx.options = inputs[3 : 3 + len(AttnParams.OP_ARGS)]  # AttnParams.to_op_args()
         ctx.fp8 = q.dtype == torch.float8_e4m3fn
         if not ctx.fp8:
             ctx.save_for_backward(q, k, v, out, lse)
@@ -116,7 +83,7 @@ def _define_forward(name: str, forward: ForwardFn):
         descale_k: Optional[torch.Tensor],  # noqa: UP045
         descale_v: Optional[torch.Tensor],  # noqa: UP045
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        p = params_from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
+        p = AttnParams.from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
         out, lse = forward(q, k, v, p, descale_q, descale_k, descale_v)
         return out.contiguous(), lse.contiguous()  # no-ops for versions that keep the contract
 
@@ -146,7 +113,7 @@ def _define_backward(name: str, backward: BackwardFn):
         window_right: int,
         softcap: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        p = params_from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
+        p = AttnParams.from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
         dq, dk, dv = backward(dout, q, k, v, out, lse, p)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -66,6 +67,70 @@ class AttnParams:
     def shift(self) -> int:
         """Bottom-right alignment: query i lines up with key i + shift."""
         return self.seqlen_k - self.seqlen_q
+
+    # The options of one call as the custom ops take them (common/ops.py), in their order. The
+    # one definition: the dispatcher calls the ops with `to_op_args()`, the ops rebuild the
+    # params with `from_op_args` (which validates, the ops being callable directly).
+    OP_ARGS: ClassVar[tuple[str, ...]] = (
+        "causal",
+        "scale",
+        "window_left",
+        "window_right",
+        "softcap",
+    )
+
+    def to_op_args(self) -> tuple[bool, float, int, int, float]:
+        """(causal, scale, window_left, window_right, softcap): the ops' option arguments."""
+        return tuple(getattr(self, name) for name in self.OP_ARGS)
+
+    @classmethod
+    def from_op_args(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+    ) -> AttnParams:
+        """The params of q, k, v and the ops' option arguments, validated (`check_inputs`)."""
+        return check_inputs(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=scale,
+            window_size=(window_left, window_right),
+            softcap=softcap,
+        )
+
+    def to_key(self) -> tuple:
+        """Every field as a plain Python scalar (dtype and device as strings): hashable and a
+        constant for torch.compile. `from_key` inverts it."""
+        return (
+            int(self.batch),
+            int(self.seqlen_q),
+            int(self.seqlen_k),
+            int(self.heads_q),
+            int(self.heads_kv),
+            int(self.head_dim),
+            int(self.head_dim_v),
+            _dt(self.dtype),
+            str(self.device),
+            self.causal,
+            self.window_left,
+            self.window_right,
+            self.softcap,
+            self.scale,
+        )
+
+    @classmethod
+    def from_key(cls, key: tuple) -> AttnParams:
+        b, nq, nk, hq, hkv, d, dv, dtype, device, causal, wl, wr, softcap, scale = key
+        dt, dev = getattr(torch, dtype), torch.device(device)
+        return cls(b, nq, nk, hq, hkv, d, dv, dt, dev, causal, wl, wr, softcap, scale)
 
     def describe(self) -> str:
         opts = []

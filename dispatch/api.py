@@ -184,42 +184,10 @@ def attention(
         descale_k=descale_k,
         descale_v=descale_v,
     )
-    name = _resolve(version, _params_key(p), _needs_grad(q, k, v))
+    name = _resolve(version, p.to_key(), _needs_grad(q, k, v))
     fwd = getattr(torch.ops.flashsuite, f"{name}_fwd")
-    out, lse = fwd(
-        q,
-        k,
-        v,
-        p.causal,
-        p.scale,
-        p.window_left,
-        p.window_right,
-        p.softcap,
-        descale_q,
-        descale_k,
-        descale_v,
-    )
+    out, lse = fwd(q, k, v, *p.to_op_args(), descale_q, descale_k, descale_v)
     return (out, lse) if return_lse else out
-
-
-def _params_key(p: AttnParams) -> tuple:
-    """AttnParams as plain Python scalars, so torch.compile can treat selection as a constant."""
-    return (
-        int(p.batch),
-        int(p.seqlen_q),
-        int(p.seqlen_k),
-        int(p.heads_q),
-        int(p.heads_kv),
-        int(p.head_dim),
-        int(p.head_dim_v),
-        str(p.dtype).removeprefix("torch."),
-        str(p.device),
-        p.causal,
-        p.window_left,
-        p.window_right,
-        p.softcap,
-        p.scale,
-    )
 
 
 # Selection is host-side logic over shapes and options (imports, availability probes, env
@@ -227,23 +195,7 @@ def _params_key(p: AttnParams) -> tuple:
 # constant of the graph; the op itself is then an opaque custom op with a fake implementation.
 @torch.compiler.assume_constant_result
 def _resolve(version: str, key: tuple, needs_grad: bool) -> str:
-    b, nq, nk, hq, hkv, d, dv, dtype, device, causal, wl, wr, softcap, scale = key
-    p = AttnParams(
-        b,
-        nq,
-        nk,
-        hq,
-        hkv,
-        d,
-        dv,
-        getattr(torch, dtype),
-        torch.device(device),
-        causal,
-        wl,
-        wr,
-        softcap,
-        scale,
-    )
+    p = AttnParams.from_key(key)
     name = _select(p, version, needs_grad).version
     registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
     return name

@@ -68,10 +68,11 @@ def fwd_config(
     d = padded_head_dim(head_dim)
     if tma and arch is not None and arch >= 90 and dtype != torch.float32 and d <= 128:
         # sm90: TMA descriptors, 64-row wgmma tiles per warpgroup, K_j / V_j as two 128-row
-        # halves (B_c = 256: one O_i round trip per 256 keys, S and P 128 wide). fa1/tune.py
-        # --tma on the H200 (2026-11-29, commit 8799983, bf16, B·N = 16k, Hq·D = 2048,
-        # non-causal, TFLOP/s at N = 2k / 16k, materialising attention in the same run 73 / 89
-        # at D = 64, 152 / 175 at D = 128; the pointer path's 32 x 256 tiles 82 / 80, 112 / 131):
+        # halves (B_c = 256: one O_i round trip per 256 keys, S and P 128 wide).
+        # benchmarks/fa1_tune.py --tma on the H200 (2026-11-29, commit 8799983, bf16,
+        # B·N = 16k, Hq·D = 2048, non-causal, TFLOP/s at N = 2k / 16k, materialising attention
+        # in the same run 73 / 89 at D = 64, 152 / 175 at D = 128; the pointer path's 32 x 256
+        # tiles 82 / 80, 112 / 131):
         #   D = 64:  64 x 256 w4 s2 204 / 202; 64 x 128 w4 s3 156 / 160 (no split);
         #            128 x 256 w8 s2 157 / 168.
         #   D = 128: 128 x 256 w8 s1 219 / 236 (104 B of spill stack, TMA_STACK_BYTES); 64 x 256
@@ -137,7 +138,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
 
 # Local memory (the spill stack frame, bytes per thread) of the sm90 TMA forward entries, per
 # (padded head_dim, causal), as a launch of the standard sweep (B·N = 16k, Hq·D = 2048) compiles
-# them: ptxas "bytes stack frame" in probe.py's `launch_probe` (N = 2048; Triton 3.6.0, ptxas
+# them: ptxas "bytes stack frame" in fa1_probe.py's `launch_probe` (N = 2048; Triton 3.6.0, ptxas
 # 12.8). On the H200, Triton's `n_spills` is the same frame in 4-byte words: 0 / 14 / 26 / 126
 # at D = 64 / 64 causal / 128 / 128 causal, at N = 2k..16k and N = 2000. ptxas's spill stores
 # for them: 0 / 64 / 112 / 656 B. CI pins these through the probe (tests/test_compile_probes.py),
@@ -155,7 +156,7 @@ TMA_STACK_BYTES: dict[tuple[int, bool], int] = {
     (128, True): 504,
 }
 
-# Forward programs to aim for per SM (fa1/tune.py, H200 2026-11-29, commit e035e4e, bf16,
+# Forward programs to aim for per SM (benchmarks/fa1_tune.py, H200 2026-11-29, commit e035e4e, bf16,
 # B·N = 16k, Hq·D = 2048, pointer-path tiles): 1 / 2 / 4 / 8 programs per SM gave 71 / 116 /
 # 117 / 130 TFLOP/s at D = 128, N = 16k and 52 / 63 / 85 / 87 at D = 64, N = 16k (N = 2k:
 # 116 -> 119, 82 -> 86). Only one 32x256 program fits an SM at a time (144 KB of shared

@@ -107,7 +107,7 @@ def forward(
 
     Returns out (B, Nq, Hq, Dv) contiguous in q's dtype and lse (B, Hq, Nq) float32 (natural
     log, -inf for rows that see no key). Descales are for fp8, which fa1 does not take.
-    `cfg` and `splits` override the tile table and the Q splits (fa1/tune.py).
+    `cfg` and `splits` override the tile table and the Q splits (benchmarks/fa1_tune.py).
     """
     out, lse, _ = _forward(q, k, v, p, cfg, splits)
     return out, lse
@@ -172,8 +172,9 @@ def fwd_launch(
     q, k, v, out, lse, p: AttnParams, cfg: Fa1Config | None, splits: int | None, *, on_gpu: bool
 ) -> tuple[tuple[int, int], tuple, dict]:
     """The forward kernel's grid, positional and keyword arguments (allocating the fp32
-    scratch): what `_forward` launches and what probe.launch_probe compiles. `on_gpu`: the
-    kernel will run on a GPU (the TMA path then fences its proxies; the interpreter has none).
+    scratch): what `_forward` launches and what benchmarks/fa1_probe.py's launch_probe
+    compiles. `on_gpu`: the kernel will run on a GPU (the TMA path then fences its proxies; the
+    interpreter has none).
     """
     from flashsuite.fa1.kernels import LOG2E
 

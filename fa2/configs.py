@@ -1,10 +1,10 @@
 """Tile configurations for the fa2 kernels, as data, with the reason for each choice.
 
 Every bf16/fp16 GPU entry was compiled for sm_90a on a CPU machine (`python -m
-flashsuite.fa2.tune --probe`, triton 3.6.0): 0 spilled bytes and shared memory <= 232,448 B
+benchmarks.fa2_tune --probe`, triton 3.6.0): 0 spilled bytes and shared memory <= 232,448 B
 (fp32 entries: see `_fwd_fp32`; `--probe --fp32` lists them). The
 candidates are the pointer-load tiles that compile within those limits; the
-H200 timing sweep (`python -m flashsuite.fa2.tune --out DIR`) decides between the survivors.
+H200 timing sweep (`python -m benchmarks.fa2_tune --out DIR`) decides between the survivors.
 Timings quoted below: H200, 2026-11-29, N=8192 bf16, B·N = 16k, Hq·D = 2048, TFLOP/s (SDPA's
 flash backend in the same run in brackets).
 """
@@ -56,7 +56,7 @@ class BwdConfig:
 def dkdv_launches(cfg: BwdConfig) -> tuple[tuple[str, bool, bool], ...]:
     """(name, WANT_DK, WANT_DV) of each launch of the dK/dV kernel, in order: one doing both,
     or with split_dkdv a dV launch, then a dK launch (interface.backward launches these,
-    tune.probe compiles them)."""
+    benchmarks/fa2_tune.py's probe compiles them)."""
     if cfg.split_dkdv:
         return (("dv", False, True), ("dk", True, False))
     return (("dkdv", True, True),)

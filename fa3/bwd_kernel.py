@@ -58,7 +58,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
-from flashsuite.fa3.kernels import Fa3Forward, cvt_pack_16x2
+from flashsuite.fa3.fwd_layouts import ForwardLayouts
+from flashsuite.fa3.utils import cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -100,12 +101,12 @@ class Fa3Backward:
         """sQ and sdO (TILE_M, D, STAGES), sK and sV (TILE_N, D), sdS (TILE_M, TILE_N), sLSE and
         sD (TILE_M, STAGES). Rows are contiguous along D (along TILE_N for sdS)."""
         width = self.dtype.width // 8
-        d_atom = Fa3Forward._k_major_atom(self.HEAD_DIM * width, self.dtype)
+        d_atom = ForwardLayouts._k_major_atom(self.HEAD_DIM * width, self.dtype)
         sQ_l = cute.tile_to_shape(
             d_atom, (self.TILE_M, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )
         sK_l = cute.tile_to_shape(d_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
-        n_atom = Fa3Forward._k_major_atom(self.TILE_N * width, self.dtype)
+        n_atom = ForwardLayouts._k_major_atom(self.TILE_N * width, self.dtype)
         sdS_l = cute.tile_to_shape(n_atom, (self.TILE_M, self.TILE_N), order=(0, 1))
         sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
         return sQ_l, sK_l, sdS_l, sLSE_l

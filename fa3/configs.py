@@ -2,7 +2,7 @@
 
 Every entry was chosen from the shared-memory and register arithmetic written next to it (and
 FA3's published choices); H200 numbers are noted where an entry was measured.
-`python -m flashsuite.fa3.ablate --final` times the candidates that may replace them.
+`python -m benchmarks.fa3_ablate --final` times the candidates that may replace them.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
+from flashsuite.common.validation import AttnParams
 
 # Hopper: 227 KiB of dynamic shared memory per CTA (cutlass.memory.get_smem_capacity_in_bytes).
 SMEM_CAPACITY = 232_448
@@ -214,6 +216,12 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
 
 
+def config_for(p: AttnParams) -> Fa3Config:
+    """The tile config fa3 uses for the 16-bit problem `p` (`get_config` of its head_dim,
+    dtype, causal flag and key length)."""
+    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+
+
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
     """Every (head_dim, dtype, causal, config) the table returns for long keys."""
     return [
@@ -232,166 +240,9 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     return out
 
 
-def _three_wgs(cfg: Fa3Config) -> Fa3Config:
-    return replace(cfg, num_consumer_wgs=3, tile_m=192)
-
-
-def _two_wgs(cfg: Fa3Config) -> Fa3Config:
-    return replace(cfg, num_consumer_wgs=2, tile_m=128)
-
-
-def ablation_configs(head_dim: int = 128, causal: bool = False) -> dict[str, Fa3Config]:
-    """Variants of the shipped config at one head_dim, each switching one feature."""
-    base = get_config(head_dim, torch.bfloat16, causal)
-    variants = {
-        "shipped": base,
-        "no_pingpong": replace(base, pingpong=False),
-        "no_intra_wg_overlap": replace(base, intra_wg_overlap=False),
-        "neither": replace(base, pingpong=False, intra_wg_overlap=False),
-        "tile_n_128": replace(base, tile_n=128, o_alias_q=False),
-        "tile_n_128_stages3": replace(base, tile_n=128, stages=3, o_alias_q=True),
-        "tile_n_128_o_on_q": replace(base, tile_n=128, o_alias_q=True),
-        "tile_n_64": replace(base, tile_n=64, o_alias_q=False),
-        "tile_n_64_stages4": replace(base, tile_n=64, stages=4, o_alias_q=True),
-        "tile_n_176_o_on_q": replace(base, tile_n=176, o_alias_q=True),
-        "tile_n_192": replace(_two_wgs(base), tile_n=192, stages=2),
-        "wg2": _two_wgs(base),
-        "wg3": _three_wgs(base),
-        "wg3_no_pingpong": replace(_three_wgs(base), pingpong=False),
-        "wg3_stages2": replace(_three_wgs(base), stages=2),
-        "persistent": replace(base, persistent=True),
-    }
-    out: dict[str, Fa3Config] = {}
-    for name, cfg in variants.items():
-        if cfg not in out.values() and can_implement(cfg, head_dim, torch.bfloat16)[0]:
-            out[name] = cfg
-    return out
-
-
-def final_variants() -> list[tuple[str, int, bool, Fa3Config]]:
-    """(name, head_dim, causal, config) that `ablate --final` times: the shipped config next to
-    the candidates it may be replaced by (3 consumer WGs / wider tile_n at D=64, the D=128
-    ablation winners, the persistent LPT scheduler)."""
-    out = []
-    for d, causal in ((64, False), (64, True), (128, False), (128, True), (256, True)):
-        base = get_config(d, torch.bfloat16, causal)
-        cands = {"shipped": base}
-        if causal or d == 128:
-            cands["persistent"] = replace(_plain(base), persistent=True)  # v1, round-robin
-        if d == 64:
-            cands["wg3"] = _three_wgs(base)
-            cands["wg2"] = _two_wgs(base)
-            if causal:
-                cands["wg3_persistent"] = replace(_three_wgs(_plain(base)), persistent=True)
-            else:
-                cands["tile_n_192"] = replace(_two_wgs(base), tile_n=192, stages=2)
-        if d == 128 and not causal:
-            cands["no_intra_wg_overlap"] = replace(base, intra_wg_overlap=False)
-            cands["tile_n_128_o_on_q"] = replace(base, tile_n=128, o_alias_q=True)
-        for name, cfg in cands.items():
-            if can_implement(cfg, d, torch.bfloat16)[0]:
-                out.append((name, d, causal, cfg))
-    return out
-
-
-def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
-    """Configs with the non-default flags (3 consumer WGs, persistent) that CI compiles too,
-    with and without ping-pong / intra-WG overlap so every barrier protocol is built."""
-    bf16 = torch.bfloat16
-    d64 = get_config(64, bf16, False)
-    d128c = _tiles(128, True)
-    d128 = get_config(128, bf16, False)
-    d256 = get_config(256, bf16, False)
-    return [
-        ("wg3", 64, bf16, False, _three_wgs(d64)),
-        ("wg3-causal-fp16", 64, torch.float16, True, _three_wgs(d64)),
-        ("wg3-no-overlap", 64, bf16, False, replace(_three_wgs(d64), intra_wg_overlap=False)),
-        ("wg3-no-pingpong", 64, bf16, True, replace(_three_wgs(d64), pingpong=False)),
-        ("wg3-persistent-causal", 64, bf16, True, replace(_three_wgs(d64), persistent=True)),
-        ("wg2", 64, bf16, False, _two_wgs(d64)),
-        ("wg2-causal", 64, bf16, True, _two_wgs(d64)),
-        ("tile_n_192", 64, bf16, False, replace(_two_wgs(d64), tile_n=192, stages=2)),
-        ("persistent-causal", 128, bf16, True, replace(d128c, persistent=True)),
-        ("persistent-o-on-q", 128, bf16, False, replace(d128, persistent=True)),
-        (
-            "persistent-no-overlap",
-            128,
-            bf16,
-            True,
-            replace(d128c, persistent=True, intra_wg_overlap=False),
-        ),
-        ("persistent-d256-causal", 256, bf16, True, replace(d256, persistent=True)),
-        *(
-            (f"persistent-{name}", d, bf16, causal, cfg)
-            for name, d, causal, cfg in persistent_variants()
-            if cfg.overlap_tiles and cfg.balanced_order  # new_rr: the same code, old order
-        ),
-        ("no-skip-masked-wg", 64, torch.float16, True, _overlap(_tiles(64, True))),
-        (
-            "persistent-new-no-iwo",
-            128,
-            torch.float16,
-            True,
-            _overlap(replace(d128c, intra_wg_overlap=False)),
-        ),
-    ]
-
-
-def _plain(cfg: Fa3Config) -> Fa3Config:
-    """The same tiles on the plain grid (one CTA per tile)."""
-    return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
-
-
 def _overlap(cfg: Fa3Config) -> Fa3Config:
     """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
     return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)
-
-
-def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
-    """(name, head_dim, causal, config) that `ablate --persistent` times: per shape the plain
-    grid ("plain": the shipped tiles, one CTA per tile), the round-robin persistent scheduler
-    ("old") and the overlapped one with the balanced order ("new"; a separate sO wherever it
-    fits; what every causal entry ships).
-
-    D=128 non-causal ships tile_n 176 with sO on sQ (208 KiB); a separate sO needs tile_n <= 160
-    (Q 32 + K/V 2 x 2 x 40 + sO 32 KiB = 225 KiB) or 128 (193 KiB). D=256 cannot have one at
-    tile_m 128 (Q 64 + sO 64 + K/V >= 128 KiB): it keeps sO on sQ and gets the K-first producer
-    order and the balanced order only.
-    """
-    out = []
-    shapes = ((64, True), (96, True), (128, True), (192, True), (256, True))
-    shapes += ((64, False), (128, False), (256, False))
-    for d, causal in shapes:
-        base = _tiles(d, causal)
-        out.append(("plain", d, causal, base))
-        out.append(("old", d, causal, replace(base, persistent=True)))
-        out.append(("new", d, causal, _overlap(base)))
-        if d in (64, 192, 256) and causal:
-            # Tiles taller than tile_n leave a WG a whole block short on the diagonal.
-            out.append(("new_skip", d, causal, replace(_overlap(base), skip_masked_wg=True)))
-        if d == 64 and causal:
-            # 3 consumer WGs mask a taller diagonal (192 x 128) on causal tiles: against
-            # two WGs (128 x 128), and 3 WGs with a shallower ring.
-            out.append(("new_wg2", d, causal, _overlap(_two_wgs(base))))
-            out.append(("new_s2", d, causal, replace(_overlap(base), stages=2)))
-        if d == 128 and causal:
-            # Tile overlap without the balanced order: which of the two a gain comes from.
-            out.append(("new_rr", d, causal, replace(_overlap(base), balanced_order=False)))
-        if d == 128 and not causal:
-            # "new" keeps the shipped tile's sO on sQ (K-first producer order only); these
-            # narrower tiles make room for a separate sO (per-WG epilogue, early Q release).
-            for tile_n in (160, 128):
-                cfg = _overlap(replace(base, tile_n=tile_n, o_alias_q=False))
-                out.append((f"new_n{tile_n}", d, causal, cfg))
-            # 176 leaves a ragged last K/V block at every power-of-two N (2048 = 11 x 176 + 112):
-            # the plain grid with a tile_n that divides N.
-            out.append(("plain_n128", d, causal, replace(base, tile_n=128)))
-            # Intra-WG overlap was measured off at N = 8k/16k; short tiles (few K/V blocks) pay
-            # the un-overlapped first and last blocks more often.
-            out.append(("plain_iwo", d, causal, replace(base, intra_wg_overlap=True)))
-            cfg = _overlap(replace(base, tile_n=128, o_alias_q=False, intra_wg_overlap=True))
-            out.append(("new_n128_iwo", d, causal, cfg))
-    return out
 
 
 # ------------------------------------------------------------------------------------------------

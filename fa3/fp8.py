@@ -27,11 +27,11 @@ sizes, window and softcap, every head dim; `fp8_check`), compiled for sm_90a in 
 (tests/test_fa3_fp8_compile.py).
 
 GPU check (correctness against the oracle with descales, then TFLOP/s next to cuDNN bf16 at
-the same shapes, in one run): `python -m flashsuite.fa3.fp8_check --out DIR`.
+the same shapes, in one run): `python -m benchmarks.fa3_fp8_check --out DIR`.
 """
 
 # No `from __future__ import annotations`: the CuTe DSL reads kernel annotations as objects.
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import cutlass
@@ -82,43 +82,6 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s).
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {64: _cfg(256)}
-
-
-def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
-    """(name, head_dim, config): the table entries and the candidates to time against them
-    (`fp8_check --ablate`; `fp8_check --probe --variants` compiles them: all 0 spills, R145 to
-    R224). Wider S tiles amortise the softmax and the P exchange over more keys; a third stage
-    hides more load latency."""
-    out = []
-    for d, cfg in FP8_CONFIGS.items():
-        out.append(("shipped", d, cfg))
-        if d in FP8_CAUSAL_CONFIGS:
-            out.append(("shipped_causal", d, FP8_CAUSAL_CONFIGS[d]))
-        cands = {
-            "no_intra_wg_overlap": replace(cfg, intra_wg_overlap=False),
-            "no_pingpong": replace(cfg, pingpong=False),
-            "stages3": replace(cfg, stages=3),
-        }
-        if d <= 128:
-            cands["tile_n_128"] = replace(cfg, tile_n=128)
-        # The persistent scheduler v2 (tile overlap, balanced order, per-WG epilogue) that
-        # every causal bf16 entry ships; descales are read per tile (`tile_scales`).
-        cands["persistent_v2"] = replace(
-            cfg, persistent=True, overlap_tiles=True, balanced_order=True
-        )
-        if d == 64:
-            # The bf16 kernel's D = 64 shape: three consumer WGs (192 query rows, 160
-            # registers each: S 64 + O 32 + P 16 at tile_n 128).
-            cands["wg3_n128"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=128)
-            cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
-        if d == 128:
-            cands["tile_n_256"] = replace(cfg, tile_n=256)
-        if d == 256:
-            cands["tile_n_64"] = replace(cfg, tile_n=64)
-            cands["tile_n_112"] = replace(cfg, tile_n=112)
-        if d in (64, 128, 256):
-            out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
-    return out
 
 
 def fp8_smem_bytes(cfg: Fa3Config, head_dim: int) -> int:
@@ -288,7 +251,6 @@ class Fp8Forward(Fa3Forward):
             raise ValueError(reason)
         super().__init__(Float8E4M3FN, head_dim, cfg, causal, local, softcap)
         self.o_dtype = BFloat16
-        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim)  # K and Vᵀ rows of 1-byte elements
         # descale_v of the tile's (batch, kv head): set while tracing by `tile_scales`, read by
         # `_o_scale` in the base class's epilogue.
         self._descale_v = None
@@ -486,7 +448,7 @@ class Fp8Forward(Fa3Forward):
         batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        sched = self._schedule(
+        sched = self.scheduler.problem(
             seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
         )
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -500,7 +462,7 @@ class Fp8Forward(Fa3Forward):
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sVt, _, sO = smem  # the loaded sVt is already PV's B operand
         if const_expr(not self.PERSISTENT):  # the CTA's one tile: computed once, for both roles
-            sched.blocks = self.block_range(
+            sched.blocks = self.scheduler.block_range(
                 sched.tile0[0], seqlen_q, seqlen_k, window_left, window_right
             )
         # Each tile's consumer reads its (batch, kv head) descales (`tile_scales`).

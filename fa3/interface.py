@@ -25,7 +25,7 @@ from flashsuite.fa3.configs import (
     bwd_can_implement,
     bwd_config_for,
     can_implement,
-    get_config,
+    config_for,
 )
 
 NAME = "fa3"
@@ -107,11 +107,6 @@ def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
     except ImportError as e:
         return False, f"fa3: fp8 needs the CuTe DSL ({e})"
     return fp8.supports(p)
-
-
-def config_for(p: AttnParams) -> Fa3Config:
-    """The tile config fa3 uses for `p` (configs.get_config)."""
-    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,20 @@ one producer and two (or three) consumer warpgroups:
   INTRA_WG_OVERLAP: a WG issues QK(n+1) before PV(n) and runs the softmax of n+1 while PV(n)
   is still in flight.
 - PERSISTENT: the grid is one CTA per SM and each CTA walks tiles bid, bid + grid, ... in
-  `tile_coords` order (heaviest causal tiles first, heads grouped so their K/V stay in L2).
+  `TileScheduler.tile_coords` order (heaviest causal tiles first, heads grouped so their K/V
+  stay in L2).
   Pipeline states carry their phases from tile to tile; Q is loaded and released once per tile
   (released after the main loop, or after the O store where sO aliases sQ). BALANCED_ORDER
-  (Fa3Config.balanced_order) evens out the CTAs' causal work: see `tile_coords`, `cta_tile`.
+  (Fa3Config.balanced_order) evens out the CTAs' causal work (tile_scheduler.py).
 - Epilogue: O scaled by 1/l (0 for empty rows), LSE (natural log, -inf for empty rows) stored
   in fp32, O via stmatrix into smem, fence, named barrier, TMA store.
+
+This file holds the kernel class: its static configuration, the host launch, the kernel entry,
+the role split (`warp_roles`), the consumer's per-tile work (`consumer`) and the epilogue. The
+concerns it composes live next to it: tile_scheduler.py (persistent order, block ranges),
+pipeline.py (producer loads, ping-pong), mask.py, softmax.py, epilogue.py (O stores),
+fwd_layouts.py (smem layouts, MMAs, TMA atoms, pipelines), fwd_mainloop.py (the per-block
+steps), utils.py (warp roles, named barriers, 16-bit packing, the two wgmma issues).
 
 Persistent tile overlap (Fa3Config.overlap_tiles, persistent only). Per CTA the tiles run
 t = 0, 1, ... in the schedule order; n_t = n_block_max - n_block_min K/V blocks (may be 0).
@@ -61,73 +69,30 @@ Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H,
 uses a 4-D descriptor and its bounds are per sequence: tail tiles load zeros and stores clip.
 """
 
-# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
-import enum
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import math
 from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
-from cutlass.memory import SmemAllocator
+from cutlass.cute.nvgpu import cpasync
 
 from flashsuite.fa3.configs import REG_SPLIT, Fa3Config
+from flashsuite.fa3.epilogue import store_o, store_o_wg
+from flashsuite.fa3.fwd_layouts import ForwardLayouts
+from flashsuite.fa3.fwd_mainloop import ForwardMainloop
+from flashsuite.fa3.mask import mask_phases
+from flashsuite.fa3.pipeline import PingPong, load_tile
+from flashsuite.fa3.softmax import finalize_row, rescale_rows
+from flashsuite.fa3.tile_scheduler import TileScheduler
+from flashsuite.fa3.utils import WarpRole
 
-LN2 = math.log(2.0)
-
-
-@dsl_user_op
-def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
-    """Two fp32 -> one register of two 16-bit values (a in the low half): cvt.rn.{bf16,f16}x2.
-
-    Written out because `TensorSSA.to()` only packs pairs for some fragment sizes; unpacked
-    16-bit halves get merged with `mov` right before each RS wgmma, and ptxas then inserts a
-    warpgroup.arrive per wgmma (remark C7519), which breaks the wgmma pipeline.
-    """
-    kind = "bf16x2" if bf16 else "f16x2"
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-            f"cvt.rn.{kind}.f32 $0, $2, $1;",  # d = {hi: $2 (b), lo: $1 (a)}
-            "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+__all__ = ["Fa3Forward"]
 
 
-class WarpRole(enum.IntEnum):
-    """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
-
-    PRODUCER = 0
-    CONSUMER0 = 1
-    CONSUMER1 = 2
-    CONSUMER2 = 3  # only with num_consumer_wgs == 3
-
-
-class Barrier(enum.IntEnum):
-    """Named barrier ids; 0 is __syncthreads."""
-
-    EPILOGUE = 1  # all consumer threads, around the O smem tile
-    # Consumer WG c's turn on the tensor cores is barrier PINGPONG_WG0 + c (256 threads: WG c
-    # syncs, its predecessor in the ring c-1 -> c arrives).
-    PINGPONG_WG0 = 2
-    PINGPONG_WG1 = 3
-    PINGPONG_WG2 = 4  # only with three consumer WGs
-    # overlap_tiles with a separate sO: consumer WG c's own epilogue (128 threads).
-    EPILOGUE_WG0 = 5
-    EPILOGUE_WG1 = 6
-    EPILOGUE_WG2 = 7
-
-
-class Fa3Forward:
+class Fa3Forward(ForwardLayouts, ForwardMainloop):
     """Static configuration of one compiled forward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -162,202 +127,23 @@ class Fa3Forward:
         # A consumer WG whose 64 rows see none of the tile's newest K/V block passes that
         # block by without products (Fa3Config.skip_masked_wg; causal / right window only).
         self.SKIP_MASKED_WG = cfg.skip_masked_wg and (causal or local)
-        # K and V rows (both tensors, 16-bit) of the (batch, head) pairs that the persistent
-        # order keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
-        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * 2)
+        # K and V rows (both tensors) of the (batch, head) pairs that the persistent order
+        # keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
+        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * (dtype.width // 8))
         # Right edge of the window bounded (causal is a window with right == 0) / left edge.
         self.HAS_RIGHT = causal or local
         self.HAS_LEFT = local
         self.SOFTCAP = softcap
-
-    # ----------------------------------------------------------------------------------------
-    # layouts, MMAs, shared storage (trace-time helpers)
-    # ----------------------------------------------------------------------------------------
-    @staticmethod
-    def _k_major_atom(row_bytes: int, dtype: type[cutlass.Numeric]):
-        """Widest K-major swizzle atom whose row segment divides `row_bytes`."""
-        kind = warpgroup.SmemLayoutAtomKind
-        if row_bytes % 128 == 0:
-            k = kind.K_SW128
-        elif row_bytes % 64 == 0:
-            k = kind.K_SW64
-        else:
-            k = kind.K_SW32
-        return warpgroup.make_smem_layout_atom(k, dtype)
-
-    def _smem_atom(self):
-        # Rows are D-contiguous everywhere (Q, K, V and O).
-        return self._k_major_atom(self.HEAD_DIM * self.dtype.width // 8, self.dtype)
-
-    def _make_layouts(self):
-        """Shared-memory layouts sQ (TILE_M, D), sK and sV (TILE_N, D, STAGES), sO (`_o_layout`).
-
-        V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it as an
-        MN-major Vᵀ view (`_v_operand`).
-        """
-        atom = self._smem_atom()
-        sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
-        sK_l = cute.tile_to_shape(
-            atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
-        )  # (TILE_N, D, STAGES)
-        return sQ_l, sK_l, sK_l, self._o_layout()
-
-    def _o_layout(self):
-        """sO: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE, each slab
-        contiguous so a (64, D) TMA box stores it (sQ_l's atoms are stacked along all TILE_M rows
-        first, so a 64-row slice of it is not one box)."""
-        if self.PER_WG_EPILOGUE:
-            return cute.tile_to_shape(
-                self._smem_atom(), (64, self.HEAD_DIM, self.NUM_CONSUMER_WGS), order=(0, 1, 2)
-            )
-        return cute.tile_to_shape(self._smem_atom(), (self.TILE_M, self.HEAD_DIM), order=(0, 1))
-
-    def _pv_b_major(self):
-        """Major mode of PV's B operand Vᵀ (D x keys) in smem."""
-        return cute.nvgpu.OperandMajorMode.MN  # Vᵀ: the N mode (head_dim) is contiguous in sV
-
-    def _make_mmas(self):
-        major = cute.nvgpu.OperandMajorMode
-        # The consumer warpgroups stacked along M: NUM_CONSUMER_WGS x 64 rows = TILE_M.
-        wgs = (self.NUM_CONSUMER_WGS, 1, 1)
-        mma_qk = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, major.K, major.K, Float32, wgs, (64, self.TILE_N)
+        self.scheduler = TileScheduler(
+            cfg.tile_m,
+            cfg.tile_n,
+            balanced=self.BALANCED_ORDER,
+            longest_first=self.HAS_RIGHT,
+            has_right=self.HAS_RIGHT,
+            has_left=self.HAS_LEFT,
+            l2_kv_rows=self.L2_KV_ROWS,
         )
-        mma_pv = sm90.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            major.K,
-            self._pv_b_major(),
-            Float32,
-            wgs,
-            (64, self.HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
-        )
-        return mma_qk, mma_pv
-
-    def _storage(self, sQ_l, sK_l, sV_l, sO_l):
-        """The shared-memory struct: mbarriers, sQ, sK, sV and sO (none where sO aliases sQ)."""
-        dt, o_dt = self.dtype, self.o_dtype
-        mrange, align = cute.struct.MemRange, cute.struct.Align
-        n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
-        st = self.STAGES
-
-        if const_expr(self.O_ALIAS_Q):
-
-            @cute.struct
-            class Storage:
-                mbar_q: mrange[cutlass.Int64, 2]
-                mbar_k: mrange[cutlass.Int64, 2 * st]
-                mbar_v: mrange[cutlass.Int64, 2 * st]
-                sQ: align[mrange[dt, n_q], 1024]
-                sK: align[mrange[dt, n_k], 1024]
-                sV: align[mrange[dt, n_v], 1024]
-
-        else:
-
-            @cute.struct
-            class Storage:
-                mbar_q: mrange[cutlass.Int64, 2]
-                mbar_k: mrange[cutlass.Int64, 2 * st]
-                mbar_v: mrange[cutlass.Int64, 2 * st]
-                sQ: align[mrange[dt, n_q], 1024]
-                sK: align[mrange[dt, n_k], 1024]
-                sV: align[mrange[dt, n_v], 1024]
-                sO: align[mrange[o_dt, n_o], 1024]
-
-        return Storage
-
-    # V's place in gmem, TMA and smem: (keys, D) blocks here; the fp8 kernel loads Vᵀ blocks.
-    V_VIEW = (1, 3, 2, 0)  # (B, Nk, Hkv, D) -> (Nk, D, Hkv, B)
-
-    def _v_box(self) -> tuple[int, int]:
-        """The TMA box (and smem stage shape) of one V block."""
-        return (self.TILE_N, self.HEAD_DIM)
-
-    def _v_blocks(self, tV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
-        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks)."""
-        return cute.local_tile(
-            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
-        )
-
-    def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
-        """Vᵀ as the MN-major B operand of PV: sV's bytes, a (D, TILE_N, STAGES) view."""
-        return cute.composition(
-            sV,
-            cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
-        )
-
-    def _kernel_views(self, mQ, mK, mV, mO, mLSE):
-        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `V_VIEW`, (N, H, B) LSE."""
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=list(self.V_VIEW)))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        return mQ, mK, mV, mO, mLSE
-
-    def _make_tmas(self, mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l):
-        """TMA atoms and coordinate tensors: loads of Q, K, V (one stage each), store of O."""
-        g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
-        tma_k, tK = cpasync.make_tiled_tma_atom(
-            g2s, mK, cute.select(sK_l, mode=[0, 1]), (self.TILE_N, self.HEAD_DIM)
-        )
-        tma_v, tV = cpasync.make_tiled_tma_atom(
-            g2s, mV, cute.select(sV_l, mode=[0, 1]), self._v_box()
-        )
-        o_rows = 64 if self.PER_WG_EPILOGUE else self.TILE_M
-        tma_o, tO = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(),
-            mO,
-            cute.select(sO_l, mode=[0, 1]),
-            (o_rows, self.HEAD_DIM),
-        )
-        return tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO
-
-    def _make_pipelines(self, st, sQ_l, sK_l, sV_l):
-        """The Q, K and V TMA pipelines on their mbarriers in `st` (init arrive included)."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
-
-        def make_pipe(stages, smem_l, mbar):
-            return pipeline.PipelineTmaAsync.create(
-                num_stages=stages,
-                producer_group=producer,
-                consumer_group=consumers,
-                tx_count=cute.size_in_bytes(self.dtype, smem_l),  # the TMA bytes of one stage
-                barrier_storage=mbar.data_ptr(),
-                defer_sync=True,
-            )
-
-        pipe_q = make_pipe(1, sQ_l, st.mbar_q)
-        pipe_k = make_pipe(self.STAGES, cute.select(sK_l, mode=[0, 1]), st.mbar_k)
-        pipe_v = make_pipe(self.STAGES, cute.select(sV_l, mode=[0, 1]), st.mbar_v)
-        pipeline.pipeline_init_arrive()
-        return pipe_q, pipe_k, pipe_v
-
-    def _allocate_smem(self, sQ_l, sK_l, sV_l, sO_l):
-        """Kernel prologue: the storage struct, its pipelines and smem tensors, then the wait
-        for every thread's view of the initialised mbarriers. Returns (pipes, tensors)."""
-        st = SmemAllocator().allocate(self.storage)
-        pipes = self._make_pipelines(st, sQ_l, sK_l, sV_l)
-        smem = self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l)
-        pipeline.pipeline_init_wait()
-        return pipes, smem
-
-    def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
-        """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
-        B operand, (D, TILE_N, STAGES)) and sO (on sQ with O_ALIAS_Q)."""
-        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
-        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
-        sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES)
-        sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)
-        if const_expr(self.O_ALIAS_Q):
-            sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
-        else:
-            sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
-        return sQ, sK, sV, sVt, sO
+        self.pingpong = PingPong(cfg.pingpong, cfg.num_consumer_wgs)
 
     # ----------------------------------------------------------------------------------------
     # host side
@@ -455,7 +241,7 @@ class Fa3Forward:
         batch_n: Int32,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        sched = self._schedule(
+        sched = self.scheduler.problem(
             seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
         )
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -480,44 +266,13 @@ class Fa3Forward:
             softcap_pre,
         )
 
-    def _schedule(
-        self,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        group: Int32,
-        window_left: Int32,
-        window_right: Int32,
-        heads_q: Int32,
-        batch_n: Int32,
-    ) -> SimpleNamespace:
-        """`warp_roles`' `sched`, built in the kernel's top region. One tile per CTA: the grid
-        is (m_blocks, Hq, B). Persistent: the grid is (CTAs, 1, 1) and each CTA takes tiles
-        bid_x, bid_x + grid_x, ... of the tile_coords order."""
-        m_block0, head0, batch0 = cute.arch.block_idx()
-        grid_x, _, _ = cute.arch.grid_dim()
-        m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
-        return SimpleNamespace(
-            tile0=(m_block0, head0, batch0),
-            bid_x=m_block0,
-            grid_x=grid_x,
-            num_tiles=m_blocks * heads_q * batch_n,
-            m_blocks=m_blocks,
-            heads_q=heads_q,
-            batch_n=batch_n,
-            seqlen_q=seqlen_q,
-            seqlen_k=seqlen_k,
-            group=group,
-            window_left=window_left,
-            window_right=window_right,
-        )
-
     @cute.jit
     def warp_roles(
         self,
         wg: Int32,
         warp: Int32,
         tidx: Int32,
-        load_args: tuple,  # `load`'s TMA atoms and coordinates, smem tensors and pipelines
+        load_args: tuple,  # `load_tile`'s TMA atoms and coordinates, smem tensors, pipelines
         cons_args: tuple,  # `consumer`'s: O store, LSE, MMAs, smem tensors and pipelines
         sched: SimpleNamespace,
         scale_log2: Float32,
@@ -542,44 +297,36 @@ class Fa3Forward:
                 kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
                 if const_expr(self.PERSISTENT):
                     for k in cutlass.range(
-                        self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
+                        self.scheduler.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles),
+                        unroll=1,
                     ):
-                        m_block, head, batch, n_block_min, n_block_max = self.tile_work(k, sched)
-                        q_state, kv_state = self.load(
-                            *load_args,
-                            q_state,
-                            kv_state,
-                            m_block,
-                            head,
-                            batch,
-                            group,
-                            n_block_min,
-                            n_block_max,
+                        m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_work(
+                            k, sched
                         )
+                        q_state, kv_state = self.load(
+                            load_args, q_state, kv_state, m_block, head, batch, group,
+                            n_block_min, n_block_max,
+                        )  # fmt: skip
                 else:
-                    n_block_min, n_block_max = self._cta_blocks(sched)
+                    n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
                     self.load(
-                        *load_args,
-                        q_state,
-                        kv_state,
-                        m_block0,
-                        head0,
-                        batch0,
-                        group,
-                        n_block_min,
-                        n_block_max,
-                    )
+                        load_args, q_state, kv_state, m_block0, head0, batch0, group,
+                        n_block_min, n_block_max,
+                    )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             cwg = wg - WarpRole.CONSUMER0
-            self.pingpong_start(cwg)
+            self.pingpong.start(cwg)
             q_state = pipeline.make_pipeline_state(Consumer, 1)
             kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
             if const_expr(self.PERSISTENT):
                 for k in cutlass.range(
-                    self.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles), unroll=1
+                    self.scheduler.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles),
+                    unroll=1,
                 ):
-                    m_block, head, batch, n_block_min, n_block_max = self.tile_work(k, sched)
+                    m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_work(
+                        k, sched
+                    )
                     q_state, kv_state = self.consumer(
                         *cons_args,
                         q_state,
@@ -604,7 +351,7 @@ class Fa3Forward:
                         # The last tile's O store must have read sO before the CTA exits.
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
-                n_block_min, n_block_max = self._cta_blocks(sched)
+                n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
                 self.consumer(
                     *cons_args,
                     q_state,
@@ -625,206 +372,14 @@ class Fa3Forward:
                     n_block_max,
                 )
 
-    def tile_work(self, k: Int32, sched: SimpleNamespace):
-        """Tile `k` of this persistent CTA (both roles walk the same sequence): its
-        (m_block, head, batch) and its K/V block range [n_block_min, n_block_max)."""
-        tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
-        m_block, head, batch = self.tile_coords(
-            tile, sched.m_blocks, sched.heads_q, sched.batch_n, sched.seqlen_k
-        )
-        n_block_min, n_block_max = self.block_range(
-            m_block, sched.seqlen_q, sched.seqlen_k, sched.window_left, sched.window_right
-        )
-        return m_block, head, batch, n_block_min, n_block_max
-
-    def _cta_blocks(self, sched: SimpleNamespace):
-        """[n_block_min, n_block_max) of a non-persistent CTA's tile: `sched.blocks` where the
-        kernel computed it once in its top region (fp8), else here, in the role's branch."""
-        blocks = getattr(sched, "blocks", None)
-        if blocks is not None:
-            return blocks
-        m_block0 = sched.tile0[0]
-        return self.block_range(
-            m_block0, sched.seqlen_q, sched.seqlen_k, sched.window_left, sched.window_right
-        )
-
     @cute.jit
-    def cta_tile_count(self, bid: Int32, grid: Int32, num_tiles: Int32) -> Int32:
-        """How many tiles persistent CTA `bid` of `grid` runs (grid <= num_tiles)."""
-        count = (num_tiles - bid + grid - 1) // grid
-        if const_expr(self.BALANCED_ORDER):
-            # Only the last round can be partial; whether it reaches us depends on its direction.
-            full = num_tiles // grid
-            off = bid if full % 2 == 0 else grid - 1 - bid
-            count = full + (1 if off < num_tiles - full * grid else 0)
-        return count
-
-    @cute.jit
-    def cta_tile(self, k: Int32, bid: Int32, grid: Int32) -> Int32:
-        """The position in the tile order of CTA `bid`'s k-th tile.
-
-        Round-robin: bid + k * grid, so CTA 0 takes the heaviest tile of every round.
-        BALANCED_ORDER (snake): odd rounds run backwards, a CTA's heavy tile of one round pairs
-        with a light one of the next and the per-CTA sums even out.
-        """
-        off = bid
-        if const_expr(self.BALANCED_ORDER):
-            off = bid if k % 2 == 0 else grid - 1 - bid
-        return k * grid + off
-
-    @cute.jit
-    def tile_coords(
-        self, tile: Int32, m_blocks: Int32, heads_q: Int32, batch_n: Int32, seqlen_k: Int32
-    ):
-        """Persistent tile index -> (m_block, head, batch).
-
-        (batch, head) pairs are taken in sections of L2_KV_ROWS // seqlen_k pairs whose
-        K and V fit in L2 together, so the CTAs running at once share their K/V reads; inside a
-        section the head is the fastest index. With a right window bound (causal) the m_blocks
-        run from the last one down: the tiles that see the most keys start first (longest
-        processing time first), the light ones fill the tail. BALANCED_ORDER: every other
-        section, counted back from the last, runs from the first m_block up instead.
-        """
-        hb_total = heads_q * batch_n
-        section = cutlass.max(cutlass.min(self.L2_KV_ROWS // seqlen_k, hb_total), 1)
-        section_tiles = section * m_blocks
-        sec = tile // section_tiles
-        r = tile - sec * section_tiles
-        in_sec = cutlass.min(section, hb_total - sec * section)  # the last section may be short
-        m_block = r // in_sec
-        if const_expr(self.HAS_RIGHT):
-            if const_expr(self.BALANCED_ORDER):
-                # Sections alternate direction, the last one heaviest first: a smooth cost
-                # sequence that round-robin (snake) rounds split evenly, with LPT at the tail.
-                n_sec = (hb_total + section - 1) // section
-                flip = (n_sec - 1 - sec) % 2 == 0
-                m_block = m_blocks - 1 - m_block if flip else m_block
-            else:
-                m_block = m_blocks - 1 - m_block
-        hb = sec * section + r - (r // in_sec) * in_sec
-        batch = hb // heads_q
-        return m_block, hb - batch * heads_q, batch
-
-    @cute.jit
-    def block_range(
-        self,
-        m_block: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        window_left: Int32,
-        window_right: Int32,
-    ):
-        """[n_block_min, n_block_max): the K/V blocks any row of this Q tile can see."""
-        shift = seqlen_k - seqlen_q  # bottom-right alignment
-        n_block_max = (seqlen_k + self.TILE_N - 1) // self.TILE_N
-        if const_expr(self.HAS_RIGHT):
-            last_row = cutlass.min((m_block + 1) * self.TILE_M, seqlen_q) - 1
-            key_end = cutlass.max(last_row + shift + window_right + 1, 0)
-            n_block_max = cutlass.min(n_block_max, (key_end + self.TILE_N - 1) // self.TILE_N)
-        n_block_min = Int32(0)
-        if const_expr(self.HAS_LEFT):
-            key_start = cutlass.max(m_block * self.TILE_M + shift - window_left, 0)
-            n_block_min = key_start // self.TILE_N
-        return n_block_min, n_block_max
-
-    @cute.jit
-    def load(
-        self,
-        tma_q: cute.CopyAtom,
-        tQ: cute.Tensor,
-        tma_k: cute.CopyAtom,
-        tK: cute.Tensor,
-        tma_v: cute.CopyAtom,
-        tV: cute.Tensor,
-        sQ: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        pipe_q: pipeline.PipelineTmaAsync,
-        pipe_k: pipeline.PipelineTmaAsync,
-        pipe_v: pipeline.PipelineTmaAsync,
-        q_state: pipeline.PipelineState,
-        kv_state: pipeline.PipelineState,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-        group: Int32,
-        n_block_min: Int32,
-        n_block_max: Int32,
-    ):
-        """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down.
-
-        Returns the advanced (q_state, kv_state). Persistent: Q is loaded for every tile, even
-        one with no K/V block, so that the consumers' Q wait/release (which guards sQ, and sO
-        where it aliases sQ) stays in step with the producer.
-        """
-        head_kv = head // group
-        gQ = cute.local_tile(
-            tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-        )  # (TILE_M, D)
-        gK = cute.local_tile(
-            tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
-        )  # (TILE_N, D, n_blocks)
-        gV = self._v_blocks(tV, head_kv, batch)  # (TILE_N, D, n_blocks) (fp8: Vᵀ blocks)
-        one = cute.make_layout(1)
-        tQs, tQg = cpasync.tma_partition(
-            tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKs, tKg = cpasync.tma_partition(
-            tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )  # (TMA, STAGES), (TMA, n_blocks)
-        tVs, tVg = cpasync.tma_partition(
-            tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-        )
-        if const_expr(self.OVERLAP_TILES):
-            # K(first) -> Q -> V(first) -> the other blocks: the first K load only needs a free
-            # K stage, so it is in flight before the consumers release sQ (protocol above).
-            if n_block_max > n_block_min:
-                self._load_block(pipe_k, tma_k, tKg, tKs, n_block_max - 1, kv_state)
-            pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
-            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            if n_block_max > n_block_min:
-                self._load_block(pipe_v, tma_v, tVg, tVs, n_block_max - 1, kv_state)
-                kv_state.advance()
-                for i in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    self._load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
-                    self._load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
-                    kv_state.advance()
-        else:
-            if const_expr(self.PERSISTENT):
-                pipe_q.producer_acquire(q_state)  # the consumers released the previous tile's Q
-                cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-            if n_block_max > n_block_min:
-                if const_expr(not self.PERSISTENT):
-                    pipe_q.producer_acquire(q_state)
-                    cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                    n_block = n_block_max - 1 - i
-                    self._load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
-                    self._load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
-                    kv_state.advance()
-        return q_state, kv_state
-
-    @cute.jit
-    def _load_block(
-        self,
-        pipe: pipeline.PipelineTmaAsync,
-        tma: cute.CopyAtom,
-        tXg: cute.Tensor,  # (TMA, n_blocks) global blocks of K or V
-        tXs: cute.Tensor,  # (TMA, STAGES) their shared-memory ring
-        n_block: Int32,
-        kv_state: pipeline.PipelineState,
-    ):
-        """Wait for ring stage `kv_state` to be free, then TMA-load block n_block into it."""
-        pipe.producer_acquire(kv_state)
-        cute.copy(
-            tma,
-            tXg[None, n_block],
-            tXs[None, kv_state.index],
-            tma_bar_ptr=pipe.producer_get_barrier(kv_state),
-        )
+    def load(self, load_args: tuple, q_state, kv_state, m_block, head, batch, group, n_min, n_max):
+        """The producer warp's loads of one tile (pipeline.load_tile with this kernel's tiles)."""
+        return load_tile(
+            *load_args, q_state, kv_state, m_block, head, batch, group, n_min, n_max,
+            self.TILE_M, self.TILE_N, self.HEAD_DIM, self.PERSISTENT, self.OVERLAP_TILES,
+            self._v_blocks,
+        )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------
     # consumer: main loop
@@ -895,30 +450,12 @@ class Fa3Forward:
         if n_blocks > 0:
             if const_expr(not self.PERSISTENT):
                 pipe_q.consumer_wait(q_state)
-            shift = seqlen_k - seqlen_q
-            first_row = m_block * self.TILE_M
-            last_row = cutlass.min(first_row + self.TILE_M, seqlen_q) - 1
-            # Blocks below n_right_free need no right-side (causal/window/seqlen) mask; blocks
-            # at or above n_left_free no left-window mask.
-            n_right_free = seqlen_k // self.TILE_N
-            if const_expr(self.HAS_RIGHT):
-                n_right_free = cutlass.min(
-                    n_right_free,
-                    cutlass.max(first_row + shift + window_right + 1, 0) // self.TILE_N,
-                )
-            n_left_free = n_block_min
-            if const_expr(self.HAS_LEFT):
-                n_left_free = (
-                    cutlass.max(last_row + shift - window_left, 0) + self.TILE_N - 1
-                ) // self.TILE_N
-            # Loop phases, newest block first: [n_block_max-1] masked, then masked blocks
-            # down to n_right_free, unmasked ones down to n_left_free, masked ones to the end.
-            n_masked_hi = cutlass.max(n_block_max - 1 - cutlass.max(n_right_free, n_block_min), 0)
-            n_after = n_blocks - 1 - n_masked_hi
-            n_unmasked = cutlass.max(
-                cutlass.min(n_after, n_block_max - 1 - n_masked_hi - n_left_free), 0
-            )
-            n_masked_lo = n_after - n_unmasked
+            # Loop phases, newest block first: [n_block_max-1] masked, then n_masked_hi masked
+            # blocks, n_unmasked unmasked ones, n_masked_lo masked ones to the end.
+            shift, first_row, n_masked_hi, n_unmasked, n_masked_lo = mask_phases(
+                m_block, n_block_min, n_block_max, n_blocks, seqlen_q, seqlen_k, window_left,
+                window_right, self.TILE_M, self.TILE_N, self.HAS_RIGHT, self.HAS_LEFT,
+            )  # fmt: skip
 
             ctx = SimpleNamespace(
                 mma_qk=mma_qk,
@@ -967,7 +504,7 @@ class Fa3Forward:
                         pipe_q, q_state,
                     )  # fmt: skip
             else:
-                self.pingpong_sync(cwg)
+                self.pingpong.sync(cwg)
                 kv_state = self.step(ctx, kv_state, n_block, True)
                 for i in cutlass.range(n_masked_hi, unroll=1):
                     kv_state = self.step(ctx, kv_state, n_block - 1 - i, True)
@@ -979,7 +516,7 @@ class Fa3Forward:
                     for i in cutlass.range(n_masked_lo, unroll=1):
                         kv_state = self.step(ctx, kv_state, n_block - 1 - i, True)
                 # Hand the tensor cores to the other WG for its last PV.
-                self.pingpong_arrive(cwg)
+                self.pingpong.arrive(cwg)
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
             if const_expr(self.EARLY_Q_RELEASE):
@@ -1020,296 +557,6 @@ class Fa3Forward:
         kernel's own for 16-bit inputs (fp8 folds in per-(batch, kv head) descales)."""
         return scale_log2, softcap_pre
 
-    @cute.jit
-    def pingpong_start(self, cwg: Int32):
-        """Hand WG0 the "you start" token: it takes the first tensor-core turn.
-
-        Each tile passes the token round the ring a whole number of times, so it is back at
-        WG0 when the next tile starts (persistent).
-        """
-        if const_expr(self.PINGPONG):  # noqa: SIM102 (a const_expr test stays its own `if`)
-            if cwg == 0:
-                cute.arch.barrier_arrive(
-                    barrier_id=int(Barrier.PINGPONG_WG0), number_of_threads=256
-                )
-
-    @cute.jit
-    def pingpong_sync(self, cwg: Int32):
-        """Wait for this WG's tensor-core turn (a token passed round the ring of consumer WGs)."""
-        if const_expr(self.PINGPONG):
-            cute.arch.barrier(
-                barrier_id=int(Barrier.PINGPONG_WG0) + cwg,
-                number_of_threads=256,  # this WG syncs, its predecessor arrives
-            )
-
-    @cute.jit
-    def pingpong_arrive(self, cwg: Int32):
-        """Pass the turn to the next WG of the ring (it may issue once its softmax is done).
-
-        Every WG of a tile runs the same number of syncs and arrives, alternating, so the
-        token goes round 0 -> 1 (-> 2) -> 0 and each barrier completes with 128 + 128 threads.
-        """
-        if const_expr(self.PINGPONG):
-            nxt = cwg + 1
-            if const_expr(self.NUM_CONSUMER_WGS == 2):
-                nxt = 1 - cwg
-            else:
-                nxt = Int32(0) if nxt == self.NUM_CONSUMER_WGS else nxt
-            cute.arch.barrier_arrive(
-                barrier_id=int(Barrier.PINGPONG_WG0) + nxt,
-                number_of_threads=256,
-            )
-
-    @cute.jit
-    def gemm_qk(self, mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
-        """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits."""
-        warpgroup.fence()
-        # A fresh atom per issue: mutating the shared TiledMma's ACCUMULATE flag inside the
-        # dynamic K/V loop leaks an SSA value out of its region.
-        atom = cute.make_mma_atom(mma_qk.op)
-        atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
-        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def gemm_pv(self, mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32):
-        """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(mma_pv.op)
-        atom.set(warpgroup.Field.ACCUMULATE, True)  # acc_O starts at 0 and is rescaled in place
-        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-            cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def apply_mask(
-        self,
-        acc_S: cute.Tensor,
-        tScS: cute.Tensor,
-        n_block: Int32,
-        m_block: Int32,
-        seqlen_k: Int32,
-        shift: Int32,
-        window_left: Int32,
-        window_right: Int32,
-    ):
-        """-inf where the key is past seqlen_k or outside the (causal / local) window.
-
-        Element i = 4j + 2r + c of the m64nNk16 C fragment sits in row r of the thread's two
-        rows and column col0 + 8j + c. Comparing the compile-time offset 8j + c against one
-        per-row limit keeps the column indices out of registers (computing 64 of them per
-        thread costs registers the intra-WG overlap needs).
-        """
-        col0 = n_block * self.TILE_N + tScS[0][1]  # this thread's first column in the block
-        for r in cutlass.range_constexpr(2):
-            row = m_block * self.TILE_M + tScS[2 * r][0]
-            col_end = seqlen_k
-            if const_expr(self.HAS_RIGHT):
-                col_end = cutlass.min(col_end, row + shift + window_right + 1)
-            limit_hi = col_end - col0  # offsets >= limit_hi are masked
-            limit_lo = Int32(0)
-            if const_expr(self.HAS_LEFT):
-                limit_lo = row + shift - window_left - col0  # offsets < limit_lo are masked
-            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
-                for c in cutlass.range_constexpr(2):
-                    i = 4 * j + 2 * r + c
-                    off = 8 * j + c
-                    if const_expr(self.HAS_LEFT):
-                        out = (limit_hi <= off) | (limit_lo > off)
-                        acc_S[i] = Float32(-math.inf) if out else acc_S[i]
-                    else:
-                        acc_S[i] = Float32(-math.inf) if limit_hi <= off else acc_S[i]
-
-    @cute.jit
-    def softmax(self, acc_S: cute.Tensor, row_max, row_sum, scale_log2: Float32):
-        """Online softmax of one S block in place (S -> P); returns the O rescale per row."""
-        corr = cute.make_rmem_tensor((2,), Float32)
-        for r in cutlass.range_constexpr(2):
-            m_blk = row_max[r]
-            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
-                for c in cutlass.range_constexpr(2):
-                    m_blk = cute.arch.fmax(m_blk, acc_S[4 * j + 2 * r + c])
-            m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
-            # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
-            m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
-            m_scaled = m_safe * scale_log2
-            corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
-            row_max[r] = m_new
-            s = Float32(0.0)
-            for j in cutlass.range_constexpr(cute.size(acc_S) // 4):
-                for c in cutlass.range_constexpr(2):
-                    i = 4 * j + 2 * r + c
-                    # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-                    p = cute.math.exp2(acc_S[i] * scale_log2 - m_scaled, fastmath=True)
-                    acc_S[i] = p
-                    s += p
-            row_sum[r] = row_sum[r] * corr[r] + s
-        return corr
-
-    @cute.jit
-    def rescale_o(self, acc_O: cute.Tensor, corr: cute.Tensor):
-        for j in cutlass.range_constexpr(cute.size(acc_O) // 4):
-            for r in cutlass.range_constexpr(2):
-                for c in cutlass.range_constexpr(2):
-                    acc_O[4 * j + 2 * r + c] = acc_O[4 * j + 2 * r + c] * corr[r]
-
-    @cute.jit
-    def scores_to_probs(self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None):
-        """Softcap, mask and online softmax of ctx.acc_S in place; returns the O rescale.
-
-        `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may.
-        """
-        acc_S = ctx.acc_S
-        if const_expr(self.SOFTCAP):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
-        if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
-            if masked:
-                self.apply_mask(
-                    acc_S,
-                    ctx.tScS,
-                    n_block,
-                    ctx.m_block,
-                    ctx.seqlen_k,
-                    ctx.shift,
-                    ctx.window_left,
-                    ctx.window_right,
-                )
-        if const_expr(mask):
-            self.apply_mask(
-                acc_S,
-                ctx.tScS,
-                n_block,
-                ctx.m_block,
-                ctx.seqlen_k,
-                ctx.shift,
-                ctx.window_left,
-                ctx.window_right,
-            )
-        return self.softmax(acc_S, ctx.row_max, ctx.row_sum, ctx.scale_log2)
-
-    @cute.jit
-    def probs_to_operand(self, ctx):
-        """P (fp32, in acc_S) -> 16-bit A operand of PV, in registers.
-
-        The C fragment of S and the A fragment of P have the same per-thread element order
-        (m64nNk16), so this is a per-thread convert, no data moves between threads.
-        """
-        acc_S = ctx.acc_S
-        n = cute.size(acc_S)
-        p32 = cute.make_tensor(
-            cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
-        )  # (n/2,) 32-bit view of the P fragment's registers
-        for j in cutlass.range_constexpr(n // 2):
-            p32[j] = cvt_pack_16x2(acc_S[2 * j], acc_S[2 * j + 1], self.dtype is cutlass.BFloat16)
-
-    @cute.jit
-    def step(self, ctx, kv_state, n_block: Int32, mask: cutlass.Constexpr[bool]):
-        """One K/V block without intra-WG overlap: QK, softmax, PV, each waited for."""
-        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
-        self.pingpong_arrive(ctx.cwg)  # the other WG may run its PV(n-1) and QK(n) meanwhile
-        warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(kv_state)
-        corr = self.scores_to_probs(ctx, n_block, mask)
-        self.probs_to_operand(ctx)
-        self.rescale_o(ctx.acc_O, corr)
-        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
-        self.pingpong_sync(ctx.cwg)  # our turn: PV(n) now, QK(n+1) right after
-        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
-
-    @cute.jit
-    def overlap_loop(
-        self, ctx, kv_state, n_block: Int32, i_first, n_blocks: Int32, n_masked_hi: Int32,
-        n_unmasked: Int32, pipe_q: pipeline.PipelineTmaAsync, q_state: pipeline.PipelineState,
-    ):  # fmt: skip
-        """The intra-WG-overlap main loop over blocks n_block - i, i = i_first .. n_blocks - 1.
-
-        One loop with a uniform runtime mask test rather than one loop per phase: S, P and O
-        are carried from iteration to iteration, and with several loops ptxas gives them
-        different registers in each (R227 instead of ~R180 at D=128) and then serialises the
-        wgmmas for lack of registers (C7512).
-        """
-        kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
-        for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
-            masked = i < n_masked_hi
-            if const_expr(self.HAS_LEFT):
-                masked = masked | (i >= n_masked_hi + n_unmasked)
-            kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
-        if const_expr(self.EARLY_Q_RELEASE):
-            # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
-            # next tile may land while the last P·V and the epilogue run.
-            pipe_q.consumer_release(q_state)
-        return self.last_half_block(ctx, kv_state)
-
-    @cute.jit
-    def pass_block(self, ctx, kv_state, take_turn):
-        """SKIP_MASKED_WG: the newest block, which none of this WG's rows can see.
-
-        Its S would be all -inf and its P all 0, so the softmax state and O would not change:
-        the WG only waits for and releases the K and V stages (the other WGs use them) and,
-        if more blocks follow (`take_turn`), takes one empty ping-pong turn, since the
-        step_overlap it replaces syncs and arrives once (the token keeps making whole rounds).
-        The products stay out of the main loop (a predicated wgmma inside it makes ptxas
-        serialise every wgmma: C7515).
-        """
-        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        ctx.pipe_k.consumer_release(kv_state)
-        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
-        ctx.pipe_v.consumer_release(kv_state)
-        kv_state.advance()
-        if take_turn:
-            self.pingpong_sync(ctx.cwg)
-            self.pingpong_arrive(ctx.cwg)
-        return kv_state
-
-    @cute.jit
-    def first_half_block(self, ctx, kv_state, n_block: Int32):
-        """Intra-WG overlap prologue: S and P of the first (masked) block, no PV yet."""
-        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_k.consumer_release(kv_state)
-        self.scores_to_probs(ctx, n_block, True)  # acc_O is still 0: nothing to rescale
-        self.probs_to_operand(ctx)
-        return kv_state
-
-    @cute.jit
-    def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
-        """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV."""
-        v_state = kv_state.clone()  # the previous block, whose P sits in tOrP
-        kv_state.advance()
-        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        self.pingpong_sync(ctx.cwg)
-        self.gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
-        ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
-        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
-        self.pingpong_arrive(ctx.cwg)
-        warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
-        ctx.pipe_k.consumer_release(kv_state)
-        corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S only, not tOrP/acc_O
-        warpgroup.wait_group(0)
-        ctx.pipe_v.consumer_release(v_state)
-        self.probs_to_operand(ctx)  # tOrP and acc_O are free once PV has retired
-        self.rescale_o(ctx.acc_O, corr)
-        return kv_state
-
-    @cute.jit
-    def last_half_block(self, ctx, kv_state):
-        """Intra-WG overlap tail of the loop: PV of the last block."""
-        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
-        self.gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
-        warpgroup.wait_group(0)
-        ctx.pipe_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
-
     # ----------------------------------------------------------------------------------------
     # consumer: epilogue
     # ----------------------------------------------------------------------------------------
@@ -1341,120 +588,22 @@ class Fa3Forward:
         """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store."""
         inv = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            l_tot = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            empty = l_tot == Float32(0.0)
-            inv[r] = Float32(0.0) if empty else self._o_scale(cute.arch.rcp_approx(l_tot))
-            lse = (row_max[r] * scale_log2 + cute.math.log2(l_tot, fastmath=True)) * LN2
-            lse = Float32(-math.inf) if empty else lse
+            inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale)
             row = m_block * self.TILE_M + tScS[2 * r][0]
             # One lane of each quad owns the row's statistics; tail rows are not stored.
             if (tScS[0][1] == 0) & (row < seqlen_q):
                 mLSE[row, head, batch] = lse
-        self.rescale_o(acc_O, inv)
+        rescale_rows(acc_O, inv)
         if const_expr(self.PER_WG_EPILOGUE):
-            self.store_o_wg(tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, batch)
+            store_o_wg(
+                tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, batch, self.HEAD_DIM,
+                self.dtype, self.o_dtype, self._pv_b_major(), self.NUM_CONSUMER_WGS,
+            )  # fmt: skip
         else:
-            self.store_o(tma_o, tO, mma_pv, sO, acc_O, ctid, warp, m_block, head, batch)
-
-    @cute.jit
-    def store_o(
-        self,
-        tma_o: cute.CopyAtom,
-        tO: cute.Tensor,
-        mma_pv: cute.TiledMma,
-        sO: cute.Tensor,
-        acc_O: cute.Tensor,
-        ctid: Int32,
-        warp: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-    ):
-        """The whole TILE_M x D tile through sO, one TMA store by warp 4 (all consumer WGs)."""
-        if const_expr(self.O_ALIAS_Q or self.PERSISTENT):
-            # sO overwrites sQ: every WG's QK wgmmas (which read sQ) must have retired.
-            # Persistent: the previous tile's TMA store must have read sO (warp 4 waits for it
-            # before it reaches this barrier).
-            cute.arch.barrier(
-                barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS
-            )
-        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
-        rO.store(acc_O.load().to(self.o_dtype))
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.o_dtype), mma_pv
-        )
-        thr_r2s = r2s.get_slice(ctid)
-        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
-        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=self.CONSUMER_THREADS)
-        if warp == 4:
-            gO = cute.local_tile(
-                tO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-            )  # (TILE_M, D)
-            self._tma_store(tma_o, sO, gO)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-    @cute.jit
-    def _tma_store(self, tma_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor):
-        """One thread: TMA-store the (rows, D) smem tile sO to gO and commit the bulk group."""
-        tOs, tOg = cpasync.tma_partition(
-            tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
-        )
-        cute.copy(tma_o, tOs, tOg)
-        cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
-    def store_o_wg(
-        self,
-        tma_o: cute.CopyAtom,
-        tO: cute.Tensor,
-        sO: cute.Tensor,
-        acc_O: cute.Tensor,
-        ctid: Int32,
-        warp: Int32,
-        cwg: Int32,
-        m_block: Int32,
-        head: Int32,
-        batch: Int32,
-    ):
-        """This WG's 64 rows through its own sO slab and its own TMA store (PER_WG_EPILOGUE).
-
-        Only the 128 threads of WG c sync here, so a WG done with its tile moves on to the next
-        while the other WG still runs its last P·V. The previous tile's store of this slab is
-        waited for (smem reads only) just before the slab is written again.
-        """
-        bar = int(Barrier.EPILOGUE_WG0) + cwg
-        store_warp = warp % 4 == 0  # the first warp of each consumer WG
-        if store_warp:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-        sO_wg = sO[None, None, cwg]  # (64, D) slab
-        # One warpgroup's P·V tiling: its C fragment is the same per-thread acc_O layout.
-        mma_wg = sm90.make_trivial_tiled_mma(
-            self.dtype,
-            self.dtype,
-            cute.nvgpu.OperandMajorMode.K,
-            self._pv_b_major(),
-            Float32,
-            (1, 1, 1),
-            (64, self.HEAD_DIM),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
-        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
-        rO.store(acc_O.load().to(self.o_dtype))
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.o_dtype), mma_wg
-        )
-        thr_r2s = r2s.get_slice(ctid % 128)
-        cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_wg))
-        # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=bar, number_of_threads=128)
-        if store_warp:
-            gO = cute.local_tile(
-                tO[None, None, head, batch],
-                (64, self.HEAD_DIM),
-                (m_block * self.NUM_CONSUMER_WGS + cwg, 0),
-            )  # (64, D)
-            self._tma_store(tma_o, sO_wg, gO)
+            # sO on sQ: every WG's Q·Kᵀ must have retired; persistent: the previous store
+            # must have read sO.
+            store_o(
+                tma_o, tO, mma_pv, sO, acc_O, ctid, warp, m_block, head, batch, self.TILE_M,
+                self.HEAD_DIM, self.o_dtype, self.CONSUMER_THREADS,
+                self.O_ALIAS_Q or self.PERSISTENT,
+            )  # fmt: skip

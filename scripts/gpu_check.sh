@@ -46,7 +46,7 @@ for part in $parts; do
       # watchdog's limits are stretched: racecheck slows the oracle's matmuls many times over.
       for tool in memcheck racecheck; do
         FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-280}" compute-sanitizer --tool "$tool" \
-          python3 -m flashsuite.fa3.ablate --out "$out/sanitize-$tool" --persistent --smoke \
+          python3 -m benchmarks.fa3_ablate --out "$out/sanitize-$tool" --persistent --smoke \
           --variant "${SANITIZE_VARIANT:-new_skip}" --head-dim "${SANITIZE_HEAD_DIM:-64}" \
           > "$out/sanitize-$tool.log" 2>&1 || status=1
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|correctness" "$out/sanitize-$tool.log" | tail -8

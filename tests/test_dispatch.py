@@ -177,7 +177,7 @@ def test_sdpa_is_a_drop_in(case: dict) -> None:
 
 @pytest.mark.parametrize(("nq", "nk", "causal"), [(40, 40, False), (40, 40, True), (30, 50, True)])
 def test_materialising_baseline_is_exact_attention(nq: int, nk: int, causal: bool) -> None:
-    """The benchmark's materialising baseline (fa1's bar) computes the same attention."""
+    """The benchmark's materialising baseline (what fa1 is measured against) is exact attention."""
     from flashsuite.common.reference import attention_reference
     from flashsuite.dispatch.bench import materialising
 

@@ -56,8 +56,8 @@ def test_tma_entry_launch_spills_are_pinned(head_dim: int, causal: bool) -> None
     n_spills counts 4-byte words of local memory."""
     from flashsuite.fa1.configs import TMA_STACK_BYTES, fwd_config
 
-    # The standard-sweep shape the pins (and fa1/probe.py's launch_probe) were taken at: the
-    # frame depends on the launch's integer specialisation (e.g. one Q block per program).
+    # The standard-sweep shape the pins (and benchmarks/fa1_probe.py's launch_probe) were taken
+    # at: the frame depends on the launch's integer specialisation (e.g. one Q block per program).
     case = Case(8, 2048, 2048, 2048 // head_dim, 2048 // head_dim, head_dim, dtype=BF16)
     q, k, v = make_inputs(case, DEVICE)
     p = check_inputs(q, k, v, causal=causal)

@@ -1,11 +1,11 @@
 """fa2's split dK/dV backward (BwdConfig.split_dkdv: a dV launch, then a dK launch) against
 the oracle and against the one-launch kernel.
 
-No table entry ships it yet (it exists for D = 192/256, where one launch holding both fp32
+No table entry ships it (it exists for D = 192/256, where one launch holding both fp32
 accumulators spills on every wgmma tile but one non-causal 16-query tile), so the shared suite
 does not reach it: these cases
 force it, on the CPU under the interpreter with small tiles, on an sm90 GPU with the tiles the
-compile probe found spill-free (fa2/tune.py QUICK_BWD_CANDIDATES).
+compile probe found spill-free (benchmarks/fa2_tune.py QUICK_BWD_CANDIDATES).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _configs(case: Case) -> list[BwdConfig]:
     if not ON_GPU:
         # Interpreter: small tiles, so every stage (diagonal, full, tail) has several blocks.
         return [BwdConfig(32, 32, 32, 32, 4, 1, 4, 1, split_dkdv=True)]
-    from flashsuite.fa2.tune import QUICK_BWD_CANDIDATES
+    from benchmarks.fa2_tune import QUICK_BWD_CANDIDATES
 
     d = max(case.head_dim, case.dv)
     key = (256 if d > 128 else d, case.causal)

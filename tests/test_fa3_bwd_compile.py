@@ -45,9 +45,9 @@ def probes(tmp_path_factory) -> list[dict]:
 
     def run(i: int) -> list[dict]:
         path = out / f"shard{i}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "fa3_bwd_probe.py")]
+        cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_probe"]
         cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(path.read_text())
 

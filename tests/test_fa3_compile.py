@@ -1,9 +1,9 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
 Every shipped config (configs.shipped_cases) and every non-default flag variant
-(configs.flag_variants: 3 consumer warpgroups, the persistent scheduler old and new: tile
-overlap with per-WG epilogues, balanced order) is compiled by
-`python -m flashsuite.fa3.probe --variants` in two subprocesses at once (the CuTe DSL reads its
+(benchmarks/fa3_variants.py flag_variants: 3 consumer warpgroups, the persistent scheduler old
+and new: tile overlap with per-WG epilogues, balanced order) is compiled by
+`python -m benchmarks.fa3_probe --variants` in two subprocesses at once (the CuTe DSL reads its
 CUTE_DSL_* settings at import, so the compile runs outside this interpreter). Each config must
 show wgmma, TMA loads and store, setmaxnreg and the named barriers in its PTX, with 0 spill
 bytes and no serialised wgmma.
@@ -17,21 +17,23 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 
+from benchmarks.fa3_variants import flag_variants
 from flashsuite.fa3.configs import (
     SMEM_CAPACITY,
     can_implement,
-    flag_variants,
     shipped_cases,
     shipped_configs,
     smem_bytes,
 )
 
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
 SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
 CASES = shipped_cases() + flag_variants()
 
@@ -48,9 +50,9 @@ def probes(tmp_path_factory) -> dict[str, dict]:
 
     def run(i: int) -> list[dict]:
         path = out / f"shard{i}.json"
-        cmd = [sys.executable, "-m", "flashsuite.fa3.probe", "--variants"]
+        cmd = [sys.executable, "-m", "benchmarks.fa3_probe", "--variants"]
         cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(path.read_text())
 

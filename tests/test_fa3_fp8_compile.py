@@ -1,10 +1,10 @@
 """fa3's fp8 (e4m3) forward compiles for sm_90a without a GPU, and its host-side logic holds.
 
-The compile runs in subprocesses (`python -m flashsuite.fa3.fp8_check --probe`: the CuTe DSL
+The compile runs in subprocesses (`python -m benchmarks.fa3_fp8_check --probe`: the CuTe DSL
 reads its CUTE_DSL_* settings at import). Each table entry must show e4m3 wgmma, TMA loads and
 store, setmaxnreg, the P exchange (shfl.sync + prmt) and 0 spill bytes. The P exchange itself is
 checked on the CPU against the PTX fragment layouts, which the probe reads back from CuTe.
-Nothing here runs the kernel: `python -m flashsuite.fa3.fp8_check --out DIR` does, on the H200.
+Nothing here runs the kernel: `python -m benchmarks.fa3_fp8_check --out DIR` does, on the H200.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 from flashsuite.common.validation import check_inputs
 from flashsuite.fa3 import fp8, interface
 
+ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
 SHARDS = ((64, 128, 192), (96, 256))  # two compiler processes (the CI machine has 2 cores)
 CASES = [("shipped", d, causal) for d in fp8.FP8_HEAD_DIMS for causal in (False, True)]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
@@ -46,10 +48,10 @@ def probes(tmp_path_factory) -> dict:
 
     def run(i: int) -> dict:
         path = out / f"shard{i}.json"
-        cmd = [sys.executable, "-m", "flashsuite.fa3.fp8_check", "--probe", "--json", str(path)]
+        cmd = [sys.executable, "-m", "benchmarks.fa3_fp8_check", "--probe", "--json", str(path)]
         for d in SHARDS[i]:
             cmd += ["--head-dim", str(d)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"fp8 probe {i} failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(path.read_text())
 

@@ -86,31 +86,6 @@ KNOWN_NARRATION = {
         '"""DESIGN' + ".md's tolerance: max|ours - ref| <= factor * max|pt - ref| + rounding. "
         "NaN fails.",
     ),
-    (
-        "tune.py",
-        "in bf16, the" + " issue's baseline) and fa2, in the same run. Registers and spills "
-        "come from the",
-    ),
-    (
-        "ablate.py",
-        '"""Run fa3 on one case and compare out and lse with the oracle (DESIGN'
-        + '.md tolerance)."""',
-    ),
-    (
-        "fp8_check.py",
-        "descales None or random in [0.5, 2], window, softcap, large scores. Yardstick (DESIGN"
-        + ".md's",
-    ),
-    (
-        "test_compile_probes.py",
-        "# tiles; its causal backward is known to spill 20-24 B in three entries (probe, session"
-        + " 3):",
-    ),
-    (
-        "test_dispatch.py",
-        '"""The benchmark\'s materialising baseline (fa1\'s' + " bar) computes the same "
-        'attention."""',
-    ),
 }
 
 

@@ -124,3 +124,29 @@ def test_valid_edge_inputs_are_accepted() -> None:
     q, k, v = qkv(hq=4, hkv=1, d=1, dv=3, dtype=torch.float32)
     out = dispatch.attention(q, k, v, window_size=(-1, -1), softmax_scale=2)
     assert out.shape == (1, 8, 4, 3)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"causal": True, "softmax_scale": 0.3},
+        {"window_size": (5, 2), "softcap": 20.0},
+        {"window_size": (-1, 0)},  # reported as causal
+    ],
+    ids=["plain", "causal-scale", "window-softcap", "window-causal"],
+)
+def test_op_args_and_key_round_trip(options: dict) -> None:
+    """AttnParams -> the ops' option arguments / the selection key -> the same AttnParams."""
+    from flashsuite.common.validation import AttnParams, check_inputs
+
+    q, k, v = qkv(b=2, nq=8, nk=12, hq=4, hkv=2, dv=8)
+    p = check_inputs(q, k, v, **options)
+    args = p.to_op_args()
+    assert len(args) == len(AttnParams.OP_ARGS)
+    assert AttnParams.from_op_args(q, k, v, *args) == p
+    key = p.to_key()
+    assert hash(key) == hash(tuple(key))
+    assert AttnParams.from_key(key) == p
+    with pytest.raises(ValueError, match="window_size"):
+        AttnParams.from_op_args(q, k, v, False, 1.0, -3, 0, 0.0)

@@ -1,8 +1,8 @@
 """fa2 tile tuning: an sm_90a compile probe (runs on CPU) and an H200 timing sweep.
 
-    python -m flashsuite.fa2.tune --probe            # every shipped config: regs/spills/smem/wgmma
-    python -m flashsuite.fa2.tune --out DIR          # on the GPU: time candidates, write DIR/*.json
-    python -m flashsuite.fa2.tune --quick-bwd --out DIR   # GPU, < 90 s: the D128/D256 backward
+    python -m benchmarks.fa2_tune --probe            # every shipped config: regs/spills/smem/wgmma
+    python -m benchmarks.fa2_tune --out DIR          # on the GPU: time candidates, write DIR/*.json
+    python -m benchmarks.fa2_tune --quick-bwd --out DIR   # GPU, < 90 s: the D128/D256 backward
 
 The sweep: bf16, B·N = 16k tokens, Hq·D = 2048, N in {2048, 8192}, D in {64, 128, 256}, causal
 and not, forward and backward. Every candidate is first compiled for sm_90a and dropped if it

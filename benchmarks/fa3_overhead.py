@@ -1,6 +1,6 @@
 """CPU microbenchmark of fa3's per-call Python path (no GPU needed).
 
-    python -m flashsuite.fa3.overhead
+    python -m benchmarks.fa3_overhead
 
 Times each host-side stage of `interface.forward` on CPU tensors of a tiny problem: input
 validation (common, the caller's), the output allocations, `_tma_ready`, the launch-plan

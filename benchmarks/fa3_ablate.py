@@ -1,11 +1,11 @@
 """fa3 on the H200: correctness, TFLOP/s next to SDPA (cuDNN, flash), and the ablation table.
 
-    python -m flashsuite.fa3.ablate --out DIR [--skip-correctness] [--skip-bench] [--skip-ablation]
-    python -m flashsuite.fa3.ablate --out DIR --smoke     # 3 small cases, for compute-sanitizer
-    python -m flashsuite.fa3.ablate --out DIR --skip-correctness --skip-bench --head-dim 64
-    python -m flashsuite.fa3.ablate --out DIR --final     # < 2 min: the candidates to ship
-    python -m flashsuite.fa3.ablate --out DIR --persistent     # < 2 min: persistent schedulers
-    python -m flashsuite.fa3.ablate --out DIR --persistent --smoke --variant new --head-dim 128
+    python -m benchmarks.fa3_ablate --out DIR [--skip-correctness] [--skip-bench] [--skip-ablation]
+    python -m benchmarks.fa3_ablate --out DIR --smoke     # 3 small cases, for compute-sanitizer
+    python -m benchmarks.fa3_ablate --out DIR --skip-correctness --skip-bench --head-dim 64
+    python -m benchmarks.fa3_ablate --out DIR --final     # < 2 min: the candidates to ship
+    python -m benchmarks.fa3_ablate --out DIR --persistent     # < 2 min: persistent schedulers
+    python -m benchmarks.fa3_ablate --out DIR --persistent --smoke --variant new --head-dim 128
 
 Stages, each variant in its own try/except so one failure does not end the run (a GPU hang
 cannot be caught in-process: the first case is tiny so a barrier bug shows at once):
@@ -13,19 +13,19 @@ cannot be caught in-process: the first case is tiny so a barrier bug shows at on
    not, Nq/Nk in {1, 17, 1000, ...}, GQA, window, softcap), max errors and PASS/FAIL;
 2. forward TFLOP/s, B·N = 16k tokens, Hq·D = 2048, N in {8192, 16384}, D in {64, 128, 256},
    causal F/T, with SDPA's cuDNN and flash backends timed in the same run (ratio columns);
-3. ablation at D = 128, N = 8192 over configs.ablation_configs (ping-pong, intra-WG overlap,
+3. ablation at D = 128, N = 8192 over fa3_variants.ablation_configs (ping-pong, intra-WG overlap,
    stages, tile_n), each variant checked for correctness on a small case before timing;
 4. launch overhead: wall time of a tiny call vs SDPA's.
 Results go to DIR/fa3_ablate.json.
 
---persistent (DIR/fa3_persistent.json, < 2 min): configs.persistent_variants, i.e. per shape the
-plain grid, the round-robin persistent scheduler ("old") and the overlapped persistent one with
-the balanced order ("new"), each checked on 8 small bf16 cases (odd lengths, GQA/MQA, keyless
-rows, several tiles per CTA) and then timed at D = 64/128/256 causal N = 4k/8k/16k and D = 128
-non-causal N = 16k next to cuDNN in the same run. The new variants run last (a hang ends the run
-after the JSON written so far).
+--persistent (DIR/fa3_persistent.json, < 2 min): fa3_variants.persistent_variants, i.e. per shape
+the plain grid, the round-robin persistent scheduler ("old") and the overlapped persistent one with
+the balanced order ("new"), each checked on 8 small bf16 cases (odd lengths, GQA/MQA, keyless rows,
+several tiles per CTA) and then timed at D = 64/128/256 causal N = 4k/8k/16k and D = 128 non-causal
+N = 16k next to cuDNN in the same run. The new variants run last (a hang ends the run after the JSON
+written so far).
 
---final (DIR/fa3_final.json): each non-shipped entry of configs.final_variants (3 consumer
+--final (DIR/fa3_final.json): each non-shipped entry of fa3_variants.final_variants (3 consumer
 WGs, wider tile_n, persistent LPT scheduler, the D=128 ablation winners) is compiled, checked
 on 8 small cases (fp16/bf16, causal or not, odd Nq/Nk, GQA, a window, more tiles than SMs),
 then every entry is timed at N = 16384 (causal also 8192) next to cuDNN in the same run.
@@ -43,16 +43,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.fa3_variants import ablation_configs, final_variants, persistent_variants
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import compare, hang_watchdog, reference_pair
 from flashsuite.common.validation import check_inputs
 from flashsuite.fa3 import interface
-from flashsuite.fa3.configs import (
-    Fa3Config,
-    ablation_configs,
-    final_variants,
-    persistent_variants,
-)
+from flashsuite.fa3.configs import Fa3Config
 
 DEV = "cuda"
 _HANG_S = 90  # seconds one correctness case may take (compiles included) before we give up
@@ -71,7 +67,7 @@ def _inputs(b, nq, nk, hq, hkv, d, dtype, seed=0):
 
 
 def check_case(case: dict, cfg: Fa3Config | None = None) -> dict:
-    """Run fa3 on one case and compare out and lse with the oracle (DESIGN.md tolerance)."""
+    """Run fa3 on one case; compare out and lse with the oracle (docs/design.md tolerance)."""
     opts = {
         "causal": case.get("causal", False),
         "window_size": case.get("window", (-1, -1)),
@@ -392,8 +388,8 @@ def run_persistent(
     head_dims=None,
     seqlens: list[int] | None = None,
 ) -> None:
-    """Correctness, then TFLOP/s vs cuDNN, of configs.persistent_variants into res["persistent"]:
-    plain and old first, the new variants after them (the likeliest to hang).
+    """Correctness, then TFLOP/s vs cuDNN, of fa3_variants.persistent_variants into
+    res["persistent"]: plain and old first, the new variants after them (the likeliest to hang).
 
     `smoke`: only the new variants on 3 cases (one tile, keyless tiles, several tiles per CTA)
     and no timing, for compute-sanitizer. `only` / `head_dims` keep those variant names / dims;
@@ -491,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--final",
         action="store_true",
-        help="only the candidates of configs.final_variants: correctness, then TFLOP/s (< 2 min)",
+        help="only fa3_variants.final_variants: correctness, then TFLOP/s (< 2 min)",
     )
     ap.add_argument(
         "--persistent",
@@ -501,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variant",
         action="append",
-        help="with --persistent: only these configs.persistent_variants names (plain, old, new..)",
+        help="with --persistent: only these persistent_variants names (plain, old, new..)",
     )
     ap.add_argument(
         "--seqlen",

@@ -1,6 +1,6 @@
 """Compile probe: build the fa1 kernels of the config table for a GPU arch on any machine.
 
-`python -m flashsuite.fa1.probe [ARCH ...]` (default 90 75) compiles every (kernel, dtype,
+`python -m benchmarks.fa1_probe [ARCH ...]` (default 90 75) compiles every (kernel, dtype,
 head_dim, causal) of `configs.py` with `triton.compile` for `GPUTarget("cuda", ARCH, 32)`, no
 GPU needed, and prints registers and spills (ptxas -v, from the Triton wheel), shared memory
 (`metadata.shared`) and which MMA the PTX uses (wgmma, mma.sync, or none: FMA).

@@ -1,9 +1,9 @@
 """fa1 forward tuning on a GPU: tile shapes, warps, stages and Q splits, next to the competition.
 
-    python -m flashsuite.fa1.tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
-    python -m flashsuite.fa1.tune --out DIR --tma [--causal] [--allow-spill N] [--per-sm 8]
+    python -m benchmarks.fa1_tune --out DIR [--quick]      # on the GPU; writes DIR/fa1_tune.json
+    python -m benchmarks.fa1_tune --out DIR --tma [--causal] [--allow-spill N] [--per-sm 8]
                                                            # the sm90 TMA tiles (fa1_tune_tma*.json)
-    python -m flashsuite.fa1.tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
+    python -m benchmarks.fa1_tune --out DIR --shipped --seqlen 2048 --seqlen 16384  # table only
 
 FA1's loop order re-reads and re-writes the fp32 running output O_i (and m_i, l_i) at every
 (K/V block j, Q block i) step, so a step moves ~10·B_r·D bytes for 4·B_r·B_c·D FLOPs: at
@@ -16,8 +16,8 @@ loop (num_stages: the next step's Q_i, O_i, m_i, l_i are independent of this ste
 Shapes: bf16, B·N = 16k tokens, Hq·D = 2048, non-causal (and causal with --causal), D 64 and
 128. Every candidate is checked against the materialising reference (max abs error) and timed
 with `triton.testing.do_bench` (median) next to materialising PyTorch attention (softmax(q·kᵀ)·v
-in bf16, the issue's baseline) and fa2, in the same run. Registers and spills come from the
-compiled kernel.
+in bf16, the baseline fa1 is measured against) and fa2, in the same run. Registers and
+spills come from the compiled kernel.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """fa3's fp8 forward: compile probe (no GPU) and the H200 check (correctness, then TFLOP/s).
 
-    python -m flashsuite.fa3.fp8_check --probe [--json F] [--head-dim D]   # sm_90a, no GPU
-    python -m flashsuite.fa3.fp8_check --out DIR [--smoke] [--skip-bench]   # on the H200
-    python -m flashsuite.fa3.fp8_check --out DIR --ablate [--head-dim D]   # H200: the variants
+    python -m benchmarks.fa3_fp8_check --probe [--json F] [--head-dim D]   # sm_90a, no GPU
+    python -m benchmarks.fa3_fp8_check --out DIR [--smoke] [--skip-bench]   # on the H200
+    python -m benchmarks.fa3_fp8_check --out DIR --ablate [--head-dim D]   # H200: the variants
 
 --probe compiles every fp8 table entry (fp8.FP8_CONFIGS; causal and not) and reports PTX
 instruction counts, ptxas registers / spills / C75xx remarks and CuTe's fragment layouts that
@@ -12,7 +12,7 @@ before it imports the DSL, so run it in its own process.
 The GPU run writes DIR/fa3_fp8.json:
 1. correctness against common.reference (fp8 with descales; the tiny case first, a watchdog
    ends the run if a case hangs): D 64/96/128/192/256, causal or not, odd Nq/Nk, GQA/MQA,
-   descales None or random in [0.5, 2], window, softcap, large scores. Yardstick (DESIGN.md's
+   descales None or random in [0.5, 2], window, softcap, large scores. Yardstick (docs/design.md's
    rule with an fp8 "own error"): max|fa3 - ref| <= 2 max|emu - ref| + bf16 rounding for out,
    emu being the oracle with P rounded to e4m3 as the kernel does (row sums stay fp32); the
    LSE is held to the bf16-maths error of the same dequantised problem.
@@ -100,8 +100,8 @@ def probe_one(
     head_dim: int, causal: bool, cfg: Any = None, local: bool = False, softcap: bool = False
 ) -> dict:
     """Compile one fp8 config; PTX counts, ptxas registers / spills / remarks."""
+    from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
     from flashsuite.fa3 import fp8
-    from flashsuite.fa3.probe import _capture_fd2, parse_ptxas, ptx_counts
 
     try:
         import tvm_ffi  # noqa: F401
@@ -131,6 +131,7 @@ def probe_one(
 
 def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool) -> int:
     _probe_env()
+    from benchmarks.fa3_variants import fp8_variants
     from flashsuite.fa3 import fp8
 
     cases = [
@@ -138,16 +139,16 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     ]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
     cases.append(("window_softcap", 128, False, fp8.fp8_config(128)))
-    # Not shipped yet, compiled in CI so the code paths stay built: the persistent scheduler
+    # Not shipped; compiled in CI so the code paths stay built: the persistent scheduler
     # (per-tile descales, per-WG epilogue) and three consumer warpgroups.
-    named = {(n, d): cfg for n, d, cfg in fp8.fp8_variants()}
+    named = {(n, d): cfg for n, d, cfg in fp8_variants()}
     cases.append(("persistent_v2", 128, True, named[("persistent_v2", 128)]))
     cases.append(("wg3_n128", 64, False, named[("wg3_n128", 64)]))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [
             (n, d, False, cfg)
-            for n, d, cfg in fp8.fp8_variants()
+            for n, d, cfg in fp8_variants()
             if n != "shipped" and (n, d) not in done
         ]
     results: dict[str, Any] = {"layouts": fragment_layouts(), "configs": []}
@@ -402,12 +403,12 @@ def run_bench() -> list[dict]:
 
 
 def run_ablation(n: int = 8192, head_dims: list[int] | None = None) -> list[dict]:
-    """Each fp8.fp8_variants entry at D 64/128/256 (or `head_dims`): 3 small cases, then
+    """Each fa3_variants.fp8_variants entry at D 64/128/256 (or `head_dims`): 3 small cases, then
     TFLOP/s (kernel alone and with the Vᵀ copy) at N = 8192, causal or not."""
-    from flashsuite.fa3 import fp8
+    from benchmarks.fa3_variants import fp8_variants
 
     rows = []
-    for name, d, cfg in fp8.fp8_variants():
+    for name, d, cfg in fp8_variants():
         if d not in (head_dims or (64, 128, 256)):
             continue
         row: dict[str, Any] = {"variant": name, "D": d, "config": asdict(cfg)}
@@ -435,11 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe", action="store_true", help="compile for sm_90a only (no GPU)")
     ap.add_argument("--json", help="--probe: write the results here")
     ap.add_argument("--head-dim", type=int, action="append", help="--probe / --ablate: only these")
-    ap.add_argument("--variants", action="store_true", help="--probe: also fp8.fp8_variants")
+    ap.add_argument(
+        "--variants", action="store_true", help="--probe: also fa3_variants.fp8_variants"
+    )
     ap.add_argument(
         "--ablate",
         action="store_true",
-        help="GPU run: only fp8.fp8_variants (3 cases each, then TFLOP/s); --head-dim narrows",
+        help="GPU run: only fa3_variants.fp8_variants (3 cases each, then TFLOP/s)",
     )
     ap.add_argument("--out", help="GPU run: output folder")
     ap.add_argument("--smoke", action="store_true", help="GPU run: 3 small cases only")

@@ -1,9 +1,9 @@
 """Compile probe: build fa3 configs for sm_90a (no GPU needed) and report PTX and ptxas facts.
 
-    python -m flashsuite.fa3.probe                    # every shipped config, a table
-    python -m flashsuite.fa3.probe --json out.json    # the same, as JSON
-    python -m flashsuite.fa3.probe --shard 0/2        # every other config (CI runs 2 at once)
-    python -m flashsuite.fa3.probe --variants         # shipped configs + configs.flag_variants
+    python -m benchmarks.fa3_probe                    # every shipped config, a table
+    python -m benchmarks.fa3_probe --json out.json    # the same, as JSON
+    python -m benchmarks.fa3_probe --shard 0/2        # every other config (CI runs 2 at once)
+    python -m benchmarks.fa3_probe --variants         # shipped configs + fa3_variants.flag_variants
 
 Per config: instruction counts in the PTX (wgmma, TMA, setmaxnreg, named barriers, stmatrix)
 and ptxas' registers, spill bytes and performance remarks (C75xx: C7512 means every wgmma got
@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from flashsuite.fa3.configs import flag_variants, shipped_cases
+    from benchmarks.fa3_variants import flag_variants
+    from flashsuite.fa3.configs import shipped_cases
 
     i, n = (int(x) for x in args.shard.split("/"))
     cases = shipped_cases()

@@ -1,0 +1,133 @@
+"""SHA-256 of the PTX of every fa3 config CI compiles, to show a refactor leaves the code alone.
+
+    python -m benchmarks.fa3_ptx_hash --json before.json [--shard 0/2]
+    python -m benchmarks.fa3_ptx_hash --compare before.json after.json
+
+Compiles for sm_90a on the CPU (no GPU needed): the bf16/fp16 shipped cases and flag variants
+(what tests/test_fa3_compile.py builds), the shipped bf16 entries again with a sliding window
+and with softcap (the mask and score paths those flags add), and every fp8 table entry (causal
+and not; a window + softcap case at D = 128). The PTX is hashed as written and with the
+`.loc`/`.file` debug lines removed; `--compare` reports configs whose PTX differs. The CuTe
+DSL reads `CUTE_DSL_*` at import: run this module in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import tempfile
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
+os.environ["CUTE_DSL_KEEP"] = "ptx"
+os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_ptx_hash_")
+
+_DEBUG_LINE = re.compile(r"^\s*\.(loc|file)\b.*$\n?", re.MULTILINE)
+
+
+def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
+    """(family, name, head_dim, dtype, causal, local, softcap, config) for every build."""
+    import torch
+
+    from benchmarks.fa3_variants import flag_variants
+    from flashsuite.fa3 import fp8
+    from flashsuite.fa3.configs import get_config, shipped_cases
+
+    out = []
+    for name, d, dt, causal, cfg in shipped_cases() + flag_variants():
+        out.append(("bf16", name, d, dt, causal, False, False, cfg))
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            cfg = get_config(d, torch.bfloat16, causal)
+            out.append(("bf16", "local", d, torch.bfloat16, causal, True, False, cfg))
+            out.append(("bf16", "softcap", d, torch.bfloat16, causal, False, True, cfg))
+    for d in fp8.FP8_HEAD_DIMS:
+        for causal in (False, True):
+            out.append(("fp8", "shipped", d, None, causal, False, False, fp8.fp8_config(d, causal)))
+    out.append(("fp8", "window_softcap", 128, None, False, True, True, fp8.fp8_config(128)))
+    return out
+
+
+def _case_id(case) -> str:
+    family, name, d, dt, causal, local, softcap, cfg = case
+    dts = str(dt).removeprefix("torch.") if dt is not None else "e4m3"
+    return f"{family}:{name}:D{d}:{dts}:causal={causal}:local={local}:softcap={softcap}:{cfg}"
+
+
+def _compile(case) -> str:
+    family, _, d, dt, causal, local, softcap, cfg = case
+    try:
+        import tvm_ffi  # noqa: F401
+
+        tvm = True
+    except ImportError:
+        tvm = False
+    if family == "fp8":
+        from flashsuite.fa3 import fp8
+
+        compiled = fp8.compile_fp8_forward(
+            fp8.Fp8CompileKey(d, causal, local, softcap, cfg, tvm_ffi=tvm)
+        )
+    else:
+        from flashsuite.fa3.compile import CompileKey, compile_forward
+
+        compiled = compile_forward(CompileKey(dt, d, causal, local, softcap, cfg, tvm_ffi=tvm))
+    ptx = getattr(compiled, "__ptx__", None) or ""
+    if not ptx:
+        raise RuntimeError(f"no PTX for {_case_id(case)}")
+    return ptx
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write {case: {ptx, ptx_no_debug}} hashes here")
+    ap.add_argument("--shard", default="0/1", help="i/n: cases i, i+n, i+2n, ...")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="BEFORE AFTER [AFTER ...]")
+    args = ap.parse_args(argv)
+    if args.compare:
+        return _compare(args.compare)
+    i, n = (int(x) for x in args.shard.split("/"))
+    result = {}
+    for case in _cases()[i::n]:
+        ptx = _compile(case)
+        result[_case_id(case)] = {"ptx": _sha(ptx), "ptx_no_debug": _sha(_DEBUG_LINE.sub("", ptx))}
+        print(_case_id(case), result[_case_id(case)]["ptx"][:16], flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+    return 0
+
+
+def _load(paths: list[str]) -> dict:
+    merged: dict = {}
+    for p in paths:
+        with open(p) as f:
+            merged.update(json.load(f))
+    return merged
+
+
+def _compare(paths: list[str]) -> int:
+    """Each path may be a comma-separated list of shard files: BEFORE AFTER."""
+    before, after = (_load(p.split(",")) for p in paths[:2])
+    if set(before) != set(after):
+        print("case sets differ:", sorted(set(before) ^ set(after)))
+        return 1
+    exact = sum(before[k]["ptx"] == after[k]["ptx"] for k in before)
+    no_debug = sum(before[k]["ptx_no_debug"] == after[k]["ptx_no_debug"] for k in before)
+    print(f"{len(before)} configs: {exact} identical PTX, {no_debug} identical without debug lines")
+    for k in sorted(before):
+        if before[k]["ptx_no_debug"] != after[k]["ptx_no_debug"]:
+            print("DIFFERS:", k)
+    return 0 if no_debug == len(before) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The fa3 tile variants that the lab scripts time and compile next to the shipped table.
+
+Catalogues only: `fa3_ablate` times `ablation_configs`, `final_variants` and
+`persistent_variants` on the H200, `fa3_probe --variants` (and tests/test_fa3_compile.py)
+compiles `flag_variants` for sm_90a so every barrier protocol of the kernel is built, and
+`fa3_fp8_check --ablate` times `fp8_variants`. The shipped tables live in
+flashsuite.fa3.configs and flashsuite.fa3.fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from flashsuite.fa3.configs import Fa3Config, _overlap, _tiles, can_implement, get_config
+
+
+def _three_wgs(cfg: Fa3Config) -> Fa3Config:
+    return replace(cfg, num_consumer_wgs=3, tile_m=192)
+
+
+def _two_wgs(cfg: Fa3Config) -> Fa3Config:
+    return replace(cfg, num_consumer_wgs=2, tile_m=128)
+
+
+def ablation_configs(head_dim: int = 128, causal: bool = False) -> dict[str, Fa3Config]:
+    """Variants of the shipped config at one head_dim, each switching one feature."""
+    base = get_config(head_dim, torch.bfloat16, causal)
+    variants = {
+        "shipped": base,
+        "no_pingpong": replace(base, pingpong=False),
+        "no_intra_wg_overlap": replace(base, intra_wg_overlap=False),
+        "neither": replace(base, pingpong=False, intra_wg_overlap=False),
+        "tile_n_128": replace(base, tile_n=128, o_alias_q=False),
+        "tile_n_128_stages3": replace(base, tile_n=128, stages=3, o_alias_q=True),
+        "tile_n_128_o_on_q": replace(base, tile_n=128, o_alias_q=True),
+        "tile_n_64": replace(base, tile_n=64, o_alias_q=False),
+        "tile_n_64_stages4": replace(base, tile_n=64, stages=4, o_alias_q=True),
+        "tile_n_176_o_on_q": replace(base, tile_n=176, o_alias_q=True),
+        "tile_n_192": replace(_two_wgs(base), tile_n=192, stages=2),
+        "wg2": _two_wgs(base),
+        "wg3": _three_wgs(base),
+        "wg3_no_pingpong": replace(_three_wgs(base), pingpong=False),
+        "wg3_stages2": replace(_three_wgs(base), stages=2),
+        "persistent": replace(base, persistent=True),
+    }
+    out: dict[str, Fa3Config] = {}
+    for name, cfg in variants.items():
+        if cfg not in out.values() and can_implement(cfg, head_dim, torch.bfloat16)[0]:
+            out[name] = cfg
+    return out
+
+
+def final_variants() -> list[tuple[str, int, bool, Fa3Config]]:
+    """(name, head_dim, causal, config) that `ablate --final` times: the shipped config next to
+    the candidates it may be replaced by (3 consumer WGs / wider tile_n at D=64, the D=128
+    ablation winners, the persistent LPT scheduler)."""
+    out = []
+    for d, causal in ((64, False), (64, True), (128, False), (128, True), (256, True)):
+        base = get_config(d, torch.bfloat16, causal)
+        cands = {"shipped": base}
+        if causal or d == 128:
+            cands["persistent"] = replace(_plain(base), persistent=True)  # v1, round-robin
+        if d == 64:
+            cands["wg3"] = _three_wgs(base)
+            cands["wg2"] = _two_wgs(base)
+            if causal:
+                cands["wg3_persistent"] = replace(_three_wgs(_plain(base)), persistent=True)
+            else:
+                cands["tile_n_192"] = replace(_two_wgs(base), tile_n=192, stages=2)
+        if d == 128 and not causal:
+            cands["no_intra_wg_overlap"] = replace(base, intra_wg_overlap=False)
+            cands["tile_n_128_o_on_q"] = replace(base, tile_n=128, o_alias_q=True)
+        for name, cfg in cands.items():
+            if can_implement(cfg, d, torch.bfloat16)[0]:
+                out.append((name, d, causal, cfg))
+    return out
+
+
+def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
+    """Configs with the non-default flags (3 consumer WGs, persistent) that CI compiles too,
+    with and without ping-pong / intra-WG overlap so every barrier protocol is built."""
+    bf16 = torch.bfloat16
+    d64 = get_config(64, bf16, False)
+    d128c = _tiles(128, True)
+    d128 = get_config(128, bf16, False)
+    d256 = get_config(256, bf16, False)
+    return [
+        ("wg3", 64, bf16, False, _three_wgs(d64)),
+        ("wg3-causal-fp16", 64, torch.float16, True, _three_wgs(d64)),
+        ("wg3-no-overlap", 64, bf16, False, replace(_three_wgs(d64), intra_wg_overlap=False)),
+        ("wg3-no-pingpong", 64, bf16, True, replace(_three_wgs(d64), pingpong=False)),
+        ("wg3-persistent-causal", 64, bf16, True, replace(_three_wgs(d64), persistent=True)),
+        ("wg2", 64, bf16, False, _two_wgs(d64)),
+        ("wg2-causal", 64, bf16, True, _two_wgs(d64)),
+        ("tile_n_192", 64, bf16, False, replace(_two_wgs(d64), tile_n=192, stages=2)),
+        ("persistent-causal", 128, bf16, True, replace(d128c, persistent=True)),
+        ("persistent-o-on-q", 128, bf16, False, replace(d128, persistent=True)),
+        (
+            "persistent-no-overlap",
+            128,
+            bf16,
+            True,
+            replace(d128c, persistent=True, intra_wg_overlap=False),
+        ),
+        ("persistent-d256-causal", 256, bf16, True, replace(d256, persistent=True)),
+        *(
+            (f"persistent-{name}", d, bf16, causal, cfg)
+            for name, d, causal, cfg in persistent_variants()
+            if cfg.overlap_tiles and cfg.balanced_order  # new_rr: the same code, old order
+        ),
+        ("no-skip-masked-wg", 64, torch.float16, True, _overlap(_tiles(64, True))),
+        (
+            "persistent-new-no-iwo",
+            128,
+            torch.float16,
+            True,
+            _overlap(replace(d128c, intra_wg_overlap=False)),
+        ),
+    ]
+
+
+def _plain(cfg: Fa3Config) -> Fa3Config:
+    """The same tiles on the plain grid (one CTA per tile)."""
+    return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
+
+
+def persistent_variants() -> list[tuple[str, int, bool, Fa3Config]]:
+    """(name, head_dim, causal, config) that `ablate --persistent` times: per shape the plain
+    grid ("plain": the shipped tiles, one CTA per tile), the round-robin persistent scheduler
+    ("old") and the overlapped one with the balanced order ("new"; a separate sO wherever it
+    fits; what every causal entry ships).
+
+    D=128 non-causal ships tile_n 176 with sO on sQ (208 KiB); a separate sO needs tile_n <= 160
+    (Q 32 + K/V 2 x 2 x 40 + sO 32 KiB = 225 KiB) or 128 (193 KiB). D=256 cannot have one at
+    tile_m 128 (Q 64 + sO 64 + K/V >= 128 KiB): it keeps sO on sQ and gets the K-first producer
+    order and the balanced order only.
+    """
+    out = []
+    shapes = ((64, True), (96, True), (128, True), (192, True), (256, True))
+    shapes += ((64, False), (128, False), (256, False))
+    for d, causal in shapes:
+        base = _tiles(d, causal)
+        out.append(("plain", d, causal, base))
+        out.append(("old", d, causal, replace(base, persistent=True)))
+        out.append(("new", d, causal, _overlap(base)))
+        if d in (64, 192, 256) and causal:
+            # Tiles taller than tile_n leave a WG a whole block short on the diagonal.
+            out.append(("new_skip", d, causal, replace(_overlap(base), skip_masked_wg=True)))
+        if d == 64 and causal:
+            # 3 consumer WGs mask a taller diagonal (192 x 128) on causal tiles: against
+            # two WGs (128 x 128), and 3 WGs with a shallower ring.
+            out.append(("new_wg2", d, causal, _overlap(_two_wgs(base))))
+            out.append(("new_s2", d, causal, replace(_overlap(base), stages=2)))
+        if d == 128 and causal:
+            # Tile overlap without the balanced order: which of the two a gain comes from.
+            out.append(("new_rr", d, causal, replace(_overlap(base), balanced_order=False)))
+        if d == 128 and not causal:
+            # "new" keeps the shipped tile's sO on sQ (K-first producer order only); these
+            # narrower tiles make room for a separate sO (per-WG epilogue, early Q release).
+            for tile_n in (160, 128):
+                cfg = _overlap(replace(base, tile_n=tile_n, o_alias_q=False))
+                out.append((f"new_n{tile_n}", d, causal, cfg))
+            # 176 leaves a ragged last K/V block at every power-of-two N (2048 = 11 x 176 + 112):
+            # the plain grid with a tile_n that divides N.
+            out.append(("plain_n128", d, causal, replace(base, tile_n=128)))
+            # Intra-WG overlap was measured off at N = 8k/16k; short tiles (few K/V blocks) pay
+            # the un-overlapped first and last blocks more often.
+            out.append(("plain_iwo", d, causal, replace(base, intra_wg_overlap=True)))
+            cfg = _overlap(replace(base, tile_n=128, o_alias_q=False, intra_wg_overlap=True))
+            out.append(("new_n128_iwo", d, causal, cfg))
+    return out
+
+
+def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
+    """(name, head_dim, config): the table entries and the candidates to time against them
+    (`fp8_check --ablate`; `fp8_check --probe --variants` compiles them: all 0 spills, R145 to
+    R224). Wider S tiles amortise the softmax and the P exchange over more keys; a third stage
+    hides more load latency."""
+    # fp8 imports the CuTe DSL: loaded here so the bf16 catalogues stay light.
+    from flashsuite.fa3.fp8 import FP8_CAUSAL_CONFIGS, FP8_CONFIGS, fp8_can_implement
+
+    out = []
+    for d, cfg in FP8_CONFIGS.items():
+        out.append(("shipped", d, cfg))
+        if d in FP8_CAUSAL_CONFIGS:
+            out.append(("shipped_causal", d, FP8_CAUSAL_CONFIGS[d]))
+        cands = {
+            "no_intra_wg_overlap": replace(cfg, intra_wg_overlap=False),
+            "no_pingpong": replace(cfg, pingpong=False),
+            "stages3": replace(cfg, stages=3),
+        }
+        if d <= 128:
+            cands["tile_n_128"] = replace(cfg, tile_n=128)
+        # The persistent scheduler v2 (tile overlap, balanced order, per-WG epilogue) that
+        # every causal bf16 entry ships; descales are read per tile (`tile_scales`).
+        cands["persistent_v2"] = replace(
+            cfg, persistent=True, overlap_tiles=True, balanced_order=True
+        )
+        if d == 64:
+            # The bf16 kernel's D = 64 shape: three consumer WGs (192 query rows, 160
+            # registers each: S 64 + O 32 + P 16 at tile_n 128).
+            cands["wg3_n128"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=128)
+            cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
+        if d == 128:
+            cands["tile_n_256"] = replace(cfg, tile_n=256)
+        if d == 256:
+            cands["tile_n_64"] = replace(cfg, tile_n=64)
+            cands["tile_n_112"] = replace(cfg, tile_n=112)
+        if d in (64, 128, 256):
+            out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
+    return out

@@ -1,0 +1,129 @@
+"""Epilogue stores: an accumulator tile from registers through shared memory to a TMA store.
+
+`store_o` writes the whole tile (every consumer warpgroup) through one sO and one TMA store;
+`store_o_wg` writes one warpgroup's 64-row slab through its own slab of sO and its own store,
+so a warpgroup that is done moves on without the others. The caller has scaled the tile; the
+LSE is stored by the kernel (its rows are the softmax's, see softmax.finalize_row).
+"""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from flashsuite.fa3.utils import Barrier
+
+
+@cute.jit
+def tma_store(tma_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor):
+    """One thread: TMA-store the (rows, D) smem tile sO to gO and commit the bulk group."""
+    tOs, tOg = cpasync.tma_partition(
+        tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+    )
+    cute.copy(tma_o, tOs, tOg)
+    cute.arch.cp_async_bulk_commit_group()
+
+
+@cute.jit
+def store_o(
+    tma_o: cute.CopyAtom,
+    tO: cute.Tensor,
+    mma_pv: cute.TiledMma,
+    sO: cute.Tensor,
+    acc_O: cute.Tensor,
+    ctid: Int32,
+    warp: Int32,
+    m_block: Int32,
+    head: Int32,
+    batch: Int32,
+    tile_m: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+    o_dtype: cutlass.Constexpr,
+    consumer_threads: cutlass.Constexpr[int],
+    sync_first: cutlass.Constexpr[bool],
+):
+    """The whole tile_m x D tile through sO, one TMA store by warp 4 (all consumer WGs).
+
+    `sync_first`: sO overwrites sQ (every WG's QK wgmmas, which read sQ, must have retired),
+    or a persistent CTA's previous store must have read sO (warp 4 waits for it before it
+    reaches this barrier).
+    """
+    if const_expr(sync_first):
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
+    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
+    rO.store(acc_O.load().to(o_dtype))
+    r2s = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_pv
+    )
+    thr_r2s = r2s.get_slice(ctid)
+    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+    # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
+    if warp == 4:
+        gO = cute.local_tile(
+            tO[None, None, head, batch], (tile_m, head_dim), (m_block, 0)
+        )  # (tile_m, D)
+        tma_store(tma_o, sO, gO)
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_o_wg(
+    tma_o: cute.CopyAtom,
+    tO: cute.Tensor,
+    sO: cute.Tensor,
+    acc_O: cute.Tensor,
+    ctid: Int32,
+    warp: Int32,
+    cwg: Int32,
+    m_block: Int32,
+    head: Int32,
+    batch: Int32,
+    head_dim: cutlass.Constexpr[int],
+    ab_dtype: cutlass.Constexpr,
+    o_dtype: cutlass.Constexpr,
+    pv_b_major: cutlass.Constexpr,
+    num_wgs: cutlass.Constexpr[int],
+):
+    """This WG's 64 rows through its own sO slab and its own TMA store (per-WG epilogue).
+
+    Only the 128 threads of WG c sync here, so a WG done with its tile moves on to the next
+    while the other WG still runs its last P·V. The previous tile's store of this slab is
+    waited for (smem reads only) just before the slab is written again. `ab_dtype` and
+    `pv_b_major`: the operands of the P·V wgmma whose C fragment acc_O is.
+    """
+    bar = int(Barrier.EPILOGUE_WG0) + cwg
+    store_warp = warp % 4 == 0  # the first warp of each consumer WG
+    if store_warp:
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
+    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+    sO_wg = sO[None, None, cwg]  # (64, D) slab
+    # One warpgroup's P·V tiling: its C fragment is the same per-thread acc_O layout.
+    mma_wg = sm90.make_trivial_tiled_mma(
+        ab_dtype,
+        ab_dtype,
+        cute.nvgpu.OperandMajorMode.K,
+        pv_b_major,
+        Float32,
+        (1, 1, 1),
+        (64, head_dim),
+        a_source=warpgroup.OperandSource.RMEM,
+    )
+    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
+    rO.store(acc_O.load().to(o_dtype))
+    r2s = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_wg
+    )
+    thr_r2s = r2s.get_slice(ctid % 128)
+    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_wg))
+    # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+    if store_warp:
+        gO = cute.local_tile(
+            tO[None, None, head, batch], (64, head_dim), (m_block * num_wgs + cwg, 0)
+        )  # (64, D)
+        tma_store(tma_o, sO_wg, gO)

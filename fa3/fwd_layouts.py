@@ -1,0 +1,207 @@
+"""The fa3 forward's trace-time data layout: shared-memory layouts and storage, the two
+wgmma tilings, the TMA atoms and the mbarrier pipelines, and the global-tensor views.
+
+`ForwardLayouts` is a base of the kernel class (`kernels.Fa3Forward`); the fp8 kernel
+overrides the V-side hooks (`_make_layouts`, `_pv_b_major`, `_v_box`, `_v_blocks`,
+`_v_operand`), since it loads Vᵀ blocks. Reads the static configuration set by the kernel's
+`__init__` (dtype, HEAD_DIM, TILE_M, TILE_N, STAGES, NUM_CONSUMER_WGS, ...).
+"""
+
+# No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.memory import SmemAllocator
+
+
+class ForwardLayouts:
+    """Layouts, MMAs, shared storage, TMA atoms and pipelines of the forward (trace time)."""
+
+    @staticmethod
+    def _k_major_atom(row_bytes: int, dtype: type[cutlass.Numeric]):
+        """Widest K-major swizzle atom whose row segment divides `row_bytes`."""
+        kind = warpgroup.SmemLayoutAtomKind
+        if row_bytes % 128 == 0:
+            k = kind.K_SW128
+        elif row_bytes % 64 == 0:
+            k = kind.K_SW64
+        else:
+            k = kind.K_SW32
+        return warpgroup.make_smem_layout_atom(k, dtype)
+
+    def _smem_atom(self):
+        # Rows are D-contiguous everywhere (Q, K, V and O).
+        return self._k_major_atom(self.HEAD_DIM * self.dtype.width // 8, self.dtype)
+
+    def _make_layouts(self):
+        """Shared-memory layouts sQ (TILE_M, D), sK and sV (TILE_N, D, STAGES), sO (`_o_layout`).
+
+        V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it as an
+        MN-major Vᵀ view (`_v_operand`).
+        """
+        atom = self._smem_atom()
+        sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+        sK_l = cute.tile_to_shape(
+            atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
+        )  # (TILE_N, D, STAGES)
+        return sQ_l, sK_l, sK_l, self._o_layout()
+
+    def _o_layout(self):
+        """sO: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE, each slab
+        contiguous so a (64, D) TMA box stores it (sQ_l's atoms are stacked along all TILE_M rows
+        first, so a 64-row slice of it is not one box)."""
+        if self.PER_WG_EPILOGUE:
+            return cute.tile_to_shape(
+                self._smem_atom(), (64, self.HEAD_DIM, self.NUM_CONSUMER_WGS), order=(0, 1, 2)
+            )
+        return cute.tile_to_shape(self._smem_atom(), (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+
+    def _pv_b_major(self):
+        """Major mode of PV's B operand Vᵀ (D x keys) in smem."""
+        return cute.nvgpu.OperandMajorMode.MN  # Vᵀ: the N mode (head_dim) is contiguous in sV
+
+    def _make_mmas(self):
+        major = cute.nvgpu.OperandMajorMode
+        # The consumer warpgroups stacked along M: NUM_CONSUMER_WGS x 64 rows = TILE_M.
+        wgs = (self.NUM_CONSUMER_WGS, 1, 1)
+        mma_qk = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, major.K, major.K, Float32, wgs, (64, self.TILE_N)
+        )
+        mma_pv = sm90.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            major.K,
+            self._pv_b_major(),
+            Float32,
+            wgs,
+            (64, self.HEAD_DIM),
+            a_source=warpgroup.OperandSource.RMEM,  # P stays in registers
+        )
+        return mma_qk, mma_pv
+
+    def _storage(self, sQ_l, sK_l, sV_l, sO_l):
+        """The shared-memory struct: mbarriers, sQ, sK, sV and sO (none where sO aliases sQ)."""
+        dt, o_dt = self.dtype, self.o_dtype
+        mrange, align = cute.struct.MemRange, cute.struct.Align
+        n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
+        st = self.STAGES
+
+        if const_expr(self.O_ALIAS_Q):
+
+            @cute.struct
+            class Storage:
+                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_k: mrange[cutlass.Int64, 2 * st]
+                mbar_v: mrange[cutlass.Int64, 2 * st]
+                sQ: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_k], 1024]
+                sV: align[mrange[dt, n_v], 1024]
+
+        else:
+
+            @cute.struct
+            class Storage:
+                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_k: mrange[cutlass.Int64, 2 * st]
+                mbar_v: mrange[cutlass.Int64, 2 * st]
+                sQ: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_k], 1024]
+                sV: align[mrange[dt, n_v], 1024]
+                sO: align[mrange[o_dt, n_o], 1024]
+
+        return Storage
+
+    # V's place in gmem, TMA and smem: (keys, D) blocks here; the fp8 kernel loads Vᵀ blocks.
+    V_VIEW = (1, 3, 2, 0)  # (B, Nk, Hkv, D) -> (Nk, D, Hkv, B)
+
+    def _v_box(self) -> tuple[int, int]:
+        """The TMA box (and smem stage shape) of one V block."""
+        return (self.TILE_N, self.HEAD_DIM)
+
+    def _v_blocks(self, tV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
+        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks)."""
+        return cute.local_tile(
+            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
+        )
+
+    def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
+        """Vᵀ as the MN-major B operand of PV: sV's bytes, a (D, TILE_N, STAGES) view."""
+        return cute.composition(
+            sV,
+            cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
+        )
+
+    def _kernel_views(self, mQ, mK, mV, mO, mLSE):
+        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `V_VIEW`, (N, H, B) LSE."""
+        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
+        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=list(self.V_VIEW)))
+        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
+        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        return mQ, mK, mV, mO, mLSE
+
+    def _make_tmas(self, mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l):
+        """TMA atoms and coordinate tensors: loads of Q, K, V (one stage each), store of O."""
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
+        tma_k, tK = cpasync.make_tiled_tma_atom(
+            g2s, mK, cute.select(sK_l, mode=[0, 1]), (self.TILE_N, self.HEAD_DIM)
+        )
+        tma_v, tV = cpasync.make_tiled_tma_atom(
+            g2s, mV, cute.select(sV_l, mode=[0, 1]), self._v_box()
+        )
+        o_rows = 64 if self.PER_WG_EPILOGUE else self.TILE_M
+        tma_o, tO = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(),
+            mO,
+            cute.select(sO_l, mode=[0, 1]),
+            (o_rows, self.HEAD_DIM),
+        )
+        return tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO
+
+    def _make_pipelines(self, st, sQ_l, sK_l, sV_l):
+        """The Q, K and V TMA pipelines on their mbarriers in `st` (init arrive included)."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # consumer_release arrives from one lane per warp: the count is consumer *warps*.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS // 32)
+
+        def make_pipe(stages, smem_l, mbar):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=stages,
+                producer_group=producer,
+                consumer_group=consumers,
+                tx_count=cute.size_in_bytes(self.dtype, smem_l),  # the TMA bytes of one stage
+                barrier_storage=mbar.data_ptr(),
+                defer_sync=True,
+            )
+
+        pipe_q = make_pipe(1, sQ_l, st.mbar_q)
+        pipe_k = make_pipe(self.STAGES, cute.select(sK_l, mode=[0, 1]), st.mbar_k)
+        pipe_v = make_pipe(self.STAGES, cute.select(sV_l, mode=[0, 1]), st.mbar_v)
+        pipeline.pipeline_init_arrive()
+        return pipe_q, pipe_k, pipe_v
+
+    def _allocate_smem(self, sQ_l, sK_l, sV_l, sO_l):
+        """Kernel prologue: the storage struct, its pipelines and smem tensors, then the wait
+        for every thread's view of the initialised mbarriers. Returns (pipes, tensors)."""
+        st = SmemAllocator().allocate(self.storage)
+        pipes = self._make_pipelines(st, sQ_l, sK_l, sV_l)
+        smem = self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l)
+        pipeline.pipeline_init_wait()
+        return pipes, smem
+
+    def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
+        """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
+        B operand, (D, TILE_N, STAGES)) and sO (on sQ with O_ALIAS_Q)."""
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+        sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
+        sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES)
+        sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)
+        if const_expr(self.O_ALIAS_Q):
+            sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
+        else:
+            sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
+        return sQ, sK, sV, sVt, sO

@@ -1,0 +1,179 @@
+"""The fa3 forward's consumer main loop, one K/V block at a time.
+
+`ForwardMainloop` is a base of the kernel class (`kernels.Fa3Forward`), which calls these
+per-block steps from `consumer`: without intra-WG overlap `step` (QK, softmax, PV, each waited
+for); with it `overlap_loop` (`first_half_block`, then `step_overlap` with QK(n) and PV(n+1) in
+flight together, then `last_half_block`), and `pass_block` for a block none of a WG's rows can
+see. `ctx` carries the tile's fragments, pipelines and problem (see `consumer`). The fp8
+kernel overrides `probs_to_operand` (P to e4m3 and the register exchange of its A operand).
+"""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from flashsuite.fa3.mask import apply_mask
+from flashsuite.fa3.softmax import online_softmax, rescale_rows
+from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk
+
+
+class ForwardMainloop:
+    """Per-block steps of the consumer warpgroups (reads the kernel's static configuration)."""
+
+    @cute.jit
+    def _mask(self, ctx, n_block: Int32):
+        """mask.apply_mask on ctx.acc_S with this kernel's tile and window edges."""
+        apply_mask(
+            ctx.acc_S,
+            ctx.tScS,
+            n_block,
+            ctx.m_block,
+            ctx.seqlen_k,
+            ctx.shift,
+            ctx.window_left,
+            ctx.window_right,
+            self.TILE_M,
+            self.TILE_N,
+            self.HAS_RIGHT,
+            self.HAS_LEFT,
+        )
+
+    @cute.jit
+    def scores_to_probs(self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None):
+        """Softcap, mask and online softmax of ctx.acc_S in place; returns the O rescale.
+
+        `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may.
+        """
+        acc_S = ctx.acc_S
+        if const_expr(self.SOFTCAP):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
+        if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if masked:
+                self._mask(ctx, n_block)
+        if const_expr(mask):
+            self._mask(ctx, n_block)
+        return online_softmax(acc_S, ctx.row_max, ctx.row_sum, ctx.scale_log2)
+
+    @cute.jit
+    def probs_to_operand(self, ctx):
+        """P (fp32, in acc_S) -> 16-bit A operand of PV, in registers.
+
+        The C fragment of S and the A fragment of P have the same per-thread element order
+        (m64nNk16), so this is a per-thread convert, no data moves between threads.
+        """
+        acc_S = ctx.acc_S
+        n = cute.size(acc_S)
+        p32 = cute.make_tensor(
+            cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
+        )  # (n/2,) 32-bit view of the P fragment's registers
+        for j in cutlass.range_constexpr(n // 2):
+            p32[j] = cvt_pack_16x2(acc_S[2 * j], acc_S[2 * j + 1], self.dtype is cutlass.BFloat16)
+
+    @cute.jit
+    def step(self, ctx, kv_state, n_block: Int32, mask: cutlass.Constexpr[bool]):
+        """One K/V block without intra-WG overlap: QK, softmax, PV, each waited for."""
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        self.pingpong.arrive(ctx.cwg)  # the other WG may run its PV(n-1) and QK(n) meanwhile
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        corr = self.scores_to_probs(ctx, n_block, mask)
+        self.probs_to_operand(ctx)
+        rescale_rows(ctx.acc_O, corr)
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        self.pingpong.sync(ctx.cwg)  # our turn: PV(n) now, QK(n+1) right after
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def overlap_loop(
+        self, ctx, kv_state, n_block: Int32, i_first, n_blocks: Int32, n_masked_hi: Int32,
+        n_unmasked: Int32, pipe_q: pipeline.PipelineTmaAsync, q_state: pipeline.PipelineState,
+    ):  # fmt: skip
+        """The intra-WG-overlap main loop over blocks n_block - i, i = i_first .. n_blocks - 1.
+
+        One loop with a uniform runtime mask test rather than one loop per phase: S, P and O
+        are carried from iteration to iteration, and with several loops ptxas gives them
+        different registers in each (R227 instead of ~R180 at D=128) and then serialises the
+        wgmmas for lack of registers (C7512).
+        """
+        kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
+        for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
+            masked = i < n_masked_hi
+            if const_expr(self.HAS_LEFT):
+                masked = masked | (i >= n_masked_hi + n_unmasked)
+            kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
+        if const_expr(self.EARLY_Q_RELEASE):
+            # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
+            # next tile may land while the last P·V and the epilogue run.
+            pipe_q.consumer_release(q_state)
+        return self.last_half_block(ctx, kv_state)
+
+    @cute.jit
+    def pass_block(self, ctx, kv_state, take_turn):
+        """SKIP_MASKED_WG: the newest block, which none of this WG's rows can see.
+
+        Its S would be all -inf and its P all 0, so the softmax state and O would not change:
+        the WG only waits for and releases the K and V stages (the other WGs use them) and,
+        if more blocks follow (`take_turn`), takes one empty ping-pong turn, since the
+        step_overlap it replaces syncs and arrives once (the token keeps making whole rounds).
+        The products stay out of the main loop (a predicated wgmma inside it makes ptxas
+        serialise every wgmma: C7515).
+        """
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        ctx.pipe_k.consumer_release(kv_state)
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        if take_turn:
+            self.pingpong.sync(ctx.cwg)
+            self.pingpong.arrive(ctx.cwg)
+        return kv_state
+
+    @cute.jit
+    def first_half_block(self, ctx, kv_state, n_block: Int32):
+        """Intra-WG overlap prologue: S and P of the first (masked) block, no PV yet."""
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        self.scores_to_probs(ctx, n_block, True)  # acc_O is still 0: nothing to rescale
+        self.probs_to_operand(ctx)
+        return kv_state
+
+    @cute.jit
+    def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
+        """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV."""
+        v_state = kv_state.clone()  # the previous block, whose P sits in tOrP
+        kv_state.advance()
+        ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
+        self.pingpong.sync(ctx.cwg)
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
+        self.pingpong.arrive(ctx.cwg)
+        warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
+        ctx.pipe_k.consumer_release(kv_state)
+        corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S only, not tOrP/acc_O
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(v_state)
+        self.probs_to_operand(ctx)  # tOrP and acc_O are free once PV has retired
+        rescale_rows(ctx.acc_O, corr)
+        return kv_state
+
+    @cute.jit
+    def last_half_block(self, ctx, kv_state):
+        """Intra-WG overlap tail of the loop: PV of the last block."""
+        ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state

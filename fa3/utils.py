@@ -1,0 +1,86 @@
+"""Small device-side helpers every fa3 kernel uses: warp roles, named barriers, the 16-bit
+pack of two fp32 values, and the two wgmma issues of attention (S = Q·Kᵀ, O += P·V)."""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import enum
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+LN2 = math.log(2.0)
+
+
+@dsl_user_op
+def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two fp32 -> one register of two 16-bit values (a in the low half): cvt.rn.{bf16,f16}x2.
+
+    Written out because `TensorSSA.to()` only packs pairs for some fragment sizes; unpacked
+    16-bit halves get merged with `mov` right before each RS wgmma, and ptxas then inserts a
+    warpgroup.arrive per wgmma (remark C7519), which breaks the wgmma pipeline.
+    """
+    kind = "bf16x2" if bf16 else "f16x2"
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            f"cvt.rn.{kind}.f32 $0, $2, $1;",  # d = {hi: $2 (b), lo: $1 (a)}
+            "=r,f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+class WarpRole(enum.IntEnum):
+    """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
+
+    PRODUCER = 0
+    CONSUMER0 = 1
+    CONSUMER1 = 2
+    CONSUMER2 = 3  # only with num_consumer_wgs == 3
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids; 0 is __syncthreads."""
+
+    EPILOGUE = 1  # all consumer threads, around the O smem tile
+    # Consumer WG c's turn on the tensor cores is barrier PINGPONG_WG0 + c (256 threads: WG c
+    # syncs, its predecessor in the ring c-1 -> c arrives).
+    PINGPONG_WG0 = 2
+    PINGPONG_WG1 = 3
+    PINGPONG_WG2 = 4  # only with three consumer WGs
+    # overlap_tiles with a separate sO: consumer WG c's own epilogue (128 threads).
+    EPILOGUE_WG0 = 5
+    EPILOGUE_WG1 = 6
+    EPILOGUE_WG2 = 7
+
+
+@cute.jit
+def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
+    """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits."""
+    warpgroup.fence()
+    # A fresh atom per issue: mutating the shared TiledMma's ACCUMULATE flag inside the
+    # dynamic K/V loop leaks an SSA value out of its region.
+    atom = cute.make_mma_atom(mma_qk.op)
+    atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
+    for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+
+
+@cute.jit
+def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32):
+    """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(mma_pv.op)
+    atom.set(warpgroup.Field.ACCUMULATE, True)  # acc_O starts at 0 and is rescaled in place
+    for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+        cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+    warpgroup.commit_group()
