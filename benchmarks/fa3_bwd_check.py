@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the first three correctness cases")
     ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
     args = ap.parse_args(argv)
+    # fa3's own backward is what this script checks, also where dispatch leaves it off by
+    # default (configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
+    os.environ[SWITCH] = "1"
     if not torch.cuda.is_available():
         _log("fa3_bwd_check: needs a CUDA GPU (sm90)")
         return 2

@@ -75,8 +75,10 @@ def available_versions(kernels_only: bool = False) -> list[str]:
 def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]:
     """Whether `name` differentiates problem `p` with its own backward kernel, and why.
 
-    `FLASHSUITE_<NAME>_BWD=0` (e.g. FLASHSUITE_FA3_BWD=0) turns a partial own backward off, so
-    that the partner's backward runs without a code change.
+    A partial own backward runs where the version's `supports_backward` says yes and either
+    the version ships it on by default (`OWN_BACKWARD_DEFAULT`, chosen by measurement) or
+    `FLASHSUITE_<NAME>_BWD=1` (e.g. FLASHSUITE_FA3_BWD=1) asks for it; `=0` turns it off, so
+    the partner's backward runs without a code change.
     """
     mod = module(name)
     if mod.HAS_BACKWARD:
@@ -85,8 +87,14 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
     if check is None:
         return False, f"{name}: no backward of its own"
     switch = f"FLASHSUITE_{name.upper()}_BWD"
-    if os.environ.get(switch, "1") == "0":
+    setting = os.environ.get(switch, "")
+    if setting == "0":
         return False, f"{name}: own backward turned off ({switch}=0)"
+    if setting != "1" and not getattr(mod, "OWN_BACKWARD_DEFAULT", True):
+        return False, (
+            f"{name}: own backward off by default (slower than the partner's where measured; "
+            f"{switch}=1 turns it on)"
+        )
     return check(p, arch)
 
 

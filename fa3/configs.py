@@ -252,6 +252,14 @@ def _overlap(cfg: Fa3Config) -> Fa3Config:
 BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 128)
 
+# Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
+# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). Off: on the H200 (2026-12-02, commit cb4a3c3,
+# `benchmarks/fa3_bwd_check.py --smoke --bench`, bf16, B·N = 16k, Hq·D = 2048) the kernel is
+# correct on all 33 oracle cases but runs at 0.63-0.92x of fa2's backward (D = 128, N = 16k:
+# 296 vs 382 TFLOP/s non-causal, 295 vs 323 causal; D = 64: 273 vs 343, 274 vs 298), so the
+# faster pairing stays the default until it passes fa2's everywhere.
+BWD_DEFAULT_ON = False
+
 
 @dataclass(frozen=True)
 class BwdConfig:

@@ -17,6 +17,7 @@ import torch
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
 from flashsuite.common.validation import AttnParams
 from flashsuite.fa3.configs import (
+    BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
     DTYPES,
     HEAD_DIMS,
@@ -30,6 +31,8 @@ from flashsuite.fa3.configs import (
 
 NAME = "fa3"
 HAS_BACKWARD = False
+# Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON says why it is off.
+OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
 

@@ -66,12 +66,13 @@ def test_env_arch_override(monkeypatch) -> None:
 @pytest.mark.parametrize(
     ("d", "options", "env", "backward", "why"),
     [
-        (128, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
-        (64, {}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (128, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (64, {}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (128, {"causal": True}, None, "fa2", "off by default"),
         (128, {"causal": True}, "0", "fa2", "FLASHSUITE_FA3_BWD=0"),
-        (128, {"softcap": 30.0}, None, "fa2", "softcap not implemented"),
-        (128, {"window_size": (64, 0)}, None, "fa2", "sliding window not implemented"),
-        (256, {}, None, "fa2", "head_dim 256 not in"),
+        (128, {"softcap": 30.0}, "1", "fa2", "softcap not implemented"),
+        (128, {"window_size": (64, 0)}, "1", "fa2", "sliding window not implemented"),
+        (256, {}, "1", "fa2", "head_dim 256 not in"),
     ],
 )
 def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) -> None:
@@ -200,7 +201,7 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
         monkeypatch.setattr(
             registry.module(name), "backward", lambda *a, _n=name: calls.append(_n) or a[1:4]
         )
-    monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+    monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
     backward = registry._choosing_backward("fa3")
     q, k, v = _qkv(d=128)
     with override_arch(90):
@@ -208,11 +209,14 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
         backward(q, q, k, v, q, None, check_inputs(q, k, v, softcap=30.0))
         monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")
         backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
-        monkeypatch.delenv("FLASHSUITE_FA3_BWD")
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
         was = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True)
         try:  # atomics reduce dQ in no fixed order: deterministic mode takes fa2's backward
             backward(q, q, k, v, q, None, check_inputs(q, k, v))
         finally:
             torch.use_deterministic_algorithms(was)
-    assert calls == ["fa3", "fa2", "fa2", "fa2"]
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD")  # the default: configs.BWD_DEFAULT_ON
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+    default = "fa3" if registry.module("fa3").OWN_BACKWARD_DEFAULT else "fa2"
+    assert calls == ["fa3", "fa2", "fa2", "fa2", default]
