@@ -120,21 +120,21 @@ MUTANTS = [
         T,
         "dq[:, rows] = dqc.reshape(",
         "dq[:, rows] = 1.01 * dqc.reshape(",
-        _bwd("torch", "bfloat16"),
+        _bwd("torch", "float32"),
     ),
     Mutant(
         "torch bwd: dk x1.01",
         T,
         "dk = dk.squeeze(2).transpose(1, 2).to(k.dtype)",
         "dk = (1.01 * dk).squeeze(2).transpose(1, 2).to(k.dtype)",
-        _bwd("torch", "bfloat16"),
+        _bwd("torch", "float32"),
     ),
     Mutant(
         "torch bwd: dv x1.01",
         T,
         "dv = dv.squeeze(2).transpose(1, 2).to(v.dtype)",
         "dv = (1.01 * dv).squeeze(2).transpose(1, 2).to(v.dtype)",
-        _bwd("torch", "bfloat16"),
+        _bwd("torch", "float32"),
     ),
     Mutant(
         "torch bwd: saved LSE read in base 2",
@@ -213,8 +213,8 @@ MUTANTS = [
     Mutant(
         "fa1 bwd: GQA head off by one",
         F1,
-        "h64 = (hk * group + g).to(tl.int64)",
-        "h64 = ((hk * group + g + 1) % heads_q).to(tl.int64)",
+        "pid_bh = b64 * heads_q + hk64 * group + g\n            h64 = hk64 * group + g\n",
+        "h64 = (hk64 * group + g + 1) % heads_q\n            pid_bh = b64 * heads_q + h64\n",
         _bwd("fa1", "h4-2"),
     ),
     Mutant(
@@ -229,21 +229,21 @@ MUTANTS = [
         F1,
         "(dq * sm_scale).to(dq_base.dtype.element_ty)",
         "(dq * sm_scale * 1.01).to(dq_base.dtype.element_ty)",
-        _bwd("fa1", "bfloat16"),
+        _bwd("fa1", "float32"),
     ),
     Mutant(
         "fa1 bwd: dk x1.01",
         F1,
         "dk_out = (dk * sm_scale).to(DK.dtype.element_ty)",
         "dk_out = (dk * sm_scale * 1.01).to(DK.dtype.element_ty)",
-        _bwd("fa1", "bfloat16"),
+        _bwd("fa1", "float32"),
     ),
     Mutant(
         "fa1 bwd: dv x1.01",
         F1,
         "tl.store(dv_ptrs, dv.to(DV.dtype.element_ty)",
         "tl.store(dv_ptrs, (dv * 1.01).to(DV.dtype.element_ty)",
-        _bwd("fa1", "bfloat16"),
+        _bwd("fa1", "float32"),
     ),
     # --- fa2 (fa2/kernels.py, fa2/interface.py) --------------------------------------------
     Mutant(
@@ -323,21 +323,21 @@ MUTANTS = [
         F2,
         "    dq = dq * scale\n",
         "    dq = dq * scale * 1.01\n",
-        _bwd("fa2", "bfloat16"),
+        _bwd("fa2", "float32"),
     ),
     Mutant(
         "fa2 bwd: dk x1.01",
         F2,
         "        dk = dk * scale  #",
         "        dk = dk * scale * 1.01  #",
-        _bwd("fa2", "bfloat16"),
+        _bwd("fa2", "float32"),
     ),
     Mutant(
         "fa2 bwd: dv x1.01",
         F2,
         "tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)",
         "tl.store(dv_ptrs, (dv * 1.01).to(dV.dtype.element_ty), mask=n_ok & dv_ok)",
-        _bwd("fa2", "bfloat16"),
+        _bwd("fa2", "float32"),
     ),
 ]
 
@@ -423,10 +423,12 @@ GPU_MUTANTS = [
 GPU_MUTANTS = [replace(m, gpu=True) for m in GPU_MUTANTS]
 
 
-# What CI runs on every change (tests/test_mutants.py): the three demonstrations on
+# What CI runs on every change (tests/test_mutants.py): the three headline forward mutants on
 # fa2 in bf16 (output x1.01, LSE + 0.01, no running-max rescale), a gradient and the fp8
 # descale; about a minute. The whole CPU list takes longer than CI's budget on a 2-core
 # machine (pytest and Triton start-up dominate each mutant) and runs with this script.
+# A gradient x1.01 is selected on the float32 cases: in bf16 it is within 2.5x the error of
+# PyTorch's own bf16 autograd (the yardstick), which is much less accurate than the kernels.
 CI_SUBSET = (
     "fa2 fwd: out x1.01",
     "fa2 fwd: LSE + 0.01",

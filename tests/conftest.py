@@ -23,7 +23,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def _must_run(name: str) -> bool:
+def must_run(name: str) -> bool:
     """fa3 on an sm90 GPU with the CuTe DSL installed: unavailable there is a bug, not a skip."""
     if name != "fa3" or not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):
         return False
@@ -43,7 +43,7 @@ def runnable_versions() -> list:
             params.append(pytest.param(name, id=name, marks=marks))
             continue
         ok, reason = registry.available(name)
-        if ok or _must_run(name):
+        if ok or must_run(name):
             marks = []
         else:
             marks = [pytest.mark.skip(reason=f"{name} unavailable: {reason}")]

@@ -21,7 +21,7 @@ from flashsuite.common.testing import (
     make_inputs,
     reference_pair,
 )
-from tests.conftest import HAS_CUDA, runnable_versions
+from tests.conftest import HAS_CUDA, must_run, runnable_versions
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -116,6 +116,11 @@ VERSIONS = runnable_versions()
 
 
 def _require(version: str, case: Case, q, k, v) -> None:
+    from flashsuite.dispatch import registry
+
+    ok, reason = registry.available(version)
+    if not ok and must_run(version):
+        pytest.fail(f"{version} must run on this sm90 host with the CuTe DSL: {reason}")
     try:
         dispatch.select(q, k, v, version=version, **case.options())
     except dispatch.Unsupported as exc:
