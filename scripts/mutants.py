@@ -531,8 +531,13 @@ def run(mutants: list[Mutant], keep_going: bool = True) -> list[dict]:
                 (repo / m.path).write_text(original)
             out = res.stdout + res.stderr
             failed = re.findall(r"^FAILED (\S+)", out, flags=re.M)
+            errors = re.findall(r"^E\s+(\S+)", out, flags=re.M)  # the traceback's E lines
             if res.returncode == 1 and failed:
-                row.update(status="killed", killed_by=failed[0])
+                if errors and errors[0].startswith(("AssertionError", "assert", "Failed")):
+                    row.update(status="killed", killed_by=failed[0])
+                else:  # a crash (e.g. the mutated kernel does not compile) is not a catch
+                    why = errors[0] if errors else "no traceback"
+                    row.update(status="ERROR", killed_by=f"{failed[0]}: {why}")
             elif res.returncode == 0:
                 row.update(status="SURVIVED", killed_by=f"-k {m.select!r} all passed")
             elif res.returncode == 5:
