@@ -225,3 +225,85 @@ def backward(
             num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
         )  # fmt: skip
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference entry points (docs/inference.md): packed sequences and KV-cache decode
+# ----------------------------------------------------------------------------------------------
+
+
+def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
+    """Packed sequences: the dense limits (dtype, head dims, arch) apply."""
+    ok, reason = supports(vp.attn, arch)
+    return ok, reason.replace("fa2: forward", "fa2: varlen, per-sequence") if ok else reason
+
+
+def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
+    """KV cache: the dense limits apply; paged pages of 16..256 tokens (validated upstream)."""
+    ok, reason = supports(kp.attn, arch)
+    if not ok:
+        return ok, reason
+    how = f"paged, {kp.page_size}-token pages" if kp.paged else "contiguous cache"
+    return True, f"fa2: split-KV decode with GQA packing, {how}"
+
+
+def _num_sms(t: torch.Tensor) -> int:
+    from flashsuite.fa2 import decode
+
+    if t.is_cuda and not triton_interpreter():
+        return torch.cuda.get_device_properties(t.device).multi_processor_count
+    return decode.H100_SMS
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
+    writing k, v (B, Nnew, Hkv, D) into the cache in place (common.kvcache.append_kv).
+    Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32, contiguous."""
+    from flashsuite.common.kvcache import append_kv
+    from flashsuite.fa2 import decode
+
+    p = kp.attn
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    q = _last_contig(q)
+    b, nq, hq, _ = q.shape
+    out = torch.empty(b, nq, hq, p.head_dim_v, dtype=q.dtype, device=q.device)  # (B,Nq,Hq,Dv)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)  # (B, Hq, Nq)
+    if out.numel() == 0:
+        return out, lse
+    rows = nq * p.group_size
+    cfg = decode.decode_config(rows, max(p.head_dim, p.head_dim_v), _arch(q) is None)
+    m_blocks = math.ceil(rows / cfg.block_m)
+    tiles = b * p.heads_kv * m_blocks
+    splits = kp.num_splits or decode.num_splits_heuristic(
+        tiles, math.ceil(p.seqlen_k / cfg.block_n), _num_sms(q)
+    )
+    splits = max(1, min(splits, decode.MAX_SPLITS))
+    o_part = lse_part = lse  # unused with one split
+    if splits > 1:
+        o_part = torch.empty(splits, b * nq * hq, p.head_dim_v, dtype=torch.float32,
+                             device=q.device)  # fmt: skip  # (S, B*Nq*Hq, Dv)
+        lse_part = torch.empty(splits, b * nq * hq, dtype=torch.float32, device=q.device)
+    table = block_table if block_table is not None else cache_seqlens  # unused when contiguous
+    common = _common(p)
+    decode._decode_split[(splits, p.heads_kv * m_blocks, b)](
+        q, k_cache, v_cache, table, cache_seqlens, out, lse, o_part, lse_part,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        table.stride(0), *out.stride()[:3], *lse.stride()[:2],
+        kp.seqlen_new, nq, hq, p.group_size, m_blocks, max(kp.page_size, 1),
+        common["window_left"], common["window_right"], common["qk_scale"],
+        common["softcap_log2"], NUM_SPLITS=splits, PAGED=kp.paged,
+        PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0,
+        HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
+        HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
+        DV_PAD=common["DV_PAD"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DOT_PRECISION=common["DOT_PRECISION"], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        block_r = 16
+        decode._combine[(math.ceil(b * nq * hq / block_r),)](
+            o_part, lse_part, out, lse, b * nq * hq, nq, hq, NUM_SPLITS=splits,
+            HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+    return out, lse
