@@ -307,3 +307,71 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
             HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4,
         )  # fmt: skip
     return out, lse
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
+    """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) packed by cu_seqlens.
+    Returns out (total_q, Hq, Dv) in q's dtype and lse (Hq, total_q) fp32, contiguous."""
+    from flashsuite.fa2 import configs, varlen
+
+    p = vp.attn
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out = torch.zeros(vp.total_q, p.heads_q, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((p.heads_q, vp.total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0:
+        return out, lse
+    cfg = configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    common = _common(p)
+    for key in ("seqlen_q", "seqlen_k", "shift"):
+        del common[key]
+    varlen._varlen_fwd[(math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch)](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], lse.stride(0),
+        **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp):
+    """Recompute backward over packed sequences: dq, dk, dv like q, k, v (contiguous), dk/dv
+    summed over each GQA group; deterministic (no atomics)."""
+    from flashsuite.fa2 import configs, varlen
+
+    p = vp.attn
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out, dout = _last_contig(out), _last_contig(dout)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return dq, dk, dv
+    cfg = configs.bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    common = _common(p)
+    for key in ("seqlen_q", "seqlen_k", "shift"):
+        del common[key]
+    dv_pad = common["DV_PAD"]
+    row_pad = configs.ROW_PAD
+    rows = vp.total_q + p.batch * row_pad
+    delta = torch.zeros(p.heads_q, rows, dtype=torch.float32, device=q.device)  # (Hq, rows)
+    lse2 = torch.full((p.heads_q, rows), float("inf"), dtype=torch.float32, device=q.device)
+    bm = configs.PREPROCESS_BLOCK_M
+    varlen._varlen_bwd_preprocess[(math.ceil(p.seqlen_q / bm), p.heads_q, p.batch)](
+        out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
+        lse.stride(0), delta.stride(0), row_pad, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad,
+        BLOCK_M=bm,
+    )  # fmt: skip
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2])
+    for _, want_dk, want_dv in configs.dkdv_launches(cfg):
+        varlen._varlen_bwd_dkdv[(math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch)](
+            q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+            *strides, *dk.stride()[:2], *dv.stride()[:2], delta.stride(0), row_pad,
+            **common, scale=p.scale, TAIL_STAGES=None if cfg.tail_pipelined else 1,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    varlen._varlen_bwd_dq[(math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch)](
+        q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        *strides, *dq.stride()[:2], delta.stride(0), row_pad, **common, scale=p.scale,
+        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+        num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
+    )  # fmt: skip
+    return dq, dk, dv

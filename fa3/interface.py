@@ -220,3 +220,13 @@ def _launch_plan(p: AttnParams, cfg: Fa3Config | None, device: torch.device) -> 
 def backward(dout, q, k, v, out, lse, p: AttnParams):
     """fa3 has no backward yet: the dispatcher pairs its forward with fa2's backward."""
     raise NotImplementedError("fa3: no backward; dispatch pairs the forward with fa2's backward")
+
+
+def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
+    """The CuTe DSL kernels take dense batches only: packed sequences run on fa2."""
+    return False, "fa3: no varlen kernel (the CuTe DSL forward takes dense batches); fa2 runs it"
+
+
+def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
+    """The CuTe DSL kernels have no split-KV decode: KV-cache attention runs on fa2."""
+    return False, "fa3: no split-KV / paged decode kernel in the CuTe DSL; fa2 runs it"
