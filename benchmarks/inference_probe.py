@@ -81,10 +81,12 @@ def main() -> int:
                 jobs.append((label, decode._decode_split, ce, cfg.num_warps, cfg.num_stages))
         ce = dict(NUM_SPLITS=8, HEAD_DIM_V=d, DV_PAD=d, BLOCK_R=16)
         jobs.append((f"combine D={d}", decode._combine, ce, 4, 1))
+    for d in (32, 64, 96, 128, 192, 256):  # every head dim of the dense table
+        pad = max(16, 1 << (d - 1).bit_length())
         for causal in (False, True):
             f = configs.fwd_config(d, torch.bfloat16, causal, 90)
-            b = configs.bwd_config(d, torch.bfloat16, causal, 90)
-            base = dict(flags, HAS_RIGHT=causal, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=d, DV_PAD=d)
+            b = configs.varlen_bwd_config(d, torch.bfloat16, causal, 90)
+            base = dict(flags, HAS_RIGHT=causal, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=pad, DV_PAD=pad)
             jobs.append((f"varlen fwd D={d} causal={int(causal)}", varlen._varlen_fwd,
                          dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps,
                          f.num_stages))  # fmt: skip

@@ -193,7 +193,8 @@ def attention_with_kvcache(
     (B, Nnew, Hkv, D|Dv), when given, are written into the cache in place at cache_seqlens
     before attending; row b then attends its first cache_seqlens[b] + Nnew tokens, causal
     aligned to the end of that row. num_splits = 0 picks the split-KV count by heuristic.
-    Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32.
+    Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
+    neither carrying a gradient.
     """
     kp = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
@@ -204,8 +205,11 @@ def attention_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     name = _resolve("kvcache", version, _params_key(kp.attn), _extra(kp), False)
     p = kp.attn
-    out, lse = getattr(torch.ops.flashsuite, f"{name}_kvcache_fwd")(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, p.causal, p.scale,
-        p.window_left, p.window_right, p.softcap, kp.num_splits,
-    )  # fmt: skip
+    # Forward only (the op mutates the cache, so it has no autograd formula): the results
+    # carry no gradient, whatever requires grad.
+    with torch.no_grad():
+        out, lse = getattr(torch.ops.flashsuite, f"{name}_kvcache_fwd")(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, p.causal, p.scale,
+            p.window_left, p.window_right, p.softcap, kp.num_splits,
+        )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -158,6 +158,26 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
     return _fit_smem(cfg, arch)
 
 
+def varlen_bwd_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
+) -> BwdConfig:
+    """Backward tiles of the varlen kernels (fa2/varlen.py): the dense table, except where the
+    varlen dK/dV kernel, which carries its sequence's bounds through the loop, spills at the
+    dense tile. sm_90a probe (`benchmarks/inference_probe.py`), bf16, varlen dK/dV at the dense
+    tile -> the entry here: D <= 64 causal 64x128: 1704 B -> 32x128 (232 regs, 0 B);
+    D = 128 causal 32x128 s3: 128 B (s2 136, 16x128 80) -> dV and dK in two launches (247 / 255
+    regs, 0 B); D > 128 causal 64x32: 40 B -> 32x32 (180 regs, 0 B). Non-causal entries are
+    spill-free at the dense tiles. Not timed on a GPU yet."""
+    cfg = bwd_config(head_dim, dtype, causal, arch)
+    if arch is None or dtype == torch.float32 or not causal:
+        return cfg
+    if head_dim <= 64:
+        return replace(cfg, block_m1=32)
+    if head_dim <= 128:
+        return replace(cfg, split_dkdv=True)
+    return replace(cfg, block_m1=32)
+
+
 # Spill bytes (dK/dV kernel) an entry is allowed because it was measured faster than every
 # spill-free candidate; the CI probe holds it to this number. Every other entry: 0.
 KNOWN_SPILL_BYTES: dict[tuple[str, int, torch.dtype, bool], int] = {

@@ -333,9 +333,10 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
     return out, lse
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp):
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, config=None):
     """Recompute backward over packed sequences: dq, dk, dv like q, k, v (contiguous), dk/dv
-    summed over each GQA group; deterministic (no atomics)."""
+    summed over each GQA group; deterministic (no atomics). `config` overrides the table
+    (tuning and tests only)."""
     from flashsuite.fa2 import configs, varlen
 
     p = vp.attn
@@ -344,7 +345,9 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return dq, dk, dv
-    cfg = configs.bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    cfg = config or configs.varlen_bwd_config(
+        max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q)
+    )
     common = _common(p)
     for key in ("seqlen_q", "seqlen_k", "shift"):
         del common[key]

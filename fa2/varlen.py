@@ -230,16 +230,21 @@ def _varlen_bwd_dkdv(
     offs_n = start_n + tl.arange(0, BLOCK_N)  # (BLOCK_N,) keys of the sequence
     offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
     offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    offs_nl = tl.arange(0, BLOCK_N)  # (BLOCK_N,) local keys
     n_ok = (offs_n < seqlen_k)[:, None]  # (BLOCK_N, 1)
     d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
     dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
-    krows = (k0 + offs_n)[:, None]  # (BLOCK_N, 1) int64
-    k = tl.load(K + off_hkv * stride_kh + krows * stride_kn + offs_d[None, :], mask=n_ok & d_ok,
-                other=0.0)  # fmt: skip  # (BLOCK_N, D_PAD)
+    # Scalar int64 bases and int32 per-element offsets, as in the dense kernel: an int64
+    # (BLOCK_N, 1) row index kept live to the epilogue costs registers this kernel lacks.
+    key0 = k0 + start_n  # the tile's first key, int64
+    k_ptrs = K + key0 * stride_kn + off_hkv.to(tl.int64) * stride_kh
+    k_ptrs = k_ptrs + offs_nl[:, None] * stride_kn + offs_d[None, :]  # (BLOCK_N, D_PAD)
+    k = tl.load(k_ptrs, mask=n_ok & d_ok, other=0.0)  # (BLOCK_N, D_PAD)
     v = k  # unused by a dV-only launch
     if WANT_DK:
-        v = tl.load(V + off_hkv * stride_vh + krows * stride_vn + offs_dv[None, :],
-                    mask=n_ok & dv_ok, other=0.0)  # fmt: skip  # (BLOCK_N, DV_PAD)
+        v_ptrs = V + key0 * stride_vn + off_hkv.to(tl.int64) * stride_vh
+        v_ptrs = v_ptrs + offs_nl[:, None] * stride_vn + offs_dv[None, :]  # (BLOCK_N, DV_PAD)
+        v = tl.load(v_ptrs, mask=n_ok & dv_ok, other=0.0)  # (BLOCK_N, DV_PAD)
     dk = tl.zeros([BLOCK_N, D_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, DV_PAD], dtype=tl.float32)
 
@@ -252,24 +257,39 @@ def _varlen_bwd_dkdv(
         q_base = Q + q0 * stride_qn + off_h.to(tl.int64) * stride_qh
         do_base = dO + q0 * stride_don + off_h.to(tl.int64) * stride_doh
         row0 = off_h.to(tl.int64) * stride_dh + q0 + off_b * row_pad
-        for stage in tl.static_range(3):  # masked diagonal, unmasked, masked tail
-            s_lo = lo if stage == 0 else (full_lo if stage == 1 else full_hi)
-            s_hi = full_lo if stage == 0 else (full_hi if stage == 1 else hi)
+        if HAS_RIGHT:  # below the causal diagonal / right window edge (else lo == full_lo)
             dk, dv = _bwd_dkdv_inner(
                 dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dK, 0,
                 stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
-                s_lo, s_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
-                qk_scale, softcap_log2, scale, stage != 1,
-                1 if stage == 0 else (None if stage == 1 else TAIL_STAGES),
+                lo, full_lo, seqlen_q, seqlen_k, shift, window_left, window_right,
+                qk_scale, softcap_log2, scale, True, 1,
                 HAS_LEFT, HAS_RIGHT, SOFTCAP, False, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD,
                 BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
             )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dK, 0,
+            stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
+            full_lo, full_hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, scale, False, None,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, False, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD,
+            BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
+        )  # fmt: skip
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, Lse2 + row0, Delta + row0, dK, 0,
+            stride_qn, stride_don, offs_m, offs_n, offs_d, offs_dv,
+            full_hi, hi, seqlen_q, seqlen_k, shift, window_left, window_right,
+            qk_scale, softcap_log2, scale, True, TAIL_STAGES,
+            HAS_LEFT, HAS_RIGHT, SOFTCAP, False, HEAD_DIM, HEAD_DIM_V, D_PAD, DV_PAD,
+            BLOCK_M, DOT_PRECISION, WANT_DK, WANT_DV,
+        )  # fmt: skip
 
     if WANT_DK:
-        dk_ptrs = dK + off_hkv * stride_dkh + krows * stride_dkn + offs_d[None, :]
+        dk_ptrs = dK + key0 * stride_dkn + off_hkv.to(tl.int64) * stride_dkh
+        dk_ptrs = dk_ptrs + offs_nl[:, None] * stride_dkn + offs_d[None, :]  # (BLOCK_N, D_PAD)
         tl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=n_ok & d_ok)
     if WANT_DV:
-        dv_ptrs = dV + off_hkv * stride_dvh + krows * stride_dvn + offs_dv[None, :]
+        dv_ptrs = dV + key0 * stride_dvn + off_hkv.to(tl.int64) * stride_dvh
+        dv_ptrs = dv_ptrs + offs_nl[:, None] * stride_dvn + offs_dv[None, :]  # (N, DV_PAD)
         tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)
 
 

@@ -158,6 +158,36 @@ def test_kvcache_matches_per_row_oracle(version, case) -> None:
     _check_all(dict(out=out, lse=lse, dtype=dtype), pieces, dict(out=cat, lse=cat))
 
 
+def test_fa2_varlen_split_dkdv_launches_match() -> None:
+    """The two-launch dK/dV schedule (dV, then dK) some varlen entries use on the GPU gives the
+    same gradients as the one-launch schedule the interpreter table picks."""
+    if "fa2" not in runnable_versions() or HAS_CUDA:
+        pytest.skip("checks the interpreter tiles (the GPU runs the table's own)")
+    from dataclasses import replace
+
+    from flashsuite.common.validation import check_varlen_inputs
+    from flashsuite.fa2 import configs, interface
+
+    lens = [37, 0, 1, 50]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (_rand(gen, sum(lens), h, 32, dtype=F16) for h in (4, 2, 2, 4))
+    cu = _cu(lens)
+    vp = check_varlen_inputs(q, k, v, cu, cu, 50, 50, causal=True)
+    out, lse = interface.varlen_forward(q, k, v, cu, cu, vp)
+    one = interface.varlen_backward(do, q, k, v, out, lse, cu, cu, vp)
+    split = replace(configs.INTERPRETER_BWD, split_dkdv=True)
+    two = interface.varlen_backward(do, q, k, v, out, lse, cu, cu, vp, config=split)
+    for name, a, b in zip(("dq", "dk", "dv"), one, two, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_kvcache_is_forward_only() -> None:
+    q = torch.randn(1, 1, 2, 32, requires_grad=True)
+    kc = torch.randn(1, 16, 2, 32)
+    out = dispatch.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, version="torch")
+    assert not out.requires_grad
+
+
 def test_split_heuristic() -> None:
     pytest.importorskip("triton")
     from flashsuite.fa2.decode import MAX_SPLITS, PROGRAMS_PER_SM, num_splits_heuristic
