@@ -320,7 +320,7 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
     lse = torch.full((p.heads_q, vp.total_q), float("-inf"), dtype=torch.float32, device=q.device)
     if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0:
         return out, lse
-    cfg = configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    cfg = configs.varlen_fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
     common = _common(p)
     for key in ("seqlen_q", "seqlen_k", "shift"):
         del common[key]
