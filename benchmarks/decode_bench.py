@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -37,6 +38,7 @@ os.environ["FLASHSUITE_CHECK_METADATA"] = "0"
 from flashsuite import dispatch
 from flashsuite.common.flops import attention_flops
 from flashsuite.dispatch.bench import time_ms
+from flashsuite.fa2 import decode
 
 HQ, HKV, D = 32, 8, 128
 PAGE = 64
@@ -71,10 +73,20 @@ def _sdpa_ms(q, k_cache, v_cache, backend) -> float | str:
         return f"n/a ({type(exc).__name__})"
 
 
-def _fa2(q, k_cache, v_cache, lens, table):
+def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):
     return lambda: dispatch.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens=lens, block_table=table, version="fa2"
-    )
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=num_splits,
+        version="fa2",
+    )  # fmt: skip
+
+
+SPLIT_SWEEP = ((1, 131072), (8, 32768), (32, 4096))  # the shapes a split count matters most
+
+
+def _split_sweep(q, k, v, lens) -> dict:
+    """fa2's contiguous decode time for a range of forced split counts (0: the heuristic's),
+    the data to set fa2.decode.PROGRAMS_PER_SM from."""
+    return {s: _graph_ms(_fa2(q, k, v, lens, None, s)) for s in (0, 1, 4, 8, 16, 32, 64, 128)}
 
 
 def decode_sweep(quick: bool) -> list[dict]:
@@ -94,6 +106,13 @@ def decode_sweep(quick: bool) -> list[dict]:
         row = dict(batch=b, seqlen_k=n, kv_bytes=kv_bytes)
         row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
         row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
+        if (b, n) in SPLIT_SWEEP:
+            row["fa2_ms_by_num_splits"] = _split_sweep(q, k, v, lens)
+        cfg = decode.decode_config(HQ // HKV, D, interpreter=False)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        row["heuristic_splits"] = decode.num_splits_heuristic(
+            b * HKV, math.ceil(n / cfg.block_n), sms
+        )
         # Paged copy: the same tokens on shuffled 64-token pages.
         pages = b * n // PAGE
         table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(b, n // PAGE)
