@@ -76,11 +76,11 @@ def main() -> int:
             for paged, per_tile in ((False, False), (True, True), (True, False)):
                 cfg = decode.decode_config(rows, d, interpreter=False)
                 ce = dict(flags, HAS_RIGHT=rows > 4, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=d, DV_PAD=d,
-                          NUM_SPLITS=4, PAGED=paged, PAGE_PER_TILE=per_tile,
+                          SPLIT=True, PAGED=paged, PAGE_PER_TILE=per_tile,
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)  # fmt: skip
                 label = f"decode D={d} rows={rows} paged={int(paged)} per_tile={int(per_tile)}"
                 jobs.append((label, decode._decode_split, ce, cfg.num_warps, cfg.num_stages))
-        ce = dict(NUM_SPLITS=8, HEAD_DIM_V=d, DV_PAD=d, BLOCK_R=16)
+        ce = dict(HEAD_DIM_V=d, DV_PAD=d, BLOCK_R=16)
         jobs.append((f"combine D={d}", decode._combine, ce, 4, 1))
     for d in (32, 64, 96, 128, 192, 256):  # every head dim of the dense table
         pad = max(16, 1 << (d - 1).bit_length())

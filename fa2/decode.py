@@ -60,17 +60,17 @@ def _kv_offsets(
         return off_b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
 
 
-@triton.jit(do_not_specialize=["n_new", "seqlen_q", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["n_new", "seqlen_q", "num_splits", "window_left", "window_right"])
 def _decode_split(
     Q,  # (B, Nq, Hq, D)
     K,  # (B_cache, N_max, Hkv, D) or (num_pages, page_size, Hkv, D)
     V,  # like K, head dim Dv
     BlockTable,  # (B, max_pages) int32 (PAGED)
     CacheSeqlens,  # (B,) int32: keys in the cache before the append
-    Out,  # (B, Nq, Hq, Dv), NUM_SPLITS == 1
-    Lse,  # (B, Hq, Nq) fp32, NUM_SPLITS == 1
-    OPart,  # (NUM_SPLITS, B * Nq * Hq, Dv) fp32, NUM_SPLITS > 1
-    LsePart,  # (NUM_SPLITS, B * Nq * Hq) fp32, NUM_SPLITS > 1
+    Out,  # (B, Nq, Hq, Dv), without SPLIT
+    Lse,  # (B, Hq, Nq) fp32, without SPLIT
+    OPart,  # (num_splits, B * Nq * Hq, Dv) fp32, SPLIT
+    LsePart,  # (num_splits, B * Nq * Hq) fp32, SPLIT
     stride_qb,
     stride_qn,
     stride_qh,
@@ -91,12 +91,13 @@ def _decode_split(
     num_heads,  # Hq
     group,  # Hq // Hkv
     m_blocks,  # ceil(Nq * group / BLOCK_M)
+    num_splits,  # a runtime value: every split count shares one binary
     page_size,
     window_left,
     window_right,
     qk_scale,
     softcap_log2,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _combine
     PAGED: tl.constexpr,
     PAGE_PER_TILE: tl.constexpr,
     HAS_LEFT: tl.constexpr,
@@ -142,7 +143,7 @@ def _decode_split(
         hi = tl.minimum(tl.maximum(last_tok + shift + window_right + 1, 0), seqlen_k)
     lo_blk = lo // BLOCK_N
     n_blocks = tl.maximum(tl.cdiv(hi, BLOCK_N) - lo_blk, 0)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    per_split = tl.cdiv(n_blocks, num_splits)
     split_lo = (lo_blk + pid_s * per_split) * BLOCK_N
     split_hi = tl.minimum(split_lo + per_split * BLOCK_N, hi)
 
@@ -183,7 +184,7 @@ def _decode_split(
     seen = l_i > 0.0  # (BLOCK_M,)
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o_rows = tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh  # (BLOCK_M,)
         o_ptrs = Out + off_b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_dv[None, :]
         tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
@@ -199,16 +200,16 @@ def _decode_split(
         tl.store(LsePart + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows", "seqlen_q", "num_splits"])
 def _combine(
-    OPart,  # (NUM_SPLITS, R, Dv) fp32, R = B * Nq * Hq rows numbered (b, token, head)
-    LsePart,  # (NUM_SPLITS, R) fp32
+    OPart,  # (num_splits, R, Dv) fp32, R = B * Nq * Hq rows numbered (b, token, head)
+    LsePart,  # (num_splits, R) fp32
     Out,  # (B, Nq, Hq, Dv) contiguous
     Lse,  # (B, Hq, Nq) fp32 contiguous
     total_rows,  # R
     seqlen_q,
     num_heads,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     HEAD_DIM_V: tl.constexpr,
     DV_PAD: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -223,7 +224,7 @@ def _combine(
     m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # (BLOCK_R,) running max lse
     den = tl.zeros([BLOCK_R], dtype=tl.float32)  # (BLOCK_R,) sum exp(lse_s - m)
     acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)  # (BLOCK_R, DV_PAD)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse_s = tl.load(LsePart + s * total_rows + rows64, mask=row_ok, other=float("-inf"))
         o_s = tl.load(OPart + (s * total_rows + rows64)[:, None] * HEAD_DIM_V + offs_dv[None, :],
                       mask=mask, other=0.0)  # fmt: skip

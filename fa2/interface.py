@@ -290,9 +290,9 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
         q, k_cache, v_cache, table, cache_seqlens, out, lse, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         table.stride(0), *out.stride()[:3], *lse.stride()[:2],
-        kp.seqlen_new, nq, hq, p.group_size, m_blocks, max(kp.page_size, 1),
+        kp.seqlen_new, nq, hq, p.group_size, m_blocks, splits, max(kp.page_size, 1),
         common["window_left"], common["window_right"], common["qk_scale"],
-        common["softcap_log2"], NUM_SPLITS=splits, PAGED=kp.paged,
+        common["softcap_log2"], SPLIT=splits > 1, PAGED=kp.paged,
         PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0,
         HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
@@ -303,7 +303,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
     if splits > 1:
         block_r = 16
         decode._combine[(math.ceil(b * nq * hq / block_r),)](
-            o_part, lse_part, out, lse, b * nq * hq, nq, hq, NUM_SPLITS=splits,
+            o_part, lse_part, out, lse, b * nq * hq, nq, hq, splits,
             HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4,
         )  # fmt: skip
     return out, lse
