@@ -453,7 +453,8 @@ def test_gpu_decode_large(b, n, page) -> None:
         q.float(), k.float(), v.float(), cache_seqlens=lens, block_table=table,
         return_lse=True, version="torch",
     )  # fmt: skip
-    assert (out.float() - ref).abs().max().item() < 2e-2
+    # |out| is small here (a softmax average of thousands of random rows): relative bound.
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
     assert (lse - ref_lse).abs().max().item() < 1e-3
 
 
