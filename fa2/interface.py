@@ -235,7 +235,13 @@ def backward(
 def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
     """Packed sequences: the dense limits (dtype, head dims, arch) apply."""
     ok, reason = supports(vp.attn, arch)
-    return ok, reason.replace("fa2: forward", "fa2: varlen, per-sequence") if ok else reason
+    if not ok or arch is None:
+        return ok, reason
+    from flashsuite.fa2 import configs
+
+    p = vp.attn
+    cfg = configs.varlen_fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
+    return True, f"fa2: varlen, per-sequence {cfg.block_m}x{cfg.block_n} tiles"
 
 
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
