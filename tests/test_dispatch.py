@@ -165,7 +165,8 @@ def _sdpa_oracle(q, k, v, mask, is_causal, scale, enable_gqa):
     s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     nq, nk = s.shape[-2:]
     if is_causal:
-        s = s.masked_fill(~torch.ones(nq, nk, dtype=torch.bool).tril(), float("-inf"))
+        above = ~torch.ones(nq, nk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(above, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return torch.softmax(s, dim=-1) @ v
@@ -177,7 +178,9 @@ def _sdpa_oracle(q, k, v, mask, is_causal, scale, enable_gqa):
     SDPA_CASES,
     ids=["-".join(f"{k}{v}" for k, v in c.items()) for c, _ in SDPA_CASES],
 )
-def test_sdpa_is_a_drop_in(case: dict, kernel: bool, version: str, monkeypatch) -> None:
+def test_sdpa_is_a_drop_in(
+    case: dict, kernel: bool, version: str, device: str, monkeypatch
+) -> None:
     """dispatch.sdpa against SDPA's definition in float64 (the suite's comparison rule, with
     PyTorch's own SDPA in the input dtype as the yardstick); the cases the kernels can express
     must actually reach them (the version is forced through FLASHSUITE_VERSION)."""
@@ -192,10 +195,11 @@ def test_sdpa_is_a_drop_in(case: dict, kernel: bool, version: str, monkeypatch) 
     monkeypatch.setattr(api, "attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
     gen = torch.Generator().manual_seed(0)
     hkv = case.get("hkv", 4)
-    q = torch.randn(2, 4, case["nq"], 32, generator=gen)
-    k = torch.randn(2, hkv, case["nk"], 32, generator=gen)
-    v = torch.randn(2, hkv, case["nk"], 32, generator=gen)
+    q = torch.randn(2, 4, case["nq"], 32, generator=gen).to(device)
+    k = torch.randn(2, hkv, case["nk"], 32, generator=gen).to(device)
+    v = torch.randn(2, hkv, case["nk"], 32, generator=gen).to(device)
     mask = torch.rand(case["nq"], case["nk"], generator=gen) > 0.3 if case.get("mask") else None
+    mask = mask.to(device) if mask is not None else None
     kwargs = dict(
         attn_mask=mask,
         is_causal=case["is_causal"],
