@@ -57,9 +57,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
+from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import cvt_pack_16x2
+from flashsuite.fa3.utils import bulk_reduce_add_f32, cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -75,6 +75,8 @@ class Barrier(enum.IntEnum):
 
     DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
     DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
+    DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
+    DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
 
 
 class Fa3Backward:
@@ -93,6 +95,7 @@ class Fa3Backward:
         self.MMA_THREADS = 128 * cfg.num_mma_wgs
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
+        self.DQ_BULK = cfg.dq_mode == "bulk"
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -110,6 +113,13 @@ class Fa3Backward:
         sdS_l = cute.tile_to_shape(n_atom, (self.TILE_M, self.TILE_N), order=(0, 1))
         sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
         return sQ_l, sK_l, sdS_l, sLSE_l
+
+    def _sdq_layout(self) -> cute.Layout:
+        """sdQ (TILE_M, D) fp32, rows padded by BWD_DQ_PAD words: the C fragment's 64-bit
+        stores hit 32 distinct banks per half-warp, and every row starts 16-byte aligned."""
+        return cute.make_layout(
+            (self.TILE_M, self.HEAD_DIM), stride=(self.HEAD_DIM + BWD_DQ_PAD, 1)
+        )
 
     def _make_mmas(self):
         major = cute.nvgpu.OperandMajorMode
@@ -146,6 +156,7 @@ class Fa3Backward:
         dt = self.dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
+        n_dq = self.TILE_M * (self.HEAD_DIM + BWD_DQ_PAD) if self.DQ_BULK else 1
         st = self.STAGES
 
         @cute.struct
@@ -159,6 +170,7 @@ class Fa3Backward:
             sK: align[mrange[dt, n_k], 1024]
             sV: align[mrange[dt, n_k], 1024]
             sdS: align[mrange[dt, n_ds], 1024]
+            sdQ: align[mrange[Float32, n_dq], 128]
 
         return Storage
 
@@ -285,6 +297,7 @@ class Fa3Backward:
         sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N)
         sLSE = st.sLSE.get_tensor(sLSE_l)  # (TILE_M, STAGES)
         sD = st.sD.get_tensor(sLSE_l)  # (TILE_M, STAGES)
+        sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word unless "bulk"
         pipeline.pipeline_init_wait()
 
         if wg == WarpRole.PRODUCER:
@@ -308,7 +321,7 @@ class Fa3Backward:
                 mma_sdp,
                 mma_dkv,
                 mma_dq,
-                (sQ, sdO, sK, sV, sdS, sLSE, sD),
+                (sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ),
                 pipe_kv,
                 pipe_qdo,
                 mdQacc,
@@ -473,7 +486,7 @@ class Fa3Backward:
         scale: Float32,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
-        sQ, sdO, sK, sV, sdS, sLSE, sD = smem
+        sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
@@ -561,7 +574,17 @@ class Fa3Backward:
                 warpgroup.wait_group(0)
                 pipe_qdo.consumer_release(state)
                 state.advance()
-                self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+                if const_expr(self.DQ_BULK):
+                    self.reduce_dq(
+                        thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
+                    )
+                else:
+                    self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+            if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
+                # The bulk reduces of the last row block read sdQ and write gmem: complete
+                # before the CTA exits.
+                if mtid < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
         self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
 
     @cute.jit
@@ -654,6 +677,48 @@ class Fa3Backward:
             if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
                 cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
+
+    @cute.jit
+    def reduce_dq(
+        self,
+        thr_dq,
+        acc_dQ: cute.Tensor,
+        sdQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mtid: Int32,
+        head: Int32,
+        batch: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+    ):
+        """dQ of this row block added into the fp32 accumulator through shared memory: every
+        MMA thread stores its fragment to sdQ, then the 32 lanes of MMA warp 0 each issue
+        cp.reduce.async.bulk add.f32 for rows lane, lane + 32, ... (D x 4 bytes each, rows past
+        seqlen_q skipped) in their own bulk group.
+
+        Handover (every MMA thread passes both named barriers once per row block): a lane of
+        warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
+        stores; the generic -> async proxy fence; DQ_READY; the issue. The reduces then run
+        while the next row block computes."""
+        if mtid < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_FREE), number_of_threads=self.MMA_THREADS)
+        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_READY), number_of_threads=self.MMA_THREADS)
+        if mtid < 32:
+            gdQ = cute.local_tile(
+                mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            )  # (TILE_M, D)
+            for r in cutlass.range_constexpr(self.TILE_M // 32):
+                row = mtid + 32 * r
+                if m_block * self.TILE_M + row < seqlen_q:
+                    bulk_reduce_add_f32(
+                        gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
+                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
+                        self.HEAD_DIM * 4,
+                    )
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_dkv(
