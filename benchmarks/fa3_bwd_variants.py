@@ -18,6 +18,15 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         "dQ through padded fp32 smem, cp.reduce.async.bulk add.f32 per row by MMA warp 0",
     ),
     "bulk3": (BwdConfig(dq_mode="bulk", stages=3), "bulk dQ and a 3-stage ring"),
+    "stmatrix": (BwdConfig(ds_store="stmatrix"), "dS^T to sdS by stmatrix.trans"),
+    "bulk_stm": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix"),
+        "bulk dQ and dS^T by stmatrix.trans",
+    ),
+    "bulk_stm3": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", stages=3),
+        "bulk dQ, dS^T by stmatrix.trans and a 3-stage ring",
+    ),
 }
 
 

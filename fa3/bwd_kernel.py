@@ -96,6 +96,7 @@ class Fa3Backward:
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
         self.DQ_BULK = cfg.dq_mode == "bulk"
+        self.DS_STMATRIX = cfg.ds_store == "stmatrix"
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -523,8 +524,21 @@ class Fa3Backward:
         assert cute.size(tdVrP) == cute.size(acc_S)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((TN, TM)))  # (key, row) coords
         sdSt = self._transposed(sdS, TM, TN)  # (TILE_N, TILE_M) view: dS^T as written
-        tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
         rdS = cute.make_tensor(tdKrdS.iterator, acc_S.layout)  # tdKrdS in acc_S's shape
+        if const_expr(self.DS_STMATRIX):
+            # stmatrix.trans: the fragment's register pairs run along query rows, sdS rows
+            # along keys; each 8x8 matrix row is 16 contiguous bytes of sdS (swizzle-safe).
+            ds_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+            )
+            ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
+            thr_ds = ds_copy.get_slice(mtid)
+            tSsdS = thr_ds.partition_D(sdSt)  # where this thread's stmatrix rows go
+            tSrdS = thr_ds.retile(rdS)
+        else:
+            ds_copy = None
+            tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
+            tSrdS = rdS
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -561,7 +575,10 @@ class Fa3Backward:
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
                 )
-                cute.autovec_copy(rdS, tSsdS)
+                if const_expr(self.DS_STMATRIX):
+                    cute.copy(ds_copy, tSrdS, tSsdS)
+                else:
+                    cute.autovec_copy(tSrdS, tSsdS)
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])

@@ -273,9 +273,13 @@ class BwdConfig:
     # red.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
     # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32).
     dq_mode: str = "atomic"
+    # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
+    # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
+    ds_store: str = "scalar"
 
 
 BWD_DQ_MODES = ("atomic", "bulk")
+BWD_DS_STORES = ("scalar", "stmatrix")
 BWD_DQ_PAD = 8  # fp32 padding per sdQ row: conflict-free 64-bit stores of the C fragment
 
 
@@ -335,6 +339,8 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: stages {cfg.stages} < 1"
     if cfg.dq_mode not in BWD_DQ_MODES:
         return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
+    if cfg.ds_store not in BWD_DS_STORES:
+        return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"
