@@ -27,6 +27,15 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(dq_mode="bulk", ds_store="stmatrix", stages=3),
         "bulk dQ, dS^T by stmatrix.trans and a 3-stage ring",
     ),
+    "early": (BwdConfig(dv_early=True), "P^T under dP^T's wgmma, dS^T under dV's"),
+    "fast": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True),
+        "bulk dQ, stmatrix dS^T and the early dV issue",
+    ),
+    "fast3": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True, stages=3),
+        "fast with a 3-stage ring",
+    ),
 }
 
 

@@ -97,6 +97,7 @@ class Fa3Backward:
         self.CAUSAL = causal
         self.DQ_BULK = cfg.dq_mode == "bulk"
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
+        self.DV_EARLY = cfg.dv_early
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -562,12 +563,16 @@ class Fa3Backward:
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
-                warpgroup.wait_group(0)
-                self.grad_scores(
-                    acc_S, acc_dP, tScS, sLSE, sD, s, masked, n_block, m_block, seqlen_k,
-                    shift, scale_log2, scale,
-                )  # fmt: skip
+                # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
+                warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
+                self.probs(
+                    acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2
+                )
                 self.pack(acc_S, tdVrP)
+                if const_expr(self.DV_EARLY):
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    warpgroup.wait_group(1)  # dP^T retired (dV may still run)
+                self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
                 self.pack(acc_dP, tdKrdS)
                 # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
                 # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
@@ -581,7 +586,8 @@ class Fa3Backward:
                     cute.autovec_copy(tSrdS, tSsdS)
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
-                self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                if const_expr(not self.DV_EARLY):
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                 self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
@@ -626,13 +632,11 @@ class Fa3Backward:
         warpgroup.commit_group()
 
     @cute.jit
-    def grad_scores(
+    def probs(
         self,
         acc_S: cute.Tensor,
-        acc_dP: cute.Tensor,
         tScS: cute.Tensor,
         sLSE: cute.Tensor,
-        sD: cute.Tensor,
         stage: Int32,
         masked,
         n_block: Int32,
@@ -640,9 +644,8 @@ class Fa3Backward:
         seqlen_k: Int32,
         shift: Int32,
         scale_log2: Float32,
-        scale: Float32,
     ):
-        """P^T into acc_S and dS^T (softmax_scale folded in) into acc_dP, in place."""
+        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0."""
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
             # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
@@ -654,14 +657,20 @@ class Fa3Backward:
                     limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
                 acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            col = tScS[i][1]
-            lse = sLSE[col, stage]
+            lse = sLSE[tScS[i][1], stage]
             # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
             # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
             lse = Float32.inf if lse == -Float32.inf else lse
-            p = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
-            acc_S[i] = p
-            acc_dP[i] = p * (acc_dP[i] - sD[col, stage]) * scale
+            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
+
+    @cute.jit
+    def dscores(
+        self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
+        stage: Int32, scale: Float32,
+    ):  # fmt: skip
+        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T)."""
+        for i in cutlass.range_constexpr(cute.size(acc_P)):
+            acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
 
     @cute.jit
     def pack(self, acc: cute.Tensor, frag: cute.Tensor):

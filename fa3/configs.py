@@ -276,6 +276,10 @@ class BwdConfig:
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
     # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
     ds_store: str = "scalar"
+    # Issue order inside a row block. False: wait for S^T and dP^T together, then P^T and dS^T,
+    # then dV, dK and dQ. True: P^T as soon as S^T retires (dP^T still running), dV issued
+    # at once, dS^T computed while dV runs.
+    dv_early: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "bulk")
