@@ -53,6 +53,7 @@ from flashsuite.common.testing import (
 )
 
 _HANG_S = 240  # seconds one GPU step may take (a first compile of the backward included)
+_VARIANT_HANG_S = 90  # the same for one variant step (one compile, a smaller problem)
 BF16, F16 = torch.bfloat16, torch.float16
 SWITCH = "FLASHSUITE_FA3_BWD"
 
@@ -159,7 +160,7 @@ def check_variant_case(case: Case, cfg) -> dict:
     q, k, v = make_inputs(case, "cuda")
     dout = make_grad_out(case, "cuda")
     t0 = time.perf_counter()
-    with hang_watchdog(_HANG_S):
+    with hang_watchdog(_VARIANT_HANG_S):
         run, _ = _variant_backward(case, cfg, q, k, v, dout)
         dq, dk, dv = run()
         torch.cuda.synchronize()
@@ -189,7 +190,7 @@ def time_variant(name: str, cfg, case: Case) -> dict:
     try:
         q, k, v = make_inputs(case, "cuda")
         dout = make_grad_out(case, "cuda")
-        with hang_watchdog(_HANG_S):
+        with hang_watchdog(_VARIANT_HANG_S):
             run, _ = _variant_backward(case, cfg, q, k, v, dout)
             ms = time_ms(run)
         row.update(ms=ms, tflops=flops / ms / 1e9)
@@ -201,7 +202,8 @@ def time_variant(name: str, cfg, case: Case) -> dict:
 
 
 def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
-    """Correctness of every named variant, then (bench) their TFLOP/s beside cuDNN and FA4."""
+    """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
+    TFLOP/s, so that a hang in one variant leaves the results of those before it."""
     from benchmarks.fa3_bwd_variants import VARIANTS, variant
 
     cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
@@ -212,14 +214,28 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         report["running"] = running
         path.write_text(json.dumps(report, indent=1))
 
+    def timed(name: str, case: Case, fn) -> None:
+        save(running=f"bench {name} {case.id}")
+        row = fn()
+        report["bench"].append(row)
+        _log(f"{name:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
+
+    bench_cases = [c for c in sweep_cases() if c.seqlen_q in (4096, 16384)] if bench else []
+    peers = []
+    if bench:
+        fa4, why = _fa4()
+        peers = ["sdpa-cudnn"] + (["fa4"] if fa4 is not None else [])
+        if fa4 is None:
+            report["fa4_skipped"] = why
+            _log(f"FA4 (flash_attn.cute) not importable, skipped: {why}")
+        for case in bench_cases:
+            for c in peers:
+                timed(c, case, lambda c=c, case=case: time_case(c, case))
     failed = 0
     for name, cfg in cfgs.items():
         rows = []
-        report["variants"][name] = {
-            "config": cfg.__dict__,
-            "what": VARIANTS[name][1],
-            "cases": rows,
-        }
+        report["variants"][name] = {"config": cfg.__dict__, "what": VARIANTS[name][1]}
+        report["variants"][name]["cases"] = rows
         for case in variant_cases():
             save(running=f"{name} {case.id}")
             try:
@@ -233,27 +249,19 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         report["variants"][name]["passed"] = f"{passed}/{len(rows)}"
         failed += passed < len(rows)
         _log(f"variant {name}: {passed}/{len(rows)} cases pass")
+        # Timed even when a case failed (the speed of a mechanism is still worth knowing);
+        # the summary marks such variants.
+        for case in bench_cases:
+            timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
     save()
     if bench:
-        fa4, why = _fa4()
-        peers = ["sdpa-cudnn"] + (["fa4"] if fa4 is not None else [])
-        if fa4 is None:
-            report["fa4_skipped"] = why
-            _log(f"FA4 (flash_attn.cute) not importable, skipped: {why}")
-        cases = [c for c in sweep_cases() if c.seqlen_q in (4096, 16384)]
-        for case in cases:
-            for name, cfg in cfgs.items():
-                save(running=f"bench {name} {case.id}")
-                row = time_variant(name, cfg, case)
-                report["bench"].append(row)
-                _log(f"{name:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
-            for c in peers:
-                save(running=f"bench {c} {case.id}")
-                row = time_case(c, case)
-                report["bench"].append(row)
-                _log(f"{c:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
-        save()
-        _log(_summary(report["bench"], list(cfgs) + peers, ratio_of=names[0]))
+        label = {n: n if v["passed"].startswith(f"{len(v['cases'])}/") else f"{n}!"
+                 for n, v in report["variants"].items()}  # fmt: skip
+        for row in report["bench"]:
+            row["contender"] = label.get(row["contender"], row["contender"])
+        marked = list(label.values())
+        _log("! = failed a correctness case")
+        _log(_summary(report["bench"], marked + peers, ratio_of=marked[0]))
     return 1 if failed else 0
 
 
