@@ -443,4 +443,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a file: the repository root on the path for `benchmarks.fa3_bwd_variants`.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -724,7 +724,7 @@ class Fa3Backward:
 
         Handover (every MMA thread passes both named barriers once per row block): a lane of
         warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
-        stores; the generic -> async proxy fence; DQ_READY; the issue. The reduces then run
+        stores; the generic -> async proxy fence; DQ_READY; the bulk reduces. They then run
         while the next row block computes."""
         if mtid < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
