@@ -565,14 +565,16 @@ class Fa3Backward:
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
                 # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
                 warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
+                ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
                 self.probs(
-                    acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2
-                )
+                    acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2,
+                    ds,
+                )  # fmt: skip
                 self.pack(acc_S, tdVrP)
                 if const_expr(self.DV_EARLY):
                     self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     warpgroup.wait_group(1)  # dP^T retired (dV may still run)
-                self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
+                    self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
                 self.pack(acc_dP, tdKrdS)
                 # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
                 # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
@@ -644,8 +646,10 @@ class Fa3Backward:
         seqlen_k: Int32,
         shift: Int32,
         scale_log2: Float32,
+        ds: tuple | None = None,
     ):
-        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0."""
+        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
+        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula)."""
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
             # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
@@ -662,6 +666,9 @@ class Fa3Backward:
             # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
             lse = Float32.inf if lse == -Float32.inf else lse
             acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
+            if const_expr(ds is not None):
+                acc_dP, sD, scale = ds
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
 
     @cute.jit
     def dscores(
