@@ -143,6 +143,20 @@ def test_bwd_dq_mode_refused_with_reason() -> None:
             assert ok, reason
 
 
+def test_bwd_variants_can_implement() -> None:
+    """Every named variant the GPU check script takes is a buildable config at D 64 and 128."""
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant
+
+    assert variant("base") == BwdConfig()
+    for name, (cfg, what) in VARIANTS.items():
+        assert what, name
+        for d in (64, 128):
+            ok, reason = bwd_can_implement(cfg, d, torch.bfloat16)
+            assert ok, f"{name} D={d}: {reason}"
+    with pytest.raises(ValueError, match="name 'nope' not in"):
+        variant("nope")
+
+
 def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
     """LSE in base 2 with -inf kept and padding rows -inf; D = rowsum(dO * O), 0 on padding."""
     from flashsuite.fa3.bwd_host import LOG2E, preprocess
