@@ -11,7 +11,7 @@ from flashsuite.fa3.configs import BwdConfig
 
 # name -> (config, what it changes relative to "base")
 VARIANTS: dict[str, tuple[BwdConfig, str]] = {
-    "base": (BwdConfig(), "dQ by per-element red.global.add.f32, 2-stage Q/dO ring"),
+    "base": (BwdConfig(), "dQ by per-element atom.global.add.f32, 2-stage Q/dO ring"),
     "stages3": (BwdConfig(stages=3), "3-stage Q/dO/LSE/D ring"),
     "bulk": (
         BwdConfig(dq_mode="bulk"),

@@ -17,9 +17,12 @@ Roles (`WarpRole`):
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
                        MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
-  and add dQ into the float32 accumulator in global memory with `atom.global.add.f32`
-  (per-element atomics from registers, REDG in SASS as the old value is unused; the TMA bulk
-  reduce-add from smem by a dedicated warp is the form docs/design.md plans to measure next).
+  and add dQ into the float32 accumulator in global memory: BwdConfig.dq_mode "atomic" with
+  `atom.global.add.f32` per element from registers (REDG in SASS), "bulk" through a padded
+  fp32 sdQ tile and `cp.reduce.async.bulk` add.f32 per row, issued by the lanes of MMA warp 0
+  (`reduce_dq`).
+  BwdConfig.ds_store picks scalar 16-bit stores or stmatrix.trans for dS^T -> sdS, and
+  BwdConfig.dv_early issues dV's wgmma before dS^T is computed (docs/design.md).
   Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
   layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
   shared memory for those two.
@@ -34,7 +37,9 @@ synced once per row block by every MMA thread: DS_FREE before sdS is written (ev
 retired the previous block's dQ wgmma, which read sdS) and DS_READY after the write and the
 async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T goes to sdS
 before the dK wgmma is issued (a wgmma's register operands may not be read until it has
-retired); dV, dK and dQ then run together and one wait_group(0) retires all three.
+retired); dV (unless issued early), dK and dQ then run together and one wait_group(0) retires
+them. In "bulk" dq_mode DQ_FREE and DQ_READY hand sdQ between the MMA threads and the bulk
+reduces (see `reduce_dq`).
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully

@@ -270,7 +270,7 @@ class BwdConfig:
     stages: int = 2  # depth of the Q / dO / LSE / D TMA ring
     num_mma_wgs: int = 2
     # How a row block's dQ reaches the fp32 accumulator in global memory: "atomic", one
-    # red.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
+    # atom.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
     # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32).
     dq_mode: str = "atomic"
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
