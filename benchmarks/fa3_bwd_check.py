@@ -18,6 +18,14 @@
    CuTe-DSL SM90 backward (flash_attn.cute, skipped with a note if not importable), all timed in
    this run with triton.testing.do_bench (median); then a training step (forward + backward) at
    D = 128, N = 8k. A summary table is printed last.
+3. --variant NAME (repeatable; names in benchmarks/fa3_bwd_variants.py) replaces 1 and 2: per
+   variant, the reduced correctness set (`variant_cases`: D 64 / 128, causal, GQA, MQA, odd
+   lengths, empty rows, strided) through fa3.interface.backward(..., cfg=variant), and with
+   --bench the backward TFLOP/s of every variant at N 4k / 16k, D 64 / 128, causal or not,
+   beside SDPA cuDNN and FA4 timed in the same run. A variant that fails or raises is recorded
+   and the next one runs; DIR/fa3_bwd_variants.json is rewritten before every step.
+
+    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant bulk --bench
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from flashsuite.common.testing import (
 )
 
 _HANG_S = 240  # seconds one GPU step may take (a first compile of the backward included)
+_VARIANT_HANG_S = 90  # the same for one variant step (one compile, a smaller problem)
 BF16, F16 = torch.bfloat16, torch.float16
 SWITCH = "FLASHSUITE_FA3_BWD"
 
@@ -72,6 +81,20 @@ def correctness_cases() -> list[Case]:
         c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
         c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
     return c
+
+
+def variant_cases() -> list[Case]:
+    """The reduced correctness set each variant runs (about a minute per variant)."""
+    return [
+        Case(1, 128, 128, 2, 2, 64, dtype=BF16, tags=("one-block",)),
+        Case(1, 17, 113, 2, 2, 128, dtype=BF16, causal=True, tags=("odd",)),
+        Case(2, 300, 260, 4, 2, 64, dtype=F16, causal=True, tags=("gqa",)),
+        Case(2, 1000, 1000, 4, 4, 128, dtype=BF16),
+        Case(2, 513, 700, 8, 1, 64, dtype=BF16, causal=True, tags=("mqa",)),
+        Case(1, 400, 130, 2, 2, 128, dtype=BF16, causal=True, tags=("empty-rows",)),
+        Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
+        Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
+    ]
 
 
 def _p(case: Case, q, k, v):
@@ -119,6 +142,127 @@ def check_case(case: Case) -> dict:
         "fa2_err": fa2_err,
         "text": "; ".join(str(c) for c in comps),
     }
+
+
+def _variant_backward(case: Case, cfg, q, k, v, dout):
+    """(fn, leaves): fn() runs fa3's own backward with `cfg` on the saved forward of q, k, v."""
+    from flashsuite import dispatch
+    from flashsuite.fa3 import interface
+
+    p = _p(case, q, k, v)
+    with torch.no_grad():
+        out, lse = dispatch.attention(q, k, v, version="fa3", return_lse=True, **case.options())
+    return lambda: interface.backward(dout, q, k, v, out, lse, p, cfg=cfg), (out, lse)
+
+
+def check_variant_case(case: Case, cfg) -> dict:
+    """One correctness case of one variant: dq, dk, dv against the oracle (factor 3)."""
+    q, k, v = make_inputs(case, "cuda")
+    dout = make_grad_out(case, "cuda")
+    t0 = time.perf_counter()
+    with hang_watchdog(_VARIANT_HANG_S):
+        run, _ = _variant_backward(case, cfg, q, k, v, dout)
+        dq, dk, dv = run()
+        torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    ref = reference_pair(q, k, v, grad_out=dout, **case.options())
+    ours = {"dq": dq, "dk": dk, "dv": dv}
+    comps = [compare(n, ours[n], *ref[n], factor=3.0) for n in ("dq", "dk", "dv")]
+    return {
+        "case": case.id,
+        "ok": all(c.ok for c in comps),
+        "seconds": round(secs, 2),
+        "checks": {c.name: {"err": c.err, "bound": c.bound, "ok": c.ok} for c in comps},
+        "text": "; ".join(str(c) for c in comps),
+    }
+
+
+def time_variant(name: str, cfg, case: Case) -> dict:
+    """Backward TFLOP/s of fa3's own backward with `cfg` (forward outside the timed call)."""
+    from flashsuite.dispatch.bench import time_ms
+
+    flops = attention_flops(
+        case.batch, case.heads_q, case.seqlen_q, case.seqlen_k, case.head_dim,
+        causal=case.causal, backward=True,
+    )  # fmt: skip
+    row = {"contender": name, "case": case.id, "step": False, "n": case.seqlen_q}
+    row.update(d=case.head_dim, causal=case.causal)
+    try:
+        q, k, v = make_inputs(case, "cuda")
+        dout = make_grad_out(case, "cuda")
+        with hang_watchdog(_VARIANT_HANG_S):
+            run, _ = _variant_backward(case, cfg, q, k, v, dout)
+            ms = time_ms(run)
+        row.update(ms=ms, tflops=flops / ms / 1e9)
+    except Exception as exc:
+        row.update(ms=math.nan, tflops=math.nan, error=f"{type(exc).__name__}: {exc}"[:300])
+    finally:
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
+    """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
+    TFLOP/s, so that a hang in one variant leaves the results of those before it."""
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant
+
+    cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
+    path = out_dir / "fa3_bwd_variants.json"
+    report: dict = {"device": torch.cuda.get_device_name(), "variants": {}, "bench": []}
+
+    def save(running: str = "") -> None:
+        report["running"] = running
+        path.write_text(json.dumps(report, indent=1))
+
+    def timed(name: str, case: Case, fn) -> None:
+        save(running=f"bench {name} {case.id}")
+        row = fn()
+        report["bench"].append(row)
+        _log(f"{name:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
+
+    bench_cases = [c for c in sweep_cases() if c.seqlen_q in (4096, 16384)] if bench else []
+    peers = []
+    if bench:
+        fa4, why = _fa4()
+        peers = ["sdpa-cudnn"] + (["fa4"] if fa4 is not None else [])
+        if fa4 is None:
+            report["fa4_skipped"] = why
+            _log(f"FA4 (flash_attn.cute) not importable, skipped: {why}")
+        for case in bench_cases:
+            for c in peers:
+                timed(c, case, lambda c=c, case=case: time_case(c, case))
+    failed = 0
+    for name, cfg in cfgs.items():
+        rows = []
+        report["variants"][name] = {"config": cfg.__dict__, "what": VARIANTS[name][1]}
+        report["variants"][name]["cases"] = rows
+        for case in variant_cases():
+            save(running=f"{name} {case.id}")
+            try:
+                r = check_variant_case(case, cfg)
+            except Exception as exc:
+                r = {"case": case.id, "ok": False, "error": traceback.format_exc(limit=4)}
+                r["text"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(r)
+            _log(f"{'ok  ' if r['ok'] else 'FAIL'} [{name}] {case.id}: {r['text']}")
+        passed = sum(r["ok"] for r in rows)
+        report["variants"][name]["passed"] = f"{passed}/{len(rows)}"
+        failed += passed < len(rows)
+        _log(f"variant {name}: {passed}/{len(rows)} cases pass")
+        # Timed even when a case failed (the speed of a mechanism is still worth knowing);
+        # the summary marks such variants.
+        for case in bench_cases:
+            timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
+    save()
+    if bench:
+        label = {n: n if v["passed"].startswith(f"{len(v['cases'])}/") else f"{n}!"
+                 for n, v in report["variants"].items()}  # fmt: skip
+        for row in report["bench"]:
+            row["contender"] = label.get(row["contender"], row["contender"])
+        marked = list(label.values())
+        _log("! = failed a correctness case")
+        _log(_summary(report["bench"], marked + peers, ratio_of=marked[0]))
+    return 1 if failed else 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -206,12 +350,12 @@ def sweep_cases() -> list[Case]:
     return standard_sweep(head_dims=(64, 128), seqlens=(1024, 4096, 16384))
 
 
-def _summary(rows: list[dict], contenders: list[str]) -> str:
+def _summary(rows: list[dict], contenders: list[str], ratio_of: str = "fa3") -> str:
     lines = ["backward TFLOP/s (bf16, B*N = 16k, Hq*D = 2048); step = fwd+bwd TFLOP/s"]
     head = f"{'D':>4} {'causal':>6} {'N':>6} {'kind':>5} " + " ".join(
         f"{c:>11}" for c in contenders
     )
-    lines.append(head + f" {'fa3/cudnn':>9}")
+    lines.append(head + f" {ratio_of + '/cudnn':>11}")
     keys = sorted({(r["d"], r["causal"], r["n"], r["step"]) for r in rows})
     for d, causal, n, step in keys:
         got = {
@@ -220,9 +364,9 @@ def _summary(rows: list[dict], contenders: list[str]) -> str:
             if (r["d"], r["causal"], r["n"], r["step"]) == (d, causal, n, step)
         }
         cells = " ".join(f"{got.get(c, math.nan):11.1f}" for c in contenders)
-        ratio = got.get("fa3", math.nan) / got.get("sdpa-cudnn", math.nan)
+        ratio = got.get(ratio_of, math.nan) / got.get("sdpa-cudnn", math.nan)
         kind = "step" if step else "bwd"
-        lines.append(f"{d:>4} {causal!s:>6} {n:>6} {kind:>5} {cells} {ratio:9.2f}")
+        lines.append(f"{d:>4} {causal!s:>6} {n:>6} {kind:>5} {cells} {ratio:11.2f}")
     return "\n".join(lines)
 
 
@@ -231,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for fa3_bwd.json")
     ap.add_argument("--smoke", action="store_true", help="the first three correctness cases")
     ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
+    ap.add_argument(
+        "--variant", action="append", default=[], help="a BwdConfig variant by name (repeat)"
+    )
     args = ap.parse_args(argv)
     # fa3's own backward is what this script checks, also where dispatch leaves it off by
     # default (configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
@@ -240,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.variant:
+        return run_variants(args.variant, args.bench, out_dir)
     path = out_dir / "fa3_bwd.json"
     report: dict = {"device": torch.cuda.get_device_name(), "cases": [], "bench": []}
 
@@ -294,4 +443,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a file: the repository root on the path for `benchmarks.fa3_bwd_variants`.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())

@@ -4,6 +4,8 @@
     python -m benchmarks.fa3_bwd_probe --all            # every shipped (head_dim, dtype, causal)
     python -m benchmarks.fa3_bwd_probe --json out.json  # the same, as JSON
     python -m benchmarks.fa3_bwd_probe --shard 0/2      # every other case (CI runs 2 at once)
+    python -m benchmarks.fa3_bwd_probe --variant bulk   # a named variant (fa3_bwd_variants),
+                                                        # bf16, D 64 / 128, causal or not
 
 Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
 barriers, the dQ reduction) and ptxas' spill bytes and remarks. benchmarks.fa3_probe sets the
@@ -22,7 +24,19 @@ import time
 from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass is imported
 
 # The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
-DQ_REDUCE = r"(?:atom|red)\.global\.add\.f32|cp\.reduce\.async\.bulk"
+DQ_ATOMIC = r"(?:atom|red)\.global\.add\.f32"
+DQ_BULK = r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
+
+
+def variant_cases(names: list[str]) -> list[tuple]:
+    """(head_dim, bf16, causal, cfg) of each named variant (benchmarks.fa3_bwd_variants)."""
+    import torch
+
+    from benchmarks.fa3_bwd_variants import variant
+
+    return [
+        (d, torch.bfloat16, c, variant(n)) for n in names for d in (64, 128) for c in (False, True)
+    ]
 
 
 def cases(everything: bool) -> list[tuple]:
@@ -55,7 +69,9 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
     compiled, log = probe._capture_fd2(lambda: compile_backward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     counts = probe.ptx_counts(ptx)
-    counts["dq_reduce"] = len(re.findall(DQ_REDUCE, ptx))
+    counts["dq_atomic"] = len(re.findall(DQ_ATOMIC, ptx))
+    counts["dq_bulk"] = len(re.findall(DQ_BULK, ptx))
+    counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"]
     return {
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),
@@ -72,15 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--shard", default="0/1", help="i/n: probe cases i, i+n, i+2n, ...")
     ap.add_argument("--all", action="store_true", help="every dtype, not only the CI set")
+    ap.add_argument("--variant", action="append", default=[], help="a named variant (repeat)")
     args = ap.parse_args(argv)
     i, n = (int(x) for x in args.shard.split("/"))
     results = []
-    for d, dt, causal, cfg in cases(args.all)[i::n]:
+    todo = variant_cases(args.variant) if args.variant else cases(args.all)
+    for d, dt, causal, cfg in todo[i::n]:
         r = probe_backward(d, dt, causal, cfg)
         results.append(r)
         if not args.json:
             print(
-                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} "
+                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} {cfg} regs={r['registers']} "
                 f"spill={r['spill_stores']}/{r['spill_loads']} remarks={r['remarks']} "
                 f"{r['compile_s']}s {r['ptx']}"
             )

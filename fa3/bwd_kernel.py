@@ -17,9 +17,12 @@ Roles (`WarpRole`):
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
                        MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
-  and add dQ into the float32 accumulator in global memory with `atom.global.add.f32`
-  (per-element atomics from registers, REDG in SASS as the old value is unused; the TMA bulk
-  reduce-add from smem by a dedicated warp is the form docs/design.md plans to measure next).
+  and add dQ into the float32 accumulator in global memory: BwdConfig.dq_mode "atomic" with
+  `atom.global.add.f32` per element from registers (REDG in SASS), "bulk" through a padded
+  fp32 sdQ tile and `cp.reduce.async.bulk` add.f32 per row, issued by the lanes of MMA warp 0
+  (`reduce_dq`).
+  BwdConfig.ds_store picks scalar 16-bit stores or stmatrix.trans for dS^T -> sdS, and
+  BwdConfig.dv_early issues dV's wgmma before dS^T is computed (docs/design.md).
   Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
   layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
   shared memory for those two.
@@ -34,7 +37,9 @@ synced once per row block by every MMA thread: DS_FREE before sdS is written (ev
 retired the previous block's dQ wgmma, which read sdS) and DS_READY after the write and the
 async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T goes to sdS
 before the dK wgmma is issued (a wgmma's register operands may not be read until it has
-retired); dV, dK and dQ then run together and one wait_group(0) retires all three.
+retired); dV (unless issued early), dK and dQ then run together and one wait_group(0) retires
+them. In "bulk" dq_mode DQ_FREE and DQ_READY hand sdQ between the MMA threads and the bulk
+reduces (see `reduce_dq`).
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
@@ -57,9 +62,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
+from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import cvt_pack_16x2
+from flashsuite.fa3.utils import bulk_reduce_add_f32, cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -75,6 +80,8 @@ class Barrier(enum.IntEnum):
 
     DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
     DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
+    DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
+    DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
 
 
 class Fa3Backward:
@@ -93,6 +100,9 @@ class Fa3Backward:
         self.MMA_THREADS = 128 * cfg.num_mma_wgs
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
+        self.DQ_BULK = cfg.dq_mode == "bulk"
+        self.DS_STMATRIX = cfg.ds_store == "stmatrix"
+        self.DV_EARLY = cfg.dv_early
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -110,6 +120,13 @@ class Fa3Backward:
         sdS_l = cute.tile_to_shape(n_atom, (self.TILE_M, self.TILE_N), order=(0, 1))
         sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
         return sQ_l, sK_l, sdS_l, sLSE_l
+
+    def _sdq_layout(self) -> cute.Layout:
+        """sdQ (TILE_M, D) fp32, rows padded by BWD_DQ_PAD words: the C fragment's 64-bit
+        stores hit 32 distinct banks per half-warp, and every row starts 16-byte aligned."""
+        return cute.make_layout(
+            (self.TILE_M, self.HEAD_DIM), stride=(self.HEAD_DIM + BWD_DQ_PAD, 1)
+        )
 
     def _make_mmas(self):
         major = cute.nvgpu.OperandMajorMode
@@ -146,6 +163,7 @@ class Fa3Backward:
         dt = self.dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
+        n_dq = self.TILE_M * (self.HEAD_DIM + BWD_DQ_PAD) if self.DQ_BULK else 1
         st = self.STAGES
 
         @cute.struct
@@ -159,6 +177,7 @@ class Fa3Backward:
             sK: align[mrange[dt, n_k], 1024]
             sV: align[mrange[dt, n_k], 1024]
             sdS: align[mrange[dt, n_ds], 1024]
+            sdQ: align[mrange[Float32, n_dq], 128]
 
         return Storage
 
@@ -285,6 +304,7 @@ class Fa3Backward:
         sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N)
         sLSE = st.sLSE.get_tensor(sLSE_l)  # (TILE_M, STAGES)
         sD = st.sD.get_tensor(sLSE_l)  # (TILE_M, STAGES)
+        sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word unless "bulk"
         pipeline.pipeline_init_wait()
 
         if wg == WarpRole.PRODUCER:
@@ -308,7 +328,7 @@ class Fa3Backward:
                 mma_sdp,
                 mma_dkv,
                 mma_dq,
-                (sQ, sdO, sK, sV, sdS, sLSE, sD),
+                (sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ),
                 pipe_kv,
                 pipe_qdo,
                 mdQacc,
@@ -473,7 +493,7 @@ class Fa3Backward:
         scale: Float32,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
-        sQ, sdO, sK, sV, sdS, sLSE, sD = smem
+        sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
@@ -510,8 +530,21 @@ class Fa3Backward:
         assert cute.size(tdVrP) == cute.size(acc_S)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((TN, TM)))  # (key, row) coords
         sdSt = self._transposed(sdS, TM, TN)  # (TILE_N, TILE_M) view: dS^T as written
-        tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
         rdS = cute.make_tensor(tdKrdS.iterator, acc_S.layout)  # tdKrdS in acc_S's shape
+        if const_expr(self.DS_STMATRIX):
+            # stmatrix.trans: the fragment's register pairs run along query rows, sdS rows
+            # along keys; each 8x8 matrix row is 16 contiguous bytes of sdS (swizzle-safe).
+            ds_atom = cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
+            )
+            ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
+            thr_ds = ds_copy.get_slice(mtid)
+            tSsdS = thr_ds.partition_D(sdSt)  # where this thread's stmatrix rows go
+            tSrdS = thr_ds.retile(rdS)
+        else:
+            ds_copy = None
+            tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
+            tSrdS = rdS
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
 
@@ -535,12 +568,18 @@ class Fa3Backward:
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
-                warpgroup.wait_group(0)
-                self.grad_scores(
-                    acc_S, acc_dP, tScS, sLSE, sD, s, masked, n_block, m_block, seqlen_k,
-                    shift, scale_log2, scale,
+                # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
+                warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
+                ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
+                self.probs(
+                    acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2,
+                    ds,
                 )  # fmt: skip
                 self.pack(acc_S, tdVrP)
+                if const_expr(self.DV_EARLY):
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    warpgroup.wait_group(1)  # dP^T retired (dV may still run)
+                    self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
                 self.pack(acc_dP, tdKrdS)
                 # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
                 # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
@@ -548,10 +587,14 @@ class Fa3Backward:
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
                 )
-                cute.autovec_copy(rdS, tSsdS)
+                if const_expr(self.DS_STMATRIX):
+                    cute.copy(ds_copy, tSrdS, tSsdS)
+                else:
+                    cute.autovec_copy(tSrdS, tSsdS)
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
-                self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                if const_expr(not self.DV_EARLY):
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                 self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                 cute.arch.barrier(
                     barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
@@ -561,7 +604,17 @@ class Fa3Backward:
                 warpgroup.wait_group(0)
                 pipe_qdo.consumer_release(state)
                 state.advance()
-                self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+                if const_expr(self.DQ_BULK):
+                    self.reduce_dq(
+                        thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
+                    )
+                else:
+                    self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+            if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
+                # The bulk reduces of the last row block read sdQ and write gmem: complete
+                # before the CTA exits.
+                if mtid < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
         self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
 
     @cute.jit
@@ -586,13 +639,11 @@ class Fa3Backward:
         warpgroup.commit_group()
 
     @cute.jit
-    def grad_scores(
+    def probs(
         self,
         acc_S: cute.Tensor,
-        acc_dP: cute.Tensor,
         tScS: cute.Tensor,
         sLSE: cute.Tensor,
-        sD: cute.Tensor,
         stage: Int32,
         masked,
         n_block: Int32,
@@ -600,9 +651,10 @@ class Fa3Backward:
         seqlen_k: Int32,
         shift: Int32,
         scale_log2: Float32,
-        scale: Float32,
+        ds: tuple | None = None,
     ):
-        """P^T into acc_S and dS^T (softmax_scale folded in) into acc_dP, in place."""
+        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
+        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula)."""
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
             # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
@@ -614,14 +666,23 @@ class Fa3Backward:
                     limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
                 acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            col = tScS[i][1]
-            lse = sLSE[col, stage]
+            lse = sLSE[tScS[i][1], stage]
             # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
             # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
             lse = Float32.inf if lse == -Float32.inf else lse
-            p = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
-            acc_S[i] = p
-            acc_dP[i] = p * (acc_dP[i] - sD[col, stage]) * scale
+            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
+            if const_expr(ds is not None):
+                acc_dP, sD, scale = ds
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+
+    @cute.jit
+    def dscores(
+        self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
+        stage: Int32, scale: Float32,
+    ):  # fmt: skip
+        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T)."""
+        for i in cutlass.range_constexpr(cute.size(acc_P)):
+            acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
 
     @cute.jit
     def pack(self, acc: cute.Tensor, frag: cute.Tensor):
@@ -654,6 +715,48 @@ class Fa3Backward:
             if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
                 cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
+
+    @cute.jit
+    def reduce_dq(
+        self,
+        thr_dq,
+        acc_dQ: cute.Tensor,
+        sdQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mtid: Int32,
+        head: Int32,
+        batch: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+    ):
+        """dQ of this row block added into the fp32 accumulator through shared memory: every
+        MMA thread stores its fragment to sdQ, then the 32 lanes of MMA warp 0 each issue
+        cp.reduce.async.bulk add.f32 for rows lane, lane + 32, ... (D x 4 bytes each, rows past
+        seqlen_q skipped) in their own bulk group.
+
+        Handover (every MMA thread passes both named barriers once per row block): a lane of
+        warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
+        stores; the generic -> async proxy fence; DQ_READY; the bulk reduces. They then run
+        while the next row block computes."""
+        if mtid < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_FREE), number_of_threads=self.MMA_THREADS)
+        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_READY), number_of_threads=self.MMA_THREADS)
+        if mtid < 32:
+            gdQ = cute.local_tile(
+                mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            )  # (TILE_M, D)
+            for r in cutlass.range_constexpr(self.TILE_M // 32):
+                row = mtid + 32 * r
+                if m_block * self.TILE_M + row < seqlen_q:
+                    bulk_reduce_add_f32(
+                        gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
+                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
+                        self.HEAD_DIM * 4,
+                    )
+            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_dkv(

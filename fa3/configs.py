@@ -269,17 +269,36 @@ class BwdConfig:
     tile_n: int = 128  # key rows per CTA: 64 per MMA warpgroup
     stages: int = 2  # depth of the Q / dO / LSE / D TMA ring
     num_mma_wgs: int = 2
+    # How a row block's dQ reaches the fp32 accumulator in global memory: "atomic", one
+    # atom.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
+    # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32).
+    dq_mode: str = "atomic"
+    # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
+    # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
+    ds_store: str = "scalar"
+    # Issue order inside a row block. False: wait for S^T and dP^T together, then P^T and dS^T,
+    # then dV, dK and dQ. True: P^T as soon as S^T retires (dP^T still running), dV issued
+    # at once, dS^T computed while dV runs.
+    dv_early: bool = False
+
+
+BWD_DQ_MODES = ("atomic", "bulk")
+BWD_DS_STORES = ("scalar", "stmatrix")
+BWD_DQ_PAD = 8  # fp32 padding per sdQ row: conflict-free 64-bit stores of the C fragment
 
 
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
-    mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV and sdS."""
+    mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV and sdS, then
+    sdQ (TILE_M x (D + BWD_DQ_PAD) fp32 in "bulk" dq_mode, one word otherwise)."""
     mbar = 8 * (2 + 2 * cfg.stages)
     stats = 2 * _align(cfg.tile_m * cfg.stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
     kv = cfg.tile_n * head_dim * elem_bytes
     ds = cfg.tile_m * cfg.tile_n * elem_bytes
-    return _align(_align(mbar, 128) + stats) + 2 * _align(q) + 2 * _align(kv) + _align(ds)
+    dq = cfg.tile_m * (head_dim + BWD_DQ_PAD) * 4 if cfg.dq_mode == "bulk" else 4
+    body = _align(_align(mbar, 128) + stats) + 2 * _align(q) + 2 * _align(kv) + _align(ds)
+    return body + _align(dq)  # the struct rounds up to its 1 KiB alignment
 
 
 def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
@@ -322,6 +341,10 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: head_dim {head_dim} not split by {cfg.num_mma_wgs} WGs"
     if cfg.stages < 1:
         return False, f"fa3 backward: stages {cfg.stages} < 1"
+    if cfg.dq_mode not in BWD_DQ_MODES:
+        return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
+    if cfg.ds_store not in BWD_DS_STORES:
+        return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"

@@ -252,7 +252,7 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, reason
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
-        f"{cfg.num_mma_wgs} MMA WGs, dQ by atomics"
+        f"{cfg.num_mma_wgs} MMA WGs, dQ by {cfg.dq_mode} reduction"
     )
 
 

@@ -37,6 +37,28 @@ def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> I
     )
 
 
+@dsl_user_op
+def bulk_reduce_add_f32(
+    gmem_ptr: cute.Pointer, smem_ptr: cute.Pointer, nbytes: int, *, loc=None, ip=None
+) -> None:
+    """gmem[0:nbytes] += smem[0:nbytes] (fp32) by the TMA unit, in this thread's bulk group:
+    cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32. Both addresses 16-byte
+    aligned, nbytes a multiple of 16; commit and wait with cute.arch.cp_async_bulk_*_group."""
+    llvm.inline_asm(
+        None,
+        [
+            gmem_ptr.llvm_ptr,
+            smem_ptr.toint(loc=loc, ip=ip).ir_value(),
+            Int32(nbytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        "l,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 class WarpRole(enum.IntEnum):
     """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
 

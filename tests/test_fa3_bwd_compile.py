@@ -5,7 +5,10 @@ its PTX.
 and fp16 once) in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at
 import). Each must show the five GEMMs as wgmma (dV and dK with P^T and dS^T from registers),
 TMA loads of K, V, Q, dO, LSE and D, setmaxnreg, the two named barriers around sdS, the dQ
-reduction instruction, and 0 spill bytes without serialised wgmma.
+reduction instruction, and 0 spill bytes without serialised wgmma. The "fast" variant
+(benchmarks/fa3_bwd_variants.py: bulk dQ, stmatrix dS, early dV) is compiled too, at D = 128
+causal and D = 64 non-causal, and must reduce dQ with cp.reduce.async.bulk only and store dS
+with stmatrix.
 """
 
 from __future__ import annotations
@@ -38,21 +41,34 @@ def _id(r: dict) -> str:
     return f"D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}"
 
 
-@pytest.fixture(scope="module")
-def probes(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fa3_bwd_probe")
+def _probe_in_parallel(out: Path, runs: list[list[str]]) -> list[dict]:
+    """benchmarks.fa3_bwd_probe once per argument list, SHARDS compiler processes at a time
+    (the CuTe DSL reads its CUTE_DSL_* settings at import: each run is its own process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
 
     def run(i: int) -> list[dict]:
-        path = out / f"shard{i}.json"
-        cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_probe"]
-        cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
+        path = out / f"run{i}.json"
+        cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_probe", *runs[i], "--json", str(path)]
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
+        assert proc.returncode == 0, f"probe {runs[i]} failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(path.read_text())
 
     with ThreadPoolExecutor(SHARDS) as pool:
-        return [r for shard in pool.map(run, range(SHARDS)) for r in shard]
+        return [r for part in pool.map(run, range(len(runs))) for r in part]
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> list[dict]:
+    runs = [["--shard", f"{i}/{SHARDS}"] for i in range(SHARDS)]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe"), runs)
+
+
+@pytest.fixture(scope="module")
+def fast_probes(tmp_path_factory) -> list[dict]:
+    """The "fast" variant's (D 64, full) and (D 128, causal) builds. variant_cases order:
+    (64, full), (64, causal), (128, full), (128, causal)."""
+    runs = [["--variant", "fast", "--shard", shard] for shard in ("0/4", "3/4")]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_fast"), runs)
 
 
 @pytest.mark.parametrize("case", bwd_shipped_configs(), ids=lambda c: f"D{c[0]}-{c[1]}-{c[2]}")
@@ -91,10 +107,54 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         assert ptx["setmaxnreg"] == 2, f"{where}: setmaxnreg missing"
         assert ptx["bar_sync"] >= 2, f"{where}: the sdS named barriers are missing"
         assert ptx["dq_reduce"] > 0, f"{where}: no dQ reduction instruction"
+        assert ptx["stmatrix"] == 0 and ptx["dq_bulk"] == 0, f"{where}: not the shipped path"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         # C7508: setmaxnreg ignored. C7512/C7515: every wgmma serialised.
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_fast_variant_compiles(fast_probes) -> None:
+    assert {(r["head_dim"], r["causal"]) for r in fast_probes} == {(64, False), (128, True)}
+    for r in fast_probes:
+        ptx, d, where, cfg = r["ptx"], r["head_dim"], _id(r), r["config"]
+        assert (cfg["dq_mode"], cfg["ds_store"], cfg["dv_early"]) == ("bulk", "stmatrix", True)
+        expected = 2 * d // 16 + 2 * 64 // 16 + 128 // 16
+        assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
+        # One bulk reduce per sdQ row a lane of MMA warp 0 owns (64 rows / 32 lanes), no atomics.
+        assert ptx["dq_bulk"] == 2 and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+        # dS^T: 32 16-bit values per thread, four 8x8 matrices per stmatrix.x4.
+        assert ptx["stmatrix"] == 4, f"{where}: {ptx['stmatrix']} stmatrix"
+        assert ptx["bar_sync"] >= 4, f"{where}: the sdS and sdQ named barriers are missing"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_dq_mode_refused_with_reason() -> None:
+    ok, reason = bwd_can_implement(BwdConfig(dq_mode="tma"), 128, torch.bfloat16)
+    assert not ok and "dq_mode 'tma'" in reason
+    ok, reason = bwd_can_implement(BwdConfig(ds_store="ldmatrix"), 128, torch.bfloat16)
+    assert not ok and "ds_store 'ldmatrix'" in reason
+    for stages in (2, 3):
+        cfg = BwdConfig(dq_mode="bulk", stages=stages)
+        for d in (64, 128):
+            ok, reason = bwd_can_implement(cfg, d, torch.bfloat16)
+            assert ok, reason
+
+
+def test_bwd_variants_can_implement() -> None:
+    """Every named variant the GPU check script takes is a buildable config at D 64 and 128."""
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant
+
+    assert variant("base") == BwdConfig()
+    for name, (cfg, what) in VARIANTS.items():
+        assert what, name
+        for d in (64, 128):
+            ok, reason = bwd_can_implement(cfg, d, torch.bfloat16)
+            assert ok, f"{name} D={d}: {reason}"
+    with pytest.raises(ValueError, match="name 'nope' not in"):
+        variant("nope")
 
 
 def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:

@@ -1,0 +1,46 @@
+"""Named BwdConfig variants of the fa3 backward, for side-by-side checks on the GPU.
+
+`benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
+`fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
+them for sm_90a and reports PTX facts. "base" is what bwd_config_for ships.
+"""
+
+from __future__ import annotations
+
+from flashsuite.fa3.configs import BwdConfig
+
+# name -> (config, what it changes relative to "base")
+VARIANTS: dict[str, tuple[BwdConfig, str]] = {
+    "base": (BwdConfig(), "dQ by per-element atom.global.add.f32, 2-stage Q/dO ring"),
+    "stages3": (BwdConfig(stages=3), "3-stage Q/dO/LSE/D ring"),
+    "bulk": (
+        BwdConfig(dq_mode="bulk"),
+        "dQ through padded fp32 smem, cp.reduce.async.bulk add.f32 per row by MMA warp 0",
+    ),
+    "bulk3": (BwdConfig(dq_mode="bulk", stages=3), "bulk dQ and a 3-stage ring"),
+    "stmatrix": (BwdConfig(ds_store="stmatrix"), "dS^T to sdS by stmatrix.trans"),
+    "bulk_stm": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix"),
+        "bulk dQ and dS^T by stmatrix.trans",
+    ),
+    "bulk_stm3": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", stages=3),
+        "bulk dQ, dS^T by stmatrix.trans and a 3-stage ring",
+    ),
+    "early": (BwdConfig(dv_early=True), "P^T under dP^T's wgmma, dS^T under dV's"),
+    "fast": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True),
+        "bulk dQ, stmatrix dS^T and the early dV issue",
+    ),
+    "fast3": (
+        BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True, stages=3),
+        "fast with a 3-stage ring",
+    ),
+}
+
+
+def variant(name: str) -> BwdConfig:
+    """The config of a named variant; a clear error for an unknown name."""
+    if name not in VARIANTS:
+        raise ValueError(f"fa3 backward variant: name {name!r} not in {sorted(VARIANTS)}")
+    return VARIANTS[name][0]
