@@ -433,16 +433,16 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 bwd: P recomputed with the natural-log LSE",
         FA3_BWD,
-        "p = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)",
-        "p = cute.math.exp2(acc_S[i] * scale_log2 - lse * Float32(0.6931471805599453), "
+        "acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)",
+        "acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse * Float32(0.6931471805599453), "
         "fastmath=True)",
         OWN,
     ),
     Mutant(
         "fa3 bwd: D (rowsum dO*O) ignored",
         FA3_BWD,
-        "acc_dP[i] = p * (acc_dP[i] - sD[col, stage]) * scale",
-        "acc_dP[i] = p * acc_dP[i] * scale",
+        "acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale",
+        "acc_dP[i] = acc_S[i] * acc_dP[i] * scale",
         OWN,
     ),
     Mutant(
