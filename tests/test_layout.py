@@ -4,8 +4,8 @@
   packages; common imports no version and not the dispatcher; the dispatcher imports versions
   only inside functions (lazily, so `import flashsuite.dispatch` needs torch alone); nothing in
   the packages imports the lab code in benchmarks/.
-- No package file is over 800 lines; the built wheel holds
-  the five packages and no lab module.
+- No package file is over 800 lines; the built wheel holds the five packages and no lab module.
+- Every version's configs.py answers `config_for(params, ...)` with a frozen dataclass.
 """
 
 from __future__ import annotations
@@ -109,6 +109,37 @@ def test_no_package_file_over_the_line_limit() -> None:
     assert lengths, "no package file found"
     bad = {name: n for name, n in lengths.items() if n > MAX_LINES}
     assert not bad, f"package files over {MAX_LINES} lines: {bad}"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_version_has_the_same_config_interface(version: str) -> None:
+    """configs.py of every version: a table of frozen dataclasses and `config_for(params, ...)`,
+    the lookup its interface uses (fa1 and fa2 also take the arch: they run on several)."""
+    import dataclasses
+    import importlib
+
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+
+    configs = importlib.import_module(f"flashsuite.{version}.configs")
+    q = torch.zeros(1, 256, 2, 64, dtype=torch.bfloat16)  # (B, N, H, D)
+    v = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)  # (B, N, H, Dv): the larger one
+    p = check_inputs(q, q, v, causal=True)
+    if version == "fa3":
+        cfg = configs.config_for(p)
+        assert cfg == configs.get_config(64, torch.bfloat16, True, 256)
+    else:
+        cfg = configs.config_for(p, 90)
+        bwd = configs.bwd_config_for(p, 90)
+        if version == "fa1":
+            assert cfg == configs.fwd_config(128, torch.bfloat16, 90, True)
+            assert bwd == configs.bwd_config(128, torch.bfloat16, 90)
+        else:
+            assert cfg == configs.fwd_config(128, torch.bfloat16, True, 90)
+            assert bwd == configs.bwd_config(128, torch.bfloat16, True, 90)
+        assert dataclasses.is_dataclass(bwd) and bwd.__dataclass_params__.frozen
+    assert dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen
 
 
 def _build_wheel(src: Path, out: Path) -> Path:
