@@ -54,7 +54,8 @@ def attention_reference(
     descale_v: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out (B, Nq, Hq, Dv) in `compute_dtype`, lse (B, Hq, Nq) float32, natural log).
+    """Returns (out (B, Nq, Hq, Dv) in `compute_dtype`, lse (B, Hq, Nq) natural log, float32
+    (float64 when `compute_dtype` is float64).
 
     `compute_dtype=None` computes in the inputs' own dtype: that is "PyTorch's own error", the
     yardstick the tests measure kernels against. Rows that see no key give out 0, LSE -inf.
@@ -82,7 +83,8 @@ def attention_reference(
         s = softcap * torch.tanh(s / softcap)  # (B, Hq, Nq, Nk)
     visible = visibility_mask(nq, nk, causal=causal, window_size=window_size, device=q.device)
     s = s.masked_fill(~visible, float("-inf"))  # (B, Hq, Nq, Nk)
-    lse = torch.logsumexp(s.float(), dim=-1)  # (B, Hq, Nq), -inf where the row sees nothing
+    # (B, Hq, Nq), -inf where the row sees nothing; float64 when computing in float64
+    lse = torch.logsumexp(s.to(torch.promote_types(s.dtype, torch.float32)), dim=-1)
     m = s.amax(dim=-1, keepdim=True)  # (B, Hq, Nq, 1)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # (B, Hq, Nq, 1): no -inf - -inf
     p = torch.exp(s - m)  # (B, Hq, Nq, Nk), 0 where masked

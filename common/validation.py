@@ -8,8 +8,10 @@ can take them is its own `supports(params, arch)`.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -281,3 +283,307 @@ def check_inputs(
         softcap=float(softcap),
         scale=scale,
     )
+
+
+# ------------------------------------------------------------------------------------------
+# Inference entry points: packed sequences (varlen) and KV-cache attention
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VarlenParams:
+    """Packed sequences: `attn` holds batch = B (len(cu_seqlens) - 1), seqlen_q/seqlen_k =
+    max_seqlen_q/max_seqlen_k (upper bounds of the per-sequence lengths), heads, dims, dtype
+    and options; each sequence is aligned bottom-right on its own lengths."""
+
+    attn: AttnParams
+    total_q: int
+    total_k: int
+
+    def describe(self) -> str:
+        return f"varlen {self.attn.describe()} total_q={self.total_q} total_k={self.total_k}"
+
+
+@dataclass(frozen=True)
+class KVCacheParams:
+    """Attention of q against a KV cache: `attn` holds batch = B, seqlen_q = Nq, seqlen_k = the
+    cache capacity of one row (N_max, or max_pages * page_size when paged). Row b attends the
+    first cache_seqlens[b] + seqlen_new keys, aligned bottom-right on that length.
+    `page_size` is 0 for a contiguous cache; `num_splits` 0 means "pick by heuristic"."""
+
+    attn: AttnParams
+    seqlen_new: int
+    page_size: int
+    num_pages: int
+    num_splits: int
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
+
+    def describe(self) -> str:
+        cache = f"paged(page={self.page_size}, pages={self.num_pages})" if self.paged else "dense"
+        new = f" +{self.seqlen_new} new" if self.seqlen_new else ""
+        return f"kvcache {cache}{new} {self.attn.describe()}"
+
+
+PAGE_SIZES = (16, 256)  # inclusive range of supported page sizes (multiples of 16)
+
+
+def _check_3d(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 3:
+        raise ValueError(
+            f"{name}: expected a 3-D tensor (total_tokens, heads, head_dim), "
+            f"got {t.dim()}-D with shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def _check_int(name: str, value: object, lo: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name}: expected an int >= {lo}, got {value}")
+    return value
+
+
+def _check_index_tensor(
+    name: str, t: object, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """An int32 tensor of exactly `shape` on `device` (shape -1: any size on that dim)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name}: expected dtype int32, got {_dt(t.dtype)}")
+    if t.dim() != len(shape) or any(s >= 0 and s != a for s, a in zip(shape, t.shape, strict=True)):
+        want = tuple("any" if s < 0 else s for s in shape)
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (q's device), got {t.device}")
+    return t
+
+
+def check_varlen_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> VarlenParams:
+    """Validate packed q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) and the
+    shapes, dtypes and devices of cu_seqlens; their values are `check_varlen_metadata`'s."""
+    q, k, v = _check_3d("q", q), _check_3d("k", k), _check_3d("v", v)
+    total_q, total_k = q.shape[0], k.shape[0]
+    if v.shape[0] != total_k:
+        raise ValueError(f"v: expected {total_k} tokens (k.shape[0]), got {v.shape[0]}")
+    if v.shape[1] != k.shape[1]:
+        raise ValueError(f"v: expected {k.shape[1]} heads (k.shape[1]), got {v.shape[1]}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: expected head_dim {q.shape[2]} (q.shape[2]), got {k.shape[2]}")
+    if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+        _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (-1,), q.device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch < 1:
+        raise ValueError(
+            f"cu_seqlens_q: expected shape (B + 1,) with B >= 1, got {tuple(cu_seqlens_q.shape)}"
+        )
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
+    max_q = _check_int("max_seqlen_q", max_seqlen_q)
+    max_k = _check_int("max_seqlen_k", max_seqlen_k)
+    # Dense checks (dtype, device, head counts, head_dim range, options) on 4-D views.
+    p = check_inputs(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+    )
+    if p.is_fp8:
+        raise TypeError("q: float8 inputs are not supported by attention_varlen")
+    attn = replace(p, batch=batch, seqlen_q=max_q, seqlen_k=max_k)
+    return VarlenParams(attn=attn, total_q=total_q, total_k=total_k)
+
+
+def check_varlen_metadata(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    vp: VarlenParams,
+) -> None:
+    """The values of cu_seqlens (one device-to-host copy): start at 0, non-decreasing, end at
+    the total, every length within max_seqlen."""
+    rows = torch.stack([cu_seqlens_q, cu_seqlens_k]).cpu().tolist()
+    for name, cu, total, max_len in (
+        ("cu_seqlens_q", rows[0], vp.total_q, vp.attn.seqlen_q),
+        ("cu_seqlens_k", rows[1], vp.total_k, vp.attn.seqlen_k),
+    ):
+        if cu[0] != 0:
+            raise ValueError(f"{name}: expected cu_seqlens[0] == 0, got {cu[0]}")
+        for i in range(len(cu) - 1):
+            if cu[i + 1] < cu[i]:
+                raise ValueError(
+                    f"{name}: expected non-decreasing values, got {name}[{i}] = {cu[i]} > "
+                    f"{name}[{i + 1}] = {cu[i + 1]}"
+                )
+        if cu[-1] != total:
+            side = "q" if name.endswith("q") else "k"
+            raise ValueError(
+                f"{name}: expected the last value to be the total {total} ({side}.shape[0]), "
+                f"got {cu[-1]}"
+            )
+        longest = max(b - a for a, b in itertools.pairwise(cu))
+        if longest > max_len:
+            which = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
+            raise ValueError(
+                f"{which}: expected >= the longest sequence in {name} ({longest}), got {max_len}"
+            )
+
+
+def check_kvcache_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    num_splits: int = 0,
+) -> KVCacheParams:
+    """Validate q (B, Nq, Hq, D), a cache (B_cache, N_max, Hkv, D) or, with block_table
+    (B, max_pages) int32, pages (num_pages, page_size, Hkv, D), the optional new k, v
+    (B, Nnew, Hkv, D) and the shapes of the metadata; their values are
+    `check_kvcache_metadata`'s. An int cache_seqlens is checked here."""
+    q = _check_tensor("q", q)
+    k_cache = _check_tensor("k_cache", k_cache)
+    v_cache = _check_tensor("v_cache", v_cache)
+    b = q.shape[0]
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(
+            f"v_cache: expected shape {tuple(k_cache.shape[:3])} + (Dv,) (k_cache's first three "
+            f"dims), got {tuple(v_cache.shape)}"
+        )
+    if k_cache.shape[3] != q.shape[3]:
+        raise ValueError(
+            f"k_cache: expected head_dim {q.shape[3]} (q.shape[3]), got {k_cache.shape[3]}"
+        )
+    page_size = num_pages = 0
+    if block_table is not None:
+        block_table = _check_index_tensor("block_table", block_table, (b, -1), q.device)
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if page_size % 16 or not PAGE_SIZES[0] <= page_size <= PAGE_SIZES[1]:
+            raise ValueError(
+                f"k_cache: expected a page size (k_cache.shape[1]) that is a multiple of 16 in "
+                f"[{PAGE_SIZES[0]}, {PAGE_SIZES[1]}] with block_table, got {page_size}"
+            )
+        if num_pages < 1 or block_table.shape[1] < 1:
+            raise ValueError(
+                f"block_table: expected at least one page (num_pages = {num_pages}, "
+                f"max_pages = {block_table.shape[1]})"
+            )
+        capacity = block_table.shape[1] * page_size
+    else:
+        if k_cache.shape[0] < b:
+            raise ValueError(
+                f"k_cache: expected a batch of at least {b} (q.shape[0]), got {k_cache.shape[0]}"
+            )
+        capacity = k_cache.shape[1]
+    n_new = 0
+    if (k is None) != (v is None):
+        missing = "v" if v is None else "k"
+        raise ValueError(f"{missing}: expected a tensor (k and v are given together), got None")
+    if k is not None:
+        k, v = _check_tensor("k", k), _check_tensor("v", v)
+        n_new = k.shape[1]
+        for name, t, c in (("k", k, k_cache), ("v", v, v_cache)):
+            want = (b, n_new, c.shape[2], c.shape[3])
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"{name}: expected shape (B, Nnew, Hkv, D) = {want}, got {tuple(t.shape)}"
+                )
+            if t.dtype != c.dtype or t.device != c.device:
+                raise TypeError(
+                    f"{name}: expected dtype {_dt(c.dtype)} on {c.device} ({name}_cache's), "
+                    f"got {_dt(t.dtype)} on {t.device}"
+                )
+        if n_new > capacity:
+            raise ValueError(
+                f"k: expected at most {capacity} new tokens (the cache capacity), got {n_new}"
+            )
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens: expected an int32 tensor of shape (B,) or an int, got None")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
+    else:
+        n = _check_int("cache_seqlens", cache_seqlens)
+        if n + n_new > capacity:
+            raise ValueError(
+                f"cache_seqlens: expected cache_seqlens + Nnew <= {capacity} (the cache "
+                f"capacity), got {n} + {n_new}"
+            )
+    splits = _check_int("num_splits", num_splits)
+    # Dense checks (dtypes, devices, heads, head_dim range, options) on views with B rows.
+    p = check_inputs(
+        q,
+        k_cache[:1].expand(b, -1, -1, -1),
+        v_cache[:1].expand(b, -1, -1, -1),
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+    )
+    if p.is_fp8:
+        raise TypeError("q: float8 inputs are not supported by attention_with_kvcache")
+    attn = replace(p, seqlen_k=capacity)
+    return KVCacheParams(attn, n_new, page_size, num_pages, splits)
+
+
+def check_kvcache_metadata(
+    cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, kp: KVCacheParams
+) -> None:
+    """The values of cache_seqlens and block_table (one device-to-host copy): every row's
+    cache_seqlens + Nnew within the capacity, every block_table entry that row uses in
+    [0, num_pages)."""
+    lens = cache_seqlens.cpu().tolist()
+    capacity = kp.attn.seqlen_k
+    for b, n in enumerate(lens):
+        if n < 0 or n + kp.seqlen_new > capacity:
+            raise ValueError(
+                f"cache_seqlens: expected 0 <= cache_seqlens[{b}] + Nnew <= {capacity} (the "
+                f"cache capacity), got {n} + {kp.seqlen_new}"
+            )
+    if block_table is None:
+        return
+    table = block_table.cpu()
+    for b, n in enumerate(lens):
+        used = -(-(n + kp.seqlen_new) // kp.page_size)
+        row = table[b, :used]
+        bad = ((row < 0) | (row >= kp.num_pages)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise ValueError(
+                f"block_table: expected entries in [0, {kp.num_pages}) (k_cache.shape[0]), got "
+                f"block_table[{b}, {j}] = {int(row[j])}"
+            )
+
+
+def metadata_checks_enabled() -> bool:
+    """Value checks of cu_seqlens / cache_seqlens / block_table copy them to the host once per
+    call. FLASHSUITE_CHECK_METADATA=0 turns that off (CUDA graphs, timing, hot decode loops);
+    the kernels then trust the metadata, as flash-attn's do."""
+    return os.environ.get("FLASHSUITE_CHECK_METADATA", "1") not in ("0", "")

@@ -16,6 +16,14 @@ from flashsuite.dispatch.api import (
     sdpa,
     select,
 )
+from flashsuite.dispatch.inference import (
+    attention_varlen,
+    attention_with_kvcache,
+    explain_kvcache,
+    explain_varlen,
+    select_kvcache,
+    select_varlen,
+)
 from flashsuite.dispatch.registry import VERSIONS
 
 __all__ = [
@@ -23,8 +31,14 @@ __all__ = [
     "Choice",
     "Unsupported",
     "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
     "auto_order",
     "explain",
+    "explain_kvcache",
+    "explain_varlen",
     "sdpa",
     "select",
+    "select_kvcache",
+    "select_varlen",
 ]

@@ -149,3 +149,27 @@ def backward(dout, q, k, v, out, lse, p: AttnParams):
     dk = dk.squeeze(2).transpose(1, 2).to(k.dtype)  # (B, Nk, Hkv, D)
     dv = dv.squeeze(2).transpose(1, 2).to(v.dtype)  # (B, Nk, Hkv, Dv)
     return dq, dk, dv
+
+
+# Packed sequences and KV-cache attention: the same kernel per sequence (docs/inference.md).
+from flashsuite.dispatch.portable_inference import (  # noqa: E402
+    kvcache_forward,
+    supports_kvcache,
+    supports_varlen,
+    varlen_backward,
+    varlen_forward,
+)
+
+__all__ = [
+    "HAS_BACKWARD",
+    "NAME",
+    "available",
+    "backward",
+    "forward",
+    "kvcache_forward",
+    "supports",
+    "supports_kvcache",
+    "supports_varlen",
+    "varlen_backward",
+    "varlen_forward",
+]

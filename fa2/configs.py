@@ -160,6 +160,46 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
     return _fit_smem(cfg, arch)
 
 
+def varlen_fwd_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
+) -> FwdConfig:
+    """Forward tile of the varlen kernel (fa2/varlen.py): the dense table, except D = 192 causal,
+    where the dense 128x32 w8 s3 spills 8 B in the varlen kernel (s2 too); 128x16 is clean
+    (242 regs). sm_90a probe (`benchmarks/inference_probe.py`), bf16; not timed on a GPU yet."""
+    cfg = fwd_config(head_dim, dtype, causal, arch)
+    if arch is not None and dtype != torch.float32 and causal and 128 < head_dim < 256:
+        return replace(cfg, block_n=16)
+    return cfg
+
+
+def varlen_bwd_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, arch: int | None
+) -> BwdConfig:
+    """Backward tiles of the varlen kernels (fa2/varlen.py): the dense table, except where a
+    varlen kernel, which carries its sequence's bounds through the loop, spills at the dense
+    tile. sm_90a probe (`benchmarks/inference_probe.py`), bf16, varlen kernel at the dense tile
+    -> the entry here:
+    - dK/dV, D <= 64 causal, 64x128: 1704 B -> 32x128 (232 regs, 0 B).
+    - dK/dV, D 96/128 causal, 32x128: 136 / 128 B (D = 128 at s2 136, 16x128 80) -> dV and dK
+      in two launches at s3 (238-255 regs, 0 B).
+    - dK/dV, D > 128 causal, 64x32: 40 B -> 32x32 (180 regs, 0 B).
+    - dQ, D > 128 non-causal, 128x32 w8 s3: 80-96 B (64x32 200, s2 96-112) -> the causal
+      entry's 32x32 w4 s2 (217-219 regs, 0 B).
+    Not timed on a GPU yet."""
+    cfg = bwd_config(head_dim, dtype, causal, arch)
+    if arch is None or dtype == torch.float32:
+        return cfg
+    if not causal:
+        if head_dim > 128:
+            return replace(cfg, block_m2=32, block_n2=32, num_warps_dq=4, num_stages_dq=2)
+        return cfg
+    if head_dim <= 64:
+        return replace(cfg, block_m1=32)
+    if head_dim <= 128:
+        return replace(cfg, split_dkdv=True, num_stages=3)
+    return replace(cfg, block_m1=32)
+
+
 # Spill bytes (dK/dV kernel) an entry is allowed because it was measured faster than every
 # spill-free candidate; the CI probe holds it to this number. Every other entry: 0.
 KNOWN_SPILL_BYTES: dict[tuple[str, int, torch.dtype, bool], int] = {

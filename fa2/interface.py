@@ -234,3 +234,162 @@ def backward(
             num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
         )  # fmt: skip
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference entry points (docs/inference.md): packed sequences and KV-cache decode
+# ----------------------------------------------------------------------------------------------
+
+
+def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
+    """Packed sequences: the dense limits (dtype, head dims, arch) apply."""
+    ok, reason = supports(vp.attn, arch)
+    if not ok or arch is None:
+        return ok, reason
+    from flashsuite.fa2 import configs
+
+    p = vp.attn
+    cfg = configs.varlen_fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
+    return True, f"fa2: varlen, per-sequence {cfg.block_m}x{cfg.block_n} tiles"
+
+
+def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
+    """KV cache: the dense limits apply; paged pages of 16..256 tokens (validated upstream)."""
+    ok, reason = supports(kp.attn, arch)
+    if not ok:
+        return ok, reason
+    how = f"paged, {kp.page_size}-token pages" if kp.paged else "contiguous cache"
+    return True, f"fa2: split-KV decode with GQA packing, {how}"
+
+
+def _num_sms(t: torch.Tensor) -> int:
+    from flashsuite.fa2 import decode
+
+    if t.is_cuda and not triton_interpreter():
+        return torch.cuda.get_device_properties(t.device).multi_processor_count
+    return decode.H100_SMS
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
+    writing k, v (B, Nnew, Hkv, D) into the cache in place (common.kvcache.append_kv).
+    Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32, contiguous."""
+    from flashsuite.common.kvcache import append_kv
+    from flashsuite.fa2 import decode
+
+    p = kp.attn
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    q = _last_contig(q)
+    b, nq, hq, _ = q.shape
+    out = torch.empty(b, nq, hq, p.head_dim_v, dtype=q.dtype, device=q.device)  # (B,Nq,Hq,Dv)
+    lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)  # (B, Hq, Nq)
+    if out.numel() == 0:
+        return out, lse
+    rows = nq * p.group_size
+    cfg = decode.decode_config(rows, max(p.head_dim, p.head_dim_v), _arch(q) is None)
+    m_blocks = math.ceil(rows / cfg.block_m)
+    tiles = b * p.heads_kv * m_blocks
+    splits = kp.num_splits or decode.num_splits_heuristic(
+        tiles, math.ceil(p.seqlen_k / cfg.block_n), _num_sms(q)
+    )
+    splits = max(1, min(splits, decode.MAX_SPLITS))
+    o_part = lse_part = lse  # unused with one split
+    if splits > 1:
+        o_part = torch.empty(splits, b * nq * hq, p.head_dim_v, dtype=torch.float32,
+                             device=q.device)  # fmt: skip  # (S, B*Nq*Hq, Dv)
+        lse_part = torch.empty(splits, b * nq * hq, dtype=torch.float32, device=q.device)
+    table = block_table if block_table is not None else cache_seqlens  # unused when contiguous
+    common = _common(p)
+    decode._decode_split[(splits, p.heads_kv * m_blocks, b)](
+        q, k_cache, v_cache, table, cache_seqlens, out, lse, o_part, lse_part,
+        *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+        table.stride(0), *out.stride()[:3], *lse.stride()[:2],
+        kp.seqlen_new, nq, hq, p.group_size, m_blocks, splits, max(kp.page_size, 1),
+        common["window_left"], common["window_right"], common["qk_scale"],
+        common["softcap_log2"], SPLIT=splits > 1, PAGED=kp.paged,
+        PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0,
+        HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
+        HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
+        DV_PAD=common["DV_PAD"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DOT_PRECISION=common["DOT_PRECISION"], num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        block_r = 16
+        decode._combine[(math.ceil(b * nq * hq / block_r),)](
+            o_part, lse_part, out, lse, b * nq * hq, nq, hq, splits,
+            HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4,
+        )  # fmt: skip
+    return out, lse
+
+
+def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
+    """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) packed by cu_seqlens.
+    Returns out (total_q, Hq, Dv) in q's dtype and lse (Hq, total_q) fp32, contiguous."""
+    from flashsuite.fa2 import configs, varlen
+
+    p = vp.attn
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out = torch.zeros(vp.total_q, p.heads_q, p.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((p.heads_q, vp.total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0:
+        return out, lse
+    cfg = configs.varlen_fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    common = _common(p)
+    for key in ("seqlen_q", "seqlen_k", "shift"):
+        del common[key]
+    varlen._varlen_fwd[(math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch)](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], lse.stride(0),
+        **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, config=None):
+    """Recompute backward over packed sequences: dq, dk, dv like q, k, v (contiguous), dk/dv
+    summed over each GQA group; deterministic (no atomics). `config` overrides the table
+    (tuning and tests only)."""
+    from flashsuite.fa2 import configs, varlen
+
+    p = vp.attn
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    out, dout = _last_contig(out), _last_contig(dout)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return dq, dk, dv
+    cfg = config or configs.varlen_bwd_config(
+        max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q)
+    )
+    common = _common(p)
+    for key in ("seqlen_q", "seqlen_k", "shift"):
+        del common[key]
+    dv_pad = common["DV_PAD"]
+    row_pad = configs.ROW_PAD
+    rows = vp.total_q + p.batch * row_pad
+    delta = torch.zeros(p.heads_q, rows, dtype=torch.float32, device=q.device)  # (Hq, rows)
+    lse2 = torch.full((p.heads_q, rows), float("inf"), dtype=torch.float32, device=q.device)
+    bm = configs.PREPROCESS_BLOCK_M
+    varlen._varlen_bwd_preprocess[(math.ceil(p.seqlen_q / bm), p.heads_q, p.batch)](
+        out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
+        lse.stride(0), delta.stride(0), row_pad, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad,
+        BLOCK_M=bm,
+    )  # fmt: skip
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2])
+    for _, want_dk, want_dv in configs.dkdv_launches(cfg):
+        varlen._varlen_bwd_dkdv[(math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch)](
+            q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
+            *strides, *dk.stride()[:2], *dv.stride()[:2], delta.stride(0), row_pad,
+            **common, scale=p.scale, TAIL_STAGES=None if cfg.tail_pipelined else 1,
+            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    varlen._varlen_bwd_dq[(math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch)](
+        q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
+        *strides, *dq.stride()[:2], delta.stride(0), row_pad, **common, scale=p.scale,
+        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+        num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -293,3 +293,13 @@ def backward(
     dout = _tma_ready(dout)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     return run_backward(key, dout, q, k, v, out.contiguous(), lse.contiguous(), p.scale)
+
+
+def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
+    """The CuTe DSL kernels take dense batches only: packed sequences run on fa2."""
+    return False, "fa3: no varlen kernel (the CuTe DSL forward takes dense batches); fa2 runs it"
+
+
+def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
+    """The CuTe DSL kernels have no split-KV decode: KV-cache attention runs on fa2."""
+    return False, "fa3: no split-KV / paged decode kernel in the CuTe DSL; fa2 runs it"

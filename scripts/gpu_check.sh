@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
-#                                                smallshapes sanitize-small
+#                                                smallshapes sanitize-small mutants
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -66,6 +66,10 @@ for part in $parts; do
         -k "head_dim_v_smaller or nq001 or nq017 or nq065 or nq129" \
         > "$out/sanitize-small.log" 2>&1 || status=1
       grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-small.log" | tail -12 ;;
+    mutants)
+      # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
+      python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \
+        | tee "$out/mutants-gpu.log" || status=1 ;;
     *) echo "unknown part: $part"; status=2 ;;
   esac
 done

@@ -7,6 +7,9 @@ version-specific. A case a version does not support is skipped with the version'
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,7 +21,7 @@ from flashsuite.common.testing import (
     make_inputs,
     reference_pair,
 )
-from tests.conftest import HAS_CUDA, runnable_versions
+from tests.conftest import HAS_CUDA, must_run, runnable_versions
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -46,6 +49,12 @@ CASES = [
     Case(seqlen_q=64, seqlen_k=72, head_dim=64, head_dim_v=32),
     Case(seqlen_q=64, seqlen_k=64, head_dim=64, softmax_scale=0.5),
     Case(seqlen_q=70, seqlen_k=90, heads_q=4, heads_kv=2, head_dim=64, non_contiguous=True),
+    Case(seqlen_q=33, seqlen_k=47, heads_q=2, heads_kv=1, head_dim=192, dtype=BF16),
+    Case(seqlen_q=37, seqlen_k=1, head_dim=64, dtype=BF16, causal=True),  # Nk = 1: 36 empty rows
+    # Large logits: x12 inputs (near one-hot rows), and a few keys with huge scores.
+    Case(seqlen_q=96, seqlen_k=100, head_dim=64, dtype=BF16, causal=True, amplitude=12.0),
+    Case(seqlen_q=60, seqlen_k=70, head_dim=64, dtype=F32, amplitude=12.0),
+    Case(seqlen_q=70, seqlen_k=130, heads_q=4, heads_kv=2, head_dim=64, spikes=3),
 ]
 
 # Realistic sizes, on a GPU only.
@@ -107,6 +116,11 @@ VERSIONS = runnable_versions()
 
 
 def _require(version: str, case: Case, q, k, v) -> None:
+    from flashsuite.dispatch import registry
+
+    ok, reason = registry.available(version)
+    if not ok and must_run(version):
+        pytest.fail(f"{version} must run on this sm90 host with the CuTe DSL: {reason}")
     try:
         dispatch.select(q, k, v, version=version, **case.options())
     except dispatch.Unsupported as exc:
@@ -128,77 +142,125 @@ def test_forward_and_lse(version: str, case: Case, device: str) -> None:
     assert out.dtype == case.dtype and lse.dtype == torch.float32
     assert lse.shape == (case.batch, case.heads_q, case.seqlen_q)
     ref = reference_pair(q, k, v, **case.options())
-    _assert_ok([compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"], dtype=F32)])
+    _assert_ok([compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])])
+
+
+# Measured accuracy gaps, kept visible (strict: a fix turns them into failures to update).
+# fa2's backward recomputes P = exp2(S * scale * log2e - LSE * log2e); with x12 inputs the
+# log2-domain scores reach ~1e3, where a float32 ulp is 6e-5, so P and dV = Pᵀ dO carry ~1e-4
+# relative error: max|dV - ref| 4.0e-4 against PyTorch's float32 3.2e-5 (12.7x), mean 8.5e-6
+# against 5.3e-7 (16x). dQ, dK and the forward are within the rule on the same case.
+KNOWN_GAPS = {
+    (
+        "fa2",
+        "b1-q60-k70-h2-2-d64-float32-x12",
+    ): "fa2 fp32 dV with x12 logits: 12.7x PyTorch's error",
+}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("case", ALL_CASES)
-def test_backward(version: str, case: Case, device: str) -> None:
+def test_backward(version: str, case: Case, device: str, request) -> None:
+    if (version, case.id) in KNOWN_GAPS:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_GAPS[version, case.id], strict=True))
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
     dout = make_grad_out(case, device)
-    out = dispatch.attention(q, k, v, **case.options(), version=version)
+    out, lse = dispatch.attention(q, k, v, **case.options(), return_lse=True, version=version)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ref = reference_pair(q, k, v, grad_out=dout, **case.options())
-    _assert_ok(
-        [compare("out", out, *ref["out"])]
-        + [
-            compare(name, got, *ref[name], factor=3.0)
-            for name, got in (("dq", dq), ("dk", dk), ("dv", dv))
-        ]
-    )
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_backward_fa3_own(case: Case, device: str, monkeypatch) -> None:
+    """The shared backward cases through fa3's own backward kernel, which dispatch runs only when
+    asked (FLASHSUITE_FA3_BWD=1) while it is slower than fa2's; skipped where it does not apply
+    (then fa2's backward, covered by test_backward, runs)."""
+    if "fa3" not in VERSIONS:
+        pytest.skip("fa3 not runnable here")
+    monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    _require("fa3", case, q, k, v)
+    choice = dispatch.select(q, k, v, **case.options(), version="fa3")
+    if choice.backward != "fa3":
+        pytest.skip(f"fa3's own backward does not take this case: {choice}")
+    dout = make_grad_out(case, device)
+    out, lse = dispatch.attention(q, k, v, **case.options(), return_lse=True, version="fa3")
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    ref = reference_pair(q, k, v, grad_out=dout, **case.options())
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_recompute_contract_saves_only_linear_memory(version: str, device: str) -> None:
-    """What the forward saves for backward is q, k, v, out, lse: O(N), nothing Nq x Nk."""
-    case = Case(seqlen_q=256, seqlen_k=192, heads_q=2, heads_kv=1, head_dim=32, causal=True)
+    """What the forward saves for backward is q, k, v, out, lse themselves (O(N), nothing
+    Nq x Nk), and the backward really uses the saved LSE: replaying it with LSE + ln 2 halves
+    every recomputed P, so dV (= Pᵀ dO) halves. A backward that recomputed the softmax from
+    scratch, or saved something else, fails here."""
+    case = Case(seqlen_q=96, seqlen_k=80, heads_q=2, heads_kv=1, head_dim=32, causal=True)
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
-    saved: list[torch.Tensor] = []
+    dout = make_grad_out(case, device)
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append(t)
-        return t
+    def run(shift: float):
+        saved: list[torch.Tensor] = []
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out, lse = dispatch.attention(q, k, v, causal=True, return_lse=True, version=version)
-    assert saved, "nothing saved for backward: is the op differentiable?"
-    budget = sum(t.numel() * t.element_size() for t in (q, k, v, out, lse))
-    saved_bytes = sum(t.numel() * t.element_size() for t in saved)
-    largest = max(t.numel() for t in saved)
-    assert largest < case.seqlen_q * case.seqlen_k, f"an N x N tensor was saved ({largest})"
-    assert saved_bytes <= budget, f"saved {saved_bytes} B > q, k, v, out, lse = {budget} B"
-    out.sum().backward()  # the saved tensors are enough to differentiate
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return t + shift if t.dtype == torch.float32 and t.dim() == 3 else t
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, unpack):
+            out, lse = dispatch.attention(q, k, v, causal=True, return_lse=True, version=version)
+        return saved, out, lse, torch.autograd.grad(out, (q, k, v), dout)
+
+    saved, out, lse, (_, _, dv) = run(0.0)
+    ptrs = sorted(t.data_ptr() for t in saved)
+    assert ptrs == sorted(t.data_ptr() for t in (q, k, v, out, lse)), (
+        f"saved {[tuple(t.shape) for t in saved]}, expected q, k, v, out, lse themselves"
+    )
+    _, _, _, (_, _, dv_half) = run(math.log(2.0))
+    torch.testing.assert_close(dv_half.float(), dv.float() / 2, atol=2e-3, rtol=1e-2)
+
+
+MASKED_CASES = [
+    # causal, Nq > Nk: rows 0..49 see no key (bottom-right alignment); every key is seen.
+    (Case(seqlen_q=90, seqlen_k=40, head_dim=64, causal=True), 50, 0),
+    # window (3, 0), Nq < Nk: row i sees keys i + 62 .. i + 65; keys 0..61 are seen by no row.
+    (Case(seqlen_q=20, seqlen_k=85, head_dim=64, window_size=(3, 0)), 0, 62),
+    # window (0, 0), Nq > Nk: rows 0..47 see nothing, rows 48..63 exactly one key.
+    (Case(seqlen_q=64, seqlen_k=16, head_dim=64, window_size=(0, 0)), 48, 0),
+]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=lambda d: str(d).removeprefix("torch."))
-def test_fully_masked_rows(version: str, dtype: torch.dtype, device: str) -> None:
-    """Rows that see no key: output exactly 0, LSE -inf, gradients finite (and 0 for q)."""
-    case = Case(seqlen_q=90, seqlen_k=40, head_dim=64, dtype=dtype, causal=True)
+@pytest.mark.parametrize(
+    ("base", "empty_rows", "unseen_keys"), MASKED_CASES, ids=[c.id for c, _, _ in MASKED_CASES]
+)
+def test_fully_masked_rows(
+    version: str, dtype: torch.dtype, base: Case, empty_rows: int, unseen_keys: int, device: str
+) -> None:
+    """Rows that see no key: output exactly 0, LSE -inf, their dQ exactly 0; keys no row sees:
+    dK and dV exactly 0; nothing NaN; the rest matches the oracle."""
+    case = replace(base, dtype=dtype)
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
-    out, lse = dispatch.attention(q, k, v, causal=True, return_lse=True, version=version)
-    empty = case.seqlen_q - case.seqlen_k  # rows 0..49 see nothing (bottom-right alignment)
-    assert torch.equal(out[:, :empty], torch.zeros_like(out[:, :empty]))
-    assert torch.isneginf(lse[:, :, :empty]).all()
-    assert torch.isfinite(lse[:, :, empty:]).all()
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    out, lse = dispatch.attention(q, k, v, **case.options(), return_lse=True, version=version)
+    assert torch.equal(out[:, :empty_rows], torch.zeros_like(out[:, :empty_rows]))
+    assert torch.isneginf(lse[:, :, :empty_rows]).all()
+    assert torch.isfinite(lse[:, :, empty_rows:]).all()
+    dout = make_grad_out(case, device)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert torch.isfinite(g).all(), f"{name} has non-finite values"
-    assert torch.equal(dq[:, :empty], torch.zeros_like(dq[:, :empty]))
-
-
-@pytest.mark.parametrize("version", VERSIONS)
-def test_window_of_one_key(version: str, device: str) -> None:
-    """window (0, 0) with Nq > Nk: rows 0..47 see no key, rows 48..63 exactly one (i - 48)."""
-    case = Case(seqlen_q=64, seqlen_k=16, head_dim=64, window_size=(0, 0))
-    q, k, v = make_inputs(case, device)
-    _require(version, case, q, k, v)
-    out, lse = dispatch.attention(q, k, v, window_size=(0, 0), return_lse=True, version=version)
-    ref = reference_pair(q, k, v, window_size=(0, 0))
-    _assert_ok([compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"], dtype=F32)])
+    assert torch.equal(dq[:, :empty_rows], torch.zeros_like(dq[:, :empty_rows]))
+    assert torch.equal(dk[:, :unseen_keys], torch.zeros_like(dk[:, :unseen_keys]))
+    assert torch.equal(dv[:, :unseen_keys], torch.zeros_like(dv[:, :unseen_keys]))
+    ref = reference_pair(q, k, v, grad_out=dout, **case.options())
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])
 
 
 def test_support_matrix_core_cases() -> None:
@@ -244,6 +306,53 @@ def test_gradcheck_float64_torch_version() -> None:
         assert torch.autograd.gradcheck(fn, (q, k, v), atol=1e-6, rtol=1e-5)
 
 
+def _assert_compiled_matches_eager(loss, inputs, **compile_options) -> None:
+    """torch.compile(fullgraph=True) of `loss` gives the eager value and gradients."""
+    got = torch.compile(loss, fullgraph=True, **compile_options)(*inputs)
+    grads = torch.autograd.grad(got, inputs)
+    want = loss(*inputs)
+    want_grads = torch.autograd.grad(want, inputs)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_torch_compile_fullgraph(version: str, device: str) -> None:
+    """Every version's op compiles into one graph (fullgraph: no break around the custom op)
+    and gives the eager forward and gradients; the Triton versions run under the interpreter
+    on the CPU."""
+    case = Case(seqlen_q=40, seqlen_k=48, heads_q=4, heads_kv=2, head_dim=32, causal=True)
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    _require(version, case, q, k, v)
+
+    def loss(q, k, v):
+        return dispatch.attention(q, k, v, causal=True, version=version).float().square().sum()
+
+    torch._dynamo.reset()
+    _assert_compiled_matches_eager(loss, (q, k, v), backend="aot_eager")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_opcheck_forward_and_backward_ops(version: str, device: str) -> None:
+    """torch.library.opcheck on the version's flashsuite::<v>_fwd and _bwd: schema, fake
+    (meta) implementation, autograd registration, AOT dispatch."""
+    from flashsuite.dispatch import registry
+
+    case = Case(seqlen_q=20, seqlen_k=24, heads_q=2, heads_kv=1, head_dim=32, causal=True)
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    _require(version, case, q, k, v)
+    attn_op = registry.op(version)
+    options = (True, 32**-0.5, -1, 0, 0.0)
+    torch.library.opcheck(attn_op.fwd, (q, k, v, *options, None, None, None))
+    if attn_op.bwd is None:
+        pytest.skip(f"{version} has no backward op")
+    out, lse = attn_op.fwd(q.detach(), k.detach(), v.detach(), *options, None, None, None)
+    dout = make_grad_out(case, device)
+    q, k, v = (t.detach() for t in (q, k, v))
+    torch.library.opcheck(attn_op.bwd, (dout, q, k, v, out, lse, *options))
+
+
 def test_torch_compile_fullgraph_and_export() -> None:
     case = Case(
         seqlen_q=48, seqlen_k=40, heads_q=4, heads_kv=2, head_dim=16, dtype=F32, causal=True
@@ -253,14 +362,7 @@ def test_torch_compile_fullgraph_and_export() -> None:
     def loss(q, k, v):
         return dispatch.attention(q, k, v, causal=True, version="torch").square().sum()
 
-    compiled = torch.compile(loss, fullgraph=True)
-    got = compiled(q, k, v)
-    grads = torch.autograd.grad(got, (q, k, v))
-    want = loss(q, k, v)
-    want_grads = torch.autograd.grad(want, (q, k, v))
-    torch.testing.assert_close(got, want)
-    for a, b in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(a, b)
+    _assert_compiled_matches_eager(loss, (q, k, v))
 
     class Attn(torch.nn.Module):
         def forward(self, q, k, v):
@@ -271,17 +373,27 @@ def test_torch_compile_fullgraph_and_export() -> None:
     torch.testing.assert_close(exported.module()(q, k, v), Attn()(q, k, v))
 
 
+NO_GPU_SCHEDULING = (
+    "determinism of GPU scheduling: the CPU interpreter runs programs in one fixed order, "
+    "so the test could not fail here"
+)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_SCHEDULING)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_backward_is_deterministic(version: str, device: str) -> None:
-    """Two backward passes on the same inputs give bitwise-identical gradients (every shipped
+    """Five backward passes on the same inputs give bitwise-identical gradients (every shipped
     backward is deterministic by default: no atomics in the reduction order)."""
-    case = Case(seqlen_q=130, seqlen_k=150, heads_q=4, heads_kv=2, head_dim=64, causal=True)
+    case = Case(
+        batch=2, seqlen_q=1030, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=64, causal=True
+    )
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
     dout = make_grad_out(case, device)
-    grads = []
-    for _ in range(2):
+    runs = []
+    for _ in range(5):
         out = dispatch.attention(q, k, v, causal=True, version=version)
-        grads.append(torch.autograd.grad(out, (q, k, v), dout))
-    for name, a, b in zip(("dq", "dk", "dv"), *grads, strict=True):
-        assert torch.equal(a, b), f"{name} differs between two runs"
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    for i, grads in enumerate(runs[1:], start=1):
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
+            assert torch.equal(a, b), f"{name} of run {i} differs from run 0"

@@ -36,7 +36,9 @@ def _peak_ratio(version: str, n: int) -> tuple[int, int]:
     return peak + inputs, held + inputs
 
 
-@pytest.mark.parametrize("version", [v for v in runnable_versions() if v in ("fa2", "fa3")])
+@pytest.mark.parametrize(
+    "version", [v for v in runnable_versions() if v.values[0] in ("fa2", "fa3")]
+)
 def test_peak_memory_is_linear_in_seqlen(version: str, record_property) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

@@ -77,25 +77,11 @@ def narration_findings(files: list[Path]) -> list[tuple[str, int, str, str]]:
     return findings
 
 
-# Lines still to be reworded, as (file name, exact stripped line; the name alone, so the entry
-# follows a file that moves): a reworded or new line is checked as usual, so this list only
-# shrinks.
-KNOWN_NARRATION = {
-    (
-        "testing.py",
-        '"""DESIGN' + ".md's tolerance: max|ours - ref| <= factor * max|pt - ref| + rounding. "
-        "NaN fails.",
-    ),
-}
-
-
 def test_product_text_has_no_narration() -> None:
     files = _product_text_files()
     assert ROOT / "README.md" in files and len(files) > 20, f"only {len(files)} files scanned"
     findings = [
-        f"{path}:{number}: {what}: {line}"
-        for path, number, what, line in narration_findings(files)
-        if (Path(path).name, line) not in KNOWN_NARRATION
+        f"{path}:{number}: {what}: {line}" for path, number, what, line in narration_findings(files)
     ]
     assert not findings, "product text that narrates its own writing:\n" + "\n".join(findings)
 

@@ -1,0 +1,234 @@
+"""GPU benchmark of the inference entry points (H200): split-KV decode and varlen prefill.
+
+    python benchmarks/decode_bench.py --out DIR [--quick]
+
+Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
+GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
+shuffled block table). Each point reports the median time (triton.testing.do_bench) and the
+K/V bytes read per second, next to PyTorch SDPA's flash and cuDNN backends on the same cache
+(viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same run. Every decode time is one
+replay of a CUDA graph of the call (as a serving loop runs decode steps), so Python and launch
+overhead are out of all four columns; fa2's eager time, overhead included, is in the JSON.
+The metadata value checks (a device-to-host copy per call, which a graph cannot hold) are off
+(FLASHSUITE_CHECK_METADATA=0), as flash-attn and SDPA do none.
+
+Varlen prefill: packed sequences of random lengths (mean 2k, 64k tokens in all), Hq = Hkv = 16,
+D = 128, bf16, causal and not, forward and backward, against the dense kernel of the same
+version on B = 32 x N = 2048 (the same total tokens). TFLOP/s counts the visible pairs of
+each sequence (common.flops).
+
+Writes DIR/decode_bench.json and prints a table last. Runs in about 2-3 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+os.environ["FLASHSUITE_CHECK_METADATA"] = "0"
+
+from flashsuite import dispatch
+from flashsuite.common.flops import attention_flops
+from flashsuite.dispatch.bench import time_ms
+from flashsuite.fa2 import decode
+
+HQ, HKV, D = 32, 8, 128
+PAGE = 64
+DTYPE = torch.bfloat16
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of one replay of `fn` captured in a CUDA graph: the GPU time of its kernels,
+    without the Python and launch overhead that a decode step in a serving loop (which replays
+    graphs) does not pay either."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: compiles, autotuning, allocator pools
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
+def _sdpa_ms(q, k_cache, v_cache, backend) -> float | str:
+    from torch.nn.attention import sdpa_kernel
+
+    qh = q.transpose(1, 2)  # (B, Hq, 1, D)
+    kh, vh = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # (B, Hkv, Nk, D) views
+    try:
+        with sdpa_kernel([backend]):
+            return _graph_ms(lambda: F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True))
+    except Exception as exc:  # a backend that cannot take this shape says why
+        return f"n/a ({type(exc).__name__})"
+
+
+def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):
+    return lambda: dispatch.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=num_splits,
+        version="fa2",
+    )  # fmt: skip
+
+
+SPLIT_SWEEP = ((1, 131072), (8, 32768), (32, 4096))  # the shapes a split count matters most
+
+
+def _split_sweep(q, k, v, lens) -> dict:
+    """fa2's contiguous decode time for a range of forced split counts (0: the heuristic's),
+    the data to set fa2.decode.PROGRAMS_PER_SM from."""
+    return {s: _graph_ms(_fa2(q, k, v, lens, None, s)) for s in (0, 1, 4, 8, 16, 32, 64, 128)}
+
+
+def decode_sweep(quick: bool) -> list[dict]:
+    from torch.nn.attention import SDPBackend
+
+    rows = []
+    points = [(b, n) for b in (1, 8, 32, 128) for n in (4096, 32768, 131072) if b * n <= 4 << 20]
+    if quick:
+        points = points[:3]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, n in points:
+        q = torch.randn(b, 1, HQ, D, device="cuda", generator=gen).to(DTYPE)
+        k = torch.randn(b, n, HKV, D, device="cuda", generator=gen).to(DTYPE)
+        v = torch.randn(b, n, HKV, D, device="cuda", generator=gen).to(DTYPE)
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        kv_bytes = 2 * b * n * HKV * D * k.element_size()
+        row = dict(batch=b, seqlen_k=n, kv_bytes=kv_bytes)
+        row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
+        row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
+        if (b, n) in SPLIT_SWEEP:
+            row["fa2_ms_by_num_splits"] = _split_sweep(q, k, v, lens)
+        cfg = decode.decode_config(HQ // HKV, D, interpreter=False)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        row["heuristic_splits"] = decode.num_splits_heuristic(
+            b * HKV, math.ceil(n / cfg.block_n), sms
+        )
+        # Paged copy: the same tokens on shuffled 64-token pages.
+        pages = b * n // PAGE
+        table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(b, n // PAGE)
+        k_pages = torch.empty(pages, PAGE, HKV, D, dtype=DTYPE, device="cuda")
+        v_pages = torch.empty_like(k_pages)
+        k_pages[table.long()] = k.view(b, n // PAGE, PAGE, HKV, D)
+        v_pages[table.long()] = v.view(b, n // PAGE, PAGE, HKV, D)
+        out_dense = dispatch.attention_with_kvcache(q, k, v, cache_seqlens=lens, version="fa2")
+        out_paged = dispatch.attention_with_kvcache(
+            q, k_pages, v_pages, cache_seqlens=lens, block_table=table, version="fa2"
+        )
+        row["paged_max_diff"] = (out_dense.float() - out_paged.float()).abs().max().item()
+        row["fa2_paged_ms"] = _graph_ms(_fa2(q, k_pages, v_pages, lens, table))
+        row["paged_over_contiguous"] = row["fa2_paged_ms"] / row["fa2_ms"]
+        del k_pages, v_pages
+        row["sdpa_flash_ms"] = _sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION)
+        row["sdpa_cudnn_ms"] = _sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION)
+        for key in ("fa2_ms", "fa2_paged_ms", "sdpa_flash_ms", "sdpa_cudnn_ms"):
+            if isinstance(row[key], float):
+                row[key.replace("_ms", "_tbps")] = kv_bytes / (row[key] * 1e-3) / 1e12
+        rows.append(row)
+        print(f"decode B={b} Nk={n}: {row}", file=sys.stderr, flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _mixed_lengths(total: int, mean: int, gen: torch.Generator) -> list[int]:
+    lens = []
+    while sum(lens) < total:
+        lens.append(int(torch.randint(mean // 8, 2 * mean - mean // 8, (1,), generator=gen)))
+    lens[-1] -= sum(lens) - total
+    return lens
+
+
+def varlen_prefill(version: str) -> list[dict]:
+    rows = []
+    total, heads = 65536, 16
+    lens = _mixed_lengths(total, 2048, torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    mk = lambda *shape: torch.randn(*shape, device="cuda").to(DTYPE).requires_grad_()
+    q, k, v = mk(total, heads, D), mk(total, heads, D), mk(total, heads, D)
+    do = torch.randn(total, heads, D, device="cuda").to(DTYPE)
+    dense = [mk(32, 2048, heads, D) for _ in range(3)]
+    ddo = do.view(32, 2048, heads, D)
+    for causal in (False, True):
+
+        def run_varlen(causal=causal):
+            return dispatch.attention_varlen(
+                q, k, v, cu, cu, max(lens), max(lens), causal=causal, version=version
+            )
+
+        def run_dense(causal=causal):
+            return dispatch.attention(*dense, causal=causal, version=version)
+
+        flops = sum(attention_flops(1, heads, n, n, D, causal=causal) for n in lens)
+        dense_flops = attention_flops(32, heads, 2048, 2048, D, causal=causal)
+        row = dict(causal=causal, version=version, sequences=len(lens), max_len=max(lens))
+        for name, fn, inputs, grad, fl in (
+            ("varlen", run_varlen, (q, k, v), do, flops),
+            ("dense", run_dense, tuple(dense), ddo, dense_flops),
+        ):
+            with torch.no_grad():
+                fwd = time_ms(fn)
+            both = time_ms(
+                lambda fn=fn, inputs=inputs, grad=grad: torch.autograd.grad(fn(), inputs, grad)
+            )
+            row[f"{name}_fwd_tflops"] = fl / (fwd * 1e-3) / 1e12
+            row[f"{name}_bwd_tflops"] = 2.5 * fl / ((both - fwd) * 1e-3) / 1e12
+        row["fwd_ratio"] = row["varlen_fwd_tflops"] / row["dense_fwd_tflops"]
+        row["bwd_ratio"] = row["varlen_bwd_tflops"] / row["dense_bwd_tflops"]
+        rows.append(row)
+        print(f"varlen causal={causal}: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
+def _fmt(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--quick", action="store_true", help="first three decode points only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_bench needs a CUDA GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    result["decode"] = decode_sweep(args.quick)
+    result["varlen"] = varlen_prefill("fa2")
+    result["seconds"] = time.time() - start
+    (args.out / "decode_bench.json").write_text(json.dumps(result, indent=2))
+    print(
+        f"\ndecode, Nq=1, GQA {HQ}/{HKV}, D={D}, bf16, CUDA-graph replay (ms | K/V TB/s); "
+        f"paged = {PAGE}-token pages"
+    )
+    heads = ("fa2", "fa2 paged", "SDPA flash", "SDPA cuDNN")
+    print(f"{'B':>4} {'Nk':>7} | " + " | ".join(f"{h:>15}" for h in heads))
+    for r in result["decode"]:
+        cells = []
+        for key in ("fa2", "fa2_paged", "sdpa_flash", "sdpa_cudnn"):
+            ms, rate = r[f"{key}_ms"], r.get(f"{key}_tbps")
+            cells.append(f"{_fmt(ms)} | {rate:.2f}" if rate is not None else str(ms)[:15])
+        print(f"{r['batch']:>4} {r['seqlen_k']:>7} | " + " | ".join(f"{c:>15}" for c in cells))
+    print("\nvarlen prefill, 64k tokens, mean 2k, H=16, D=128, bf16 (TFLOP/s; ratio varlen/dense)")
+    for r in result["varlen"]:
+        print(
+            f"causal={int(r['causal'])} fwd {r['varlen_fwd_tflops']:.0f} vs dense "
+            f"{r['dense_fwd_tflops']:.0f} ({r['fwd_ratio']:.2f}x) | bwd "
+            f"{r['varlen_bwd_tflops']:.0f} vs dense {r['dense_bwd_tflops']:.0f} "
+            f"({r['bwd_ratio']:.2f}x)"
+        )
+    print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""KV-cache addressing shared by every version: where token t of batch row b lives.
+
+A contiguous cache is (B_cache, N_max, Hkv, D): row b's token t is `cache[b, t]`. A paged cache
+is (num_pages, page_size, Hkv, D) with block_table (B, max_pages) int32: row b's token t is
+`cache[block_table[b, t // page_size], t % page_size]`. Both the append of new tokens and the
+per-row gather below are plain PyTorch indexing (no Python loop over tokens), so they run on
+any device and inside a custom op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def token_slots(
+    cache_seqlens: torch.Tensor,  # (B,) int32: tokens already in each row
+    n_new: int,
+    block_table: torch.Tensor | None,  # (B, max_pages) int32, or None for a contiguous cache
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first index, second index) into the cache of the tokens cache_seqlens[b] + j,
+    j < n_new, of every row: both (B, n_new) int64."""
+    b = cache_seqlens.shape[0]
+    pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=cache_seqlens.device)
+    if block_table is None:
+        rows = torch.arange(b, device=cache_seqlens.device)[:, None].expand(b, n_new)
+        return rows, pos  # (B, n_new), (B, n_new)
+    page = torch.gather(block_table.long(), 1, pos // page_size)  # (B, n_new)
+    return page, pos % page_size
+
+
+def append_kv(
+    k_cache: torch.Tensor,  # (B_cache, N_max, Hkv, D) or (num_pages, page_size, Hkv, D)
+    v_cache: torch.Tensor,  # like k_cache, head dim Dv
+    k: torch.Tensor,  # (B, Nnew, Hkv, D)
+    v: torch.Tensor,  # (B, Nnew, Hkv, Dv)
+    cache_seqlens: torch.Tensor,  # (B,) int32
+    block_table: torch.Tensor | None,  # (B, max_pages) int32
+) -> None:
+    """Write k, v into the cache in place at positions cache_seqlens[b] .. + Nnew of each row."""
+    if k.shape[1] == 0:
+        return
+    first, second = token_slots(cache_seqlens, k.shape[1], block_table, k_cache.shape[1])
+    k_cache[first, second] = k  # (B, Nnew) slots of (Hkv, D)
+    v_cache[first, second] = v  # (B, Nnew) slots of (Hkv, Dv)
+
+
+def row_kv(
+    cache: torch.Tensor,  # (B_cache, N_max, Hkv, D) or (num_pages, page_size, Hkv, D)
+    b: int,
+    n: int,
+    block_table: torch.Tensor | None,  # (B, max_pages) int32
+) -> torch.Tensor:
+    """The first n tokens of row b, (n, Hkv, D): a view for a contiguous cache, a gather of
+    ceil(n / page_size) pages for a paged one."""
+    if block_table is None:
+        return cache[b, :n]  # (n, Hkv, D)
+    page_size = cache.shape[1]
+    pages = block_table[b, : -(-n // page_size)].long()  # (ceil(n / page_size),)
+    return cache[pages].flatten(0, 1)[:n]  # (n, Hkv, D)

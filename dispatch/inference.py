@@ -1,0 +1,207 @@
+"""The inference entry points: attention_varlen() (packed sequences) and
+attention_with_kvcache() (decode / chunked prefill against a KV cache, contiguous or paged),
+with flash-attn's argument names, and their select/explain.
+
+Selection works as for `attention` (dispatch/api.py): the candidates of `auto_order(arch)`,
+each asked through its `supports_varlen` / `supports_kvcache`; a version without that entry
+point answers no. An explicit `version=` never falls back. Design: docs/inference.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashsuite.common import arch as arch_mod
+from flashsuite.common.ops_inference import VarlenOp, define_kvcache_op
+from flashsuite.common.validation import (
+    AttnParams,
+    KVCacheParams,
+    VarlenParams,
+    check_kvcache_inputs,
+    check_varlen_inputs,
+)
+from flashsuite.dispatch import registry
+from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_choice
+
+_ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
+
+
+def _check(kind: str, name: str, params, arch: int | None, needs_grad: bool) -> tuple[bool, str]:
+    ok, reason = registry.available(name)
+    if not ok:
+        return False, f"not available: {reason}"
+    mod = registry.module(name)
+    supports = getattr(mod, f"supports_{kind}", None)
+    if supports is None:
+        return False, f"{name}: no {_ENTRY[kind]} path"
+    ok, reason = supports(params, arch)
+    if ok and needs_grad and not hasattr(mod, f"{kind}_backward"):
+        return False, f"{name}: no {_ENTRY[kind]} backward (inputs require grad)"
+    return ok, reason
+
+
+def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
+    arch = arch_mod.device_arch(params.attn.device)
+    requested = version
+    if version == "auto":
+        requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
+    bwd = (lambda n: n) if needs_grad else (lambda n: None)
+    if requested != "auto":
+        registry.check_name(requested)
+        ok, reason = _check(kind, requested, params, arch, needs_grad)
+        if not ok:
+            raise Unsupported(
+                f"version {requested!r} cannot run {params.describe()} on "
+                f"{arch_mod.arch_name(arch)}: {reason}"
+            )
+        how = "FLASHSUITE_VERSION" if version == "auto" else "explicit version="
+        return Choice(requested, bwd(requested), arch, (f"{requested}: {how}; {reason}",), params)
+    reasons = []
+    for name in auto_order(arch):
+        ok, reason = _check(kind, name, params, arch, needs_grad)
+        reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
+        if ok:
+            return Choice(name, bwd(name), arch, tuple(reasons), params)
+    raise AssertionError("the portable version supports everything")  # pragma: no cover
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# As for `attention`: selection runs once at trace time, its answer a constant of the graph.
+@torch.compiler.assume_constant_result
+def _resolve(kind: str, version: str, key: tuple, extra: tuple, needs_grad: bool) -> str:
+    attn = AttnParams.from_key(key)
+    params = VarlenParams(attn, *extra) if kind == "varlen" else KVCacheParams(attn, *extra)
+    name = _select(kind, params, version, needs_grad).version
+    _op(kind, name)  # define the custom ops before the graph calls them
+    return name
+
+
+@functools.cache
+def _op(kind: str, name: str):
+    mod = registry.module(name)
+    return VarlenOp(name, mod) if kind == "varlen" else define_kvcache_op(name, mod)
+
+
+def _extra(params) -> tuple:
+    if isinstance(params, VarlenParams):
+        return (params.total_q, params.total_k)
+    return (params.seqlen_new, params.page_size, params.num_pages, params.num_splits)
+
+
+def select_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, version="auto", **options
+) -> Choice:
+    """What `attention_varlen` would run on these inputs, and why."""
+    vp = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options
+    )
+    return _select("varlen", vp, version, _needs_grad(q, k, v))
+
+
+def explain_varlen(*args, **kwargs) -> str:
+    """`select_varlen`, for humans."""
+    return explain_choice(select_varlen(*args, **kwargs))
+
+
+def select_kvcache(q, k_cache, v_cache, k=None, v=None, *, version="auto", **options) -> Choice:
+    """What `attention_with_kvcache` would run on these inputs, and why."""
+    options.pop("return_lse", None)
+    kp = check_kvcache_inputs(q, k_cache, v_cache, k, v, **options)
+    return _select("kvcache", kp, version, False)
+
+
+def explain_kvcache(*args, **kwargs) -> str:
+    """`select_kvcache`, for humans."""
+    return explain_choice(select_kvcache(*args, **kwargs))
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    version: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
+    against k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]], each aligned bottom-right on its own lengths.
+
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), fp16/bf16/fp32; cu_seqlens
+    int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at the total; max_seqlen
+    an upper bound of the lengths (it may be loose). Returns out (total_q, Hq, Dv) and, with
+    `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v.
+    """
+    vp = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+    )  # fmt: skip
+    needs_grad = _needs_grad(q, k, v)
+    name = _resolve("varlen", version, vp.attn.to_key(), _extra(vp), needs_grad)
+    p = vp.attn
+    fwd = getattr(torch.ops.flashsuite, f"{name}_varlen_fwd")
+    out, lse = fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, p.seqlen_q, p.seqlen_k, p.causal, p.scale,
+        p.window_left, p.window_right, p.softcap,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    *,
+    cache_seqlens: torch.Tensor | int | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    version: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q against a KV cache (decode, or chunked prefill), forward only.
+
+    q (B, Nq, Hq, D); k_cache, v_cache (B_cache, N_max, Hkv, D|Dv), or with block_table
+    (B, max_pages) int32 paged (num_pages, page_size, Hkv, D|Dv), page_size a multiple of 16 in
+    [16, 256]; cache_seqlens int32 (B,) or an int: the tokens already in each row. k, v
+    (B, Nnew, Hkv, D|Dv), when given, are written into the cache in place at cache_seqlens
+    before attending; row b then attends its first cache_seqlens[b] + Nnew tokens, causal
+    aligned to the end of that row. num_splits = 0 picks the split-KV count by heuristic.
+    Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
+    neither carrying a gradient.
+    """
+    kp = check_kvcache_inputs(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        num_splits=num_splits,
+    )  # fmt: skip
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
+    name = _resolve("kvcache", version, kp.attn.to_key(), _extra(kp), False)
+    p = kp.attn
+    # Forward only (the op mutates the cache, so it has no autograd formula): the results
+    # carry no gradient, whatever requires grad.
+    with torch.no_grad():
+        out, lse = getattr(torch.ops.flashsuite, f"{name}_kvcache_fwd")(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, p.causal, p.scale,
+            p.window_left, p.window_right, p.softcap, kp.num_splits,
+        )  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -1,0 +1,305 @@
+"""Split-KV attention against a KV cache (Flash-Decoding) in Triton, contiguous or paged.
+
+Layout: q (B, Nq, Hq, D); cache (B_cache, N_max, Hkv, D) or pages (num_pages, page_size, Hkv, D)
+with block_table (B, max_pages) int32; cache_seqlens (B,) int32. Row b attends its first
+seqlen_b = cache_seqlens[b] + n_new keys, bottom-right aligned (query t sits at key
+t + seqlen_b - Nq).
+
+Schedule (docs/inference.md):
+- GQA packing: one program owns the G = Hq / Hkv query heads that share a K/V head, for all
+  Nq query tokens: row r of its tile is token r // G, head hkv * G + r % G. Each K/V tile is
+  read once per K/V head instead of once per query head.
+- Split-KV: grid (num_splits, Hkv * m_blocks, B). Each row's visible key blocks are divided
+  into num_splits contiguous ranges, one per program, so a short batch still fills the GPU.
+  Each split writes its normalised partial O and its LSE in float32; `_combine` merges them
+  (out = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s). With one split the kernel
+  writes the final out and lse itself.
+- Paged addressing: key j of row b is page block_table[b, j // page_size], slot
+  j % page_size. When page_size is a multiple of BLOCK_N one table entry serves the whole
+  tile; otherwise each key looks its page up.
+Every load of K/V and of the block table is masked by the row's length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from flashsuite.fa2.kernels import _scores, _visible
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _kv_offsets(
+    BlockTable,  # (B, max_pages) int32, PAGED only
+    off_b,
+    keys,  # (BLOCK_N,) key indices of the row
+    key_ok,  # (BLOCK_N,) keys < seqlen
+    start_n,
+    page_size,
+    stride_btb,
+    stride_kb,
+    stride_kn,
+    PAGED: tl.constexpr,
+    PAGE_PER_TILE: tl.constexpr,  # page_size % BLOCK_N == 0: one table entry per tile
+):
+    """(BLOCK_N,) int64 element offsets of the keys' (head 0, dim 0) in the cache."""
+    if PAGED:
+        bt = BlockTable + off_b.to(tl.int64) * stride_btb
+        if PAGE_PER_TILE:
+            page = tl.load(bt + start_n // page_size).to(tl.int64)  # scalar
+            slot = keys - (start_n // page_size) * page_size  # (BLOCK_N,)
+            return page * stride_kb + slot.to(tl.int64) * stride_kn
+        else:
+            page = tl.load(bt + keys // page_size, mask=key_ok, other=0).to(tl.int64)
+            return page * stride_kb + (keys % page_size).to(tl.int64) * stride_kn
+    else:
+        return off_b.to(tl.int64) * stride_kb + keys.to(tl.int64) * stride_kn
+
+
+@triton.jit(do_not_specialize=["n_new", "seqlen_q", "num_splits", "window_left", "window_right"])
+def _decode_split(
+    Q,  # (B, Nq, Hq, D)
+    K,  # (B_cache, N_max, Hkv, D) or (num_pages, page_size, Hkv, D)
+    V,  # like K, head dim Dv
+    BlockTable,  # (B, max_pages) int32 (PAGED)
+    CacheSeqlens,  # (B,) int32: keys in the cache before the append
+    Out,  # (B, Nq, Hq, Dv), without SPLIT
+    Lse,  # (B, Hq, Nq) fp32, without SPLIT
+    OPart,  # (num_splits, B * Nq * Hq, Dv) fp32, SPLIT
+    LsePart,  # (num_splits, B * Nq * Hq) fp32, SPLIT
+    stride_qb,
+    stride_qn,
+    stride_qh,
+    stride_kb,
+    stride_kn,
+    stride_kh,
+    stride_vb,
+    stride_vn,
+    stride_vh,
+    stride_btb,
+    stride_ob,
+    stride_on,
+    stride_oh,
+    stride_lb,
+    stride_lh,
+    n_new,  # tokens appended to every row before attending
+    seqlen_q,  # Nq
+    num_heads,  # Hq
+    group,  # Hq // Hkv
+    m_blocks,  # ceil(Nq * group / BLOCK_M)
+    num_splits,  # a runtime value: every split count shares one binary
+    page_size,
+    window_left,
+    window_right,
+    qk_scale,
+    softcap_log2,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _combine
+    PAGED: tl.constexpr,
+    PAGE_PER_TILE: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    off_hkv = tl.program_id(1) // m_blocks
+    start_r = (tl.program_id(1) % m_blocks) * BLOCK_M
+    off_b = tl.program_id(2)
+
+    seqlen_k = tl.load(CacheSeqlens + off_b) + n_new
+    shift = seqlen_k - seqlen_q
+    rows = start_r + tl.arange(0, BLOCK_M)  # (BLOCK_M,) packed (token, head-in-group) rows
+    row_ok = rows < seqlen_q * group  # (BLOCK_M,)
+    tok = rows // group  # (BLOCK_M,) query token
+    head = off_hkv * group + rows % group  # (BLOCK_M,) query head
+    offs_n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_d = tl.arange(0, D_PAD)  # (D_PAD,)
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    d_ok = offs_d[None, :] < HEAD_DIM  # (1, D_PAD)
+    dv_ok = offs_dv[None, :] < HEAD_DIM_V  # (1, DV_PAD)
+
+    q_rows = tok.to(tl.int64) * stride_qn + head.to(tl.int64) * stride_qh  # (BLOCK_M,)
+    q_ptrs = Q + off_b.to(tl.int64) * stride_qb + q_rows[:, None] + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)  # (BLOCK_M, D_PAD)
+
+    # Keys any row of this tile can see, in whole key blocks, divided among the splits.
+    first_tok = start_r // group
+    last_tok = (tl.minimum(start_r + BLOCK_M, seqlen_q * group) - 1) // group
+    lo = 0
+    hi = seqlen_k
+    if HAS_LEFT:
+        lo = tl.maximum(first_tok + shift - window_left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(last_tok + shift + window_right + 1, 0), seqlen_k)
+    lo_blk = lo // BLOCK_N
+    n_blocks = tl.maximum(tl.cdiv(hi, BLOCK_N) - lo_blk, 0)
+    per_split = tl.cdiv(n_blocks, num_splits)
+    split_lo = (lo_blk + pid_s * per_split) * BLOCK_N
+    split_hi = tl.minimum(split_lo + per_split * BLOCK_N, hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) log2 domain
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
+    acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)  # (BLOCK_M, DV_PAD)
+    k_head = K + off_hkv.to(tl.int64) * stride_kh
+    v_head = V + off_hkv.to(tl.int64) * stride_vh
+    for start_n in range(split_lo, split_hi, BLOCK_N):
+        keys = start_n + offs_n  # (BLOCK_N,)
+        key_ok = keys < seqlen_k  # (BLOCK_N,)
+        k_rows = _kv_offsets(
+            BlockTable, off_b, keys, key_ok, start_n, page_size, stride_btb, stride_kb,
+            stride_kn, PAGED, PAGE_PER_TILE,
+        )  # fmt: skip
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        s, _t = _scores(qk, qk_scale, softcap_log2, SOFTCAP)  # (BLOCK_M, BLOCK_N) log2 domain
+        vis = _visible(
+            tok[:, None], keys[None, :], seqlen_k, shift, window_left, window_right,
+            HAS_LEFT, HAS_RIGHT,
+        )  # fmt: skip
+        s = tl.where(vis, s, float("-inf"))  # (BLOCK_M, BLOCK_N)
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.math.exp2(s - m_use[:, None])  # (BLOCK_M, BLOCK_N)
+        alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_rows = _kv_offsets(
+            BlockTable, off_b, keys, key_ok, start_n, page_size, stride_btb, stride_vb,
+            stride_vn, PAGED, PAGE_PER_TILE,
+        )  # fmt: skip
+        v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & dv_ok)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (BLOCK_M, DV_PAD)
+        m_i = m_new
+
+    seen = l_i > 0.0  # (BLOCK_M,)
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    if not SPLIT:
+        o_rows = tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh  # (BLOCK_M,)
+        o_ptrs = Out + off_b.to(tl.int64) * stride_ob + o_rows[:, None] + offs_dv[None, :]
+        tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok)
+        l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + tok
+        tl.store(l_ptrs, lse, mask=row_ok)
+    else:
+        # Partial rows are numbered (b, token, head), like a contiguous out.
+        part = (off_b.to(tl.int64) * seqlen_q + tok) * num_heads + head  # (BLOCK_M,)
+        total = tl.num_programs(2).to(tl.int64) * seqlen_q * num_heads  # B * Nq * Hq
+        part = pid_s * total + part
+        o_ptrs = OPart + part[:, None] * HEAD_DIM_V + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
+        tl.store(o_ptrs, acc, mask=row_ok[:, None] & dv_ok)
+        tl.store(LsePart + part, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["total_rows", "seqlen_q", "num_splits"])
+def _combine(
+    OPart,  # (num_splits, R, Dv) fp32, R = B * Nq * Hq rows numbered (b, token, head)
+    LsePart,  # (num_splits, R) fp32
+    Out,  # (B, Nq, Hq, Dv) contiguous
+    Lse,  # (B, Hq, Nq) fp32 contiguous
+    total_rows,  # R
+    seqlen_q,
+    num_heads,
+    num_splits,
+    HEAD_DIM_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """out = sum_s exp(lse_s - lse) * O_s with lse = logsumexp_s lse_s, one pass over splits
+    with a running maximum (splits that saw no key have lse_s = -inf and weigh 0)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+    row_ok = rows < total_rows
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_R, DV_PAD)
+    rows64 = rows.to(tl.int64)
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # (BLOCK_R,) running max lse
+    den = tl.zeros([BLOCK_R], dtype=tl.float32)  # (BLOCK_R,) sum exp(lse_s - m)
+    acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)  # (BLOCK_R, DV_PAD)
+    for s in range(num_splits):
+        lse_s = tl.load(LsePart + s * total_rows + rows64, mask=row_ok, other=float("-inf"))
+        o_s = tl.load(OPart + (s * total_rows + rows64)[:, None] * HEAD_DIM_V + offs_dv[None, :],
+                      mask=mask, other=0.0)  # fmt: skip
+        m_new = tl.maximum(m, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)  # (BLOCK_R,)
+        w = tl.exp(lse_s - m_use)  # (BLOCK_R,)
+        den = den * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        m = m_new
+    seen = den > 0.0
+    out = acc / tl.where(seen, den, 1.0)[:, None]
+    lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
+    tl.store(Out + rows64[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=mask)  # fmt: skip
+    # lse is (B, Hq, Nq): row (b, t, h) -> b * Hq * Nq + h * Nq + t
+    tok = (rows // num_heads) % seqlen_q
+    b = rows // (num_heads * seqlen_q)
+    head = rows % num_heads
+    tl.store(Lse + (b.to(tl.int64) * num_heads + head) * seqlen_q + tok, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_m: int  # packed (token, head-in-group) rows per program
+    block_n: int  # keys per step
+    num_warps: int
+    num_stages: int
+
+
+MAX_SPLITS = 128
+# Split until about this many programs per SM are in flight: one 4-warp program per SM
+# cannot keep enough loads in flight to approach the HBM bandwidth (a decode step is a pure
+# streaming read of K and V). Untimed starting point, to be set by benchmarks/decode_bench.py.
+PROGRAMS_PER_SM = 4
+MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its partial than it saves
+H100_SMS = 132  # the split heuristic's SM count where there is no GPU (interpreter, tests)
+
+
+def decode_config(rows: int, head_dim: int, interpreter: bool) -> DecodeConfig:
+    """rows = Nq * Hq / Hkv packed rows of one program's tile (capped at 64 per tile, 32 for
+    D > 128: a 64-row D = 256 tile spills 316-356 B in the sm_90a probe, 32 rows are clean at
+    177-208 registers)."""
+    block_m = max(16, min(64 if head_dim <= 128 else 32, triton.next_power_of_2(rows)))
+    if interpreter:
+        # Small key blocks: several blocks, pages and splits in play at test sizes.
+        return DecodeConfig(block_m, 16, num_warps=4, num_stages=1)
+    # 64 keys x D <= 128 in 16-bit: 16 KB per K or V tile, 3 stages in 96 KB, so two programs
+    # fit one SM's shared memory; D = 256 halves the key block for the same footprint.
+    return DecodeConfig(block_m, 64 if head_dim <= 128 else 32, num_warps=4, num_stages=3)
+
+
+def num_splits_heuristic(tiles: int, key_blocks: int, num_sms: int) -> int:
+    """Splits of the key range so that tiles * splits programs fill num_sms SMs
+    (PROGRAMS_PER_SM each) without making a split shorter than MIN_BLOCKS_PER_SPLIT blocks.
+
+    tiles = B * Hkv * m_blocks programs without splitting; key_blocks = key blocks of the
+    longest row. Among the split counts up to that bound, the largest whose wave efficiency
+    (programs / (waves * target)) is within 5% of the best wins: more programs in flight, up
+    to the target, without a mostly idle last wave.
+    """
+    target = PROGRAMS_PER_SM * num_sms
+    if tiles >= target or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
+        return 1
+    bound = min(MAX_SPLITS, -(-target // tiles), key_blocks // MIN_BLOCKS_PER_SPLIT)
+
+    def efficiency(s: int) -> float:
+        programs = tiles * s
+        waves = -(-programs // target)
+        return programs / (waves * target)
+
+    best = max(efficiency(s) for s in range(1, bound + 1))
+    return next(s for s in range(bound, 0, -1) if efficiency(s) >= 0.95 * best)

@@ -1,0 +1,141 @@
+"""The float8 (e4m3) path: quantisation helpers against a float64 emulation, and the fp8
+forward against a baseline that rounds Q, K, V and P to e4m3 the same way.
+
+On the CPU the `torch` version runs the fp8 forward (it dequantises to float32); fa3's fp8
+kernel runs on an sm90 GPU (gpu-marked cases). Both must stay within FP8_FACTOR (1.5x) of the
+e4m3-rounding baseline's error against the float64 oracle, and the LSE within the suite's
+float32 rule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common.fp8 import E4M3, E4M3_MAX, dequantize_e4m3, quantize_e4m3
+from flashsuite.common.testing import FP8_FACTOR, compare, fp8_baseline, reference_pair
+from tests.conftest import DEVICE, HAS_CUDA
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite non-negative float8_e4m3fn value, ascending, in float64."""
+    codes = torch.arange(128, dtype=torch.uint8)  # sign bit clear
+    values = codes.view(E4M3).double()
+    return values[torch.isfinite(values)]
+
+
+def _round_e4m3_f64(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto the e4m3 grid, saturating at 448, all in float64."""
+    grid = _e4m3_grid()  # (G,) ascending; code i has value grid[i]
+    a = x.double().abs().clamp(max=E4M3_MAX)
+    hi = torch.searchsorted(grid, a).clamp(max=len(grid) - 1)  # first grid value >= a
+    lo = (hi - 1).clamp(min=0)
+    d_lo, d_hi = a - grid[lo], grid[hi] - a
+    even_hi = hi % 2 == 0  # an even code has an even last mantissa bit
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & even_hi)
+    return torch.where(pick_hi, grid[hi], grid[lo]) * x.double().sign()
+
+
+def test_quantize_matches_float64_emulation() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 3, 16, generator=gen, dtype=torch.float64)
+    x[1, :, 2] *= 1e-3  # one (batch, head) slice at a very different scale
+    x[0, 5, 1, 7] = 40.0  # an outlier: only descale[0, 1] may change
+    x8, ds = quantize_e4m3(x)
+    amax = x.abs().amax(dim=(1, 3))  # (B, H) float64
+    torch.testing.assert_close(ds.double(), amax / E4M3_MAX, rtol=2**-23, atol=0)
+    assert x8.dtype == E4M3 and ds.dtype == torch.float32 and ds.shape == (2, 3)
+    want = _round_e4m3_f64(x / ds.double()[:, None, :, None])
+    assert torch.equal(x8.double(), want), "quantize_e4m3 is not round-to-nearest-even e4m3"
+    # Each slice's largest element lands on +-448 exactly: the full range is used.
+    assert torch.equal(x8.double().abs().amax(dim=(1, 3)), torch.full((2, 3), E4M3_MAX).double())
+    back = dequantize_e4m3(x8, ds)
+    rel = ((back.double() - x).abs() / amax[:, None, :, None]).max()
+    assert rel <= 2**-4, f"dequantised error {rel:.3g} of amax, e4m3 promises <= 2^-4"
+
+
+def test_quantize_saturates_and_rejects_non_finite() -> None:
+    x = torch.tensor([1.0, 500.0, -1e4, 0.0]).view(1, 4, 1, 1)
+    x8, ds = quantize_e4m3(x, descale=torch.ones(1, 1))
+    assert x8.float().flatten().tolist() == [1.0, 448.0, -448.0, 0.0]
+    assert ds.item() == 1.0
+    assert quantize_e4m3(torch.zeros(1, 3, 2, 4))[1].eq(1.0).all()  # all-zero slice: descale 1
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match="x: expected finite values, got 1 NaN"):
+            quantize_e4m3(x.clone().index_fill_(1, torch.tensor([2]), bad))
+    with pytest.raises(ValueError, match=r"descale: expected float32 of shape \(B, H\)"):
+        quantize_e4m3(x, descale=torch.ones(2, 1))
+    with pytest.raises(ValueError, match="descale: expected positive"):
+        quantize_e4m3(x, descale=torch.zeros(1, 1))
+
+
+def test_dequantize_uses_the_group_s_kv_head_descale() -> None:
+    x8 = torch.ones(2, 3, 4, 8).to(E4M3)  # Hq = 4 query heads, 2 kv heads
+    ds = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (B, Hkv)
+    got = dequantize_e4m3(x8, ds, group=2)[:, 0, :, 0]  # (B, Hq)
+    assert got.tolist() == [[1.0, 1.0, 2.0, 2.0], [3.0, 3.0, 4.0, 4.0]]
+
+
+def _fp8_inputs(b, nq, nk, hq, hkv, d, device, seed=0):
+    """e4m3 q, k, v and their (B, Hkv) descales; every (batch, kv head) at its own scale (a
+    descale read from the wrong entry shows), q's shared by its GQA group."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    amp = 2.0 ** (torch.arange(b * hkv, device=device) % 5).view(b, 1, hkv, 1)  # 1 .. 16
+
+    def rnd(n, h, a):
+        return torch.randn((b, n, h, d), generator=gen, device=device) * a
+
+    q8, ds_q = quantize_e4m3(rnd(nq, hq, amp.repeat_interleave(hq // hkv, dim=2)), group=hq // hkv)
+    k8, ds_k = quantize_e4m3(rnd(nk, hkv, 1.0 / amp))
+    v8, ds_v = quantize_e4m3(rnd(nk, hkv, amp.flip(2)))
+    return q8, k8, v8, (ds_q, ds_k, ds_v)
+
+
+FP8_CASES = [
+    # (B, Nq, Nk, Hq, Hkv, D, causal, gpu only)
+    (2, 40, 56, 6, 3, 64, False, False),
+    (2, 47, 33, 4, 2, 128, True, False),
+    (1, 24, 40, 2, 1, 256, True, False),
+    (3, 1000, 1000, 6, 2, 64, False, True),
+    (2, 777, 1031, 8, 2, 128, True, True),
+    (2, 1031, 777, 4, 4, 128, False, True),
+    (1, 513, 700, 8, 1, 256, True, True),
+    (2, 600, 600, 4, 2, 256, False, True),
+]
+
+
+def _fp8_params():
+    for version in ("torch", "fa3"):
+        for case in FP8_CASES:
+            b, nq, nk, hq, hkv, d, causal, gpu_only = case
+            case_id = f"{version}-b{b}-q{nq}-k{nk}-h{hq}-{hkv}-d{d}" + ("-causal" if causal else "")
+            marks = [pytest.mark.gpu] if (gpu_only or version == "fa3") else []
+            if version == "torch" and gpu_only:
+                continue  # the torch version's maths is the same at every size
+            yield pytest.param(version, case[:-1], id=case_id, marks=marks)
+
+
+@pytest.mark.parametrize(("version", "case"), list(_fp8_params()))
+def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None:
+    b, nq, nk, hq, hkv, d, causal = case
+    q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, DEVICE)
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    try:
+        dispatch.select(q8, k8, v8, causal=causal, version=version, **kwargs)
+    except dispatch.Unsupported as exc:
+        if version == "fa3" and HAS_CUDA and torch.cuda.get_device_capability() == (9, 0):
+            raise  # fa3's fp8 path must run on an sm90 GPU
+        pytest.skip(str(exc))
+    out, lse = dispatch.attention(
+        q8, k8, v8, causal=causal, return_lse=True, version=version, **kwargs
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
+    base = fp8_baseline(q8, k8, v8, ds, causal=causal)
+    results = [
+        compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),
+        compare("lse", lse, *ref["lse"]),
+    ]
+    bad = [str(r) for r in results if not r.ok]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,479 @@
+"""attention_varlen and attention_with_kvcache against a per-sequence float64 oracle, on every
+version that takes them here (fa2 under the Triton interpreter, torch), plus their errors,
+selection and torch.compile. The oracle runs common.reference.attention_reference once per
+sequence / cache row on that sequence's own lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common.arch import override_arch
+from flashsuite.common.reference import attention_reference
+from flashsuite.common.testing import compare
+from tests.conftest import HAS_CUDA, runnable_versions
+
+F16, BF16, F32, I32 = torch.float16, torch.bfloat16, torch.float32, torch.int32
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _versions(kind: str) -> list[str]:
+    """Versions with this entry point whose software is present (fa3 refuses both)."""
+    return [v for v in runnable_versions() if v in ("fa2", "torch")]
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor(
+        [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV
+    )
+
+
+def _rand(gen, *shape, dtype) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+
+def _oracle(q, k, v, do, **options):
+    """Per-sequence (out, lse, dq, dk, dv) in float64 ("ref") and in the input dtype ("pt")."""
+    result = {}
+    if k.shape[1] == 0:  # no keys: out 0, lse -inf, zero gradients (the oracle needs Nk > 0)
+        b, nq, hq, _ = q.shape
+        entry = dict(
+            out=q.new_zeros(b, nq, hq, v.shape[-1]), lse=q.new_full((b, hq, nq), -torch.inf)
+        )
+        entry.update(dq=torch.zeros_like(q), dk=torch.zeros_like(k), dv=torch.zeros_like(v))
+        return {"ref": entry, "pt": entry}
+    for tag, dtype in (("ref", torch.float64), ("pt", None)):
+        qs, ks, vs = (t.detach().clone().requires_grad_(do is not None) for t in (q, k, v))
+        out, lse = attention_reference(qs, ks, vs, compute_dtype=dtype, **options)
+        entry = {"out": out.detach(), "lse": lse.detach()}
+        if do is not None:
+            grads = torch.autograd.grad(out, (qs, ks, vs), do.to(out.dtype))
+            entry.update(zip(("dq", "dk", "dv"), grads, strict=True))
+        result[tag] = entry
+    return result
+
+
+def _check_all(ours: dict, pieces: list[dict], cat: dict) -> None:
+    """Compare `ours[name]` with the per-sequence oracle pieces joined by `cat[name]`."""
+    for name, join in cat.items():
+        ref = join([p["ref"][name] for p in pieces])
+        pt = join([p["pt"][name] for p in pieces])
+        factor = 3.0 if name.startswith("d") else 2.0
+        c = compare(name, ours[name], ref, pt, factor=factor, dtype=ours["dtype"])
+        assert c.ok, str(c)
+
+
+# (lengths_q, lengths_k, Hq, Hkv, D, dtype, options, loose max_seqlen)
+VARLEN_CASES = [
+    ([37, 0, 1, 70], [37, 5, 1, 90], 4, 2, 32, F16, dict(causal=True), 0),
+    ([20, 33, 1], [50, 12, 0], 2, 2, 64, F32, dict(window_size=(8, 3), softcap=5.0), 40),
+    ([64, 17], [17, 64], 4, 1, 32, BF16, dict(), 0),
+]
+
+
+@pytest.mark.parametrize("version", _versions("varlen"))
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=lambda c: f"{c[5]}-{c[6]}".replace(" ", ""))
+def test_varlen_matches_per_sequence_oracle(version, case) -> None:
+    lens_q, lens_k, hq, hkv, d, dtype, options, loose = case
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = _rand(gen, sum(lens_q), hq, d, dtype=dtype).requires_grad_()
+    k = _rand(gen, sum(lens_k), hkv, d, dtype=dtype).requires_grad_()
+    v = _rand(gen, sum(lens_k), hkv, d, dtype=dtype).requires_grad_()
+    do = _rand(gen, sum(lens_q), hq, d, dtype=dtype)
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    out, lse = dispatch.attention_varlen(
+        q, k, v, cq, ck, max(lens_q) + loose, max(lens_k) + loose, return_lse=True,
+        version=version, **options,
+    )  # fmt: skip
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    pieces = []
+    for b in range(len(lens_q)):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        pieces.append(
+            _oracle(q[None, sq], k[None, sk], v[None, sk], do[None, sq], **options)
+        )  # (1, n, H, D) each
+    rows = lambda ts: torch.cat([t[0] for t in ts])  # (total, H, D)
+    ours = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dtype=dtype)
+    lse_cat = lambda ts: torch.cat([t[0] for t in ts], dim=1)  # (H, total)
+    _check_all(ours, pieces, dict(out=rows, lse=lse_cat, dq=rows, dk=rows, dv=rows))
+
+
+def _paged(cache: torch.Tensor, page_size: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense cache (B, N, H, D) scattered over shuffled pages, plus its block table."""
+    b, n, h, d = cache.shape
+    per_row = n // page_size
+    order = torch.randperm(b * per_row + 3, generator=torch.Generator().manual_seed(1))
+    table = order[: b * per_row].reshape(b, per_row).to(torch.int32).to(DEV)  # (B, max_pages)
+    pages = _rand(gen, b * per_row + 3, page_size, h, d, dtype=cache.dtype)  # spare pages: noise
+    pages[table.long()] = cache.reshape(b, per_row, page_size, h, d)
+    return pages, table
+
+
+# (B, Nq, Nnew, Hq, Hkv, D, dtype, cache_seqlens, capacity, page_size, num_splits, options)
+KVCACHE_CASES = [
+    (3, 1, 0, 8, 2, 64, F16, [37, 0, 90], 128, 0, 0, dict()),
+    (3, 4, 4, 4, 2, 64, F16, [37, 5, 80], 128, 16, 3, dict(causal=True)),
+    (2, 16, 0, 4, 2, 32, F32, [60, 100], 144, 48, 2, dict(causal=True, window_size=(20, -1))),
+    (2, 2, 2, 2, 1, 64, BF16, 30, 64, 32, 0, dict(softcap=5.0)),
+]
+
+
+@pytest.mark.parametrize("version", _versions("kvcache"))
+@pytest.mark.parametrize(
+    "case", KVCACHE_CASES, ids=lambda c: f"nq{c[1]}-new{c[2]}-page{c[9]}-splits{c[10]}"
+)
+def test_kvcache_matches_per_row_oracle(version, case) -> None:
+    b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = _rand(gen, b, nq, hq, d, dtype=dtype)
+    k_dense = _rand(gen, b, cap, hkv, d, dtype=dtype)
+    v_dense = _rand(gen, b, cap, hkv, d, dtype=dtype)
+    k_new = _rand(gen, b, n_new, hkv, d, dtype=dtype) if n_new else None
+    v_new = _rand(gen, b, n_new, hkv, d, dtype=dtype) if n_new else None
+    seqlens = lens if isinstance(lens, int) else torch.tensor(lens, dtype=torch.int32, device=DEV)
+    old = [lens] * b if isinstance(lens, int) else lens
+    if page:
+        k_cache, table = _paged(k_dense, page, gen)
+        v_cache, _ = _paged(v_dense, page, gen)
+        v_cache[table.long()] = v_dense.reshape(b, cap // page, page, hkv, d)
+    else:
+        k_cache, v_cache, table = k_dense.clone(), v_dense.clone(), None
+    out, lse = dispatch.attention_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+        num_splits=splits, return_lse=True, version=version, **options,
+    )  # fmt: skip
+    pieces = []
+    for row in range(b):
+        n = old[row]
+        ks, vs = k_dense[row : row + 1, :n], v_dense[row : row + 1, :n]
+        if n_new:
+            ks = torch.cat([ks, k_new[row : row + 1]], dim=1)  # (1, n + Nnew, Hkv, D)
+            vs = torch.cat([vs, v_new[row : row + 1]], dim=1)
+            # the append wrote exactly these tokens into the cache, in place
+            stored = k_cache[table[row].long()].flatten(0, 1) if page else k_cache[row]
+            assert torch.equal(stored[n : n + n_new], k_new[row])
+        pieces.append(_oracle(q[row : row + 1], ks, vs, None, **options))
+    cat = lambda ts: torch.cat(ts)  # (B, ...)
+    _check_all(dict(out=out, lse=lse, dtype=dtype), pieces, dict(out=cat, lse=cat))
+
+
+def test_fa2_varlen_split_dkdv_launches_match() -> None:
+    """The two-launch dK/dV schedule (dV, then dK) some varlen entries use on the GPU gives the
+    same gradients as the one-launch schedule the interpreter table picks."""
+    if "fa2" not in runnable_versions() or HAS_CUDA:
+        pytest.skip("checks the interpreter tiles (the GPU runs the table's own)")
+    from dataclasses import replace
+
+    from flashsuite.common.validation import check_varlen_inputs
+    from flashsuite.fa2 import configs, interface
+
+    lens = [37, 0, 1, 50]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (_rand(gen, sum(lens), h, 32, dtype=F16) for h in (4, 2, 2, 4))
+    cu = _cu(lens)
+    vp = check_varlen_inputs(q, k, v, cu, cu, 50, 50, causal=True)
+    out, lse = interface.varlen_forward(q, k, v, cu, cu, vp)
+    one = interface.varlen_backward(do, q, k, v, out, lse, cu, cu, vp)
+    split = replace(configs.INTERPRETER_BWD, split_dkdv=True)
+    two = interface.varlen_backward(do, q, k, v, out, lse, cu, cu, vp, config=split)
+    for name, a, b in zip(("dq", "dk", "dv"), one, two, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_kvcache_is_forward_only() -> None:
+    q = torch.randn(1, 1, 2, 32, requires_grad=True)
+    kc = torch.randn(1, 16, 2, 32)
+    out = dispatch.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, version="torch")
+    assert not out.requires_grad
+
+
+def test_inference_kernels_compile_for_sm90_without_spills() -> None:
+    """The CI subset of benchmarks/inference_probe.py: real sm_90a compiles (ptxas from the
+    triton wheel), so it runs in a subprocess without TRITON_INTERPRET."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[1] / "benchmarks" / "inference_probe.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, str(probe), "--quick"], env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    rows = [line for line in res.stdout.splitlines() if "regs" in line]
+    assert res.returncode == 0 and len(rows) >= 7, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_split_heuristic() -> None:
+    pytest.importorskip("triton")
+    from flashsuite.fa2.decode import MAX_SPLITS, PROGRAMS_PER_SM, num_splits_heuristic
+
+    sms = 132
+    # B = 1, GQA 32/8, 128k keys in 64-key blocks: 8 programs alone leave the GPU idle.
+    one = num_splits_heuristic(8, 2048, sms)
+    assert 8 * one <= PROGRAMS_PER_SM * sms and one >= 32 and one <= MAX_SPLITS
+    assert num_splits_heuristic(128 * 8, 512, sms) == 1  # B = 128 fills the GPU by itself
+    assert num_splits_heuristic(8, 4, sms) == 1  # too few key blocks to split
+    mid = num_splits_heuristic(8 * 8, 512, sms)  # B = 8, 32k
+    assert 1 < mid < one
+
+
+def _bad_varlen(**change):
+    q = torch.randn(10, 4, 32)
+    k = torch.randn(12, 2, 32)
+    args = dict(
+        q=q, k=k, v=k.clone(), cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 6, 12], dtype=torch.int32), max_seqlen_q=6, max_seqlen_k=6,
+    )  # fmt: skip
+    args.update(change)
+    return args
+
+
+VARLEN_ERRORS = [
+    (
+        dict(cu_seqlens_q=torch.tensor([0, 4, 10])),
+        TypeError,
+        "cu_seqlens_q: expected dtype int32, got int64",
+    ),
+    (
+        dict(cu_seqlens_k=torch.tensor([0, 12], dtype=I32)),
+        ValueError,
+        "cu_seqlens_k: expected shape (3,), got (2,)",
+    ),
+    (
+        dict(cu_seqlens_q=torch.tensor([1, 4, 10], dtype=I32)),
+        ValueError,
+        "cu_seqlens_q: expected cu_seqlens[0] == 0, got 1",
+    ),
+    (
+        dict(cu_seqlens_k=torch.tensor([0, 7, 6], dtype=I32)),
+        ValueError,
+        "cu_seqlens_k: expected non-decreasing values",
+    ),
+    (
+        dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=I32)),
+        ValueError,
+        "cu_seqlens_q: expected the last value to be the total 10 (q.shape[0]), got 9",
+    ),
+    (
+        dict(max_seqlen_k=5),
+        ValueError,
+        "max_seqlen_k: expected >= the longest sequence in cu_seqlens_k (6), got 5",
+    ),
+    (
+        dict(k=torch.randn(12, 3, 32), v=torch.randn(12, 3, 32)),
+        ValueError,
+        "multiple of the number of key/value heads, got 3",
+    ),
+    (dict(q=torch.randn(10, 4, 32, 1)), ValueError, "q: expected a 3-D tensor"),
+    (dict(v=torch.randn(11, 2, 32)), ValueError, "v: expected 12 tokens (k.shape[0]), got 11"),
+]
+if HAS_CUDA:
+    VARLEN_ERRORS.append(
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")),
+            ValueError,
+            "cu_seqlens_q: expected device cpu (q's device), got cuda:0",
+        )
+    )
+
+
+@pytest.mark.parametrize("change, exc, message", VARLEN_ERRORS, ids=lambda x: None)
+def test_varlen_bad_input_is_a_clear_error(change, exc, message) -> None:
+    with pytest.raises(exc) as info:
+        dispatch.attention_varlen(**_bad_varlen(**change), version="torch")
+    assert message in str(info.value)
+
+
+def _bad_kvcache(**change):
+    args = dict(
+        q=torch.randn(2, 1, 4, 32), k_cache=torch.randn(8, 16, 2, 32),
+        v_cache=torch.randn(8, 16, 2, 32), cache_seqlens=torch.tensor([5, 20], dtype=torch.int32),
+        block_table=torch.tensor([[0, 3], [5, 7]], dtype=torch.int32),
+    )  # fmt: skip
+    args.update(change)
+    return args
+
+
+KVCACHE_ERRORS = [
+    (
+        dict(cache_seqlens=torch.tensor([5, 33], dtype=I32)),
+        ValueError,
+        "cache_seqlens: expected 0 <= cache_seqlens[1] + Nnew <= 32 (the cache capacity), got 33",
+    ),
+    (dict(cache_seqlens=33), ValueError, "cache_seqlens: expected cache_seqlens + Nnew <= 32"),
+    (
+        dict(cache_seqlens=torch.tensor([5, 20])),
+        TypeError,
+        "cache_seqlens: expected dtype int32, got int64",
+    ),
+    (
+        dict(block_table=torch.tensor([[0, 3], [5, 8]], dtype=I32)),
+        ValueError,
+        "block_table: expected entries in [0, 8) (k_cache.shape[0]), got block_table[1, 1] = 8",
+    ),
+    (
+        dict(block_table=torch.tensor([[0, 3], [-1, 7]], dtype=I32)),
+        ValueError,
+        "got block_table[1, 0] = -1",
+    ),
+    (
+        dict(block_table=torch.tensor([[0, 3]], dtype=I32)),
+        ValueError,
+        "block_table: expected shape (2, 'any'), got (1, 2)",
+    ),
+    (
+        dict(k_cache=torch.randn(8, 24, 2, 32), v_cache=torch.randn(8, 24, 2, 32)),
+        ValueError,
+        "expected a page size (k_cache.shape[1]) that is a multiple of 16",
+    ),
+    (
+        dict(k_cache=torch.randn(8, 16, 3, 32), v_cache=torch.randn(8, 16, 3, 32)),
+        ValueError,
+        "multiple of the number of key/value heads, got 3",
+    ),
+    (
+        dict(k=torch.randn(2, 1, 2, 32)),
+        ValueError,
+        "v: expected a tensor (k and v are given together), got None",
+    ),
+    (
+        dict(
+            k=torch.randn(2, 1, 2, 32),
+            v=torch.randn(2, 1, 2, 32),
+            cache_seqlens=torch.tensor([5, 32], dtype=I32),
+        ),
+        ValueError,
+        "got 32 + 1",
+    ),
+    (
+        dict(
+            block_table=None,
+            k_cache=torch.randn(1, 16, 2, 32),
+            v_cache=torch.randn(1, 16, 2, 32),
+            cache_seqlens=3,
+        ),
+        ValueError,
+        "k_cache: expected a batch of at least 2 (q.shape[0]), got 1",
+    ),
+    (
+        dict(cache_seqlens=None),
+        TypeError,
+        "cache_seqlens: expected an int32 tensor of shape (B,) or an int, got None",
+    ),
+]
+
+
+@pytest.mark.parametrize("change, exc, message", KVCACHE_ERRORS, ids=lambda x: None)
+def test_kvcache_bad_input_is_a_clear_error(change, exc, message) -> None:
+    with pytest.raises(exc) as info:
+        dispatch.attention_with_kvcache(**_bad_kvcache(**change), version="torch")
+    assert message in str(info.value)
+
+
+def test_explain_on_sm90_picks_fa2_with_fa3_reason() -> None:
+    pytest.importorskip("triton")
+    q, k = torch.randn(10, 4, 64, dtype=BF16), torch.randn(10, 2, 64, dtype=BF16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with override_arch(90):
+        choice = dispatch.select_varlen(q, k, k, cu, cu, 6, 6, causal=True)
+        assert choice.version == "fa2", str(choice)
+        assert "fa3: no" in str(choice)
+        text = dispatch.explain_kvcache(q[None], k[None], k[None], cache_seqlens=3)
+        assert text.splitlines()[0].endswith("-> fa2") and "fa3: no" in text, text
+    with override_arch(None):
+        assert (
+            dispatch.select_kvcache(q[None], k[None], k[None], cache_seqlens=3).version == "torch"
+        )
+
+
+def test_explicit_version_without_the_entry_point_raises() -> None:
+    q, k = torch.randn(10, 4, 64), torch.randn(10, 2, 64)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    for name in ("fa1", "fa3"):
+        if name not in runnable_versions():
+            continue
+        with pytest.raises(dispatch.Unsupported, match=f"version '{name}' cannot run varlen"):
+            dispatch.attention_varlen(q, k, k, cu, cu, 6, 6, version=name)
+
+
+def test_torch_compile_fullgraph() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 4, 32, generator=gen, requires_grad=True)
+    k = torch.randn(12, 2, 32, generator=gen, requires_grad=True)
+    cq = torch.tensor([0, 4, 10], dtype=torch.int32)
+    ck = torch.tensor([0, 6, 12], dtype=torch.int32)
+    varlen = lambda q, k: dispatch.attention_varlen(q, k, k, cq, ck, 6, 6, causal=True)
+    eager = varlen(q, k)
+    compiled = torch.compile(varlen, fullgraph=True, backend="aot_eager")(q, k)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    (gq,) = torch.autograd.grad(compiled.sum(), (q,))
+    (eq,) = torch.autograd.grad(eager.sum(), (q,))
+    torch.testing.assert_close(gq, eq)
+
+    kc, vc = torch.randn(2, 32, 2, 32, generator=gen), torch.randn(2, 32, 2, 32, generator=gen)
+    kn, vn = torch.randn(2, 1, 2, 32, generator=gen), torch.randn(2, 1, 2, 32, generator=gen)
+    lens = torch.tensor([3, 20], dtype=torch.int32)
+    decode = lambda q, kc, vc: dispatch.attention_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=lens, causal=True
+    )
+    qd = q.detach()[:2, None]  # (2, 1, 4, 32): decode is forward-only
+    eager = decode(qd, kc.clone(), vc.clone())
+    kc2, vc2 = kc.clone(), vc.clone()
+    compiled = torch.compile(decode, fullgraph=True, backend="aot_eager")(qd, kc2, vc2)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    assert torch.equal(kc2[1, 20], kn[1, 0])  # the append happened inside the graph
+
+
+GPU_DECODE = [(b, n, page) for b, n in ((1, 131072), (8, 32768), (32, 4096)) for page in (0, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, n, page", GPU_DECODE)
+def test_gpu_decode_large(b, n, page) -> None:
+    """GQA 32/8, D=128, bf16 decode at serving sizes against the portable version (fp32)."""
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = _rand(gen, b, 1, 32, 128, dtype=BF16)
+    k = _rand(gen, b, n, 8, 128, dtype=BF16)
+    v = _rand(gen, b, n, 8, 128, dtype=BF16)
+    lens = torch.randint(n // 2, n + 1, (b,), generator=gen, device=DEV).to(torch.int32)
+    table = None
+    if page:
+        k, table = _paged(k, page, gen)
+        v_pages, _ = _paged(v, page, gen)
+        v_pages[table.long()] = v.reshape(b, n // page, page, 8, 128)
+        v = v_pages
+    out, lse = dispatch.attention_with_kvcache(
+        q, k, v, cache_seqlens=lens, block_table=table, return_lse=True, version="fa2"
+    )
+    ref, ref_lse = dispatch.attention_with_kvcache(
+        q.float(), k.float(), v.float(), cache_seqlens=lens, block_table=table,
+        return_lse=True, version="torch",
+    )  # fmt: skip
+    # |out| is small here (a softmax average of thousands of random rows): relative bound.
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_large() -> None:
+    """Mixed lengths up to 4k, GQA 32/8, D=128, bf16, causal, forward and backward."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [*torch.randint(1, 4096, (12,), generator=gen).tolist(), 0, 1]
+    cu = _cu(lens)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    q = _rand(g, sum(lens), 32, 128, dtype=BF16).requires_grad_()
+    k = _rand(g, sum(lens), 8, 128, dtype=BF16).requires_grad_()
+    v = _rand(g, sum(lens), 8, 128, dtype=BF16).requires_grad_()
+    do = _rand(g, sum(lens), 32, 128, dtype=BF16)
+    results = {}
+    for version in ("fa2", "torch"):
+        out = dispatch.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                        version=version)  # fmt: skip
+        results[version] = (out, *torch.autograd.grad(out, (q, k, v), do))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results.values(), strict=True):
+        err = (a.float() - b.float()).abs().max().item()
+        assert err < 5e-2 * max(1.0, b.float().abs().max().item()), (name, err)
