@@ -1,5 +1,7 @@
 """Shared parts of the PTX-hash scripts (fa3_ptx_hash, triton_ptx_hash): hashing PTX with and
-without its debug lines, and comparing two runs' JSON files."""
+without its debug information, and comparing two runs' JSON files (a config passes when its
+PTX is the same once `.loc`/`.file` lines, and where both runs hashed it the DWARF sections,
+are left out)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import json
 import re
 
 _DEBUG_LINE = re.compile(r"^\s*\.(loc|file)\b.*$\n?", re.MULTILINE)
+# DWARF sections (Triton writes .debug_abbrev / .debug_info after the code): they hold the
+# file and line of every inlined call, so moving a function to another file changes them.
+_DEBUG_SECTION = re.compile(r"^\s*\.section\s+\.debug_.*", re.MULTILINE | re.DOTALL)
 
 
 def _sha(text: str) -> str:
@@ -15,8 +20,21 @@ def _sha(text: str) -> str:
 
 
 def hashes(ptx: str) -> dict[str, str]:
-    """{ptx, ptx_no_debug}: SHA-256 of the PTX as written and with `.loc`/`.file` removed."""
-    return {"ptx": _sha(ptx), "ptx_no_debug": _sha(_DEBUG_LINE.sub("", ptx))}
+    """SHA-256 of the PTX: as written (`ptx`), with `.loc`/`.file` lines removed
+    (`ptx_no_debug`), and with the DWARF sections removed too (`code`: instructions and
+    declarations only)."""
+    no_lines = _DEBUG_LINE.sub("", ptx)
+    return {
+        "ptx": _sha(ptx),
+        "ptx_no_debug": _sha(no_lines),
+        "code": _sha(_DEBUG_SECTION.sub("", no_lines)),
+    }
+
+
+def _same_code(a: dict, b: dict) -> bool:
+    if a["ptx_no_debug"] == b["ptx_no_debug"]:
+        return True
+    return "code" in a and "code" in b and a["code"] == b["code"]
 
 
 def save(path: str | None, result: dict) -> None:
@@ -43,8 +61,12 @@ def compare(paths: list[str]) -> int:
         return 1
     exact = sum(before[k]["ptx"] == after[k]["ptx"] for k in before)
     no_debug = sum(before[k]["ptx_no_debug"] == after[k]["ptx_no_debug"] for k in before)
-    print(f"{len(before)} configs: {exact} identical PTX, {no_debug} identical without debug lines")
+    code = sum(_same_code(before[k], after[k]) for k in before)
+    print(
+        f"{len(before)} configs: {exact} identical PTX, {no_debug} identical without debug "
+        f"lines, {code} identical without any debug information"
+    )
     for k in sorted(before):
-        if before[k]["ptx_no_debug"] != after[k]["ptx_no_debug"]:
+        if not _same_code(before[k], after[k]):
             print("DIFFERS:", k)
-    return 0 if no_debug == len(before) else 1
+    return 0 if code == len(before) else 1

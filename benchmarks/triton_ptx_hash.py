@@ -9,9 +9,10 @@ compile probes build: every entry of fa2's `configs.table()` (forward, dK/dV lau
 bf16 and fp32, the bf16 D = 64 / 128 entries again with a sliding window and with softcap (the
 mask and score paths those flags add), fa2's backward preprocess for every padded Dv; fa1's
 sm90 table (forward, TMA entries as a launch compiles them, backward) and its backward
-preprocess. Each kernel's PTX is hashed as written and without `.loc`/`.file` debug lines
-(moving a function to another file changes only those); `--compare` reports configs whose
-PTX differs.
+preprocess. Each kernel's PTX is hashed as written, without `.loc`/`.file` lines, and without
+any debug information (moving a jit function to another file changes the lines and the DWARF
+record of where it was inlined from, not the code); `--compare` reports configs whose code
+differs.
 """
 
 from __future__ import annotations
