@@ -131,13 +131,19 @@ def _flags(head_dim: int, causal: bool, dtype: torch.dtype, head_dim_v: int | No
 
 
 def probe(
-    kind: str, head_dim: int, dtype: torch.dtype, causal: bool, cfg: FwdConfig | BwdConfig
+    kind: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    cfg: FwdConfig | BwdConfig,
+    extra_flags: dict | None = None,
 ) -> dict:
     """Compile one config for sm_90a. Returns per-kernel resources and `ok` (0 spills, shared
-    memory within SMEM_LIMIT). kind: "fwd" or "bwd" (dK/dV kernel, plus dQ unless atomic)."""
+    memory within SMEM_LIMIT). kind: "fwd" or "bwd" (dK/dV kernel, plus dQ unless atomic).
+    `extra_flags` overrides mask / score flags (HAS_LEFT, SOFTCAP) of the default build."""
     from flashsuite.fa2 import kernels
 
-    flags = _flags(head_dim, causal, dtype)
+    flags = dict(_flags(head_dim, causal, dtype), **(extra_flags or {}))
     res: dict[str, dict] = {}
     if kind == "fwd":
         assert isinstance(cfg, FwdConfig)

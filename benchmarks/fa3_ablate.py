@@ -43,7 +43,12 @@ from typing import Any
 
 import torch
 
-from benchmarks.fa3_variants import ablation_configs, final_variants, persistent_variants
+from benchmarks.fa3_variants import (
+    ablation_configs,
+    bench_sweep,
+    final_variants,
+    persistent_variants,
+)
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import compare, hang_watchdog, reference_pair
 from flashsuite.common.validation import check_inputs
@@ -209,18 +214,7 @@ def _fmt_bench(r: dict) -> str:
 
 
 def run_bench() -> list[dict]:
-    rows = []
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            for n in (8192, 16384):
-                try:
-                    r = bench_one(d, n, causal)
-                except Exception as e:
-                    r = {"D": d, "N": n, "causal": causal, "error": f"{type(e).__name__}: {e}"}
-                    traceback.print_exc()
-                _log(f"[bench] {_fmt_bench(r) if 'error' not in r else r}")
-                rows.append(r)
-    return rows
+    return bench_sweep(bench_one, lambda r: _fmt_bench(r) if "error" not in r else r)
 
 
 def run_ablation(d: int = 128, n: int = 8192) -> list[dict]:

@@ -386,20 +386,15 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
     return row
 
 
+def _describe(r: dict) -> str:
+    tf = {k: round(v, 1) for k, v in r.items() if k.endswith(("_tflops", "_ms"))}
+    return f"D={r['D']} N={r['N']} causal={r['causal']} {tf} {r.get('error', '')}"
+
+
 def run_bench() -> list[dict]:
-    rows = []
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            for n in (8192, 16384):
-                try:
-                    r = bench_one(d, n, causal)
-                except Exception as e:
-                    r = {"D": d, "N": n, "causal": causal, "error": f"{type(e).__name__}: {e}"}
-                    traceback.print_exc()
-                tf = {k: round(v, 1) for k, v in r.items() if k.endswith(("_tflops", "_ms"))}
-                _log(f"[bench] D={d} N={n} causal={causal} {tf} {r.get('error', '')}")
-                rows.append(r)
-    return rows
+    from benchmarks.fa3_variants import bench_sweep
+
+    return bench_sweep(bench_one, _describe)
 
 
 def run_ablation(n: int = 8192, head_dims: list[int] | None = None) -> list[dict]:

@@ -14,19 +14,16 @@ DSL reads `CUTE_DSL_*` at import: run this module in its own process.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
-import re
 import sys
 import tempfile
+
+from benchmarks.ptx_hash import compare, hashes, save
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_ptx_hash_")
-
-_DEBUG_LINE = re.compile(r"^\s*\.(loc|file)\b.*$\n?", re.MULTILINE)
 
 
 def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
@@ -82,10 +79,6 @@ def _compile(case) -> str:
     return ptx
 
 
-def _sha(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write {case: {ptx, ptx_no_debug}} hashes here")
@@ -93,40 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="BEFORE AFTER [AFTER ...]")
     args = ap.parse_args(argv)
     if args.compare:
-        return _compare(args.compare)
+        return compare(args.compare)
     i, n = (int(x) for x in args.shard.split("/"))
     result = {}
     for case in _cases()[i::n]:
         ptx = _compile(case)
-        result[_case_id(case)] = {"ptx": _sha(ptx), "ptx_no_debug": _sha(_DEBUG_LINE.sub("", ptx))}
+        result[_case_id(case)] = hashes(ptx)
         print(_case_id(case), result[_case_id(case)]["ptx"][:16], flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
+    save(args.json, result)
     return 0
-
-
-def _load(paths: list[str]) -> dict:
-    merged: dict = {}
-    for p in paths:
-        with open(p) as f:
-            merged.update(json.load(f))
-    return merged
-
-
-def _compare(paths: list[str]) -> int:
-    """Each path may be a comma-separated list of shard files: BEFORE AFTER."""
-    before, after = (_load(p.split(",")) for p in paths[:2])
-    if set(before) != set(after):
-        print("case sets differ:", sorted(set(before) ^ set(after)))
-        return 1
-    exact = sum(before[k]["ptx"] == after[k]["ptx"] for k in before)
-    no_debug = sum(before[k]["ptx_no_debug"] == after[k]["ptx_no_debug"] for k in before)
-    print(f"{len(before)} configs: {exact} identical PTX, {no_debug} identical without debug lines")
-    for k in sorted(before):
-        if before[k]["ptx_no_debug"] != after[k]["ptx_no_debug"]:
-            print("DIFFERS:", k)
-    return 0 if no_debug == len(before) else 1
 
 
 if __name__ == "__main__":

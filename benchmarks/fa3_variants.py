@@ -211,3 +211,23 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
     return out
+
+
+def bench_sweep(bench_one, describe) -> list[dict]:
+    """`bench_one(d, n, causal)` over the lab's forward sweep (D 64 / 128 / 256, causal or not,
+    N 8k / 16k); a failing point becomes a row with its error. `describe(row)` is printed
+    after each point. What `fa3_ablate --bench` and `fa3_fp8_check --bench` time."""
+    import traceback
+
+    rows = []
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for n in (8192, 16384):
+                try:
+                    r = bench_one(d, n, causal)
+                except Exception as e:
+                    r = {"D": d, "N": n, "causal": causal, "error": f"{type(e).__name__}: {e}"}
+                    traceback.print_exc()
+                print(f"[bench] {describe(r)}", flush=True)
+                rows.append(r)
+    return rows

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashsuite.common.validation import AttnParams
+
 #: Head dims the kernels take; non-powers of two are padded to the next power (masked).
 MAX_HEAD_DIM = 256
 
@@ -134,6 +136,19 @@ def bwd_config(head_dim: int, dtype: torch.dtype, arch: int | None) -> Fa1Config
     if d <= 128:
         return Fa1Config(block_m=32, block_n=64, num_warps=8, num_stages=1)
     return Fa1Config(block_m=16, block_n=32, num_warps=8, num_stages=1)  # 228 regs, 65 KB
+
+
+def config_for(p: AttnParams, arch: int | None, tma: bool = True) -> Fa1Config:
+    """The forward config fa1 uses for problem `p` on `arch` (None: the interpreter):
+    `fwd_config` of max(head_dim, head_dim_v), the dtype and the causal flag. `tma=False`: the
+    pointer-path entry, where a tensor is not 16-byte aligned for a TMA descriptor."""
+    return fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, arch, p.causal, tma=tma)
+
+
+def bwd_config_for(p: AttnParams, arch: int | None) -> Fa1Config:
+    """The backward config fa1 uses for problem `p` on `arch`: `bwd_config` of
+    max(head_dim, head_dim_v) and the dtype (one tile serves causal and not)."""
+    return bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, arch)
 
 
 # Local memory (the spill stack frame, bytes per thread) of the sm90 TMA forward entries, per

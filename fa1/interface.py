@@ -18,8 +18,8 @@ from flashsuite.common.validation import AttnParams
 from flashsuite.fa1.configs import (
     MAX_HEAD_DIM,
     Fa1Config,
-    bwd_config,
-    fwd_config,
+    bwd_config_for,
+    config_for,
     padded_head_dim,
     q_splits,
 )
@@ -63,7 +63,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
             return False, f"fa1: {name} {d} not in [1, {MAX_HEAD_DIM}]"
     if arch is not None and arch < 80 and max(p.head_dim, p.head_dim_v) > 128:
         return False, f"fa1: head_dim > 128 needs sm80+ (64 KB of shared memory on sm{arch})"
-    cfg = fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, arch, p.causal)
+    cfg = config_for(p, arch)
     tiles = f"{cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps, {cfg.num_stages} stage(s)"
     if cfg.use_tma:
         split = ", K/V block in two halves" if cfg.split_kv else ""
@@ -188,7 +188,7 @@ def fwd_launch(
     # TMA descriptors (sm90 entries) need 16-byte strides; otherwise the pointer entry.
     tma_ok = q.dtype != torch.float32 and _tma_ok(q, k, v, out, o_acc)
     if cfg is None:
-        cfg = fwd_config(max(d, dv), q.dtype, _arch_of(q), p.causal, tma=tma_ok)
+        cfg = config_for(p, _arch_of(q), tma=tma_ok)
     num_q_blocks = -(-nq // cfg.block_m)
     splits = min(splits, num_q_blocks) if splits else _num_splits(b * hq, num_q_blocks, q)
     per_split = -(-num_q_blocks // splits)
@@ -244,7 +244,7 @@ def backward(
         dout = dout.contiguous()
     delta = torch.empty(b, hq, nq, device=q.device, dtype=torch.float32)  # (B, Hq, Nq)
     dq_acc = torch.empty(b, hq, nq, d, device=q.device, dtype=torch.float32)  # (B, Hq, Nq, D)
-    cfg = bwd_config(max(d, dv), q.dtype, _arch_of(q))
+    cfg = bwd_config_for(p, _arch_of(q))
     block_dv = padded_head_dim(dv)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         pre_m = 64

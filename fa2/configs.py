@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from flashsuite.common.validation import AttnParams
+
 SMEM_LIMIT = 232_448  # bytes of shared memory per CTA on sm90 (227 KB)
 
 
@@ -203,6 +205,18 @@ def varlen_bwd_config(
 KNOWN_SPILL_BYTES: dict[tuple[str, int, torch.dtype, bool], int] = {
     ("bwd", 128, torch.bfloat16, True): 24,
 }
+
+
+def config_for(p: AttnParams, arch: int | None) -> FwdConfig:
+    """The forward config fa2 uses for problem `p` on `arch` (None: the interpreter):
+    `fwd_config` of max(head_dim, head_dim_v), the dtype and the causal flag."""
+    return fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
+
+
+def bwd_config_for(p: AttnParams, arch: int | None) -> BwdConfig:
+    """The backward config fa2 uses for problem `p` on `arch`: `bwd_config` of
+    max(head_dim, head_dim_v), the dtype and the causal flag."""
+    return bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
 
 
 def _fwd_fp32(head_dim: int) -> FwdConfig:

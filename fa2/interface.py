@@ -50,7 +50,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return True, "fa2: ok (Triton interpreter)"
     from flashsuite.fa2 import configs
 
-    cfg = configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, arch)
+    cfg = configs.config_for(p, arch)
     return True, f"fa2: forward {cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps"
 
 
@@ -141,7 +141,7 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or configs.fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    cfg = config or configs.config_for(p, _arch(q))
     grid = (math.ceil(nq / cfg.block_m), hq, b)
     kernels._attn_fwd[grid](
         q, k, v, out, lse,
@@ -180,7 +180,7 @@ def backward(
     dv = torch.empty(b, nk, hkv, dv_, dtype=v.dtype, device=q.device)  # (B, Nk, Hkv, Dv)
     if nq == 0 or nk == 0 or b == 0 or hq == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = config or configs.bwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
+    cfg = config or configs.bwd_config_for(p, _arch(q))
     common = _common(p)
     dv_pad = common["DV_PAD"]
 

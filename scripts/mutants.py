@@ -54,8 +54,8 @@ def _bwd(version: str, extra: str = "") -> str:
     return f"test_backward and {version}" + (f" and {extra}" if extra else "")
 
 
-T, F1, F2 = "dispatch/portable.py", "fa1/kernels.py", "fa2/kernels.py"
-F2I = "fa2/interface.py"
+T, F1 = "dispatch/portable.py", "fa1/kernels.py"
+F2F, F2B, F2I = "fa2/fwd_kernels.py", "fa2/bwd_kernels.py", "fa2/interface.py"
 
 MUTANTS = [
     # --- torch (dispatch/portable.py) ------------------------------------------------------
@@ -245,31 +245,31 @@ MUTANTS = [
         "tl.store(dv_ptrs, (dv * 1.01).to(DV.dtype.element_ty)",
         _bwd("fa1", "float32"),
     ),
-    # --- fa2 (fa2/kernels.py, fa2/interface.py) --------------------------------------------
+    # --- fa2 (fa2/fwd_kernels.py, fa2/bwd_kernels.py, fa2/interface.py) --------------------
     Mutant(
         "fa2 fwd: out x1.01",
-        F2,
+        F2F,
         "tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)",
         "tl.store(o_ptrs, (acc * 1.01).to(Out.dtype.element_ty), mask=o_mask)",
         _fwd("fa2", "bfloat16"),
     ),
     Mutant(
         "fa2 fwd: LSE + 0.01",
-        F2,
+        F2F,
         "tl.store(l_ptrs, lse, mask=m_ok)",
         "tl.store(l_ptrs, lse + 0.01, mask=m_ok)",
         _fwd("fa2", "bfloat16"),
     ),
     Mutant(
         "fa2 fwd: LSE in base 2",
-        F2,
+        F2F,
         "(m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2,",
         "(m_i + tl.math.log2(tl.where(seen, l_i, 1.0))),",
         _fwd("fa2", "bfloat16"),
     ),
     Mutant(
         "fa2 fwd: running-max rescale dropped",
-        F2,
+        F2F,
         "        acc = acc * alpha[:, None]\n",
         "        acc = acc\n",
         _fwd("fa2"),
@@ -283,7 +283,7 @@ MUTANTS = [
     ),
     Mutant(
         "fa2 fwd: GQA head off by one",
-        F2,
+        F2F,
         "- 1 - tl.program_id(0)\n    off_h = tl.program_id(1)\n    off_b = tl.program_id(2)\n"
         "    off_hkv = off_h // group\n",
         "- 1 - tl.program_id(0)\n    off_h = tl.program_id(1)\n    off_b = tl.program_id(2)\n"
@@ -306,35 +306,35 @@ MUTANTS = [
     ),
     Mutant(
         "fa2 bwd: GQA head off by one",
-        F2,
+        F2B,
         "        off_h = off_hkv * group + g\n",
         "        off_h = (off_hkv * group + g + 1) % num_heads\n",
         _bwd("fa2", "h4-2"),
     ),
     Mutant(
         "fa2 bwd: saved LSE read in base 2",
-        F2,
+        F2B,
         'float("inf"), lse * LOG2E)',
         'float("inf"), lse)',
         _bwd("fa2", "float16"),
     ),
     Mutant(
         "fa2 bwd: dq x1.01",
-        F2,
+        F2B,
         "    dq = dq * scale\n",
         "    dq = dq * scale * 1.01\n",
         _bwd("fa2", "float32"),
     ),
     Mutant(
         "fa2 bwd: dk x1.01",
-        F2,
+        F2B,
         "        dk = dk * scale  #",
         "        dk = dk * scale * 1.01  #",
         _bwd("fa2", "float32"),
     ),
     Mutant(
         "fa2 bwd: dv x1.01",
-        F2,
+        F2B,
         "tl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=n_ok & dv_ok)",
         "tl.store(dv_ptrs, (dv * 1.01).to(dV.dtype.element_ty), mask=n_ok & dv_ok)",
         _bwd("fa2", "float32"),
