@@ -180,18 +180,19 @@ def remember(memo: dict, key: tuple, value: object) -> None:
 
 def signature(q, k, v, causal, scale, window_size, softcap) -> tuple | None:
     """Everything `check_inputs` looks at, as a hashable key: per tensor its shape, dtype,
-    device and last stride; the options with their exact types (True == 1, but `causal=1` is
-    an error). None when an argument is not of a memoisable type (not a tensor, a window
-    that is not a tuple of two ints, ...): the caller then validates the slow way, which also
-    produces the error message."""
+    device and last stride; the options, of exact types (True == 1 and hashes alike, but
+    `causal=1` and `softcap=True` are errors: a bool is memoised only as `causal`, an int or
+    float, which validate alike for equal values, only as scale and softcap). None when an
+    argument is not of a memoisable type (not a tensor, a window that is not a tuple of two
+    ints, ...): the caller then validates the slow way, which also produces the error."""
     if (
         type(causal) is not bool
         or type(window_size) is not tuple
         or len(window_size) != 2
         or type(window_size[0]) is not int
         or type(window_size[1]) is not int
-        or (scale is not None and type(scale) is not float)
-        or type(softcap) is not float
+        or (scale is not None and type(scale) not in (float, int))
+        or type(softcap) not in (float, int)
     ):
         return None
     try:
