@@ -68,6 +68,12 @@ def device_arch(device: torch.device | str | None = None) -> int | None:
     return real_arch(device)
 
 
+def override_state() -> object:
+    """The active `override_arch` value (a private sentinel when none): part of the key of
+    anything memoised on the planned arch."""
+    return _override
+
+
 def is_overridden() -> bool:
     return _override is not _UNSET or os.environ.get("FLASHSUITE_ARCH") is not None
 

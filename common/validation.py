@@ -97,16 +97,27 @@ class AttnParams:
         window_right: int,
         softcap: float,
     ) -> AttnParams:
-        """The params of q, k, v and the ops' option arguments, validated (`check_inputs`)."""
-        return check_inputs(
-            q,
-            k,
-            v,
-            causal=causal,
-            softmax_scale=scale,
-            window_size=(window_left, window_right),
-            softcap=softcap,
-        )
+        """The params of q, k, v and the ops' option arguments, validated (`check_inputs`).
+
+        A signature that validated once (`signature`: shapes, dtypes, devices, last strides,
+        options with their types) is answered from a memo without re-checking: validation is a
+        pure function of that metadata. Inputs that fail are never memoised, so they raise on
+        every call."""
+        key = signature(q, k, v, causal, scale, (window_left, window_right), softcap)
+        p = _validated.get(key) if key is not None else None
+        if p is None:
+            p = check_inputs(
+                q,
+                k,
+                v,
+                causal=causal,
+                softmax_scale=scale,
+                window_size=(window_left, window_right),
+                softcap=softcap,
+            )
+            if key is not None:
+                remember(_validated, key, p)
+        return p
 
     def to_key(self) -> tuple:
         """Every field as a plain Python scalar (dtype and device as strings): hashable and a
@@ -153,6 +164,46 @@ class AttnParams:
 
 def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# What validation reads of one call, to memoise its verdict: `signature` builds the key.
+_validated: dict[tuple, AttnParams] = {}
+MEMO_LIMIT = 4096  # many distinct shapes (e.g. a growing decode length): start over
+
+
+def remember(memo: dict, key: tuple, value: object) -> None:
+    """Store `value` under `key`, clearing `memo` first when it holds MEMO_LIMIT entries."""
+    if len(memo) >= MEMO_LIMIT:
+        memo.clear()
+    memo[key] = value
+
+
+def signature(q, k, v, causal, scale, window_size, softcap) -> tuple | None:
+    """Everything `check_inputs` looks at, as a hashable key: per tensor its shape, dtype,
+    device and last stride; the options, of exact types (True == 1 and hashes alike, but
+    `causal=1` and `softcap=True` are errors: a bool is memoised only as `causal`, an int or
+    float, which validate alike for equal values, only as scale and softcap). None when an
+    argument is not of a memoisable type (not a tensor, a window that is not a tuple of two
+    ints, ...): the caller then validates the slow way, which also produces the error."""
+    if (
+        type(causal) is not bool
+        or type(window_size) is not tuple
+        or len(window_size) != 2
+        or type(window_size[0]) is not int
+        or type(window_size[1]) is not int
+        or (scale is not None and type(scale) not in (float, int))
+        or type(softcap) not in (float, int)
+    ):
+        return None
+    try:
+        return (
+            q.shape, q.dtype, q.device, q.stride(-1),
+            k.shape, k.dtype, k.device, k.stride(-1),
+            v.shape, v.dtype, v.device, v.stride(-1),
+            causal, scale, window_size, softcap,
+        )  # fmt: skip
+    except (AttributeError, TypeError, IndexError, RuntimeError):
+        return None  # not a tensor, or 0-D: check_inputs says what is wrong
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flashsuite.common import arch as arch_mod
-from flashsuite.common.validation import AttnParams, check_inputs
+from flashsuite.common.validation import AttnParams, check_inputs, remember, signature
 from flashsuite.dispatch import registry
 
 
@@ -172,6 +172,11 @@ def attention(
     `return_lse=True`, lse (B, Hq, Nq) float32 (natural log; -inf where a row sees no key).
     `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
     """
+    if descale_q is None and descale_k is None and descale_v is None and not _compiling():
+        plan = _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version)
+        if plan is not None:
+            out, lse = _run(plan, q, k, v)
+            return (out, lse) if return_lse else out
     p = check_inputs(
         q,
         k,
@@ -188,6 +193,114 @@ def attention(
     fwd = getattr(torch.ops.flashsuite, f"{name}_fwd")
     out, lse = fwd(q, k, v, *p.to_op_args(), descale_q, descale_k, descale_v)
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `attention` decided for one static signature: the version, the validated problem,
+    whether the inputs need a gradient, whether the version's forward may be called directly
+    (`_run`), its forward op with the op's option arguments, and the version's forward."""
+
+    version: str
+    params: AttnParams
+    needs_grad: bool
+    direct: bool
+    op: object
+    op_args: tuple
+    forward: object
+
+
+# The eager fast path of `attention`: key of one call (`_lookup`) -> Plan. One validation and one
+# selection per static signature (shapes, dtypes, devices, options, version, grad, selection
+# state); a call that differs in any of them misses and is decided afresh. Under torch.compile
+# the slow path is traced instead.
+_plans: dict[tuple, Plan] = {}
+
+# Environment variables that selection reads (docs/design.md): a change re-decides.
+_SELECTION_ENV = (
+    "FLASHSUITE_VERSION",
+    "FLASHSUITE_ARCH",
+    "TRITON_INTERPRET",
+    *(f"FLASHSUITE_{name.upper()}_BWD" for name in registry.VERSIONS),
+)
+# os.environ.get costs about a microsecond per missing name (an encode and a KeyError); the
+# dict os.environ writes through to (CPython, POSIX: bytes keys) answers in a few ns.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS = tuple(name.encode() for name in _SELECTION_ENV)
+if os.name != "posix" or not isinstance(_ENV_DATA, dict):  # pragma: no cover
+    _ENV_DATA, _ENV_KEYS = os.environ, _SELECTION_ENV
+
+
+def _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version) -> Plan | None:
+    """The memoised plan of one call, made (validated, selected) on a miss; None when the
+    arguments are not memoisable (the caller then takes the op path, which raises what is
+    wrong). Selection only: nothing is launched."""
+    sig = signature(q, k, v, causal, softmax_scale, window_size, softcap)
+    if sig is None:
+        return None
+    needs_grad = _needs_grad(q, k, v)
+    key = (
+        sig,
+        version,
+        needs_grad,
+        arch_mod.override_state(),
+        torch.are_deterministic_algorithms_enabled(),  # fa3's own backward depends on it
+        tuple(map(_ENV_DATA.get, _ENV_KEYS)),
+    )
+    plan = _plans.get(key)
+    if plan is None:
+        p = check_inputs(
+            q,
+            k,
+            v,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            window_size=window_size,
+            softcap=softcap,
+        )
+        name = _resolve(version, p.to_key(), needs_grad)
+        op = getattr(torch.ops.flashsuite, f"{name}_fwd")
+        # The forward itself runs only on real devices (the op's fake answers for meta tensors).
+        direct = not needs_grad and p.device.type in ("cpu", "cuda")
+        forward = registry.module(name).forward
+        plan = Plan(name, p, needs_grad, direct, op, p.to_op_args(), forward)
+        remember(_plans, key, plan)
+    return plan
+
+
+def _plan(q, k, v, *, version: str = "auto", **options) -> Plan | None:
+    """The plan `attention(q, k, v, version=version, **options)` runs in eager mode (None
+    where it takes the op path without one: float8 descales, arguments of types that are not
+    memoised)."""
+    opts = _api_options(options)
+    if any(opts[name] is not None for name in ("descale_q", "descale_k", "descale_v")):
+        return None
+    causal, scale, window, softcap = (
+        opts[name] for name in ("causal", "softmax_scale", "window_size", "softcap")
+    )
+    return _lookup(q, k, v, causal, scale, window, softcap, version)
+
+
+def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a plan's forward. Through the custom op where it adds something (autograd, a
+    tensor subclass or a dispatch/function mode that must see the op, the profiler); else the
+    version's forward directly, as the op's implementation would (the dispatcher's Python
+    layers are most of a tiny call's host time)."""
+    if (
+        not plan.direct
+        or type(q) is not torch.Tensor
+        or type(k) is not torch.Tensor
+        or type(v) is not torch.Tensor
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+        or torch.autograd._profiler_enabled()
+    ):
+        return plan.op(q, k, v, *plan.op_args, None, None, None)
+    out, lse = plan.forward(q, k, v, plan.params, None, None, None)
+    return out.contiguous(), lse.contiguous()
+
+
+_compiling = torch.compiler.is_compiling
 
 
 # Selection is host-side logic over shapes and options (imports, availability probes, env

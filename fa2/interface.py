@@ -129,7 +129,7 @@ def forward(
     a contiguous last dim. Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32
     (natural log, -inf for rows that see no key), both contiguous. `config` overrides the
     table (tuning only)."""
-    from flashsuite.fa2 import configs, kernels
+    from flashsuite.fa2 import kernels
 
     if descale_q is not None or descale_k is not None or descale_v is not None:
         raise ValueError("fa2: descale factors are for fp8 inputs, which fa2 does not take")
@@ -141,18 +141,39 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or configs.config_for(p, _arch(q))
-    grid = (math.ceil(nq / cfg.block_m), hq, b)
+    grid, kwargs = _fwd_plan(p, config, _arch(q))
     kernels._attn_fwd[grid](
         q, k, v, out, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-        **_common(p),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **kwargs,
     )  # fmt: skip
     return out, lse
+
+
+# (problem, config override, arch, interpreter) -> (grid, scalar and constexpr kwargs): the
+# config lookup, padding and scalar arithmetic of the forward, once per static problem.
+_fwd_plans: dict[tuple, tuple] = {}
+
+
+def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict]:
+    key = (p, config, arch, triton_interpreter())
+    plan = _fwd_plans.get(key)
+    if plan is None:
+        from flashsuite.fa2 import configs
+
+        cfg = config or configs.config_for(p, arch)
+        grid = (math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch)
+        kwargs = dict(
+            **_common(p),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        if len(_fwd_plans) >= 4096:  # many distinct shapes: start over rather than grow
+            _fwd_plans.clear()
+        _fwd_plans[key] = plan = (grid, kwargs)
+    return plan
 
 
 def backward(

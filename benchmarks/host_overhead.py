@@ -1,0 +1,191 @@
+"""Host time per call of `dispatch.attention`, per version: everything but the kernel.
+
+    python -m benchmarks.host_overhead            # CPU: the kernels replaced by no-ops
+    python -m benchmarks.host_overhead --gpu      # GPU: wall time minus the kernel's time
+
+CPU mode plans for sm90 (`override_arch(90)`) on tiny CPU tensors and replaces each version's
+kernel launch (fa3's compiled binary, the Triton kernels of fa2 and fa1) by a no-op, so what
+is timed is the whole host path: selection, validation, op arguments, the custom-op dispatch,
+the launch-plan lookup, the output allocations. GPU mode times tiny calls on the device
+(wall time per call, each call followed by a synchronize) and subtracts the kernel time that
+CUDA events measure around single calls, next to `F.scaled_dot_product_attention` timed the
+same way; `--backward` adds the host time of one forward + backward step. The table's
+columns are `gpu_table`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from flashsuite.common.arch import override_arch
+from flashsuite.dispatch import api
+
+SHAPE = (1, 128, 1, 64)  # (B, N, H, D): the tiny call, all host path
+
+
+class _NoKernel:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def stubbed_kernels() -> Iterator[None]:
+    """Replace the kernel launches of fa1, fa2 and fa3 and the portable version's compute by
+    no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
+    from flashsuite.fa1 import kernels as fa1_kernels
+    from flashsuite.fa2 import kernels as fa2_kernels
+
+    patches = [
+        (fa1_kernels, "fa1_fwd_kernel", _NoKernel()),
+        (fa2_kernels, "_attn_fwd", _NoKernel()),
+    ]
+    try:
+        from flashsuite.fa3 import compile as fa3_compile
+
+        sm = type("Props", (), {"multi_processor_count": 132})
+        patches += [
+            (fa3_compile, "get_forward", lambda key: lambda *args: None),
+            (torch.cuda, "get_device_properties", lambda device=None: sm),
+        ]
+    except ImportError:  # no CuTe DSL: fa3 is left out of the table
+        pass
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    # The portable version's "kernel" is its torch compute, and its custom op holds the
+    # function itself: swap the function's code for an allocation of the outputs.
+    from flashsuite.dispatch import portable
+
+    portable_code = portable.forward.__code__
+    try:
+        for mod, name, stub in patches:
+            setattr(mod, name, stub)
+        portable.forward.__code__ = _outputs_only.__code__
+        yield
+    finally:
+        portable.forward.__code__ = portable_code
+        for mod, name, original in saved:
+            setattr(mod, name, original)
+
+
+def _outputs_only(q, k, v, p, descale_q=None, descale_k=None, descale_v=None):
+    """The outputs of a forward, uninitialised: out (B, Nq, Hq, Dv), lse (B, Hq, Nq)."""
+    out = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim_v, dtype=p.out_dtype)
+    return out, torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32)
+
+
+def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """Median over 5 repeats of the wall time of `calls` back-to-back calls, per call."""
+    for _ in range(min(calls, 200)):
+        fn()
+    sync()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter_ns() - t0) / calls / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_us(fn: Callable[[], object], reps: int = 50) -> float:
+    """Device time of one call, CUDA events around each (median): what the GPU itself spends."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _tensors(device: str, dtype: torch.dtype, grad: bool) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    return tuple(
+        torch.randn(SHAPE, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+        for _ in range(3)
+    )
+
+
+def cpu_table(versions: tuple[str, ...], calls: int) -> list[tuple[str, float]]:
+    """Host µs per forward call of each version on CPU tensors, kernels stubbed, planning for
+    sm90."""
+    q, k, v = _tensors("cpu", torch.bfloat16, grad=False)
+    rows = []
+    with override_arch(90), stubbed_kernels(), torch.no_grad():
+        for name in versions:
+            fn = lambda name=name: api.attention(q, k, v, version=name)
+            try:
+                fn()
+            except Exception as exc:  # a version that cannot run here: say why, keep going
+                print(f"{name}: skipped ({type(exc).__name__}: {exc})")
+                continue
+            rows.append((name, per_call_us(fn, calls, lambda: None)))
+    return rows
+
+
+def gpu_table(versions: tuple[str, ...], calls: int, backward: bool) -> list[tuple]:
+    """(name, pipelined, synced, kernel, host) µs per forward call on the GPU, SDPA first:
+    wall time per call of back-to-back calls (host-bound for tiny calls: the GPU waits), of
+    calls each followed by a synchronize, the kernel time (CUDA events), and host = synced -
+    kernel (launch latency included). With `backward`, the same for a forward + backward."""
+    q, k, v = _tensors("cuda", torch.bfloat16, grad=backward)
+    qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(backward) for t in (q, k, v))
+    fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt)}
+    fns |= {name: (lambda name=name: api.attention(q, k, v, version=name)) for name in versions}
+    rows, sync = [], torch.cuda.synchronize
+    for name, fwd in fns.items():
+        # The forward alone as inference runs it (no grad), then a training step.
+        steps = [("fwd", lambda fwd=fwd: _no_grad(fwd))]
+        if backward:
+            steps.append(("fwd+bwd", lambda fwd=fwd: fwd().sum().backward()))
+        for label, fn in steps:
+            try:
+                fn()
+            except Exception as exc:
+                print(f"{name} {label}: skipped ({type(exc).__name__}: {exc})")
+                continue
+            pipelined = per_call_us(fn, calls, sync)
+            serial = per_call_us(lambda fn=fn: (fn(), sync()), calls, sync)
+            kern = kernel_us(fn)
+            rows.append((f"{name} {label}", pipelined, serial, kern, max(serial - kern, 0.0)))
+    return rows
+
+
+def _no_grad(fn: Callable[[], object]) -> object:
+    with torch.no_grad():
+        return fn()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="time on the GPU (default: CPU, stubbed)")
+    ap.add_argument("--backward", action="store_true", help="GPU: also time forward + backward")
+    ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args(argv)
+    versions = tuple(args.versions.split(","))
+    print(f"torch {torch.__version__}, shape (B, N, H, D) = {SHAPE}, bf16")
+    if args.gpu:
+        print(f"{'call':<16}{'pipelined':>10}{'synced':>10}{'kernel':>10}{'host':>10}  (us)")
+        for name, *times in gpu_table(versions, args.calls, args.backward):
+            print(f"{name:<16}" + "".join(f"{t:>10.1f}" for t in times))
+    else:
+        print("CPU host path, kernels stubbed, planning for sm90")
+        print(f"{'version':<10}{'host us':>10}")
+        for name, us in cpu_table(versions, args.calls):
+            print(f"{name:<10}{us:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

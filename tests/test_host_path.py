@@ -1,0 +1,169 @@
+"""The eager host path of `attention`: per static signature, one validation and one selection,
+memoised; any change of shape, dtype, option, version or selection state decides afresh.
+
+Selection is planned for other architectures with `override_arch` (nothing is launched), so
+the plans of fa3 and fa2 on sm90 are checked on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common import validation
+from flashsuite.common.arch import override_arch
+from flashsuite.dispatch import api
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _qkv(n=128, d=64, dtype=BF16, hq=2, hkv=2, requires_grad=False):
+    gen = torch.Generator().manual_seed(0)
+    shapes = ((1, n, hq, d), (1, n, hkv, d), (1, n, hkv, d))
+    return tuple(
+        torch.randn(s, generator=gen).to(dtype).requires_grad_(requires_grad) for s in shapes
+    )
+
+
+def _fresh(*args, **kwargs):
+    """The uncached answer: a plan made with an empty memo, and select()'s Choice."""
+    api._plans.clear()
+    return api._plan(*args, **kwargs), dispatch.select(*args, **kwargs)
+
+
+# (arch, tensor kwargs, options): fa3, fa2 (fp32 on sm90; sm80), torch (CPU; head_dim 200).
+CASES = [
+    (90, {}, {}),
+    (90, {}, {"causal": True}),
+    (90, {"d": 128}, {"window_size": (16, 0), "softcap": 30.0}),
+    (90, {"dtype": F32}, {}),
+    (80, {"dtype": F16, "hq": 4, "hkv": 2}, {"causal": True}),
+    (None, {}, {}),
+    (90, {"d": 200}, {}),
+    (90, {"requires_grad": True}, {"causal": True}),
+]
+
+
+@pytest.mark.parametrize("arch, shape, options", CASES)
+def test_cached_plan_is_the_uncached_choice(arch, shape, options) -> None:
+    """The memoised plan names the version and problem select() chooses without any memo, and
+    a repeated call is served from the memo (the same plan object)."""
+    q, k, v = _qkv(**shape)
+    with override_arch(arch):
+        plan, choice = _fresh(q, k, v, **options)
+        assert (plan.version, plan.params) == (choice.version, choice.params)
+        assert plan.needs_grad == (choice.backward is not None)
+        assert api._plan(q, k, v, **options) is plan
+
+
+def _changes():
+    """(name, tensor kwargs, options, version) each differing from the base in one thing."""
+    return [
+        ("dtype", {"dtype": F32}, {}, "auto"),
+        ("dtype f16", {"dtype": F16}, {}, "auto"),
+        ("causal", {}, {"causal": True}, "auto"),
+        ("window", {}, {"window_size": (8, 8)}, "auto"),
+        ("window right", {}, {"window_size": (8, 0)}, "auto"),
+        ("softcap", {}, {"softcap": 5.0}, "auto"),
+        ("scale", {}, {"softmax_scale": 0.5}, "auto"),
+        ("seqlen", {"n": 256}, {}, "auto"),
+        ("head_dim", {"d": 128}, {}, "auto"),
+        ("heads", {"hq": 4, "hkv": 1}, {}, "auto"),
+        ("version", {}, {}, "fa2"),
+        ("grad", {"requires_grad": True}, {}, "auto"),
+    ]
+
+
+@pytest.mark.parametrize("name, shape, options, version", _changes(), ids=lambda c: str(c))
+def test_changed_call_is_not_served_stale(name, shape, options, version) -> None:
+    """With the base call memoised, a call differing in one thing gets the plan it would get
+    with no memo at all, never the base's."""
+    with override_arch(90):
+        api._plans.clear()
+        base = api._plan(*_qkv())
+        assert base.version == "fa3"
+        q, k, v = _qkv(**shape)
+        got = api._plan(q, k, v, version=version, **options)
+        want, choice = _fresh(q, k, v, version=version, **options)
+        assert (got.version, got.params, got.needs_grad) == (
+            want.version,
+            want.params,
+            want.needs_grad,
+        )
+        assert got.version == choice.version
+        assert (got.params, got.version, got.needs_grad) != (
+            base.params,
+            base.version,
+            base.needs_grad,
+        )
+
+
+def test_selection_state_is_part_of_the_key(monkeypatch) -> None:
+    """The arch override, FLASHSUITE_VERSION, FLASHSUITE_FA3_BWD and the deterministic switch
+    change the plan of the very same call."""
+    q, k, v = _qkv(requires_grad=True)
+    api._plans.clear()
+    with override_arch(90):
+        assert api._plan(q, k, v).version == "fa3"
+    with override_arch(80):
+        assert api._plan(q, k, v).version == "fa2"
+    with override_arch(90):
+        monkeypatch.setenv("FLASHSUITE_VERSION", "torch")
+        assert api._plan(q, k, v).version == "torch"
+        monkeypatch.delenv("FLASHSUITE_VERSION")
+        assert api._plan(q, k, v).version == "fa3"
+        for env in ("0", "1"):
+            monkeypatch.setenv("FLASHSUITE_FA3_BWD", env)
+            plan = api._plan(q, k, v)
+            assert dispatch.select(q, k, v).backward == ("fa2" if env == "0" else "fa3")
+            assert api._plan(q, k, v) is plan
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert api._plan(q, k, v) is not plan  # a new key, not the FA3_BWD=1 plan
+            assert dispatch.select(q, k, v).backward == "fa2"  # no atomics-reduced dQ
+        finally:
+            torch.use_deterministic_algorithms(False)
+
+
+def test_bad_input_raises_after_a_good_one_is_memoised() -> None:
+    """Memoised verdicts are for exact argument types: causal=1 equals True and hashes alike,
+    but stays a TypeError; a non-contiguous last dim stays a ValueError."""
+    q, k, v = _qkv()
+    dispatch.attention(q, k, v, causal=True, version="torch")
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        dispatch.attention(q, k, v, causal=1, version="torch")
+    dispatch.attention(q, k, v, softcap=1.0, version="torch")
+    with pytest.raises(TypeError, match="softcap: expected a float"):
+        dispatch.attention(q, k, v, softcap=True, version="torch")
+    strided = torch.randn(1, 128, 2, 128).to(BF16)[..., ::2]
+    with pytest.raises(ValueError, match="q: the last dim"):
+        dispatch.attention(strided, k, v, version="torch")
+    with pytest.raises(ValueError, match="q: the last dim"):
+        torch.ops.flashsuite.torch_fwd(strided, k, v, False, 0.125, -1, -1, 0.0, None, None, None)
+
+
+def test_op_validation_memo_matches_check_inputs() -> None:
+    """from_op_args answers a repeated signature from its memo with check_inputs' params, and
+    a changed option with new ones."""
+    q, k, v = _qkv()
+    validation._validated.clear()
+    first = validation.AttnParams.from_op_args(q, k, v, True, 0.125, -1, 0, 0.0)
+    assert first == validation.check_inputs(q, k, v, causal=True, softmax_scale=0.125)
+    assert validation.AttnParams.from_op_args(q, k, v, True, 0.125, -1, 0, 0.0) is first
+    other = validation.AttnParams.from_op_args(q, k, v, False, 0.125, 4, 4, 0.0)
+    assert (other.causal, other.window_left) == (False, 4)
+
+
+def test_fast_path_gives_the_op_path_result() -> None:
+    """The memoised eager call (the version's forward called directly) returns what the
+    custom op returns, and the profiler, which must see the op, gets the op path."""
+    q, k, v = _qkv(n=64)
+    out, lse = dispatch.attention(q, k, v, causal=True, return_lse=True, version="torch")
+    again = dispatch.attention(q, k, v, causal=True, return_lse=True, version="torch")
+    ref = torch.ops.flashsuite.torch_fwd(q, k, v, True, 0.125, -1, 0, 0.0, None, None, None)
+    for got in (out, lse), again:
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with torch.profiler.profile() as prof:
+        dispatch.attention(q, k, v, causal=True, version="torch")
+    assert any("flashsuite::torch_fwd" in e.name for e in prof.events())
