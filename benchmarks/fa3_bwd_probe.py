@@ -26,6 +26,9 @@ from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutla
 # The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
 DQ_ATOMIC = r"(?:atom|red)\.global\.add\.f32"
 DQ_BULK = r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
+# Deterministic dQ: the turn counter's acquiring load (spin) and releasing increment.
+SEM_ACQUIRE = r"ld\.acquire\.gpu\.global\.b32"
+SEM_RELEASE = r"red\.release\.gpu\.global\.add\.s32"
 
 
 def variant_cases(names: list[str]) -> list[tuple]:
@@ -72,6 +75,8 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
     counts["dq_atomic"] = len(re.findall(DQ_ATOMIC, ptx))
     counts["dq_bulk"] = len(re.findall(DQ_BULK, ptx))
     counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"]
+    counts["sem_acquire"] = len(re.findall(SEM_ACQUIRE, ptx))
+    counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
     return {
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),

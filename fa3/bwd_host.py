@@ -47,7 +47,9 @@ class BwdCompileKey:
 
 
 def _fake_inputs(key: BwdCompileKey) -> tuple:
-    """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides."""
+    """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides, and
+    the dQ turn counters (B, Hq, row blocks) int32 when the config is deterministic (else None:
+    the default build's kernel has no such parameter)."""
     dt = _TORCH_TO_CUTLASS[key.dtype]
     d = key.head_dim
     b, nq, nk, hq, hkv, nq_pad = (cute.sym_int() for _ in range(6))
@@ -71,7 +73,12 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
     q, k, v, do = strided(nq, hq), strided(nk, hkv), strided(nk, hkv), strided(nq, hq)
     dq_acc = compact(cutlass.Float32, nq, hq)
     dk, dv = compact(dt, nk, hkv), compact(dt, nk, hkv)
-    return q, k, v, do, stats(), stats(), dq_acc, dk, dv
+    sem = None
+    if key.cfg.deterministic:
+        sem = cute.runtime.make_fake_compact_tensor(
+            cutlass.Int32, (b, hq, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
+        )
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem
 
 
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
@@ -80,12 +87,15 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
         raise ValueError("fa3 backward: sliding window and softcap are not implemented")
     kernel = Fa3Backward(_TORCH_TO_CUTLASS[key.dtype], key.head_dim, key.cfg, key.causal)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    *tensors, sem = _fake_inputs(key)
+    extra = () if sem is None else (sem,)
     compiled = cute.compile(
         kernel,
-        *_fake_inputs(key),
+        *tensors,
         cutlass.Float32(1.0),
         cutlass.Float32(1.0),
         stream,
+        *extra,
         options=compile_options(key.arch, key.tvm_ffi, extra_options),
     )
     check_storage(kernel, bwd_smem_bytes(key.cfg, key.head_dim), f"backward {key.cfg}")
@@ -130,5 +140,10 @@ def run_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
     fn = get_backward(key)
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale * LOG2E, scale)
+    extra = ()
+    if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
+        b, hq, nq_pad = lse_log2.shape
+        sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
+        extra = (sem,)
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale * LOG2E, scale, *extra)
     return dq_acc.to(q.dtype), dk, dv

@@ -39,7 +39,10 @@ async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T g
 before the dK wgmma is issued (a wgmma's register operands may not be read until it has
 retired); dV (unless issued early), dK and dQ then run together and one wait_group(0) retires
 them. In "bulk" dq_mode DQ_FREE and DQ_READY hand sdQ between the MMA threads and the bulk
-reduces (see `reduce_dq`).
+reduces (see `reduce_dq`). With BwdConfig.deterministic, DQ_TURN and DQ_ADDED bracket the dQ
+adds of a row block: a per-(batch, head, row block) int32 counter in global memory makes the
+column blocks add in n_block order (`dq_turn_wait`, `dq_turn_pass`), so dQ is bitwise
+reproducible.
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
@@ -64,7 +67,12 @@ from cutlass.memory import SmemAllocator
 
 from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import bulk_reduce_add_f32, cvt_pack_16x2
+from flashsuite.fa3.utils import (
+    bulk_reduce_add_f32,
+    cvt_pack_16x2,
+    ld_acquire_gpu_s32,
+    red_release_gpu_add_s32,
+)
 
 
 class WarpRole(enum.IntEnum):
@@ -82,6 +90,8 @@ class Barrier(enum.IntEnum):
     DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
     DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
     DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
+    DQ_TURN = 5  # deterministic: the column blocks before this one have added their dQ
+    DQ_ADDED = 6  # deterministic: every MMA thread has issued its dQ adds of this row block
 
 
 class Fa3Backward:
@@ -103,6 +113,11 @@ class Fa3Backward:
         self.DQ_BULK = cfg.dq_mode == "bulk"
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DV_EARLY = cfg.dv_early
+        self.DETERMINISTIC = cfg.deterministic
+        if self.DETERMINISTIC and self.DQ_BULK:
+            raise ValueError(
+                f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
+            )
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -209,6 +224,7 @@ class Fa3Backward:
         scale_log2: Float32,  # softmax_scale * log2(e)
         scale: Float32,  # softmax_scale
         stream,
+        mSem: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: deterministic
     ):
         to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = (
@@ -256,6 +272,7 @@ class Fa3Backward:
             Int32(group),
             scale_log2,
             scale,
+            mSem,
         ).launch(
             grid=(n_blocks, mK.shape[2], mK.shape[3]),
             block=[self.NUM_THREADS, 1, 1],
@@ -285,6 +302,7 @@ class Fa3Backward:
         group: Int32,
         scale_log2: Float32,
         scale: Float32,
+        mSem: cute.Tensor | None,  # (B, Hq, row blocks) int32: dQ turn counters, deterministic
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -343,6 +361,7 @@ class Fa3Backward:
                 seqlen_k,
                 scale_log2,
                 scale,
+                mSem,
             )
 
     def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
@@ -491,6 +510,7 @@ class Fa3Backward:
         seqlen_k: Int32,
         scale_log2: Float32,
         scale: Float32,
+        mSem: cute.Tensor | None,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
@@ -608,6 +628,11 @@ class Fa3Backward:
                     self.reduce_dq(
                         thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
                     )
+                elif const_expr(self.DETERMINISTIC):
+                    sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+                    self.dq_turn_wait(sem, n_block, mtid)
+                    self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+                    self.dq_turn_pass(sem, mtid)
                 else:
                     self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
             if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
@@ -715,6 +740,32 @@ class Fa3Backward:
             if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
                 ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
                 cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
+
+    @cute.jit
+    def dq_turn_wait(self, sem: cute.Pointer, n_block: Int32, mtid: Int32):
+        """Deterministic dQ: wait until the column blocks 0 .. n_block - 1 have added their dQ of
+        this (row block, head, batch), i.e. until its counter reads n_block. MMA thread 0 spins
+        on an acquiring load; the named barrier then releases every MMA thread.
+
+        The column blocks that see a row block are always a prefix 0 .. k of the n_blocks
+        (causal masking only removes blocks from the right), so the counter passes every value
+        below k. A CTA only waits on CTAs of lower n_block in the same (kv head, batch), which
+        the grid launches first (blockIdx.x is the fastest dimension): no wait on a CTA that
+        cannot be resident."""
+        if mtid == 0:
+            turn = ld_acquire_gpu_s32(sem)
+            while turn != n_block:
+                turn = ld_acquire_gpu_s32(sem)
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_TURN), number_of_threads=self.MMA_THREADS)
+
+    @cute.jit
+    def dq_turn_pass(self, sem: cute.Pointer, mtid: Int32):
+        """Deterministic dQ: once every MMA thread has issued its adds (named barrier), MMA
+        thread 0 increments the counter with a releasing reduction: the next column block's
+        acquiring load then sees this block's dQ in the accumulator."""
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_ADDED), number_of_threads=self.MMA_THREADS)
+        if mtid == 0:
+            red_release_gpu_add_s32(sem, Int32(1))
 
     @cute.jit
     def reduce_dq(
