@@ -65,14 +65,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.bwd_dq import Barrier, BwdDq
 from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import (
-    bulk_reduce_add_f32,
-    cvt_pack_16x2,
-    ld_acquire_gpu_s32,
-    red_release_gpu_add_s32,
-)
+from flashsuite.fa3.utils import cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -83,18 +79,7 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Barrier(enum.IntEnum):
-    """Named barrier ids over the MMA threads; 0 is __syncthreads."""
-
-    DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
-    DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
-    DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
-    DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
-    DQ_TURN = 5  # deterministic: the column blocks before this one have added their dQ
-    DQ_ADDED = 6  # deterministic: every MMA thread has issued its dQ adds of this row block
-
-
-class Fa3Backward:
+class Fa3Backward(BwdDq):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -629,10 +614,9 @@ class Fa3Backward:
                         thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
                     )
                 elif const_expr(self.DETERMINISTIC):
-                    sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
-                    self.dq_turn_wait(sem, n_block, mtid)
-                    self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
-                    self.dq_turn_pass(sem, mtid)
+                    self.add_dq_in_order(
+                        thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
+                    )
                 else:
                     self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
             if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
@@ -718,96 +702,6 @@ class Fa3Backward:
         )  # (n/2,) 32-bit view of the fragment's registers
         for j in cutlass.range_constexpr(n // 2):
             r32[j] = cvt_pack_16x2(acc[2 * j], acc[2 * j + 1], self.dtype is cutlass.BFloat16)
-
-    @cute.jit
-    def add_dq(
-        self,
-        thr_dq,
-        acc_dQ: cute.Tensor,
-        mdQacc: cute.Tensor,
-        head: Int32,
-        batch: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """dQ of this row block added into the fp32 accumulator, one red.global.add per value;
-        rows past seqlen_q are skipped."""
-        gdQ = cute.local_tile(
-            mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-        )  # (TILE_M, D)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
-                ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
-                cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
-
-    @cute.jit
-    def dq_turn_wait(self, sem: cute.Pointer, n_block: Int32, mtid: Int32):
-        """Deterministic dQ: wait until the column blocks 0 .. n_block - 1 have added their dQ of
-        this (row block, head, batch), i.e. until its counter reads n_block. MMA thread 0 spins
-        on an acquiring load; the named barrier then releases every MMA thread.
-
-        The column blocks that see a row block are always a prefix 0 .. k of the n_blocks
-        (causal masking only removes blocks from the right), so the counter passes every value
-        below k. A CTA only waits on CTAs of lower n_block in the same (kv head, batch), which
-        the grid launches first (blockIdx.x is the fastest dimension): no wait on a CTA that
-        cannot be resident."""
-        if mtid == 0:
-            turn = ld_acquire_gpu_s32(sem)
-            while turn != n_block:
-                turn = ld_acquire_gpu_s32(sem)
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_TURN), number_of_threads=self.MMA_THREADS)
-
-    @cute.jit
-    def dq_turn_pass(self, sem: cute.Pointer, mtid: Int32):
-        """Deterministic dQ: once every MMA thread has issued its adds (named barrier), MMA
-        thread 0 increments the counter with a releasing reduction: the next column block's
-        acquiring load then sees this block's dQ in the accumulator."""
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_ADDED), number_of_threads=self.MMA_THREADS)
-        if mtid == 0:
-            red_release_gpu_add_s32(sem, Int32(1))
-
-    @cute.jit
-    def reduce_dq(
-        self,
-        thr_dq,
-        acc_dQ: cute.Tensor,
-        sdQ: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mtid: Int32,
-        head: Int32,
-        batch: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """dQ of this row block added into the fp32 accumulator through shared memory: every
-        MMA thread stores its fragment to sdQ, then the 32 lanes of MMA warp 0 each issue
-        cp.reduce.async.bulk add.f32 for rows lane, lane + 32, ... (D x 4 bytes each, rows past
-        seqlen_q skipped) in their own bulk group.
-
-        Handover (every MMA thread passes both named barriers once per row block): a lane of
-        warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
-        stores; the generic -> async proxy fence; DQ_READY; the bulk reduces. They then run
-        while the next row block computes."""
-        if mtid < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_FREE), number_of_threads=self.MMA_THREADS)
-        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_READY), number_of_threads=self.MMA_THREADS)
-        if mtid < 32:
-            gdQ = cute.local_tile(
-                mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-            )  # (TILE_M, D)
-            for r in cutlass.range_constexpr(self.TILE_M // 32):
-                row = mtid + 32 * r
-                if m_block * self.TILE_M + row < seqlen_q:
-                    bulk_reduce_add_f32(
-                        gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
-                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                        self.HEAD_DIM * 4,
-                    )
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_dkv(

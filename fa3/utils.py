@@ -91,6 +91,28 @@ def red_release_gpu_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=Non
     )
 
 
+@cute.jit
+def turn_wait(sem: cute.Pointer, turn: Int32, tid: Int32, barrier_id: int, threads: int):
+    """Wait until the global int32 counter `sem` reads `turn`: thread 0 of `threads` spins on
+    an acquiring load, then named barrier `barrier_id` releases all of them. With `turn_pass`
+    it orders the CTAs that share a counter (docs/design.md, "Deterministic dQ")."""
+    if tid == 0:
+        seen = ld_acquire_gpu_s32(sem)
+        while seen != turn:
+            seen = ld_acquire_gpu_s32(sem)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@cute.jit
+def turn_pass(sem: cute.Pointer, tid: Int32, barrier_id: int, threads: int):
+    """Hand the counter to the next turn: once all `threads` have passed named barrier
+    `barrier_id` (their writes issued), thread 0 increments it with a releasing reduction, so
+    the next waiter's acquiring load sees those writes."""
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if tid == 0:
+        red_release_gpu_add_s32(sem, Int32(1))
+
+
 class WarpRole(enum.IntEnum):
     """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
 
