@@ -8,10 +8,10 @@
    (common.testing.reference_pair; DESIGN's rule with factor 3 for gradients), and out / lse
    against it too (factor 2: the forward is untouched). D 64 and 128, bf16 and fp16, causal or
    not, GQA / MQA, Nq != Nk both ways, odd lengths (1, 17, 113, 1000), fully masked rows
-   (causal with Nq > Nk), strided inputs, N up to 4k. fa2's backward error on the same case is
-   recorded beside ours. One line per case; DIR/fa3_bwd.json is written before every case and
-   each GPU step runs under a hang watchdog (a barrier bug hangs the GPU: the JSON then shows
-   which case was running). --smoke: the first three cases only.
+   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5). fa2's backward
+   error on the same case is recorded beside ours. One line per case; DIR/fa3_bwd.json is
+   written before every case and each GPU step runs under a hang watchdog (a barrier bug hangs
+   the GPU: the JSON then shows which case was running). --smoke: the first three cases only.
 2. --bench: backward TFLOP/s (2.5x the forward FLOPs, causal halved) over B*N = 16k tokens,
    Hq*D = 2048, N 1k / 4k / 16k, D 64 / 128, causal and not: fa3 (own backward), fa3 with
    FLASHSUITE_FA3_BWD=0 (fa2's backward, the previous pairing), SDPA cuDNN and flash, and FA4's
@@ -89,6 +89,10 @@ def correctness_cases() -> list[Case]:
         # Causal with Nq > Nk: the first Nq - Nk rows see no key (LSE -inf, zero gradients).
         c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
         c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
+        # Softcap: dS takes the cap's derivative 1 - tanh^2; odd lengths and GQA for the masks.
+        for causal in (False, True):
+            c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=causal, softcap=30.0))
+        c.append(Case(1, 113, 17, 2, 1, d, dtype=F16, causal=True, softcap=5.0, tags=("nq>nk",)))
     return c
 
 
@@ -120,6 +124,7 @@ def stability_cases() -> list[Case]:
     c.append(Case(2, 513, 700, 8, 1, 128, dtype=BF16, tags=("mqa",)))
     c.append(Case(1, 400, 130, 2, 2, 64, dtype=BF16, causal=True, tags=("empty-rows",)))
     c.append(Case(1, 8192, 8192, 4, 4, 128, dtype=BF16, causal=True, tags=("long",)))
+    c.append(Case(2, 700, 513, 4, 2, 64, dtype=BF16, causal=True, softcap=30.0))
     return c
 
 

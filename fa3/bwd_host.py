@@ -41,7 +41,7 @@ class BwdCompileKey:
     causal: bool
     cfg: BwdConfig
     local: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
-    softcap: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
+    softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs dv_early False
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -83,12 +83,16 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
 
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
-    if key.local or key.softcap:
-        raise ValueError("fa3 backward: sliding window and softcap are not implemented")
-    kernel = Fa3Backward(_TORCH_TO_CUTLASS[key.dtype], key.head_dim, key.cfg, key.causal)
+    if key.local:
+        raise ValueError("fa3 backward: sliding window is not implemented")
+    dtype = _TORCH_TO_CUTLASS[key.dtype]
+    kernel = Fa3Backward(dtype, key.head_dim, key.cfg, key.causal, key.softcap)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     *tensors, sem = _fake_inputs(key)
+    # Trailing optional parameters: the turn counters, then softcap_pre (softcap builds).
     extra = () if sem is None else (sem,)
+    if key.softcap:
+        extra = (sem, cutlass.Float32(1.0))
     compiled = cute.compile(
         kernel,
         *tensors,
@@ -133,8 +137,12 @@ def run_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D)."""
+    """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D).
+    `softcap` > 0 needs a key built with softcap=True."""
+    if key.softcap != (softcap > 0):
+        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
@@ -145,5 +153,9 @@ def run_backward(
         b, hq, nq_pad = lse_log2.shape
         sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
         extra = (sem,)
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale * LOG2E, scale, *extra)
+    scale_log2 = scale * LOG2E
+    if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
+        extra = (extra[0] if extra else None, scale / softcap)
+        scale_log2 = softcap * LOG2E
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, *extra)
     return dq_acc.to(q.dtype), dk, dv

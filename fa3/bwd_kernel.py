@@ -83,7 +83,12 @@ class Fa3Backward(BwdDq):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
-        self, dtype: type[cutlass.Numeric], head_dim: int, cfg: BwdConfig, causal: bool
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        cfg: BwdConfig,
+        causal: bool,
+        softcap: bool = False,
     ) -> None:
         self.dtype = dtype
         self.HEAD_DIM = head_dim
@@ -99,6 +104,9 @@ class Fa3Backward(BwdDq):
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DV_EARLY = cfg.dv_early
         self.DETERMINISTIC = cfg.deterministic
+        self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
+        if softcap and cfg.dv_early:
+            raise ValueError("Fa3Backward: softcap needs dv_early False (dS uses tanh' in place)")
         if self.DETERMINISTIC and self.DQ_BULK:
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
@@ -210,6 +218,7 @@ class Fa3Backward(BwdDq):
         scale: Float32,  # softmax_scale
         stream,
         mSem: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: deterministic
+        softcap_pre: Float32 | None = None,  # softmax_scale / softcap: softcap builds only
     ):
         to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = (
@@ -258,6 +267,7 @@ class Fa3Backward(BwdDq):
             scale_log2,
             scale,
             mSem,
+            softcap_pre,
         ).launch(
             grid=(n_blocks, mK.shape[2], mK.shape[3]),
             block=[self.NUM_THREADS, 1, 1],
@@ -288,6 +298,7 @@ class Fa3Backward(BwdDq):
         scale_log2: Float32,
         scale: Float32,
         mSem: cute.Tensor | None,  # (B, Hq, row blocks) int32: dQ turn counters, deterministic
+        softcap_pre: Float32 | None,  # softmax_scale / softcap (scale_log2 = softcap * log2 e)
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -347,6 +358,7 @@ class Fa3Backward(BwdDq):
                 scale_log2,
                 scale,
                 mSem,
+                softcap_pre,
             )
 
     def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
@@ -496,6 +508,7 @@ class Fa3Backward(BwdDq):
         scale_log2: Float32,
         scale: Float32,
         mSem: cute.Tensor | None,
+        softcap_pre: Float32 | None,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
@@ -578,7 +591,7 @@ class Fa3Backward(BwdDq):
                 ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
                 self.probs(
                     acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2,
-                    ds,
+                    ds, softcap_pre,
                 )  # fmt: skip
                 self.pack(acc_S, tdVrP)
                 if const_expr(self.DV_EARLY):
@@ -661,9 +674,19 @@ class Fa3Backward(BwdDq):
         shift: Int32,
         scale_log2: Float32,
         ds: tuple | None = None,
+        softcap_pre: Float32 | None = None,
     ):
         """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
-        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula)."""
+        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
+
+        Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
+        tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
+        derivative of the cap, 1 - t^2 (times softmax_scale, already in dS^T's formula); a
+        masked entry has t = -inf and P = 0, and the factor is clamped at 0 so that 0 * inf
+        never makes a NaN."""
+        if const_expr(self.SOFTCAP):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * softcap_pre, fastmath=True)
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
             # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
@@ -679,10 +702,14 @@ class Fa3Backward(BwdDq):
             # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
             # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
             lse = Float32.inf if lse == -Float32.inf else lse
+            if const_expr(self.SOFTCAP):
+                t = acc_S[i]
             acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
             if const_expr(ds is not None):
                 acc_dP, sD, scale = ds
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+                if const_expr(self.SOFTCAP):
+                    acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
 
     @cute.jit
     def dscores(

@@ -239,8 +239,6 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, "fa3 backward: float8 is forward-only"
     if p.is_local:
         return False, "fa3 backward: sliding window not implemented yet"
-    if p.softcap > 0:
-        return False, "fa3 backward: softcap not implemented yet"
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
@@ -294,15 +292,20 @@ def backward(
 
     cfg = _bwd_config(p, cfg)
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    if ok and p.softcap > 0 and cfg.dv_early:
+        ok, reason = False, "softcap needs dv_early False (dS takes tanh' in the P loop)"
     if not ok:
         raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
-    key = BwdCompileKey(dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, cfg=cfg)
+    key = BwdCompileKey(
+        dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, cfg=cfg, softcap=p.softcap > 0
+    )
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()
     dout = _tma_ready(dout)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    return run_backward(key, dout, q, k, v, out.contiguous(), lse.contiguous(), p.scale)
+    out, lse = out.contiguous(), lse.contiguous()
+    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap)
 
 
 def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
