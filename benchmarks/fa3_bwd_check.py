@@ -8,10 +8,10 @@
    (common.testing.reference_pair; DESIGN's rule with factor 3 for gradients), and out / lse
    against it too (factor 2: the forward is untouched). D 64 and 128, bf16 and fp16, causal or
    not, GQA / MQA, Nq != Nk both ways, odd lengths (1, 17, 113, 1000), fully masked rows
-   (causal with Nq > Nk), strided inputs, N up to 4k. fa2's backward error on the same case is
-   recorded beside ours. One line per case; DIR/fa3_bwd.json is written before every case and
-   each GPU step runs under a hang watchdog (a barrier bug hangs the GPU: the JSON then shows
-   which case was running). --smoke: the first three cases only.
+   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5). fa2's backward
+   error on the same case is recorded beside ours. One line per case; DIR/fa3_bwd.json is
+   written before every case and each GPU step runs under a hang watchdog (a barrier bug hangs
+   the GPU: the JSON then shows which case was running). --smoke: the first three cases only.
 2. --bench: backward TFLOP/s (2.5x the forward FLOPs, causal halved) over B*N = 16k tokens,
    Hq*D = 2048, N 1k / 4k / 16k, D 64 / 128, causal and not: fa3 (own backward), fa3 with
    FLASHSUITE_FA3_BWD=0 (fa2's backward, the previous pairing), SDPA cuDNN and flash, and FA4's
@@ -26,6 +26,15 @@
    and the next one runs; DIR/fa3_bwd_variants.json is rewritten before every step.
 
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant bulk --bench
+4. --stability (after the correctness run, or after the --variant runs): under
+   torch.use_deterministic_algorithms the fa3 backward orders its dQ adds
+   (BwdConfig.deterministic); every `stability_cases` case runs forward + backward through
+   dispatch STABILITY_RUNS times and dq, dk, dv must be bitwise equal to the first run's and
+   within the oracle bound. The same case without the flag runs as often and whether its dq
+   varied is recorded (the atomics' order is free there). DIR/fa3_bwd_stability.json.
+
+    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant det --bench \
+        --stability
 """
 
 from __future__ import annotations
@@ -80,6 +89,10 @@ def correctness_cases() -> list[Case]:
         # Causal with Nq > Nk: the first Nq - Nk rows see no key (LSE -inf, zero gradients).
         c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
         c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
+        # Softcap: dS takes the cap's derivative 1 - tanh^2; odd lengths and GQA for the masks.
+        for causal in (False, True):
+            c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=causal, softcap=30.0))
+        c.append(Case(1, 113, 17, 2, 1, d, dtype=F16, causal=True, softcap=5.0, tags=("nq>nk",)))
     return c
 
 
@@ -95,6 +108,98 @@ def variant_cases() -> list[Case]:
         Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
         Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
     ]
+
+
+STABILITY_RUNS = 10
+
+
+def stability_cases() -> list[Case]:
+    """Deterministic-mode cases: both head dims, causal or not, GQA, MQA, tails, empty rows, and
+    a long causal one (64 column blocks queue on each row block's counter)."""
+    c = []
+    for d in (64, 128):
+        for causal in (False, True):
+            c.append(Case(2, 1000, 1000, 4, 4, d, dtype=BF16, causal=causal))
+    c.append(Case(2, 300, 260, 4, 2, 64, dtype=F16, causal=True, tags=("gqa",)))
+    c.append(Case(2, 513, 700, 8, 1, 128, dtype=BF16, tags=("mqa",)))
+    c.append(Case(1, 400, 130, 2, 2, 64, dtype=BF16, causal=True, tags=("empty-rows",)))
+    c.append(Case(1, 8192, 8192, 4, 4, 128, dtype=BF16, causal=True, tags=("long",)))
+    c.append(Case(2, 700, 513, 4, 2, 64, dtype=BF16, causal=True, softcap=30.0))
+    return c
+
+
+def _grads(case: Case, q, k, v, dout, deterministic: bool) -> tuple:
+    """(dq, dk, dv, backward version) of dispatch's fa3 forward + backward, with
+    torch.use_deterministic_algorithms set to `deterministic` for the call."""
+    from flashsuite import dispatch
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        choice = dispatch.select(q, k, v, version="fa3", **case.options())
+        out = dispatch.attention(q, k, v, version="fa3", **case.options())
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    return (*grads, choice.backward)
+
+
+def check_stability(case: Case) -> dict:
+    """STABILITY_RUNS deterministic backwards of one case: bitwise equal, and within the oracle
+    bound; then as many default runs, recording whether their dq varied."""
+    q, k, v = make_inputs(case, "cuda", requires_grad=True)
+    dout = make_grad_out(case, "cuda")
+    names = ("dq", "dk", "dv")
+    with hang_watchdog(_HANG_S):
+        *first, backward = _grads(case, q, k, v, dout, True)
+        differs = {n: 0 for n in names}
+        for _ in range(STABILITY_RUNS - 1):
+            *again, _ = _grads(case, q, k, v, dout, True)
+            for n, a, b in zip(names, first, again, strict=True):
+                differs[n] += not torch.equal(a, b)
+        *base, _ = _grads(case, q, k, v, dout, False)
+        base_varies = 0
+        for _ in range(STABILITY_RUNS - 1):
+            base_varies += not torch.equal(base[0], _grads(case, q, k, v, dout, False)[0])
+    ref = reference_pair(q, k, v, grad_out=dout, **case.options())
+    comps = [compare(n, g, *ref[n], factor=3.0) for n, g in zip(names, first, strict=True)]
+    stable = not any(differs.values())
+    return {
+        "case": case.id,
+        "backward": backward,
+        "ok": stable and backward == "fa3" and all(c.ok for c in comps),
+        "runs": STABILITY_RUNS,
+        "runs_differing": differs,
+        "default_dq_runs_differing": base_varies,
+        "checks": {c.name: {"err": c.err, "bound": c.bound, "ok": c.ok} for c in comps},
+        "text": f"bwd {backward}, differing runs {differs}, default dq varied in {base_varies}; "
+        + "; ".join(str(c) for c in comps),
+    }
+
+
+def run_stability(out_dir: Path) -> int:
+    """Every stability case; DIR/fa3_bwd_stability.json rewritten before each."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, if used
+    path = out_dir / "fa3_bwd_stability.json"
+    report: dict = {"device": torch.cuda.get_device_name(), "cases": []}
+    failed = 0
+    for case in stability_cases():
+        report["running"] = case.id
+        path.write_text(json.dumps(report, indent=1))
+        try:
+            r = check_stability(case)
+        except Exception as exc:
+            r = {"case": case.id, "ok": False, "error": traceback.format_exc(limit=4)}
+            r["text"] = f"{type(exc).__name__}: {exc}"[:300]
+        report["cases"].append(r)
+        failed += not r["ok"]
+        _log(f"{'ok  ' if r['ok'] else 'FAIL'} [stability] {case.id}: {r['text']}")
+    report["running"] = ""
+    path.write_text(json.dumps(report, indent=1))
+    n = len(report["cases"])
+    _log(f"stability: {n - failed}/{n} cases bitwise stable and correct")
+    return 1 if failed else 0
 
 
 def _p(case: Case, q, k, v):
@@ -378,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variant", action="append", default=[], help="a BwdConfig variant by name (repeat)"
     )
+    ap.add_argument(
+        "--stability", action="store_true", help="deterministic mode: bitwise equal over 10 runs"
+    )
     args = ap.parse_args(argv)
     # fa3's own backward is what this script checks, also where dispatch leaves it off by
     # default (configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
@@ -388,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.variant:
-        return run_variants(args.variant, args.bench, out_dir)
+        rc = run_variants(args.variant, args.bench, out_dir)
+        return max(rc, run_stability(out_dir)) if args.stability else rc
     path = out_dir / "fa3_bwd.json"
     report: dict = {"device": torch.cuda.get_device_name(), "cases": [], "bench": []}
 
@@ -439,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
                 _log(f"{c:11s} step {case.id}: {row['tflops']:.1f} TFLOP/s")
         save()
         _log(_summary(report["bench"], contenders))
-    return 1 if failures else 0
+    rc = 1 if failures else 0
+    return max(rc, run_stability(out_dir)) if args.stability else rc
 
 
 if __name__ == "__main__":

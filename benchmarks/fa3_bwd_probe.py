@@ -6,6 +6,7 @@
     python -m benchmarks.fa3_bwd_probe --shard 0/2      # every other case (CI runs 2 at once)
     python -m benchmarks.fa3_bwd_probe --variant bulk   # a named variant (fa3_bwd_variants),
                                                         # bf16, D 64 / 128, causal or not
+    python -m benchmarks.fa3_bwd_probe --variant base --softcap   # the softcap builds
 
 Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
 barriers, the dQ reduction) and ptxas' spill bytes and remarks. benchmarks.fa3_probe sets the
@@ -26,6 +27,10 @@ from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutla
 # The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
 DQ_ATOMIC = r"(?:atom|red)\.global\.add\.f32"
 DQ_BULK = r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
+# Deterministic dQ: the turn counter's acquiring load (spin) and releasing increment.
+SEM_ACQUIRE = r"ld\.acquire\.gpu\.global\.b32"
+SEM_RELEASE = r"red\.release\.gpu\.global\.add\.s32"
+TANH = r"tanh\.approx\.f32"
 
 
 def variant_cases(names: list[str]) -> list[tuple]:
@@ -54,7 +59,7 @@ def cases(everything: bool) -> list[tuple]:
     return picked
 
 
-def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
+def probe_backward(head_dim: int, dtype, causal: bool, cfg, softcap: bool = False) -> dict:
     """Compile one backward config and return its PTX counts and ptxas facts."""
     from flashsuite.fa3.bwd_host import BwdCompileKey, compile_backward
 
@@ -64,7 +69,7 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
         tvm = True
     except ImportError:
         tvm = False
-    key = BwdCompileKey(dtype, head_dim, causal, cfg, tvm_ffi=tvm)
+    key = BwdCompileKey(dtype, head_dim, causal, cfg, softcap=softcap, tvm_ffi=tvm)
     t0 = time.perf_counter()
     compiled, log = probe._capture_fd2(lambda: compile_backward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -72,10 +77,14 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg) -> dict:
     counts["dq_atomic"] = len(re.findall(DQ_ATOMIC, ptx))
     counts["dq_bulk"] = len(re.findall(DQ_BULK, ptx))
     counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"]
+    counts["sem_acquire"] = len(re.findall(SEM_ACQUIRE, ptx))
+    counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
+    counts["tanh"] = len(re.findall(TANH, ptx))
     return {
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),
         "causal": causal,
+        "softcap": softcap,
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": counts,
@@ -89,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", default="0/1", help="i/n: probe cases i, i+n, i+2n, ...")
     ap.add_argument("--all", action="store_true", help="every dtype, not only the CI set")
     ap.add_argument("--variant", action="append", default=[], help="a named variant (repeat)")
+    ap.add_argument("--softcap", action="store_true", help="build with softcap")
     args = ap.parse_args(argv)
     i, n = (int(x) for x in args.shard.split("/"))
     results = []
     todo = variant_cases(args.variant) if args.variant else cases(args.all)
     for d, dt, causal, cfg in todo[i::n]:
-        r = probe_backward(d, dt, causal, cfg)
+        r = probe_backward(d, dt, causal, cfg, args.softcap)
         results.append(r)
         if not args.json:
             print(

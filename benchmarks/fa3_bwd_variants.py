@@ -32,6 +32,10 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True),
         "bulk dQ, stmatrix dS^T and the early dV issue",
     ),
+    "det": (
+        BwdConfig(deterministic=True),
+        "base with dQ added in column-block order (turn counter per row block): deterministic",
+    ),
     "fast3": (
         BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True, stages=3),
         "fast with a 3-stage ring",

@@ -41,13 +41,15 @@ class BwdCompileKey:
     causal: bool
     cfg: BwdConfig
     local: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
-    softcap: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
+    softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs dv_early False
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
 
 def _fake_inputs(key: BwdCompileKey) -> tuple:
-    """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides."""
+    """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides, and
+    the dQ turn counters (B, Hq, row blocks) int32 when the config is deterministic (else None:
+    the default build's kernel has no such parameter)."""
     dt = _TORCH_TO_CUTLASS[key.dtype]
     d = key.head_dim
     b, nq, nk, hq, hkv, nq_pad = (cute.sym_int() for _ in range(6))
@@ -71,21 +73,33 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
     q, k, v, do = strided(nq, hq), strided(nk, hkv), strided(nk, hkv), strided(nq, hq)
     dq_acc = compact(cutlass.Float32, nq, hq)
     dk, dv = compact(dt, nk, hkv), compact(dt, nk, hkv)
-    return q, k, v, do, stats(), stats(), dq_acc, dk, dv
+    sem = None
+    if key.cfg.deterministic:
+        sem = cute.runtime.make_fake_compact_tensor(
+            cutlass.Int32, (b, hq, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
+        )
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem
 
 
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
-    if key.local or key.softcap:
-        raise ValueError("fa3 backward: sliding window and softcap are not implemented")
-    kernel = Fa3Backward(_TORCH_TO_CUTLASS[key.dtype], key.head_dim, key.cfg, key.causal)
+    if key.local:
+        raise ValueError("fa3 backward: sliding window is not implemented")
+    dtype = _TORCH_TO_CUTLASS[key.dtype]
+    kernel = Fa3Backward(dtype, key.head_dim, key.cfg, key.causal, key.softcap)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    *tensors, sem = _fake_inputs(key)
+    # Trailing optional parameters: the turn counters, then softcap_pre (softcap builds).
+    extra = () if sem is None else (sem,)
+    if key.softcap:
+        extra = (sem, cutlass.Float32(1.0))
     compiled = cute.compile(
         kernel,
-        *_fake_inputs(key),
+        *tensors,
         cutlass.Float32(1.0),
         cutlass.Float32(1.0),
         stream,
+        *extra,
         options=compile_options(key.arch, key.tvm_ffi, extra_options),
     )
     check_storage(kernel, bwd_smem_bytes(key.cfg, key.head_dim), f"backward {key.cfg}")
@@ -123,12 +137,25 @@ def run_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     scale: float,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D)."""
+    """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D).
+    `softcap` > 0 needs a key built with softcap=True."""
+    if key.softcap != (softcap > 0):
+        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
     fn = get_backward(key)
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale * LOG2E, scale)
+    extra = ()
+    if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
+        b, hq, nq_pad = lse_log2.shape
+        sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
+        extra = (sem,)
+    scale_log2 = scale * LOG2E
+    if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
+        extra = (extra[0] if extra else None, scale / softcap)
+        scale_log2 = softcap * LOG2E
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, *extra)
     return dq_acc.to(q.dtype), dk, dv

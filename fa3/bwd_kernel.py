@@ -39,7 +39,10 @@ async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T g
 before the dK wgmma is issued (a wgmma's register operands may not be read until it has
 retired); dV (unless issued early), dK and dQ then run together and one wait_group(0) retires
 them. In "bulk" dq_mode DQ_FREE and DQ_READY hand sdQ between the MMA threads and the bulk
-reduces (see `reduce_dq`).
+reduces (see `reduce_dq`). With BwdConfig.deterministic, DQ_TURN and DQ_ADDED bracket the dQ
+adds of a row block: a per-(batch, head, row block) int32 counter in global memory makes the
+column blocks add in n_block order (`dq_turn_wait`, `dq_turn_pass`), so dQ is bitwise
+reproducible.
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
@@ -62,9 +65,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.bwd_dq import Barrier, BwdDq
 from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import bulk_reduce_add_f32, cvt_pack_16x2
+from flashsuite.fa3.utils import cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -75,20 +79,16 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Barrier(enum.IntEnum):
-    """Named barrier ids over the MMA threads; 0 is __syncthreads."""
-
-    DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
-    DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
-    DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
-    DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
-
-
-class Fa3Backward:
+class Fa3Backward(BwdDq):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
-        self, dtype: type[cutlass.Numeric], head_dim: int, cfg: BwdConfig, causal: bool
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        cfg: BwdConfig,
+        causal: bool,
+        softcap: bool = False,
     ) -> None:
         self.dtype = dtype
         self.HEAD_DIM = head_dim
@@ -103,6 +103,14 @@ class Fa3Backward:
         self.DQ_BULK = cfg.dq_mode == "bulk"
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DV_EARLY = cfg.dv_early
+        self.DETERMINISTIC = cfg.deterministic
+        self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
+        if softcap and cfg.dv_early:
+            raise ValueError("Fa3Backward: softcap needs dv_early False (dS uses tanh' in place)")
+        if self.DETERMINISTIC and self.DQ_BULK:
+            raise ValueError(
+                f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
+            )
 
     # ----------------------------------------------------------------------------------------
     # layouts, MMAs, shared storage (trace-time helpers)
@@ -209,6 +217,8 @@ class Fa3Backward:
         scale_log2: Float32,  # softmax_scale * log2(e)
         scale: Float32,  # softmax_scale
         stream,
+        mSem: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: deterministic
+        softcap_pre: Float32 | None = None,  # softmax_scale / softcap: softcap builds only
     ):
         to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
         mQ, mK, mV, mdO, mdQacc, mdK, mdV = (
@@ -256,6 +266,8 @@ class Fa3Backward:
             Int32(group),
             scale_log2,
             scale,
+            mSem,
+            softcap_pre,
         ).launch(
             grid=(n_blocks, mK.shape[2], mK.shape[3]),
             block=[self.NUM_THREADS, 1, 1],
@@ -285,6 +297,8 @@ class Fa3Backward:
         group: Int32,
         scale_log2: Float32,
         scale: Float32,
+        mSem: cute.Tensor | None,  # (B, Hq, row blocks) int32: dQ turn counters, deterministic
+        softcap_pre: Float32 | None,  # softmax_scale / softcap (scale_log2 = softcap * log2 e)
     ):
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
@@ -343,6 +357,8 @@ class Fa3Backward:
                 seqlen_k,
                 scale_log2,
                 scale,
+                mSem,
+                softcap_pre,
             )
 
     def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
@@ -491,6 +507,8 @@ class Fa3Backward:
         seqlen_k: Int32,
         scale_log2: Float32,
         scale: Float32,
+        mSem: cute.Tensor | None,
+        softcap_pre: Float32 | None,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
@@ -573,7 +591,7 @@ class Fa3Backward:
                 ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
                 self.probs(
                     acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2,
-                    ds,
+                    ds, softcap_pre,
                 )  # fmt: skip
                 self.pack(acc_S, tdVrP)
                 if const_expr(self.DV_EARLY):
@@ -607,6 +625,10 @@ class Fa3Backward:
                 if const_expr(self.DQ_BULK):
                     self.reduce_dq(
                         thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
+                    )
+                elif const_expr(self.DETERMINISTIC):
+                    self.add_dq_in_order(
+                        thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
                     )
                 else:
                     self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
@@ -652,9 +674,19 @@ class Fa3Backward:
         shift: Int32,
         scale_log2: Float32,
         ds: tuple | None = None,
+        softcap_pre: Float32 | None = None,
     ):
         """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
-        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula)."""
+        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
+
+        Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
+        tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
+        derivative of the cap, 1 - t^2 (times softmax_scale, already in dS^T's formula); a
+        masked entry has t = -inf and P = 0, and the factor is clamped at 0 so that 0 * inf
+        never makes a NaN."""
+        if const_expr(self.SOFTCAP):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * softcap_pre, fastmath=True)
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
             # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
@@ -670,10 +702,14 @@ class Fa3Backward:
             # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
             # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
             lse = Float32.inf if lse == -Float32.inf else lse
+            if const_expr(self.SOFTCAP):
+                t = acc_S[i]
             acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
             if const_expr(ds is not None):
                 acc_dP, sD, scale = ds
                 acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+                if const_expr(self.SOFTCAP):
+                    acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
 
     @cute.jit
     def dscores(
@@ -693,70 +729,6 @@ class Fa3Backward:
         )  # (n/2,) 32-bit view of the fragment's registers
         for j in cutlass.range_constexpr(n // 2):
             r32[j] = cvt_pack_16x2(acc[2 * j], acc[2 * j + 1], self.dtype is cutlass.BFloat16)
-
-    @cute.jit
-    def add_dq(
-        self,
-        thr_dq,
-        acc_dQ: cute.Tensor,
-        mdQacc: cute.Tensor,
-        head: Int32,
-        batch: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """dQ of this row block added into the fp32 accumulator, one red.global.add per value;
-        rows past seqlen_q are skipped."""
-        gdQ = cute.local_tile(
-            mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-        )  # (TILE_M, D)
-        tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            if m_block * self.TILE_M + tdQcdQ[i][0] < seqlen_q:
-                ptr = gdQ.iterator + cute.crd2idx(tdQcdQ[i], gdQ.layout)
-                cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
-
-    @cute.jit
-    def reduce_dq(
-        self,
-        thr_dq,
-        acc_dQ: cute.Tensor,
-        sdQ: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mtid: Int32,
-        head: Int32,
-        batch: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """dQ of this row block added into the fp32 accumulator through shared memory: every
-        MMA thread stores its fragment to sdQ, then the 32 lanes of MMA warp 0 each issue
-        cp.reduce.async.bulk add.f32 for rows lane, lane + 32, ... (D x 4 bytes each, rows past
-        seqlen_q skipped) in their own bulk group.
-
-        Handover (every MMA thread passes both named barriers once per row block): a lane of
-        warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
-        stores; the generic -> async proxy fence; DQ_READY; the bulk reduces. They then run
-        while the next row block computes."""
-        if mtid < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_FREE), number_of_threads=self.MMA_THREADS)
-        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_READY), number_of_threads=self.MMA_THREADS)
-        if mtid < 32:
-            gdQ = cute.local_tile(
-                mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-            )  # (TILE_M, D)
-            for r in cutlass.range_constexpr(self.TILE_M // 32):
-                row = mtid + 32 * r
-                if m_block * self.TILE_M + row < seqlen_q:
-                    bulk_reduce_add_f32(
-                        gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
-                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                        self.HEAD_DIM * 4,
-                    )
-            cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
     def store_dkv(

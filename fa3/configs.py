@@ -280,6 +280,10 @@ class BwdConfig:
     # then dV, dK and dQ. True: P^T as soon as S^T retires (dP^T still running), dV issued
     # at once, dS^T computed while dV runs.
     dv_early: bool = False
+    # Deterministic dQ (torch.use_deterministic_algorithms): the column blocks of one
+    # (row block, head, batch) add their dQ in n_block order, each waiting on an int32 counter
+    # in global memory (ld.acquire.gpu spin, red.release.gpu increment). "atomic" dq_mode only.
+    deterministic: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "bulk")
@@ -345,6 +349,8 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
     if cfg.ds_store not in BWD_DS_STORES:
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
+    if cfg.deterministic and cfg.dq_mode != "atomic":
+        return False, f"fa3 backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"

@@ -12,6 +12,8 @@ counts and strides are runtime values. float8_e4m3fn inputs go to `fp8` (bf16 ou
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
@@ -237,23 +239,30 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, "fa3 backward: float8 is forward-only"
     if p.is_local:
         return False, "fa3 backward: sliding window not implemented yet"
-    if p.softcap > 0:
-        return False, "fa3 backward: softcap not implemented yet"
-    if torch.are_deterministic_algorithms_enabled():
-        return False, "fa3 backward: deterministic mode (dQ is reduced by atomics, no fixed order)"
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
-    cfg = bwd_config_for(p.head_dim, p.dtype, p.causal)
+    cfg = _bwd_config(p, None)
     if -(-p.seqlen_k // cfg.tile_n) > 2**31 - 1 or p.heads_kv > _MAX_GRID_YZ:
         return False, f"fa3 backward: kv heads ({p.heads_kv}) must be <= {_MAX_GRID_YZ}"
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
         return False, reason
+    order = " in column-block order (deterministic)" if cfg.deterministic else ""
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
-        f"{cfg.num_mma_wgs} MMA WGs, dQ by {cfg.dq_mode} reduction"
+        f"{cfg.num_mma_wgs} MMA WGs, dQ by {cfg.dq_mode} reduction{order}"
     )
+
+
+def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
+    """`cfg` or the tile table's config for `p`; under torch.use_deterministic_algorithms the
+    dQ adds are ordered (BwdConfig.deterministic, docs/design.md)."""
+    if cfg is None:
+        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal)
+    if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
+        cfg = replace(cfg, deterministic=True)
+    return cfg
 
 
 def backward(
@@ -281,18 +290,22 @@ def backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flashsuite.fa3.bwd_host import BwdCompileKey, run_backward
 
+    cfg = _bwd_config(p, cfg)
+    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    if ok and p.softcap > 0 and cfg.dv_early:
+        ok, reason = False, "softcap needs dv_early False (dS takes tanh' in the P loop)"
+    if not ok:
+        raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
     key = BwdCompileKey(
-        dtype=p.dtype,
-        head_dim=p.head_dim,
-        causal=p.causal,
-        cfg=cfg if cfg is not None else bwd_config_for(p.head_dim, p.dtype, p.causal),
+        dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, cfg=cfg, softcap=p.softcap > 0
     )
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()
     dout = _tma_ready(dout)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    return run_backward(key, dout, q, k, v, out.contiguous(), lse.contiguous(), p.scale)
+    out, lse = out.contiguous(), lse.contiguous()
+    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap)
 
 
 def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:

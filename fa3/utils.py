@@ -59,6 +59,60 @@ def bulk_reduce_add_f32(
     )
 
 
+@dsl_user_op
+def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """An int32 from global memory with acquire semantics at GPU scope (ld.acquire.gpu): the
+    reads and writes after it see everything the thread that released the value had done."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.llvm_ptr],
+            "ld.acquire.gpu.global.b32 $0, [$1];",
+            "=r,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def red_release_gpu_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """global int32 += value with release semantics at GPU scope (red.release.gpu): what this
+    thread (and, after a barrier, its CTA) wrote before is visible to an acquiring reader."""
+    llvm.inline_asm(
+        None,
+        [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def turn_wait(sem: cute.Pointer, turn: Int32, tid: Int32, barrier_id: int, threads: int):
+    """Wait until the global int32 counter `sem` reads `turn`: thread 0 of `threads` spins on
+    an acquiring load, then named barrier `barrier_id` releases all of them. With `turn_pass`
+    it orders the CTAs that share a counter (docs/design.md, "Deterministic dQ")."""
+    if tid == 0:
+        seen = ld_acquire_gpu_s32(sem)
+        while seen != turn:
+            seen = ld_acquire_gpu_s32(sem)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@cute.jit
+def turn_pass(sem: cute.Pointer, tid: Int32, barrier_id: int, threads: int):
+    """Hand the counter to the next turn: once all `threads` have passed named barrier
+    `barrier_id` (their writes issued), thread 0 increments it with a releasing reduction, so
+    the next waiter's acquiring load sees those writes."""
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if tid == 0:
+        red_release_gpu_add_s32(sem, Int32(1))
+
+
 class WarpRole(enum.IntEnum):
     """Warpgroup index -> role (NUM_THREADS = (1 + NUM_CONSUMER_WGS) x 128 threads)."""
 

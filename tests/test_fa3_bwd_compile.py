@@ -8,7 +8,10 @@ TMA loads of K, V, Q, dO, LSE and D, setmaxnreg, the two named barriers around s
 reduction instruction, and 0 spill bytes without serialised wgmma. The "fast" variant
 (benchmarks/fa3_bwd_variants.py: bulk dQ, stmatrix dS, early dV) is compiled too, at D = 128
 causal and D = 64 non-causal, and must reduce dQ with cp.reduce.async.bulk only and store dS
-with stmatrix.
+with stmatrix. The "det" variant (deterministic dQ order) is compiled at the same two points and
+must add dQ with atomics between an acquiring spin and a releasing increment of its turn
+counter, still spill-free. The softcap builds (default config) at the same two points must
+take one tanh per score and stay spill-free.
 """
 
 from __future__ import annotations
@@ -71,6 +74,20 @@ def fast_probes(tmp_path_factory) -> list[dict]:
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_fast"), runs)
 
 
+@pytest.fixture(scope="module")
+def det_probes(tmp_path_factory) -> list[dict]:
+    """The "det" variant's (D 64, full) and (D 128, causal) builds."""
+    runs = [["--variant", "det", "--shard", shard] for shard in ("0/4", "3/4")]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_det"), runs)
+
+
+@pytest.fixture(scope="module")
+def softcap_probes(tmp_path_factory) -> list[dict]:
+    """The softcap builds of the default config at (D 64, full) and (D 128, causal)."""
+    runs = [["--variant", "base", "--softcap", "--shard", shard] for shard in ("0/4", "3/4")]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_softcap"), runs)
+
+
 @pytest.mark.parametrize("case", bwd_shipped_configs(), ids=lambda c: f"D{c[0]}-{c[1]}-{c[2]}")
 def test_bwd_config_can_implement(case) -> None:
     d, dt, _, cfg = case
@@ -108,6 +125,8 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         assert ptx["bar_sync"] >= 2, f"{where}: the sdS named barriers are missing"
         assert ptx["dq_reduce"] > 0, f"{where}: no dQ reduction instruction"
         assert ptx["stmatrix"] == 0 and ptx["dq_bulk"] == 0, f"{where}: not the shipped path"
+        assert ptx["sem_acquire"] == 0 and ptx["sem_release"] == 0, f"{where}: dQ turn counter"
+        assert ptx["tanh"] == 0 and not r["softcap"], f"{where}: softcap code in a plain build"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         # C7508: setmaxnreg ignored. C7512/C7515: every wgmma serialised.
         for code in ("C7508", "C7512", "C7515", "C7519"):
@@ -129,6 +148,60 @@ def test_bwd_fast_variant_compiles(fast_probes) -> None:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_deterministic_variant_compiles(det_probes) -> None:
+    assert {(r["head_dim"], r["causal"]) for r in det_probes} == {(64, False), (128, True)}
+    for r in det_probes:
+        ptx, d, where, cfg = r["ptx"], r["head_dim"], _id(r), r["config"]
+        assert cfg["deterministic"] and cfg["dq_mode"] == "atomic", where
+        expected = 2 * d // 16 + 2 * 64 // 16 + 128 // 16
+        assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
+        # dQ: one f32 atomic per C-fragment element (TILE_M x D / 2 WGs / 128 threads).
+        assert ptx["dq_atomic"] == 64 * d // 256 and ptx["dq_bulk"] == 0, f"{where}: {ptx}"
+        # The spin (an acquiring load, possibly peeled once by the compiler) and one release.
+        assert ptx["sem_acquire"] >= 1 and ptx["sem_release"] == 1, f"{where}: {ptx}"
+        # DS_FREE, DS_READY, DQ_TURN and DQ_ADDED.
+        assert ptx["bar_sync"] >= 4, f"{where}: the turn barriers are missing"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_softcap_compiles(softcap_probes) -> None:
+    assert {(r["head_dim"], r["causal"]) for r in softcap_probes} == {(64, False), (128, True)}
+    for r in softcap_probes:
+        ptx, d, where = r["ptx"], r["head_dim"], _id(r)
+        assert r["softcap"], where
+        # One tanh and one exp2 per S^T element of a row block (64 keys x 64 rows / 128).
+        assert ptx["tanh"] == 32 and ptx["ex2"] >= 32, f"{where}: {ptx}"
+        assert ptx["wgmma"] == 2 * d // 16 + 2 * 64 // 16 + 128 // 16, f"{where}: {ptx}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_deterministic_config_follows_torch_flag() -> None:
+    """Under torch.use_deterministic_algorithms fa3's backward takes the ordered-dQ config, and
+    a config that cannot order its dQ (bulk reduces) is refused with the reason."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.interface import _bwd_config
+
+    q = torch.empty(1, 128, 2, 64, dtype=torch.bfloat16)
+    p = check_inputs(q, q, q)
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not _bwd_config(p, None).deterministic
+        torch.use_deterministic_algorithms(True)
+        assert _bwd_config(p, None).deterministic
+        assert _bwd_config(p, BwdConfig(stages=3)) == BwdConfig(stages=3, deterministic=True)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    ok, reason = bwd_can_implement(
+        BwdConfig(dq_mode="bulk", deterministic=True), 64, torch.bfloat16
+    )
+    assert not ok and "deterministic needs dq_mode 'atomic', not 'bulk'" in reason
 
 
 def test_bwd_dq_mode_refused_with_reason() -> None:
