@@ -109,8 +109,12 @@ GPU_CASES = [
     ),
 ]
 
+# The GPU cases' float64 oracles hold 2-4 GB per N x N product (scores, P, dP, dS): one worker
+# at a time runs them (scripts/gpu_check.sh runs pytest-xdist with --dist loadgroup), so that
+# many workers cannot exhaust the GPU's memory together and fail every version at once.
+BIG_ORACLE = pytest.mark.xdist_group("big_oracle")
 ALL_CASES = [pytest.param(c, id=c.id) for c in CASES] + [
-    pytest.param(c, id=c.id, marks=pytest.mark.gpu) for c in GPU_CASES
+    pytest.param(c, id=c.id, marks=[pytest.mark.gpu, BIG_ORACLE]) for c in GPU_CASES
 ]
 VERSIONS = runnable_versions()
 
