@@ -12,7 +12,7 @@ from flashsuite import dispatch
 from flashsuite.common.arch import override_arch
 from flashsuite.common.reference import attention_reference
 from flashsuite.common.testing import compare
-from tests.conftest import HAS_CUDA, runnable_versions
+from tests.conftest import GPU_MEMORY, HAS_CUDA, runnable_versions
 
 F16, BF16, F32, I32 = torch.float16, torch.bfloat16, torch.float32, torch.int32
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -432,6 +432,7 @@ GPU_DECODE = [(b, n, page) for b, n in ((1, 131072), (8, 32768), (32, 4096)) for
 
 
 @pytest.mark.gpu
+@GPU_MEMORY
 @pytest.mark.parametrize("b, n, page", GPU_DECODE)
 def test_gpu_decode_large(b, n, page) -> None:
     """GQA 32/8, D=128, bf16 decode at serving sizes against the portable version (fp32)."""
@@ -473,6 +474,7 @@ def test_gpu_decode_large(b, n, page) -> None:
 
 
 @pytest.mark.gpu
+@GPU_MEMORY
 def test_gpu_varlen_large() -> None:
     """Mixed lengths up to 4k, GQA 32/8, D=128, bf16, causal, forward and backward."""
     gen = torch.Generator().manual_seed(0)
