@@ -28,11 +28,17 @@ for part in $parts; do
       python3 -m flashsuite.dispatch check 2>&1 | tee "$out/check.log" || status=1 ;;
     tests)
       # Parallel workers (pytest-xdist, if installed) hide the Triton/CuTe compile times.
-      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      # --dist loadgroup: the tests marked xdist_group("gpu_memory") (float64 oracles of
+      # 2-4 GB per N x N product, 32k-token caches) run one after another in a single worker
+      # instead of filling the GPU's memory from every worker at once.
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8} --dist loadgroup")
       eval "extra=(${PYTEST_ARGS:-})"  # keeps quoted words together: -k 'fa1 or tma'
+      # -v: one line per test as it finishes, so a run cut off midway still names every
+      # failure so far; -rfE: the failures' and errors' short summaries at the end.
       # shellcheck disable=SC2086
-      python3 -m pytest tests -q -p no:cacheprovider --junitxml "$out/junit.xml" $xdist "${extra[@]}" 2>&1 \
-        | tee "$out/tests.log" || status=1 ;;
+      python3 -m pytest tests -v -rfE -p no:cacheprovider --junitxml "$out/junit.xml" $xdist \
+        "${extra[@]}" 2>&1 | tee "$out/tests.log" || status=1
+      grep -E "(FAILED|ERROR)( |$)" "$out/tests.log" | sort -u > "$out/tests-failed.txt" ;;
     bench)
       # shellcheck disable=SC2086
       python3 -m flashsuite.dispatch bench --out "$out" ${BENCH_ARGS---quick} 2>&1 \

@@ -22,6 +22,12 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
+# Tests that hold GBs of device memory (float64 oracles of 2-4 GB per N x N product, caches of
+# 32k-token rows in float32): one worker runs them one after another (scripts/gpu_check.sh runs
+# pytest-xdist with --dist loadgroup), so that many workers cannot exhaust the GPU's memory
+# together and make unrelated tests fail.
+GPU_MEMORY = pytest.mark.xdist_group("gpu_memory")
+
 
 def must_run(name: str) -> bool:
     """fa3 on an sm90 GPU with the CuTe DSL installed: unavailable there is a bug, not a skip."""

@@ -21,7 +21,7 @@ from flashsuite.common.testing import (
     make_inputs,
     reference_pair,
 )
-from tests.conftest import HAS_CUDA, must_run, runnable_versions
+from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run, runnable_versions
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -109,8 +109,9 @@ GPU_CASES = [
     ),
 ]
 
+# The GPU cases' float64 oracles hold 2-4 GB per N x N product: GPU_MEMORY (tests/conftest.py).
 ALL_CASES = [pytest.param(c, id=c.id) for c in CASES] + [
-    pytest.param(c, id=c.id, marks=pytest.mark.gpu) for c in GPU_CASES
+    pytest.param(c, id=c.id, marks=[pytest.mark.gpu, GPU_MEMORY]) for c in GPU_CASES
 ]
 VERSIONS = runnable_versions()
 

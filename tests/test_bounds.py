@@ -192,3 +192,57 @@ def _run(version: str, case, dtype: torch.dtype, monkeypatch) -> list[str]:
 @pytest.mark.parametrize("version", ["fa1", "fa2"])
 def test_kernels_stay_inside_their_tensors(version: str, case, monkeypatch) -> None:
     assert _run(version, case, torch.bfloat16, monkeypatch) == []
+
+
+def test_decode_with_the_gpu_schedule_stays_inside_and_matches_the_oracle(monkeypatch) -> None:
+    """fa2's split-KV decode with the GPU's tiles (64-key blocks, not the interpreter's 16) and
+    the GPU's split heuristic (132 SMs): B > 1, GQA 8/2, D = 128, bf16, pages of 64, per-row
+    lengths chosen so that splits of the short rows are empty (a 1-key row: 1 block for 4
+    splits; 9 blocks: per_split 3, the 4th split empty). Every row is checked against the
+    float64 oracle under the suite's rule, and every address against its tensor."""
+    from flashsuite import dispatch
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.fa2 import decode, interface
+
+    b, n, hq, hkv, d, page = 4, 1088, 8, 2, 128, 64
+    gpu_config = decode.decode_config
+    monkeypatch.setattr(
+        decode, "decode_config", lambda rows, hd, interpreter: gpu_config(rows, hd, False)
+    )
+    monkeypatch.setattr(interface, "_arch", lambda t: 90)
+    cfg = decode.decode_config(hq // hkv, d, True)
+    assert (cfg.block_m, cfg.block_n) == (16, 64)  # the sm90 decode tile
+    key_blocks = n // cfg.block_n
+    splits = decode.num_splits_heuristic(b * hkv, key_blocks, decode.H100_SMS)
+    assert splits == 4  # several splits per row, as at B = 8, Nk = 32k on the H200
+    lens = torch.tensor([n, 540, 1, 1000], dtype=torch.int32)
+    blocks = -(-lens // cfg.block_n)
+    per_split = -(-blocks // splits)
+    assert bool((per_split * (splits - 1) >= blocks).any()), "no row has an empty split"
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, 1, hq, d, generator=gen).to(torch.bfloat16)
+    k = torch.randn(b, n, hkv, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(b, n, hkv, d, generator=gen).to(torch.bfloat16)
+    order = torch.randperm(b * n // page + 3, generator=gen)  # shuffled pages, 3 spare
+    table = order[: b * n // page].reshape(b, n // page).to(torch.int32)
+    k_pages = torch.randn(len(order), page, hkv, d, generator=gen).to(torch.bfloat16)
+    v_pages = torch.randn(len(order), page, hkv, d, generator=gen).to(torch.bfloat16)
+    k_pages[table.long()] = k.reshape(b, n // page, page, hkv, d)
+    v_pages[table.long()] = v.reshape(b, n // page, page, hkv, d)
+    for kc, vc, bt in ((k, v, None), (k_pages, v_pages, table)):
+        with bounds_checked() as bad:
+            out, lse = dispatch.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, block_table=bt, return_lse=True, version="fa2"
+            )
+        assert bad == [], bad
+        for row, length in enumerate(lens.tolist()):
+            ref = reference_pair(q[row : row + 1], k[row : row + 1, :length],
+                                 v[row : row + 1, :length])  # fmt: skip
+            results = [
+                compare("out", out[row : row + 1], *ref["out"]),
+                compare("lse", lse[row : row + 1], *ref["lse"]),
+            ]
+            failed = [f"row {row} (len {length}, paged={bt is not None}): {r}" for r in results
+                      if not r.ok]  # fmt: skip
+            assert not failed, "\n".join(failed)

@@ -139,3 +139,16 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     ]
     bad = [str(r) for r in results if not r.ok]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case", [c for c in FP8_CASES if not c[-1]], ids=lambda c: f"d{c[5]}")
+def test_running_max_emulation_is_within_the_baseline(case: tuple) -> None:
+    """fa3's fp8 numerics emulated in PyTorch (benchmarks/fp8_emulation.py: P rounded to e4m3
+    per key block against the running max, float32 row sums and rescaling, bf16 out) meet the
+    rule fa3's kernel is held to: the baseline's final-max rounding of P is a fair yardstick
+    for a kernel that rounds against the running max. (With the accumulator cut to 13 mantissa
+    bits the out still passes and the LSE fails the float32 rule: see docs/testing.md.)"""
+    from benchmarks.fp8_emulation import check_case
+
+    bad = [str(r) for r in check_case(case) if not r.ok]
+    assert not bad, "\n".join(bad)

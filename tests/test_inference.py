@@ -12,7 +12,7 @@ from flashsuite import dispatch
 from flashsuite.common.arch import override_arch
 from flashsuite.common.reference import attention_reference
 from flashsuite.common.testing import compare
-from tests.conftest import HAS_CUDA, runnable_versions
+from tests.conftest import GPU_MEMORY, HAS_CUDA, runnable_versions
 
 F16, BF16, F32, I32 = torch.float16, torch.bfloat16, torch.float32, torch.int32
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -432,6 +432,7 @@ GPU_DECODE = [(b, n, page) for b, n in ((1, 131072), (8, 32768), (32, 4096)) for
 
 
 @pytest.mark.gpu
+@GPU_MEMORY
 @pytest.mark.parametrize("b, n, page", GPU_DECODE)
 def test_gpu_decode_large(b, n, page) -> None:
     """GQA 32/8, D=128, bf16 decode at serving sizes against the portable version (fp32)."""
@@ -454,11 +455,26 @@ def test_gpu_decode_large(b, n, page) -> None:
         return_lse=True, version="torch",
     )  # fmt: skip
     # |out| is small here (a softmax average of thousands of random rows): relative bound.
-    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
-    assert (lse - ref_lse).abs().max().item() < 1e-3
+    # On failure: the errors per row with its length, and the split count the heuristic chose
+    # (which rows, how many splits, contiguous or paged: enough to tell the cause).
+    from flashsuite.fa2 import decode, interface
+
+    tiles = b * 8 * 1  # Hkv programs of one 16-row tile each (4 packed rows per K/V head)
+    splits = decode.num_splits_heuristic(tiles, n // 64, interface._num_sms(q))
+    out_err = (out.float() - ref).abs().amax(dim=(1, 2, 3))  # (B,)
+    lse_err = (lse - ref_lse).abs().amax(dim=(1, 2))  # (B,)
+    bound = 2e-2 * ref.abs().max().item()
+    rows = [
+        f"row {i}: len {int(lens[i])} out_err {out_err[i].item():.3g} "
+        f"lse_err {lse_err[i].item():.3g}"
+        for i in range(b)
+    ]
+    detail = f"splits={splits}, out bound {bound:.3g}, lse bound 1e-3\n" + "\n".join(rows)
+    assert out_err.max().item() <= bound and lse_err.max().item() < 1e-3, detail
 
 
 @pytest.mark.gpu
+@GPU_MEMORY
 def test_gpu_varlen_large() -> None:
     """Mixed lengths up to 4k, GQA 32/8, D=128, bf16, causal, forward and backward."""
     gen = torch.Generator().manual_seed(0)

@@ -1,0 +1,117 @@
+"""fa3's fp8 forward emulated in PyTorch on the CPU, measured against the e4m3 baseline.
+
+    python -m benchmarks.fp8_emulation [--acc-bits 23 13]
+
+The emulation follows the kernel (fa3/fp8.py, fa3/softmax.py, fa3/fwd_mainloop.py): raw scores
+q8·k8 (products of e4m3 values, exact in float32), key blocks of the kernel's tile_n taken from
+the last block down to the first, the online softmax in base 2 against the running row max
+(corr = exp2((m_old - m_new) * scale_log2), row sums of the float32 P), P rounded to e4m3
+(round to nearest even, as cvt.rn.satfinite) before each P·V, O rescaled by corr per block,
+O * descale_v / l at the end and delivered in bf16; LSE = (m * scale_log2 + log2 l) * ln 2.
+
+`acc_bits` models the wgmma accumulator: 23 is float32; fewer bits truncate the accumulator's
+mantissa after every k = 32 step of both products (QKᵀ over the head dim, P·V over the keys),
+the reduced-precision accumulation reported for Hopper's fp8 tensor cores.
+
+Each case of tests/test_fp8.py is checked with the suite's rule (common.testing.compare): out
+against common.testing.fp8_baseline at FP8_FACTOR, the LSE against PyTorch's float32 LSE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from flashsuite.common.fp8 import E4M3
+from flashsuite.common.reference import visibility_mask
+from flashsuite.common.testing import FP8_FACTOR, Comparison, compare, fp8_baseline, reference_pair
+
+MMA_K = 32  # wgmma K of 8-bit operands
+
+
+def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 x with its mantissa cut to `bits` bits (toward zero); 23 leaves x unchanged."""
+    if bits >= 23:
+        return x
+    raw = x.contiguous().view(torch.int32)
+    return (raw & ~((1 << (23 - bits)) - 1)).view(torch.float32)
+
+
+def _mma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
+    """acc + a @ b in k = 32 steps, the accumulator truncated to `bits` after each step."""
+    if bits >= 23:
+        return acc + a @ b
+    for k0 in range(0, a.shape[-1], MMA_K):
+        acc = _truncate(acc + a[..., k0 : k0 + MMA_K] @ b[..., k0 : k0 + MMA_K, :], bits)
+    return acc
+
+
+def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 23):
+    """(out (B, Nq, Hq, Dv) bf16, lse (B, Hq, Nq) fp32) as the fa3 fp8 kernel computes them."""
+    b, nq, hq, d = q8.shape
+    nk, hkv = k8.shape[1], k8.shape[2]
+    g = hq // hkv
+    ds_q, ds_k, ds_v = descales
+    qf = q8.float().transpose(1, 2)  # (B, Hq, Nq, D)
+    kf = k8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, D)
+    vf = v8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, Dv)
+    s_raw = _mma(torch.zeros(b, hq, nq, nk), qf, kf.transpose(-1, -2), acc_bits)
+    qk_descale = (ds_q * ds_k).repeat_interleave(g, 1)[:, :, None, None]  # (B, Hq, 1, 1)
+    scale_log2 = math.log2(math.e) * d**-0.5 * qk_descale
+    visible = visibility_mask(nq, nk, causal=causal, window_size=(-1, -1), device=q8.device)
+    s_raw = s_raw.masked_fill(~visible, float("-inf"))
+    m = torch.full((b, hq, nq, 1), float("-inf"))
+    row_sum = torch.zeros(b, hq, nq, 1)
+    acc = torch.zeros(b, hq, nq, vf.shape[-1])
+    for start in reversed(range(0, nk, tile_n)):
+        s = s_raw[..., start : start + tile_n]
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        corr = torch.exp2(m * scale_log2 - m_safe * scale_log2)
+        p = torch.exp2(s * scale_log2 - m_safe * scale_log2)
+        row_sum = row_sum * corr + p.sum(-1, keepdim=True)
+        acc = _mma(acc * corr, p.to(E4M3).float(), vf[:, :, start : start + tile_n], acc_bits)
+        m = m_new
+    empty = row_sum == 0
+    l_safe = torch.where(empty, torch.ones_like(row_sum), row_sum)
+    ds_v = ds_v.repeat_interleave(g, 1)[:, :, None, None]
+    out = torch.where(empty, torch.zeros_like(acc), acc * (ds_v / l_safe))
+    lse = torch.where(empty, -math.inf, (m * scale_log2 + torch.log2(l_safe)) * math.log(2))
+    return out.transpose(1, 2).to(torch.bfloat16), lse[..., 0]
+
+
+def check_case(case, acc_bits: int = 23) -> tuple[Comparison, Comparison]:
+    """(out, lse) comparisons of the emulation on one tests/test_fp8.py case, the test's rule."""
+    from flashsuite.fa3.fp8 import FP8_CAUSAL_CONFIGS, FP8_CONFIGS
+    from tests.test_fp8 import _fp8_inputs
+
+    b, nq, nk, hq, hkv, d, causal = case[:7]
+    q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, "cpu")
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
+    base = fp8_baseline(q8, k8, v8, ds, causal=causal)
+    cfg = (FP8_CAUSAL_CONFIGS.get(d) if causal else None) or FP8_CONFIGS[d]
+    out, lse = emulate(q8, k8, v8, ds, causal=causal, tile_n=cfg.tile_n, acc_bits=acc_bits)
+    return (
+        compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),
+        compare("lse", lse, *ref["lse"]),
+    )
+
+
+def main() -> None:
+    from tests.test_fp8 import FP8_CASES
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--acc-bits", type=int, nargs="+", default=[23, 13])
+    args = parser.parse_args()
+    for case in FP8_CASES:
+        for bits in args.acc_bits:
+            print(f"{case[:7]} acc_bits={bits}")
+            for result in check_case(case, bits):
+                print(f"    {result}")
+
+
+if __name__ == "__main__":
+    main()
