@@ -36,6 +36,7 @@ from flashsuite.fa2.configs import (
     bwd_config,
     dkdv_launches,
     fwd_config,
+    padded_head_dim,
     table,
 )
 
@@ -50,10 +51,6 @@ _TL_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32
 
 def _is_ptr(name: str) -> bool:
     return name[0].isupper() or (name[0] == "d" and name[1].isupper())
-
-
-def _pad(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
 
 
 def _compile_one(fn, dtype: torch.dtype, constexprs: dict, num_warps: int, num_stages: int):
@@ -124,8 +121,8 @@ def _flags(head_dim: int, causal: bool, dtype: torch.dtype, head_dim_v: int | No
         SOFTCAP=False,
         HEAD_DIM=head_dim,
         HEAD_DIM_V=dv,
-        D_PAD=_pad(head_dim),
-        DV_PAD=_pad(dv),
+        D_PAD=padded_head_dim(head_dim, dtype, wgmma=True),
+        DV_PAD=padded_head_dim(dv, dtype, wgmma=True),
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
 

@@ -55,6 +55,20 @@ class BwdConfig:
     split_dkdv: bool = False
 
 
+def padded_head_dim(head_dim: int, dtype: torch.dtype, wgmma: bool) -> int:
+    """The kernels' head-dim tile: the next power of two, at least 16 (tl.dot's K).
+
+    With `wgmma` (a GPU launch, not the interpreter) fp16/bf16 take at least 64: Triton 3.6's
+    sm90 wgmma path with a 32-wide operand (64-byte shared-memory rows: the P.V GEMM when
+    Dv = 32 beside D = 64) reads shared memory past the kernel's allocation (compute-sanitizer
+    memcheck on the H200: "Invalid __shared__ read of size 1024 bytes" in _attn_fwd at D = 64,
+    Dv = 32, N = 8..48), which faults the context. The padded columns are masked on load and
+    store, so only the speed changes.
+    """
+    floor = 64 if wgmma and dtype in (torch.float16, torch.bfloat16) else 16
+    return max(floor, 1 << (head_dim - 1).bit_length())
+
+
 def dkdv_launches(cfg: BwdConfig) -> tuple[tuple[str, bool, bool], ...]:
     """(name, WANT_DK, WANT_DV) of each launch of the dK/dV kernel, in order: one doing both,
     or with split_dkdv a dV launch, then a dK launch (interface.backward launches these,

@@ -58,17 +58,11 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pad(d: int, dtype: torch.dtype | None = None) -> int:
-    """The kernels' head-dim tile: d rounded up to a power of two, at least 16.
+def _pad(d: int, dtype: torch.dtype) -> int:
+    """configs.padded_head_dim for this launch (the wgmma floor applies off the interpreter)."""
+    from flashsuite.fa2.configs import padded_head_dim
 
-    fp16/bf16 on the GPU use at least 64: Triton 3.6's sm90 wgmma path with a 32-wide operand
-    (64-byte shared-memory rows: the P.V GEMM when Dv = 32 beside D = 64) reads shared memory
-    past the kernel's allocation (compute-sanitizer memcheck on the H200: "Invalid __shared__
-    read of size 1024 bytes" in _attn_fwd at D = 64, Dv = 32, N = 8..48), which faults the
-    context. The padded columns are masked on load and store, so only the speed changes.
-    """
-    floor = 64 if dtype in (torch.float16, torch.bfloat16) and not triton_interpreter() else 16
-    return max(floor, 1 << (d - 1).bit_length())
+    return padded_head_dim(d, dtype, wgmma=not triton_interpreter())
 
 
 def _arch(t: torch.Tensor) -> int | None:
