@@ -2,7 +2,9 @@
 
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
-them for sm_90a and reports PTX facts. "base" is what bwd_config_for ships.
+them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
+one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships, "warp_stm2" its softcap
+build.
 """
 
 from __future__ import annotations
@@ -35,6 +37,31 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     "det": (
         BwdConfig(deterministic=True),
         "base with dQ added in column-block order (turn counter per row block): deterministic",
+    ),
+    "warp": (
+        BwdConfig(dq_mode="warp"),
+        "dQ tile to smem in fragment order, one cp.reduce.async.bulk a row block by a writer warp",
+    ),
+    "overlap": (
+        BwdConfig(overlap=True),
+        "P^T under dP^T's wgmma; dV, dQ, dK issued, dQ added while dK runs",
+    ),
+    "ds2": (BwdConfig(ds_stages=2), "two sdS buffers: no DS_FREE barrier"),
+    "pipe": (
+        BwdConfig(dq_mode="warp", overlap=True, ds_stages=2),
+        "writer-warp dQ, the overlapped issue order and two sdS buffers",
+    ),
+    "pipe_stm": (
+        BwdConfig(dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix"),
+        "pipe with dS^T by stmatrix.trans",
+    ),
+    "warp_stm2": (
+        BwdConfig(dq_mode="warp", ds_stages=2, ds_store="stmatrix"),
+        "pipe_stm in the serial issue order: the shipped softcap config",
+    ),
+    "pipe_atomic": (
+        BwdConfig(overlap=True, ds_stages=2),
+        "the overlapped issue order and two sdS buffers, dQ by per-element atomics under dK",
     ),
     "fast3": (
         BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True, stages=3),

@@ -7,8 +7,9 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Int32, const_expr
 
+from flashsuite.fa3.configs import dq_tile_modes
 from flashsuite.fa3.utils import bulk_reduce_add_f32, turn_pass, turn_wait
 
 
@@ -21,6 +22,15 @@ class Barrier(enum.IntEnum):
     DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
     DQ_TURN = 5  # deterministic: the column blocks before this one have added their dQ
     DQ_ADDED = 6  # deterministic: every MMA thread has issued its dQ adds of this row block
+    DQ_FULL = 7  # "warp" dq_mode: sdQ holds this row block's dQ (MMA threads arrive, writer waits)
+    DQ_EMPTY = 8  # "warp" dq_mode: the writer's bulk reduce has read sdQ (writer arrives)
+
+
+def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int) -> cute.Layout:
+    """(TILE_M, D) -> offset of the "warp" dq_mode's fp32 tile, in smem and in each TILE_M x D
+    block of the global accumulator: configs.dq_tile_modes, the dQ wgmma's fragment order."""
+    shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs)
+    return cute.make_layout(shape, stride=stride)
 
 
 class BwdDq:
@@ -90,6 +100,87 @@ class BwdDq:
                         self.HEAD_DIM * 4,
                     )
             cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def dq_out(
+        self,
+        thr_dq,
+        acc_dQ: cute.Tensor,
+        sdQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        mSem: cute.Tensor | None,
+        mtid: Int32,
+        n_block: Int32,
+        head: Int32,
+        batch: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+    ):
+        """This row block's dQ fragment on its way to the accumulator, by the config's route."""
+        if const_expr(self.DQ_WARP):
+            self.stage_dq(thr_dq, acc_dQ, sdQ)
+        elif const_expr(self.DQ_BULK):
+            self.reduce_dq(thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q)
+        elif const_expr(self.DETERMINISTIC):
+            self.add_dq_in_order(
+                thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
+            )
+        else:
+            self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+
+    @cute.jit
+    def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor):
+        """MMA threads, "warp" dq_mode: once the writer has read the previous tile
+        (DQ_EMPTY), store this row block's dQ fragment to sdQ, fence it for the async proxy
+        and hand it over (DQ_FULL); the bulk reduce then runs while the MMAs go on."""
+        n = self.MMA_THREADS + 32
+        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
+
+    @cute.jit
+    def write_dq(
+        self,
+        sdQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        group: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+    ):
+        """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
+        threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
+        accumulator with one cp.reduce.async.bulk add.f32 (lane 0), wait until the copy has read
+        sdQ and release it (DQ_EMPTY). The row blocks come in the MMA warpgroups' order
+        (`row_blocks`); the first DQ_EMPTY is given before the loop, and none after the last
+        tile, so every arrive meets one wait of the MMA threads."""
+        n = self.MMA_THREADS + 32
+        lane = cute.arch.lane_idx()
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        if n_iter > 0:
+            cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+            for i in cutlass.range(n_iter, unroll=1):
+                hq = i // n_m
+                head = head_kv * group + hq
+                m_block = m_block_min + i - hq * n_m
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
+                if lane == 0:
+                    crd = (batch, head, m_block * self.TILE_M, 0)
+                    bulk_reduce_add_f32(
+                        mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout),
+                        sdQ.iterator,
+                        self.TILE_M * self.HEAD_DIM * 4,
+                    )
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                if i < n_iter - 1:
+                    cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+            if lane == 0:  # the last adds complete before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def add_dq_in_order(

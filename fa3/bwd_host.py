@@ -26,7 +26,7 @@ import torch
 
 from flashsuite.fa3.bwd_kernel import Fa3Backward
 from flashsuite.fa3.compile import cached, check_storage, compile_options
-from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes
+from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 
 _TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 LOG2E = math.log2(math.e)
@@ -72,6 +72,10 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
 
     q, k, v, do = strided(nq, hq), strided(nk, hkv), strided(nk, hkv), strided(nq, hq)
     dq_acc = compact(cutlass.Float32, nq, hq)
+    if key.cfg.dq_mode == "warp":  # (B, Hq, Nq_pad, D): whole row blocks in tile order
+        dq_acc = cute.runtime.make_fake_compact_tensor(
+            cutlass.Float32, (b, hq, nq_pad, d), stride_order=(3, 2, 1, 0), assumed_align=16
+        )
     dk, dv = compact(dt, nk, hkv), compact(dt, nk, hkv)
     sem = None
     if key.cfg.deterministic:
@@ -144,7 +148,11 @@ def run_backward(
     if key.softcap != (softcap > 0):
         raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
+    b, nq, hq, d = q.shape
+    if key.cfg.dq_mode == "warp":  # row blocks in dq_tile_layout order
+        dq_acc = torch.zeros(b, hq, lse_log2.shape[2], d, dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
     fn = get_backward(key)
@@ -158,4 +166,30 @@ def run_backward(
         extra = (extra[0] if extra else None, scale / softcap)
         scale_log2 = softcap * LOG2E
     fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, *extra)
+    if key.cfg.dq_mode == "warp":
+        return dq_from_tiles(dq_acc, nq, key.cfg.tile_m, key.cfg.num_mma_wgs, q.dtype), dk, dv
     return dq_acc.to(q.dtype), dk, dv
+
+
+def dq_from_tiles(
+    dq_acc: torch.Tensor, nq: int, tile_m: int, num_wgs: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
+    whose TILE_M x D blocks hold dQ in configs.dq_tile_modes order: one permuting copy (with
+    the cast)."""
+    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs)
+    # The tile's modes sorted by decreasing stride are a plain view of its memory; a row mode
+    # or column mode goes back to its place in (rows, cols), minor mode last.
+    modes = [(st, "r", i, n) for i, (n, st) in enumerate(zip(rows, row_strides, strict=True))]
+    modes += [(st, "c", i, n) for i, (n, st) in enumerate(zip(cols, col_strides, strict=True))]
+    modes.sort(reverse=True)
+    b, hq, nq_pad, d = dq_acc.shape
+    tiles = dq_acc.view(b, hq, nq_pad // tile_m, *(n for *_, n in modes))
+    where = {(kind, i): 3 + pos for pos, (_, kind, i, _) in enumerate(modes)}
+    row_dims = [where["r", i] for i in reversed(range(len(rows)))]
+    col_dims = [where["c", i] for i in reversed(range(len(cols)))]
+    rows_cols = tiles.permute(0, 2, *row_dims, 1, *col_dims)  # (b, m, rows.., hq, cols..)
+    dq = torch.empty(rows_cols.shape, dtype=dtype, device=dq_acc.device)
+    dq.copy_(rows_cols)
+    dq = dq.view(b, nq_pad, hq, d)
+    return dq if nq == nq_pad else dq[:, :nq].contiguous()

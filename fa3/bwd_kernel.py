@@ -65,10 +65,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.bwd_dq import Barrier, BwdDq
+from flashsuite.fa3.bwd_dq import Barrier, BwdDq, dq_tile_layout
+from flashsuite.fa3.bwd_pointwise import BwdSteps
 from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
-from flashsuite.fa3.utils import cvt_pack_16x2
 
 
 class WarpRole(enum.IntEnum):
@@ -79,7 +79,7 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Fa3Backward(BwdDq):
+class Fa3Backward(BwdDq, BwdSteps):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -101,13 +101,18 @@ class Fa3Backward(BwdDq):
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
         self.DQ_BULK = cfg.dq_mode == "bulk"
+        self.DQ_WARP = cfg.dq_mode == "warp"
+        self.DS_STAGES = cfg.ds_stages
+        self.OVERLAP = cfg.overlap
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DV_EARLY = cfg.dv_early
         self.DETERMINISTIC = cfg.deterministic
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
-        if softcap and cfg.dv_early:
-            raise ValueError("Fa3Backward: softcap needs dv_early False (dS uses tanh' in place)")
-        if self.DETERMINISTIC and self.DQ_BULK:
+        if softcap and (cfg.dv_early or cfg.overlap):
+            raise ValueError(
+                "Fa3Backward: softcap needs dv_early and overlap False (dS uses tanh' in place)"
+            )
+        if self.DETERMINISTIC and cfg.dq_mode != "atomic":
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
             )
@@ -116,8 +121,9 @@ class Fa3Backward(BwdDq):
     # layouts, MMAs, shared storage (trace-time helpers)
     # ----------------------------------------------------------------------------------------
     def _make_layouts(self):
-        """sQ and sdO (TILE_M, D, STAGES), sK and sV (TILE_N, D), sdS (TILE_M, TILE_N), sLSE and
-        sD (TILE_M, STAGES). Rows are contiguous along D (along TILE_N for sdS)."""
+        """sQ and sdO (TILE_M, D, STAGES), sK and sV (TILE_N, D), sdS (TILE_M, TILE_N,
+        DS_STAGES), sLSE and sD (TILE_M, STAGES). Rows are contiguous along D (along TILE_N for
+        sdS)."""
         width = self.dtype.width // 8
         d_atom = ForwardLayouts._k_major_atom(self.HEAD_DIM * width, self.dtype)
         sQ_l = cute.tile_to_shape(
@@ -125,13 +131,18 @@ class Fa3Backward(BwdDq):
         )
         sK_l = cute.tile_to_shape(d_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
         n_atom = ForwardLayouts._k_major_atom(self.TILE_N * width, self.dtype)
-        sdS_l = cute.tile_to_shape(n_atom, (self.TILE_M, self.TILE_N), order=(0, 1))
+        sdS_l = cute.tile_to_shape(
+            n_atom, (self.TILE_M, self.TILE_N, self.DS_STAGES), order=(0, 1, 2)
+        )
         sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
         return sQ_l, sK_l, sdS_l, sLSE_l
 
     def _sdq_layout(self) -> cute.Layout:
-        """sdQ (TILE_M, D) fp32, rows padded by BWD_DQ_PAD words: the C fragment's 64-bit
-        stores hit 32 distinct banks per half-warp, and every row starts 16-byte aligned."""
+        """sdQ (TILE_M, D) fp32. "bulk": rows padded by BWD_DQ_PAD words (the C fragment's
+        64-bit stores hit 32 distinct banks per half-warp, every row starts 16-byte aligned).
+        "warp": `dq_tile_layout`, the fragment order."""
+        if const_expr(self.DQ_WARP):
+            return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS)
         return cute.make_layout(
             (self.TILE_M, self.HEAD_DIM), stride=(self.HEAD_DIM + BWD_DQ_PAD, 1)
         )
@@ -171,7 +182,11 @@ class Fa3Backward(BwdDq):
         dt = self.dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
-        n_dq = self.TILE_M * (self.HEAD_DIM + BWD_DQ_PAD) if self.DQ_BULK else 1
+        n_dq = 1
+        if const_expr(self.DQ_BULK):
+            n_dq = self.TILE_M * (self.HEAD_DIM + BWD_DQ_PAD)
+        if const_expr(self.DQ_WARP):
+            n_dq = self.TILE_M * self.HEAD_DIM
         st = self.STAGES
 
         @cute.struct
@@ -211,7 +226,8 @@ class Fa3Backward(BwdDq):
         mdO: cute.Tensor,  # (B, Nq, Hq, D)
         mLSE: cute.Tensor,  # (B, Hq, Nq_pad) fp32, LSE * log2(e), -inf for empty/padding rows
         mDsum: cute.Tensor,  # (B, Hq, Nq_pad) fp32, rowsum(dO * O), 0 on padding rows
-        mdQacc: cute.Tensor,  # (B, Nq, Hq, D) fp32, zeroed; dQ (scale folded in) is added here
+        mdQacc: cute.Tensor,  # (B, Nq, Hq, D) fp32, zeroed; dQ (scale folded in) is added here;
+        # "warp" dq_mode: (B, Hq, Nq_pad, D), each TILE_M x D block in dq_tile_layout order
         mdK: cute.Tensor,  # (B, Nk, Hkv, D) input dtype
         mdV: cute.Tensor,  # (B, Nk, Hkv, D) input dtype
         scale_log2: Float32,  # softmax_scale * log2(e)
@@ -221,10 +237,12 @@ class Fa3Backward(BwdDq):
         softcap_pre: Float32 | None = None,  # softmax_scale / softcap: softcap builds only
     ):
         to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
-        mQ, mK, mV, mdO, mdQacc, mdK, mdV = (
+        mQ, mK, mV, mdO, mdK, mdV = (
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_ndhb))
-            for t in (mQ, mK, mV, mdO, mdQacc, mdK, mdV)
+            for t in (mQ, mK, mV, mdO, mdK, mdV)
         )
+        if const_expr(not self.DQ_WARP):
+            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
         mLSE, mDsum = (
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
             for t in (mLSE, mDsum)
@@ -282,7 +300,7 @@ class Fa3Backward(BwdDq):
     def kernel(
         self,
         tmas: tuple,  # (atom, coordinates) of Q, dO, K, V, LSE, D
-        mdQacc: cute.Tensor,  # (Nq, D, Hq, B) fp32
+        mdQacc: cute.Tensor,  # (Nq, D, Hq, B) fp32; "warp": (B, Hq, Nq_pad, D) in tiles
         mdK: cute.Tensor,  # (Nk, D, Hkv, B)
         mdV: cute.Tensor,  # (Nk, D, Hkv, B)
         mma_sdp: cute.TiledMma,
@@ -290,7 +308,7 @@ class Fa3Backward(BwdDq):
         mma_dq: cute.TiledMma,
         sQ_l: cute.ComposedLayout,  # (TILE_M, D, STAGES)
         sK_l: cute.ComposedLayout,  # (TILE_N, D)
-        sdS_l: cute.ComposedLayout,  # (TILE_M, TILE_N)
+        sdS_l: cute.ComposedLayout,  # (TILE_M, TILE_N, DS_STAGES)
         sLSE_l: cute.Layout,  # (TILE_M, STAGES)
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -315,10 +333,10 @@ class Fa3Backward(BwdDq):
         sdO = st.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D, STAGES)
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
         sV = st.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
-        sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N)
+        sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sLSE = st.sLSE.get_tensor(sLSE_l)  # (TILE_M, STAGES)
         sD = st.sD.get_tensor(sLSE_l)  # (TILE_M, STAGES)
-        sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word unless "bulk"
+        sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
         pipeline.pipeline_init_wait()
 
         if wg == WarpRole.PRODUCER:
@@ -336,6 +354,9 @@ class Fa3Backward(BwdDq):
                     seqlen_q,
                     seqlen_k,
                 )
+            if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
+                if warp == 1:
+                    self.write_dq(sdQ, mdQacc, n_block, head_kv, batch, group, seqlen_q, seqlen_k)
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
             self.mma(
@@ -537,7 +558,7 @@ class Fa3Backward(BwdDq):
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))
         # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
         sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TILE_N/16)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TILE_N/16, DS_ST)
         tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
         # The elementwise code indexes acc_S as i = c + 2r + 4j (m64nNk16 C layout, one MMA
@@ -547,7 +568,7 @@ class Fa3Backward(BwdDq):
         assert cute.size(acc_S) == TM // 2 and cute.size(acc_dV) == D // 2
         assert cute.size(tdVrP) == cute.size(acc_S)
         tScS = thr_sdp.partition_C(cute.make_identity_tensor((TN, TM)))  # (key, row) coords
-        sdSt = self._transposed(sdS, TM, TN)  # (TILE_N, TILE_M) view: dS^T as written
+        sdSt = self._transposed(sdS, TM, TN, self.DS_STAGES)  # (TILE_N, TILE_M, DS_ST): dS^T
         rdS = cute.make_tensor(tdKrdS.iterator, acc_S.layout)  # tdKrdS in acc_S's shape
         if const_expr(self.DS_STMATRIX):
             # stmatrix.trans: the fragment's register pairs run along query rows, sdS rows
@@ -583,172 +604,75 @@ class Fa3Backward(BwdDq):
                 if const_expr(self.CAUSAL):
                     masked = masked | (m_block * TM < first_free_row)
                 s = state.index
+                ds_i = 0  # the sdS buffer of this row block
+                if const_expr(self.DS_STAGES > 1):
+                    ds_i = i % self.DS_STAGES
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
-                # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
-                warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
-                ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
-                self.probs(
-                    acc_S, tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2,
-                    ds, softcap_pre,
-                )  # fmt: skip
-                self.pack(acc_S, tdVrP)
-                if const_expr(self.DV_EARLY):
-                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                    warpgroup.wait_group(1)  # dP^T retired (dV may still run)
+                probs_args = (tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2)
+                if const_expr(self.OVERLAP):
+                    # P^T while dP^T's wgmma runs, then dS^T.
+                    warpgroup.wait_group(1)
+                    self.probs(acc_S, *probs_args, None, softcap_pre)
+                    self.pack(acc_S, tdVrP)
+                    warpgroup.wait_group(0)
                     self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
-                self.pack(acc_dP, tdKrdS)
-                # dS^T -> sdS once every WG's dQ wgmma of the previous row block has retired,
-                # and before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
-                # touched (read included) until a wait_group has retired it.
-                cute.arch.barrier(
-                    barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
-                )
-                if const_expr(self.DS_STMATRIX):
-                    cute.copy(ds_copy, tSrdS, tSsdS)
                 else:
-                    cute.autovec_copy(tSrdS, tSsdS)
+                    # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
+                    warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
+                    ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
+                    self.probs(acc_S, *probs_args, ds, softcap_pre)
+                    self.pack(acc_S, tdVrP)
+                    if const_expr(self.DV_EARLY):
+                        self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                        warpgroup.wait_group(1)  # dP^T retired (dV may still run)
+                        self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
+                self.pack(acc_dP, tdKrdS)
+                # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
+                # before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
+                # touched (read included) until a wait_group has retired it. With two sdS
+                # buffers the DS_READY barrier of the previous row block already ordered it (every
+                # WG had retired the dQ wgmma of the block before that).
+                if const_expr(self.DS_STAGES == 1):
+                    cute.arch.barrier(
+                        barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
+                    )
+                if const_expr(self.DS_STMATRIX):
+                    cute.copy(ds_copy, tSrdS, tSsdS[None, None, None, ds_i])
+                else:
+                    cute.autovec_copy(tSrdS, tSsdS[None, None, None, ds_i])
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
-                if const_expr(not self.DV_EARLY):
+                if const_expr(self.OVERLAP):
                     self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
-                cute.arch.barrier(
-                    barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
-                )
-                self.gemm_ss(mma_dq, acc_dQ, tdQrdS, tdQrK, False)
-                # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
-                warpgroup.wait_group(0)
-                pipe_qdo.consumer_release(state)
-                state.advance()
-                if const_expr(self.DQ_BULK):
-                    self.reduce_dq(
-                        thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q
+                    cute.arch.barrier(
+                        barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
                     )
-                elif const_expr(self.DETERMINISTIC):
-                    self.add_dq_in_order(
-                        thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
-                    )
+                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                    self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
+                    warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
+                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                                m_block, seqlen_q)  # fmt: skip
+                    warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
+                    pipe_qdo.consumer_release(state)
                 else:
-                    self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+                    if const_expr(not self.DV_EARLY):
+                        self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
+                    cute.arch.barrier(
+                        barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
+                    )
+                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                    # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
+                    warpgroup.wait_group(0)
+                    pipe_qdo.consumer_release(state)
+                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                                m_block, seqlen_q)  # fmt: skip
+                state.advance()
             if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 # The bulk reduces of the last row block read sdQ and write gmem: complete
                 # before the CTA exits.
                 if mtid < 32:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
         self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
-
-    @cute.jit
-    def gemm_ss(self, tiled: cute.TiledMma, acc, tA, tB, accumulate: cutlass.Constexpr[bool]):
-        """Issue acc (+)= A·B (both operands from smem descriptors) and commit."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def gemm_rs(self, tiled: cute.TiledMma, acc, tA, tB):
-        """Issue acc += A·B (A from registers) and commit."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled.op)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
-            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
-        warpgroup.commit_group()
-
-    @cute.jit
-    def probs(
-        self,
-        acc_S: cute.Tensor,
-        tScS: cute.Tensor,
-        sLSE: cute.Tensor,
-        stage: Int32,
-        masked,
-        n_block: Int32,
-        m_block: Int32,
-        seqlen_k: Int32,
-        shift: Int32,
-        scale_log2: Float32,
-        ds: tuple | None = None,
-        softcap_pre: Float32 | None = None,
-    ):
-        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
-        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
-
-        Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
-        tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
-        derivative of the cap, 1 - t^2 (times softmax_scale, already in dS^T's formula); a
-        masked entry has t = -inf and P = 0, and the factor is clamped at 0 so that 0 * inf
-        never makes a NaN."""
-        if const_expr(self.SOFTCAP):
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * softcap_pre, fastmath=True)
-        if masked:
-            # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
-            # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
-            key_end = seqlen_k - n_block * self.TILE_N
-            diag = m_block * self.TILE_M + shift - n_block * self.TILE_N
-            for i in cutlass.range_constexpr(cute.size(acc_S)):
-                limit = key_end
-                if const_expr(self.CAUSAL):
-                    limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
-                acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
-        for i in cutlass.range_constexpr(cute.size(acc_S)):
-            lse = sLSE[tScS[i][1], stage]
-            # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
-            # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
-            lse = Float32.inf if lse == -Float32.inf else lse
-            if const_expr(self.SOFTCAP):
-                t = acc_S[i]
-            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
-            if const_expr(ds is not None):
-                acc_dP, sD, scale = ds
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
-                if const_expr(self.SOFTCAP):
-                    acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
-
-    @cute.jit
-    def dscores(
-        self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
-        stage: Int32, scale: Float32,
-    ):  # fmt: skip
-        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T)."""
-        for i in cutlass.range_constexpr(cute.size(acc_P)):
-            acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
-
-    @cute.jit
-    def pack(self, acc: cute.Tensor, frag: cute.Tensor):
-        """fp32 accumulator -> 16-bit A fragment of the same per-thread order (no data moves)."""
-        n = cute.size(acc)
-        r32 = cute.make_tensor(
-            cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(n // 2)
-        )  # (n/2,) 32-bit view of the fragment's registers
-        for j in cutlass.range_constexpr(n // 2):
-            r32[j] = cvt_pack_16x2(acc[2 * j], acc[2 * j + 1], self.dtype is cutlass.BFloat16)
-
-    @cute.jit
-    def store_dkv(
-        self,
-        thr_dkv,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        n_block: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        seqlen_k: Int32,
-    ):
-        """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped)."""
-        tile = (self.TILE_N, self.HEAD_DIM)
-        tcD = thr_dkv.partition_C(cute.make_identity_tensor(tile))
-        for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
-            g = cute.local_tile(m[None, None, head_kv, batch], tile, (n_block, 0))  # (TILE_N, D)
-            tg = thr_dkv.partition_C(g)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                if n_block * self.TILE_N + tcD[i][0] < seqlen_k:
-                    tg[i] = acc[i].to(self.dtype)

@@ -253,12 +253,11 @@ BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 128)
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
-# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). Off: on the H200 (2026-12-02, commit cb4a3c3,
-# `benchmarks/fa3_bwd_check.py --smoke --bench`, bf16, B·N = 16k, Hq·D = 2048) the kernel is
-# correct on all 33 oracle cases but runs at 0.63-0.92x of fa2's backward (D = 128, N = 16k:
-# 296 vs 382 TFLOP/s non-causal, 295 vs 323 causal; D = 64: 273 vs 343, 274 vs 298), so the
-# faster pairing stays the default until it passes fa2's everywhere.
-BWD_DEFAULT_ON = False
+# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config the kernel runs
+# at 1.2-1.5x fa2's backward on the H200 (bf16, B·N = 16k, Hq·D = 2048, N = 16k, TFLOP/s;
+# docs/results.md): D = 128 516 vs 382, causal 510 vs 323; D = 64 434 vs 343, causal 417 vs
+# 298.
+BWD_DEFAULT_ON = True
 
 
 @dataclass(frozen=True)
@@ -271,7 +270,11 @@ class BwdConfig:
     num_mma_wgs: int = 2
     # How a row block's dQ reaches the fp32 accumulator in global memory: "atomic", one
     # atom.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
-    # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32).
+    # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32); "warp",
+    # the MMA warpgroups store the fragment to an fp32 smem tile in fragment order and warp 1 of
+    # the producer warpgroup adds the whole tile with one cp.reduce.async.bulk into a
+    # tile-ordered accumulator (B, Hq, Nq_pad, D), which the host permutes back
+    # (bwd_host.dq_from_tiles).
     dq_mode: str = "atomic"
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
     # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
@@ -284,23 +287,53 @@ class BwdConfig:
     # (row block, head, batch) add their dQ in n_block order, each waiting on an int32 counter
     # in global memory (ld.acquire.gpu spin, red.release.gpu increment). "atomic" dq_mode only.
     deterministic: bool = False
+    # Buffers of sdS. 1: every WG's dQ wgmma of the previous row block must retire before sdS is
+    # rewritten (a named barrier per row block); 2: row blocks alternate buffers, and the one
+    # barrier that publishes dS also orders the reuse.
+    ds_stages: int = 1
+    # Issue order inside a row block. False: S^T and dP^T retire together, then P^T and dS^T,
+    # then dV, dK and dQ, all retired before dQ is added. True: P^T while dP^T's wgmma runs;
+    # dV, dQ, then dK issued; dQ leaves once dV and dQ retire, while dK still runs.
+    overlap: bool = False
 
 
-BWD_DQ_MODES = ("atomic", "bulk")
+BWD_DQ_MODES = ("atomic", "bulk", "warp")
 BWD_DS_STORES = ("scalar", "stmatrix")
 BWD_DQ_PAD = 8  # fp32 padding per sdQ row: conflict-free 64-bit stores of the C fragment
+
+
+def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tuple]:
+    """(shape, stride) of the "warp" dq_mode's (TILE_M, D) fp32 tile layout, used in smem and
+    in each TILE_M x D block of the global accumulator (bwd_dq.dq_tile_layout builds it,
+    bwd_host.dq_from_tiles inverts it).
+
+    Warpgroup g owns columns [g D/G, (g+1) D/G) (dQ's atom layout (1, G, 1)); in it, warp w of
+    the m64nNk16 accumulator holds rows 16 w + 8 r + a (a = lane / 4) and columns 8 j + 2 b + c
+    (b = lane % 4) in register c + 2 r + 4 j. Offset c + 2 r + 4 b + 16 a + 128 w + 512 j
+    (+ g TILE_M D / G) puts each thread's registers 4 j .. 4 j + 3 in 16 contiguous bytes and a
+    warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4 registers, and one bulk copy
+    per tile."""
+    if tile_m != 64:
+        raise ValueError(f"dq_tile_modes: tile_m {tile_m} must be 64 (one m64 atom)")
+    if head_dim % (8 * num_wgs):
+        raise ValueError(f"dq_tile_modes: head_dim {head_dim} not a multiple of 8 x {num_wgs}")
+    j = head_dim // num_wgs // 8
+    chunk = tile_m * head_dim // num_wgs
+    return ((8, 2, 4), (2, 4, j, num_wgs)), ((16, 2, 128), (1, 4, 512, chunk))
 
 
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
     mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV and sdS, then
-    sdQ (TILE_M x (D + BWD_DQ_PAD) fp32 in "bulk" dq_mode, one word otherwise)."""
+    sdQ (TILE_M x (D + BWD_DQ_PAD) fp32 in "bulk" dq_mode, TILE_M x D in "warp", one word
+    otherwise). sdS has ds_stages buffers."""
     mbar = 8 * (2 + 2 * cfg.stages)
     stats = 2 * _align(cfg.tile_m * cfg.stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
     kv = cfg.tile_n * head_dim * elem_bytes
-    ds = cfg.tile_m * cfg.tile_n * elem_bytes
-    dq = cfg.tile_m * (head_dim + BWD_DQ_PAD) * 4 if cfg.dq_mode == "bulk" else 4
+    ds = cfg.tile_m * cfg.tile_n * elem_bytes * cfg.ds_stages
+    dq = {"bulk": cfg.tile_m * (head_dim + BWD_DQ_PAD) * 4, "warp": cfg.tile_m * head_dim * 4}
+    dq = dq.get(cfg.dq_mode, 4)
     body = _align(_align(mbar, 128) + stats) + 2 * _align(q) + 2 * _align(kv) + _align(ds)
     return body + _align(dq)  # the struct rounds up to its 1 KiB alignment
 
@@ -315,17 +348,33 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
     return 2 * s + 2 * dkv + 24
 
 
-def bwd_config_for(head_dim: int, dtype: torch.dtype, causal: bool) -> BwdConfig:
-    """The backward tile config for (head_dim, dtype, causal); fp16 and bf16 share tiles.
+def bwd_config_for(
+    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
+) -> BwdConfig:
+    """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
 
-    64 x 128 tiles with 2 MMA warpgroups, 2 stages at D = 64 and D = 128: FA3's published shape
-    for these head dims; compiles spill-free for sm_90a (tests/test_fa3_bwd_compile.py);
-    not yet timed.
+    64 x 128 tiles, 2 MMA warpgroups, a 2-stage Q/dO ring (FA3's shape for D = 64 and 128),
+    dQ through the writer warp ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped
+    issue order. Chosen on the H200 (bf16, B·N = 16k, Hq·D = 2048, TFLOP/s at N = 16k,
+    `benchmarks/fa3_bwd_check.py --variant ... --bench`, docs/results.md), against the first
+    config (per-element dQ atomics, one sdS buffer, serial issue): D = 128 516 vs 297, causal
+    510 vs 297; D = 64 434 vs 274, causal 417 vs 276. The writer warp alone gives most of it
+    (483 / 484 / 411 / 398); the issue order and the second sdS buffer gain nothing without it
+    (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. Softcap builds keep the serial
+    issue order (dS needs tanh' from the P loop).
     """
     del dtype, causal
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
-    return BwdConfig(tile_m=64, tile_n=128, stages=2)
+    return BwdConfig(
+        tile_m=64,
+        tile_n=128,
+        stages=2,
+        dq_mode="warp",
+        ds_store="stmatrix",
+        ds_stages=2,
+        overlap=not softcap,
+    )
 
 
 def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -351,6 +400,10 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     if cfg.deterministic and cfg.dq_mode != "atomic":
         return False, f"fa3 backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
+    if cfg.ds_stages not in (1, 2):
+        return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
+    if cfg.overlap and cfg.dv_early:
+        return False, "fa3 backward: overlap and dv_early are two issue orders; pick one"
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"

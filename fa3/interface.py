@@ -12,8 +12,6 @@ counts and strides are runtime values. float8_e4m3fn inputs go to `fp8` (bf16 ou
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
@@ -33,7 +31,7 @@ from flashsuite.fa3.configs import (
 
 NAME = "fa3"
 HAS_BACKWARD = False
-# Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON says why it is off.
+# Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
@@ -249,19 +247,29 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     if not ok:
         return False, reason
     order = " in column-block order (deterministic)" if cfg.deterministic else ""
+    route = {"warp": "a writer warp's bulk reduce", "bulk": "bulk reduces", "atomic": "atomics"}
+    issue = ", overlapped issue" if cfg.overlap else ""
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
-        f"{cfg.num_mma_wgs} MMA WGs, dQ by {cfg.dq_mode} reduction{order}"
+        f"{cfg.num_mma_wgs} MMA WGs{issue}, dQ by {route[cfg.dq_mode]}{order}"
     )
 
 
 def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
-    """`cfg` or the tile table's config for `p`; under torch.use_deterministic_algorithms the
-    dQ adds are ordered (BwdConfig.deterministic, docs/design.md)."""
+    """`cfg` or the tile table's config for `p`. Under torch.use_deterministic_algorithms the
+    dQ adds are ordered (BwdConfig.deterministic, docs/design.md): the same tiles and ring with
+    per-element atomics, one sdS buffer and the serial issue order, the deterministic build
+    that has run on the H200."""
     if cfg is None:
-        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal)
+        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
     if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
-        cfg = replace(cfg, deterministic=True)
+        cfg = BwdConfig(
+            tile_m=cfg.tile_m,
+            tile_n=cfg.tile_n,
+            stages=cfg.stages,
+            num_mma_wgs=cfg.num_mma_wgs,
+            deterministic=True,
+        )
     return cfg
 
 
@@ -292,8 +300,8 @@ def backward(
 
     cfg = _bwd_config(p, cfg)
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
-    if ok and p.softcap > 0 and cfg.dv_early:
-        ok, reason = False, "softcap needs dv_early False (dS takes tanh' in the P loop)"
+    if ok and p.softcap > 0 and (cfg.dv_early or cfg.overlap):
+        ok, reason = False, "softcap needs dv_early and overlap False (dS takes tanh' in P's loop)"
     if not ok:
         raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
     key = BwdCompileKey(

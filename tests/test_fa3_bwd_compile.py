@@ -4,14 +4,15 @@ its PTX.
 `benchmarks/fa3_bwd_probe.py` compiles every shipped (head_dim, causal) backward config (bf16,
 and fp16 once) in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at
 import). Each must show the five GEMMs as wgmma (dV and dK with P^T and dS^T from registers),
-TMA loads of K, V, Q, dO, LSE and D, setmaxnreg, the two named barriers around sdS, the dQ
-reduction instruction, and 0 spill bytes without serialised wgmma. The "fast" variant
+TMA loads of K, V, Q, dO, LSE and D, setmaxnreg, the named barriers around sdS and sdQ, dQ
+leaving through one cp.reduce.async.bulk of the writer warp (no atomics), dS^T stored by
+stmatrix, and 0 spill bytes without serialised wgmma. The "fast" variant
 (benchmarks/fa3_bwd_variants.py: bulk dQ, stmatrix dS, early dV) is compiled too, at D = 128
 causal and D = 64 non-causal, and must reduce dQ with cp.reduce.async.bulk only and store dS
 with stmatrix. The "det" variant (deterministic dQ order) is compiled at the same two points and
 must add dQ with atomics between an acquiring spin and a releasing increment of its turn
-counter, still spill-free. The softcap builds (default config) at the same two points must
-take one tanh per score and stay spill-free.
+counter, still spill-free. The softcap builds (the shipped softcap config, "warp_stm2") at the
+same two points must take one tanh per score and stay spill-free.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def det_probes(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def softcap_probes(tmp_path_factory) -> list[dict]:
-    """The softcap builds of the default config at (D 64, full) and (D 128, causal)."""
-    runs = [["--variant", "base", "--softcap", "--shard", shard] for shard in ("0/4", "3/4")]
+    """The softcap builds of the shipped softcap config at (D 64, full) and (D 128, causal)."""
+    runs = [["--variant", "warp_stm2", "--softcap", "--shard", shard] for shard in ("0/4", "3/4")]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_softcap"), runs)
 
 
@@ -122,9 +123,11 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         # K, V, Q, dO (one copy per 64-column swizzle atom at D = 128) and LSE, D.
         assert ptx["tma_load"] >= 6, f"{where}: {ptx['tma_load']} cp.async.bulk.tensor loads"
         assert ptx["setmaxnreg"] == 2, f"{where}: setmaxnreg missing"
-        assert ptx["bar_sync"] >= 2, f"{where}: the sdS named barriers are missing"
-        assert ptx["dq_reduce"] > 0, f"{where}: no dQ reduction instruction"
-        assert ptx["stmatrix"] == 0 and ptx["dq_bulk"] == 0, f"{where}: not the shipped path"
+        # DS_READY (two sdS buffers: no DS_FREE); DQ_EMPTY / DQ_FULL between the MMA threads
+        # and the writer warp, which adds each tile with one bulk reduce; dS^T by stmatrix.x4.
+        assert ptx["bar_sync"] >= 3 and ptx["bar_arrive"] >= 3, f"{where}: named barriers {ptx}"
+        assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+        assert ptx["stmatrix"] == 4, f"{where}: {ptx['stmatrix']} stmatrix"
         assert ptx["sem_acquire"] == 0 and ptx["sem_release"] == 0, f"{where}: dQ turn counter"
         assert ptx["tanh"] == 0 and not r["softcap"], f"{where}: softcap code in a plain build"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
@@ -244,3 +247,35 @@ def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
     assert torch.isneginf(lse_log2[0, 1, :5]).all() and torch.isneginf(lse_log2[:, :, nq:]).all()
     torch.testing.assert_close(dsum[:, :, :nq], (dout * out).sum(-1).transpose(1, 2))
     assert (dsum[:, :, nq:] == 0).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_tile_order_round_trips(head_dim: int) -> None:
+    """The "warp" dq_mode's accumulator holds each 64 x D row block in dq_tile_modes order (the
+    layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
+    that map, for a ragged Nq too."""
+    from flashsuite.fa3.bwd_host import dq_from_tiles
+    from flashsuite.fa3.configs import dq_tile_modes
+
+    (rows, cols), (row_strides, col_strides) = dq_tile_modes(64, head_dim, 2)
+
+    def offsets(shape, stride, n) -> torch.Tensor:  # CuTe's colexicographic decomposition
+        idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
+        for size, st in zip(shape, stride, strict=True):
+            off += (idx % size) * st
+            idx = idx // size
+        return off
+
+    row_off, col_off = offsets(rows, row_strides, 64), offsets(cols, col_strides, head_dim)
+    tile_off = (row_off[:, None] + col_off[None, :]).flatten()
+    assert sorted(tile_off.tolist()) == list(range(64 * head_dim)), "not a bijection"
+    b, hq, nq, nq_pad = 2, 3, 100, 128
+    dq = torch.randn(b, nq_pad, hq, head_dim)
+    tiles = dq.view(b, nq_pad // 64, 64, hq, head_dim).permute(0, 3, 1, 2, 4)  # b, h, m, r, c
+    acc = torch.empty(b, hq, nq_pad // 64, 64 * head_dim)
+    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // 64, 64 * head_dim)
+    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, 64, 2, torch.float32)
+    assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
+    assert torch.equal(got, dq[:, :nq])
+    assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, 64, 2,
+                                     torch.float32), dq)  # fmt: skip

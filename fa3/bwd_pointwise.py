@@ -1,0 +1,130 @@
+"""The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
+issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
+the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
+TILE_N, HEAD_DIM, dtype, CAUSAL and SOFTCAP."""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from flashsuite.fa3.utils import cvt_pack_16x2
+
+
+class BwdSteps:
+    """GEMM issue, elementwise and epilogue steps of one MMA warpgroup."""
+
+    @cute.jit
+    def gemm_ss(self, tiled: cute.TiledMma, acc, tA, tB, accumulate: cutlass.Constexpr[bool]):
+        """Issue acc (+)= A·B (both operands from smem descriptors) and commit."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_rs(self, tiled: cute.TiledMma, acc, tA, tB):
+        """Issue acc += A·B (A from registers) and commit."""
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
+            cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def probs(
+        self,
+        acc_S: cute.Tensor,
+        tScS: cute.Tensor,
+        sLSE: cute.Tensor,
+        stage: Int32,
+        masked,
+        n_block: Int32,
+        m_block: Int32,
+        seqlen_k: Int32,
+        shift: Int32,
+        scale_log2: Float32,
+        ds: tuple | None = None,
+        softcap_pre: Float32 | None = None,
+    ):
+        """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
+        ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
+
+        Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
+        tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
+        derivative of the cap, 1 - t^2 (times softmax_scale, already in dS^T's formula); a
+        masked entry has t = -inf and P = 0, and the factor is clamped at 0 so that 0 * inf
+        never makes a NaN."""
+        if const_expr(self.SOFTCAP):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * softcap_pre, fastmath=True)
+        if masked:
+            # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
+            # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
+            key_end = seqlen_k - n_block * self.TILE_N
+            diag = m_block * self.TILE_M + shift - n_block * self.TILE_N
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                limit = key_end
+                if const_expr(self.CAUSAL):
+                    limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
+                acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            lse = sLSE[tScS[i][1], stage]
+            # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
+            # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
+            lse = Float32.inf if lse == -Float32.inf else lse
+            if const_expr(self.SOFTCAP):
+                t = acc_S[i]
+            acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
+            if const_expr(ds is not None):
+                acc_dP, sD, scale = ds
+                acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+                if const_expr(self.SOFTCAP):
+                    acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+
+    @cute.jit
+    def dscores(
+        self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
+        stage: Int32, scale: Float32,
+    ):  # fmt: skip
+        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T)."""
+        for i in cutlass.range_constexpr(cute.size(acc_P)):
+            acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+
+    @cute.jit
+    def pack(self, acc: cute.Tensor, frag: cute.Tensor):
+        """fp32 accumulator -> 16-bit A fragment of the same per-thread order (no data moves)."""
+        n = cute.size(acc)
+        r32 = cute.make_tensor(
+            cute.recast_ptr(frag.iterator, dtype=Int32), cute.make_layout(n // 2)
+        )  # (n/2,) 32-bit view of the fragment's registers
+        for j in cutlass.range_constexpr(n // 2):
+            r32[j] = cvt_pack_16x2(acc[2 * j], acc[2 * j + 1], self.dtype is cutlass.BFloat16)
+
+    @cute.jit
+    def store_dkv(
+        self,
+        thr_dkv,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        seqlen_k: Int32,
+    ):
+        """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped)."""
+        tile = (self.TILE_N, self.HEAD_DIM)
+        tcD = thr_dkv.partition_C(cute.make_identity_tensor(tile))
+        for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
+            g = cute.local_tile(m[None, None, head_kv, batch], tile, (n_block, 0))  # (TILE_N, D)
+            tg = thr_dkv.partition_C(g)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if n_block * self.TILE_N + tcD[i][0] < seqlen_k:
+                    tg[i] = acc[i].to(self.dtype)
