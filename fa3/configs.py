@@ -359,7 +359,7 @@ def bwd_config_for(
     `benchmarks/fa3_bwd_check.py --variant ... --bench`, docs/results.md), against the first
     config (per-element dQ atomics, one sdS buffer, serial issue): D = 128 516 vs 297, causal
     510 vs 297; D = 64 434 vs 274, causal 417 vs 276. The writer warp alone gives most of it
-    (483 / 484 / 411 / 398); the issue order and the second sdS buffer gain nothing without it
+    (483 / 484 / 411 / 398); the overlapped order and the second sdS buffer gain nothing without it
     (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. Softcap builds keep the serial
     issue order (dS needs tanh' from the P loop).
     """
