@@ -26,26 +26,14 @@ import torch
 
 from flashsuite.common.fp8 import E4M3
 from flashsuite.common.reference import visibility_mask
-from flashsuite.common.testing import FP8_FACTOR, Comparison, compare, fp8_baseline, reference_pair
-
-MMA_K = 32  # wgmma K of 8-bit operands
-
-
-def _truncate(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """float32 x with its mantissa cut to `bits` bits (toward zero); 23 leaves x unchanged."""
-    if bits >= 23:
-        return x
-    raw = x.contiguous().view(torch.int32)
-    return (raw & ~((1 << (23 - bits)) - 1)).view(torch.float32)
-
-
-def _mma(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
-    """acc + a @ b in k = 32 steps, the accumulator truncated to `bits` after each step."""
-    if bits >= 23:
-        return acc + a @ b
-    for k0 in range(0, a.shape[-1], MMA_K):
-        acc = _truncate(acc + a[..., k0 : k0 + MMA_K] @ b[..., k0 : k0 + MMA_K, :], bits)
-    return acc
+from flashsuite.common.testing import (
+    FP8_FACTOR,
+    Comparison,
+    compare,
+    fp8_baseline,
+    reference_pair,
+)
+from flashsuite.common.testing import mma_truncated as _mma
 
 
 def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 23):
