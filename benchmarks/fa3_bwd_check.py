@@ -309,7 +309,7 @@ def time_variant(name: str, cfg, case: Case) -> dict:
 def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
     """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
     TFLOP/s, so that a hang in one variant leaves the results of those before it."""
-    from benchmarks.fa3_bwd_variants import VARIANTS, variant
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
 
     cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
     path = out_dir / "fa3_bwd_variants.json"
@@ -341,7 +341,8 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         rows = []
         report["variants"][name] = {"config": cfg.__dict__, "what": VARIANTS[name][1]}
         report["variants"][name]["cases"] = rows
-        for case in variant_cases():
+        dims = variant_head_dims(name)
+        for case in (c for c in variant_cases() if c.head_dim in dims):
             save(running=f"{name} {case.id}")
             try:
                 r = check_variant_case(case, cfg)
@@ -356,7 +357,7 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         _log(f"variant {name}: {passed}/{len(rows)} cases pass")
         # Timed even when a case failed (the speed of a mechanism is still worth knowing);
         # the summary marks such variants.
-        for case in bench_cases:
+        for case in (c for c in bench_cases if c.head_dim in dims):
             timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
     save()
     if bench:

@@ -37,10 +37,13 @@ def variant_cases(names: list[str]) -> list[tuple]:
     """(head_dim, bf16, causal, cfg) of each named variant (benchmarks.fa3_bwd_variants)."""
     import torch
 
-    from benchmarks.fa3_bwd_variants import variant
+    from benchmarks.fa3_bwd_variants import variant, variant_head_dims
 
     return [
-        (d, torch.bfloat16, c, variant(n)) for n in names for d in (64, 128) for c in (False, True)
+        (d, torch.bfloat16, c, variant(n))
+        for n in names
+        for d in variant_head_dims(n)
+        for c in (False, True)
     ]
 
 

@@ -55,6 +55,10 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix"),
         "pipe with dS^T by stmatrix.trans",
     ),
+    "pipe128": (
+        BwdConfig(tile_m=128, dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix"),
+        "pipe_stm with 128-row Q tiles (D = 64 only)",
+    ),
     "warp_stm2": (
         BwdConfig(dq_mode="warp", ds_stages=2, ds_store="stmatrix"),
         "pipe_stm in the serial issue order: the shipped softcap config",
@@ -68,6 +72,17 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         "fast with a 3-stage ring",
     ),
 }
+
+
+# Variants built for some head dims only (the others are all of BWD_HEAD_DIMS).
+HEAD_DIMS: dict[str, tuple[int, ...]] = {"pipe128": (64,)}
+
+
+def variant_head_dims(name: str) -> tuple[int, ...]:
+    """The head dims a named variant is built and checked for."""
+    from flashsuite.fa3.configs import BWD_HEAD_DIMS
+
+    return HEAD_DIMS.get(name, BWD_HEAD_DIMS)
 
 
 def variant(name: str) -> BwdConfig:

@@ -165,7 +165,7 @@ class Fa3Backward(BwdDq, BwdSteps):
             (64, self.HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        # dQ (TILE_M x D): the warpgroups split the D columns.
+        # dQ (TILE_M x D): the warpgroups split the D columns; TILE_M / 64 m64 atoms each.
         mma_dq = sm90.make_trivial_tiled_mma(
             dt,
             dt,
@@ -173,7 +173,7 @@ class Fa3Backward(BwdDq, BwdSteps):
             major.MN,
             Float32,
             (1, self.NUM_MMA_WGS, 1),
-            (self.TILE_M, self.HEAD_DIM // self.NUM_MMA_WGS),
+            (64, self.HEAD_DIM // self.NUM_MMA_WGS),
         )
         return mma_sdp, mma_dkv, mma_dq
 

@@ -313,13 +313,18 @@ def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tupl
     (+ g TILE_M D / G) puts each thread's registers 4 j .. 4 j + 3 in 16 contiguous bytes and a
     warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4 registers, and one bulk copy
     per tile."""
-    if tile_m != 64:
-        raise ValueError(f"dq_tile_modes: tile_m {tile_m} must be 64 (one m64 atom)")
+    if tile_m % 64:
+        raise ValueError(f"dq_tile_modes: tile_m {tile_m} not a multiple of 64 (m64 atoms)")
     if head_dim % (8 * num_wgs):
         raise ValueError(f"dq_tile_modes: head_dim {head_dim} not a multiple of 8 x {num_wgs}")
     j = head_dim // num_wgs // 8
     chunk = tile_m * head_dim // num_wgs
-    return ((8, 2, 4), (2, 4, j, num_wgs)), ((16, 2, 128), (1, 4, 512, chunk))
+    # A second m64 atom (tile_m = 128: rows 64 m + ...) follows the first's j blocks, as its
+    # registers follow them in the fragment.
+    rows, row_strides = (8, 2, 4), (16, 2, 128)
+    if tile_m > 64:
+        rows, row_strides = (*rows, tile_m // 64), (*row_strides, 512 * j)
+    return (rows, (2, 4, j, num_wgs)), (row_strides, (1, 4, 512, chunk))
 
 
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
@@ -387,9 +392,12 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: num_mma_wgs {cfg.num_mma_wgs} not in {set(BWD_REG_SPLIT)}"
     if cfg.tile_n != 64 * cfg.num_mma_wgs:
         return False, f"fa3 backward: tile_n must be {64 * cfg.num_mma_wgs} (64 keys per MMA WG)"
-    # tile_m is the M of dQ's wgmma (one 64-row atom, the WGs split D) and S^T's N.
-    if cfg.tile_m != 64:
-        return False, f"fa3 backward: tile_m {cfg.tile_m} must be 64 (dQ's wgmma M)"
+    # tile_m is the M of dQ's wgmma (64-row atoms, the WGs split D) and S^T's N. 128 rows
+    # fit the registers at D = 64 only, and only with dQ through the writer warp.
+    if cfg.tile_m not in (64, 128):
+        return False, f"fa3 backward: tile_m {cfg.tile_m} not in (64, 128)"
+    if cfg.tile_m == 128 and (head_dim != 64 or cfg.dq_mode != "warp"):
+        return False, "fa3 backward: tile_m 128 needs head_dim 64 and dq_mode 'warp'"
     if head_dim % (8 * cfg.num_mma_wgs) != 0:
         return False, f"fa3 backward: head_dim {head_dim} not split by {cfg.num_mma_wgs} WGs"
     if cfg.stages < 1:

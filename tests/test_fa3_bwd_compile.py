@@ -103,7 +103,9 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     ok, reason = bwd_can_implement(BwdConfig(), 256, torch.bfloat16)
     assert not ok and "head_dim 256" in reason
     ok, reason = bwd_can_implement(BwdConfig(tile_m=128), 64, torch.bfloat16)
-    assert not ok and "tile_m 128 must be 64" in reason
+    assert not ok and "tile_m 128 needs head_dim 64 and dq_mode 'warp'" in reason
+    ok, reason = bwd_can_implement(BwdConfig(tile_m=96), 64, torch.bfloat16)
+    assert not ok and "tile_m 96 not in (64, 128)" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
     assert not ok and "dtype" in reason
 
@@ -220,13 +222,14 @@ def test_bwd_dq_mode_refused_with_reason() -> None:
 
 
 def test_bwd_variants_can_implement() -> None:
-    """Every named variant the GPU check script takes is a buildable config at D 64 and 128."""
-    from benchmarks.fa3_bwd_variants import VARIANTS, variant
+    """Every named variant the GPU check script takes is a buildable config at its head dims
+    (D 64 and 128 unless fa3_bwd_variants.HEAD_DIMS says otherwise)."""
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
 
     assert variant("base") == BwdConfig()
     for name, (cfg, what) in VARIANTS.items():
         assert what, name
-        for d in (64, 128):
+        for d in variant_head_dims(name):
             ok, reason = bwd_can_implement(cfg, d, torch.bfloat16)
             assert ok, f"{name} D={d}: {reason}"
     with pytest.raises(ValueError, match="name 'nope' not in"):
@@ -249,15 +252,15 @@ def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
     assert (dsum[:, :, nq:] == 0).all()
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_tile_order_round_trips(head_dim: int) -> None:
-    """The "warp" dq_mode's accumulator holds each 64 x D row block in dq_tile_modes order (the
+@pytest.mark.parametrize(("tile_m", "head_dim"), [(64, 64), (64, 128), (128, 64)])
+def test_dq_tile_order_round_trips(tile_m: int, head_dim: int) -> None:
+    """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
     layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
     that map, for a ragged Nq too."""
     from flashsuite.fa3.bwd_host import dq_from_tiles
     from flashsuite.fa3.configs import dq_tile_modes
 
-    (rows, cols), (row_strides, col_strides) = dq_tile_modes(64, head_dim, 2)
+    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, 2)
 
     def offsets(shape, stride, n) -> torch.Tensor:  # CuTe's colexicographic decomposition
         idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
@@ -266,16 +269,16 @@ def test_dq_tile_order_round_trips(head_dim: int) -> None:
             idx = idx // size
         return off
 
-    row_off, col_off = offsets(rows, row_strides, 64), offsets(cols, col_strides, head_dim)
+    row_off, col_off = offsets(rows, row_strides, tile_m), offsets(cols, col_strides, head_dim)
     tile_off = (row_off[:, None] + col_off[None, :]).flatten()
-    assert sorted(tile_off.tolist()) == list(range(64 * head_dim)), "not a bijection"
-    b, hq, nq, nq_pad = 2, 3, 100, 128
+    assert sorted(tile_off.tolist()) == list(range(tile_m * head_dim)), "not a bijection"
+    b, hq, nq, nq_pad = 2, 3, 200, 256
     dq = torch.randn(b, nq_pad, hq, head_dim)
-    tiles = dq.view(b, nq_pad // 64, 64, hq, head_dim).permute(0, 3, 1, 2, 4)  # b, h, m, r, c
-    acc = torch.empty(b, hq, nq_pad // 64, 64 * head_dim)
-    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // 64, 64 * head_dim)
-    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, 64, 2, torch.float32)
+    tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
+    acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim)
+    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
+    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, tile_m, 2, torch.float32)
     assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
     assert torch.equal(got, dq[:, :nq])
-    assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, 64, 2,
+    assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, tile_m, 2,
                                      torch.float32), dq)  # fmt: skip
