@@ -12,68 +12,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashsuite.common.bwd_preprocess import _bwd_preprocess  # noqa: F401 (re-exported)
 from flashsuite.fa2.mask import (
     _NO_SPEC,
-    LOG2E,
     _key_range,
     _query_range,
     _scores,
     _visible,
 )
-
-
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_pad"])
-def _bwd_preprocess(
-    Out,  # (B, Nq, Hq, Dv)
-    dOut,  # (B, Nq, Hq, Dv)
-    Lse,  # (B, Hq, Nq) fp32, natural log
-    Delta,  # (B, Hq, Nq_pad) fp32 out, contiguous
-    Lse2,  # (B, Hq, Nq_pad) fp32 out, contiguous
-    stride_ob,
-    stride_on,
-    stride_oh,
-    stride_dob,
-    stride_don,
-    stride_doh,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    seqlen_q,
-    seqlen_pad,  # Nq rounded up to a multiple of every backward BLOCK_M
-    num_heads,
-    HEAD_DIM_V: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """delta = rowsum(dO * O) (the softmax-Jacobian term of dS = P * (dP - delta)) and
-    lse2 = LSE * log2(e), both fp32 and padded to seqlen_pad rows.
-
-    lse2 is +inf for rows that saw no key (LSE = -inf) and for padding rows, so that
-    P = exp2(S - lse2) is exactly 0 there; delta is 0 on padding rows. The main kernels then
-    load both without masks: masked vector loads in their pipelined loops cost ~1 KB of spills.
-    """
-    start_m = tl.program_id(0) * BLOCK_M
-    off_h = tl.program_id(1)
-    off_b = tl.program_id(2)
-    offs_m = tl.arange(0, BLOCK_M)  # (BLOCK_M,) local rows
-    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
-    m_ok = (start_m + offs_m) < seqlen_q  # (BLOCK_M,)
-    mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_M, DV_PAD)
-    o_ptrs = Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-    o_ptrs = o_ptrs + start_m.to(tl.int64) * stride_on
-    o_ptrs = o_ptrs + offs_m[:, None] * stride_on + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
-    do_ptrs = dOut + off_b.to(tl.int64) * stride_dob + off_h.to(tl.int64) * stride_doh
-    do_ptrs = do_ptrs + start_m.to(tl.int64) * stride_don
-    do_ptrs = do_ptrs + offs_m[:, None] * stride_don + offs_dv[None, :]  # (BLOCK_M, DV_PAD)
-    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, DV_PAD)
-    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK_M, DV_PAD)
-    delta = tl.sum(o * do, 1)  # (BLOCK_M,)
-    l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh
-    lse = tl.load(l_ptrs + (start_m + offs_m) * stride_lm, mask=m_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # (BLOCK_M,)
-    row = (off_b.to(tl.int64) * num_heads + off_h) * seqlen_pad + start_m + offs_m  # (BLOCK_M,)
-    tl.store(Delta + row, delta)
-    tl.store(Lse2 + row, lse2)
 
 
 @triton.jit

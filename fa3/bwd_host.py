@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
+from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
 from flashsuite.fa3.bwd_kernel import Fa3Backward
 from flashsuite.fa3.compile import cached, check_storage, compile_options
 from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
@@ -118,17 +119,16 @@ def get_backward(key: BwdCompileKey) -> Any:
 def preprocess(
     dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse_log2, dsum), both (B, Hq, Nq_pad) float32 with Nq_pad a multiple of `tile_m`.
+    """(lse_log2, dsum), both (B, Hq, Nq_pad) float32 with Nq_pad a multiple of `tile_m`, by the
+    shared Triton preprocess (common/bwd_preprocess.py).
 
-    lse_log2 = lse * log2(e) (-inf stays -inf, padding rows -inf); dsum = rowsum(dout * out)
-    (padding rows 0). dout, out (B, Nq, Hq, D); lse (B, Hq, Nq) float32, natural log.
+    lse_log2 = lse * log2(e), +inf for rows that see no key and for the padding rows (the kernel
+    reads any infinite LSE as P = 0); dsum = rowsum(dout * out), 0 on padding rows. dout, out
+    (B, Nq, Hq, D) with unit last stride; lse (B, Hq, Nq) float32, natural log.
     """
-    b, nq, hq, _ = out.shape
-    nq_pad = -(-nq // tile_m) * tile_m
-    lse_log2 = torch.full((b, hq, nq_pad), -math.inf, dtype=torch.float32, device=out.device)
-    lse_log2[:, :, :nq] = lse * LOG2E  # (B, Hq, Nq)
-    dsum = torch.zeros((b, hq, nq_pad), dtype=torch.float32, device=out.device)
-    dsum[:, :, :nq] = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # (B, Hq, Nq)
+    nq = out.shape[1]
+    step = math.lcm(tile_m, BLOCK_M)
+    dsum, lse_log2 = bwd_preprocess(out, dout, lse, -(-nq // step) * step)
     return lse_log2, dsum
 
 

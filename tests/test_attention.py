@@ -147,6 +147,7 @@ def test_forward_and_lse(version: str, case: Case, device: str) -> None:
 
 
 # Measured accuracy gaps, kept visible (strict: a fix turns them into failures to update).
+# Under the Triton interpreter (CPU) only: on the H200 the compiled kernel passes the case.
 # fa2's backward recomputes P = exp2(S * scale * log2e - LSE * log2e); with x12 inputs the
 # log2-domain scores reach ~1e3, where a float32 ulp is 6e-5, so P and dV = Pᵀ dO carry ~1e-4
 # relative error: max|dV - ref| 4.0e-4 against PyTorch's float32 3.2e-5 (12.7x), mean 8.5e-6
@@ -162,7 +163,7 @@ KNOWN_GAPS = {
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_backward(version: str, case: Case, device: str, request) -> None:
-    if (version, case.id) in KNOWN_GAPS:
+    if (version, case.id) in KNOWN_GAPS and device == "cpu":
         request.applymarker(pytest.mark.xfail(reason=KNOWN_GAPS[version, case.id], strict=True))
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
@@ -383,8 +384,10 @@ NO_GPU_SCHEDULING = (
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_SCHEDULING)
 @pytest.mark.parametrize("version", VERSIONS)
 def test_backward_is_deterministic(version: str, device: str) -> None:
-    """Five backward passes on the same inputs give bitwise-identical gradients (every shipped
-    backward is deterministic by default: no atomics in the reduction order)."""
+    """Under torch.use_deterministic_algorithms(True), five backward passes on the same inputs
+    give bitwise-identical gradients. fa1, fa2 and torch are deterministic anyway; fa3's own
+    backward adds dQ in arrival order by default (as flash-attn's) and in column-block order
+    under the flag."""
     case = Case(
         batch=2, seqlen_q=1030, seqlen_k=1500, heads_q=8, heads_kv=2, head_dim=64, causal=True
     )
@@ -392,9 +395,16 @@ def test_backward_is_deterministic(version: str, device: str) -> None:
     _require(version, case, q, k, v)
     dout = make_grad_out(case, device)
     runs = []
-    for _ in range(5):
-        out = dispatch.attention(q, k, v, causal=True, version=version)
-        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        # warn_only: cuBLAS (the torch version's matmuls) would otherwise need
+        # CUBLAS_WORKSPACE_CONFIG; the flag is what fa3 reads.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        for _ in range(5):
+            out = dispatch.attention(q, k, v, causal=True, version=version)
+            runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    finally:
+        torch.use_deterministic_algorithms(was)
     for i, grads in enumerate(runs[1:], start=1):
         for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
             assert torch.equal(a, b), f"{name} of run {i} differs from run 0"
