@@ -157,7 +157,11 @@ def entry_path(key: Any) -> Path | None:
     root, text = cache_root(), key_text(key)
     if root is None or text is None:
         return None
-    folder = root / _sha256(json.dumps(fingerprint(), sort_keys=True).encode())[:16]
+    try:
+        folder = root / _sha256(json.dumps(fingerprint(), sort_keys=True).encode())[:16]
+    except Exception as e:  # an install that cannot be described is not cached, never fatal
+        _warn_once(f"no toolchain fingerprint ({type(e).__name__}: {e}): not caching on disk")
+        return None
     return folder / f"{_sha256(text.encode())[:32]}.bin"
 
 
