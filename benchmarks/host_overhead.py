@@ -42,21 +42,15 @@ def stubbed_kernels() -> Iterator[None]:
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
     from flashsuite.fa1 import kernels as fa1_kernels
     from flashsuite.fa2 import kernels as fa2_kernels
+    from flashsuite.fa3 import compile as fa3_compile  # imports the CuTe DSL only to compile
 
+    sm = type("Props", (), {"multi_processor_count": 132})
     patches = [
         (fa1_kernels, "fa1_fwd_kernel", _NoKernel()),
         (fa2_kernels, "_attn_fwd", _NoKernel()),
+        (fa3_compile, "get_forward", lambda key: lambda *args: None),
+        (torch.cuda, "get_device_properties", lambda device=None: sm),
     ]
-    try:
-        from flashsuite.fa3 import compile as fa3_compile
-
-        sm = type("Props", (), {"multi_processor_count": 132})
-        patches += [
-            (fa3_compile, "get_forward", lambda key: lambda *args: None),
-            (torch.cuda, "get_device_properties", lambda device=None: sm),
-        ]
-    except ImportError:  # no CuTe DSL: fa3 is left out of the table
-        pass
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     # The portable version's "kernel" is its torch compute, and its custom op holds the
     # function itself: swap the function's code for an allocation of the outputs.

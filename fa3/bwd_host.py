@@ -10,8 +10,10 @@ float32, LSE * log2(e) (-inf kept: the kernel reads it as P = 0), both padded to
 blocks with 0 / -inf; the float32 dQ accumulator zeroed; dQ cast to the input dtype at the end
 (the softmax scale is folded into dS inside the kernel).
 
-`CUTE_DSL_*` environment settings are read when `cutlass.cute` is first imported; set
-`CUTE_DSL_ARCH=sm_90a` before importing this module to compile on a machine without a GPU.
+The binary is cached like the forward's (`compile.cached`: in memory, then on disk) and called
+with every parameter positionally, as a binary loaded from disk takes them. The CuTe DSL is
+imported only to compile; `CUTE_DSL_*` environment settings are read when `cutlass.cute` is
+first imported (set `CUTE_DSL_ARCH=sm_90a` before the first compile on a machine without a GPU).
 """
 
 from __future__ import annotations
@@ -20,16 +22,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import cutlass
-import cutlass.cute as cute
 import torch
 
 from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
-from flashsuite.fa3.bwd_kernel import Fa3Backward
-from flashsuite.fa3.compile import cached, check_storage, compile_options
+from flashsuite.fa3.compile import cached, check_storage, compile_options, cutlass_dtype
 from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 
-_TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 LOG2E = math.log2(math.e)
 
 
@@ -51,7 +49,10 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
     """Fake q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv with symbolic sizes and strides, and
     the dQ turn counters (B, Hq, row blocks) int32 when the config is deterministic (else None:
     the default build's kernel has no such parameter)."""
-    dt = _TORCH_TO_CUTLASS[key.dtype]
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(key.dtype)
     d = key.head_dim
     b, nq, nk, hq, hkv, nq_pad = (cute.sym_int() for _ in range(6))
     elems_16b = 16 // (dt.width // 8)  # TMA: outer strides are multiples of 16 bytes
@@ -90,8 +91,12 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
     if key.local:
         raise ValueError("fa3 backward: sliding window is not implemented")
-    dtype = _TORCH_TO_CUTLASS[key.dtype]
-    kernel = Fa3Backward(dtype, key.head_dim, key.cfg, key.causal, key.softcap)
+    import cutlass
+    import cutlass.cute as cute
+
+    from flashsuite.fa3.bwd_kernel import Fa3Backward
+
+    kernel = Fa3Backward(cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.softcap)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     *tensors, sem = _fake_inputs(key)
     # Trailing optional parameters: the turn counters, then softcap_pre (softcap builds).
@@ -156,16 +161,14 @@ def run_backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
     fn = get_backward(key)
-    extra = ()
+    sem = None  # the trailing optional parameters, passed (as None where unused) every time
     if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
         b, hq, nq_pad = lse_log2.shape
         sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
-        extra = (sem,)
-    scale_log2 = scale * LOG2E
+    scale_log2, softcap_pre = scale * LOG2E, None
     if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
-        extra = (extra[0] if extra else None, scale / softcap)
-        scale_log2 = softcap * LOG2E
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, *extra)
+        scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre)
     if key.cfg.dq_mode == "warp":
         return dq_from_tiles(dq_acc, nq, key.cfg.tile_m, key.cfg.num_mma_wgs, q.dtype), dk, dv
     return dq_acc.to(q.dtype), dk, dv

@@ -5,8 +5,14 @@ head counts and strides are symbolic in the fake tensors the kernel is compiled 
 shapes never recompile. The binary is built with `--enable-tvm-ffi`: it takes torch tensors
 directly and launches on torch's current stream.
 
-`CUTE_DSL_*` environment settings are read when `cutlass.cute` is first imported; set
-`CUTE_DSL_ARCH=sm_90a` before importing this module to compile on a machine without a GPU.
+Two cache levels: an in-process dict, then the on-disk cache of `disk_cache` (a new process
+loads the binary a previous one built). Every launch passes every kernel parameter
+positionally, as a binary loaded from disk takes them (no defaults).
+
+The CuTe DSL (`cutlass`) and the kernel classes are imported only when a binary is compiled:
+loading one from disk needs TVM-FFI alone. `CUTE_DSL_*` environment settings are read when
+`cutlass.cute` is first imported; set `CUTE_DSL_ARCH=sm_90a` before the first compile on a
+machine without a GPU (the `--gpu-arch` option below already targets sm_90a).
 """
 
 from __future__ import annotations
@@ -16,14 +22,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import cutlass
-import cutlass.cute as cute
 import torch
 
+from flashsuite.fa3 import disk_cache
 from flashsuite.fa3.configs import SMEM_CAPACITY, Fa3Config, smem_bytes
-from flashsuite.fa3.kernels import Fa3Forward
 
-_TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+
+def cutlass_dtype(dtype: torch.dtype) -> Any:
+    """The CuTe DSL element type of a 16-bit torch dtype (imports the DSL)."""
+    import cutlass
+
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
 
 
 @dataclass(frozen=True)
@@ -64,20 +73,24 @@ def check_storage(kernel: Any, estimate: int, what: str) -> None:
 
 
 def cached(key: Any, build: Any) -> Any:
-    """The executor for `key`, built by `build(key)` on first use (thread-safe)."""
+    """The executor for `key`: from this process's dict, else loaded from the on-disk cache,
+    else built by `build(key)` and stored there (thread-safe; `disk_cache.load_or_build`)."""
     fn = _cache.get(key)
     if fn is None:
         with _lock:
             fn = _cache.get(key)
             if fn is None:
-                fn = build(key)
+                fn = disk_cache.load_or_build(key, build)
                 _cache[key] = fn
     return fn
 
 
 def _fake_inputs(key: CompileKey) -> tuple:
     """Fake q, k, v, out, lse with symbolic sizes and 16-byte-aligned symbolic strides."""
-    dt = _TORCH_TO_CUTLASS[key.dtype]
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(key.dtype)
     d = key.head_dim
     b, nq, nk, hq, hkv = (cute.sym_int() for _ in range(5))
     elems_16b = 16 // (dt.width // 8)  # TMA: outer strides are multiples of 16 bytes
@@ -99,9 +112,14 @@ def _fake_inputs(key: CompileKey) -> tuple:
 
 def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     """Build one forward binary (no cache). `extra_options` are appended to cute.compile's."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flashsuite.fa3.kernels import Fa3Forward
+
     est = smem_bytes(key.cfg, key.head_dim)
     kernel = Fa3Forward(
-        _TORCH_TO_CUTLASS[key.dtype], key.head_dim, key.cfg, key.causal, key.local, key.softcap
+        cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap
     )
     q, k, v, o, lse = _fake_inputs(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
-#                                                smallshapes sanitize-small mutants
+#                                                smallshapes sanitize-small mutants warm
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -76,6 +76,10 @@ for part in $parts; do
       # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
       python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \
         | tee "$out/mutants-gpu.log" || status=1 ;;
+    warm)
+      # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
+      python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \
+        | tee "$out/warm-start.log" || status=1 ;;
     *) echo "unknown part: $part"; status=2 ;;
   esac
 done
