@@ -235,3 +235,60 @@ def test_sliding_window_model_is_refused() -> None:
     ids, mask = _batch("left")
     with torch.no_grad(), pytest.raises(NotImplementedError, match=r"cannot express|sliding"):
         model(input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_with_the_auto_versions(calls) -> None:
+    """On a GPU, bf16, version "auto" (sm90: fa3 for the dense calls, fa2 for the packed and
+    KV-cache ones), head_dim 64: logits and one step's gradients by the comparison rule, and
+    greedy tokens that are the exact model's best up to bf16's error."""
+    name = dispatch.register_transformers(name="fsuite-auto")
+    cfg = _config(hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    ref = cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64).cuda()
+    pt = cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
+    ours = cls._from_config(cfg, attn_implementation=name, dtype=torch.bfloat16).cuda()
+    state = {k: t.bfloat16() for k, t in ref.state_dict().items()}
+    pt.load_state_dict(state)
+    ours.load_state_dict(state)
+    ref.load_state_dict(state)  # the same (bf16-representable) weights, in float64
+    layers = cfg.num_hidden_layers
+    for padding in ("none", "left", "right"):
+        ids, mask = (t.cuda() for t in _batch("left" if padding == "none" else padding))
+        if padding == "none":
+            mask = torch.ones_like(mask)
+        real = mask.bool()
+        with torch.no_grad():
+            logits = [m(input_ids=ids, attention_mask=mask).logits[real] for m in (ref, pt, ours)]
+        _assert_close(f"logits ({padding} padding)", logits[2], logits[0], logits[1])
+    assert calls == {"attention": layers, "attention_varlen": 2 * layers}
+
+    ids, mask = (t.cuda() for t in _batch("right"))
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = []
+    for model in (ref, pt, ours):
+        model.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        model.zero_grad()
+    _assert_close("grads", grads[2], grads[0], grads[1])
+
+    new = 6
+    for padding in ("none", "left"):
+        ids, mask = (t.cuda() for t in _batch("left", seed=3))
+        if padding == "none":
+            ids, mask = ids[:1], mask[:1]
+        out = ours.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False,
+        )  # fmt: skip
+        full = torch.cat([mask, torch.ones_like(mask[:, :new])], dim=1)
+        with torch.no_grad():
+            exact = ref(input_ids=out, attention_mask=full).logits  # (B, N + new, V)
+            approx = pt(input_ids=out, attention_mask=full).logits
+        err = (approx.double() - exact).abs()[full.bool()].max().item()  # bf16's own error
+        steps = exact[:, ids.shape[1] - 1 : -1]  # the logits each new token was chosen from
+        chosen = steps.gather(-1, out[:, ids.shape[1] :, None]).squeeze(-1)
+        gap = steps.amax(-1) - chosen  # 0 where the exact model agrees
+        assert gap.max().item() <= 6 * err + 1e-6, (gap, err)
