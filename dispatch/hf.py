@@ -39,7 +39,7 @@ from flashsuite.dispatch.inference import attention_varlen, attention_with_kvcac
 DEFAULT_NAME = "fsuite"
 # Substrings that make transformers route a name to a backend of its own (see the module doc).
 _RESERVED = ("flash", "sdpa", "flex_attention", "paged|")
-_SUPPORTED = "causal or bidirectional attention with padding"
+_SUPPORTED = "causal or bidirectional attention (also cross-attention) with padding"
 
 
 def register_transformers(version: str = "auto", name: str = DEFAULT_NAME) -> str:
@@ -86,11 +86,13 @@ def padding_mask(
 ) -> torch.Tensor | None:
     """The mask function registered with `AttentionMaskInterface`.
 
-    Queries sit at positions q_offset .. q_offset + q_length - 1 and are the last tokens seen,
-    so the keys that hold tokens are the first L = q_offset + q_length of the kv_length slots
-    (all of them for a dynamic cache, a prefix of a static one). Returns None when every one of
-    those tokens is real and L == kv_length, otherwise the (B, L) bool mask of real tokens
-    (`attention_mask` is the (B, >= L) 2-D padding mask transformers passes, 1 = token).
+    Causal (self-attention): queries sit at positions q_offset .. q_offset + q_length - 1 and
+    are the last tokens seen, so the keys that hold tokens are the first
+    L = q_offset + q_length of the kv_length slots (all of them for a dynamic cache, a prefix of
+    a static one). Bidirectional (an encoder, or cross-attention to one): L = kv_length, the
+    queries may be another sequence. Returns None when every one of the L tokens is real and
+    L == kv_length, otherwise the (B, L) bool mask of real tokens (`attention_mask` is the
+    (B, >= L) 2-D padding mask transformers passes, 1 = token).
     """
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
@@ -112,7 +114,8 @@ def padding_mask(
             f"kv_offset: expected 0 (keys from position 0, a dynamic or static cache), got "
             f"{kv_offset} (a sliding-window cache)"
         )
-    seen = int(q_offset) + q_length  # key slots that hold tokens
+    # Key slots that hold tokens.
+    seen = int(q_offset) + q_length if mask_function is causal_mask_function else kv_length
     if seen > kv_length:
         raise ValueError(
             f"q_offset + q_length: expected at most kv_length = {kv_length}, got {seen}"
@@ -205,8 +208,9 @@ def _refuse_unsupported(module, dropout, sliding_window, kwargs) -> None:
 
 def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention over the real tokens of each row: mask (B, L) marks them among the first L key
-    slots; the queries are the last Nq of those slots. Output (B, Nq, Hq, Dv), zeros at
-    padding queries."""
+    slots. Causal: the queries are the last Nq of those slots, and padding queries get zeros.
+    Not causal: every query attends to the real keys (the queries may be another sequence, as
+    in cross-attention). Output (B, Nq, Hq, Dv)."""
     b, nq, hq, _ = q.shape
     if mask.dim() != 2 or mask.shape[0] != b or mask.dtype != torch.bool:
         raise ValueError(
@@ -214,12 +218,15 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
             f"function, got {mask.dtype} of shape {tuple(mask.shape)}"
         )
     seen = mask.shape[1]
-    if not nq <= seen <= k.shape[1]:
+    low = nq if options["causal"] else 1
+    if not low <= seen <= k.shape[1]:
         raise ValueError(
-            f"attention_mask: expected between Nq = {nq} and Nk = {k.shape[1]} token slots, "
-            f"got {seen}"
+            f"attention_mask: expected between {low} and Nk = {k.shape[1]} token slots, got {seen}"
         )
-    q_mask = mask[:, seen - nq :]  # (B, Nq)
+    if options["causal"]:
+        q_mask = mask[:, seen - nq :]  # (B, Nq)
+    else:
+        q_mask = torch.ones(b, nq, dtype=torch.bool, device=mask.device)  # (B, Nq)
     lens = torch.stack([q_mask.sum(1), mask.sum(1)]).to(torch.int32)  # (2, B): q, k lengths
     cu = torch.nn.functional.pad(lens.cumsum(1, dtype=torch.int32), (1, 0))  # (2, B + 1)
     max_q, max_k = (int(x) for x in lens.amax(1).tolist())

@@ -12,6 +12,7 @@ stopped being taken fails.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 
 import pytest
@@ -173,6 +174,59 @@ def test_static_cache_generate(models, calls) -> None:
     assert calls == {"attention_varlen": 4 * layers, "attention_with_kvcache": layers}
 
 
+def _trio(cls, cfg):
+    """The model under (float64 sdpa, float32 sdpa, float32 flashsuite), the same weights."""
+    name = dispatch.register_transformers(version="torch")
+    torch.manual_seed(1)
+    # A config of its own per model: _from_config records the implementation in it.
+    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64)
+    pt = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32)
+    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation=name, dtype=torch.float32)
+    state = {k: t.float() for k, t in ref.state_dict().items()}
+    pt.load_state_dict(state)
+    ours.load_state_dict(state)
+    return ref, pt, ours
+
+
+def test_encoder_and_cross_attention_match_sdpa(calls) -> None:
+    """Bidirectional attention: a BERT encoder, and a BART encoder-decoder whose decoder
+    attends (cross-attention) to a right-padded encoder output of another length."""
+    ids, mask = _batch("right")
+    real = mask.bool()
+    bert = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, initializer_range=0.5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    with torch.no_grad():
+        ref, pt, ours = (
+            m(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+            for m in _trio(transformers.BertModel, bert)
+        )
+    _assert_close("bert hidden states", ours, ref, pt)
+    assert calls == {"attention_varlen": 2}
+    calls.clear()
+
+    bart = transformers.BartConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+        decoder_ffn_dim=128, init_std=0.5, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, max_position_embeddings=64,
+    )  # fmt: skip
+    models = _trio(transformers.BartForConditionalGeneration, bart)
+    decoder_ids = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref, pt, ours = (
+            m(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+            for m in models
+        )
+    _assert_close("bart logits", ours, ref, pt)
+    # encoder self-attention and cross-attention packed, decoder self-attention dense
+    assert calls == {"attention_varlen": 2, "attention": 1}
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5)
+    assert torch.equal(models[2].generate(**kw), models[1].generate(**kw))
+
+
 def test_padding_mask_function() -> None:
     from transformers.masking_utils import causal_mask_function
 
@@ -246,9 +300,14 @@ def test_gpu_bf16_with_the_auto_versions(calls) -> None:
     cfg = _config(hidden_size=256, intermediate_size=512, num_attention_heads=4)
     cls = transformers.LlamaForCausalLM
     torch.manual_seed(0)
-    ref = cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.float64).cuda()
-    pt = cls._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
-    ours = cls._from_config(cfg, attn_implementation=name, dtype=torch.bfloat16).cuda()
+    ref, pt, ours = (
+        cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype).cuda()
+        for impl, dtype in (
+            ("sdpa", torch.float64),
+            ("sdpa", torch.bfloat16),
+            (name, torch.bfloat16),
+        )
+    )
     state = {k: t.bfloat16() for k, t in ref.state_dict().items()}
     pt.load_state_dict(state)
     ours.load_state_dict(state)
