@@ -238,8 +238,8 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         v[:, :seen][mask],
         cu[0],
         cu[1],
-        max(max_q, 1),
-        max(max_k, 1),
+        max_q,
+        max(max_k, 1),  # a row of padding only has no key
         **options,
     )  # (total_q, Hq, Dv)
     full = out.new_zeros(b, nq, hq, out.shape[-1])
