@@ -16,6 +16,7 @@ from flashsuite.dispatch.api import (
     sdpa,
     select,
 )
+from flashsuite.dispatch.hf import register_transformers
 from flashsuite.dispatch.inference import (
     attention_varlen,
     attention_with_kvcache,
@@ -37,6 +38,7 @@ __all__ = [
     "explain",
     "explain_kvcache",
     "explain_varlen",
+    "register_transformers",
     "sdpa",
     "select",
     "select_kvcache",

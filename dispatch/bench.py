@@ -1,13 +1,18 @@
 """Benchmark plumbing shared by `flashsuite bench` and tests/benchmarks: the standard sweep,
-the peers (PyTorch SDPA's flash / cuDNN / efficient backends), and one timer.
+the peers (PyTorch SDPA's flash / cuDNN / efficient backends; any other SDPA backend as
+`sdpa-<name>`, e.g. `sdpa-math`), the call to time, and one timer per consumer.
 
-Timing: CUDA events through `triton.testing.do_bench` (median of repeats after warm-up),
-random inputs (never zeros), the same inputs for every contender of a shape.
+`flashsuite bench` times with CUDA events through `triton.testing.do_bench` (median of repeats
+after warm-up; on a CPU, the median of wall-clock repeats); tests/benchmarks lets
+pytest-benchmark time the same call (`prepare`), followed by a device synchronisation. Random
+inputs (never zeros), the same inputs for every contender of a shape.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -31,16 +36,22 @@ def standard_sweep(
     seqlens=(512, 1024, 2048, 4096, 8192, 16384),
     causals=(False, True),
     dtype: torch.dtype = torch.bfloat16,
+    tokens: int = TOKENS,
+    model_dim: int = MODEL_DIM,
 ) -> list[Case]:
     """The standard sweep (docs/design.md, "Performance method"): B·N = 16k tokens, Hq·D = 2048,
-    N from 512 to 16k."""
+    N from 512 to 16k. `tokens` and `model_dim` shrink it (smoke runs on a CPU)."""
+    for name, total, parts in (("tokens", tokens, seqlens), ("model_dim", model_dim, head_dims)):
+        bad = [x for x in parts if x <= 0 or total % x]
+        if bad:
+            raise ValueError(f"{name}: expected a multiple of every entry of {parts}, got {total}")
     return [
         Case(
-            batch=TOKENS // n,
+            batch=tokens // n,
             seqlen_q=n,
             seqlen_k=n,
-            heads_q=MODEL_DIM // d,
-            heads_kv=MODEL_DIM // d,
+            heads_q=model_dim // d,
+            heads_kv=model_dim // d,
             head_dim=d,
             dtype=dtype,
             causal=c,
@@ -51,11 +62,27 @@ def standard_sweep(
     ]
 
 
-def time_ms(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
-    """Median milliseconds per call, CUDA events (do_bench), L2 flushed between calls."""
-    from triton.testing import do_bench
+def time_ms(
+    fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100, device: str = "cuda"
+) -> float:
+    """Median milliseconds per call: on a GPU CUDA events (do_bench), L2 flushed between calls;
+    on a CPU wall-clock repeats for about `rep_ms` after `warmup_ms`."""
+    if device != "cpu":
+        from triton.testing import do_bench
 
-    return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    times: list[float] = []
+    for budget, keep in ((warmup_ms, False), (rep_ms, True)):
+        end = time.perf_counter() + budget / 1e3
+        while True:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            if keep:
+                times.append((t1 - t0) * 1e3)
+            if t1 >= end and (times or not keep):
+                break
+    return statistics.median(times)
 
 
 @dataclass
@@ -79,7 +106,7 @@ class Result:
 def _sdpa_fn(backend_name: str, case: Case, q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = getattr(SDPBackend, PEERS[backend_name])
+    backend = getattr(SDPBackend, sdpa_backend(backend_name))
     qt, kt, vt = (
         t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v)
     )
@@ -118,16 +145,48 @@ def materialising(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return run
 
 
+def sdpa_backend(peer: str) -> str:
+    """The `torch.nn.attention.SDPBackend` member a peer name stands for: PEERS, or any
+    `sdpa-<backend>` (e.g. `sdpa-math`)."""
+    from torch.nn.attention import SDPBackend
+
+    name = PEERS.get(peer) or peer.removeprefix("sdpa-").upper()
+    if not peer.startswith("sdpa-") or not hasattr(SDPBackend, name):
+        raise ValueError(f"peer: expected one of {sorted(PEERS)} or sdpa-<backend>, got {peer!r}")
+    return name
+
+
 def make_callable(contender: str, case: Case, q, k, v):
     """(run, leaf tensors) for a version name or a peer name."""
-    if contender in PEERS:
+    if contender.startswith("sdpa-"):
         return _sdpa_fn(contender, case, q, k, v)
     return _ours_fn(contender, case, q, k, v)
 
 
-def measure(contender: str, case: Case, direction: str = "fwd", device: str = "cuda") -> Result:
-    """Time one contender on one case; failures are recorded, not raised."""
-    flops = attention_flops(
+def prepare(
+    contender: str, case: Case, direction: str = "fwd", device: str = "cuda"
+) -> Callable[[], object]:
+    """The call to time: one forward (without autograd) or one backward (of a forward done
+    here, once) of `contender` on `case`, inputs made once. Raises what the contender raises."""
+    q, k, v = make_inputs(case, device, requires_grad=direction == "bwd")
+    run, leaves = make_callable(contender, case, q, k, v)
+    if direction == "fwd":
+
+        def forward():
+            with torch.no_grad():
+                return run()
+
+        return forward
+    out = run()
+    dout = make_grad_out(case, device)
+    if out.shape != dout.shape:  # peers work in (B, H, N, D)
+        dout = dout.transpose(1, 2).contiguous()
+    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+
+
+def case_flops(case: Case, direction: str) -> float:
+    """FLOPs of one call (common/flops.py: causal-aware, backward 2.5x the forward)."""
+    return attention_flops(
         case.batch,
         case.heads_q,
         case.seqlen_q,
@@ -136,7 +195,11 @@ def measure(contender: str, case: Case, direction: str = "fwd", device: str = "c
         causal=case.causal,
         backward=direction == "bwd",
     )
-    base = dict(
+
+
+def describe(contender: str, case: Case, direction: str) -> dict:
+    """The fields of a `Result` naming what was timed (JSON rows, pytest-benchmark extra_info)."""
+    return dict(
         contender=contender,
         direction=direction,
         batch=case.batch,
@@ -146,21 +209,17 @@ def measure(contender: str, case: Case, direction: str = "fwd", device: str = "c
         causal=case.causal,
         dtype=str(case.dtype).removeprefix("torch."),
     )
+
+
+def measure(contender: str, case: Case, direction: str = "fwd", device: str = "cuda") -> Result:
+    """Time one contender on one case; failures are recorded, not raised."""
+    base = describe(contender, case, direction)
     try:
-        q, k, v = make_inputs(case, device, requires_grad=direction == "bwd")
-        run, leaves = make_callable(contender, case, q, k, v)
-        if direction == "fwd":
-            with torch.no_grad():
-                ms = time_ms(run)
-        else:
-            out = run()
-            dout = make_grad_out(case, device)
-            if out.shape != dout.shape:  # peers work in (B, H, N, D)
-                dout = dout.transpose(1, 2).contiguous()
-            ms = time_ms(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
-        return Result(**base, ms=ms, tflops=flops / ms / 1e9)
+        ms = time_ms(prepare(contender, case, direction, device), device=device)
+        return Result(**base, ms=ms, tflops=case_flops(case, direction) / ms / 1e9)
     except Exception as exc:  # a peer missing on this build, an unsupported shape, OOM
         msg = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
         return Result(**base, ms=math.nan, tflops=math.nan, error=msg)
     finally:
-        torch.cuda.empty_cache()
+        if device != "cpu":
+            torch.cuda.empty_cache()

@@ -2,7 +2,10 @@
 
     flashsuite                 machine, versions, what dispatch picks, correctness vs the oracle,
                                and on a GPU a short timing table next to PyTorch SDPA
-    flashsuite bench [--out D] the standard sweep (forward and backward), JSON + table + plot
+    flashsuite bench [--out D] the standard sweep (forward and backward) with a progress bar:
+                               bench.json, bench.md (table) and bench-fwd.png / bench-bwd.png
+                               (TFLOP/s vs N per version and peer) in D
+    flashsuite --version       flashsuite's version and the torch / triton / CuTe DSL it sees
 
 Useful on a CPU-only machine too: there it checks the portable version (and the Triton
 versions under TRITON_INTERPRET=1) and says why the GPU versions are unavailable.
@@ -24,7 +27,7 @@ import torch
 from flashsuite.common import arch as arch_mod
 from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
 from flashsuite.dispatch import api, registry
-from flashsuite.dispatch.bench import PEERS
+from flashsuite.dispatch.bench import MODEL_DIM, PEERS, TOKENS
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -190,54 +193,106 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+class _Progress:
+    """A tqdm bar when tqdm is installed (the `bench` extra), else one line per result; either
+    way every result is printed as a line, so a log keeps them."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.time()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, unit="run", desc="flashsuite bench", dynamic_ncols=True)
+
+    def step(self, line: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(1)
+            return
+        bar = "#" * (30 * self.done // self.total)
+        print(f"[{bar:30s}] {self.done}/{self.total} {time.time() - self.start:5.0f}s  {line}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from flashsuite.dispatch.bench import PEERS, measure, standard_sweep
     from flashsuite.dispatch.report import render
 
-    if not torch.cuda.is_available():
-        print("flashsuite bench needs a CUDA GPU (timings on the CPU would mean nothing)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "flashsuite bench needs a CUDA GPU (timings on the CPU would mean nothing; "
+            "--device cpu runs the sweep's machinery there anyway)"
+        )
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    versions = args.versions or registry.available_versions(kernels_only=True)
-    contenders = versions + (args.peers if args.peers is not None else list(PEERS))
-    seqlens = (2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384)
-    cases = standard_sweep(head_dims=args.head_dims, seqlens=seqlens)
+    if args.versions:
+        versions = args.versions
+    elif args.device == "cpu":
+        versions = ["torch"]
+    else:
+        versions = registry.available_versions(kernels_only=True)
+    if args.peers is not None:
+        peers = args.peers
+    else:
+        peers = ["sdpa-math"] if args.device == "cpu" else list(PEERS)
+    contenders = versions + peers
+    seqlens = args.seqlens or ((2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384))
+    try:
+        cases = standard_sweep(
+            head_dims=args.head_dims, seqlens=seqlens, tokens=args.tokens, model_dim=args.model_dim
+        )
+    except ValueError as exc:
+        print(f"flashsuite bench: {exc}")
+        return 2
     # The long sequences (the headline numbers) first, should the run be cut short.
     cases.sort(key=lambda c: (c.seqlen_q < 2048, -c.seqlen_q, c.head_dim, c.causal))
     directions = ["fwd"] if args.fwd_only else ["fwd", "bwd"]
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({platform.machine()})"
     meta = dict(
-        gpu=torch.cuda.get_device_name(),
+        gpu=gpu,
         torch=torch.__version__,
         triton=_pkg_version("triton"),
         date=time.strftime("%Y-%m-%d"),
         commit=os.environ.get("FLASHSUITE_COMMIT", "unknown"),
     )
     results = []
-    total = len(cases) * len(contenders) * len(directions)
-    start = time.time()
+    progress = _Progress(len(cases) * len(contenders) * len(directions))
     for case in cases:
         for direction in directions:
             for c in contenders:
-                r = measure(c, case, direction)
+                r = measure(c, case, direction, device=args.device)
                 results.append(r.as_dict())
-                done = len(results)
-                bar = "#" * (30 * done // total)
-                status = f"{r.tflops:6.0f} TFLOP/s" if not r.error else f"error: {r.error[:40]}"
-                print(
-                    f"[{bar:30s}] {done}/{total} {time.time() - start:5.0f}s  "
-                    f"{c} {direction} N={case.seqlen_q} D={case.head_dim} "
-                    f"{'causal ' if case.causal else ''}{status}",
-                    flush=True,
+                status = f"{r.ms:9.3f} ms {r.tflops:7.4g} TFLOP/s"
+                status = f"error: {r.error[:60]}" if r.error else status
+                causal = "causal " if case.causal else ""
+                progress.step(
+                    f"{c} {direction} N={case.seqlen_q} D={case.head_dim} {causal}{status}"
                 )
         # Written after every shape, so a run cut short still leaves what it measured.
         (out_dir / "bench.json").write_text(json.dumps({"meta": meta, "results": results}))
+    progress.close()
     print(render(results, meta, out_dir))
     return 0
 
 
+def version_line() -> str:
+    """`flashsuite --version`: the package and what it runs on."""
+    deps = ", ".join(
+        f"{name} {_pkg_version(name)}" for name in ("torch", "triton", "nvidia-cutlass-dsl")
+    )
+    return f"flashsuite {_pkg_version('flashsuite')} ({deps})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashsuite", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("check", help="the default: machine, versions, picks, oracle checks")
     check.add_argument("--no-timing", action="store_true", help="skip the GPU timing table")
@@ -247,11 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="the standard benchmark sweep (GPU)")
     bench.add_argument("--out", default="bench-results", help="folder for bench.json and plots")
     bench.add_argument("--quick", action="store_true", help="N in {2k, 8k} only")
+    bench.add_argument("--seqlens", type=int, nargs="+", default=None, help="N values to run")
     bench.add_argument("--fwd-only", action="store_true")
     bench.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    bench.add_argument("--versions", nargs="+", default=None)
+    bench.add_argument("--tokens", type=int, default=TOKENS, help="B·N (default %(default)s)")
+    bench.add_argument("--model-dim", type=int, default=MODEL_DIM, help="Hq·D (%(default)s)")
+    bench.add_argument("--versions", nargs="+", default=None, choices=registry.VERSIONS)
     bench.add_argument(
-        "--peers", nargs="*", default=None, choices=sorted(PEERS), help="default: all of them"
+        "--peers",
+        nargs="*",
+        default=None,
+        choices=sorted({*PEERS, "sdpa-math"}),
+        help="SDPA backends timed beside (default: all but math; on --device cpu: sdpa-math)",
+    )
+    bench.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: wall-clock timing of the portable version, to check the machinery",
     )
     args = parser.parse_args(argv)
     if args.command == "bench":

@@ -1,5 +1,6 @@
 """Render benchmark results (from `flashsuite bench` or pytest-benchmark's JSON) as a markdown
-table with ratios to the SDPA peers, and one TFLOP/s-vs-N plot per (direction, D, causal).
+table with ratios to the SDPA peers, and TFLOP/s-vs-N plots (bench-fwd.png, bench-bwd.png: a
+panel per D and causal).
 
     python -m flashsuite.dispatch.report results.json --out docs/results
 """
@@ -56,53 +57,55 @@ def table(results: list[dict]) -> str:
 
 
 def _num(x: float | None) -> str:
-    return "-" if x is None or x != x else f"{x:.0f}"
+    if x is None or x != x:
+        return "-"
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"  # GPU TFLOP/s whole, a CPU run's readable
 
 
 def plot(results: list[dict], out_dir: Path) -> list[Path]:
+    """One figure per direction, `bench-fwd.png` and `bench-bwd.png`: a panel per (D, causal),
+    TFLOP/s against N, one line per version (solid) and SDPA peer (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["direction"], r["head_dim"], r["causal"]) for r in results})
-    if not panels:
-        return []
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
-    for ax, (direction, d, causal) in zip(axes.flat, panels, strict=False):
-        sel = [
-            r
-            for r in results
-            if (r["direction"], r["head_dim"], r["causal"]) == (direction, d, causal)
-        ]
-        for c in dict.fromkeys(r["contender"] for r in sel):
-            pts = sorted(
-                (r["seqlen"], r["tflops"])
-                for r in sel
-                if r["contender"] == c and r["tflops"] == r["tflops"]
-            )
-            if pts:
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    marker="o",
-                    label=c,
-                    linestyle="--" if c.startswith("sdpa") else "-",
+    paths = []
+    for direction in sorted({r["direction"] for r in results}, key=("fwd", "bwd").index):
+        rows = [r for r in results if r["direction"] == direction]
+        panels = sorted({(r["head_dim"], r["causal"]) for r in rows})
+        cols = min(3, len(panels))
+        n_rows = math.ceil(len(panels) / cols)
+        fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 3.6 * n_rows), squeeze=False)
+        for ax, (d, causal) in zip(axes.flat, panels, strict=False):
+            sel = [r for r in rows if (r["head_dim"], r["causal"]) == (d, causal)]
+            for c in dict.fromkeys(r["contender"] for r in sel):
+                pts = sorted(
+                    (r["seqlen"], r["tflops"])
+                    for r in sel
+                    if r["contender"] == c and r["tflops"] == r["tflops"]
                 )
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{direction} D={d}{' causal' if causal else ''}")
-        ax.set_xlabel("N (B·N = 16k)")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels) :]:
-        ax.axis("off")
-    fig.tight_layout()
-    path = out_dir / "bench.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+                if pts:
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        marker="o",
+                        label=c,
+                        linestyle="--" if c.startswith("sdpa") else "-",
+                    )
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{direction} D={d}{' causal' if causal else ''}")
+            ax.set_xlabel(f"N (B·N = {sel[0]['batch'] * sel[0]['seqlen']})")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(panels) :]:
+            ax.axis("off")
+        fig.tight_layout()
+        path = out_dir / f"bench-{direction}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def render(results: list[dict], meta: dict, out_dir: Path) -> str:
@@ -114,16 +117,16 @@ def render(results: list[dict], meta: dict, out_dir: Path) -> str:
     text = f"{header}\n\n{units}\n\n{table(results)}\n"
     (out_dir / "bench.md").write_text(text)
     try:
-        plot(results, out_dir)
+        paths = plot(results, out_dir)
     except ImportError:
-        text += "\n(matplotlib not installed: no plot)\n"
-    return text
+        return text + "\n(matplotlib not installed: no plot)\n"
+    return text + f"\nplots: {', '.join(str(p) for p in paths)}\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="bench.json from `flashsuite bench` or pytest-benchmark")
-    parser.add_argument("--out", default=".", help="folder for bench.md and bench.png")
+    parser.add_argument("--out", default=".", help="folder for bench.md and the plots")
     args = parser.parse_args()
     results, meta = load(args.json)
     print(render(results, meta, Path(args.out)))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
-#                                                smallshapes sanitize-small mutants warm
+#                                                smallshapes sanitize-small mutants warm hf
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -72,6 +72,13 @@ for part in $parts; do
         -k "head_dim_v_smaller or nq001 or nq017 or nq065 or nq129" \
         > "$out/sanitize-small.log" 2>&1 || status=1
       grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-small.log" | tail -12 ;;
+    hf)
+      # The transformers adapter (tests/test_hf.py): the CPU cases with the torch version and
+      # the bf16 GPU case with "auto" (fa3 dense, fa2 packed and KV-cache on sm90). A missing
+      # transformers is a failure here, not a skip.
+      python3 -c "import transformers" 2>/dev/null \
+        || { echo "hf: transformers is not installed (pip install .[hf])" | tee "$out/hf.log"; status=1; continue; }
+      python3 -m pytest tests/test_hf.py -v -rs -p no:cacheprovider 2>&1 | tee "$out/hf.log" || status=1 ;;
     mutants)
       # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
       python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \

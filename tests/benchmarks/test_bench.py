@@ -2,68 +2,79 @@
 flash / cuDNN / efficient backends over the standard sweep of docs/design.md, forward and
 backward.
 
+One group per shape and direction (`benchmark.group`), so each table lists every version and
+peer on that shape side by side, with pytest-benchmark's ratio column against the fastest.
+pytest-benchmark is the only timer: each round is one call followed by a device
+synchronisation (the call is `dispatch.bench.prepare`'s, as `flashsuite bench` times it with
+CUDA events); `extra_info` carries the shape and the TFLOP/s of the median round.
+
 Not run by default (`--benchmark-skip` in pyproject); on a GPU host:
 
     pytest tests/benchmarks --benchmark-only --benchmark-json bench.json
-    python -m flashsuite.dispatch.report bench.json --out docs/results
+    pytest tests/benchmarks --benchmark-only -k "d128 and causal"      # a part of the sweep
+    python -m flashsuite.dispatch.report bench.json --out docs/results  # table + plots
 
-The numbers that matter are CUDA-event medians from `triton.testing.do_bench` (in
-`extra_info`: ms, TFLOP/s and the ratio to each peer timed in the same run);
-pytest-benchmark's own columns time the same call with a device synchronisation.
+Across commits: `--benchmark-autosave` stores each run under .benchmarks/; on a later commit
+`--benchmark-compare` (the latest stored run, or `--benchmark-compare=NNNN`) adds its rows to
+every group, and `--benchmark-compare-fail=median:5%` turns a slowdown into a failure.
+
+`FLASHSUITE_BENCH_SMOKE=1` runs the same tests on a CPU over two tiny shapes (`torch` against
+SDPA's math backend), to check the harness itself (tests/test_cli.py does, in CI); those
+timings say nothing about the kernels.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 import pytest
 import torch
 
-from flashsuite.common.testing import make_inputs
-from flashsuite.dispatch.bench import PEERS, make_callable, measure, standard_sweep
+from flashsuite.dispatch.bench import PEERS, case_flops, describe, prepare, standard_sweep
 from flashsuite.dispatch.registry import available_versions
 
-pytestmark = pytest.mark.gpu
+if os.environ.get("FLASHSUITE_BENCH_SMOKE") == "1":
+    DEVICE = "cpu"
+    CONTENDERS = ["torch", "sdpa-math"]
+    SWEEP = standard_sweep(
+        head_dims=(32,), seqlens=(32, 64), causals=(True,), dtype=torch.float32,
+        tokens=128, model_dim=64,
+    )  # fmt: skip
+    ROUNDS, WARMUP = 3, 1
+else:
+    pytestmark = pytest.mark.gpu
+    DEVICE = "cuda"
+    CONTENDERS = [*available_versions(kernels_only=True), *PEERS]
+    SWEEP = standard_sweep()
+    ROUNDS, WARMUP = 20, 3
 
-CONTENDERS = [*available_versions(kernels_only=True), *PEERS]
-SWEEP = standard_sweep()
-_peer_results: dict[tuple, float] = {}
 
-
-def _peer_tflops(peer: str, case, direction: str) -> float:
-    key = (peer, case, direction)
-    if key not in _peer_results:
-        _peer_results[key] = measure(peer, case, direction).tflops
-    return _peer_results[key]
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 @pytest.mark.parametrize("case", SWEEP, ids=[c.id for c in SWEEP])
 @pytest.mark.parametrize("contender", CONTENDERS)
 def test_attention_speed(benchmark, contender: str, case, direction: str) -> None:
-    result = measure(contender, case, direction)
-    if result.error:
-        pytest.skip(f"{contender}: {result.error}")
-    info = result.as_dict()
-    for peer in PEERS:
-        peer_tflops = result.tflops if peer == contender else _peer_tflops(peer, case, direction)
-        info[f"ratio_to_{peer}"] = (
-            result.tflops / peer_tflops if peer_tflops == peer_tflops else None
-        )
-    benchmark.extra_info.update(info)
+    benchmark.group = f"{direction} {case.id}"
+    try:
+        call = prepare(contender, case, direction, DEVICE)
+        call()  # a contender that cannot take the shape says so here, before any timing
+        _sync()
+    except Exception as exc:  # an unsupported shape, a backend missing on this build, OOM
+        pytest.skip(f"{contender}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
 
-    q, k, v = make_inputs(case, "cuda", requires_grad=direction == "bwd")
-    run, leaves = make_callable(contender, case, q, k, v)
-    if direction == "fwd":
+    def step() -> None:
+        call()
+        _sync()
 
-        def step():
-            with torch.no_grad():
-                run()
-            torch.cuda.synchronize()
-    else:
-        out = run()
-        dout = torch.randn_like(out)
-
-        def step():
-            torch.autograd.grad(out, leaves, dout, retain_graph=True)
-            torch.cuda.synchronize()
-
-    benchmark.pedantic(step, rounds=10, warmup_rounds=2)
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=WARMUP)
+    ms = benchmark.stats.stats.median * 1e3
+    flops = case_flops(case, direction)
+    benchmark.extra_info.update(
+        describe(contender, case, direction), flops=flops, ms=ms, tflops=flops / ms / 1e9
+    )
+    assert math.isfinite(ms) and ms > 0
