@@ -358,21 +358,26 @@ def bwd_config_for(
 ) -> BwdConfig:
     """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
 
-    64 x 128 tiles, 2 MMA warpgroups, a 2-stage Q/dO ring (FA3's shape for D = 64 and 128),
-    dQ through the writer warp ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped
-    issue order. Chosen on the H200 (bf16, B·N = 16k, Hq·D = 2048, TFLOP/s at N = 16k,
+    128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
+    ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
+    at D = 128, 128-row ones at D = 64 (FA3's and FA4's shapes). Chosen on the H200 (bf16,
+    B·N = 16k, Hq·D = 2048, TFLOP/s at N = 16k,
     `benchmarks/fa3_bwd_check.py --variant ... --bench`, docs/results.md), against the first
     config (per-element dQ atomics, one sdS buffer, serial issue): D = 128 516 vs 297, causal
     510 vs 297; D = 64 434 vs 274, causal 417 vs 276. The writer warp alone gives most of it
     (483 / 484 / 411 / 398); the overlapped order and the second sdS buffer gain nothing without it
-    (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. Softcap builds keep the serial
-    issue order (dS needs tanh' from the P loop).
+    (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. At D = 64, 128-row Q tiles
+    (variant pipe128: twice the work per barrier and per K/V load) take N = 4k / 16k from
+    377 / 434 to 438 / 479 and causal from 305 / 417 to 380 / 464 (0.97-1.07x cuDNN); they
+    passed the variant oracle cases at D = 64 (one block, fp16 causal GQA with Nq != Nk, causal
+    MQA at 513 x 700, strided). Softcap builds keep the serial issue order (dS needs tanh' from
+    the P loop) and 64-row tiles.
     """
     del dtype, causal
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     return BwdConfig(
-        tile_m=64,
+        tile_m=128 if head_dim == 64 and not softcap else 64,
         tile_n=128,
         stages=2,
         dq_mode="warp",

@@ -261,14 +261,14 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 
 def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
     """`cfg` or the tile table's config for `p`. Under torch.use_deterministic_algorithms the
-    dQ adds are ordered (BwdConfig.deterministic, docs/design.md): the same tiles and ring with
-    per-element atomics, one sdS buffer and the serial issue order, the deterministic build
-    that has run on the H200."""
+    dQ adds are ordered (BwdConfig.deterministic, docs/design.md): 64-row Q tiles, the same
+    ring, per-element atomics, one sdS buffer and the serial issue order, the deterministic
+    build that has run on the H200."""
     if cfg is None:
         cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
     if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
         cfg = BwdConfig(
-            tile_m=cfg.tile_m,
+            tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
             tile_n=cfg.tile_n,
             stages=cfg.stages,
             num_mma_wgs=cfg.num_mma_wgs,

@@ -67,7 +67,7 @@ def test_env_arch_override(monkeypatch) -> None:
     ("d", "options", "env", "backward", "why"),
     [
         (128, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
-        (64, {}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (64, {}, "1", "fa3", "own backward: fa3 backward: 128x128 tiles"),
         (128, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (128, {"causal": True}, "0", "fa2", "FLASHSUITE_FA3_BWD=0"),
         (128, {"softcap": 30.0}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
