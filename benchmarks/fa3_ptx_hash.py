@@ -5,10 +5,11 @@
 
 Compiles for sm_90a on the CPU (no GPU needed): the bf16/fp16 shipped cases and flag variants
 (what tests/test_fa3_compile.py builds), the shipped bf16 entries again with a sliding window
-and with softcap (the mask and score paths those flags add), and every fp8 table entry (causal
-and not; a window + softcap case at D = 128). The PTX is hashed as written and with the
-`.loc`/`.file` debug lines removed; `--compare` reports configs whose PTX differs. The CuTe
-DSL reads `CUTE_DSL_*` at import: run this module in its own process.
+and with softcap (the mask and score paths those flags add), every fp8 table entry (causal and
+not; window and softcap cases) and every fp8 tile variant (`fa3_variants.fp8_variants`). The
+PTX is hashed as written and with the `.loc`/`.file` debug lines removed; `--compare` reports
+configs whose PTX differs. The CuTe DSL reads `CUTE_DSL_*` at import: run this module in its
+own process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
     """(family, name, head_dim, dtype, causal, local, softcap, config) for every build."""
     import torch
 
-    from benchmarks.fa3_variants import flag_variants
+    from benchmarks.fa3_variants import flag_variants, fp8_variants
     from flashsuite.fa3 import fp8
     from flashsuite.fa3.configs import get_config, shipped_cases
 
@@ -46,6 +47,15 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
         for causal in (False, True):
             out.append(("fp8", "shipped", d, None, causal, False, False, fp8.fp8_config(d, causal)))
     out.append(("fp8", "window_softcap", 128, None, False, True, True, fp8.fp8_config(128)))
+    for d in (64, 256):
+        for causal in (False, True):
+            cfg = fp8.fp8_config(d, causal)
+            out.append(("fp8", "local", d, None, causal, True, False, cfg))
+            out.append(("fp8", "softcap", d, None, causal, False, True, cfg))
+    for name, d, cfg in fp8_variants():  # the candidates fa3_fp8_check --ablate times
+        if not name.startswith("shipped"):
+            for causal in (False, True):
+                out.append(("fp8", name, d, None, causal, False, False, cfg))
     return out
 
 
