@@ -32,8 +32,7 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
     import torch
 
     from benchmarks.fa3_variants import flag_variants, fp8_variants
-    from flashsuite.fa3 import fp8
-    from flashsuite.fa3.configs import get_config, shipped_cases
+    from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config, shipped_cases
 
     out = []
     for name, d, dt, causal, cfg in shipped_cases() + flag_variants():
@@ -43,13 +42,16 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
             cfg = get_config(d, torch.bfloat16, causal)
             out.append(("bf16", "local", d, torch.bfloat16, causal, True, False, cfg))
             out.append(("bf16", "softcap", d, torch.bfloat16, causal, False, True, cfg))
-    for d in fp8.FP8_HEAD_DIMS:
+    # fp8: dtype None in the case (its id says e4m3), FP8_DTYPE in the compile key.
+    for d in HEAD_DIMS:
         for causal in (False, True):
-            out.append(("fp8", "shipped", d, None, causal, False, False, fp8.fp8_config(d, causal)))
-    out.append(("fp8", "window_softcap", 128, None, False, True, True, fp8.fp8_config(128)))
+            cfg = get_config(d, FP8_DTYPE, causal)
+            out.append(("fp8", "shipped", d, None, causal, False, False, cfg))
+    cfg = get_config(128, FP8_DTYPE, False)
+    out.append(("fp8", "window_softcap", 128, None, False, True, True, cfg))
     for d in (64, 256):
         for causal in (False, True):
-            cfg = fp8.fp8_config(d, causal)
+            cfg = get_config(d, FP8_DTYPE, causal)
             out.append(("fp8", "local", d, None, causal, True, False, cfg))
             out.append(("fp8", "softcap", d, None, causal, False, True, cfg))
     for name, d, cfg in fp8_variants():  # the candidates fa3_fp8_check --ablate times
@@ -73,16 +75,11 @@ def _compile(case) -> str:
         tvm = True
     except ImportError:
         tvm = False
-    if family == "fp8":
-        from flashsuite.fa3 import fp8
+    from flashsuite.fa3.compile import CompileKey, compile_forward
+    from flashsuite.fa3.configs import FP8_DTYPE
 
-        compiled = fp8.compile_fp8_forward(
-            fp8.Fp8CompileKey(d, causal, local, softcap, cfg, tvm_ffi=tvm)
-        )
-    else:
-        from flashsuite.fa3.compile import CompileKey, compile_forward
-
-        compiled = compile_forward(CompileKey(dt, d, causal, local, softcap, cfg, tvm_ffi=tvm))
+    dt = FP8_DTYPE if family == "fp8" else dt
+    compiled = compile_forward(CompileKey(dt, d, causal, local, softcap, cfg, tvm_ffi=tvm))
     ptx = getattr(compiled, "__ptx__", None) or ""
     if not ptx:
         raise RuntimeError(f"no PTX for {_case_id(case)}")

@@ -1,7 +1,7 @@
 """fa3: FA3-style attention forward for Hopper (sm_90a) in the CuTe DSL.
 
 `interface` holds the version contract (docs/versions.md); `kernels` the kernel class,
-`configs` the tile table, `compile` the compile cache, `fp8` the e4m3 forward. The no-GPU
+`configs` the tile table (16-bit and e4m3), `compile` the compile cache. The no-GPU
 compile probe and the H200 ablation scripts live in the repository's benchmarks/ folder, outside
 the installed package. Importing this package imports nothing heavy: the CuTe DSL is loaded
 only when a kernel is compiled.
