@@ -4,9 +4,9 @@
     python -m benchmarks.fa3_fp8_check --out DIR [--smoke] [--skip-bench]   # on the H200
     python -m benchmarks.fa3_fp8_check --out DIR --ablate [--head-dim D]   # H200: the variants
 
---probe compiles every fp8 table entry (fp8.FP8_CONFIGS; causal and not) and reports PTX
+--probe compiles every fp8 table entry (configs.FP8_CONFIGS; causal and not) and reports PTX
 instruction counts, ptxas registers / spills / C75xx remarks and CuTe's fragment layouts that
-the P exchange relies on (fp8.quad_exchange). CUTE_DSL_* is read at import: this module sets it
+the P exchange relies on (fp8_ops.quad_exchange). CUTE_DSL_* is read at import: this module sets it
 before it imports the DSL, so run it in its own process.
 
 The GPU run writes DIR/fa3_fp8.json:
@@ -101,7 +101,8 @@ def probe_one(
 ) -> dict:
     """Compile one fp8 config; PTX counts, ptxas registers / spills / remarks."""
     from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
-    from flashsuite.fa3 import fp8
+    from flashsuite.fa3.compile import CompileKey, compile_forward
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config, smem_bytes
 
     try:
         import tvm_ffi  # noqa: F401
@@ -109,10 +110,10 @@ def probe_one(
         tvm = True
     except ImportError:
         tvm = False
-    cfg = cfg if cfg is not None else fp8.fp8_config(head_dim, causal)
-    key = fp8.Fp8CompileKey(head_dim, causal, local, softcap, cfg, tvm_ffi=tvm)
+    cfg = cfg if cfg is not None else get_config(head_dim, FP8_DTYPE, causal)
+    key = CompileKey(FP8_DTYPE, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm)
     t0 = time.perf_counter()
-    compiled, log = _capture_fd2(lambda: fp8.compile_fp8_forward(key))
+    compiled, log = _capture_fd2(lambda: compile_forward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     counts = ptx_counts(ptx)
     counts.update({k: len(re.findall(p, ptx)) for k, p in FP8_PTX_PATTERNS.items()})
@@ -122,7 +123,7 @@ def probe_one(
         "local": local,
         "softcap": softcap,
         "config": asdict(cfg),
-        "smem": fp8.fp8_smem_bytes(cfg, head_dim),
+        "smem": smem_bytes(cfg, head_dim, FP8_DTYPE),
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": counts,
         **parse_ptxas(log),
@@ -132,13 +133,11 @@ def probe_one(
 def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool) -> int:
     _probe_env()
     from benchmarks.fa3_variants import fp8_variants
-    from flashsuite.fa3 import fp8
+    from flashsuite.fa3.configs import FP8_DTYPE, fp8_shipped_configs, get_config
 
-    cases = [
-        ("shipped", d, c, fp8.fp8_config(d, c)) for d in fp8.FP8_CONFIGS for c in (False, True)
-    ]
+    cases = [("shipped", d, c, cfg) for d, _, c, cfg in fp8_shipped_configs()]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
-    cases.append(("window_softcap", 128, False, fp8.fp8_config(128)))
+    cases.append(("window_softcap", 128, False, get_config(128, FP8_DTYPE, False)))
     # Not shipped; compiled in CI so the code paths stay built: the persistent scheduler
     # (per-tile descales, per-WG epilogue) and three consumer warpgroups.
     named = {(n, d): cfg for n, d, cfg in fp8_variants()}
@@ -342,7 +341,9 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
 
     from flashsuite.common.flops import attention_flops
     from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3 import fp8, interface
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.compile import CompileKey, get_forward, kernel_scalars
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config
 
     b, h = max(1, 16384 // n), 2048 // d
     q, k, v, ds = _inputs(dict(b=b, nq=n, nk=n, hq=h, hkv=h, d=d, descale=True))
@@ -355,14 +356,11 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt_, is_causal=causal)
 
-    vt = fp8.transpose_v(v)
-    cfg = cfg if cfg is not None else fp8.fp8_config(d, causal)
-    plan = fp8.Fp8CompileKey(d, causal, False, False, cfg)
-    kern = fp8.get_fp8_forward(plan)
+    vt = interface.transpose_v(v)
+    cfg = cfg if cfg is not None else get_config(d, FP8_DTYPE, causal)
+    kern = get_forward(CompileKey(FP8_DTYPE, d, causal, False, False, cfg))
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16, device=DEV)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=DEV)
-    from flashsuite.fa3.compile import kernel_scalars
-
     sc = kernel_scalars(p8.scale, 0.0, (p8.window_left, p8.window_right), causal, n, n)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count  # persistent grid
     timings = {
@@ -370,7 +368,7 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
         "fa3_fp8_kernel": lambda: kern(q, k, vt, out, lse, *ds, *sc, sms),  # kernel alone
     }
     if peers:
-        timings["vt_copy"] = lambda: fp8.transpose_v(v)
+        timings["vt_copy"] = lambda: interface.transpose_v(v)
         timings["fa3_bf16"] = lambda: interface.forward(qb, kb, vb, pb)
         timings["cudnn_bf16"] = cudnn
     flops = attention_flops(b, h, n, n, d, causal=causal)

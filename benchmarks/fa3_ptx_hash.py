@@ -5,10 +5,11 @@
 
 Compiles for sm_90a on the CPU (no GPU needed): the bf16/fp16 shipped cases and flag variants
 (what tests/test_fa3_compile.py builds), the shipped bf16 entries again with a sliding window
-and with softcap (the mask and score paths those flags add), and every fp8 table entry (causal
-and not; a window + softcap case at D = 128). The PTX is hashed as written and with the
-`.loc`/`.file` debug lines removed; `--compare` reports configs whose PTX differs. The CuTe
-DSL reads `CUTE_DSL_*` at import: run this module in its own process.
+and with softcap (the mask and score paths those flags add), every fp8 table entry (causal and
+not; window and softcap cases) and every fp8 tile variant (`fa3_variants.fp8_variants`). The
+PTX is hashed as written and with the `.loc`/`.file` debug lines removed; `--compare` reports
+configs whose PTX differs. The CuTe DSL reads `CUTE_DSL_*` at import: run this module in its
+own process.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
     """(family, name, head_dim, dtype, causal, local, softcap, config) for every build."""
     import torch
 
-    from benchmarks.fa3_variants import flag_variants
-    from flashsuite.fa3 import fp8
-    from flashsuite.fa3.configs import get_config, shipped_cases
+    from benchmarks.fa3_variants import flag_variants, fp8_variants
+    from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config, shipped_cases
 
     out = []
     for name, d, dt, causal, cfg in shipped_cases() + flag_variants():
@@ -42,10 +42,22 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
             cfg = get_config(d, torch.bfloat16, causal)
             out.append(("bf16", "local", d, torch.bfloat16, causal, True, False, cfg))
             out.append(("bf16", "softcap", d, torch.bfloat16, causal, False, True, cfg))
-    for d in fp8.FP8_HEAD_DIMS:
+    # fp8: dtype None in the case (its id says e4m3), FP8_DTYPE in the compile key.
+    for d in HEAD_DIMS:
         for causal in (False, True):
-            out.append(("fp8", "shipped", d, None, causal, False, False, fp8.fp8_config(d, causal)))
-    out.append(("fp8", "window_softcap", 128, None, False, True, True, fp8.fp8_config(128)))
+            cfg = get_config(d, FP8_DTYPE, causal)
+            out.append(("fp8", "shipped", d, None, causal, False, False, cfg))
+    cfg = get_config(128, FP8_DTYPE, False)
+    out.append(("fp8", "window_softcap", 128, None, False, True, True, cfg))
+    for d in (64, 256):
+        for causal in (False, True):
+            cfg = get_config(d, FP8_DTYPE, causal)
+            out.append(("fp8", "local", d, None, causal, True, False, cfg))
+            out.append(("fp8", "softcap", d, None, causal, False, True, cfg))
+    for name, d, cfg in fp8_variants():  # the candidates fa3_fp8_check --ablate times
+        if not name.startswith("shipped"):
+            for causal in (False, True):
+                out.append(("fp8", name, d, None, causal, False, False, cfg))
     return out
 
 
@@ -63,16 +75,11 @@ def _compile(case) -> str:
         tvm = True
     except ImportError:
         tvm = False
-    if family == "fp8":
-        from flashsuite.fa3 import fp8
+    from flashsuite.fa3.compile import CompileKey, compile_forward
+    from flashsuite.fa3.configs import FP8_DTYPE
 
-        compiled = fp8.compile_fp8_forward(
-            fp8.Fp8CompileKey(d, causal, local, softcap, cfg, tvm_ffi=tvm)
-        )
-    else:
-        from flashsuite.fa3.compile import CompileKey, compile_forward
-
-        compiled = compile_forward(CompileKey(dt, d, causal, local, softcap, cfg, tvm_ffi=tvm))
+    dt = FP8_DTYPE if family == "fp8" else dt
+    compiled = compile_forward(CompileKey(dt, d, causal, local, softcap, cfg, tvm_ffi=tvm))
     ptx = getattr(compiled, "__ptx__", None) or ""
     if not ptx:
         raise RuntimeError(f"no PTX for {_case_id(case)}")

@@ -4,7 +4,7 @@ Catalogues only: `fa3_ablate` times `ablation_configs`, `final_variants` and
 `persistent_variants` on the H200, `fa3_probe --variants` (and tests/test_fa3_compile.py)
 compiles `flag_variants` for sm_90a so every barrier protocol of the kernel is built, and
 `fa3_fp8_check --ablate` times `fp8_variants`. The shipped tables live in
-flashsuite.fa3.configs and flashsuite.fa3.fp8.
+flashsuite.fa3.configs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,16 @@ from dataclasses import replace
 
 import torch
 
-from flashsuite.fa3.configs import Fa3Config, _overlap, _tiles, can_implement, get_config
+from flashsuite.fa3.configs import (
+    FP8_CAUSAL_CONFIGS,
+    FP8_CONFIGS,
+    FP8_DTYPE,
+    Fa3Config,
+    _overlap,
+    _tiles,
+    can_implement,
+    get_config,
+)
 
 
 def _three_wgs(cfg: Fa3Config) -> Fa3Config:
@@ -178,9 +187,6 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
     (`fp8_check --ablate`; `fp8_check --probe --variants` compiles them: all 0 spills, R145 to
     R224). Wider S tiles amortise the softmax and the P exchange over more keys; a third stage
     hides more load latency."""
-    # fp8 imports the CuTe DSL: loaded here so the bf16 catalogues stay light.
-    from flashsuite.fa3.fp8 import FP8_CAUSAL_CONFIGS, FP8_CONFIGS, fp8_can_implement
-
     out = []
     for d, cfg in FP8_CONFIGS.items():
         out.append(("shipped", d, cfg))
@@ -209,7 +215,7 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
             cands["tile_n_64"] = replace(cfg, tile_n=64)
             cands["tile_n_112"] = replace(cfg, tile_n=112)
         if d in (64, 128, 256):
-            out += [(n, d, c) for n, c in cands.items() if fp8_can_implement(c, d)[0]]
+            out += [(n, d, c) for n, c in cands.items() if can_implement(c, d, FP8_DTYPE)[0]]
     return out
 
 

@@ -2,9 +2,10 @@
 
     python -m benchmarks.fp8_emulation [--acc-bits 23 13]
 
-The emulation follows the kernel (fa3/fp8.py, fa3/softmax.py, fa3/fwd_mainloop.py): raw scores
-q8·k8 (products of e4m3 values, exact in float32), key blocks of the kernel's tile_n taken from
-the last block down to the first, the online softmax in base 2 against the running row max
+The emulation follows the kernel's fp8 branch (fa3/kernels.py, fa3/softmax.py,
+fa3/fwd_mainloop.py, fa3/fp8_ops.py): raw scores q8·k8 (products of e4m3 values, exact in
+float32), key blocks of the kernel's tile_n taken from the last block down to the first, the
+online softmax in base 2 against the running row max
 (corr = exp2((m_old - m_new) * scale_log2), row sums of the float32 P), P rounded to e4m3
 (round to nearest even, as cvt.rn.satfinite) before each P·V, O rescaled by corr per block,
 O * descale_v / l at the end and delivered in bf16; LSE = (m * scale_log2 + log2 l) * ln 2.
@@ -72,7 +73,7 @@ def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 
 
 def check_case(case, acc_bits: int = 23) -> tuple[Comparison, Comparison]:
     """(out, lse) comparisons of the emulation on one tests/test_fp8.py case, the test's rule."""
-    from flashsuite.fa3.fp8 import FP8_CAUSAL_CONFIGS, FP8_CONFIGS
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config
     from tests.test_fp8 import _fp8_inputs
 
     b, nq, nk, hq, hkv, d, causal = case[:7]
@@ -80,7 +81,7 @@ def check_case(case, acc_bits: int = 23) -> tuple[Comparison, Comparison]:
     kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
     base = fp8_baseline(q8, k8, v8, ds, causal=causal)
-    cfg = (FP8_CAUSAL_CONFIGS.get(d) if causal else None) or FP8_CONFIGS[d]
+    cfg = get_config(d, FP8_DTYPE, causal)
     out, lse = emulate(q8, k8, v8, ds, causal=causal, tile_n=cfg.tile_n, acc_bits=acc_bits)
     return (
         compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),

@@ -67,7 +67,7 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         key = fa3_compile.CompileKey(
             bf16, head_dim, causal, False, False, get_config(head_dim, bf16, causal)
         )
-        args = (q, q, q, q.clone(), lse, 1.0, 1.0, 0, 0, 1)
+        args = (q, q, q, q.clone(), lse, None, None, None, 1.0, 1.0, 0, 0, 1)
     elif step == "bwd":
         from flashsuite.fa3 import bwd_host
         from flashsuite.fa3.configs import bwd_config_for
@@ -77,12 +77,14 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         acc = torch.zeros(1, 128, 1, head_dim)
         args = (q, q, q, q, lse, lse, acc, q.clone(), q.clone(), 1.0, 1.0, None, None)
     else:
-        from flashsuite.fa3 import fp8
+        from flashsuite.fa3.configs import FP8_DTYPE, get_config
 
-        mod, name, getter = fp8, "compile_fp8_forward", fp8.get_fp8_forward
-        key = fp8.Fp8CompileKey(head_dim, causal, False, False, fp8.fp8_config(head_dim, causal))
-        q8 = torch.zeros(1, 128, 1, head_dim, dtype=torch.float8_e4m3fn)
-        vt = torch.zeros(1, 1, head_dim, 128, dtype=torch.float8_e4m3fn)  # (B, Hkv, D, Nk)
+        mod, name, getter = fa3_compile, "compile_forward", fa3_compile.get_forward
+        key = fa3_compile.CompileKey(
+            FP8_DTYPE, head_dim, causal, False, False, get_config(head_dim, FP8_DTYPE, causal)
+        )
+        q8 = torch.zeros(1, 128, 1, head_dim, dtype=FP8_DTYPE)
+        vt = torch.zeros(1, 1, head_dim, 128, dtype=FP8_DTYPE)  # (B, Hkv, D, Nk)
         ds = torch.ones(1, 1)
         args = (q8, q8, vt, q.clone(), lse, ds, ds, ds, 1.0, 1.0, 0, 0, 1)
     original = getattr(mod, name)

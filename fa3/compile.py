@@ -1,9 +1,11 @@
 """Compile cache for the fa3 forward: one binary per static key, any batch / seqlen / heads.
 
-The key (`CompileKey`) holds only what changes the generated code. Batch, sequence lengths,
-head counts and strides are symbolic in the fake tensors the kernel is compiled from, so new
-shapes never recompile. The binary is built with `--enable-tvm-ffi`: it takes torch tensors
-directly and launches on torch's current stream.
+The key (`CompileKey`) holds only what changes the generated code: the input dtype (fp16,
+bf16, or float8_e4m3fn: the fp8 branch of the same kernel class), head_dim, the mask and score
+flags and the tile config. Batch, sequence lengths, head counts and strides are symbolic in the
+fake tensors the kernel is compiled from, so new shapes never recompile. The binary is built
+with `--enable-tvm-ffi`: it takes torch tensors directly and launches on torch's current
+stream.
 
 Two cache levels: an in-process dict, then the on-disk cache of `disk_cache` (a new process
 loads the binary a previous one built). Every launch passes every kernel parameter
@@ -25,21 +27,25 @@ from typing import Any
 import torch
 
 from flashsuite.fa3 import disk_cache
-from flashsuite.fa3.configs import SMEM_CAPACITY, Fa3Config, smem_bytes
+from flashsuite.fa3.configs import FP8_DTYPE, SMEM_CAPACITY, Fa3Config, can_implement, smem_bytes
 
 
 def cutlass_dtype(dtype: torch.dtype) -> Any:
-    """The CuTe DSL element type of a 16-bit torch dtype (imports the DSL)."""
+    """The CuTe DSL element type of a torch dtype fa3 takes (imports the DSL)."""
     import cutlass
 
-    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+    return {
+        torch.float16: cutlass.Float16,
+        torch.bfloat16: cutlass.BFloat16,
+        FP8_DTYPE: cutlass.Float8E4M3FN,
+    }[dtype]
 
 
 @dataclass(frozen=True)
 class CompileKey:
     """Everything that changes the generated code of one forward kernel."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype  # of q, k, v: float16, bfloat16 or float8_e4m3fn
     head_dim: int
     causal: bool
     local: bool
@@ -49,7 +55,7 @@ class CompileKey:
     tvm_ffi: bool = True
 
 
-_cache: dict[Any, Any] = {}  # static key (CompileKey, fp8.Fp8CompileKey) -> executor
+_cache: dict[Any, Any] = {}  # static key (CompileKey, bwd_host.BwdCompileKey) -> executor
 _lock = threading.Lock()
 
 
@@ -86,51 +92,67 @@ def cached(key: Any, build: Any) -> Any:
 
 
 def _fake_inputs(key: CompileKey) -> tuple:
-    """Fake q, k, v, out, lse with symbolic sizes and 16-byte-aligned symbolic strides."""
+    """Fake q, k, v, out, lse and the three descales (None for 16-bit inputs), with symbolic
+    sizes and 16-byte-aligned symbolic strides. fp8: v is Vᵀ (B, Hkv, D, Nk), out is bf16 and
+    the descales are (B, Hkv) fp32."""
     import cutlass
     import cutlass.cute as cute
 
+    fp8 = key.dtype == FP8_DTYPE
     dt = cutlass_dtype(key.dtype)
     d = key.head_dim
     b, nq, nk, hq, hkv = (cute.sym_int() for _ in range(5))
     elems_16b = 16 // (dt.width // 8)  # TMA: outer strides are multiples of 16 bytes
 
-    def qkv(n: Any, h: Any) -> Any:
+    def strided(shape: tuple) -> Any:  # any 16-byte-aligned outer strides, last dim contiguous
         stride = (*(cute.sym_int64(divisibility=elems_16b) for _ in range(3)), 1)
-        return cute.runtime.make_fake_tensor(dt, (b, n, h, d), stride=stride, assumed_align=16)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
 
-    q, k, v = qkv(nq, hq), qkv(nk, hkv), qkv(nk, hkv)
+    q, k = strided((b, nq, hq, d)), strided((b, nk, hkv, d))
+    v = strided((b, hkv, d, nk) if fp8 else (b, nk, hkv, d))
     # out is allocated by us, contiguous: (B, Nq, Hq, D).
     o = cute.runtime.make_fake_compact_tensor(
-        dt, (b, nq, hq, d), stride_order=(3, 2, 1, 0), assumed_align=16
+        cutlass.BFloat16 if fp8 else dt, (b, nq, hq, d), stride_order=(3, 2, 1, 0), assumed_align=16
     )
     lse = cute.runtime.make_fake_compact_tensor(
         cutlass.Float32, (b, hq, nq), stride_order=(2, 1, 0), assumed_align=4
     )  # (B, Hq, Nq)
-    return q, k, v, o, lse
+    descales: tuple = (None, None, None)
+    if fp8:
+        descales = tuple(
+            cute.runtime.make_fake_compact_tensor(
+                cutlass.Float32, (b, hkv), stride_order=(1, 0), assumed_align=4
+            )  # (B, Hkv)
+            for _ in range(3)
+        )
+    return (q, k, v, o, lse, *descales)
 
 
 def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
-    """Build one forward binary (no cache). `extra_options` are appended to cute.compile's."""
+    """Build one forward binary (no cache). `extra_options` are appended to cute.compile's.
+
+    The binary takes (q, k, v, out, lse, descale_q, descale_k, descale_v, scale_log2,
+    softcap_pre, window_left, window_right, max_ctas): for fp8 v is Vᵀ
+    (`interface.transpose_v`) and the descales are (B, Hkv) fp32 tensors; for 16-bit inputs
+    they are None.
+    """
     import cutlass
     import cutlass.cute as cute
 
     from flashsuite.fa3.kernels import Fa3Forward
 
-    est = smem_bytes(key.cfg, key.head_dim)
+    ok, reason = can_implement(key.cfg, key.head_dim, key.dtype)
+    if not ok:
+        raise ValueError(f"fa3: cannot build {key}: {reason}")
+    est = smem_bytes(key.cfg, key.head_dim, key.dtype)
     kernel = Fa3Forward(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap
     )
-    q, k, v, o, lse = _fake_inputs(key)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     options = compile_options(key.arch, key.tvm_ffi, extra_options)
     compiled = cute.compile(
         kernel,
-        q,
-        k,
-        v,
-        o,
-        lse,
+        *_fake_inputs(key),
         cutlass.Float32(1.0),
         cutlass.Float32(1.0),
         cutlass.Int32(0),
@@ -139,7 +161,7 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
         stream,
         options=options,
     )
-    check_storage(kernel, est, str(key.cfg))
+    check_storage(kernel, est, f"{key.dtype} {key.cfg}")
     return compiled
 
 

@@ -1,8 +1,11 @@
 """Tile configurations for the fa3 forward, one frozen dataclass per (head_dim, dtype, causal).
 
+fp16 and bf16 share one table (`_tiles`, the same bytes per element); float8_e4m3fn has its own
+(`FP8_CONFIGS`): the same kernel, with 1-byte Q/K/V tiles, a bf16 sO and 32-key P blocks.
 Every entry was chosen from the shared-memory and register arithmetic written next to it (and
 FA3's published choices); H200 numbers are noted where an entry was measured.
-`python -m benchmarks.fa3_ablate --final` times the candidates that may replace them.
+`python -m benchmarks.fa3_ablate --final` (16-bit) and `python -m benchmarks.fa3_fp8_check
+--ablate` (fp8) time the candidates that may replace them.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ REG_SPLIT = {2: (24, 240), 3: (32, 160)}
 PRODUCER_REGS, CONSUMER_REGS = REG_SPLIT[2]
 NUM_CONSUMER_WG = 2  # the default; Fa3Config.num_consumer_wgs may ask for 3
 HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16)  # the 16-bit inputs: O in the input dtype
+FP8_DTYPE = torch.float8_e4m3fn  # e4m3 inputs with (B, Hkv) descales: O in bf16
+# wgmma K per instruction: P's columns (keys) come in blocks of 16 (16-bit) or 32 (8-bit).
+MMA_K = {2: 16, 1: 32}
 # Registers a consumer thread needs beyond the fragments (addresses, row statistics, loop state)
 # per number of consumer WGs. Under the 160 cap of 3 WGs ptxas packs tighter (FA3 runs 192x128 at
 # D=64 there); the 0-spill check of tests/test_fa3_compile.py is the real judge.
@@ -71,54 +77,65 @@ def _align(n: int, a: int = 1024) -> int:
     return (n + a - 1) // a * a
 
 
-def smem_bytes(cfg: Fa3Config, head_dim: int, elem_bytes: int = 2) -> int:
-    """Shared memory of the kernel's storage struct: mbarriers, then 1 KiB-aligned sQ, sK, sV, sO.
+def smem_bytes(cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Shared memory of the kernel's storage struct: mbarriers, then 1 KiB-aligned sQ, sK, sV
+    (Vᵀ for fp8) and sO (16-bit O in the input dtype, fp8's in bf16; none where sO aliases sQ).
 
     Mirrors `Fa3Forward._storage` (compile.py checks the two agree on the real struct).
     """
+    elem = dtype.itemsize
     mbar = 8 * (2 + 2 * cfg.stages + 2 * cfg.stages)  # Q, K and V full/empty barriers
-    q = cfg.tile_m * head_dim * elem_bytes
-    kv = cfg.tile_n * head_dim * elem_bytes * cfg.stages
-    o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * elem_bytes
+    q = cfg.tile_m * head_dim * elem
+    kv = cfg.tile_n * head_dim * elem * cfg.stages
+    o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * 2
     total = _align(mbar) + _align(q) + _align(kv) + _align(kv) + (_align(o) if o else 0)
     return total
 
 
-def consumer_regs_estimate(cfg: Fa3Config, head_dim: int) -> int:
-    """fp32 S and O accumulators, the 16-bit P fragment (2 per register) and overhead, per thread.
+def consumer_regs_estimate(
+    cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat16
+) -> int:
+    """fp32 S and O accumulators, the P fragment (two 16-bit or four 8-bit values per register)
+    and overhead, per thread.
 
     With intra-WG overlap S(n+1) and P(n) are live together; without it, P overwrites S's role.
     """
     rows_per_wg = cfg.tile_m // cfg.num_consumer_wgs
     acc_s = rows_per_wg * cfg.tile_n // 128
     acc_o = rows_per_wg * head_dim // 128
-    p = acc_s // 2
+    p = acc_s * dtype.itemsize // 4
     return acc_o + acc_s + p + _REG_OVERHEAD.get(cfg.num_consumer_wgs, 40)
 
 
 def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether the kernel can be built for this config: tile legality, smem and registers."""
-    if dtype not in DTYPES:
-        return False, f"fa3: dtype {dtype} not in (float16, bfloat16)"
+    fp8 = dtype == FP8_DTYPE
+    if dtype not in DTYPES and not fp8:
+        return False, f"fa3: dtype {dtype} not in (float16, bfloat16, float8_e4m3fn)"
     if head_dim not in HEAD_DIMS:
         return False, f"fa3: head_dim {head_dim} not in {set(HEAD_DIMS)}"
     if cfg.num_consumer_wgs not in REG_SPLIT:
         return False, f"fa3: num_consumer_wgs {cfg.num_consumer_wgs} not in {set(REG_SPLIT)}"
     if cfg.tile_m != 64 * cfg.num_consumer_wgs:
         return False, f"fa3: tile_m must be {64 * cfg.num_consumer_wgs} (64 rows per consumer WG)"
-    # wgmma N is a multiple of 8 up to 256; P is the K operand of PV, so tile_n % 16 == 0.
-    if not (16 <= cfg.tile_n <= 256 and cfg.tile_n % 16 == 0):
-        return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of 16 in [16, 256]"
+    if fp8 and cfg.o_alias_q:
+        return False, "fa3: fp8 needs its own sO buffer (bf16 O does not fit on the fp8 sQ)"
+    # wgmma N is a multiple of 8 up to 256; P is the K operand of PV, so tile_n is a multiple of
+    # its K (fp8: Vᵀ's smem rows are tile_n bytes, and 32 is a swizzle width that divides them).
+    mma_k = MMA_K[dtype.itemsize]
+    if not (mma_k <= cfg.tile_n <= 256 and cfg.tile_n % mma_k == 0):
+        return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of {mma_k} in [{mma_k}, 256]"
     if cfg.skip_masked_wg and not cfg.intra_wg_overlap:
         return False, "fa3: skip_masked_wg needs intra_wg_overlap=True"
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.stages < 2:
         return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
-    smem = smem_bytes(cfg, head_dim)
+    smem = smem_bytes(cfg, head_dim, dtype)
     if smem > SMEM_CAPACITY:
         return False, f"fa3: {smem} B of shared memory > {SMEM_CAPACITY} B"
-    regs, budget = consumer_regs_estimate(cfg, head_dim), REG_SPLIT[cfg.num_consumer_wgs][1]
+    regs = consumer_regs_estimate(cfg, head_dim, dtype)
+    budget = REG_SPLIT[cfg.num_consumer_wgs][1]
     if regs > budget:
         return False, f"fa3: ~{regs} registers per consumer thread > {budget}"
     return True, ""
@@ -128,9 +145,10 @@ def get_config(
     head_dim: int, dtype: torch.dtype, causal: bool, seqlen_k: int | None = None
 ) -> Fa3Config:
     """The shipped config for (head_dim, dtype, causal), and for non-causal D = 64 the key length
-    `seqlen_k` (None: a long one). fp16 and bf16 share tiles (same bytes).
+    `seqlen_k` (None: a long one). fp16 and bf16 share tiles (same bytes); float8_e4m3fn takes
+    `FP8_CONFIGS` (any key length).
 
-    Tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
+    16-bit tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
     (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
     H200 2026-11-29, commit 8867277 (D=96/192: e035e4e; `ablate --persistent`, bf16,
     B·N = 16k, Hq·D = 2048), causal TFLOP/s at N = 4k / 8k / 16k, plain grid -> v2 (v2 / cuDNN
@@ -163,7 +181,8 @@ def get_config(
         D=256  455 / 585 / 655 / 649 -> 436 / 521 / 586 / 599  (cuDNN 519 / 602 / 635 / 705)
                plain
     """
-    del dtype  # fp16 and bf16 tiles are the same bytes
+    if dtype == FP8_DTYPE:
+        return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
@@ -216,28 +235,78 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# float8 e4m3 inputs
+# ------------------------------------------------------------------------------------------------
+def _fp8(tile_n: int, stages: int = 2) -> Fa3Config:
+    # 2 consumer WGs, non-persistent; sO is bf16 (2 bytes) and cannot live on the fp8 sQ.
+    return Fa3Config(tile_m=128, tile_n=tile_n, stages=stages, o_alias_q=False, persistent=False)
+
+
+# head_dim -> fp8 tile config (non-causal and causal unless FP8_CAUSAL_CONFIGS says otherwise).
+# Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills. D = 64, 128, 256
+# from the H200 ablation of 2026-11-29 (commit 8867277, `fa3_fp8_check --ablate`, B·N = 16k,
+# Hq·D = 2048, N = 8k, fp8 TFLOP/s with the Vᵀ copy, non-causal / causal); D = 96, 192 are
+# not measured (smem and register arithmetic).
+FP8_CONFIGS: dict[int, Fa3Config] = {
+    # tile_n 192: 499 / 421 (128: 473 / 419, 256: 489 / 441, 3 stages 476 / 420).
+    # Q 8 + K/V 2 x 2 x 12 + sO 16 KiB = 72 KiB; S 96 + O 32 + P 24 registers.
+    64: _fp8(192),
+    # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
+    96: _fp8(128),
+    # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
+    # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24.
+    128: _fp8(192),
+    # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
+    192: _fp8(128),
+    # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
+    # 3 stages 886 / 680, no ping-pong 851 / 684). Q 32 + K/V 2 x 2 x 24 + sO 64 KiB = 192 KiB.
+    256: _fp8(96),
+}
+# Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s).
+FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {64: _fp8(256)}
+
+
+def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
+    """The fp8 table's entry for (head_dim, causal)."""
+    if head_dim not in FP8_CONFIGS:
+        raise ValueError(f"fa3: fp8 head_dim {head_dim} not in {set(FP8_CONFIGS)}")
+    if causal and head_dim in FP8_CAUSAL_CONFIGS:
+        return FP8_CAUSAL_CONFIGS[head_dim]
+    return FP8_CONFIGS[head_dim]
+
+
 def config_for(p: AttnParams) -> Fa3Config:
-    """The tile config fa3 uses for the 16-bit problem `p` (`get_config` of its head_dim,
-    dtype, causal flag and key length)."""
+    """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
+    flag and key length)."""
     return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
-    """Every (head_dim, dtype, causal, config) the table returns for long keys."""
+    """Every 16-bit (head_dim, dtype, causal, config) the table returns for long keys."""
     return [
         (d, dt, c, get_config(d, dt, c)) for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
     ]
 
 
 def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
-    """Every config the table can return, named: "shipped" (long keys) and "shipped-short"
-    (seqlen_k <= SHORT_SEQLEN_K, where that differs). What CI compiles."""
+    """Every 16-bit config the table can return, named: "shipped" (long keys) and
+    "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs). What CI compiles
+    (tests/test_fa3_compile.py; the fp8 entries, `fp8_shipped_configs`, in
+    tests/test_fa3_fp8_compile.py)."""
     out = [("shipped", *c) for c in shipped_configs()]
     for d, dt, c, cfg in shipped_configs():
         short = get_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)
         if short != cfg:
             out.append(("shipped-short", d, dt, c, short))
     return out
+
+
+def fp8_shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
+    """Every fp8 (head_dim, dtype, causal, config) the table returns."""
+    return [
+        (d, FP8_DTYPE, c, get_config(d, FP8_DTYPE, c)) for d in HEAD_DIMS for c in (False, True)
+    ]
 
 
 def _overlap(cfg: Fa3Config) -> Fa3Config:

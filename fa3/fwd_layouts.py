@@ -1,10 +1,13 @@
 """The fa3 forward's trace-time data layout: shared-memory layouts and storage, the two
 wgmma tilings, the TMA atoms and the mbarrier pipelines, and the global-tensor views.
 
-`ForwardLayouts` is a base of the kernel class (`kernels.Fa3Forward`); the fp8 kernel
-overrides the V-side hooks (`_make_layouts`, `_pv_b_major`, `_v_box`, `_v_blocks`,
-`_v_operand`), since it loads Vᵀ blocks. Reads the static configuration set by the kernel's
-`__init__` (dtype, HEAD_DIM, TILE_M, TILE_N, STAGES, NUM_CONSUMER_WGS, ...).
+`ForwardLayouts` is a base of the kernel class (`kernels.Fa3Forward`). Reads the static
+configuration set by the kernel's `__init__` (dtype, FP8, HEAD_DIM, TILE_M, TILE_N, STAGES,
+NUM_CONSUMER_WGS, ...). V's side has two branches: 16-bit V is loaded as it lies in gmem
+(keys x D blocks) and PV reads it as an MN-major Vᵀ view; fp8 wgmma takes no MN-major operand,
+so the host hands the kernel Vᵀ (B, Hkv, D, Nk) with the keys contiguous and the kernel loads
+K-major (D x keys) blocks of it (`_make_layouts`, `_pv_b_major`, `_v_view`, `_v_box`,
+`_v_blocks`, `_v_operand`).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
@@ -32,35 +35,45 @@ class ForwardLayouts:
             k = kind.K_SW32
         return warpgroup.make_smem_layout_atom(k, dtype)
 
-    def _smem_atom(self):
-        # Rows are D-contiguous everywhere (Q, K, V and O).
-        return self._k_major_atom(self.HEAD_DIM * self.dtype.width // 8, self.dtype)
+    def _smem_atom(self, dtype: type[cutlass.Numeric]):
+        # Rows are D-contiguous for Q, K, 16-bit V and O.
+        return self._k_major_atom(self.HEAD_DIM * dtype.width // 8, dtype)
 
     def _make_layouts(self):
-        """Shared-memory layouts sQ (TILE_M, D), sK and sV (TILE_N, D, STAGES), sO (`_o_layout`).
+        """Shared-memory layouts sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV, sO (`_o_layout`).
 
-        V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it as an
-        MN-major Vᵀ view (`_v_operand`).
+        16-bit V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it
+        as an MN-major Vᵀ view (`_v_operand`). fp8 loads Vᵀ blocks: sV is (D, TILE_N, STAGES),
+        PV's K-major B operand, rows of TILE_N key bytes.
         """
-        atom = self._smem_atom()
+        atom = self._smem_atom(self.dtype)
         sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
         sK_l = cute.tile_to_shape(
             atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )  # (TILE_N, D, STAGES)
-        return sQ_l, sK_l, sK_l, self._o_layout()
+        sV_l = sK_l
+        if self.FP8:
+            vt_atom = self._k_major_atom(self.TILE_N, self.dtype)
+            sV_l = cute.tile_to_shape(
+                vt_atom, (self.HEAD_DIM, self.TILE_N, self.STAGES), order=(0, 1, 2)
+            )  # (D, TILE_N, STAGES)
+        return sQ_l, sK_l, sV_l, self._o_layout()
 
     def _o_layout(self):
-        """sO: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE, each slab
-        contiguous so a (64, D) TMA box stores it (sQ_l's atoms are stacked along all TILE_M rows
-        first, so a 64-row slice of it is not one box)."""
+        """sO in O's dtype: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE,
+        each slab contiguous so a (64, D) TMA box stores it (sQ_l's atoms are stacked along all
+        TILE_M rows first, so a 64-row slice of it is not one box)."""
+        atom = self._smem_atom(self.o_dtype)
         if self.PER_WG_EPILOGUE:
             return cute.tile_to_shape(
-                self._smem_atom(), (64, self.HEAD_DIM, self.NUM_CONSUMER_WGS), order=(0, 1, 2)
+                atom, (64, self.HEAD_DIM, self.NUM_CONSUMER_WGS), order=(0, 1, 2)
             )
-        return cute.tile_to_shape(self._smem_atom(), (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+        return cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
 
     def _pv_b_major(self):
         """Major mode of PV's B operand Vᵀ (D x keys) in smem."""
+        if self.FP8:
+            return cute.nvgpu.OperandMajorMode.K  # Vᵀ blocks with the keys contiguous
         return cute.nvgpu.OperandMajorMode.MN  # Vᵀ: the N mode (head_dim) is contiguous in sV
 
     def _make_mmas(self):
@@ -114,31 +127,45 @@ class ForwardLayouts:
 
         return Storage
 
-    # V's place in gmem, TMA and smem: (keys, D) blocks here; the fp8 kernel loads Vᵀ blocks.
-    V_VIEW = (1, 3, 2, 0)  # (B, Nk, Hkv, D) -> (Nk, D, Hkv, B)
+    # V's place in gmem, TMA and smem: (keys, D) blocks for 16-bit V, (D, keys) blocks of Vᵀ
+    # for fp8.
+    def _v_view(self) -> list[int]:
+        """The modes of the V argument in the kernel's (rows, columns, Hkv, B) order: 16-bit V
+        (B, Nk, Hkv, D) -> (Nk, D, Hkv, B); fp8 Vᵀ (B, Hkv, D, Nk) -> (D, Nk, Hkv, B)."""
+        return [2, 3, 1, 0] if self.FP8 else [1, 3, 2, 0]
 
     def _v_box(self) -> tuple[int, int]:
-        """The TMA box (and smem stage shape) of one V block."""
+        """The TMA box (and smem stage shape) of one V (fp8: Vᵀ) block."""
+        if self.FP8:
+            return (self.HEAD_DIM, self.TILE_N)
         return (self.TILE_N, self.HEAD_DIM)
 
     def _v_blocks(self, tV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
-        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks)."""
+        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks); fp8: Vᵀ blocks,
+        (D, TILE_N, n_blocks)."""
+        if self.FP8:
+            return cute.local_tile(
+                tV[None, None, head_kv, batch], (self.HEAD_DIM, self.TILE_N), (0, None)
+            )
         return cute.local_tile(
             tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
         )
 
     def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
-        """Vᵀ as the MN-major B operand of PV: sV's bytes, a (D, TILE_N, STAGES) view."""
+        """Vᵀ as the B operand of PV, (D, TILE_N, STAGES): an MN-major view of sV's bytes
+        (16-bit), or sV itself (fp8: the loaded Vᵀ blocks are already K-major)."""
+        if self.FP8:
+            return sV
         return cute.composition(
             sV,
             cute.make_ordered_layout((self.HEAD_DIM, self.TILE_N, self.STAGES), order=(1, 0, 2)),
         )
 
     def _kernel_views(self, mQ, mK, mV, mO, mLSE):
-        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `V_VIEW`, (N, H, B) LSE."""
+        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `_v_view`, (N, H, B) LSE."""
         mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
         mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=list(self.V_VIEW)))
+        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=self._v_view()))
         mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
         return mQ, mK, mV, mO, mLSE
@@ -195,10 +222,10 @@ class ForwardLayouts:
 
     def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
         """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
-        B operand, (D, TILE_N, STAGES)) and sO (on sQ with O_ALIAS_Q)."""
+        B operand, (D, TILE_N, STAGES); sV itself for fp8) and sO (on sQ with O_ALIAS_Q)."""
         sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
-        sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES)
+        sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES); fp8 Vᵀ
         sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)
         if const_expr(self.O_ALIAS_Q):
             sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ

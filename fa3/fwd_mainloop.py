@@ -4,8 +4,9 @@
 per-block steps from `consumer`: without intra-WG overlap `step` (QK, softmax, PV, each waited
 for); with it `overlap_loop` (`first_half_block`, then `step_overlap` with QK(n) and PV(n+1) in
 flight together, then `last_half_block`), and `pass_block` for a block none of a WG's rows can
-see. `ctx` carries the tile's fragments, pipelines and problem (see `consumer`). The fp8
-kernel overrides `probs_to_operand` (P to e4m3 and the register exchange of its A operand).
+see. `ctx` carries the tile's fragments, pipelines and problem (see `consumer`). P becomes
+PV's A operand in `probs_to_operand`: a per-thread 16-bit convert, or for e4m3 inputs the
+convert and register exchange of fp8_ops.py.
 """
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
@@ -15,6 +16,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from flashsuite.fa3 import fp8_ops
 from flashsuite.fa3.mask import apply_mask
 from flashsuite.fa3.softmax import online_softmax, rescale_rows
 from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk
@@ -60,18 +62,23 @@ class ForwardMainloop:
 
     @cute.jit
     def probs_to_operand(self, ctx):
-        """P (fp32, in acc_S) -> 16-bit A operand of PV, in registers.
+        """P (fp32, in acc_S) -> A operand of PV (ctx.tOrP), in registers.
 
-        The C fragment of S and the A fragment of P have the same per-thread element order
-        (m64nNk16), so this is a per-thread convert, no data moves between threads.
+        16-bit: the C fragment of S and the A fragment of P have the same per-thread element
+        order (m64nNk16), so this is a per-thread convert, no data moves between threads. e4m3:
+        the A fragment (m64nNk32) gives a thread other keys (`fp8_ops.probs_to_operand`).
         """
-        acc_S = ctx.acc_S
-        n = cute.size(acc_S)
-        p32 = cute.make_tensor(
-            cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
-        )  # (n/2,) 32-bit view of the P fragment's registers
-        for j in cutlass.range_constexpr(n // 2):
-            p32[j] = cvt_pack_16x2(acc_S[2 * j], acc_S[2 * j + 1], self.dtype is cutlass.BFloat16)
+        if const_expr(self.FP8):
+            fp8_ops.probs_to_operand(ctx.acc_S, ctx.tOrP, self.TILE_N)
+        else:
+            acc_S = ctx.acc_S
+            n = cute.size(acc_S)
+            p32 = cute.make_tensor(
+                cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
+            )  # (n/2,) 32-bit view of the P fragment's registers
+            bf16 = self.dtype is cutlass.BFloat16
+            for j in cutlass.range_constexpr(n // 2):
+                p32[j] = cvt_pack_16x2(acc_S[2 * j], acc_S[2 * j + 1], bf16)
 
     @cute.jit
     def step(self, ctx, kv_state, n_block: Int32, mask: cutlass.Constexpr[bool]):

@@ -7,7 +7,8 @@ the saved (q, k, v, out, lse) for the rest (`HAS_BACKWARD = False`: not every pr
 FLASHSUITE_FA3_BWD=0 sends every backward there. The forward kernel (`kernels.Fa3Forward`) is
 compiled once per `compile.CompileKey` (dtype, head_dim, causal/local/softcap flags, tile
 config) and launched through TVM-FFI on torch's current stream; batch, sequence lengths, head
-counts and strides are runtime values. float8_e4m3fn inputs go to `fp8` (bf16 out).
+counts and strides are runtime values. float8_e4m3fn inputs take the same path and the same
+kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here first).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flashsuite.fa3.configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
     DTYPES,
+    FP8_DTYPE,
     HEAD_DIMS,
     BwdConfig,
     Fa3Config,
@@ -67,14 +69,17 @@ def available() -> tuple[bool, str]:
 
 
 def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
-    """Whether fa3 takes problem `p` on `arch` (90 only)."""
+    """Whether fa3 takes problem `p` on `arch` (90 only).
+
+    fp8 descales are taken as positive (amax / 448 by construction): the kernel folds
+    descale_q·descale_k into the softmax scale after the row max, which a negative product
+    would flip. Checking their values would cost a device sync per call, so it is not done.
+    """
     if arch != 90:
         where = "no GPU" if arch is None else f"sm{arch}"
         return False, f"fa3: needs sm90 (Hopper wgmma/TMA), got {where}"
-    if p.is_fp8:
-        return _supports_fp8(p)
-    if p.dtype not in DTYPES:
-        return False, f"fa3: dtype {_dt(p.dtype)} not in (float16, bfloat16)"
+    if p.dtype not in DTYPES and p.dtype != FP8_DTYPE:
+        return False, f"fa3: dtype {_dt(p.dtype)} not in (float16, bfloat16, float8_e4m3fn)"
     if p.head_dim not in HEAD_DIMS:
         return False, f"fa3: head_dim {p.head_dim} not in {{{', '.join(map(str, HEAD_DIMS))}}}"
     if p.head_dim_v != p.head_dim:
@@ -104,16 +109,9 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         )
         if on
     ]
-    return True, f"fa3: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, {', '.join(features)}"
-
-
-def _supports_fp8(p: AttnParams) -> tuple[bool, str]:
-    """The fp8 kernel's limits (fa3/fp8.py)."""
-    try:
-        from flashsuite.fa3 import fp8
-    except ImportError as e:
-        return False, f"fa3: fp8 needs the CuTe DSL ({e})"
-    return fp8.supports(p)
+    what = "fp8 e4m3 forward (bf16 out, Vᵀ copied on the host), " if p.is_fp8 else ""
+    tiles = f"{cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages"
+    return True, f"fa3: {what}{tiles}, {', '.join(features)}"
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -142,6 +140,40 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def transpose_v(v: torch.Tensor) -> torch.Tensor:
+    """fp8 V (B, Nk, Hkv, D) -> Vᵀ (B, Hkv, D, Nk) with the keys contiguous: PV's B operand
+    must be K-major for fp8 wgmma (it takes no MN-major operand), so the kernel loads Vᵀ blocks.
+
+    One extra read and write of V (2·B·Nk·Hkv·D bytes, 64 MiB at B·N = 16k, Hkv·D = 2048):
+    0.18-0.19 ms on the H200 there, 4-22 % of the fp8 forward at N = 8k-16k (commit 8867277,
+    docs/results/fa3-fp8-ablation-8867277.json `bench`). The key stride is padded to 16 bytes
+    (TMA); the view stops at Nk, so TMA zero-fills the tail block and the padding is never
+    read. Copied through uint8 views (a byte permutation).
+    """
+    b, nk, hkv, d = v.shape
+    nk_pad = (nk + 15) // 16 * 16
+    vt = torch.empty((b, hkv, d, nk_pad), dtype=torch.uint8, device=v.device)  # (B, Hkv, D, Nk')
+    vt = vt[..., :nk]  # (B, Hkv, D, Nk)
+    vt.copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
+    return vt.view(v.dtype)
+
+
+_ones: dict[tuple, torch.Tensor] = {}
+
+
+def _descale(t: torch.Tensor | None, b: int, hkv: int, device: torch.device) -> torch.Tensor:
+    """A (B, Hkv) contiguous fp32 descale; None -> a cached tensor of ones."""
+    if t is not None:
+        return t.contiguous()
+    key = (device, b, hkv)
+    ones = _ones.get(key)
+    if ones is None:
+        if len(_ones) > 256:
+            _ones.clear()
+        ones = _ones[key] = torch.ones((b, hkv), dtype=torch.float32, device=device)
+    return ones
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,21 +185,16 @@ def forward(
     *,
     cfg: Fa3Config | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) fp16/bf16 on an sm90 GPU, last dim contiguous.
+    """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) fp16, bf16 or float8_e4m3fn on an sm90 GPU, last
+    dim contiguous; descales (B, Hkv) fp32 or None (1.0) for float8_e4m3fn inputs only.
 
-    float8_e4m3fn inputs (descales (B, Hkv) fp32 or None) go to fa3/fp8.py and return bf16.
+    `cfg` overrides the tile config from configs.py (the ablation scripts use it).
 
-    `cfg` overrides the tile config from configs.py (the ablation script uses it).
-
-    Returns out (B, Nq, Hq, D) contiguous in q's dtype and lse (B, Hq, Nq) float32 (natural
-    log, -inf for rows that see no key).
+    Returns out (B, Nq, Hq, D) contiguous in q's dtype (bf16 for float8_e4m3fn) and lse
+    (B, Hq, Nq) float32 (natural log, -inf for rows that see no key).
     """
-    if p.is_fp8:
-        from flashsuite.fa3 import fp8
-
-        q, k = _tma_ready(q), _tma_ready(k)  # v is copied into its transposed layout anyway
-        return fp8.forward(q, k, v, p, descale_q, descale_k, descale_v, cfg=cfg)
-    if descale_q is not None or descale_k is not None or descale_v is not None:
+    descales = (descale_q, descale_k, descale_v)
+    if not p.is_fp8 and (descale_q is not None or descale_k is not None or descale_v is not None):
         raise ValueError("fa3: descale factors are for fp8 inputs only")
     out = torch.empty(
         (p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype=p.out_dtype, device=q.device
@@ -182,9 +209,14 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    q, k = _tma_ready(q), _tma_ready(k)
+    if p.is_fp8:
+        v = transpose_v(v)  # (B, Hkv, D, Nk), keys contiguous
+        descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
+    else:
+        v = _tma_ready(v)
     fn, scalars = _launch_plan(p, cfg, q.device)
-    fn(q, k, v, out, lse, *scalars)
+    fn(q, k, v, out, lse, *descales, *scalars)
     return out, lse
 
 

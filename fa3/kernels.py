@@ -21,6 +21,14 @@ one producer and two (or three) consumer warpgroups:
   (Fa3Config.balanced_order) evens out the CTAs' causal work (tile_scheduler.py).
 - Epilogue: O scaled by 1/l (0 for empty rows), LSE (natural log, -inf for empty rows) stored
   in fp32, O via stmatrix into smem, fence, named barrier, TMA store.
+- FP8 (dtype e4m3, O in bf16): the same roles, pipelines, masking, softmax and epilogue, with
+  four branches. V arrives transposed (Vᵀ (B, Hkv, D, Nk), keys contiguous, made by the host:
+  fp8 wgmma takes no MN-major operand) and is loaded as K-major (D, TILE_N) blocks
+  (fwd_layouts.py). P goes to e4m3 with a register exchange within each quad (fp8_ops.py). The
+  descales are kernel arguments, (B, Hkv) fp32 tensors: each tile's consumer reads those of its
+  (batch, kv head) (`tile_scales`); descale_q·descale_k multiplies the softmax scale (after the
+  raw-score max, so P stays in [0, 1] before its e4m3 rounding) and descale_v the final 1/l.
+  sO is bf16, its own buffer (it does not fit on the fp8 sQ).
 
 This file holds the kernel class: its static configuration, the host launch, the kernel entry,
 the role split (`warp_roles`), the consumer's per-tile work (`consumer`) and the epilogue. The
@@ -76,7 +84,7 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from flashsuite.fa3.configs import REG_SPLIT, Fa3Config
@@ -105,7 +113,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         softcap: bool,
     ) -> None:
         self.dtype = dtype
-        self.o_dtype = dtype  # O's dtype in smem and gmem (the fp8 kernel writes bf16)
+        self.FP8 = dtype is Float8E4M3FN
+        self.o_dtype = BFloat16 if self.FP8 else dtype  # O's dtype in smem and gmem
         self.HEAD_DIM = head_dim
         self.TILE_M = cfg.tile_m
         self.TILE_N = cfg.tile_n
@@ -153,9 +162,12 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         self,
         mQ: cute.Tensor,  # (B, Nq, Hq, D)
         mK: cute.Tensor,  # (B, Nk, Hkv, D)
-        mV: cute.Tensor,  # (B, Nk, Hkv, D)
-        mO: cute.Tensor,  # (B, Nq, Hq, D)
+        mV: cute.Tensor,  # (B, Nk, Hkv, D); fp8: Vᵀ (B, Hkv, D, Nk), keys contiguous
+        mO: cute.Tensor,  # (B, Nq, Hq, D); bf16 for fp8
         mLSE: cute.Tensor,  # (B, Hq, Nq) fp32
+        mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
+        mDescaleK: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
+        mDescaleV: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         scale_log2: Float32,  # log2(e) * scale (or * softcap with SOFTCAP)
         softcap_pre: Float32,  # scale / softcap, applied before tanh (unused without SOFTCAP)
         window_left: Int32,  # >= 0 (the host maps "unbounded" to a large value)
@@ -189,10 +201,14 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             tma_o,
             tO,
             mLSE,
+            mDescaleQ,
+            mDescaleK,
+            mDescaleV,
             mma_qk,
             mma_pv,
             sQ_l,
             sK_l,
+            sV_l,
             sO_l,
             Int32(seqlen_q),
             Int32(seqlen_k),
@@ -221,14 +237,18 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         tma_k: cute.CopyAtom,
         tK: cute.Tensor,  # (Nk, D, Hkv, B)
         tma_v: cute.CopyAtom,
-        tV: cute.Tensor,  # (Nk, D, Hkv, B)
+        tV: cute.Tensor,  # (Nk, D, Hkv, B); fp8: (D, Nk, Hkv, B)
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,  # (Nq, D, Hq, B)
         mLSE: cute.Tensor,  # (Nq, Hq, B) fp32
+        mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
+        mDescaleK: cute.Tensor | None,
+        mDescaleV: cute.Tensor | None,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_l: cute.ComposedLayout,  # (TILE_M, D)
         sK_l: cute.ComposedLayout,  # (TILE_N, D, STAGES)
+        sV_l: cute.ComposedLayout,  # sK_l; fp8: (D, TILE_N, STAGES)
         sO_l: cute.ComposedLayout,  # (TILE_M, D) or (64, D, NUM_CONSUMER_WGS)
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -251,16 +271,26 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        # sV has sK's layout.
-        pipes, smem = self._allocate_smem(sQ_l, sK_l, sK_l, sO_l)
+        pipes, smem = self._allocate_smem(sQ_l, sK_l, sV_l, sO_l)
         pipe_q, pipe_k, pipe_v = pipes
         sQ, sK, sV, sVt, sO = smem
+        descales = None
+        if const_expr(self.FP8):
+            # Each tile's consumer reads its (batch, kv head) descales (`tile_scales`).
+            descales = (mDescaleQ, mDescaleK, mDescaleV, sched.group)
+            if const_expr(not self.PERSISTENT):
+                # The CTA's one tile: its block range computed once here, for both roles. The
+                # 16-bit branch computes it inside each role instead; each branch keeps the
+                # code its H200 measurements were taken with.
+                sched.blocks = self.scheduler.block_range(
+                    sched.tile0[0], seqlen_q, seqlen_k, window_left, window_right
+                )
         self.warp_roles(
             wg,
             warp,
             tidx,
             (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v),
-            (tma_o, tO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
+            (tma_o, tO, mLSE, descales, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
             sched,
             scale_log2,
             softcap_pre,
@@ -390,6 +420,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,
         mLSE: cute.Tensor,
+        descales,  # fp8: (mDescaleQ, mDescaleK, mDescaleV, group); None for 16-bit inputs
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ: cute.Tensor,
@@ -416,7 +447,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         n_block_min: Int32,
         n_block_max: Int32,
     ):
-        scale_log2, softcap_pre = self.tile_scales(head, batch, scale_log2, softcap_pre)
+        scale_log2, softcap_pre, descale_v = self.tile_scales(
+            descales, head, batch, scale_log2, softcap_pre
+        )
         thr_qk = mma_qk.get_slice(ctid)
         thr_pv = mma_pv.get_slice(ctid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
@@ -543,6 +576,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             batch,
             seqlen_q,
             scale_log2,
+            descale_v,
         )
         if const_expr(self.PERSISTENT):
             if const_expr(self.O_ALIAS_Q):
@@ -552,17 +586,37 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             q_state.advance()
         return q_state, kv_state
 
-    def tile_scales(self, head: Int32, batch: Int32, scale_log2: Float32, softcap_pre: Float32):
-        """The score scales of the tile of (`head`, `batch`), at the top of `consumer`: the
-        kernel's own for 16-bit inputs (fp8 folds in per-(batch, kv head) descales)."""
-        return scale_log2, softcap_pre
+    def tile_scales(
+        self, descales, head: Int32, batch: Int32, scale_log2: Float32, softcap_pre: Float32
+    ):
+        """(scale_log2, softcap_pre, descale_v) of the tile of (`head`, `batch`), at the top of
+        `consumer` (one tile per CTA, or each tile of a persistent CTA): the kernel's own
+        scales and no descale_v for 16-bit inputs.
+
+        fp8: the descales of the tile's (batch, kv head). Scores are (q·descale_q)·
+        (k·descale_k) = descale_q·descale_k·(q·k): the product scales what multiplies the raw
+        fp32 score (the exp2 scale, or tanh's argument). descale_v goes to the same tile's
+        epilogue: O = descale_v · P·V / l.
+        """
+        if const_expr(not self.FP8):
+            return scale_log2, softcap_pre, None
+        m_dq, m_dk, m_dv, group = descales
+        head_kv = head // group
+        qk_descale = m_dq[batch, head_kv] * m_dk[batch, head_kv]
+        descale_v = m_dv[batch, head_kv]
+        if const_expr(self.SOFTCAP):
+            return scale_log2, softcap_pre * qk_descale, descale_v
+        return scale_log2 * qk_descale, softcap_pre, descale_v
 
     # ----------------------------------------------------------------------------------------
     # consumer: epilogue
     # ----------------------------------------------------------------------------------------
-    def _o_scale(self, rcp_l: Float32) -> Float32:
-        """What multiplies a row of O with softmax sum l (> 0): 1/l (fp8 adds descale_v)."""
-        return rcp_l
+    def _o_scale(self, descale_v: Float32 | None):
+        """What multiplies a row of O with softmax sum l (> 0), as a function of 1/l: 1/l, or
+        descale_v / l for fp8 (O = descale_v · P·V / l)."""
+        if descale_v is None:
+            return lambda rcp_l: rcp_l
+        return lambda rcp_l: rcp_l * descale_v
 
     @cute.jit
     def epilogue(
@@ -584,11 +638,12 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         batch: Int32,
         seqlen_q: Int32,
         scale_log2: Float32,
+        descale_v: Float32 | None,  # fp8: this tile's descale of V (`tile_scales`)
     ):
         """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store."""
         inv = cute.make_rmem_tensor((2,), Float32)
         for r in cutlass.range_constexpr(2):
-            inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale)
+            inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale(descale_v))
             row = m_block * self.TILE_M + tScS[2 * r][0]
             # One lane of each quad owns the row's statistics; tail rows are not stored.
             if (tScS[0][1] == 0) & (row < seqlen_q):

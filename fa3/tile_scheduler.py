@@ -89,7 +89,8 @@ class TileScheduler:
 
     def cta_blocks(self, sched: SimpleNamespace):
         """[n_block_min, n_block_max) of a non-persistent CTA's tile: `sched.blocks` where the
-        kernel computed it once in its top region (fp8), else here, in the role's branch."""
+        kernel computed it once in its top region (the fp8 branch), else here, in the role's
+        branch."""
         blocks = getattr(sched, "blocks", None)
         if blocks is not None:
             return blocks

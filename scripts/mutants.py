@@ -313,7 +313,7 @@ MUTANTS = [
     ),
     Mutant(
         "fa2 bwd: saved LSE read in base 2",
-        F2B,
+        "common/bwd_preprocess.py",  # the preprocess fa2 (and fa3) launch
         'float("inf"), lse * LOG2E)',
         'float("inf"), lse)',
         _bwd("fa2", "float16"),
@@ -348,7 +348,7 @@ FA3_SOFTMAX = "fa3/softmax.py"  # online softmax, final 1/l and LSE
 FA3_LOOP = "fa3/fwd_mainloop.py"  # the per-K/V-block steps
 FA3_MASK = "fa3/mask.py"
 FA3_PIPE = "fa3/pipeline.py"  # the producer's loads (K/V head of a query head)
-FA3_FP8 = "fa3/fp8.py"
+FA3_HOST = "fa3/interface.py"  # the launcher: fp8 descales and Vᵀ
 FA3_BWD = "fa3/bwd_pointwise.py"
 FA3_BWD_HOST = "fa3/bwd_host.py"
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
@@ -447,8 +447,9 @@ GPU_MUTANTS = [
     ),
     Mutant(
         "fa3 fp8: descale (b, h) read from (h, b)",
-        FA3_FP8,
-        "        return t.contiguous()\n",
+        FA3_HOST,
+        "    if t is not None:\n        return t.contiguous()\n",
+        "    if t is not None:\n"
         "        return t.reshape(t.shape[1], t.shape[0]).t().contiguous()\n",
         "fp8 and fa3",
         ("tests/test_fp8.py",),

@@ -41,7 +41,7 @@ KEY = fa3_compile.CompileKey(
     torch.bfloat16, 64, False, False, False, get_config(64, torch.bfloat16, False)
 )
 Q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)  # (B, N, H, D), on the CPU
-ARGS = (Q, Q, Q, Q.clone(), torch.zeros(1, 1, 128), 1.0, 1.0, 0, 0, 1)
+ARGS = (Q, Q, Q, Q.clone(), torch.zeros(1, 1, 128), None, None, None, 1.0, 1.0, 0, 0, 1)
 
 
 def _signature(fn) -> str:

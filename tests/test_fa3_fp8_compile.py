@@ -1,4 +1,4 @@
-"""fa3's fp8 (e4m3) forward compiles for sm_90a without a GPU, and its host-side logic holds.
+"""fa3's fp8 (e4m3) branch compiles for sm_90a without a GPU, and its host-side logic holds.
 
 The compile runs in subprocesses (`python -m benchmarks.fa3_fp8_check --probe`: the CuTe DSL
 reads its CUTE_DSL_* settings at import). Each table entry must show e4m3 wgmma, TMA loads and
@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,21 @@ import torch
 pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 
 from flashsuite.common.validation import check_inputs
-from flashsuite.fa3 import fp8, interface
+from flashsuite.fa3 import fp8_ops, interface
+from flashsuite.fa3.compile import CompileKey
+from flashsuite.fa3.configs import (
+    DTYPES,
+    FP8_DTYPE,
+    HEAD_DIMS,
+    can_implement,
+    config_for,
+    fp8_shipped_configs,
+    get_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
 SHARDS = ((64, 128, 192), (96, 256))  # two compiler processes (the CI machine has 2 cores)
-CASES = [("shipped", d, causal) for d in fp8.FP8_HEAD_DIMS for causal in (False, True)]
+CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
 CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue (not shipped)
 CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
@@ -98,7 +109,7 @@ def _pair(acc_t: dict, kb: int, j: int, r: int) -> list:
 
 
 def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
-    """Simulate one quad through fp8.probs_to_operand's steps on labelled P values."""
+    """Simulate one quad through fp8_ops.probs_to_operand's steps on labelled P values."""
     for kb in range(4):  # 32-key blocks of a 128-wide S tile
         # C fragment (frag_C / tv_C): lane t, element 4j + 2r + c = (row half r, key 8j+2t+c).
         acc = [
@@ -118,7 +129,7 @@ def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
             offer1 = [x[t] if t % 2 == 0 else y[t] for t in range(4)]
             offer2 = [y[t] if t % 2 == 0 else x[t] for t in range(4)]
             for t in range(4):
-                src1, src2, sel_lo, sel_hi = fp8.quad_exchange(t)
+                src1, src2, sel_lo, sel_hi = fp8_ops.quad_exchange(t)
                 w1, w2 = offer1[src1], offer2[src2]
                 words[t][4 * kb + r] = _prmt(w1, w2, sel_lo)
                 words[t][4 * kb + 2 + r] = _prmt(w1, w2, sel_hi)
@@ -132,10 +143,36 @@ def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", fp8.FP8_HEAD_DIMS)
+@pytest.mark.parametrize("d", HEAD_DIMS)
 def test_fp8_table_entries_can_be_implemented(d: int, causal: bool) -> None:
-    ok, reason = fp8.fp8_can_implement(fp8.fp8_config(d, causal), d)
+    ok, reason = can_implement(get_config(d, FP8_DTYPE, causal), d, FP8_DTYPE)
     assert ok, reason
+
+
+def test_fp8_limits_of_the_one_table() -> None:
+    """What the fp8 branch cannot take, and why: sO on the fp8 sQ, P blocks under 32 keys."""
+    cfg = get_config(64, FP8_DTYPE, False)
+    for changed in (replace(cfg, o_alias_q=True), replace(cfg, tile_n=48)):
+        assert can_implement(changed, 64, torch.bfloat16)[0]  # fine in 16 bits
+    ok, reason = can_implement(replace(cfg, o_alias_q=True), 64, FP8_DTYPE)
+    assert not ok and "own sO" in reason
+    ok, reason = can_implement(replace(cfg, tile_n=48), 64, FP8_DTYPE)
+    assert not ok and "multiple of 32" in reason
+    with pytest.raises(ValueError, match="fp8 head_dim 80"):
+        get_config(80, FP8_DTYPE, False)
+
+
+def test_one_compile_key_for_both_dtypes() -> None:
+    """fp8 is a dtype of the one compile key: the same fields, distinct keys, a repr that
+    names the dtype (what an on-disk cache of compiled kernels is keyed by)."""
+    keys = [
+        CompileKey(dt, 128, True, False, False, get_config(128, dt, True))
+        for dt in (*DTYPES, FP8_DTYPE)
+    ]
+    assert len(set(keys)) == 3
+    assert repr(keys[-1]).startswith("CompileKey(dtype=torch.float8_e4m3fn, head_dim=128, ")
+    assert keys[-1].cfg != keys[0].cfg  # fp8 has its own table entry
+    assert config_for(_fp8_params()) == keys[-1].cfg  # and config_for reads it
 
 
 def _fp8_params(d: int = 128):
@@ -148,17 +185,59 @@ def _fp8_params(d: int = 128):
 def test_fp8_support_and_reasons() -> None:
     p = _fp8_params()
     ok, reason = interface.supports(p, 90)
-    cfg = fp8.fp8_config(p.head_dim, p.causal)
+    cfg = get_config(p.head_dim, FP8_DTYPE, p.causal)
     assert ok and reason.startswith("fa3: fp8 e4m3 forward") and f"x{cfg.tile_n} tiles" in reason
     assert not interface.supports(p, None)[0]
     assert not interface.supports(p, 80)[0]
     ok, reason = interface.supports(_fp8_params(d=80), 90)
-    assert not ok and "fp8 head_dim 80" in reason
+    assert not ok and "head_dim 80 not in" in reason
 
 
 def test_transpose_v_layout() -> None:
     v = (torch.randn(2, 37, 3, 64) * 3).to(torch.float8_e4m3fn)  # (B, Nk, Hkv, D)
-    vt = fp8.transpose_v(v)  # (B, Hkv, D, Nk)
+    vt = interface.transpose_v(v)  # (B, Hkv, D, Nk)
     assert vt.shape == (2, 3, 64, 37) and vt.dtype == v.dtype and vt.stride(-1) == 1
     assert vt.stride(2) % 16 == 0  # TMA: 16-byte outer strides
     assert torch.equal(vt.view(torch.uint8), v.view(torch.uint8).permute(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=["bf16", "e4m3"])
+def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> None:
+    """interface.forward on the CPU with the binary stubbed: both dtypes take the same path to
+    one CompileKey and the binary's one calling convention (q, k, v, out, lse, three descales,
+    four scalars, the SM count); fp8 gets Vᵀ, bf16 O and (B, Hkv) descales (ones for None)."""
+    from flashsuite.fa3 import compile as fa3_compile
+
+    calls = []
+
+    def get_forward(key):
+        return lambda *args: calls.append((key, args))
+
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(fa3_compile, "get_forward", get_forward)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(interface, "_plans", {})
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 64, generator=gen).to(dtype)  # (B, Nq, Hq, D)
+    k = torch.randn(2, 56, 2, 64, generator=gen).to(dtype)  # (B, Nk, Hkv, D)
+    v = torch.randn(2, 56, 2, 64, generator=gen).to(dtype)
+    # (B, Hkv) descales: q's, none for k, a non-contiguous one for v.
+    ds = (torch.rand(2, 2, generator=gen) + 0.5, None, torch.rand(2, 2, generator=gen).t())
+    fp8 = dtype == FP8_DTYPE
+    kwargs = dict(zip(("descale_q", "descale_k", "descale_v"), ds, strict=True)) if fp8 else {}
+    p = check_inputs(q, k, v, causal=True, **kwargs)
+    out, lse = interface.forward(q, k, v, p, *(ds if fp8 else ()))
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 40)
+    ((key, args),) = calls
+    assert key == CompileKey(dtype, 64, True, False, False, get_config(64, dtype, True))
+    assert len(args) == 5 + 3 + 4 + 1 and args[-1] == 132
+    assert args[0] is q and args[1] is k and args[3] is out and args[4] is lse
+    if fp8:
+        assert torch.equal(args[2].view(torch.uint8), v.view(torch.uint8).permute(0, 2, 3, 1))
+        assert torch.equal(args[5], ds[0]) and torch.equal(args[7], ds[2])
+        assert torch.equal(args[6], torch.ones(2, 2))  # descale_k None: 1.0
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in args[5:8])
+    else:
+        assert args[2] is v and args[5:8] == (None, None, None)
+        with pytest.raises(ValueError, match="descale factors are for fp8 inputs only"):
+            interface.forward(q, k, v, p, torch.ones(2, 2))

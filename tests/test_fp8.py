@@ -172,7 +172,7 @@ def test_fp8_lse_rule_admits_the_accumulator_and_catches_1_percent(case: tuple) 
     FP8_ACC_BITS pass it, and the same LSE 1 % off fails it."""
     from benchmarks.fp8_emulation import emulate
     from flashsuite.common.testing import FP8_ACC_BITS
-    from flashsuite.fa3.fp8 import FP8_CAUSAL_CONFIGS, FP8_CONFIGS
+    from flashsuite.fa3.configs import FP8_CAUSAL_CONFIGS, FP8_CONFIGS
 
     b, nq, nk, hq, hkv, d, causal = case[:7]
     q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, "cpu")
