@@ -23,7 +23,7 @@ from flashsuite.common.validation import (
     check_kvcache_inputs,
     check_varlen_inputs,
 )
-from flashsuite.dispatch import registry
+from flashsuite.dispatch import fallback, registry
 from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_choice
 
 _ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
@@ -61,6 +61,8 @@ def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
         return Choice(requested, bwd(requested), arch, (f"{requested}: {how}; {reason}",), params)
     reasons = []
     for name in auto_order(arch):
+        if name == fallback.NAME:  # PyTorch's SDPA has no packed or KV-cache entry point here
+            continue
         ok, reason = _check(kind, name, params, arch, needs_grad)
         reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
         if ok:

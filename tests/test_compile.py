@@ -1,0 +1,155 @@
+"""torch.compile with dynamic shapes and torch.export over a model that calls
+dispatch.attention: selection is decided at trace time on static facts only (dtype, head dims,
+options, architecture), so new batch sizes and sequence lengths run the same graph, and
+changed options are what recompiles. The Triton versions run under the interpreter on a CPU.
+(The custom ops themselves pass torch.library.opcheck in tests/test_attention.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx.experimental._config as fx_config
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.export import Dim
+
+from flashsuite import dispatch
+from flashsuite.common.arch import override_arch
+from flashsuite.common.testing import compare, reference_pair
+from flashsuite.dispatch import registry
+
+HEAD_DIM = 32  # a head_dim every version takes (fa2's smallest)
+
+
+class TinyAttention(torch.nn.Module):
+    """x (B, N, dim) -> (B, N, dim): projections around one dispatch.attention call, GQA."""
+
+    def __init__(self, version: str, heads: int = 4, kv_heads: int = 2, **options) -> None:
+        super().__init__()
+        self.version, self.heads, self.kv_heads, self.options = version, heads, kv_heads, options
+        dim = heads * HEAD_DIM
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * HEAD_DIM)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM, self.kv_heads * HEAD_DIM], dim=-1
+        )
+        q = q.view(b, n, self.heads, HEAD_DIM)  # (B, N, Hq, D)
+        k = k.view(b, n, self.kv_heads, HEAD_DIM)  # (B, N, Hkv, D)
+        v = v.view(b, n, self.kv_heads, HEAD_DIM)
+        out = dispatch.attention(q, k, v, version=self.version, **self.options)
+        return self.proj(out.reshape(b, n, -1))
+
+
+def _require(version: str) -> None:
+    ok, reason = registry.available(version)
+    if not ok:
+        pytest.skip(f"{version} unavailable: {reason}")
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Output and the gradients of the parameters and of x for a fixed loss."""
+    x = x.detach().requires_grad_(True)
+    out = model(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+    return out.detach(), list(grads)
+
+
+# (B, N): lengths and batches of 1 included (dynamo specialises sizes 0 and 1 unless
+# backed_size_oblivious is set; the test sets it, as a model serving any length would).
+SIZES = [(2, 16), (3, 40), (1, 1), (5, 7), (1, 64), (4, 1)]
+
+
+@pytest.mark.parametrize("version", ["torch", "fa2", "fa1"])
+def test_dynamic_compile_never_recompiles_for_new_sizes(version: str) -> None:
+    """fullgraph, dynamic=True: one graph for every (batch, length), forward and backward
+    equal to eager."""
+    _require(version)
+    torch.manual_seed(0)
+    model = TinyAttention(version, causal=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
+    torch._dynamo.reset()
+    frames = []
+    with fx_config.patch(backed_size_oblivious=True):
+        for b, n in SIZES:
+            x = torch.randn(b, n, model.heads * HEAD_DIM)
+            got, got_grads = _step(compiled, x)
+            want, want_grads = _step(model, x)
+            torch.testing.assert_close(got, want)
+            for g, w in zip(got_grads, want_grads, strict=True):
+                torch.testing.assert_close(g, w)
+            frames.append(counter.frame_count)
+    assert frames[0] >= 1 and frames[-1] == frames[0], f"recompiled: frames per call {frames}"
+
+
+def test_changed_options_recompile_and_lengths_do_not() -> None:
+    """What selection depends on is guarded: a new softcap compiles a second graph, a new
+    length does not, and the first softcap's graph is reused."""
+    torch.manual_seed(0)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda q, k, v, cap: dispatch.attention(q, k, v, softcap=cap, version="torch"),
+        fullgraph=True,
+        dynamic=True,
+        backend=counter,
+    )
+    frames = []
+    for n, cap in [(16, 5.0), (24, 5.0), (16, 7.0), (40, 7.0), (33, 5.0)]:
+        q, k, v = (torch.randn(2, n, 2, HEAD_DIM) for _ in range(3))
+        out = fn(q, k, v, cap)
+        torch.testing.assert_close(out, dispatch.attention(q, k, v, softcap=cap, version="torch"))
+        frames.append(counter.frame_count)
+    assert frames[1] == frames[0] and frames[2] > frames[1], frames
+    assert frames[4] == frames[3] == frames[2], frames
+
+
+@pytest.mark.parametrize("version", ["torch", "fa2"])
+def test_export_with_dynamic_batch_and_length(version: str) -> None:
+    """torch.export with Dims for batch and length: the graph holds the version's op and the
+    exported program runs other sizes, matching eager."""
+    _require(version)
+    torch.manual_seed(0)
+    model = TinyAttention(version, causal=True).eval()
+    x = torch.randn(2, 24, model.heads * HEAD_DIM)
+    shapes = {"x": {0: Dim("batch", max=64), 1: Dim("seqlen", max=16384)}}
+    exported = torch.export.export(model, (x,), dynamic_shapes=shapes)
+    assert f"flashsuite.{version}_fwd" in exported.graph_module.code
+    for b, n in [(3, 40), (1, 7), (4, 1)]:
+        x = torch.randn(b, n, model.heads * HEAD_DIM)
+        with torch.no_grad():
+            torch.testing.assert_close(exported.module()(x), model(x))
+
+
+def test_sdpa_route_under_compile_and_export() -> None:
+    """Where no kernel fits on a GPU (planned for sm90 here: head_dim 80), the traced graph
+    calls PyTorch's SDPA, bottom-right causal with Nq < Nk through a boolean mask (the
+    `causal_lower_right` bias of the eager path cannot be built under torch.compile)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, n, h, 80, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        for n, h in ((24, 4), (40, 2), (40, 2))
+    )
+    do = torch.randn(2, 24, 4, 80, generator=gen).to(torch.bfloat16)
+    fn = lambda q, k, v: dispatch.attention(q, k, v, causal=True)
+    torch._dynamo.reset()
+    with override_arch(90):
+        assert dispatch.select(q, k, v, causal=True).version == "sdpa"
+        eager = fn(q, k, v)
+        got = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v)
+        grads = torch.autograd.grad(got, (q, k, v), do)
+
+        class Attn(torch.nn.Module):
+            def forward(self, q, k, v):
+                return fn(q, k, v)
+
+        args = (q.detach(), k.detach(), v.detach())
+        graph = torch.export.export(Attn(), args).graph_module.code
+        assert "scaled_dot_product_attention" in graph and "flashsuite" not in graph
+    pairs = reference_pair(q, k, v, grad_out=do, causal=True)
+    for name, ours in zip(("out", "dq", "dk", "dv"), (got, *grads), strict=True):
+        res = compare(name, ours, *pairs[name])
+        assert res.ok, res
+    torch.testing.assert_close(got, eager)
