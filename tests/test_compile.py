@@ -16,8 +16,12 @@ from flashsuite import dispatch
 from flashsuite.common.arch import override_arch
 from flashsuite.common.testing import compare, reference_pair
 from flashsuite.dispatch import registry
+from tests.conftest import HAS_CUDA, must_run
 
-HEAD_DIM = 32  # a head_dim every version takes (fa2's smallest)
+# A head_dim and dtype every version takes: fa3 (on an sm90 GPU only) wants 16-bit inputs and
+# head_dim >= 64; on a CPU the Triton interpreter runs float32 and the smallest fa2 tile.
+HEAD_DIM = 64 if HAS_CUDA else 32
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
 
 
 class TinyAttention(torch.nn.Module):
@@ -44,7 +48,7 @@ class TinyAttention(torch.nn.Module):
 
 def _require(version: str) -> None:
     ok, reason = registry.available(version)
-    if not ok:
+    if not ok and not must_run(version):
         pytest.skip(f"{version} unavailable: {reason}")
 
 
@@ -59,22 +63,24 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[t
 # (B, N): lengths and batches of 1 included (dynamo specialises sizes 0 and 1 unless
 # backed_size_oblivious is set; the test sets it, as a model serving any length would).
 SIZES = [(2, 16), (3, 40), (1, 1), (5, 7), (1, 64), (4, 1)]
+if not HAS_CUDA:  # the Triton interpreter: ~5 ms per block step
+    SIZES = [(2, 16), (3, 24), (1, 1), (2, 7), (1, 33), (3, 1)]
 
 
-@pytest.mark.parametrize("version", ["torch", "fa2", "fa1"])
-def test_dynamic_compile_never_recompiles_for_new_sizes(version: str) -> None:
+@pytest.mark.parametrize("version", ["torch", "fa2", "fa1", "fa3"])
+def test_dynamic_compile_never_recompiles_for_new_sizes(version: str, device: str) -> None:
     """fullgraph, dynamic=True: one graph for every (batch, length), forward and backward
     equal to eager."""
     _require(version)
     torch.manual_seed(0)
-    model = TinyAttention(version, causal=True)
+    model = TinyAttention(version, causal=True).to(device, DTYPE)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend=counter)
     torch._dynamo.reset()
     frames = []
     with fx_config.patch(backed_size_oblivious=True):
         for b, n in SIZES:
-            x = torch.randn(b, n, model.heads * HEAD_DIM)
+            x = torch.randn(b, n, model.heads * HEAD_DIM, device=device, dtype=DTYPE)
             got, got_grads = _step(compiled, x)
             want, want_grads = _step(model, x)
             torch.testing.assert_close(got, want)
@@ -98,7 +104,7 @@ def test_changed_options_recompile_and_lengths_do_not() -> None:
     )
     frames = []
     for n, cap in [(16, 5.0), (24, 5.0), (16, 7.0), (40, 7.0), (33, 5.0)]:
-        q, k, v = (torch.randn(2, n, 2, HEAD_DIM) for _ in range(3))
+        q, k, v = (torch.randn(3, n, 2, HEAD_DIM) for _ in range(3))
         out = fn(q, k, v, cap)
         torch.testing.assert_close(out, dispatch.attention(q, k, v, softcap=cap, version="torch"))
         frames.append(counter.frame_count)
@@ -106,33 +112,33 @@ def test_changed_options_recompile_and_lengths_do_not() -> None:
     assert frames[4] == frames[3] == frames[2], frames
 
 
-@pytest.mark.parametrize("version", ["torch", "fa2"])
-def test_export_with_dynamic_batch_and_length(version: str) -> None:
+@pytest.mark.parametrize("version", ["torch", "fa2", "fa3"])
+def test_export_with_dynamic_batch_and_length(version: str, device: str) -> None:
     """torch.export with Dims for batch and length: the graph holds the version's op and the
     exported program runs other sizes, matching eager."""
     _require(version)
     torch.manual_seed(0)
-    model = TinyAttention(version, causal=True).eval()
-    x = torch.randn(2, 24, model.heads * HEAD_DIM)
+    model = TinyAttention(version, causal=True).to(device, DTYPE).eval()
+    x = torch.randn(2, 24, model.heads * HEAD_DIM, device=device, dtype=DTYPE)
     shapes = {"x": {0: Dim("batch", max=64), 1: Dim("seqlen", max=16384)}}
     exported = torch.export.export(model, (x,), dynamic_shapes=shapes)
     assert f"flashsuite.{version}_fwd" in exported.graph_module.code
     for b, n in [(3, 40), (1, 7), (4, 1)]:
-        x = torch.randn(b, n, model.heads * HEAD_DIM)
+        x = torch.randn(b, n, model.heads * HEAD_DIM, device=device, dtype=DTYPE)
         with torch.no_grad():
             torch.testing.assert_close(exported.module()(x), model(x))
 
 
-def test_sdpa_route_under_compile_and_export() -> None:
+def test_sdpa_route_under_compile_and_export(device: str) -> None:
     """Where no kernel fits on a GPU (planned for sm90 here: head_dim 80), the traced graph
     calls PyTorch's SDPA, bottom-right causal with Nq < Nk through a boolean mask (the
     `causal_lower_right` bias of the eager path cannot be built under torch.compile)."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (
-        torch.randn(2, n, h, 80, generator=gen).to(torch.bfloat16).requires_grad_(True)
+        torch.randn(2, n, h, 80, generator=gen).to(device, torch.bfloat16).requires_grad_(True)
         for n, h in ((24, 4), (40, 2), (40, 2))
     )
-    do = torch.randn(2, 24, 4, 80, generator=gen).to(torch.bfloat16)
+    do = torch.randn(2, 24, 4, 80, generator=gen).to(device, torch.bfloat16)
     fn = lambda q, k, v: dispatch.attention(q, k, v, causal=True)
     torch._dynamo.reset()
     with override_arch(90):
@@ -149,7 +155,32 @@ def test_sdpa_route_under_compile_and_export() -> None:
         graph = torch.export.export(Attn(), args).graph_module.code
         assert "scaled_dot_product_attention" in graph and "flashsuite" not in graph
     pairs = reference_pair(q, k, v, grad_out=do, causal=True)
-    for name, ours in zip(("out", "dq", "dk", "dv"), (got, *grads), strict=True):
+    for name, ours in zip(("out", "out", "dq", "dk", "dv"), (eager, got, *grads), strict=True):
         res = compare(name, ours, *pairs[name])
         assert res.ok, res
-    torch.testing.assert_close(got, eager)
+
+
+@pytest.mark.parametrize("version", ["torch", "fa2"])
+def test_opcheck_inference_ops(version: str, device: str) -> None:
+    """torch.library.opcheck on the varlen forward and backward ops and the KV-cache op (which
+    mutates the cache) of every version that has them: schema, fake implementation, autograd
+    registration, AOT dispatch."""
+    from flashsuite.dispatch import inference
+
+    _require(version)
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, DTYPE)
+    cu = torch.tensor([0, 5, 17, 26], dtype=torch.int32, device=device)
+    q, k, v = rand(26, 4, HEAD_DIM), rand(26, 2, HEAD_DIM), rand(26, 2, HEAD_DIM)
+    scalars = (12, 12, True, HEAD_DIM**-0.5, -1, 0, 0.0)
+    varlen = inference._op("varlen", version)
+    torch.library.opcheck(varlen.fwd, (q.requires_grad_(), k, v, cu, cu, *scalars))
+    out, lse = varlen.fwd(q.detach(), k, v, cu, cu, *scalars)
+    torch.library.opcheck(varlen.bwd, (rand(26, 4, HEAD_DIM), q.detach(), k, v, out, lse, cu, cu,
+                                       *scalars))  # fmt: skip
+    kvcache = inference._op("kvcache", version)
+    caches = rand(3, 32, 2, HEAD_DIM), rand(3, 32, 2, HEAD_DIM)
+    new = rand(3, 2, 2, HEAD_DIM), rand(3, 2, 2, HEAD_DIM)
+    lens = torch.tensor([0, 7, 30], dtype=torch.int32, device=device)
+    args = (rand(3, 2, 4, HEAD_DIM), *caches, *new, lens, None, True, HEAD_DIM**-0.5, -1, 0, 0.0, 0)
+    torch.library.opcheck(kvcache, args)
