@@ -384,18 +384,28 @@ def _trace_select(
         softmax_scale,
     )
     name, op_args = _resolve_static(version, static, _needs_grad(q, k, v), bool(return_lse))
+    if op_args is None:  # the selection's error, raised where the trace sees a user exception
+        raise _TRACE_ERRORS[name[0]](name[1])
     return name, p, op_args
+
+
+_TRACE_ERRORS = {"Unsupported": Unsupported, "ValueError": ValueError}
 
 
 @torch.compiler.assume_constant_result
 def _resolve_static(version: str, static: tuple, needs_grad: bool, return_lse: bool):
-    """(version name, op option arguments) for the static facts of a traced call; run once at
-    trace time, its answer a constant of the graph."""
+    """(version name, op option arguments) for the static facts of a traced call, or ((error
+    type, message), None) where selection refuses (an explicit version that cannot take the
+    inputs, an unknown one); run once at trace time, its answer a constant of the graph."""
     dtype, device, d, dv, causal, left, right, softcap, softmax_scale = static
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     n = _TRACE_SEQLEN
     p = AttnParams(1, n, n, 1, 1, d, dv, dtype, device, causal, left, right, softcap, scale)
-    name = _select(p, version, needs_grad, return_lse).version
+    try:
+        name = _select(p, version, needs_grad, return_lse).version
+    except (Unsupported, ValueError) as exc:  # Unsupported first: it is a ValueError too
+        kind = "Unsupported" if isinstance(exc, Unsupported) else "ValueError"
+        return (kind, str(exc)), None
     if name != fallback.NAME:
         registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
     return name, p.to_op_args()

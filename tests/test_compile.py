@@ -184,3 +184,17 @@ def test_opcheck_inference_ops(version: str, device: str) -> None:
     lens = torch.tensor([0, 7, 30], dtype=torch.int32, device=device)
     args = (rand(3, 2, 4, HEAD_DIM), *caches, *new, lens, None, True, HEAD_DIM**-0.5, -1, 0, 0.0, 0)
     torch.library.opcheck(kvcache, args)
+
+
+def test_explicit_version_that_cannot_run_raises_under_compile() -> None:
+    """An explicit version never falls back under torch.compile either: without fullgraph the
+    compiled call raises dispatch.Unsupported itself, with fullgraph dynamo's error carries
+    its message."""
+    q = torch.randn(2, 16, 2, 64)
+    call = lambda q: dispatch.attention(q, q, q, version="fa1", softcap=3.0)
+    for fullgraph in (False, True):
+        torch._dynamo.reset()
+        compiled = torch.compile(call, fullgraph=fullgraph, backend="eager")
+        with pytest.raises(Exception, match="version 'fa1' cannot run .*softcap") as info:
+            compiled(q)
+        assert isinstance(info.value, dispatch.Unsupported) != fullgraph, type(info.value)
