@@ -31,14 +31,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_sdpa_route_is_exact_attention(case: Case) -> None:
+def test_sdpa_route_is_exact_attention(case: Case, device: str) -> None:
     """Forward and gradients against the float64 oracle (the suite's comparison rule), the
-    route named by explain(), no LSE asked for."""
-    q, k, v = make_inputs(case, requires_grad=True)
-    do = make_grad_out(case)
+    route named by explain(), no LSE asked for; on a GPU through SDPA's CUDA backends."""
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    do = make_grad_out(case, device)
     # PyTorch's CPU flash kernel is less exact in float32 than the float32 yardstick (its dV
-    # 7x here); what is under test is the route (masks, GQA, layout), so float32 takes SDPA's
-    # math backend on the CPU. On a GPU float32 runs SDPA's memory-efficient backend.
+    # 7x here); what is under test is the route (masks, GQA, layout), not the precision of
+    # PyTorch's float32 kernels, so float32 takes SDPA's math backend.
     backend = sdpa_kernel(SDPBackend.MATH) if case.dtype == F32 else contextlib.nullcontext()
     with override_arch(90), backend:
         text = dispatch.explain(q, k, v, **case.options())
