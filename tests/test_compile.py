@@ -195,6 +195,6 @@ def test_explicit_version_that_cannot_run_raises_under_compile() -> None:
     for fullgraph in (False, True):
         torch._dynamo.reset()
         compiled = torch.compile(call, fullgraph=fullgraph, backend="eager")
-        with pytest.raises(Exception, match="version 'fa1' cannot run .*softcap") as info:
+        with pytest.raises(Exception, match=r"version 'fa1' cannot run .*softcap") as info:
             compiled(q)
         assert isinstance(info.value, dispatch.Unsupported) != fullgraph, type(info.value)
