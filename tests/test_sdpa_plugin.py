@@ -206,6 +206,27 @@ def test_activate_deactivate_and_context_manager() -> None:
         torch_attention._registry._FLASH_ATTENTION_IMPLS.pop("test-other", None)
 
 
+def test_activation_without_torchs_registry(monkeypatch) -> None:
+    """A torch without torch.nn.attention's provider registry: activation registers the same
+    kernels itself, and deactivation and the context manager remove them."""
+    op = "aten::_scaled_dot_product_flash_attention"
+    ours = lambda: "flash_backend.py" in torch._C._dispatch_dump(op)
+    monkeypatch.setattr(flash_backend, "_registered", lambda: False)
+    monkeypatch.setattr(flash_backend, "_torch_registry", lambda: None)
+    try:
+        assert not ours() and not flash_backend.active()
+        dispatch.activate_sdpa()
+        dispatch.activate_sdpa()  # idempotent: one registration
+        assert ours() and flash_backend.active()
+        dispatch.deactivate_sdpa()
+        assert not ours() and not flash_backend.active()
+        with dispatch.sdpa_plugin():
+            assert ours()
+        assert not ours()
+    finally:
+        dispatch.deactivate_sdpa()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="PyTorch sends only CUDA tensors to its flash backend")
 @pytest.mark.parametrize(("hq", "hkv", "d", "causal"), [(8, 8, 128, True), (8, 2, 64, False)])
