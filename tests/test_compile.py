@@ -198,3 +198,27 @@ def test_explicit_version_that_cannot_run_raises_under_compile() -> None:
         with pytest.raises(Exception, match=r"version 'fa1' cannot run .*softcap") as info:
             compiled(q)
         assert isinstance(info.value, dispatch.Unsupported) != fullgraph, type(info.value)
+
+
+@pytest.mark.parametrize("forced", [None, "torch"])
+def test_sdpa_drop_in_under_compile(forced: str | None, monkeypatch) -> None:
+    """dispatch.sdpa traced with dynamic shapes: PyTorch's SDPA where auto would pick no
+    kernel (a CPU), the version's op where FLASHSUITE_VERSION forces one; no recompiles for
+    new lengths either way, results equal to the eager call."""
+    if forced is None:
+        monkeypatch.delenv("FLASHSUITE_VERSION", raising=False)
+    else:
+        monkeypatch.setenv("FLASHSUITE_VERSION", forced)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    fn = lambda q, k, v: dispatch.sdpa(q, k, v, is_causal=True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=counter)
+    frames = []
+    for n in (16, 24, 40):
+        q, k, v = (torch.randn(2, 4, n, HEAD_DIM) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v))
+        frames.append(counter.frame_count)
+    assert frames[-1] == frames[0], frames
+    graph = "\n".join(g.code for g in counter.graphs)
+    assert ("flashsuite.torch_fwd" in graph) == (forced is not None), graph
+    assert ("scaled_dot_product_attention" in graph) == (forced is None), graph
