@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_overhead            # CPU: the kernels replaced by no-ops
     python -m benchmarks.host_overhead --gpu      # GPU: wall time minus the kernel's time
+    python -m benchmarks.host_overhead --sdpa     # CPU: dispatch.sdpa vs F.sdpa, whole calls
 
 CPU mode plans for sm90 (`override_arch(90)`) on tiny CPU tensors and replaces each version's
 kernel launch (fa3's compiled binary, the Triton kernels of fa2 and fa1) by a no-op, so what
@@ -156,6 +157,34 @@ def gpu_table(versions: tuple[str, ...], calls: int, backward: bool) -> list[tup
     return rows
 
 
+# (B, H, N, D), dtype, is_causal, calls per timing: dispatch.sdpa on a CPU, whole calls.
+SDPA_SHAPES = [
+    ((1, 1, 128, 64), torch.float32, False, 2000),
+    ((2, 8, 256, 64), torch.float32, True, 200),
+    ((2, 8, 1024, 64), torch.float32, True, 20),
+    ((2, 8, 1024, 128), torch.bfloat16, False, 10),
+    ((1, 16, 2048, 64), torch.float32, True, 5),
+]
+
+
+def sdpa_cpu_table() -> list[tuple]:
+    """(shape, dtype, causal, F.sdpa us, dispatch.sdpa us) per call on CPU tensors, no grad:
+    what a user of the drop-in pays over PyTorch's own SDPA on a CPU."""
+    from flashsuite import dispatch
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for shape, dtype, causal, calls in SDPA_SHAPES:
+            qkv = [torch.randn(shape, generator=gen).to(dtype) for _ in range(3)]
+            times = [
+                per_call_us(lambda f=f, a=qkv, c=causal: f(*a, is_causal=c), calls, lambda: None)
+                for f in (F.scaled_dot_product_attention, dispatch.sdpa)
+            ]
+            rows.append((shape, dtype, causal, *times))
+    return rows
+
+
 def _no_grad(fn: Callable[[], object]) -> object:
     with torch.no_grad():
         return fn()
@@ -165,10 +194,18 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="time on the GPU (default: CPU, stubbed)")
     ap.add_argument("--backward", action="store_true", help="GPU: also time forward + backward")
+    ap.add_argument("--sdpa", action="store_true", help="CPU: dispatch.sdpa against F.sdpa")
     ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
     versions = tuple(args.versions.split(","))
+    if args.sdpa:
+        print(f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, no grad")
+        print(f"{'(B, H, N, D)':<20}{'dtype':<10}{'causal':<8}{'F.sdpa':>10}{'dispatch':>10}")
+        for shape, dtype, causal, ref, ours in sdpa_cpu_table():
+            dt = str(dtype).removeprefix("torch.")
+            print(f"{shape!s:<20}{dt:<10}{causal!s:<8}{ref:>10.1f}{ours:>10.1f}  {ours / ref:.2f}x")
+        return
     print(f"torch {torch.__version__}, shape (B, N, H, D) = {SHAPE}, bf16")
     if args.gpu:
         print(f"{'call':<16}{'pipelined':>10}{'synced':>10}{'kernel':>10}{'host':>10}  (us)")

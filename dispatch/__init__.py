@@ -16,6 +16,12 @@ from flashsuite.dispatch.api import (
     sdpa,
     select,
 )
+from flashsuite.dispatch.flash_attn import (
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+)
+from flashsuite.dispatch.flash_backend import activate_sdpa, deactivate_sdpa, sdpa_plugin
 from flashsuite.dispatch.hf import register_transformers
 from flashsuite.dispatch.inference import (
     attention_varlen,
@@ -31,15 +37,21 @@ __all__ = [
     "VERSIONS",
     "Choice",
     "Unsupported",
+    "activate_sdpa",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
     "auto_order",
+    "deactivate_sdpa",
     "explain",
     "explain_kvcache",
     "explain_varlen",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "register_transformers",
     "sdpa",
+    "sdpa_plugin",
     "select",
     "select_kvcache",
     "select_varlen",

@@ -7,15 +7,18 @@ take the inputs it raises `Unsupported` with the version's own reason.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from flashsuite.common import arch as arch_mod
 from flashsuite.common.validation import AttnParams, check_inputs, remember, signature
-from flashsuite.dispatch import registry
+from flashsuite.dispatch import fallback, registry
 
 
 class Unsupported(ValueError):
@@ -23,13 +26,15 @@ class Unsupported(ValueError):
 
 
 def auto_order(arch: int | None) -> tuple[str, ...]:
-    """Candidates for version="auto", best first (docs/design.md, "How the pieces fit")."""
+    """Candidates for version="auto", best first (docs/design.md, "How the pieces fit"):
+    the kernels, then on sm80+ PyTorch's own SDPA ("sdpa", dispatch/fallback.py), then the
+    portable version."""
     if arch is None:
         return ("torch",)  # CPU: no kernel runs here (the Triton interpreter is for tests)
     if 90 <= arch < 100:
-        return ("fa3", "fa2", "torch")
+        return ("fa3", "fa2", fallback.NAME, "torch")
     if arch >= 80:
-        return ("fa2", "torch")
+        return ("fa2", fallback.NAME, "torch")
     return ("fa1", "torch")
 
 
@@ -51,7 +56,11 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _check(name: str, p: AttnParams, arch: int | None, needs_grad: bool) -> tuple[bool, str]:
+def _check(
+    name: str, p: AttnParams, arch: int | None, needs_grad: bool, return_lse: bool
+) -> tuple[bool, str]:
+    if name == fallback.NAME:  # PyTorch's SDPA: differentiable through PyTorch's autograd
+        return fallback.supports(p, arch, return_lse)
     ok, reason = registry.available(name)
     if not ok:
         return False, f"not available: {reason}"
@@ -76,14 +85,14 @@ def _check(name: str, p: AttnParams, arch: int | None, needs_grad: bool) -> tupl
     return True, reason
 
 
-def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
+def _select(p: AttnParams, version: str, needs_grad: bool, return_lse: bool = False) -> Choice:
     arch = arch_mod.device_arch(p.device)
     requested = version
     if version == "auto":
         requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
     if requested != "auto":
         registry.check_name(requested)
-        ok, reason = _check(requested, p, arch, needs_grad)
+        ok, reason = _check(requested, p, arch, needs_grad, return_lse)
         if not ok:
             raise Unsupported(
                 f"version {requested!r} cannot run {p.describe()} on "
@@ -94,7 +103,7 @@ def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
         return Choice(requested, _bwd(requested, needs_grad, p, arch), arch, reasons, p)
     reasons = []
     for name in auto_order(arch):
-        ok, reason = _check(name, p, arch, needs_grad)
+        ok, reason = _check(name, p, arch, needs_grad, return_lse)
         reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
         if ok:
             return Choice(name, _bwd(name, needs_grad, p, arch), arch, tuple(reasons), p)
@@ -102,13 +111,15 @@ def _select(p: AttnParams, version: str, needs_grad: bool) -> Choice:
 
 
 def _bwd(name: str, needs_grad: bool, p: AttnParams, arch: int | None) -> str | None:
-    return registry.backward_source(name, p, arch) if needs_grad else None
+    if not needs_grad:
+        return None
+    return name if name == fallback.NAME else registry.backward_source(name, p, arch)
 
 
 def select(q, k, v, *, version: str = "auto", **options) -> Choice:
     """What `attention(q, k, v, **options)` would run on this machine, and why."""
     p = check_inputs(q, k, v, **_api_options(options))
-    return _select(p, version, _needs_grad(q, k, v))
+    return _select(p, version, _needs_grad(q, k, v), bool(options.get("return_lse", False)))
 
 
 def explain(q, k, v, *, version: str = "auto", **options) -> str:
@@ -119,7 +130,13 @@ def explain(q, k, v, *, version: str = "auto", **options) -> str:
 def explain_choice(c: Choice) -> str:
     lines = [f"{c.params.describe()} on {arch_mod.arch_name(c.arch)} -> {c.version}"]
     lines += [f"  {r}" for r in c.reasons]
-    if c.backward is not None and c.backward != c.version:
+    if c.version == fallback.NAME:
+        lines.append(
+            "  runs torch.nn.functional.scaled_dot_product_attention (no flashsuite kernel)"
+        )
+        if c.backward is not None:
+            lines.append("  backward: PyTorch's autograd of scaled_dot_product_attention")
+    elif c.backward is not None and c.backward != c.version:
         lines.append(f"  backward: {c.backward} (paired by dispatch on the saved tensors)")
     elif (
         c.backward is not None
@@ -172,8 +189,14 @@ def attention(
     `return_lse=True`, lse (B, Hq, Nq) float32 (natural log; -inf where a row sees no key).
     `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
     """
-    if descale_q is None and descale_k is None and descale_v is None and not _compiling():
-        plan = _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version)
+    descales = (descale_q, descale_k, descale_v)
+    if _compiling():
+        name, p, op_args = _trace_select(q, k, v, causal, softmax_scale, window_size, softcap,
+                                         descales, return_lse, version)  # fmt: skip
+        out, lse = _trace_run(name, q, k, v, op_args, descales)
+        return (out, lse) if return_lse else out
+    if descale_q is None and descale_k is None and descale_v is None:
+        plan = _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version, return_lse)
         if plan is not None:
             out, lse = _run(plan, q, k, v)
             return (out, lse) if return_lse else out
@@ -189,9 +212,11 @@ def attention(
         descale_k=descale_k,
         descale_v=descale_v,
     )
-    name = _resolve(version, p.to_key(), _needs_grad(q, k, v))
-    fwd = getattr(torch.ops.flashsuite, f"{name}_fwd")
-    out, lse = fwd(q, k, v, *p.to_op_args(), descale_q, descale_k, descale_v)
+    name = _select(p, version, _needs_grad(q, k, v), bool(return_lse)).version
+    if name == fallback.NAME:
+        out = fallback.forward(q, k, v, p.causal, p.scale)
+        return out  # the route is never chosen with return_lse=True
+    out, lse = registry.op(name).fwd(q, k, v, *p.to_op_args(), *descales)
     return (out, lse) if return_lse else out
 
 
@@ -199,7 +224,8 @@ def attention(
 class Plan:
     """What `attention` decided for one static signature: the version, the validated problem,
     whether the inputs need a gradient, whether the version's forward may be called directly
-    (`_run`), its forward op with the op's option arguments, and the version's forward."""
+    (`_run`), its forward op with the op's option arguments, and the version's forward (op
+    and forward are None for PyTorch's SDPA, `fallback.NAME`)."""
 
     version: str
     params: AttnParams
@@ -211,9 +237,9 @@ class Plan:
 
 
 # The eager fast path of `attention`: key of one call (`_lookup`) -> Plan. One validation and one
-# selection per static signature (shapes, dtypes, devices, options, version, grad, selection
-# state); a call that differs in any of them misses and is decided afresh. Under torch.compile
-# the slow path is traced instead.
+# selection per static signature (shapes, dtypes, devices, options, version, grad, return_lse,
+# selection state); a call that differs in any of them misses and is decided afresh. Under
+# torch.compile `_trace_select` decides instead.
 _plans: dict[tuple, Plan] = {}
 
 # Environment variables that selection reads (docs/design.md): a change re-decides.
@@ -231,18 +257,21 @@ if os.name != "posix" or not isinstance(_ENV_DATA, dict):  # pragma: no cover
     _ENV_DATA, _ENV_KEYS = os.environ, _SELECTION_ENV
 
 
-def _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version) -> Plan | None:
+def _lookup(
+    q, k, v, causal, softmax_scale, window_size, softcap, version, return_lse=False
+) -> Plan | None:
     """The memoised plan of one call, made (validated, selected) on a miss; None when the
     arguments are not memoisable (the caller then takes the op path, which raises what is
     wrong). Selection only: nothing is launched."""
     sig = signature(q, k, v, causal, softmax_scale, window_size, softcap)
-    if sig is None:
+    if sig is None or type(return_lse) is not bool:
         return None
     needs_grad = _needs_grad(q, k, v)
     key = (
         sig,
         version,
         needs_grad,
+        return_lse,  # PyTorch's SDPA (fallback.NAME) has no LSE to return
         arch_mod.override_state(),
         torch.are_deterministic_algorithms_enabled(),  # fa3's own backward depends on it
         tuple(map(_ENV_DATA.get, _ENV_KEYS)),
@@ -258,12 +287,15 @@ def _lookup(q, k, v, causal, softmax_scale, window_size, softcap, version) -> Pl
             window_size=window_size,
             softcap=softcap,
         )
-        name = _resolve(version, p.to_key(), needs_grad)
-        op = getattr(torch.ops.flashsuite, f"{name}_fwd")
-        # The forward itself runs only on real devices (the op's fake answers for meta tensors).
-        direct = not needs_grad and p.device.type in ("cpu", "cuda")
-        forward = registry.module(name).forward
-        plan = Plan(name, p, needs_grad, direct, op, p.to_op_args(), forward)
+        name = _select(p, version, needs_grad, return_lse).version
+        if name == fallback.NAME:
+            plan = Plan(name, p, needs_grad, False, None, (), None)
+        else:
+            op = registry.op(name).fwd
+            # The forward itself runs only on real devices (the op's fake answers for meta).
+            direct = not needs_grad and p.device.type in ("cpu", "cuda")
+            forward = registry.module(name).forward
+            plan = Plan(name, p, needs_grad, direct, op, p.to_op_args(), forward)
         remember(_plans, key, plan)
     return plan
 
@@ -278,14 +310,15 @@ def _plan(q, k, v, *, version: str = "auto", **options) -> Plan | None:
     causal, scale, window, softcap = (
         opts[name] for name in ("causal", "softmax_scale", "window_size", "softcap")
     )
-    return _lookup(q, k, v, causal, scale, window, softcap, version)
+    return_lse = options.get("return_lse", False)
+    return _lookup(q, k, v, causal, scale, window, softcap, version, return_lse)
 
 
-def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run a plan's forward. Through the custom op where it adds something (autograd, a
     tensor subclass or a dispatch/function mode that must see the op, the profiler); else the
     version's forward directly, as the op's implementation would (the dispatcher's Python
-    layers are most of a tiny call's host time)."""
+    layers are most of a tiny call's host time). PyTorch's SDPA returns no LSE (None)."""
     if (
         not plan.direct
         or type(q) is not torch.Tensor
@@ -295,6 +328,8 @@ def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         or torch._C._is_torch_function_mode_enabled()
         or torch.autograd._profiler_enabled()
     ):
+        if plan.op is None:
+            return fallback.forward(q, k, v, plan.params.causal, plan.params.scale), None
         return plan.op(q, k, v, *plan.op_args, None, None, None)
     out, lse = plan.forward(q, k, v, plan.params, None, None, None)
     return out.contiguous(), lse.contiguous()
@@ -302,16 +337,112 @@ def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 _compiling = torch.compiler.is_compiling
 
+# Under torch.compile and torch.export, selection is decided from static facts only: the
+# architecture, dtype, device, head dims and the options. Batch, sequence lengths and head
+# counts stay symbolic (a new length never recompiles); the options and head dims become
+# constants of the trace, guarded on their values. Any version's support of a problem
+# depends on those facts alone, apart from launch limits far beyond what fits in memory
+# (fa3: batch and heads <= 65535, lengths < 2^30), which a traced call does not check.
+_TRACE_SEQLEN = 4096  # the length selection plans for (none of the answers depends on it)
 
-# Selection is host-side logic over shapes and options (imports, availability probes, env
-# reads). Under torch.compile it runs once at trace time and its answer, a version name, is a
-# constant of the graph; the op itself is then an opaque custom op with a fake implementation.
+
+def _constant(x: object) -> object:
+    """A scalar option as a constant of the trace (a guard on its value), else unchanged."""
+    return guard_scalar(x) if isinstance(x, (bool, int, float)) else x
+
+
+def _trace_select(
+    q, k, v, causal, softmax_scale, window_size, softcap, descales, return_lse, version
+) -> tuple[str, AttnParams, tuple]:
+    """Validate and select while torch.compile or torch.export traces `attention`: the
+    version's name, the params (sizes symbolic) and the op's option arguments (constants)."""
+    causal, softmax_scale, softcap = (_constant(x) for x in (causal, softmax_scale, softcap))
+    if isinstance(window_size, (tuple, list)):
+        window_size = tuple(_constant(w) for w in window_size)
+    # Shape relations (equal batches, Hq % Hkv == 0, ...) become guards, never constants.
+    p = check_inputs(
+        q,
+        k,
+        v,
+        causal=causal,
+        softmax_scale=softmax_scale,
+        window_size=window_size,
+        softcap=softcap,
+        descale_q=descales[0],
+        descale_k=descales[1],
+        descale_v=descales[2],
+    )
+    static = (
+        p.dtype,
+        p.device,
+        operator.index(p.head_dim),
+        operator.index(p.head_dim_v),
+        p.causal,
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        softmax_scale,
+    )
+    name, op_args = _resolve_static(version, static, _needs_grad(q, k, v), bool(return_lse))
+    if op_args is None:  # the selection's error, raised where the trace sees a user exception
+        raise _TRACE_ERRORS[name[0]](name[1])
+    return name, p, op_args
+
+
+_TRACE_ERRORS = {"Unsupported": Unsupported, "ValueError": ValueError}
+
+
 @torch.compiler.assume_constant_result
-def _resolve(version: str, key: tuple, needs_grad: bool) -> str:
-    p = AttnParams.from_key(key)
-    name = _select(p, version, needs_grad).version
-    registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
-    return name
+def _resolve_static(version: str, static: tuple, needs_grad: bool, return_lse: bool):
+    """(version name, op option arguments) for the static facts of a traced call, or ((error
+    type, message), None) where selection refuses (an explicit version that cannot take the
+    inputs, an unknown one); run once at trace time, its answer a constant of the graph."""
+    dtype, device, d, dv, causal, left, right, softcap, softmax_scale = static
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    n = _TRACE_SEQLEN
+    p = AttnParams(1, n, n, 1, 1, d, dv, dtype, device, causal, left, right, softcap, scale)
+    try:
+        name = _select(p, version, needs_grad, return_lse).version
+    except (Unsupported, ValueError) as exc:  # Unsupported first: it is a ValueError too
+        kind = "Unsupported" if isinstance(exc, Unsupported) else "ValueError"
+        return (kind, str(exc)), None
+    if name != fallback.NAME:
+        registry.op(name)  # define flashsuite::<name>_fwd/_bwd before the graph calls them
+    return name, p.to_op_args()
+
+
+def _trace_run(name: str, q, k, v, op_args: tuple, descales: tuple):
+    """The traced call of the selected version's op (or of PyTorch's SDPA, without an LSE)."""
+    if name == fallback.NAME:
+        return fallback.forward(q, k, v, op_args[0], op_args[1]), None
+    return getattr(torch.ops.flashsuite, f"{name}_fwd")(q, k, v, *op_args, *descales)
+
+
+def attention_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    version: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `attention` from its saved tensors: the backward of the version selected
+    for these inputs with a gradient (fa3's forward pairs with fa2's backward where its own
+    does not run), recomputing P from q, k and lse. dout and out (B, Nq, Hq, Dv), lse
+    (B, Hq, Nq) float32 from any version's forward: every version computes the same function
+    and the same natural-log LSE."""
+    p = check_inputs(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+        softcap=softcap,
+    )  # fmt: skip
+    name = _select(p, version, needs_grad=True, return_lse=True).version
+    return registry.op(name).bwd(dout, q, k, v, out, lse, *p.to_op_args())
 
 
 def sdpa(
@@ -326,8 +457,12 @@ def sdpa(
 ) -> torch.Tensor:
     """Drop-in for `torch.nn.functional.scaled_dot_product_attention` (same meaning exactly).
 
-    Layout (B, H, N, D), top-left `is_causal`. What the kernels cannot express (a dense mask,
-    dropout, non-4-D inputs, top-left causal with Nq < Nk) goes to PyTorch's own SDPA.
+    Layout (B, H, N, D), top-left `is_causal`; `torch.nn.attention.bias.causal_lower_right`
+    and `causal_upper_left` masks are taken as bottom-right and top-left causal. A problem
+    goes to a flashsuite kernel where auto selection picks one; everything else goes to
+    PyTorch's own SDPA: a dense mask, dropout, non-4-D inputs, top-left causal with Nq < Nk,
+    and whatever no kernel takes (on a CPU, every problem: the portable version is a reference,
+    PyTorch's CPU kernels are faster).
     """
     torch_sdpa = lambda: F.scaled_dot_product_attention(
         query,
@@ -339,19 +474,62 @@ def sdpa(
         scale=scale,
         enable_gqa=enable_gqa,
     )
-    if attn_mask is not None or dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
+    if (
+        not _compiling()
+        and isinstance(query, torch.Tensor)
+        and query.device.type != "cuda"
+        and not arch_mod.is_overridden()
+        and _ENV_DATA.get(_ENV_KEYS[0]) is None
+    ):
+        return torch_sdpa()  # no kernel runs on this device: auto would pick the reference
+    causal = is_causal
+    if attn_mask is not None:
+        causal = _causal_variant(attn_mask, query, key, is_causal)
+        if causal is None:
+            return torch_sdpa()
+    if dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
         return torch_sdpa()
     hq, hkv = query.shape[1], key.shape[1]
     if hq != hkv and not enable_gqa:
         return torch_sdpa()  # PyTorch's own error message for mismatched heads
     nq, nk = query.shape[2], key.shape[2]
     window = (-1, -1)
-    if is_causal:
+    if causal == "bottom-right":
+        window = (-1, 0)
+    elif causal:
         if nq < nk:
             return torch_sdpa()  # top-left causal hides keys beyond Nq: not a bottom-right window
         window = (-1, nq - nk)  # top-left: query i sees keys j <= i
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, H, D) views, no copy
     if any(t.size(-1) > 1 and t.stride(-1) != 1 for t in (q, k, v)):
         return torch_sdpa()
-    out = attention(q, k, v, window_size=window, softmax_scale=scale)
-    return out.transpose(1, 2)  # (B, Hq, Nq, Dv)
+    if _compiling():
+        name, _, op_args = _trace_select(
+            q, k, v, False, scale, window, 0.0, (None, None, None), False, "auto"
+        )
+        if name in (fallback.NAME, "torch") and _version_forced() is None:
+            return torch_sdpa()
+        return _trace_run(name, q, k, v, op_args, (None, None, None))[0].transpose(1, 2)
+    plan = _lookup(q, k, v, False, scale, window, 0.0, "auto")
+    if plan is None or (plan.version in (fallback.NAME, "torch") and _version_forced() is None):
+        return torch_sdpa()
+    return _run(plan, q, k, v)[0].transpose(1, 2)  # (B, Hq, Nq, Dv)
+
+
+def _version_forced() -> str | None:
+    """FLASHSUITE_VERSION, when set to something other than auto."""
+    value = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
+    return None if value == "auto" else value
+
+
+def _causal_variant(attn_mask, query, key, is_causal: bool) -> bool | str | None:
+    """A `torch.nn.attention.bias.CausalBias` as a causal mode: "bottom-right" (lower right),
+    True (upper left, SDPA's is_causal); None for any other mask, a bias of other lengths, or
+    one given together with is_causal (PyTorch's SDPA then answers, or raises)."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
+    if not isinstance(attn_mask, CausalBias) or is_causal:
+        return None
+    if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2]):
+        return None
+    return "bottom-right" if attn_mask.variant == CausalVariant.LOWER_RIGHT else True

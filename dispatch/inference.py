@@ -23,7 +23,7 @@ from flashsuite.common.validation import (
     check_kvcache_inputs,
     check_varlen_inputs,
 )
-from flashsuite.dispatch import registry
+from flashsuite.dispatch import fallback, registry
 from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_choice
 
 _ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
@@ -61,6 +61,8 @@ def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
         return Choice(requested, bwd(requested), arch, (f"{requested}: {how}; {reason}",), params)
     reasons = []
     for name in auto_order(arch):
+        if name == fallback.NAME:  # PyTorch's SDPA has no packed or KV-cache entry point here
+            continue
         ok, reason = _check(kind, name, params, arch, needs_grad)
         reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
         if ok:
@@ -151,13 +153,45 @@ def attention_varlen(
     )  # fmt: skip
     needs_grad = _needs_grad(q, k, v)
     name = _resolve("varlen", version, vp.attn.to_key(), _extra(vp), needs_grad)
-    p = vp.attn
     fwd = getattr(torch.ops.flashsuite, f"{name}_varlen_fwd")
-    out, lse = fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, p.seqlen_q, p.seqlen_k, p.causal, p.scale,
-        p.window_left, p.window_right, p.softcap,
-    )  # fmt: skip
+    out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
     return (out, lse) if return_lse else out
+
+
+def _varlen_op_args(vp: VarlenParams) -> tuple:
+    """The varlen ops' scalar arguments after cu_seqlens (common/ops_inference.py)."""
+    p = vp.attn
+    return (p.seqlen_q, p.seqlen_k, p.causal, p.scale, p.window_left, p.window_right, p.softcap)
+
+
+def attention_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    version: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of `attention_varlen` from its saved tensors (dout and out (total_q, Hq, Dv),
+    lse (Hq, total_q) float32): the varlen backward that auto selection pairs with these inputs
+    under a gradient, recomputing P from q, k and lse."""
+    vp = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+    )  # fmt: skip
+    name = _select("varlen", vp, version, needs_grad=True).version
+    bwd = _op("varlen", name).bwd
+    return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
 
 
 def attention_with_kvcache(

@@ -2,6 +2,7 @@
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
+#                                                integrations
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -79,6 +80,14 @@ for part in $parts; do
       python3 -c "import transformers" 2>/dev/null \
         || { echo "hf: transformers is not installed (pip install .[hf])" | tee "$out/hf.log"; status=1; continue; }
       python3 -m pytest tests/test_hf.py -v -rs -p no:cacheprovider 2>&1 | tee "$out/hf.log" || status=1 ;;
+    integrations)
+      # The ways in other than dispatch.attention, with fa3 on the GPU (a subset of `tests`):
+      # torch.compile with dynamic shapes and torch.export, the SDPA plug-in under unmodified
+      # F.scaled_dot_product_attention and nn.MultiheadAttention, flash-attn's names, the
+      # route to PyTorch's SDPA.
+      python3 -m pytest tests/test_compile.py tests/test_sdpa_plugin.py \
+        tests/test_flash_attn_api.py tests/test_fallback.py -v -rfEs -p no:cacheprovider \
+        --junitxml "$out/integrations.xml" 2>&1 | tee "$out/integrations.log" || status=1 ;;
     mutants)
       # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
       python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \

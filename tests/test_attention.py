@@ -177,9 +177,9 @@ def test_backward(version: str, case: Case, device: str, request) -> None:
 
 @pytest.mark.parametrize("case", ALL_CASES)
 def test_backward_fa3_own(case: Case, device: str, monkeypatch) -> None:
-    """The shared backward cases through fa3's own backward kernel, which dispatch runs only when
-    asked (FLASHSUITE_FA3_BWD=1) while it is slower than fa2's; skipped where it does not apply
-    (then fa2's backward, covered by test_backward, runs)."""
+    """The shared backward cases through fa3's own backward kernel (FLASHSUITE_FA3_BWD=1 forces
+    it, whatever the default); skipped where it does not apply (then fa2's backward, covered by
+    test_backward, runs)."""
     if "fa3" not in VERSIONS:
         pytest.skip("fa3 not runnable here")
     monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")

@@ -33,7 +33,14 @@ TABLE = [
     (75, BF16, 64, {}, "torch", "fa1 needs sm80 for bf16"),
     (75, F16, 64, {"window_size": (8, 8)}, "torch", "fa1 has no sliding window"),
     (None, F16, 64, {}, "torch", "CPU"),
-    (90, BF16, 200, {}, "torch", "head_dim 200 fits no kernel"),
+    (90, BF16, 200, {}, "sdpa", "head_dim 200 fits no kernel: PyTorch's SDPA"),
+    (80, F16, 80, {"causal": True}, "sdpa", "head_dim 80 fits no kernel: PyTorch's SDPA"),
+    (90, F32, 200, {}, "sdpa", "fp32, head_dim a multiple of 8: SDPA's memory-efficient"),
+    (90, F32, 100, {}, "torch", "fp32 head_dim 100: only SDPA's math backend (N x N)"),
+    (90, BF16, 200, {"softcap": 5.0}, "torch", "SDPA has no softcap"),
+    (90, BF16, 200, {"window_size": (8, 0)}, "torch", "SDPA has no sliding window"),
+    (90, BF16, 200, {"return_lse": True}, "torch", "SDPA returns no LSE"),
+    (75, F16, 200, {}, "torch", "before sm80 PyTorch's SDPA is not tried"),
 ]
 
 
@@ -45,7 +52,7 @@ TABLE = [
 def test_selection_table(arch, dtype, d, options, expected, why) -> None:
     q, k, v = _qkv(d=d, dtype=dtype)
     with override_arch(arch):
-        ok, reason = registry.available(expected)
+        ok, reason = registry.available(expected) if expected != "sdpa" else (True, "")
         if not ok:
             pytest.skip(f"{expected} unavailable here: {reason}")
         choice = dispatch.select(q, k, v, **options)
@@ -130,7 +137,7 @@ def test_explicit_unavailable_version_explains_why(monkeypatch) -> None:
 def test_explain_lists_every_candidate_tried() -> None:
     q, k, v = _qkv(d=200)
     with override_arch(90):
-        text = dispatch.explain(q, k, v)
+        text = dispatch.explain(q, k, v, softcap=5.0)
     assert text.splitlines()[0].endswith("-> torch")
     for name in dispatch.auto_order(90):
         assert f"  {name}:" in text
@@ -153,7 +160,23 @@ SDPA_CASES = [
     (dict(nq=32, nk=48, is_causal=False, hkv=2, enable_gqa=True), True),
     (dict(nq=32, nk=32, is_causal=False, scale=0.3), True),
     (dict(nq=32, nk=32, is_causal=False, mask=True), False),  # dense mask: PyTorch's own SDPA
+    # torch.nn.attention.bias causal masks: lower right is our causal, upper left SDPA's.
+    (dict(nq=24, nk=40, is_causal=False, bias="lower_right"), True),
+    (dict(nq=40, nk=24, is_causal=False, bias="lower_right"), True),  # 16 rows see no key
+    (dict(nq=40, nk=24, is_causal=False, bias="upper_left"), True),
+    (dict(nq=24, nk=40, is_causal=False, bias="upper_left"), False),
 ]
+
+
+def _causal_bias(kind: str, nq: int, nk: int):
+    """The CausalBias object and the boolean mask (Nq, Nk) it stands for."""
+    from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+
+    i = torch.arange(nq).unsqueeze(1)  # (Nq, 1)
+    j = torch.arange(nk).unsqueeze(0)  # (1, Nk)
+    if kind == "lower_right":
+        return causal_lower_right(nq, nk), j <= i + (nk - nq)
+    return causal_upper_left(nq, nk), j <= i
 
 
 def _sdpa_oracle(q, k, v, mask, is_causal, scale, enable_gqa):
@@ -169,9 +192,10 @@ def _sdpa_oracle(q, k, v, mask, is_causal, scale, enable_gqa):
         s = s.masked_fill(above, float("-inf"))
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, dim=-1) @ v
+    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v  # a row that sees no key: 0
 
 
+@pytest.mark.filterwarnings("ignore:Lower right causal bias will produce NaNs")  # ours: 0
 @pytest.mark.parametrize("version", ["torch", "fa2"])
 @pytest.mark.parametrize(
     ("case", "kernel"),
@@ -191,8 +215,8 @@ def test_sdpa_is_a_drop_in(
         pytest.skip(f"{version} unavailable: {registry.available(version)[1]}")
     monkeypatch.setenv("FLASHSUITE_VERSION", version)
     calls = []
-    real = api.attention
-    monkeypatch.setattr(api, "attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    real = api._run
+    monkeypatch.setattr(api, "_run", lambda plan, *a: calls.append(plan.version) or real(plan, *a))
     gen = torch.Generator().manual_seed(0)
     hkv = case.get("hkv", 4)
     q = torch.randn(2, 4, case["nq"], 32, generator=gen).to(device)
@@ -200,14 +224,20 @@ def test_sdpa_is_a_drop_in(
     v = torch.randn(2, hkv, case["nk"], 32, generator=gen).to(device)
     mask = torch.rand(case["nq"], case["nk"], generator=gen) > 0.3 if case.get("mask") else None
     mask = mask.to(device) if mask is not None else None
+    attn_mask = mask
+    if case.get("bias"):
+        attn_mask, mask = _causal_bias(case["bias"], case["nq"], case["nk"])
+        mask = mask.to(device)
     kwargs = dict(
-        attn_mask=mask,
+        attn_mask=attn_mask,
         is_causal=case["is_causal"],
         scale=case.get("scale"),
         enable_gqa=case.get("enable_gqa", False),
     )
     got = dispatch.sdpa(q, k, v, **kwargs)
-    assert bool(calls) == kernel, f"expected the {'kernel' if kernel else 'SDPA'} path"
+    assert calls == ([version] if kernel else []), (
+        f"expected the {'kernel' if kernel else 'SDPA'} path"
+    )
     ref = _sdpa_oracle(q, k, v, mask, case["is_causal"], kwargs["scale"], kwargs["enable_gqa"])
     pt = F.scaled_dot_product_attention(q, k, v, **kwargs)
     res = compare("out", got, ref, pt)

@@ -1,0 +1,177 @@
+"""flash-attn 2's functions, same names, argument order, defaults and return values:
+
+    # from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    from flashsuite.dispatch.flash_attn import (
+        flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
+    )
+
+so switching is an import. They run `dispatch.attention`, `attention_varlen` and
+`attention_with_kvcache` with auto selection. What flashsuite does not implement raises a
+clear error instead of being ignored: dropout_p > 0, alibi_slopes, rotary embedding in the
+KV-cache call, cache_batch_idx, cache_leftpad, a paged block_table in the varlen call.
+
+Two differences in values, both in rows that see no key: flashsuite returns an LSE of -inf
+there (log 0; flash-attn's kernels write +inf), and the output 0 as flash-attn does.
+`return_attn_probs=True` returns (out, softmax_lse, S_dmask) as flash-attn does; S_dmask is
+an empty tensor there too, flash-attn filling it only when dropout_p > 0.
+`deterministic` is honoured: fa1's, fa2's and the portable backward are deterministic; fa3's
+own (the default partner of fa3's forward on sm90) adds dQ in arrival order, as flash-attn's
+does, and in a fixed order under torch.use_deterministic_algorithms(True), so
+deterministic=True with fa3's backward is refused unless that flag is on (or
+FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashsuite.dispatch import api, inference
+
+
+def _refuse(**unsupported: object) -> None:
+    """ValueError naming the first argument that asks for what flashsuite does not implement."""
+    for name, value in unsupported.items():
+        if torch.is_tensor(value):
+            raise ValueError(
+                f"{name}: not supported by flashsuite (expected None, got a tensor of shape "
+                f"{tuple(value.shape)})"
+            )
+        if value is not None and value != 0:
+            raise ValueError(f"{name}: not supported by flashsuite (expected 0, got {value!r})")
+
+
+def _window(window_size) -> tuple[int, int]:
+    """flash-attn takes any (left, right) sequence; the memoised path wants a tuple."""
+    return tuple(window_size) if isinstance(window_size, list) else window_size
+
+
+def _empty_probs(q: torch.Tensor) -> torch.Tensor:
+    """flash-attn's S_dmask without dropout: an empty tensor of q's dtype."""
+    return torch.empty((0,), dtype=q.dtype, device=q.device)
+
+
+def _check_deterministic(deterministic: bool, q, k, v, **options) -> None:
+    """deterministic=True with a backward that adds dQ in run-to-run order: refuse."""
+    if not deterministic or not api._needs_grad(q, k, v):
+        return
+    backward = api.select(q, k, v, **options).backward
+    if backward == "fa3" and not torch.are_deterministic_algorithms_enabled():
+        raise ValueError(
+            "deterministic: expected torch.use_deterministic_algorithms(True) with fa3's own "
+            "backward (it adds dQ in a fixed order only then), got the flag off; turn it on, "
+            "or set FLASHSUITE_FA3_BWD=0 for fa2's deterministic backward"
+        )
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's `flash_attn_func`: q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv),
+    bottom-right causal, window (left, right) with -1 unbounded. Returns out (B, Nq, Hq, Dv),
+    or with return_attn_probs=True (out, softmax_lse (B, Hq, Nq) float32, empty S_dmask)."""
+    _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    options = dict(
+        causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
+        softcap=softcap,
+    )  # fmt: skip
+    _check_deterministic(deterministic, q, k, v, **options)
+    if return_attn_probs:
+        out, lse = api.attention(q, k, v, return_lse=True, **options)
+        return out, lse, _empty_probs(q)
+    return api.attention(q, k, v, **options)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """flash-attn's `flash_attn_varlen_func`: packed q (total_q, Hq, D), k (total_k, Hkv, D),
+    v (total_k, Hkv, Dv), cu_seqlens int32 (B + 1,); each sequence bottom-right on its own
+    lengths. Returns out (total_q, Hq, Dv), or with return_attn_probs=True (out, softmax_lse
+    (Hq, total_q) float32, empty S_dmask). Its backward (fa2's or the portable one) is
+    deterministic, so `deterministic` asks for nothing more."""
+    _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    result = inference.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
+        return_lse=bool(return_attn_probs),
+    )  # fmt: skip
+    return (*result, _empty_probs(q)) if return_attn_probs else result
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """flash-attn's `flash_attn_with_kvcache` (forward only): q (B, Nq, Hq, D) against
+    k_cache, v_cache (B_cache, N_max, Hkv, D) or, with block_table (B, max_pages) int32, pages
+    (num_pages, page_size, Hkv, D) with page_size a multiple of 16 in [16, 256]; k, v
+    (B, Nnew, Hkv, D), when given, are written into the cache in place at cache_seqlens first.
+    cache_seqlens: int32 (B,) or an int; None means every row's cache is full (only without
+    new k, v). Returns out (B, Nq, Hq, Dv), or (out, softmax_lse (B, Hq, Nq)) with
+    return_softmax_lse=True. `rotary_interleaved` only matters with rotary tables, which are
+    refused."""
+    _refuse(
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad,
+        alibi_slopes=alibi_slopes,
+    )
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError(
+                "cache_seqlens: expected the tokens already in each row (an int or int32 (B,) "
+                "tensor) when k and v are appended, got None"
+            )
+        full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        cache_seqlens = int(full)
+    return inference.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+        causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
+        softcap=softcap, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+    )  # fmt: skip
+
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

@@ -1,0 +1,228 @@
+"""flash-attn 2's functions (dispatch/flash_attn.py): flash-attn's signatures exactly (names,
+order, defaults), the results of the entry points they wrap, and a clear error for every
+argument flashsuite does not implement."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common.arch import override_arch
+from flashsuite.dispatch import flash_attn, registry
+
+F16, BF16, F32, I32 = torch.float16, torch.bfloat16, torch.float32, torch.int32
+
+# flash-attn 2's signatures (flash_attn/flash_attn_interface.py): (name, default) in order.
+_EMPTY = inspect.Parameter.empty
+FLASH_ATTN_SIGNATURES = {
+    "flash_attn_func": [
+        ("q", _EMPTY), ("k", _EMPTY), ("v", _EMPTY), ("dropout_p", 0.0),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False),
+        ("return_attn_probs", False),
+    ],
+    "flash_attn_varlen_func": [
+        ("q", _EMPTY), ("k", _EMPTY), ("v", _EMPTY), ("cu_seqlens_q", _EMPTY),
+        ("cu_seqlens_k", _EMPTY), ("max_seqlen_q", _EMPTY), ("max_seqlen_k", _EMPTY),
+        ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+        ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+        ("deterministic", False), ("return_attn_probs", False), ("block_table", None),
+    ],
+    "flash_attn_with_kvcache": [
+        ("q", _EMPTY), ("k_cache", _EMPTY), ("v_cache", _EMPTY), ("k", None), ("v", None),
+        ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
+        ("cache_batch_idx", None), ("cache_leftpad", None), ("block_table", None),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None),
+        ("num_splits", 0), ("return_softmax_lse", False),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FLASH_ATTN_SIGNATURES))
+def test_signature_is_flash_attns(name: str) -> None:
+    """Positional calls written for flash-attn bind to the same parameters here."""
+    params = inspect.signature(getattr(dispatch, name)).parameters.values()
+    got = [(p.name, p.default) for p in params]
+    assert got == FLASH_ATTN_SIGNATURES[name]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    assert getattr(dispatch, name) is getattr(flash_attn, name)
+
+
+def _qkv(gen, b=2, nq=40, nk=56, hq=4, hkv=2, d=64, dtype=F16, grad=False):
+    shapes = ((b, nq, hq, d), (b, nk, hkv, d), (b, nk, hkv, d))
+    return [torch.randn(s, generator=gen).to(dtype).requires_grad_(grad) for s in shapes]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, options",
+    [
+        ((), {}, {}),
+        ((0.0, 0.3, True), {}, dict(softmax_scale=0.3, causal=True)),  # positional
+        ((), dict(window_size=[16, 0]), dict(window_size=(16, 0))),  # a list, as flash-attn
+        ((), dict(softcap=5.0, causal=True), dict(softcap=5.0, causal=True)),
+    ],
+)
+def test_flash_attn_func_is_attention(args, kwargs, options) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen, grad=True)
+    got = dispatch.flash_attn_func(q, k, v, *args, **kwargs)
+    want = dispatch.attention(q, k, v, **options)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    do = torch.randn(got.shape, generator=gen).to(F16)
+    for g, w in zip(
+        torch.autograd.grad(got, (q, k, v), do),
+        torch.autograd.grad(want, (q, k, v), do),
+        strict=True,
+    ):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_return_attn_probs_gives_the_lse_and_an_empty_s_dmask() -> None:
+    """flash-attn returns (out, softmax_lse, S_dmask), S_dmask empty without dropout."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen)
+    out, lse, s_dmask = dispatch.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    want, want_lse = dispatch.attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert lse.shape == (2, 4, 40) and lse.dtype == F32
+    assert s_dmask.numel() == 0 and s_dmask.dtype == q.dtype
+
+
+def _packed(gen, lq, lk, hq=4, hkv=2, d=64):
+    q = torch.randn(sum(lq), hq, d, generator=gen).to(F16).requires_grad_(True)
+    k = torch.randn(sum(lk), hkv, d, generator=gen).to(F16).requires_grad_(True)
+    v = torch.randn(sum(lk), hkv, d, generator=gen).to(F16).requires_grad_(True)
+    cu = lambda ls: torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=I32)
+    return q, k, v, cu(lq), cu(lk), max(lq), max(lk)
+
+
+def test_flash_attn_varlen_func_is_attention_varlen() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, cu_q, cu_k, mq, mk = _packed(gen, [5, 17, 9], [11, 17, 4])
+    out, lse, s_dmask = dispatch.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, mq, mk, 0.0, None, True, return_attn_probs=True
+    )
+    want, want_lse = dispatch.attention_varlen(
+        q, k, v, cu_q, cu_k, mq, mk, causal=True, return_lse=True
+    )
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert lse.shape == (4, 31) and s_dmask.numel() == 0
+    do = torch.randn(out.shape, generator=gen).to(F16)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    for g, w in zip(got, torch.autograd.grad(want, (q, k, v), do), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    plain = dispatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=[8, 8])
+    want = dispatch.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=(8, 8))
+    torch.testing.assert_close(plain, want, rtol=0, atol=0)
+
+
+def test_flash_attn_with_kvcache_is_attention_with_kvcache() -> None:
+    """New k, v appended in place at cache_seqlens, an int cache_seqlens, None for a full cache
+    (flash-attn's meaning), return_softmax_lse."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 64, generator=gen).to(F16)
+    k_new = torch.randn(2, 3, 2, 64, generator=gen).to(F16)
+    v_new = torch.randn(2, 3, 2, 64, generator=gen).to(F16)
+    cache = [torch.randn(2, 32, 2, 64, generator=gen).to(F16) for _ in range(2)]
+    lens = torch.tensor([5, 20], dtype=I32)
+    caches = [[c.clone() for c in cache] for _ in range(2)]
+    out, lse = dispatch.flash_attn_with_kvcache(
+        q, *caches[0], k_new, v_new, cache_seqlens=lens, causal=True, return_softmax_lse=True
+    )
+    want, want_lse = dispatch.attention_with_kvcache(
+        q, *caches[1], k_new, v_new, cache_seqlens=lens, causal=True, return_lse=True
+    )
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    for a, b in zip(caches[0], caches[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # appended alike
+    got = dispatch.flash_attn_with_kvcache(q, *cache, cache_seqlens=7)
+    torch.testing.assert_close(got, dispatch.attention_with_kvcache(q, *cache, cache_seqlens=7))
+    full = dispatch.flash_attn_with_kvcache(q, *cache)
+    torch.testing.assert_close(full, dispatch.attention(q, *cache), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda q, k, v: dispatch.flash_attn_func(q, k, v, 0.1), "dropout_p"),
+        (
+            lambda q, k, v: dispatch.flash_attn_func(q, k, v, alibi_slopes=torch.ones(4)),
+            "alibi_slopes",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_varlen_func(
+                q[0], k[0], v[0], *(torch.tensor([0, 40], dtype=I32),) * 2, 40, 40, dropout_p=0.5
+            ),
+            "dropout_p",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_varlen_func(
+                q[0],
+                k[0],
+                v[0],
+                *(torch.tensor([0, 40], dtype=I32),) * 2,
+                40,
+                40,
+                block_table=torch.zeros(1, 2, dtype=I32),
+            ),
+            "block_table",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_with_kvcache(
+                q, k, v, rotary_cos=torch.ones(8, 16), rotary_sin=torch.ones(8, 16)
+            ),
+            "rotary_cos",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=4, cache_batch_idx=torch.tensor([1, 0], dtype=I32)
+            ),
+            "cache_batch_idx",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=4, cache_leftpad=torch.zeros(2, dtype=I32)
+            ),
+            "cache_leftpad",
+        ),
+        (
+            lambda q, k, v: dispatch.flash_attn_with_kvcache(q, k, v, k[:, :1], v[:, :1]),
+            "cache_seqlens",
+        ),
+    ],
+    ids=lambda x: x if isinstance(x, str) else "",
+)
+def test_what_flashsuite_does_not_implement_raises(call, name) -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen, nq=40, nk=40)
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        call(q, k, v)
+
+
+def test_deterministic_refuses_fa3s_own_unordered_backward(monkeypatch) -> None:
+    """deterministic=True where the backward would be fa3's own (forced here with
+    FLASHSUITE_FA3_BWD=1) without torch's deterministic mode: a ValueError saying how to get an
+    ordered one. Planned for sm90 on a CPU: the error comes before anything would launch."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen, d=128, dtype=BF16, grad=True)
+    monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
+    with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
+        assert dispatch.select(q, k, v, causal=True).backward == "fa3"
+        with pytest.raises(ValueError, match=r"^deterministic: .*use_deterministic_algorithms"):
+            dispatch.flash_attn_func(q, k, v, causal=True, deterministic=True)
+        torch.use_deterministic_algorithms(True)
+        try:  # fa3 orders its dQ adds: accepted (the check alone; no GPU to run on here)
+            flash_attn._check_deterministic(True, q, k, v, causal=True)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")
+        flash_attn._check_deterministic(True, q, k, v, causal=True)  # fa2's: deterministic
