@@ -82,6 +82,7 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg, softcap: bool = Fals
     counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"]
     counts["sem_acquire"] = len(re.findall(SEM_ACQUIRE, ptx))
     counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
+    counts["fence_async_global"] = len(re.findall(r"fence\.proxy\.async\.global", ptx))
     counts["tanh"] = len(re.findall(TANH, ptx))
     return {
         "head_dim": head_dim,

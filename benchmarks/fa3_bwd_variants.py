@@ -67,6 +67,12 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(overlap=True, ds_stages=2),
         "the overlapped issue order and two sdS buffers, dQ by per-element atomics under dK",
     ),
+    "det_pipe": (
+        BwdConfig(
+            dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
+        ),
+        "pipe_stm with dQ added in column-block order by the writer warp: deterministic",
+    ),
     "fast3": (
         BwdConfig(dq_mode="bulk", ds_store="stmatrix", dv_early=True, stages=3),
         "fast with a 3-stage ring",

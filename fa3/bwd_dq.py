@@ -10,7 +10,13 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from flashsuite.fa3.configs import dq_tile_modes
-from flashsuite.fa3.utils import bulk_reduce_add_f32, turn_pass, turn_wait
+from flashsuite.fa3.utils import (
+    bulk_reduce_add_f32,
+    ld_acquire_gpu_s32,
+    red_release_gpu_add_s32,
+    turn_pass,
+    turn_wait,
+)
 
 
 class Barrier(enum.IntEnum):
@@ -121,7 +127,7 @@ class BwdDq:
             self.stage_dq(thr_dq, acc_dQ, sdQ)
         elif const_expr(self.DQ_BULK):
             self.reduce_dq(thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q)
-        elif const_expr(self.DETERMINISTIC):
+        elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
                 thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
             )
@@ -144,6 +150,7 @@ class BwdDq:
         self,
         sdQ: cute.Tensor,
         mdQacc: cute.Tensor,
+        mSem: cute.Tensor | None,
         n_block: Int32,
         head_kv: Int32,
         batch: Int32,
@@ -156,7 +163,13 @@ class BwdDq:
         accumulator with one cp.reduce.async.bulk add.f32 (lane 0), wait until the copy has read
         sdQ and release it (DQ_EMPTY). The row blocks come in the MMA warpgroups' order
         (`row_blocks`); the first DQ_EMPTY is given before the loop, and none after the last
-        tile, so every arrive meets one wait of the MMA threads."""
+        tile, so every arrive meets one wait of the MMA threads.
+
+        Deterministic builds order the adds here, off the MMA threads: lane 0 spins on the
+        (batch, head, row block) turn counter until it reads n_block (ld.acquire.gpu), adds,
+        waits until the add has completed (not only read sdQ), and passes the turn
+        (red.release.gpu); proxy fences order the counter's generic accesses against the bulk
+        copy's async-proxy writes on both sides."""
         n = self.MMA_THREADS + 32
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
@@ -168,6 +181,12 @@ class BwdDq:
                 m_block = m_block_min + i - hq * n_m
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
                 if lane == 0:
+                    if const_expr(self.DETERMINISTIC):
+                        sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+                        seen = ld_acquire_gpu_s32(sem)
+                        while seen != n_block:
+                            seen = ld_acquire_gpu_s32(sem)
+                        cute.arch.fence_proxy("async.global")
                     crd = (batch, head, m_block * self.TILE_M, 0)
                     bulk_reduce_add_f32(
                         mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout),
@@ -175,7 +194,12 @@ class BwdDq:
                         self.TILE_M * self.HEAD_DIM * 4,
                     )
                     cute.arch.cp_async_bulk_commit_group()
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    if const_expr(self.DETERMINISTIC):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        red_release_gpu_add_s32(sem, Int32(1))
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.sync_warp()
                 if i < n_iter - 1:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)

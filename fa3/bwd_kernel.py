@@ -112,7 +112,7 @@ class Fa3Backward(BwdDq, BwdSteps):
             raise ValueError(
                 "Fa3Backward: softcap needs dv_early and overlap False (dS uses tanh' in place)"
             )
-        if self.DETERMINISTIC and cfg.dq_mode != "atomic":
+        if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
             )
@@ -356,7 +356,9 @@ class Fa3Backward(BwdDq, BwdSteps):
                 )
             if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 if warp == 1:
-                    self.write_dq(sdQ, mdQacc, n_block, head_kv, batch, group, seqlen_q, seqlen_k)
+                    self.write_dq(
+                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, seqlen_q, seqlen_k
+                    )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
             self.mma(

@@ -354,7 +354,8 @@ class BwdConfig:
     dv_early: bool = False
     # Deterministic dQ (torch.use_deterministic_algorithms): the column blocks of one
     # (row block, head, batch) add their dQ in n_block order, each waiting on an int32 counter
-    # in global memory (ld.acquire.gpu spin, red.release.gpu increment). "atomic" dq_mode only.
+    # in global memory (ld.acquire.gpu spin, red.release.gpu increment): by the MMA threads in
+    # "atomic" dq_mode, by the writer warp in "warp" dq_mode; not with "bulk".
     deterministic: bool = False
     # Buffers of sdS. 1: every WG's dQ wgmma of the previous row block must retire before sdS is
     # rewritten (a named barrier per row block); 2: row blocks alternate buffers, and the one
@@ -480,8 +481,8 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
     if cfg.ds_store not in BWD_DS_STORES:
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
-    if cfg.deterministic and cfg.dq_mode != "atomic":
-        return False, f"fa3 backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
+    if cfg.deterministic and cfg.dq_mode == "bulk":
+        return False, "fa3 backward: deterministic needs dq_mode 'atomic' or 'warp', not 'bulk'"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
     if cfg.overlap and cfg.dv_early:

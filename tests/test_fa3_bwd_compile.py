@@ -83,6 +83,13 @@ def det_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def det_pipe_probes(tmp_path_factory) -> list[dict]:
+    """The "det_pipe" variant's (D 128, causal) build: the writer warp orders the dQ adds."""
+    runs = [["--variant", "det_pipe", "--shard", "3/4"]]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_det_pipe"), runs)
+
+
+@pytest.fixture(scope="module")
 def softcap_probes(tmp_path_factory) -> list[dict]:
     """The softcap builds of the shipped softcap config at (D 64, full) and (D 128, causal)."""
     runs = [["--variant", "warp_stm2", "--softcap", "--shard", shard] for shard in ("0/4", "3/4")]
@@ -174,6 +181,20 @@ def test_bwd_deterministic_variant_compiles(det_probes) -> None:
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
+def test_bwd_deterministic_writer_warp_compiles(det_pipe_probes) -> None:
+    """det_pipe: one acquiring spin (possibly peeled), one bulk reduce, one release, and an
+    async-proxy fence on each side of the bulk copy, all in the writer warp; no atomics;
+    spill-free."""
+    ((r),) = det_pipe_probes
+    ptx, where = r["ptx"], _id(r)
+    assert (r["head_dim"], r["causal"]) == (128, True), where
+    assert r["config"]["deterministic"] and r["config"]["dq_mode"] == "warp", where
+    assert ptx["sem_acquire"] >= 1 and ptx["sem_release"] == 1, f"{where}: {ptx}"
+    assert ptx["fence_async_global"] == 2 and ptx["dq_bulk"] == 1, f"{where}: {ptx}"
+    assert ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+
+
 def test_bwd_softcap_compiles(softcap_probes) -> None:
     assert {(r["head_dim"], r["causal"]) for r in softcap_probes} == {(64, False), (128, True)}
     for r in softcap_probes:
@@ -207,7 +228,7 @@ def test_bwd_deterministic_config_follows_torch_flag() -> None:
     ok, reason = bwd_can_implement(
         BwdConfig(dq_mode="bulk", deterministic=True), 64, torch.bfloat16
     )
-    assert not ok and "deterministic needs dq_mode 'atomic', not 'bulk'" in reason
+    assert not ok and "deterministic needs dq_mode 'atomic' or 'warp', not 'bulk'" in reason
 
 
 def test_bwd_dq_mode_refused_with_reason() -> None:
