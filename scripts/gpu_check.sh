@@ -2,7 +2,7 @@
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
-#                                                integrations
+#                                                integrations bwd sanitize-bwd
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -92,6 +92,24 @@ for part in $parts; do
       # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
       python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \
         | tee "$out/mutants-gpu.log" || status=1 ;;
+    bwd)
+      # fa3's own backward: the shipped variants and the deterministic ones against the oracle
+      # and timed beside cuDNN and FA4, bitwise stability under torch's deterministic flag, then
+      # the shipped path through dispatch at N 1k / 4k / 16k and a training step
+      # (benchmarks/fa3_bwd_check.py; JSON in OUTDIR/bwd and OUTDIR/bwd-smoke).
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd" --variant pipe_stm --variant pipe128 \
+        --variant det --variant det_pipe --bench --stability 2>&1 | tee "$out/bwd.log" || status=1
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-smoke" --smoke --bench 2>&1 \
+        | tee "$out/bwd-smoke.log" || status=1 ;;
+    sanitize-bwd)
+      # compute-sanitizer memcheck, then racecheck, on the shipped fa3 backward's smoke cases.
+      for tool in memcheck racecheck; do
+        FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-280}" \
+          compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 -m benchmarks.fa3_bwd_check --out "$out/sanitize-bwd-$tool" --smoke \
+          > "$out/sanitize-bwd-$tool.log" 2>&1 || status=1
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAIL" "$out/sanitize-bwd-$tool.log" | tail -8
+      done ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \
