@@ -24,8 +24,6 @@ class Barrier(enum.IntEnum):
 
     DS_FREE = 1  # every WG's dQ wgmma of the previous row block has retired: sdS may be written
     DS_READY = 2  # sdS holds this row block's dS (written and fenced by every WG)
-    DQ_FREE = 3  # "bulk" dq_mode: the previous row block's bulk reduce has read sdQ
-    DQ_READY = 4  # "bulk" dq_mode: sdQ holds this row block's dQ (written and fenced)
     DQ_TURN = 5  # deterministic: the column blocks before this one have added their dQ
     DQ_ADDED = 6  # deterministic: every MMA thread has issued its dQ adds of this row block
     DQ_FULL = 7  # "warp" dq_mode: sdQ holds this row block's dQ (MMA threads arrive, writer waits)
@@ -66,48 +64,6 @@ class BwdDq:
                 cute.arch.atomic_add(ptr.llvm_ptr, acc_dQ[i])
 
     @cute.jit
-    def reduce_dq(
-        self,
-        thr_dq,
-        acc_dQ: cute.Tensor,
-        sdQ: cute.Tensor,
-        mdQacc: cute.Tensor,
-        mtid: Int32,
-        head: Int32,
-        batch: Int32,
-        m_block: Int32,
-        seqlen_q: Int32,
-    ):
-        """dQ of this row block added into the fp32 accumulator through shared memory: every
-        MMA thread stores its fragment to sdQ, then the 32 lanes of MMA warp 0 each issue
-        cp.reduce.async.bulk add.f32 for rows lane, lane + 32, ... (D x 4 bytes each, rows past
-        seqlen_q skipped) in their own bulk group.
-
-        Handover (every MMA thread passes both named barriers once per row block): a lane of
-        warp 0 waits until its previous row block's reduces have read sdQ, then DQ_FREE; the
-        stores; the generic -> async proxy fence; DQ_READY; the bulk reduces. They then run
-        while the next row block computes."""
-        if mtid < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_FREE), number_of_threads=self.MMA_THREADS)
-        cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_READY), number_of_threads=self.MMA_THREADS)
-        if mtid < 32:
-            gdQ = cute.local_tile(
-                mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-            )  # (TILE_M, D)
-            for r in cutlass.range_constexpr(self.TILE_M // 32):
-                row = mtid + 32 * r
-                if m_block * self.TILE_M + row < seqlen_q:
-                    bulk_reduce_add_f32(
-                        gdQ.iterator + cute.crd2idx((row, 0), gdQ.layout),
-                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                        self.HEAD_DIM * 4,
-                    )
-            cute.arch.cp_async_bulk_commit_group()
-
-    @cute.jit
     def dq_out(
         self,
         thr_dq,
@@ -125,8 +81,6 @@ class BwdDq:
         """This row block's dQ fragment on its way to the accumulator, by the config's route."""
         if const_expr(self.DQ_WARP):
             self.stage_dq(thr_dq, acc_dQ, sdQ)
-        elif const_expr(self.DQ_BULK):
-            self.reduce_dq(thr_dq, acc_dQ, sdQ, mdQacc, mtid, head, batch, m_block, seqlen_q)
         elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
                 thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q

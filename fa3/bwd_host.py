@@ -40,7 +40,7 @@ class BwdCompileKey:
     causal: bool
     cfg: BwdConfig
     local: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
-    softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs dv_early False
+    softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs overlap False
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 

@@ -7,7 +7,8 @@ the block. The grid is (n_blocks, Hkv, B); 128 + 128 x NUM_MMA_WGS threads.
 Roles (`WarpRole`):
 - WG0, the producer (24 registers): warp 0 loads K and V once (`pipe_kv`, one stage, never
   released) and then, per row block, Q, dO, LSE (base 2) and D = rowsum(dO * O) into a
-  STAGES-deep TMA ring (`pipe_qdo`: the four copies complete one mbarrier per stage).
+  STAGES-deep TMA ring (`pipe_qdo`: the four copies complete one mbarrier per stage). In the
+  "warp" dq_mode (shipped) warp 1 is the dQ writer (`bwd_dq.BwdDq.write_dq`).
 - WG1.., the MMA warpgroups (240 registers), 64 key rows each. Per row block:
     S^T  = K Q^T       SS wgmma: A = sK (K-major), B = sQ stage (K-major)
     dP^T = V dO^T      SS wgmma: A = sV, B = sdO stage
@@ -17,12 +18,11 @@ Roles (`WarpRole`):
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
                        MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
-  and add dQ into the float32 accumulator in global memory: BwdConfig.dq_mode "atomic" with
-  `atom.global.add.f32` per element from registers (REDG in SASS), "bulk" through a padded
-  fp32 sdQ tile and `cp.reduce.async.bulk` add.f32 per row, issued by the lanes of MMA warp 0
-  (`reduce_dq`).
-  BwdConfig.ds_store picks scalar 16-bit stores or stmatrix.trans for dS^T -> sdS, and
-  BwdConfig.dv_early issues dV's wgmma before dS^T is computed (docs/design.md).
+  and send dQ to the float32 accumulator in global memory: BwdConfig.dq_mode "warp" stores the
+  fragment to an fp32 sdQ tile in fragment order for the writer warp's one bulk reduce per row
+  block; "atomic" adds it with `atom.global.add.f32` per element from registers (REDG in SASS).
+  BwdConfig.ds_store picks stmatrix.trans or scalar 16-bit stores for dS^T -> sdS,
+  BwdConfig.overlap the order of wgmmas and waits (docs/design.md).
   Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
   layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
   shared memory for those two.
@@ -33,22 +33,21 @@ Barriers. `pipe_qdo`: full barriers complete on the producer's arrive_and_expect
 plus the TMA bytes of Q, dO, LSE and D; empty barriers on one arrival per MMA warp after the
 warp's dV/dK/dQ wgmmas (the last readers of sQ/sdO) have retired and its LSE/D smem reads are
 done. `pipe_kv` is waited for once. Named barriers on the 128 x NUM_MMA_WGS MMA threads, each
-synced once per row block by every MMA thread: DS_FREE before sdS is written (every WG has
-retired the previous block's dQ wgmma, which read sdS) and DS_READY after the write and the
-async-proxy fence (sdS is complete before either WG's dQ wgmma reads it). dS^T goes to sdS
-before the dK wgmma is issued (a wgmma's register operands may not be read until it has
-retired); dV (unless issued early), dK and dQ then run together and one wait_group(0) retires
-them. In "bulk" dq_mode DQ_FREE and DQ_READY hand sdQ between the MMA threads and the bulk
-reduces (see `reduce_dq`). With BwdConfig.deterministic, DQ_TURN and DQ_ADDED bracket the dQ
-adds of a row block: a per-(batch, head, row block) int32 counter in global memory makes the
-column blocks add in n_block order (`dq_turn_wait`, `dq_turn_pass`), so dQ is bitwise
-reproducible.
+synced once per row block by every MMA thread: DS_READY after the dS^T write and the
+async-proxy fence (sdS is complete before either WG's dQ wgmma reads it), and with one sdS
+buffer DS_FREE before the write (every WG has retired the previous block's dQ wgmma). dS^T
+goes to sdS before the dK wgmma is issued (a wgmma's register operands may not be read until
+it has retired). DQ_FULL / DQ_EMPTY (MMA threads + the writer warp) hand sdQ over in the "warp"
+dq_mode. With BwdConfig.deterministic a per-(batch, head, row block) int32 counter in global
+memory makes the column blocks add in n_block order, so dQ is bitwise reproducible: the writer
+warp waits for its turn in the "warp" dq_mode; in the "atomic" one DQ_TURN and DQ_ADDED
+bracket the MMA threads' adds (`add_dq_in_order`).
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
 masked blocks are never visited. Blocks on the causal diagonal or holding keys past Nk set
-S = -inf there. LSE = -inf (a row that sees no key, and the padding rows past Nq, which the
-host fills with -inf) is read as +inf, so P = exp2(s - inf) = 0: zero gradients, no NaN.
+S = -inf there. An infinite LSE (a row that sees no key, and the padding rows past Nq) gives
+P = exp2(s - inf) = 0: zero gradients, no NaN.
 
 Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B) for 4-D
 TMA descriptors (tail row blocks load zeros); LSE and D as (Nq_pad, H, B).
@@ -67,7 +66,7 @@ from cutlass.memory import SmemAllocator
 
 from flashsuite.fa3.bwd_dq import Barrier, BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_pointwise import BwdSteps
-from flashsuite.fa3.configs import BWD_DQ_PAD, BWD_REG_SPLIT, BwdConfig
+from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 
 
@@ -100,18 +99,14 @@ class Fa3Backward(BwdDq, BwdSteps):
         self.MMA_THREADS = 128 * cfg.num_mma_wgs
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
-        self.DQ_BULK = cfg.dq_mode == "bulk"
         self.DQ_WARP = cfg.dq_mode == "warp"
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
-        self.DV_EARLY = cfg.dv_early
         self.DETERMINISTIC = cfg.deterministic
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
-        if softcap and (cfg.dv_early or cfg.overlap):
-            raise ValueError(
-                "Fa3Backward: softcap needs dv_early and overlap False (dS uses tanh' in place)"
-            )
+        if softcap and cfg.overlap:
+            raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
@@ -138,14 +133,9 @@ class Fa3Backward(BwdDq, BwdSteps):
         return sQ_l, sK_l, sdS_l, sLSE_l
 
     def _sdq_layout(self) -> cute.Layout:
-        """sdQ (TILE_M, D) fp32. "bulk": rows padded by BWD_DQ_PAD words (the C fragment's
-        64-bit stores hit 32 distinct banks per half-warp, every row starts 16-byte aligned).
-        "warp": `dq_tile_layout`, the fragment order."""
-        if const_expr(self.DQ_WARP):
-            return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS)
-        return cute.make_layout(
-            (self.TILE_M, self.HEAD_DIM), stride=(self.HEAD_DIM + BWD_DQ_PAD, 1)
-        )
+        """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; the
+        "atomic" one allocates a single word and never touches it)."""
+        return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS)
 
     def _make_mmas(self):
         major = cute.nvgpu.OperandMajorMode
@@ -183,8 +173,6 @@ class Fa3Backward(BwdDq, BwdSteps):
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
         n_dq = 1
-        if const_expr(self.DQ_BULK):
-            n_dq = self.TILE_M * (self.HEAD_DIM + BWD_DQ_PAD)
         if const_expr(self.DQ_WARP):
             n_dq = self.TILE_M * self.HEAD_DIM
         st = self.STAGES
@@ -620,16 +608,10 @@ class Fa3Backward(BwdDq, BwdSteps):
                     self.pack(acc_S, tdVrP)
                     warpgroup.wait_group(0)
                     self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
-                else:
-                    # "dv_early": P^T while dP^T's wgmma runs, then dS^T while dV's runs.
-                    warpgroup.wait_group(1 if const_expr(self.DV_EARLY) else 0)
-                    ds = None if const_expr(self.DV_EARLY) else (acc_dP, sD, scale)
-                    self.probs(acc_S, *probs_args, ds, softcap_pre)
+                else:  # S^T and dP^T retire together; P^T and dS^T in one loop
+                    warpgroup.wait_group(0)
+                    self.probs(acc_S, *probs_args, (acc_dP, sD, scale), softcap_pre)
                     self.pack(acc_S, tdVrP)
-                    if const_expr(self.DV_EARLY):
-                        self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                        warpgroup.wait_group(1)  # dP^T retired (dV may still run)
-                        self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
                 self.pack(acc_dP, tdKrdS)
                 # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
                 # before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
@@ -659,8 +641,7 @@ class Fa3Backward(BwdDq, BwdSteps):
                     warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
                     pipe_qdo.consumer_release(state)
                 else:
-                    if const_expr(not self.DV_EARLY):
-                        self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                     cute.arch.barrier(
                         barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
@@ -672,9 +653,4 @@ class Fa3Backward(BwdDq, BwdSteps):
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
                                 m_block, seqlen_q)  # fmt: skip
                 state.advance()
-            if const_expr(self.DQ_BULK):  # noqa: SIM102 (a trace-time test, then a runtime one)
-                # The bulk reduces of the last row block read sdQ and write gmem: complete
-                # before the CTA exits.
-                if mtid < 32:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
         self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)

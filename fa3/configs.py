@@ -338,24 +338,18 @@ class BwdConfig:
     stages: int = 2  # depth of the Q / dO / LSE / D TMA ring
     num_mma_wgs: int = 2
     # How a row block's dQ reaches the fp32 accumulator in global memory: "atomic", one
-    # atom.global.add.f32 per element from registers; "bulk", the fragment goes to a padded fp32
-    # smem tile and one MMA warp adds it row by row with cp.reduce.async.bulk (add.f32); "warp",
-    # the MMA warpgroups store the fragment to an fp32 smem tile in fragment order and warp 1 of
-    # the producer warpgroup adds the whole tile with one cp.reduce.async.bulk into a
-    # tile-ordered accumulator (B, Hq, Nq_pad, D), which the host permutes back
-    # (bwd_host.dq_from_tiles).
+    # atom.global.add.f32 per element from registers; "warp", the MMA warpgroups store the
+    # fragment to an fp32 smem tile in fragment order and warp 1 of the producer warpgroup adds
+    # the whole tile with one cp.reduce.async.bulk into a tile-ordered accumulator
+    # (B, Hq, Nq_pad, D), which the host permutes back (bwd_host.dq_from_tiles).
     dq_mode: str = "atomic"
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
     # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
     ds_store: str = "scalar"
-    # Issue order inside a row block. False: wait for S^T and dP^T together, then P^T and dS^T,
-    # then dV, dK and dQ. True: P^T as soon as S^T retires (dP^T still running), dV issued
-    # at once, dS^T computed while dV runs.
-    dv_early: bool = False
     # Deterministic dQ (torch.use_deterministic_algorithms): the column blocks of one
     # (row block, head, batch) add their dQ in n_block order, each waiting on an int32 counter
     # in global memory (ld.acquire.gpu spin, red.release.gpu increment): by the MMA threads in
-    # "atomic" dq_mode, by the writer warp in "warp" dq_mode; not with "bulk".
+    # "atomic" dq_mode, by the writer warp in "warp" dq_mode.
     deterministic: bool = False
     # Buffers of sdS. 1: every WG's dQ wgmma of the previous row block must retire before sdS is
     # rewritten (a named barrier per row block); 2: row blocks alternate buffers, and the one
@@ -367,9 +361,8 @@ class BwdConfig:
     overlap: bool = False
 
 
-BWD_DQ_MODES = ("atomic", "bulk", "warp")
+BWD_DQ_MODES = ("atomic", "warp")
 BWD_DS_STORES = ("scalar", "stmatrix")
-BWD_DQ_PAD = 8  # fp32 padding per sdQ row: conflict-free 64-bit stores of the C fragment
 
 
 def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tuple]:
@@ -400,15 +393,13 @@ def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tupl
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
     mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV and sdS, then
-    sdQ (TILE_M x (D + BWD_DQ_PAD) fp32 in "bulk" dq_mode, TILE_M x D in "warp", one word
-    otherwise). sdS has ds_stages buffers."""
+    sdQ (TILE_M x D fp32 in "warp" dq_mode, one word otherwise). sdS has ds_stages buffers."""
     mbar = 8 * (2 + 2 * cfg.stages)
     stats = 2 * _align(cfg.tile_m * cfg.stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
     kv = cfg.tile_n * head_dim * elem_bytes
     ds = cfg.tile_m * cfg.tile_n * elem_bytes * cfg.ds_stages
-    dq = {"bulk": cfg.tile_m * (head_dim + BWD_DQ_PAD) * 4, "warp": cfg.tile_m * head_dim * 4}
-    dq = dq.get(cfg.dq_mode, 4)
+    dq = cfg.tile_m * head_dim * 4 if cfg.dq_mode == "warp" else 4
     body = _align(_align(mbar, 128) + stats) + 2 * _align(q) + 2 * _align(kv) + _align(ds)
     return body + _align(dq)  # the struct rounds up to its 1 KiB alignment
 
@@ -481,12 +472,8 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
     if cfg.ds_store not in BWD_DS_STORES:
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
-    if cfg.deterministic and cfg.dq_mode == "bulk":
-        return False, "fa3 backward: deterministic needs dq_mode 'atomic' or 'warp', not 'bulk'"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
-    if cfg.overlap and cfg.dv_early:
-        return False, "fa3 backward: overlap and dv_early are two issue orders; pick one"
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"

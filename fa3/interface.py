@@ -283,7 +283,7 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     if not ok:
         return False, reason
     order = " in column-block order (deterministic)" if cfg.deterministic else ""
-    route = {"warp": "a writer warp's bulk reduce", "bulk": "bulk reduces", "atomic": "atomics"}
+    route = {"warp": "a writer warp's bulk reduce", "atomic": "atomics"}
     issue = ", overlapped issue" if cfg.overlap else ""
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
@@ -336,8 +336,8 @@ def backward(
 
     cfg = _bwd_config(p, cfg)
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
-    if ok and p.softcap > 0 and (cfg.dv_early or cfg.overlap):
-        ok, reason = False, "softcap needs dv_early and overlap False (dS takes tanh' in P's loop)"
+    if ok and p.softcap > 0 and cfg.overlap:
+        ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
     if not ok:
         raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
     key = BwdCompileKey(
