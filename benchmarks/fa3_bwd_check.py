@@ -375,29 +375,19 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
 # timing
 # ------------------------------------------------------------------------------------------------
 def _fa4():
-    """FA4's flash_attn_func (flash_attn.cute), or None with the reason."""
-    try:
-        from flash_attn.cute import flash_attn_func
-    except Exception as exc:  # not installed, or its DSL import failed
-        return None, f"{type(exc).__name__}: {exc}"
-    return flash_attn_func, ""
+    """FA4's flash_attn_func (flash_attn.cute), or None with the reason (dispatch.bench's)."""
+    from flashsuite.dispatch.bench import fa4_function
+
+    return fa4_function()
 
 
 def _forward_fn(contender: str, case: Case, q, k, v):
     """(forward callable returning out, leaves) for one contender."""
     from flashsuite import dispatch
-    from flashsuite.dispatch.bench import PEERS, _sdpa_fn
+    from flashsuite.dispatch.bench import FA4, PEERS, make_callable
 
-    if contender in PEERS:
-        return _sdpa_fn(contender, case, q, k, v)
-    if contender == "fa4":
-        fa4, _ = _fa4()
-
-        def run():
-            res = fa4(q, k, v, causal=case.causal)
-            return res[0] if isinstance(res, tuple) else res
-
-        return run, (q, k, v)
+    if contender in PEERS or contender == FA4:
+        return make_callable(contender, case, q, k, v)
     return (lambda: dispatch.attention(q, k, v, causal=case.causal, version="fa3")), (q, k, v)
 
 

@@ -1,6 +1,8 @@
 """Benchmark plumbing shared by `flashsuite bench` and tests/benchmarks: the standard sweep,
 the peers (PyTorch SDPA's flash / cuDNN / efficient backends; any other SDPA backend as
-`sdpa-<name>`, e.g. `sdpa-math`), the call to time, and one timer per consumer.
+`sdpa-<name>`, e.g. `sdpa-math`; and `fa4`, FlashAttention-4's CuTe-DSL kernels from the
+flash-attn-4 package, where it is installed: the optional `peers` extra), the call to time, and
+one timer per consumer.
 
 `flashsuite bench` times with CUDA events through `triton.testing.do_bench` (median of repeats
 after warm-up; on a CPU, the median of wall-clock repeats); tests/benchmarks lets
@@ -156,10 +158,45 @@ def sdpa_backend(peer: str) -> str:
     return name
 
 
+FA4 = "fa4"  # FlashAttention-4's CuTe-DSL forward and backward (flash_attn.cute), a peer
+
+
+def fa4_function() -> tuple[Callable | None, str]:
+    """FA4's `flash_attn_func` (package flash-attn-4, module flash_attn.cute), or None and why
+    it cannot be imported. Never a dependency of flashsuite: the `peers` extra installs it."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # not installed, or its CuTe-DSL import failed
+        return None, f"{type(exc).__name__}: {exc}"
+    return flash_attn_func, ""
+
+
+def available_peers(device: str = "cuda") -> list[str]:
+    """The peers to time by default: SDPA's flash, cuDNN and efficient backends, and FA4 where it
+    imports (CUDA only); on a CPU, SDPA's math backend."""
+    if device == "cpu":
+        return ["sdpa-math"]
+    return [*PEERS, FA4] if fa4_function()[0] is not None else list(PEERS)
+
+
+def _fa4_fn(case: Case, q, k, v):
+    fn, why = fa4_function()
+    if fn is None:
+        raise RuntimeError(f"peer fa4: flash_attn.cute (flash-attn-4) cannot be imported: {why}")
+
+    def run():  # (B, N, H, D) in and out, like flashsuite; it also returns the LSE
+        res = fn(q, k, v, causal=case.causal)
+        return res[0] if isinstance(res, tuple) else res
+
+    return run, (q, k, v)
+
+
 def make_callable(contender: str, case: Case, q, k, v):
     """(run, leaf tensors) for a version name or a peer name."""
     if contender.startswith("sdpa-"):
         return _sdpa_fn(contender, case, q, k, v)
+    if contender == FA4:
+        return _fa4_fn(case, q, k, v)
     return _ours_fn(contender, case, q, k, v)
 
 

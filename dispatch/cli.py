@@ -27,7 +27,7 @@ import torch
 from flashsuite.common import arch as arch_mod
 from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
 from flashsuite.dispatch import api, registry
-from flashsuite.dispatch.bench import MODEL_DIM, PEERS, TOKENS
+from flashsuite.dispatch.bench import FA4, MODEL_DIM, PEERS, TOKENS
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -221,7 +221,7 @@ class _Progress:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from flashsuite.dispatch.bench import PEERS, measure, standard_sweep
+    from flashsuite.dispatch.bench import available_peers, measure, standard_sweep
     from flashsuite.dispatch.report import render
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -241,7 +241,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.peers is not None:
         peers = args.peers
     else:
-        peers = ["sdpa-math"] if args.device == "cpu" else list(PEERS)
+        peers = available_peers(args.device)
     contenders = versions + peers
     seqlens = args.seqlens or ((2048, 8192) if args.quick else (512, 1024, 2048, 4096, 8192, 16384))
     try:
@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         "--peers",
         nargs="*",
         default=None,
-        choices=sorted({*PEERS, "sdpa-math"}),
-        help="SDPA backends timed beside (default: all but math; on --device cpu: sdpa-math)",
+        choices=sorted({*PEERS, "sdpa-math", FA4}),
+        help="peers timed beside: SDPA backends and fa4 (default: SDPA's but math, and fa4 "
+        "where flash-attn-4 imports; on --device cpu: sdpa-math)",
     )
     bench.add_argument(
         "--device",

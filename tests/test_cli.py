@@ -156,3 +156,24 @@ def test_pytest_benchmark_groups_by_case_and_compares_across_runs(tmp_path) -> N
     assert second.returncode == 0, second.stdout + second.stderr
     assert "Comparing against benchmarks from" in second.stdout + second.stderr
     assert second.stdout.count("(NOW)") == 8 and second.stdout.count("(0001_") == 8
+
+
+def test_fa4_is_a_peer_only_where_it_imports() -> None:
+    """FA4 (flash-attn-4) is timed beside SDPA when importable and is never required: without
+    it the default peers are SDPA's, and asking for it says why it cannot run."""
+    import pytest
+
+    from flashsuite.common.testing import Case
+    from flashsuite.dispatch import bench
+
+    fn, why = bench.fa4_function()
+    peers = bench.available_peers("cuda")
+    assert peers[:3] == ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
+    assert bench.available_peers("cpu") == ["sdpa-math"]
+    if fn is not None:
+        assert peers[-1] == "fa4"
+        return
+    assert "fa4" not in peers and why
+    case = Case(batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1, head_dim=16)
+    with pytest.raises(RuntimeError, match=r"peer fa4: flash_attn\.cute .* cannot be imported"):
+        bench.make_callable("fa4", case, None, None, None)

@@ -31,7 +31,13 @@ import os
 import pytest
 import torch
 
-from flashsuite.dispatch.bench import PEERS, case_flops, describe, prepare, standard_sweep
+from flashsuite.dispatch.bench import (
+    available_peers,
+    case_flops,
+    describe,
+    prepare,
+    standard_sweep,
+)
 from flashsuite.dispatch.registry import available_versions
 
 if os.environ.get("FLASHSUITE_BENCH_SMOKE") == "1":
@@ -45,7 +51,7 @@ if os.environ.get("FLASHSUITE_BENCH_SMOKE") == "1":
 else:
     pytestmark = pytest.mark.gpu
     DEVICE = "cuda"
-    CONTENDERS = [*available_versions(kernels_only=True), *PEERS]
+    CONTENDERS = [*available_versions(kernels_only=True), *available_peers()]
     SWEEP = standard_sweep()
     ROUNDS, WARMUP = 20, 3
 
