@@ -50,6 +50,16 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(overlap=True, ds_stages=2),
         "the overlapped issue order and two sdS buffers, dQ by per-element atomics under dK",
     ),
+    "pipe_lpt": (
+        BwdConfig(dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", lpt=True),
+        "pipe_stm with the grid ordered longest-first (every head's n_block 0 first)",
+    ),
+    "pipe128_lpt": (
+        BwdConfig(
+            tile_m=128, dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", lpt=True
+        ),
+        "pipe128 with the grid ordered longest-first (D = 64 only)",
+    ),
     "det_pipe": (
         BwdConfig(
             dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
@@ -60,7 +70,7 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
 
 
 # Variants built for some head dims only (the others are all of BWD_HEAD_DIMS).
-HEAD_DIMS: dict[str, tuple[int, ...]] = {"pipe128": (64,)}
+HEAD_DIMS: dict[str, tuple[int, ...]] = {"pipe128": (64,), "pipe128_lpt": (64,)}
 
 
 def variant_head_dims(name: str) -> tuple[int, ...]:

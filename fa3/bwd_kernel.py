@@ -102,6 +102,7 @@ class Fa3Backward(BwdDq, BwdSteps):
         self.DQ_WARP = cfg.dq_mode == "warp"
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
+        self.LPT = cfg.lpt
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DETERMINISTIC = cfg.deterministic
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
@@ -275,7 +276,9 @@ class Fa3Backward(BwdDq, BwdSteps):
             mSem,
             softcap_pre,
         ).launch(
-            grid=(n_blocks, mK.shape[2], mK.shape[3]),
+            grid=(mK.shape[2], mK.shape[3], n_blocks)
+            if const_expr(self.LPT)
+            else (n_blocks, mK.shape[2], mK.shape[3]),
             block=[self.NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
@@ -307,7 +310,10 @@ class Fa3Backward(BwdDq, BwdSteps):
         softcap_pre: Float32 | None,  # softmax_scale / softcap (scale_log2 = softcap * log2 e)
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.LPT):
+            head_kv, batch, n_block = cute.arch.block_idx()
+        else:
+            n_block, head_kv, batch = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 

@@ -359,6 +359,11 @@ class BwdConfig:
     # then dV, dK and dQ, all retired before dQ is added. True: P^T while dP^T's wgmma runs;
     # dV, dQ, then dK issued; dQ leaves once dV and dQ retire, while dK still runs.
     overlap: bool = False
+    # Grid order. False: (n_block, kv head, batch), blockIdx.x = n_block, so the column blocks of
+    # one head run side by side and share its Q / dO tiles in L2. True: (kv head, batch,
+    # n_block), so every head's n_block 0 launches before any n_block 1: the longest CTAs first
+    # under causal masking (column block n sees the row blocks from n's diagonal down).
+    lpt: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp")

@@ -277,8 +277,11 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
     cfg = _bwd_config(p, None)
-    if -(-p.seqlen_k // cfg.tile_n) > 2**31 - 1 or p.heads_kv > _MAX_GRID_YZ:
-        return False, f"fa3 backward: kv heads ({p.heads_kv}) must be <= {_MAX_GRID_YZ}"
+    n_blocks = -(-p.seqlen_k // cfg.tile_n)
+    yz = (p.batch, n_blocks) if cfg.lpt else (p.heads_kv, p.batch)  # grid dims y and z
+    if n_blocks > 2**31 - 1 or max(yz) > _MAX_GRID_YZ:
+        what = "batch and key blocks" if cfg.lpt else "kv heads and batch"
+        return False, f"fa3 backward: {what} ({yz[0]}, {yz[1]}) must be <= {_MAX_GRID_YZ}"
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
         return False, reason
