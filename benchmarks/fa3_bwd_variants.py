@@ -50,6 +50,10 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(overlap=True, ds_stages=2),
         "the overlapped issue order and two sdS buffers, dQ by per-element atomics under dK",
     ),
+    "pipe3": (
+        BwdConfig(dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", stages=3),
+        "pipe_stm with a 3-stage Q/dO/LSE/D ring (231 KiB of shared memory at D = 128)",
+    ),
     "pipe_lpt": (
         BwdConfig(dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", lpt=True),
         "pipe_stm with the grid ordered longest-first (every head's n_block 0 first)",

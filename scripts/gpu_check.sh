@@ -98,7 +98,8 @@ for part in $parts; do
       # the shipped path through dispatch at N 1k / 4k / 16k and a training step
       # (benchmarks/fa3_bwd_check.py; JSON in OUTDIR/bwd and OUTDIR/bwd-smoke).
       python3 -m benchmarks.fa3_bwd_check --out "$out/bwd" --variant pipe_stm --variant pipe128 \
-        --variant pipe_lpt --variant pipe128_lpt --variant det --variant det_pipe --bench \
+        --variant pipe3 --variant pipe_lpt --variant pipe128_lpt --variant det --variant det_pipe \
+        --bench \
         --stability 2>&1 | tee "$out/bwd.log" || status=1
       python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-smoke" --smoke --bench 2>&1 \
         | tee "$out/bwd-smoke.log" || status=1 ;;
