@@ -278,3 +278,83 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int) -> None:
     assert torch.equal(got, dq[:, :nq])
     assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, tile_m, 2,
                                      torch.float32), dq)  # fmt: skip
+
+
+def _kernel_contract(key, causal: bool):
+    """A stand-in for the compiled backward that keeps its argument contract, in float64 torch:
+    it reads only what the host hands it (lse_log2 with +inf rows, dsum, the scales) and writes
+    dQ into the accumulator in the config's layout ("warp": TILE_M x D blocks in dq_tile_modes
+    order), dK and dV summed over each GQA group."""
+    from flashsuite.common.reference import visibility_mask
+    from flashsuite.fa3.configs import dq_tile_modes
+
+    def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre):
+        assert softcap_pre is None and (sem is None) == (not key.cfg.deterministic)
+        b, nq, hq, d = q.shape
+        nk, hkv = k.shape[1], k.shape[2]
+        g = hq // hkv
+        qh, doh = (t.double().transpose(1, 2) for t in (q, dout))  # (B, Hq, Nq, D)
+        kh, vh = (t.double().transpose(1, 2).repeat_interleave(g, 1) for t in (k, v))
+        s = qh @ kh.transpose(-1, -2) * scale_log2  # (B, Hq, Nq, Nk), base 2
+        s = s.masked_fill(~visibility_mask(nq, nk, causal=causal), float("-inf"))
+        p = torch.exp2(s - lse_log2[:, :, :nq, None].double())  # +inf LSE: P = 0
+        ds = p * (doh @ vh.transpose(-1, -2) - dsum[:, :, :nq, None].double()) * scale
+        dq = ds @ kh  # (B, Hq, Nq, D)
+        dk.copy_((ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
+        dv.copy_((p.transpose(-1, -2) @ doh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
+        if key.cfg.dq_mode != "warp":
+            dq_acc.copy_(dq.transpose(1, 2))
+            return
+        tm = key.cfg.tile_m
+        (rows, cols), (rs, cs) = dq_tile_modes(tm, d, key.cfg.num_mma_wgs)
+
+        def offsets(shape, stride, n):
+            idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
+            for size, st in zip(shape, stride, strict=True):
+                off, idx = off + (idx % size) * st, idx // size
+            return off
+
+        tile = (offsets(rows, rs, tm)[:, None] + offsets(cols, cs, d)[None, :]).flatten()
+        padded = torch.zeros(b, hq, dq_acc.shape[2], d, dtype=torch.float64)
+        padded[:, :, :nq] = dq
+        blocks = padded.view(b, hq, -1, tm * d)
+        flat = dq_acc.view(b, hq, -1, tm * d)
+        flat[..., tile] = blocks.float()
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("tile_m", "dq_mode", "deterministic", "causal", "shape"),
+    [
+        (64, "warp", False, True, (2, 100, 70, 4, 2, 64)),  # Nq > Nk: rows with no key
+        (128, "warp", False, False, (1, 130, 200, 2, 1, 64)),  # MQA, ragged row blocks
+        (64, "warp", False, False, (1, 64, 64, 2, 2, 128)),
+        (64, "atomic", True, True, (2, 90, 120, 4, 4, 64)),
+    ],
+)
+def test_run_backward_host_path(monkeypatch, tile_m, dq_mode, deterministic, causal, shape):
+    """The host side of the fa3 backward around a stand-in kernel that keeps the compiled one's
+    argument contract: preprocess (padding, +inf LSE rows), the accumulator's shape and layout,
+    dq_from_tiles, the turn counters' presence. Gradients against autograd of the float64
+    oracle."""
+    from flashsuite.common.reference import attention_reference
+    from flashsuite.fa3 import bwd_host
+
+    b, nq, nk, hq, hkv, d = shape
+    cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, deterministic=deterministic)
+    key = bwd_host.BwdCompileKey(torch.float32, d, causal, cfg)
+    monkeypatch.setattr(bwd_host, "get_backward", lambda k: _kernel_contract(k, causal))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(b, nq, hq, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, nk, hkv, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, nk, hkv, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(b, nq, hq, d, generator=gen, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, causal=causal, compute_dtype=torch.float64)
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    scale = d**-0.5
+    args = [t.detach().float() for t in (dout, q, k, v, out)]
+    got = bwd_host.run_backward(key, *args, lse.detach().float(), scale)
+    for name, a, w in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert a.shape == w.shape and a.is_contiguous(), name
+        torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-4, msg=name)
