@@ -12,6 +12,8 @@ compiled at D = 64 non-causal and D = 128 causal and must add dQ with atomics be
 acquiring spin and a releasing increment of its turn counter, still spill-free; "det_pipe" (the
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
 "warp_stm2") at the same two points must take one tanh per score and stay spill-free.
+Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
+`bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
 
 from __future__ import annotations
