@@ -1,14 +1,19 @@
-"""Nsight Compute sections of one forward per (contender, shape), side by side.
+"""Nsight Compute sections of one forward (or backward) per (contender, shape), side by side.
 
 For questions a timing table cannot answer (why fa3 trails cuDNN at N = 512): on a GPU host,
 
     python scripts/ncu_profile.py --out DIR --shape 128:0:512 --shape 128:0:16384 \\
         --contender fa3 --contender sdpa-cudnn
 
-Shapes are D:causal:N of the standard sweep (B·N = 16k tokens, Hq·D = 2048, bf16). It runs
+    python scripts/ncu_profile.py --out DIR --direction bwd --shape 64:1:1024 \\
+        --contender fa3 --contender sdpa-cudnn --contender fa4
+
+Shapes are D:causal:N of the standard sweep (B·N = 16k tokens, Hq·D = 2048, bf16); peers are
+SDPA backends and fa4 (dispatch.bench). `--direction bwd` profiles one backward (of a forward
+made before the range: its kernels, pre/postprocess included). It runs
 itself under `ncu --clock-control none` (the card's clocks are left alone) with the
 SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and SchedulerStats sections; each case is
-one forward inside the NVTX range "measure" after a warm-up call outside it, and a marker kernel
+one call inside the NVTX range "measure" after a warm-up call outside it, and a marker kernel
 before it tells the cases apart. Writes DIR/ncu.json (every metric of every kernel, per case)
 and prints the headline metrics of each case's longest kernel.
 """
@@ -26,7 +31,7 @@ import torch
 
 from flashsuite.common import ncu
 from flashsuite.common.testing import make_inputs
-from flashsuite.dispatch.bench import PEERS, make_callable, standard_sweep
+from flashsuite.dispatch.bench import PEERS, make_callable, prepare, standard_sweep
 
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats", "SchedulerStats")
 HEADLINE = (
@@ -48,10 +53,16 @@ def _case(spec: str):
     return case
 
 
-def profile_child(contenders: list[str], shapes: list[str]) -> None:
-    """Under ncu: per (contender, shape), one forward in the profiled range (common/ncu.py)."""
+def profile_child(contenders: list[str], shapes: list[str], direction: str = "fwd") -> None:
+    """Under ncu: per (contender, shape), one forward or backward in the profiled range
+    (common/ncu.py)."""
     for spec in shapes:
         case = _case(spec)
+        if direction == "bwd":
+            for name in contenders:
+                ncu.measure_once(prepare(name, case, "bwd", "cuda"))
+                torch.cuda.empty_cache()
+            continue
         q, k, v = make_inputs(case, "cuda")
         for name in contenders:
             run, _ = make_callable(name, case, q, k, v)
@@ -74,19 +85,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for ncu.json")
     ap.add_argument("--shape", action="append", required=True, help="D:causal:N (repeatable)")
-    ap.add_argument("--contender", action="append", help=f"fa1/fa2/fa3 or one of {sorted(PEERS)}")
+    ap.add_argument(
+        "--contender", action="append", help=f"fa1/fa2/fa3, fa4 or one of {sorted(PEERS)}"
+    )
+    ap.add_argument("--direction", choices=("fwd", "bwd"), default="fwd")
+    ap.add_argument("--section", action="append", default=[], help="another ncu section")
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contenders = args.contender or ["fa3", "sdpa-cudnn"]
     if args.profile_child:
-        profile_child(contenders, args.shape)
+        profile_child(contenders, args.shape, args.direction)
         return 0
     exe = shutil.which("ncu")
     if exe is None:
         print("ncu not on PATH", file=sys.stderr)
         return 2
-    cmd = ncu.command(exe, *(arg for s in SECTIONS for arg in ("--section", s)))
+    sections = (*SECTIONS, *args.section)
+    cmd = ncu.command(exe, *(arg for s in sections for arg in ("--section", s)))
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
+    cmd += ["--direction", args.direction]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
     cmd += [arg for c in contenders for arg in ("--contender", c)]
     res = subprocess.run(cmd, capture_output=True, text=True)
