@@ -348,9 +348,10 @@ def hang_watchdog(seconds: float) -> Iterator[None]:
 # Hopper's fp8 wgmma keeps fewer accumulator bits than float32 (about 14 significant bits are
 # reported for FP8 GEMMs on H800, DeepSeek-V3 technical report, section 3.3.2): the LSE of fa3's
 # fp8 path (from the fp8 Q K^T accumulation) is measured against an emulation that cuts the
-# accumulator's mantissa to FP8_ACC_BITS after every k = 32 step. On the H200 the kernel's
-# LSE error on tests/test_fp8.py's cases (1.9e-4 max at D = 64) lies inside that emulation's
-# (1.4-3.9e-4 over the 8 cases), and 8x above what a float32 accumulator gives.
+# accumulator's mantissa to FP8_ACC_BITS after every k = 32 step. On the H200 the kernel's LSE
+# misses the float32 rule by far (1.9e-4 against a bound of 3.6e-5 at D = 64) and meets this
+# one on 7 of tests/test_fp8.py's 8 cases; the eighth (D = 128) is 1.8x the emulation's error,
+# an open failure (docs/testing.md).
 FP8_ACC_BITS = 13
 FP8_MMA_K = 32  # wgmma K of 8-bit operands
 
@@ -379,7 +380,6 @@ def fp8_lse_baseline(
 ) -> torch.Tensor:
     """The LSE (B, Hq, Nq) float32 of e4m3 q, k whose scores are accumulated with `acc_bits`
     mantissa bits (mma_truncated), then descaled, capped, masked and reduced in float64."""
-    from flashsuite.common.reference import visibility_mask
 
     b, nq, hq, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
@@ -391,18 +391,26 @@ def fp8_lse_baseline(
     s = mma_truncated(torch.zeros(b, hq, nq, nk, device=q8.device), qf, kf.transpose(-1, -2),
                       acc_bits).double()  # fmt: skip
     descale = (ds_q * ds_k).repeat_interleave(g, 1)[:, :, None, None].double()  # (B, Hq, 1, 1)
-    s = s * descale * (options.get("softmax_scale") or d**-0.5)
+    s = _capped_and_masked(s * descale * (options.get("softmax_scale") or d**-0.5), options)
+    return torch.logsumexp(s, dim=-1).float()
+
+
+def _capped_and_masked(s: torch.Tensor, options: dict) -> torch.Tensor:
+    """Scaled scores (B, Hq, Nq, Nk) with the softcap of `options` applied and the keys a query
+    may not see (causal / window, bottom-right) set to -inf."""
+    from flashsuite.common.reference import visibility_mask
+
     softcap = options.get("softcap", 0.0)
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     visible = visibility_mask(
-        nq,
-        nk,
+        s.shape[-2],
+        s.shape[-1],
         causal=options.get("causal", False),
         window_size=options.get("window_size", (-1, -1)),
-        device=q8.device,
+        device=s.device,
     )
-    return torch.logsumexp(s.masked_fill(~visible, float("-inf")), dim=-1).float()
+    return s.masked_fill(~visible, float("-inf"))
 
 
 def fp8_baseline(q8, k8, v8, descales=(None, None, None), **options) -> torch.Tensor:
@@ -410,10 +418,9 @@ def fp8_baseline(q8, k8, v8, descales=(None, None, None), **options) -> torch.Te
     P = exp(S - rowmax) rounded to e4m3 before P·V (as the fp8 kernel feeds its PV wgmma; the
     row sum stays float32), delivered in bf16 like the kernel's output. (B, Nq, Hq, Dv)."""
     from flashsuite.common.fp8 import E4M3, dequantize_e4m3
-    from flashsuite.common.reference import visibility_mask
 
-    b, nq, hq, d = q8.shape
-    nk, hkv = k8.shape[1], k8.shape[2]
+    b, _, hq, d = q8.shape
+    hkv = k8.shape[2]
     g = hq // hkv
     ones = torch.ones(b, hkv, device=q8.device)
     ds_q, ds_k, ds_v = (t if t is not None else ones for t in descales)
@@ -422,17 +429,7 @@ def fp8_baseline(q8, k8, v8, descales=(None, None, None), **options) -> torch.Te
     vf = dequantize_e4m3(v8, ds_v).repeat_interleave(g, dim=2)  # (B, Nk, Hq, Dv)
     scale = options.get("softmax_scale") or d**-0.5
     s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale  # (B, Hq, Nq, Nk)
-    softcap = options.get("softcap", 0.0)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    visible = visibility_mask(
-        nq,
-        nk,
-        causal=options.get("causal", False),
-        window_size=options.get("window_size", (-1, -1)),
-        device=q8.device,
-    )
-    s = s.masked_fill(~visible, float("-inf"))  # (B, Hq, Nq, Nk)
+    s = _capped_and_masked(s, options)  # (B, Hq, Nq, Nk)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # (B, Hq, Nq, 1)
     p = torch.exp(s - m)  # (B, Hq, Nq, Nk)

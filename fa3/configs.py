@@ -322,10 +322,11 @@ BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 128)
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
-# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config the kernel runs
-# at 1.2-1.5x fa2's backward on the H200 (bf16, B·N = 16k, Hq·D = 2048, N = 16k, TFLOP/s;
-# docs/results.md): D = 128 516 vs 382, causal 510 vs 323; D = 64 434 vs 343, causal 417 vs
-# 298.
+# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
+# both D in that run) the kernel ran at 1.3-1.7x fa2's backward on the H200, both timed in one
+# run (commit 67913ca, bf16, B·N = 16k, Hq·D = 2048, N = 16k, TFLOP/s; docs/results.md):
+# D = 128 571 vs 384, causal 551 vs 323; D = 64 452 vs 346, causal 452 vs 299. Not at N = 1k,
+# D = 64 causal: 166 vs 188.
 BWD_DEFAULT_ON = True
 
 
@@ -434,7 +435,9 @@ def bwd_config_for(
     (483 / 484 / 411 / 398); the overlapped order and the second sdS buffer gain nothing without it
     (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. At D = 64, 128-row Q tiles
     (variant pipe128: twice the work per barrier and per K/V load) take N = 4k / 16k from
-    377 / 434 to 438 / 479 and causal from 305 / 417 to 380 / 464 (0.97-1.07x cuDNN); they
+    420 / 452 to 438 / 479 and causal from 371 / 452 to 380 / 464 (+2-6 %; the 64-row numbers
+    through dispatch and pipe128 through its variant run, one device session, commit 67913ca;
+    0.97-1.07x cuDNN); they
     passed the variant oracle cases at D = 64 (one block, fp16 causal GQA with Nq != Nk, causal
     MQA at 513 x 700, strided). Softcap builds keep the serial issue order (dS needs tanh' from
     the P loop) and 64-row tiles.
