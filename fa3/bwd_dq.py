@@ -130,9 +130,7 @@ class BwdDq:
         if n_iter > 0:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
             for i in cutlass.range(n_iter, unroll=1):
-                hq = i // n_m
-                head = head_kv * group + hq
-                m_block = m_block_min + i - hq * n_m
+                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
                 if lane == 0:
                     if const_expr(self.DETERMINISTIC):

@@ -422,6 +422,14 @@ class Fa3Backward(BwdDq, BwdSteps):
         n_m = m_block_max - m_block_min
         return m_block_min, n_m, n_m * group
 
+    @cute.jit
+    def row_block(self, i: Int32, m_block_min: Int32, n_m: Int32, head_kv: Int32, group: Int32):
+        """(query head, row block) of step i of the row-block loop: the heads of the GQA group
+        one after another, each over its row blocks [m_block_min, m_block_min + n_m). The
+        producer, the MMA warpgroups and the dQ writer walk the same sequence."""
+        hq = i // n_m
+        return head_kv * group + hq, m_block_min + i - hq * n_m
+
     # ----------------------------------------------------------------------------------------
     # producer
     # ----------------------------------------------------------------------------------------
@@ -466,9 +474,7 @@ class Fa3Backward(BwdDq, BwdSteps):
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
             for i in cutlass.range(n_iter, unroll=1):
-                hq = i // n_m
-                head = head_kv * group + hq
-                m_block = m_block_min + i - hq * n_m
+                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
                 gQ = cute.local_tile(
                     tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
                 )  # (TILE_M, D)
@@ -593,9 +599,7 @@ class Fa3Backward(BwdDq, BwdSteps):
             key_tail = (n_block + 1) * TN > seqlen_k
             first_free_row = (n_block + 1) * TN - 1 - shift  # rows >= this see every key
             for i in cutlass.range(n_iter, unroll=1):
-                hq = i // n_m
-                head = head_kv * group + hq
-                m_block = m_block_min + i - hq * n_m
+                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
                 masked = key_tail
                 if const_expr(self.CAUSAL):
                     masked = masked | (m_block * TM < first_free_row)

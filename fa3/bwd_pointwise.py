@@ -75,8 +75,9 @@ class BwdSteps:
                 acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             lse = sLSE[tScS[i][1], stage]
-            # A row that sees no key (or a padding row) has LSE -inf: read it as +inf so that
-            # P = exp2(s - inf) = 0 (and exp2(-inf - inf) = 0 for masked entries), never NaN.
+            # A row that sees no key (or a padding row) must give P = 0, never NaN: the shared
+            # preprocess hands +inf there (exp2(s - inf) = 0, exp2(-inf - inf) = 0 for masked
+            # entries), and a natural-log -inf is read as +inf too.
             lse = Float32.inf if lse == -Float32.inf else lse
             if const_expr(self.SOFTCAP):
                 t = acc_S[i]
