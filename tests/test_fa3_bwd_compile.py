@@ -232,14 +232,16 @@ def test_bwd_variants_can_implement() -> None:
         variant("nope")
 
 
-def test_preprocess_pads_rows_and_keeps_empty_rows() -> None:
+def test_preprocess_pads_rows_and_keeps_empty_rows(device) -> None:
     """LSE in base 2, +inf for rows that see no key and for padding rows (the kernel reads any
-    infinite LSE as P = 0); D = rowsum(dO * O), 0 on padding; strided dO and O."""
+    infinite LSE as P = 0); D = rowsum(dO * O), 0 on padding; strided dO and O. On the device
+    the preprocess's Triton kernel runs on (the interpreter's CPU without a GPU)."""
     from flashsuite.fa3.bwd_host import LOG2E, preprocess
 
     b, nq, hq, d = 2, 70, 3, 64
-    dout, out = torch.randn(b, nq, hq, d), torch.randn(b, hq, nq, d).transpose(1, 2)
-    lse = torch.randn(b, hq, nq)
+    dout = torch.randn(b, nq, hq, d, device=device)
+    out = torch.randn(b, hq, nq, d, device=device).transpose(1, 2)
+    lse = torch.randn(b, hq, nq, device=device)
     lse[0, 1, :5] = float("-inf")
     lse_log2, dsum = preprocess(dout, out, lse, tile_m=64)
     assert lse_log2.shape == dsum.shape == (b, hq, 128)
@@ -298,7 +300,7 @@ def _kernel_contract(key, causal: bool):
         qh, doh = (t.double().transpose(1, 2) for t in (q, dout))  # (B, Hq, Nq, D)
         kh, vh = (t.double().transpose(1, 2).repeat_interleave(g, 1) for t in (k, v))
         s = qh @ kh.transpose(-1, -2) * scale_log2  # (B, Hq, Nq, Nk), base 2
-        s = s.masked_fill(~visibility_mask(nq, nk, causal=causal), float("-inf"))
+        s = s.masked_fill(~visibility_mask(nq, nk, causal=causal).to(s.device), float("-inf"))
         p = torch.exp2(s - lse_log2[:, :, :nq, None].double())  # +inf LSE: P = 0
         ds = p * (doh @ vh.transpose(-1, -2) - dsum[:, :, :nq, None].double()) * scale
         dq = ds @ kh  # (B, Hq, Nq, D)
@@ -317,7 +319,8 @@ def _kernel_contract(key, causal: bool):
             return off
 
         tile = (offsets(rows, rs, tm)[:, None] + offsets(cols, cs, d)[None, :]).flatten()
-        padded = torch.zeros(b, hq, dq_acc.shape[2], d, dtype=torch.float64)
+        tile = tile.to(dq_acc.device)
+        padded = torch.zeros(b, hq, dq_acc.shape[2], d, dtype=torch.float64, device=dq.device)
         padded[:, :, :nq] = dq
         blocks = padded.view(b, hq, -1, tm * d)
         flat = dq_acc.view(b, hq, -1, tm * d)
@@ -335,11 +338,11 @@ def _kernel_contract(key, causal: bool):
         (64, "atomic", True, True, (2, 90, 120, 4, 4, 64)),
     ],
 )
-def test_run_backward_host_path(monkeypatch, tile_m, dq_mode, deterministic, causal, shape):
+def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, deterministic, causal, shape):
     """The host side of the fa3 backward around a stand-in kernel that keeps the compiled one's
     argument contract: preprocess (padding, +inf LSE rows), the accumulator's shape and layout,
     dq_from_tiles, the turn counters' presence. Gradients against autograd of the float64
-    oracle."""
+    oracle; the host path runs on the device the preprocess's Triton kernel runs on."""
     from flashsuite.common.reference import attention_reference
     from flashsuite.fa3 import bwd_host
 
@@ -355,8 +358,8 @@ def test_run_backward_host_path(monkeypatch, tile_m, dq_mode, deterministic, cau
     out, lse = attention_reference(q, k, v, causal=causal, compute_dtype=torch.float64)
     want = torch.autograd.grad(out, (q, k, v), dout)
     scale = d**-0.5
-    args = [t.detach().float() for t in (dout, q, k, v, out)]
-    got = bwd_host.run_backward(key, *args, lse.detach().float(), scale)
+    args = [t.detach().float().to(device) for t in (dout, q, k, v, out)]
+    got = bwd_host.run_backward(key, *args, lse.detach().float().to(device), scale)
     for name, a, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == w.shape and a.is_contiguous(), name
-        torch.testing.assert_close(a.double(), w, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(a.double().cpu(), w, rtol=1e-4, atol=1e-4, msg=name)
