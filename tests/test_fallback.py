@@ -17,6 +17,7 @@ from flashsuite import dispatch
 from flashsuite.common.arch import override_arch
 from flashsuite.common.testing import Case, compare, make_grad_out, make_inputs, reference_pair
 from flashsuite.dispatch import api
+from tests.conftest import DEVICE
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -111,6 +112,8 @@ def test_sdpa_on_a_cpu_is_pytorchs_sdpa(monkeypatch) -> None:
             got, F.scaled_dot_product_attention(q, k, v, **kwargs), rtol=0, atol=0
         )
     assert looked == []
-    with override_arch(90):  # planning for a GPU: selection runs (and picks no kernel here)
-        dispatch.sdpa(q, k, v)
+    # Planning for a GPU: selection runs. On the device the suite's kernels run on (the Triton
+    # interpreter's CPU without a GPU; with one, the GPU: Triton takes no CPU tensors there).
+    with override_arch(90):
+        dispatch.sdpa(*(t.to(DEVICE) for t in (q, k, v)))
     assert looked

@@ -250,16 +250,19 @@ def test_unmodified_sdpa_and_multihead_attention_run_flashsuite(hq, hkv, d, caus
     _check(out, grads, q, k, v, do, causal)
 
     # nn.MultiheadAttention against itself in float64 (the oracle), with PyTorch's own flash
-    # kernel in bf16 as the yardstick (the suite's comparison rule).
+    # kernel in bf16 as the yardstick (the suite's comparison rule). SDPA is restricted to its
+    # flash backend for the bf16 runs: PyTorch's default order on the H200 (torch 2.11) sends
+    # this module's call to another backend, which the plug-in does not replace.
     mha = torch.nn.MultiheadAttention(hq * d, hq, batch_first=True, device="cuda", dtype=BF16)
     x = torch.randn(2, 256, hq * d, generator=gen, device="cuda").to(BF16).requires_grad_(True)
     results = {}
     for tag, module, inp, plugin in (
-        ("pt", mha, x, contextlib.nullcontext()),
+        ("pt", mha, x, None),
         ("ref", copy.deepcopy(mha).double(), x.detach().double().requires_grad_(True), None),
         ("ours", mha, x, dispatch.sdpa_plugin()),
     ):
-        with plugin or contextlib.nullcontext(), torch.profiler.profile() as prof:
+        only = contextlib.nullcontext() if tag == "ref" else sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+        with plugin or contextlib.nullcontext(), only, torch.profiler.profile() as prof:
             y = module(inp, inp, inp, need_weights=False)[0]
             (dx,) = torch.autograd.grad(y.double().square().sum(), (inp,))
         results[tag] = (y, dx)
