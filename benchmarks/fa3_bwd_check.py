@@ -8,7 +8,8 @@
    (common.testing.reference_pair; DESIGN's rule with factor 3 for gradients), and out / lse
    against it too (factor 2: the forward is untouched). D 64 and 128, bf16 and fp16, causal or
    not, GQA / MQA, Nq != Nk both ways, odd lengths (1, 17, 113, 1000), fully masked rows
-   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5). fa2's backward
+   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5), sliding windows
+   (`--match window` runs only those; --match takes any part of a case id). fa2's backward
    error on the same case is recorded beside ours. One line per case; DIR/fa3_bwd.json is
    written before every case and each GPU step runs under a hang watchdog (a barrier bug hangs
    the GPU: the JSON then shows which case was running). --smoke: the first three cases only.
@@ -93,6 +94,22 @@ def correctness_cases() -> list[Case]:
         for causal in (False, True):
             c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=causal, softcap=30.0))
         c.append(Case(1, 113, 17, 2, 1, d, dtype=F16, causal=True, softcap=5.0, tags=("nq>nk",)))
+        # Sliding windows: causal with a left edge (Nq > Nk: empty rows), both edges with
+        # Nk > Nq (keys 0..299 seen by no row: column blocks with no row block write zero
+        # dK / dV), a left edge only, softcap, and a long one (masked blocks on both edges).
+        c.append(Case(2, 1000, 1000, 4, 2, d, dtype=BF16, window_size=(256, 0), tags=("window",)))
+        c.append(Case(1, 300, 700, 2, 2, d, dtype=F16, window_size=(100, 50), tags=("window",)))
+        c.append(
+            Case(1, 700, 300, 4, 1, d, dtype=BF16, causal=True, window_size=(64, -1),
+                 tags=("window",))
+        )  # fmt: skip
+        c.append(Case(1, 513, 513, 2, 2, d, dtype=BF16, window_size=(37, -1), tags=("window",)))
+        c.append(
+            Case(1, 600, 600, 2, 1, d, dtype=BF16, window_size=(200, 30), softcap=30.0,
+                 tags=("window",))
+        )  # fmt: skip
+        long_window = Case(1, 4096, 4096, 4, 4, d, dtype=BF16, window_size=(512, 512))
+        c.append(replace(long_window, tags=("window", "long")))
     return c
 
 
@@ -471,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="folder for fa3_bwd.json")
     ap.add_argument("--smoke", action="store_true", help="the first three correctness cases")
     ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
+    ap.add_argument("--match", default="", help="only the correctness cases whose id has this")
     ap.add_argument(
         "--variant", action="append", default=[], help="a BwdConfig variant by name (repeat)"
     )
@@ -499,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = correctness_cases()
     if args.smoke:
         cases = cases[:3]
+    cases = [c for c in cases if args.match in c.id]
     failures = 0
     for case in cases:
         save(running=case.id)

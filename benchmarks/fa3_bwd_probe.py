@@ -7,6 +7,7 @@
     python -m benchmarks.fa3_bwd_probe --variant bulk   # a named variant (fa3_bwd_variants),
                                                         # bf16, D 64 / 128, causal or not
     python -m benchmarks.fa3_bwd_probe --variant base --softcap   # the softcap builds
+    python -m benchmarks.fa3_bwd_probe --local                    # sliding-window builds
 
 Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
 barriers, the dQ reduction) and ptxas' spill bytes and remarks. benchmarks.fa3_probe sets the
@@ -62,7 +63,9 @@ def cases(everything: bool) -> list[tuple]:
     return picked
 
 
-def probe_backward(head_dim: int, dtype, causal: bool, cfg, softcap: bool = False) -> dict:
+def probe_backward(
+    head_dim: int, dtype, causal: bool, cfg, softcap: bool = False, local: bool = False
+) -> dict:
     """Compile one backward config and return its PTX counts and ptxas facts."""
     from flashsuite.fa3.bwd_host import BwdCompileKey, compile_backward
 
@@ -72,7 +75,7 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg, softcap: bool = Fals
         tvm = True
     except ImportError:
         tvm = False
-    key = BwdCompileKey(dtype, head_dim, causal, cfg, softcap=softcap, tvm_ffi=tvm)
+    key = BwdCompileKey(dtype, head_dim, causal, cfg, local=local, softcap=softcap, tvm_ffi=tvm)
     t0 = time.perf_counter()
     compiled, log = probe._capture_fd2(lambda: compile_backward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -89,6 +92,7 @@ def probe_backward(head_dim: int, dtype, causal: bool, cfg, softcap: bool = Fals
         "dtype": str(dtype).removeprefix("torch."),
         "causal": causal,
         "softcap": softcap,
+        "local": local,
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": counts,
@@ -103,12 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="every dtype, not only the CI set")
     ap.add_argument("--variant", action="append", default=[], help="a named variant (repeat)")
     ap.add_argument("--softcap", action="store_true", help="build with softcap")
+    ap.add_argument("--local", action="store_true", help="build with a sliding window")
     args = ap.parse_args(argv)
     i, n = (int(x) for x in args.shard.split("/"))
     results = []
     todo = variant_cases(args.variant) if args.variant else cases(args.all)
     for d, dt, causal, cfg in todo[i::n]:
-        r = probe_backward(d, dt, causal, cfg, args.softcap)
+        r = probe_backward(d, dt, causal, cfg, args.softcap, args.local)
         results.append(r)
         if not args.json:
             print(

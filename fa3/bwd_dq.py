@@ -111,6 +111,7 @@ class BwdDq:
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
+        win: tuple | None,
     ):
         """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
         threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
@@ -126,7 +127,7 @@ class BwdDq:
         copy's async-proxy writes on both sides."""
         n = self.MMA_THREADS + 32
         lane = cute.arch.lane_idx()
-        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if n_iter > 0:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
             for i in cutlass.range(n_iter, unroll=1):

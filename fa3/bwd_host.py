@@ -25,7 +25,13 @@ from typing import Any
 import torch
 
 from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
-from flashsuite.fa3.compile import cached, check_storage, compile_options, cutlass_dtype
+from flashsuite.fa3.compile import (
+    cached,
+    check_storage,
+    compile_options,
+    cutlass_dtype,
+    kernel_scalars,
+)
 from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 
 LOG2E = math.log2(math.e)
@@ -39,7 +45,7 @@ class BwdCompileKey:
     head_dim: int
     causal: bool
     cfg: BwdConfig
-    local: bool = False  # not implemented by the kernel yet (supports_backward refuses it)
+    local: bool = False  # sliding window (runtime window_left / window_right)
     softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs overlap False
     arch: str = "sm_90a"
     tvm_ffi: bool = True
@@ -89,20 +95,23 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
 
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
-    if key.local:
-        raise ValueError("fa3 backward: sliding window is not implemented")
     import cutlass
     import cutlass.cute as cute
 
     from flashsuite.fa3.bwd_kernel import Fa3Backward
 
-    kernel = Fa3Backward(cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.softcap)
+    kernel = Fa3Backward(
+        cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.softcap, key.local
+    )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     *tensors, sem = _fake_inputs(key)
-    # Trailing optional parameters: the turn counters, then softcap_pre (softcap builds).
+    # Trailing optional parameters: the turn counters, softcap_pre (softcap builds), then
+    # window_left and window_right (local builds).
     extra = () if sem is None else (sem,)
-    if key.softcap:
-        extra = (sem, cutlass.Float32(1.0))
+    if key.softcap or key.local:
+        extra = (sem, cutlass.Float32(1.0) if key.softcap else None)
+    if key.local:
+        extra = (*extra, cutlass.Int32(0), cutlass.Int32(0))
     compiled = cute.compile(
         kernel,
         *tensors,
@@ -147,11 +156,15 @@ def run_backward(
     lse: torch.Tensor,
     scale: float,
     softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D).
-    `softcap` > 0 needs a key built with softcap=True."""
+    `softcap` > 0 needs a key built with softcap=True, a `window` (left, right; -1 unbounded)
+    other than (-1, -1) one built with local=True."""
     if key.softcap != (softcap > 0):
         raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
+    if not key.local and tuple(window) != (-1, -1):
+        raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     b, nq, hq, d = q.shape
     if key.cfg.dq_mode == "warp":  # row blocks in dq_tile_layout order
@@ -168,7 +181,11 @@ def run_backward(
     scale_log2, softcap_pre = scale * LOG2E, None
     if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
         scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre)
+    win = (None, None)
+    if key.local:  # an unbounded side becomes a bound no row reaches; causal is right = 0
+        _, _, left, right = kernel_scalars(scale, 0.0, window, key.causal, q.shape[1], k.shape[1])
+        win = (left, right)
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre, *win)
     if key.cfg.dq_mode == "warp":
         return dq_from_tiles(dq_acc, nq, key.cfg.tile_m, key.cfg.num_mma_wgs, q.dtype), dk, dv
     return dq_acc.to(q.dtype), dk, dv

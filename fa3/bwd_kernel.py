@@ -88,6 +88,7 @@ class Fa3Backward(BwdDq, BwdSteps):
         cfg: BwdConfig,
         causal: bool,
         softcap: bool = False,
+        local: bool = False,
     ) -> None:
         self.dtype = dtype
         self.HEAD_DIM = head_dim
@@ -99,6 +100,10 @@ class Fa3Backward(BwdDq, BwdSteps):
         self.MMA_THREADS = 128 * cfg.num_mma_wgs
         self.NUM_THREADS = 128 + self.MMA_THREADS
         self.CAUSAL = causal
+        # Sliding window (runtime window_left / window_right, as the forward's mask.py): the
+        # right edge bounds the keys a row sees (causal is right == 0), the left edge too.
+        self.LOCAL = local
+        self.HAS_RIGHT = causal or local
         self.DQ_WARP = cfg.dq_mode == "warp"
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
@@ -108,6 +113,10 @@ class Fa3Backward(BwdDq, BwdSteps):
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
         if softcap and cfg.overlap:
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")
+        if local and self.DETERMINISTIC:
+            # The turn counters start each row block at column block 0; under a left window
+            # its first column block is later, and the adds would wait forever.
+            raise ValueError("Fa3Backward: deterministic dQ order is not built for windows")
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
@@ -224,6 +233,8 @@ class Fa3Backward(BwdDq, BwdSteps):
         stream,
         mSem: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: deterministic
         softcap_pre: Float32 | None = None,  # softmax_scale / softcap: softcap builds only
+        window_left: Int32 | None = None,  # local builds: >= 0 (unbounded: a far value)
+        window_right: Int32 | None = None,  # local builds: >= 0, 0 when causal
     ):
         to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
         mQ, mK, mV, mdO, mdK, mdV = (
@@ -275,6 +286,7 @@ class Fa3Backward(BwdDq, BwdSteps):
             scale,
             mSem,
             softcap_pre,
+            (window_left, window_right) if const_expr(self.LOCAL) else None,
         ).launch(
             grid=(mK.shape[2], mK.shape[3], n_blocks)
             if const_expr(self.LPT)
@@ -308,6 +320,7 @@ class Fa3Backward(BwdDq, BwdSteps):
         scale: Float32,
         mSem: cute.Tensor | None,  # (B, Hq, row blocks) int32: dQ turn counters, deterministic
         softcap_pre: Float32 | None,  # softmax_scale / softcap (scale_log2 = softcap * log2 e)
+        win: tuple | None,  # (window_left, window_right) Int32: local builds
     ):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.LPT):
@@ -347,11 +360,12 @@ class Fa3Backward(BwdDq, BwdSteps):
                     group,
                     seqlen_q,
                     seqlen_k,
+                    win,
                 )
             if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 if warp == 1:
                     self.write_dq(
-                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, seqlen_q, seqlen_k
+                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, seqlen_q, seqlen_k, win
                     )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
@@ -376,6 +390,7 @@ class Fa3Backward(BwdDq, BwdSteps):
                 scale,
                 mSem,
                 softcap_pre,
+                win,
             )
 
     def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
@@ -406,18 +421,31 @@ class Fa3Backward(BwdDq, BwdSteps):
         return pipe_kv, pipe_qdo
 
     @cute.jit
-    def row_blocks(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, group: Int32):
+    def row_blocks(
+        self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, group: Int32, win: tuple | None
+    ):
         """(m_block_min, n_m, n_iter): the row blocks [m_block_min, m_block_min + n_m) with a
         row that sees a key of n_block, and n_iter = n_m * group steps over the query heads.
+        Row i sees key j iff i + shift - left <= j <= i + shift + right (shift = seqlen_k -
+        seqlen_q; causal: right = 0; `win` = (left, right) in local builds).
 
         Called inside each role's branch, after setmaxnreg: values computed in the kernel's
         top region live through the register reallocation and ptxas spilled one there."""
         m_block_max = (seqlen_q + self.TILE_M - 1) // self.TILE_M
         m_block_min = Int32(0)
-        if const_expr(self.CAUSAL):
+        shift = seqlen_k - seqlen_q
+        if const_expr(self.LOCAL):
+            window_left, window_right = win
+            # The first row that sees the block's first key, the last that sees its last key.
+            first_row = cutlass.max(n_block * self.TILE_N - shift - window_right, 0)
+            last_key = cutlass.min((n_block + 1) * self.TILE_N, seqlen_k) - 1
+            row_end = cutlass.max(last_key - shift + window_left + 1, 0)  # past the last row
+            m_block_max = cutlass.min(m_block_max, (row_end + self.TILE_M - 1) // self.TILE_M)
+            m_block_min = cutlass.min(first_row // self.TILE_M, m_block_max)
+        elif const_expr(self.CAUSAL):
             # Row i sees key j iff i >= j - (seqlen_k - seqlen_q): the first row that sees the
             # block's first key.
-            first_row = cutlass.max(n_block * self.TILE_N - (seqlen_k - seqlen_q), 0)
+            first_row = cutlass.max(n_block * self.TILE_N - shift, 0)
             m_block_min = cutlass.min(first_row // self.TILE_M, m_block_max)
         n_m = m_block_max - m_block_min
         return m_block_min, n_m, n_m * group
@@ -446,13 +474,14 @@ class Fa3Backward(BwdDq, BwdSteps):
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
+        win: tuple | None,
     ):
         """Producer warp: K and V once, then Q, dO, LSE, D of row block i = 0 .. n_iter - 1
         (query head head_kv * group + i // n_m, row block m_block_min + i % n_m)."""
         tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum = tmas
         sQ, sdO, sK, sV, sLSE, sD = smem
         one = cute.make_layout(1)
-        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if n_iter > 0:  # a CTA without row blocks loads nothing (no TMA in flight at exit)
             gK = cute.local_tile(
                 tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
@@ -532,10 +561,11 @@ class Fa3Backward(BwdDq, BwdSteps):
         scale: Float32,
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
+        win: tuple | None,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
-        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group)
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
         thr_dkv = mma_dkv.get_slice(mtid)
@@ -594,15 +624,22 @@ class Fa3Backward(BwdDq, BwdSteps):
             pipe_kv.consumer_wait(kv_state)
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ST)
             shift = seqlen_k - seqlen_q
-            # Key columns of this block that some row may not see: past seqlen_k, or (causal)
-            # above the diagonal of rows below first_free_row.
+            # Key columns of this block that some row may not see: past seqlen_k, or (causal /
+            # window) right of the diagonal of rows below first_free_row, or (window) left of
+            # the window of rows above last_free_row.
             key_tail = (n_block + 1) * TN > seqlen_k
-            first_free_row = (n_block + 1) * TN - 1 - shift  # rows >= this see every key
+            right_edge = 0  # the window's right edge: 0 when causal
+            if const_expr(self.LOCAL):
+                right_edge = win[1]
+            first_free_row = (n_block + 1) * TN - 1 - shift - right_edge  # rows >= see all
             for i in cutlass.range(n_iter, unroll=1):
                 head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
                 masked = key_tail
-                if const_expr(self.CAUSAL):
+                if const_expr(self.HAS_RIGHT):
                     masked = masked | (m_block * TM < first_free_row)
+                if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
+                    last_free_row = n_block * TN - shift + win[0]
+                    masked = masked | ((m_block + 1) * TM - 1 > last_free_row)
                 s = state.index
                 ds_i = 0  # the sdS buffer of this row block
                 if const_expr(self.DS_STAGES > 1):
@@ -610,7 +647,18 @@ class Fa3Backward(BwdDq, BwdSteps):
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
-                probs_args = (tScS, sLSE, s, masked, n_block, m_block, seqlen_k, shift, scale_log2)
+                probs_args = (
+                    tScS,
+                    sLSE,
+                    s,
+                    masked,
+                    n_block,
+                    m_block,
+                    seqlen_k,
+                    shift,
+                    scale_log2,
+                    win,
+                )
                 if const_expr(self.OVERLAP):
                     # P^T while dP^T's wgmma runs, then dS^T.
                     warpgroup.wait_group(1)

@@ -1,7 +1,7 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, dtype, CAUSAL and SOFTCAP."""
+TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL and SOFTCAP."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -49,6 +49,7 @@ class BwdSteps:
         seqlen_k: Int32,
         shift: Int32,
         scale_log2: Float32,
+        win: tuple | None,
         ds: tuple | None = None,
         softcap_pre: Float32 | None = None,
     ):
@@ -65,14 +66,22 @@ class BwdSteps:
                 acc_S[i] = cute.math.tanh(acc_S[i] * softcap_pre, fastmath=True)
         if masked:
             # In tile coordinates: key k of row r is hidden iff k >= key_end (past seqlen_k) or
-            # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end).
+            # (causal) k > r + diag, i.e. k >= min(r + diag + 1, key_end); with a window
+            # (win = (left, right)) iff k > r + diag + right or k < r + diag - left.
             key_end = seqlen_k - n_block * self.TILE_N
             diag = m_block * self.TILE_M + shift - n_block * self.TILE_N
+            if const_expr(self.LOCAL):
+                hi, lo = diag + win[1] + 1, diag - win[0]
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 limit = key_end
-                if const_expr(self.CAUSAL):
-                    limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
-                acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
+                if const_expr(self.LOCAL):
+                    limit = cutlass.min(tScS[i][1] + hi, key_end)
+                    hidden = (tScS[i][0] >= limit) | (tScS[i][0] < tScS[i][1] + lo)
+                    acc_S[i] = -Float32.inf if hidden else acc_S[i]
+                else:
+                    if const_expr(self.CAUSAL):
+                        limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
+                    acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
             lse = sLSE[tScS[i][1], stage]
             # A row that sees no key (or a padding row) must give P = 0, never NaN: the shared

@@ -271,12 +271,12 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, reason
     if p.is_fp8:
         return False, "fa3 backward: float8 is forward-only"
-    if p.is_local:
-        return False, "fa3 backward: sliding window not implemented yet"
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
     cfg = _bwd_config(p, None)
+    if p.is_local and cfg.deterministic:
+        return False, "fa3 backward: the deterministic dQ order is not built for sliding windows"
     n_blocks = -(-p.seqlen_k // cfg.tile_n)
     yz = (p.batch, n_blocks) if cfg.lpt else (p.heads_kv, p.batch)  # grid dims y and z
     if n_blocks > 2**31 - 1 or max(yz) > _MAX_GRID_YZ:
@@ -341,10 +341,17 @@ def backward(
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
     if ok and p.softcap > 0 and cfg.overlap:
         ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
+    if ok and p.is_local and cfg.deterministic:
+        ok, reason = False, "the deterministic dQ order is not built for sliding windows"
     if not ok:
         raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
     key = BwdCompileKey(
-        dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, cfg=cfg, softcap=p.softcap > 0
+        dtype=p.dtype,
+        head_dim=p.head_dim,
+        causal=p.causal,
+        cfg=cfg,
+        local=p.is_local,
+        softcap=p.softcap > 0,
     )
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
@@ -352,7 +359,8 @@ def backward(
     dout = _tma_ready(dout)
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out, lse = out.contiguous(), lse.contiguous()
-    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap)
+    window = (p.window_left, p.window_right) if p.is_local else (-1, -1)
+    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap, window)
 
 
 def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:

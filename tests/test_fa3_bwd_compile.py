@@ -89,6 +89,13 @@ def softcap_probes(tmp_path_factory) -> list[dict]:
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_softcap"), runs)
 
 
+@pytest.fixture(scope="module")
+def local_probes(tmp_path_factory) -> list[dict]:
+    """The sliding-window builds of the shipped configs at (D 64, full) and (D 128, causal)."""
+    runs = [["--local", "--shard", "0/3"]]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_local"), runs)
+
+
 @pytest.mark.parametrize("case", bwd_shipped_configs(), ids=lambda c: f"D{c[0]}-{c[1]}-{c[2]}")
 def test_bwd_config_can_implement(case) -> None:
     d, dt, _, cfg = case
@@ -182,6 +189,40 @@ def test_bwd_softcap_compiles(softcap_probes) -> None:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_local_compiles(local_probes) -> None:
+    """The window's bounds (row-block range, masked-block test, per-element edges) cost no
+    wgmma, spill or serialisation: the same GEMMs and dQ route as the shipped builds."""
+    assert {(r["head_dim"], r["causal"]) for r in local_probes} == {(64, False), (128, True)}
+    for r in local_probes:
+        ptx, d, cfg, where = r["ptx"], r["head_dim"], r["config"], _id(r) + "-local"
+        assert r["local"], where
+        expected = 2 * d // 16 + 2 * cfg["tile_m"] // 16 + cfg["tile_n"] // 16 * cfg["tile_m"] // 64
+        assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
+        assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+        assert ptx["setmaxnreg"] == 2 and ptx["tma_load"] >= 6, f"{where}: {ptx}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_local_refuses_deterministic() -> None:
+    """A window under the deterministic flag goes to fa2's backward, with the reason: the turn
+    counters start every row block at column block 0."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+
+    q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16)
+    p = check_inputs(q, q, q, window_size=(32, 0))
+    assert interface.supports_backward(p, 90)[0], interface.supports_backward(p, 90)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ok, reason = interface.supports_backward(p, 90)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert not ok and "sliding window" in reason, reason
 
 
 def test_bwd_deterministic_config_follows_torch_flag() -> None:
@@ -292,8 +333,10 @@ def _kernel_contract(key, causal: bool):
     from flashsuite.common.reference import visibility_mask
     from flashsuite.fa3.configs import dq_tile_modes
 
-    def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre):
+    def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
+            window_left, window_right):  # fmt: skip
         assert softcap_pre is None and (sem is None) == (not key.cfg.deterministic)
+        assert window_left is None and window_right is None
         b, nq, hq, d = q.shape
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
