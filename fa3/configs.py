@@ -293,12 +293,17 @@ def config_for(p: AttnParams) -> Fa3Config:
 VARLEN_AUTO = False
 
 
-def varlen_config_for(p: AttnParams) -> Fa3Config:
+def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     """The tile config of packed sequences: the dense table's tiles for (head_dim, dtype,
     causal) on the plain grid (one tile per CTA; varlen.py's virtual-block grid). The persistent
     scheduler's order and tile overlap assume one length for every (batch, head)."""
-    cfg = get_config(p.head_dim, p.dtype, p.causal)
+    cfg = get_config(head_dim, dtype, causal)
     return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
+
+
+def varlen_config_for(p: AttnParams) -> Fa3Config:
+    """`varlen_config` of problem `p` (p.attn of the packed problem)."""
+    return varlen_config(p.head_dim, p.dtype, p.causal)
 
 
 def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]:
