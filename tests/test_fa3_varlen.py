@@ -14,12 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +24,8 @@ from flashsuite.common.reference import attention_reference
 from flashsuite.common.testing import compare
 from flashsuite.common.validation import check_varlen_inputs
 from flashsuite.dispatch import registry
-from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run
+from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run, run_fa3_probe
 
-ROOT = Path(__file__).resolve().parents[1]
 F16, BF16 = torch.float16, torch.bfloat16
 HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
 needs_dsl = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
@@ -73,25 +66,8 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict]:
-    """`python -m benchmarks.fa3_probe --varlen` in two processes (the DSL reads CUTE_DSL_* at
-    import, so compiling happens outside this interpreter)."""
-    out = tmp_path_factory.mktemp("fa3_varlen_probe")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
-
-    def run(i: int) -> list[dict]:
-        path = out / f"shard{i}.json"
-        cmd = [sys.executable, "-m", "benchmarks.fa3_probe", "--varlen", "--shard", f"{i}/2"]
-        cmd += ["--json", str(path)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
-        return json.loads(path.read_text())
-
-    with ThreadPoolExecutor(2) as pool:
-        results = [r for shard in pool.map(run, range(2)) for r in shard]
-    return {
-        f"{r['name']}-D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}": r
-        for r in results
-    }
+    """`python -m benchmarks.fa3_probe --varlen` in two processes."""
+    return run_fa3_probe(tmp_path_factory.mktemp("fa3_varlen_probe"), "--varlen")
 
 
 @needs_dsl
