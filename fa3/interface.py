@@ -383,8 +383,10 @@ def supports_varlen(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
         return False, reason
     if p.dtype not in DTYPES:
         return False, f"fa3 varlen: dtype {_dt(p.dtype)} not in (float16, bfloat16)"
-    if max(vp.total_q, vp.total_k) >= 2**30:
-        return False, "fa3 varlen: token totals must be < 2^30 (32-bit ragged TMA coordinates)"
+    if max(vp.total_q, vp.total_k) >= 2**29:
+        # Window bounds reach total_q + total_k + 1 (an unbounded side) and are added to row and
+        # shift in 32 bits; the ragged TMA coordinates stay below 2^30 + TILE_M.
+        return False, "fa3 varlen: token totals must be < 2^29 (32-bit coordinates and bounds)"
     if p.heads_q * vp.total_q >= 2**31:
         return False, "fa3 varlen: heads_q x total_q must be < 2^31 (32-bit LSE offsets)"
     cfg = varlen_config_for(p)
@@ -431,6 +433,7 @@ def varlen_forward(
         lse.fill_(float("-inf"))
         return out, lse
     q, k, v = (_tma_ready(t[None])[0] for t in (q, k, v))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     fn, scalars = _launch_plan(p, cfg, q.device, vp)
     fn(q, k, v, out, lse, None, None, None, cu_seqlens_q, cu_seqlens_k, *scalars)
     return out, lse
