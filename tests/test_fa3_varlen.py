@@ -397,14 +397,15 @@ def test_gpu_one_binary_for_every_batch_composition() -> None:
         return {k for k in fa3_compile._cache if getattr(k, "varlen", False)}
 
     gen = torch.Generator().manual_seed(3)
-    before = None
+    start, before = varlen_keys(), None
     for b in (1, 3, 17, 40):
         lens = torch.randint(0, 300, (b,), generator=gen).tolist()
         q, k, v, cq, ck = (t.cuda() for t in _packed(lens, lens, 4, 2, 128, BF16, seed=b))
         dispatch.attention_varlen(q, k, v, cq, ck, 300, 300, causal=True, version="fa3")
         if before is None:
-            before = varlen_keys()
-        assert varlen_keys() == before and len(before) == 1
+            before = varlen_keys()  # this problem's binary (and any earlier tests' others)
+            assert len(before - start) <= 1
+        assert varlen_keys() == before, f"batch of {b}: a new varlen binary was compiled"
 
 
 @pytest.mark.gpu
