@@ -1,6 +1,7 @@
 """GPU benchmark of the inference entry points (H200): split-KV decode and varlen prefill.
 
     python benchmarks/decode_bench.py --out DIR [--quick]
+    python benchmarks/decode_bench.py --out DIR --varlen     # the varlen forward peers only
 
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
@@ -16,6 +17,12 @@ Varlen prefill: packed sequences of random lengths (mean 2k, 64k tokens in all),
 D = 128, bf16, causal and not, forward and backward, against the dense kernel of the same
 version on B = 32 x N = 2048 (the same total tokens). TFLOP/s counts the visible pairs of
 each sequence (common.flops).
+
+Varlen forward peers (`varlen_peers`, also part of the full run): the same packed batch (mean
+2k, 64k tokens, H = 16, D = 128, bf16, causal and not), forward only, through fa3's varlen
+kernel and fa2's, against dense attention over the same total tokens (B = 32 x N = 2048) by
+fa3 and by PyTorch SDPA's cuDNN backend; TFLOP/s of the visible pairs and tokens per second
+of each.
 
 Writes DIR/decode_bench.json and prints a table last. Runs in about 2-3 minutes.
 """
@@ -189,6 +196,52 @@ def varlen_prefill(version: str) -> list[dict]:
     return rows
 
 
+def varlen_peers() -> list[dict]:
+    """Forward only: fa3 varlen, fa2 varlen, fa3 dense and SDPA cuDNN dense on 64k tokens."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    total, heads = 65536, 16
+    lens = _mixed_lengths(total, 2048, torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(total, heads, D, device="cuda").to(DTYPE) for _ in range(3))
+    dense = [t.view(32, 2048, heads, D) for t in (q, k, v)]  # (B, N, H, D)
+    dense_t = [t.transpose(1, 2) for t in dense]  # (B, H, N, D) for SDPA
+    rows = []
+    for causal in (False, True):
+
+        def packed(version: str, causal=causal):
+            return lambda: dispatch.attention_varlen(
+                q, k, v, cu, cu, max(lens), max(lens), causal=causal, version=version
+            )
+
+        def cudnn(causal=causal):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(*dense_t, is_causal=causal)
+
+        flops = sum(attention_flops(1, heads, n, n, D, causal=causal) for n in lens)
+        dense_flops = attention_flops(32, heads, 2048, 2048, D, causal=causal)
+        row = dict(causal=causal, sequences=len(lens), max_len=max(lens), tokens=total)
+        for name, fn, fl in (
+            ("fa3_varlen", packed("fa3"), flops),
+            ("fa2_varlen", packed("fa2"), flops),
+            ("fa3_dense", lambda c=causal: dispatch.attention(*dense, causal=c, version="fa3"),
+             dense_flops),
+            ("cudnn_dense", cudnn, dense_flops),
+        ):  # fmt: skip
+            try:
+                with torch.no_grad():
+                    ms = time_ms(fn)
+            except Exception as e:  # a peer that cannot run here: recorded, not fatal
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+                continue
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = fl / (ms * 1e-3) / 1e12
+            row[f"{name}_mtok_s"] = total / (ms * 1e-3) / 1e6
+        rows.append(row)
+        print(f"varlen peers causal={causal}: {row}", file=sys.stderr, flush=True)
+    return rows
+
+
 def _fmt(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -197,16 +250,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--quick", action="store_true", help="first three decode points only")
+    ap.add_argument("--varlen", action="store_true", help="the varlen forward peers only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_bench needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    result["decode"] = decode_sweep(args.quick)
-    result["varlen"] = varlen_prefill("fa2")
+    if not args.varlen:
+        result["decode"] = decode_sweep(args.quick)
+        result["varlen"] = varlen_prefill("fa2")
+    result["varlen_peers"] = varlen_peers()
     result["seconds"] = time.time() - start
     (args.out / "decode_bench.json").write_text(json.dumps(result, indent=2))
+    _print_varlen_peers(result["varlen_peers"])
+    if args.varlen:
+        print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
+        return
     print(
         f"\ndecode, Nq=1, GQA {HQ}/{HKV}, D={D}, bf16, CUDA-graph replay (ms | K/V TB/s); "
         f"paged = {PAGE}-token pages"
@@ -228,6 +288,18 @@ def main() -> None:
             f"({r['bwd_ratio']:.2f}x)"
         )
     print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
+
+
+def _print_varlen_peers(rows: list[dict]) -> None:
+    print("\nvarlen forward, 64k tokens, mean 2k, H=16, D=128, bf16: TFLOP/s | M tokens/s")
+    names = ("fa3_varlen", "fa2_varlen", "fa3_dense", "cudnn_dense")
+    print(f"{'causal':>6} | " + " | ".join(f"{n:>17}" for n in names))
+    for r in rows:
+        cells = [
+            f"{r[n + '_tflops']:.0f} | {r[n + '_mtok_s']:.0f}" if n + "_ms" in r else "error"
+            for n in names
+        ]
+        print(f"{int(r['causal']):>6} | " + " | ".join(f"{c:>17}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -365,7 +365,7 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count  # persistent grid
     timings = {
         "fa3_fp8": lambda: interface.forward(q, k, v, p8, *ds, cfg=cfg),  # with the Vᵀ copy
-        "fa3_fp8_kernel": lambda: kern(q, k, vt, out, lse, *ds, *sc, sms),  # kernel alone
+        "fa3_fp8_kernel": lambda: kern(q, k, vt, out, lse, *ds, None, None, *sc, sms),
     }
     if peers:
         timings["vt_copy"] = lambda: interface.transpose_v(v)

@@ -4,6 +4,7 @@
     python -m benchmarks.fa3_probe --json out.json    # the same, as JSON
     python -m benchmarks.fa3_probe --shard 0/2        # every other config (CI runs 2 at once)
     python -m benchmarks.fa3_probe --variants         # shipped configs + fa3_variants.flag_variants
+    python -m benchmarks.fa3_probe --varlen           # the packed-sequence (varlen) builds only
 
 Per config: instruction counts in the PTX (wgmma, TMA, setmaxnreg, named barriers, stmatrix)
 and ptxas' registers, spill bytes and performance remarks (C75xx: C7512 means every wgmma got
@@ -43,6 +44,7 @@ PTX_PATTERNS = {
     "bulk_wait_read": r"cp\.async\.bulk\.wait_group\.read",
     "stmatrix": r"stmatrix",
     "ex2": r"ex2\.approx",
+    "vote_ballot": r"vote\.sync\.ballot",  # varlen: the virtual block's sequence (fa3/varlen.py)
     "mbarrier_try_wait": r"mbarrier\.try_wait",
 }
 
@@ -84,7 +86,15 @@ def _capture_fd2(fn):
     return value, text
 
 
-def probe_one(head_dim: int, dtype: Any, causal: bool, cfg: Any, local: bool = False) -> dict:
+def probe_one(
+    head_dim: int,
+    dtype: Any,
+    causal: bool,
+    cfg: Any,
+    local: bool = False,
+    softcap: bool = False,
+    varlen: bool = False,
+) -> dict:
     """Compile one config and return its PTX counts and ptxas facts."""
     from flashsuite.fa3.compile import CompileKey, compile_forward
 
@@ -94,7 +104,7 @@ def probe_one(head_dim: int, dtype: Any, causal: bool, cfg: Any, local: bool = F
         tvm = True
     except ImportError:
         tvm = False
-    key = CompileKey(dtype, head_dim, causal, local, False, cfg, tvm_ffi=tvm)
+    key = CompileKey(dtype, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm, varlen=varlen)
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_forward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -103,6 +113,8 @@ def probe_one(head_dim: int, dtype: Any, causal: bool, cfg: Any, local: bool = F
         "dtype": str(dtype).removeprefix("torch."),
         "causal": causal,
         "local": local,
+        "softcap": softcap,
+        "varlen": varlen,
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx_chars": len(ptx),
@@ -119,19 +131,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--variants", action="store_true", help="also the non-default flag variants (CI does)"
     )
+    ap.add_argument(
+        "--varlen", action="store_true", help="only the varlen builds (fa3_variants.varlen_cases)"
+    )
     args = ap.parse_args(argv)
 
-    from benchmarks.fa3_variants import flag_variants
+    from benchmarks.fa3_variants import flag_variants, varlen_cases
     from flashsuite.fa3.configs import shipped_cases
 
     i, n = (int(x) for x in args.shard.split("/"))
-    cases = shipped_cases()
+    cases = [(*c, False, False, False) for c in shipped_cases()]
     if args.variants:
-        cases += flag_variants()
+        cases += [(*c, False, False, False) for c in flag_variants()]
+    if args.varlen:
+        cases = [(*c, True) for c in varlen_cases()]
     todo = [c for c in cases if not args.head_dim or c[1] in args.head_dim][i::n]
     results = []
-    for name, d, dt, causal, cfg in todo:
-        r = {"name": name, **probe_one(d, dt, causal, cfg)}
+    for name, d, dt, causal, cfg, local, softcap, varlen in todo:
+        r = {"name": name, **probe_one(d, dt, causal, cfg, local, softcap, varlen)}
         results.append(r)
         if not args.json:
             print(

@@ -3,8 +3,9 @@
 Catalogues only: `fa3_ablate` times `ablation_configs`, `final_variants` and
 `persistent_variants` on the H200, `fa3_probe --variants` (and tests/test_fa3_compile.py)
 compiles `flag_variants` for sm_90a so every barrier protocol of the kernel is built, and
-`fa3_fp8_check --ablate` times `fp8_variants`. The shipped tables live in
-flashsuite.fa3.configs.
+`fa3_fp8_check --ablate` times `fp8_variants`; `fa3_probe --varlen` (and
+tests/test_fa3_varlen.py) compiles the packed-sequence builds of `varlen_cases`. The shipped
+tables live in flashsuite.fa3.configs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from flashsuite.fa3.configs import (
     FP8_CAUSAL_CONFIGS,
     FP8_CONFIGS,
     FP8_DTYPE,
+    HEAD_DIMS,
     Fa3Config,
     _overlap,
     _tiles,
     can_implement,
     get_config,
+    varlen_config,
 )
 
 
@@ -128,6 +131,20 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             _overlap(replace(d128c, intra_wg_overlap=False)),
         ),
     ]
+
+
+def varlen_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config, bool, bool]]:
+    """(name, head_dim, dtype, causal, config, local, softcap) of the varlen builds CI
+    compiles: every head_dim, causal and not, in bf16 (configs.varlen_config's tiles), and
+    fp16 causal with a window and softcap (the mask and score paths those flags add)."""
+    bf, f16 = torch.bfloat16, torch.float16
+    out = [
+        ("varlen", d, bf, causal, varlen_config(d, bf, causal), False, False)
+        for d in HEAD_DIMS
+        for causal in (False, True)
+    ]
+    out.append(("varlen-window-softcap", 128, f16, True, varlen_config(128, f16, True), True, True))
+    return out
 
 
 def _plain(cfg: Fa3Config) -> Fa3Config:

@@ -67,7 +67,7 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         key = fa3_compile.CompileKey(
             bf16, head_dim, causal, False, False, get_config(head_dim, bf16, causal)
         )
-        args = (q, q, q, q.clone(), lse, None, None, None, 1.0, 1.0, 0, 0, 1)
+        args = (q, q, q, q.clone(), lse, *(None,) * 5, 1.0, 1.0, 0, 0, 1)  # no descales/cu_seqlens
     elif step == "bwd":
         from flashsuite.fa3 import bwd_host
         from flashsuite.fa3.configs import bwd_config_for
@@ -86,7 +86,7 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         q8 = torch.zeros(1, 128, 1, head_dim, dtype=FP8_DTYPE)
         vt = torch.zeros(1, 1, head_dim, 128, dtype=FP8_DTYPE)  # (B, Hkv, D, Nk)
         ds = torch.ones(1, 1)
-        args = (q8, q8, vt, q.clone(), lse, ds, ds, ds, 1.0, 1.0, 0, 0, 1)
+        args = (q8, q8, vt, q.clone(), lse, ds, ds, ds, None, None, 1.0, 1.0, 0, 0, 1)
     original = getattr(mod, name)
     setattr(mod, name, counting(original))
     try:

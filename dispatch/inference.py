@@ -4,13 +4,17 @@ with flash-attn's argument names, and their select/explain.
 
 Selection works as for `attention` (dispatch/api.py): the candidates of `auto_order(arch)`,
 each asked through its `supports_varlen` / `supports_kvcache`; a version without that entry
-point answers no. An explicit `version=` never falls back. Design: docs/inference.md.
+point answers no, and auto passes by a version whose `VARLEN_AUTO_SELECT` is False (its varlen
+path runs only when asked for by name). A version without a varlen backward of its own is
+differentiated by its partner's (`registry.BACKWARD_PARTNER`) on the saved tensors. An
+explicit `version=` never falls back. Design: docs/inference.md.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -29,6 +33,17 @@ from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_cho
 _ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
 
 
+def _varlen_backward_source(name: str) -> str | None:
+    """The version whose varlen backward differentiates `name`'s varlen forward: its own, else
+    its partner's where that is available (None: no varlen backward)."""
+    if hasattr(registry.module(name), "varlen_backward"):
+        return name
+    partner = registry.BACKWARD_PARTNER.get(name)
+    if partner is None or not registry.available(partner)[0]:
+        return None
+    return partner if hasattr(registry.module(partner), "varlen_backward") else None
+
+
 def _check(kind: str, name: str, params, arch: int | None, needs_grad: bool) -> tuple[bool, str]:
     ok, reason = registry.available(name)
     if not ok:
@@ -38,9 +53,21 @@ def _check(kind: str, name: str, params, arch: int | None, needs_grad: bool) -> 
     if supports is None:
         return False, f"{name}: no {_ENTRY[kind]} path"
     ok, reason = supports(params, arch)
-    if ok and needs_grad and not hasattr(mod, f"{kind}_backward"):
+    if not ok or not needs_grad:
+        return ok, reason
+    if kind == "kvcache" or _varlen_backward_source(name) is None:
         return False, f"{name}: no {_ENTRY[kind]} backward (inputs require grad)"
     return ok, reason
+
+
+def _auto_refusal(kind: str, name: str) -> str | None:
+    """Why auto selection passes by `name` for this entry point although it could run it."""
+    if kind == "varlen" and not getattr(registry.module(name), "VARLEN_AUTO_SELECT", True):
+        return (
+            f"{name}: varlen kernel not in auto selection yet (not verified on a GPU; "
+            f"version='{name}' runs it)"
+        )
+    return None
 
 
 def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
@@ -48,7 +75,7 @@ def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
     requested = version
     if version == "auto":
         requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
-    bwd = (lambda n: n) if needs_grad else (lambda n: None)
+    bwd = _varlen_backward_source if needs_grad else (lambda n: None)
     if requested != "auto":
         registry.check_name(requested)
         ok, reason = _check(kind, requested, params, arch, needs_grad)
@@ -64,6 +91,9 @@ def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
         if name == fallback.NAME:  # PyTorch's SDPA has no packed or KV-cache entry point here
             continue
         ok, reason = _check(kind, name, params, arch, needs_grad)
+        if ok:
+            refusal = _auto_refusal(kind, name)
+            ok, reason = (False, refusal) if refusal else (ok, reason)
         reasons.append(f"{name}: {'yes' if ok else 'no'} - {reason}")
         if ok:
             return Choice(name, bwd(name), arch, tuple(reasons), params)
@@ -87,7 +117,16 @@ def _resolve(kind: str, version: str, key: tuple, extra: tuple, needs_grad: bool
 @functools.cache
 def _op(kind: str, name: str):
     mod = registry.module(name)
-    return VarlenOp(name, mod) if kind == "varlen" else define_kvcache_op(name, mod)
+    if kind == "kvcache":
+        return define_kvcache_op(name, mod)
+    source = _varlen_backward_source(name)
+    if source is not None and source != name:
+        # The forward's module with the partner's varlen backward (same saved tensors).
+        mod = SimpleNamespace(
+            varlen_forward=mod.varlen_forward,
+            varlen_backward=registry.module(source).varlen_backward,
+        )
+    return VarlenOp(name, mod)
 
 
 def _extra(params) -> tuple:

@@ -2,8 +2,9 @@
 
 The key (`CompileKey`) holds only what changes the generated code: the input dtype (fp16,
 bf16, or float8_e4m3fn: the fp8 branch of the same kernel class), head_dim, the mask and score
-flags and the tile config. Batch, sequence lengths, head counts and strides are symbolic in the
-fake tensors the kernel is compiled from, so new shapes never recompile. The binary is built
+flags, packed sequences (varlen) on or off, and the tile config. Batch, sequence lengths, token
+totals, head counts and strides are symbolic in the fake tensors the kernel is compiled from, so
+new shapes (and, with varlen, new batch compositions) never recompile. The binary is built
 with `--enable-tvm-ffi`: it takes torch tensors directly and launches on torch's current
 stream.
 
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 
 from flashsuite.fa3 import disk_cache
-from flashsuite.fa3.configs import FP8_DTYPE, SMEM_CAPACITY, Fa3Config, can_implement, smem_bytes
+from flashsuite.fa3.configs import (
+    FP8_DTYPE,
+    SMEM_CAPACITY,
+    Fa3Config,
+    can_implement,
+    can_implement_varlen,
+    smem_bytes,
+)
 
 
 def cutlass_dtype(dtype: torch.dtype) -> Any:
@@ -53,6 +61,9 @@ class CompileKey:
     cfg: Fa3Config
     arch: str = "sm_90a"
     tvm_ffi: bool = True
+    # Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D), out (total_q, Hq, D), lse
+    # (Hq, total_q) and cu_seqlens_q/k (B + 1,) int32 (16-bit inputs, plain grid).
+    varlen: bool = False
 
 
 _cache: dict[Any, Any] = {}  # static key (CompileKey, bwd_host.BwdCompileKey) -> executor
@@ -91,10 +102,41 @@ def cached(key: Any, build: Any) -> Any:
     return fn
 
 
+def _fake_varlen_inputs(key: CompileKey) -> tuple:
+    """Fake packed q, k, v, out, lse, three None descales and cu_seqlens_q/k: symbolic totals,
+    batch and heads, 16-byte-aligned 64-bit symbolic strides (the ragged views move the base
+    pointer back 2^30 rows: fa3/varlen.py)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(key.dtype)
+    d = key.head_dim
+    tq, tk, hq, hkv, b1 = (cute.sym_int() for _ in range(5))
+    elems_16b = 16 // (dt.width // 8)
+
+    def strided(shape: tuple) -> Any:  # (tokens, heads, D), last dim contiguous
+        stride = (*(cute.sym_int64(divisibility=elems_16b) for _ in range(2)), 1)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    q, k, v = strided((tq, hq, d)), strided((tk, hkv, d)), strided((tk, hkv, d))
+    o = strided((tq, hq, d))  # (total_q, Hq, D), allocated by us (contiguous, or a test's view)
+    lse = cute.runtime.make_fake_compact_tensor(
+        cutlass.Float32, (hq, tq), stride_order=(1, 0), assumed_align=4
+    )  # (Hq, total_q)
+    cu_q, cu_k = (
+        cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b1,), assumed_align=4)
+        for _ in range(2)
+    )  # (B + 1,) each
+    return (q, k, v, o, lse, None, None, None, cu_q, cu_k)
+
+
 def _fake_inputs(key: CompileKey) -> tuple:
-    """Fake q, k, v, out, lse and the three descales (None for 16-bit inputs), with symbolic
-    sizes and 16-byte-aligned symbolic strides. fp8: v is Vᵀ (B, Hkv, D, Nk), out is bf16 and
-    the descales are (B, Hkv) fp32."""
+    """Fake q, k, v, out, lse, the three descales (None for 16-bit inputs) and the two
+    cu_seqlens (None: dense), with symbolic sizes and 16-byte-aligned symbolic strides. fp8: v
+    is Vᵀ (B, Hkv, D, Nk), out is bf16 and the descales are (B, Hkv) fp32. varlen: packed
+    tensors (`_fake_varlen_inputs`)."""
+    if key.varlen:
+        return _fake_varlen_inputs(key)
     import cutlass
     import cutlass.cute as cute
 
@@ -125,16 +167,17 @@ def _fake_inputs(key: CompileKey) -> tuple:
             )  # (B, Hkv)
             for _ in range(3)
         )
-    return (q, k, v, o, lse, *descales)
+    return (q, k, v, o, lse, *descales, None, None)
 
 
 def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     """Build one forward binary (no cache). `extra_options` are appended to cute.compile's.
 
-    The binary takes (q, k, v, out, lse, descale_q, descale_k, descale_v, scale_log2,
-    softcap_pre, window_left, window_right, max_ctas): for fp8 v is Vᵀ
-    (`interface.transpose_v`) and the descales are (B, Hkv) fp32 tensors; for 16-bit inputs
-    they are None.
+    The binary takes (q, k, v, out, lse, descale_q, descale_k, descale_v, cu_seqlens_q,
+    cu_seqlens_k, scale_log2, softcap_pre, window_left, window_right, max_ctas): for fp8 v is
+    Vᵀ (`interface.transpose_v`) and the descales are (B, Hkv) fp32 tensors; for 16-bit inputs
+    they are None. The cu_seqlens are (B + 1,) int32 with `key.varlen` (packed q, k, v, out
+    and a (Hq, total_q) lse), None otherwise.
     """
     import cutlass
     import cutlass.cute as cute
@@ -145,8 +188,18 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     if not ok:
         raise ValueError(f"fa3: cannot build {key}: {reason}")
     est = smem_bytes(key.cfg, key.head_dim, key.dtype)
+    if key.varlen:
+        ok, reason = can_implement_varlen(key.cfg, key.dtype)
+        if not ok:
+            raise ValueError(f"fa3: cannot build {key}: {reason}")
     kernel = Fa3Forward(
-        cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap
+        cutlass_dtype(key.dtype),
+        key.head_dim,
+        key.cfg,
+        key.causal,
+        key.local,
+        key.softcap,
+        varlen=key.varlen,
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     options = compile_options(key.arch, key.tvm_ffi, extra_options)

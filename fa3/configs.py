@@ -282,6 +282,39 @@ def config_for(p: AttnParams) -> Fa3Config:
     return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
 
 
+# ------------------------------------------------------------------------------------------------
+# packed sequences (varlen)
+# ------------------------------------------------------------------------------------------------
+# Whether auto selection runs fa3 for `dispatch.attention_varlen` on sm90 (else fa2's Triton
+# varlen kernel, with fa3's reason in explain()). Off: the fa3 varlen forward is compiled and
+# checked for sm_90a on the CPU (tests/test_fa3_varlen.py) but has not run on a GPU yet;
+# version="fa3" runs it. Turn on once tests/test_fa3_varlen.py passes on the H200 and
+# benchmarks/decode_bench.py --varlen shows it ahead of fa2's varlen there.
+VARLEN_AUTO = False
+
+
+def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
+    """The tile config of packed sequences: the dense table's tiles for (head_dim, dtype,
+    causal) on the plain grid (one tile per CTA; varlen.py's virtual-block grid). The persistent
+    scheduler's order and tile overlap assume one length for every (batch, head)."""
+    cfg = get_config(head_dim, dtype, causal)
+    return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
+
+
+def varlen_config_for(p: AttnParams) -> Fa3Config:
+    """`varlen_config` of problem `p` (p.attn of the packed problem)."""
+    return varlen_config(p.head_dim, p.dtype, p.causal)
+
+
+def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the varlen build of the kernel takes `cfg` and `dtype` (on top of can_implement)."""
+    if dtype not in DTYPES:
+        return False, f"fa3 varlen: dtype {dtype} not in (float16, bfloat16)"
+    if cfg.persistent:
+        return False, "fa3 varlen: needs the plain grid (persistent=False)"
+    return True, ""
+
+
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
     """Every 16-bit (head_dim, dtype, causal, config) the table returns for long keys."""
     return [

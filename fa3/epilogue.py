@@ -37,7 +37,7 @@ def store_o(
     warp: Int32,
     m_block: Int32,
     head: Int32,
-    batch: Int32,
+    rows,  # varlen.DenseRows / SeqRows: the tile's sequence
     tile_m: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
     o_dtype: cutlass.Constexpr,
@@ -63,9 +63,7 @@ def store_o(
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
     if warp == 4:
-        gO = cute.local_tile(
-            tO[None, None, head, batch], (tile_m, head_dim), (m_block, 0)
-        )  # (tile_m, D)
+        gO = cute.local_tile(rows.q_rows(tO, head), (tile_m, head_dim), (m_block, 0))  # (tile_m, D)
         tma_store(tma_o, sO, gO)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -81,7 +79,7 @@ def store_o_wg(
     cwg: Int32,
     m_block: Int32,
     head: Int32,
-    batch: Int32,
+    rows,  # varlen.DenseRows / SeqRows: the tile's sequence
     head_dim: cutlass.Constexpr[int],
     ab_dtype: cutlass.Constexpr,
     o_dtype: cutlass.Constexpr,
@@ -124,6 +122,6 @@ def store_o_wg(
     cute.arch.barrier(barrier_id=bar, number_of_threads=128)
     if store_warp:
         gO = cute.local_tile(
-            tO[None, None, head, batch], (64, head_dim), (m_block * num_wgs + cwg, 0)
+            rows.q_rows(tO, head), (64, head_dim), (m_block * num_wgs + cwg, 0)
         )  # (64, D)
         tma_store(tma_o, sO_wg, gO)

@@ -15,9 +15,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
+
+from flashsuite.fa3.varlen import lse_view, rows_view
 
 
 class ForwardLayouts:
@@ -140,16 +142,12 @@ class ForwardLayouts:
             return (self.HEAD_DIM, self.TILE_N)
         return (self.TILE_N, self.HEAD_DIM)
 
-    def _v_blocks(self, tV: cute.Tensor, head_kv: Int32, batch: Int32) -> cute.Tensor:
-        """V of one (batch, kv head) tiled into blocks: (TILE_N, D, n_blocks); fp8: Vᵀ blocks,
-        (D, TILE_N, n_blocks)."""
+    def _v_blocks(self, v_rows: cute.Tensor) -> cute.Tensor:
+        """V of one (sequence, kv head), (Nk, D), tiled into blocks: (TILE_N, D, n_blocks); fp8:
+        Vᵀ (D, Nk) into (D, TILE_N, n_blocks)."""
         if self.FP8:
-            return cute.local_tile(
-                tV[None, None, head_kv, batch], (self.HEAD_DIM, self.TILE_N), (0, None)
-            )
-        return cute.local_tile(
-            tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (None, 0)
-        )
+            return cute.local_tile(v_rows, (self.HEAD_DIM, self.TILE_N), (0, None))
+        return cute.local_tile(v_rows, (self.TILE_N, self.HEAD_DIM), (None, 0))
 
     def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
         """Vᵀ as the B operand of PV, (D, TILE_N, STAGES): an MN-major view of sV's bytes
@@ -162,13 +160,16 @@ class ForwardLayouts:
         )
 
     def _kernel_views(self, mQ, mK, mV, mO, mLSE):
-        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `_v_view`, (N, H, B) LSE."""
-        mQ = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 3, 2, 0]))
-        mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
-        mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=self._v_view()))
-        mO = cute.make_tensor(mO.iterator, cute.select(mO.layout, mode=[1, 3, 2, 0]))
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
-        return mQ, mK, mV, mO, mLSE
+        """Kernel views: (N, D, H, B) for TMA (4-D descriptors), V per `_v_view`, (N, H, B) LSE;
+        packed inputs (VARLEN): the ragged (R, D, H, L) views and a (total_q, Hq) LSE
+        (varlen.py)."""
+        mQ, mK = rows_view(mQ, self.VARLEN), rows_view(mK, self.VARLEN)
+        if const_expr(self.VARLEN):
+            mV = rows_view(mV, True)
+        else:
+            mV = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=self._v_view()))
+        mO = rows_view(mO, self.VARLEN)
+        return mQ, mK, mV, mO, lse_view(mLSE, self.VARLEN)
 
     def _make_tmas(self, mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l):
         """TMA atoms and coordinate tensors: loads of Q, K, V (one stage each), store of O."""

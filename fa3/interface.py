@@ -18,25 +18,31 @@ import importlib.util
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
-from flashsuite.common.validation import AttnParams
+from flashsuite.common.validation import AttnParams, VarlenParams
 from flashsuite.fa3.configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
+    VARLEN_AUTO,
     BwdConfig,
     Fa3Config,
     bwd_can_implement,
     bwd_config_for,
     can_implement,
+    can_implement_varlen,
     config_for,
+    varlen_config_for,
 )
 
 NAME = "fa3"
 HAS_BACKWARD = False
 # Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
+# Whether auto selection takes fa3 for packed sequences: configs.VARLEN_AUTO says why not yet.
+# The varlen backward is the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
+VARLEN_AUTO_SELECT = VARLEN_AUTO
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
 
@@ -216,7 +222,7 @@ def forward(
     else:
         v = _tma_ready(v)
     fn, scalars = _launch_plan(p, cfg, q.device)
-    fn(q, k, v, out, lse, *descales, *scalars)
+    fn(q, k, v, out, lse, *descales, None, None, *scalars)
     return out, lse
 
 
@@ -225,8 +231,16 @@ def forward(
 _plans: dict[tuple, tuple] = {}
 
 
-def _launch_plan(p: AttnParams, cfg: Fa3Config | None, device: torch.device) -> tuple:
-    """The compiled forward and its runtime scalars for `p`, memoised per static problem."""
+def _launch_plan(
+    p: AttnParams, cfg: Fa3Config | None, device: torch.device, vp: VarlenParams | None = None
+) -> tuple:
+    """The compiled forward and its runtime scalars for `p`, memoised per static problem.
+
+    With `vp` (packed sequences, p = vp.attn): the varlen build, and an unbounded window side
+    becomes total_q + total_k + 1, beyond every sequence's rows and keys whatever max_seqlen
+    says.
+    """
+    nq, nk = (p.seqlen_q, p.seqlen_k) if vp is None else (vp.total_q, vp.total_k)
     pkey = (
         p.dtype,
         p.head_dim,
@@ -236,25 +250,29 @@ def _launch_plan(p: AttnParams, cfg: Fa3Config | None, device: torch.device) -> 
         p.scale,
         p.window_left,
         p.window_right,
-        p.seqlen_q,
-        p.seqlen_k,
+        nq,
+        nk,
         cfg,
         device,
+        vp is not None,
     )
     plan = _plans.get(pkey)
     if plan is None:
         from flashsuite.fa3.compile import CompileKey, get_forward, kernel_scalars
 
+        if cfg is None:
+            cfg = config_for(p) if vp is None else varlen_config_for(p)
         key = CompileKey(
             dtype=p.dtype,
             head_dim=p.head_dim,
             causal=p.causal,
             local=p.is_local,
             softcap=p.softcap > 0,
-            cfg=cfg if cfg is not None else config_for(p),
+            cfg=cfg,
+            varlen=vp is not None,
         )
         scalars = kernel_scalars(
-            p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
+            p.scale, p.softcap, (p.window_left, p.window_right), p.causal, nq, nk
         )
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         plan = (get_forward(key), (*scalars, sms))  # sms: the persistent grid's CTA count
@@ -363,9 +381,70 @@ def backward(
     return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap, window)
 
 
-def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
-    """The CuTe DSL kernels take dense batches only: packed sequences run on fa2."""
-    return False, "fa3: no varlen kernel (the CuTe DSL forward takes dense batches); fa2 runs it"
+def supports_varlen(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
+    """Packed sequences: the dense limits (sm90, dtype, head dims, scale), 16-bit inputs only
+    (attention_varlen refuses fp8 before any version is asked), token totals within 32-bit TMA
+    coordinates and the (Hq, total_q) LSE's 32-bit offsets, heads within grid dim y."""
+    p = vp.attn
+    ok, reason = supports(p, arch)
+    if not ok:
+        return False, reason
+    if p.dtype not in DTYPES:
+        return False, f"fa3 varlen: dtype {_dt(p.dtype)} not in (float16, bfloat16)"
+    if max(vp.total_q, vp.total_k) >= 2**29:
+        # Window bounds reach total_q + total_k + 1 (an unbounded side) and are added to row and
+        # shift in 32 bits; the ragged TMA coordinates stay below 2^30 + TILE_M.
+        return False, "fa3 varlen: token totals must be < 2^29 (32-bit coordinates and bounds)"
+    if p.heads_q * vp.total_q >= 2**31:
+        return False, "fa3 varlen: heads_q x total_q must be < 2^31 (32-bit LSE offsets)"
+    cfg = varlen_config_for(p)
+    ok, reason = can_implement_varlen(cfg, p.dtype)
+    if not ok:
+        return False, reason
+    what = "intra-WG overlap" if cfg.intra_wg_overlap else "no intra-WG overlap"
+    return True, (
+        f"fa3: varlen, {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, one tile per CTA "
+        f"(per-sequence TMA bounds), {what}"
+    )
+
+
+def varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    vp: VarlenParams,
+    *,
+    cfg: Fa3Config | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (total_q, Hq, D), k/v (total_k, Hkv, D) fp16/bf16 packed by cu_seqlens_q/k (int32
+    (B + 1,), validated by the caller) on an sm90 GPU, last dim contiguous.
+
+    Returns out (total_q, Hq, D) in q's dtype and lse (Hq, total_q) float32 (natural log):
+    0 and -inf for the rows of a sequence without keys. `cfg` overrides varlen_config_for;
+    `out` and `lse` (views into larger buffers, in tests that watch the memory around them)
+    are written in place instead of new tensors.
+    """
+    p = vp.attn
+    if out is None:
+        out = torch.empty((vp.total_q, p.heads_q, p.head_dim), dtype=q.dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty((p.heads_q, vp.total_q), dtype=torch.float32, device=q.device)
+    if vp.total_q == 0:
+        return out, lse
+    if vp.total_k == 0 or p.seqlen_k == 0:
+        # No key in any sequence (TMA cannot describe a zero-length tensor): every row empty.
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    q, k, v = (_tma_ready(t[None])[0] for t in (q, k, v))
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    fn, scalars = _launch_plan(p, cfg, q.device, vp)
+    fn(q, k, v, out, lse, None, None, None, cu_seqlens_q, cu_seqlens_k, *scalars)
+    return out, lse
 
 
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:

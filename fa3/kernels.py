@@ -96,6 +96,7 @@ from flashsuite.fa3.pipeline import PingPong, load_tile
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
 from flashsuite.fa3.tile_scheduler import TileScheduler
 from flashsuite.fa3.utils import WarpRole
+from flashsuite.fa3.varlen import DenseRows, VarlenTiles
 
 __all__ = ["Fa3Forward"]
 
@@ -111,6 +112,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         causal: bool,
         local: bool,
         softcap: bool,
+        varlen: bool = False,
     ) -> None:
         self.dtype = dtype
         self.FP8 = dtype is Float8E4M3FN
@@ -127,6 +129,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
         self.NUM_THREADS = 128 + self.CONSUMER_THREADS
         self.PERSISTENT = cfg.persistent
+        # Packed sequences (varlen.py): one tile per CTA on the virtual-block grid; 16-bit only.
+        self.VARLEN = varlen
+        assert not (varlen and (cfg.persistent or self.FP8)), "varlen: 16-bit, plain grid only"
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
@@ -153,6 +158,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             l2_kv_rows=self.L2_KV_ROWS,
         )
         self.pingpong = PingPong(cfg.pingpong, cfg.num_consumer_wgs)
+        self.varlen_tiles = VarlenTiles(cfg.tile_m, longest_first=self.HAS_RIGHT)
 
     # ----------------------------------------------------------------------------------------
     # host side
@@ -168,6 +174,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         mDescaleK: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         mDescaleV: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
+        mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32 with VARLEN, else None
+        mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32 with VARLEN, else None
         scale_log2: Float32,  # log2(e) * scale (or * softcap with SOFTCAP)
         softcap_pre: Float32,  # scale / softcap, applied before tanh (unused without SOFTCAP)
         window_left: Int32,  # >= 0 (the host maps "unbounded" to a large value)
@@ -175,6 +183,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         max_ctas: Int32,  # persistent grid size (the SM count); unused otherwise
         stream,
     ):
+        total_q = mQ.shape[0] if const_expr(self.VARLEN) else 0  # packed q: (total_q, Hq, D)
         mQ, mK, mV, mO, mLSE = self._kernel_views(mQ, mK, mV, mO, mLSE)
         sQ_l, sK_l, sV_l, sO_l = self._make_layouts()
         mma_qk, mma_pv = self._make_mmas()
@@ -187,10 +196,18 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         seqlen_k = mK.shape[0]
         heads_q = mQ.shape[2]
         group = heads_q // mK.shape[2]  # query heads per kv head (GQA/MQA)
+        batch_n = mQ.shape[3]
+        if const_expr(self.VARLEN):
+            # Per-sequence lengths come from cu_seqlens in the kernel; the views' extents are
+            # the ragged constants (varlen.py).
+            batch_n = mCuSeqlensQ.shape[0] - 1
+            seqlen_q, seqlen_k = 0, 0
         m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
-        grid = (m_blocks, heads_q, mQ.shape[3])
+        grid = (m_blocks, heads_q, batch_n)
         if const_expr(self.PERSISTENT):
             grid = (cutlass.min(m_blocks * heads_q * mQ.shape[3], max_ctas), 1, 1)
+        if const_expr(self.VARLEN):
+            grid = (self.varlen_tiles.grid_blocks(total_q, batch_n), heads_q, 1)
         self.kernel(
             tma_q,
             tQ,
@@ -204,6 +221,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             mDescaleQ,
             mDescaleK,
             mDescaleV,
+            mCuSeqlensQ,
+            mCuSeqlensK,
             mma_qk,
             mma_pv,
             sQ_l,
@@ -218,7 +237,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             window_left,
             window_right,
             Int32(heads_q),
-            Int32(mQ.shape[3]),
+            Int32(batch_n),
         ).launch(
             grid=grid,
             block=[self.NUM_THREADS, 1, 1],
@@ -244,6 +263,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         mDescaleK: cute.Tensor | None,
         mDescaleV: cute.Tensor | None,
+        mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32 with VARLEN, else None
+        mCuSeqlensK: cute.Tensor | None,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_l: cute.ComposedLayout,  # (TILE_M, D)
@@ -260,10 +281,67 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         heads_q: Int32,
         batch_n: Int32,
     ):
+        """Packed tensors (VARLEN): Q, K, V, O in the ragged (R, D, H, L) views and mLSE
+        (total_q, Hq); the CTA's tile and its sequence come from cu_seqlens (varlen.py), and a
+        CTA on a sequence's spare virtual block does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
-        sched = self.scheduler.problem(
-            seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
-        )
+        if const_expr(self.VARLEN):
+            m_block, head, valid, rows = self.varlen_tiles.tile(mCuSeqlensQ, mCuSeqlensK, batch_n)
+            sched = SimpleNamespace(
+                tile0=(m_block, head, rows.batch),
+                rows0=rows,
+                seqlen_q=rows.seqlen_q,
+                seqlen_k=rows.seqlen_k,
+                group=group,
+                window_left=window_left,
+                window_right=window_right,
+            )
+            if valid:
+                self.cta(
+                    tidx, sched, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, None, None,
+                    None, mma_qk, mma_pv, sQ_l, sK_l, sV_l, sO_l, scale_log2, softcap_pre,
+                )  # fmt: skip
+        else:
+            sched = self.scheduler.problem(
+                seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
+            )
+            sched.rows0 = DenseRows(sched.tile0[2])
+            self.cta(
+                tidx, sched, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, mDescaleQ,
+                mDescaleK, mDescaleV, mma_qk, mma_pv, sQ_l, sK_l, sV_l, sO_l, scale_log2,
+                softcap_pre,
+            )  # fmt: skip
+
+    @cute.jit
+    def cta(
+        self,
+        tidx: Int32,
+        sched: SimpleNamespace,
+        tma_q: cute.CopyAtom,
+        tQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,
+        tma_o: cute.CopyAtom,
+        tO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mDescaleQ: cute.Tensor | None,
+        mDescaleK: cute.Tensor | None,
+        mDescaleV: cute.Tensor | None,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ_l: cute.ComposedLayout,
+        sK_l: cute.ComposedLayout,
+        sV_l: cute.ComposedLayout,
+        sO_l: cute.ComposedLayout,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+    ):
+        """One CTA's work after its schedule `sched` is known: shared memory and pipelines, then
+        the roles (the kernel's arguments, as `kernel` receives them)."""
+        seqlen_q, seqlen_k = sched.seqlen_q, sched.seqlen_k
+        window_left, window_right = sched.window_left, sched.window_right
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -310,11 +388,14 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
     ):
         """The role split: warp 0 of the producer WG loads, the consumer WGs compute.
 
-        `sched`: the problem (seqlen_q, seqlen_k, group, window_left, window_right) and
-        tile0, this CTA's (m_block, head, batch) without PERSISTENT, or the persistent schedule
-        (bid_x, grid_x, num_tiles, m_blocks, heads_q, batch_n), read only with PERSISTENT.
+        `sched`: the problem (seqlen_q, seqlen_k, group, window_left, window_right; a packed
+        tile's own sequence lengths with VARLEN) and tile0, this CTA's (m_block, head, batch)
+        without PERSISTENT with rows0 its sequence (varlen.DenseRows / SeqRows), or the
+        persistent schedule (bid_x, grid_x, num_tiles, m_blocks, heads_q, batch_n), read only
+        with PERSISTENT.
         """
-        m_block0, head0, batch0 = sched.tile0
+        m_block0, head0, _ = sched.tile0
+        rows0 = sched.rows0
         seqlen_q, seqlen_k, group = sched.seqlen_q, sched.seqlen_k, sched.group
         window_left, window_right = sched.window_left, sched.window_right
         Producer, Consumer = pipeline.PipelineUserType.Producer, pipeline.PipelineUserType.Consumer
@@ -334,13 +415,13 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
                             k, sched
                         )
                         q_state, kv_state = self.load(
-                            load_args, q_state, kv_state, m_block, head, batch, group,
+                            load_args, q_state, kv_state, m_block, head, DenseRows(batch), group,
                             n_block_min, n_block_max,
                         )  # fmt: skip
                 else:
                     n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
                     self.load(
-                        load_args, q_state, kv_state, m_block0, head0, batch0, group,
+                        load_args, q_state, kv_state, m_block0, head0, rows0, group,
                         n_block_min, n_block_max,
                     )  # fmt: skip
         else:
@@ -366,7 +447,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
                         cwg,
                         m_block,
                         head,
-                        batch,
+                        DenseRows(batch),
                         seqlen_q,
                         seqlen_k,
                         scale_log2,
@@ -391,7 +472,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
                     cwg,
                     m_block0,
                     head0,
-                    batch0,
+                    rows0,
                     seqlen_q,
                     seqlen_k,
                     scale_log2,
@@ -403,10 +484,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
                 )
 
     @cute.jit
-    def load(self, load_args: tuple, q_state, kv_state, m_block, head, batch, group, n_min, n_max):
+    def load(self, load_args: tuple, q_state, kv_state, m_block, head, rows, group, n_min, n_max):
         """The producer warp's loads of one tile (pipeline.load_tile with this kernel's tiles)."""
         return load_tile(
-            *load_args, q_state, kv_state, m_block, head, batch, group, n_min, n_max,
+            *load_args, q_state, kv_state, m_block, head, rows, group, n_min, n_max,
             self.TILE_M, self.TILE_N, self.HEAD_DIM, self.PERSISTENT, self.OVERLAP_TILES,
             self._v_blocks,
         )  # fmt: skip
@@ -437,7 +518,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         cwg: Int32,  # consumer warpgroup 0..NUM_CONSUMER_WGS-1
         m_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # varlen.DenseRows / SeqRows: the tile's sequence
         seqlen_q: Int32,
         seqlen_k: Int32,
         scale_log2: Float32,
@@ -448,7 +529,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         n_block_max: Int32,
     ):
         scale_log2, softcap_pre, descale_v = self.tile_scales(
-            descales, head, batch, scale_log2, softcap_pre
+            descales, head, rows.batch, scale_log2, softcap_pre
         )
         thr_qk = mma_qk.get_slice(ctid)
         thr_pv = mma_pv.get_slice(ctid)
@@ -573,7 +654,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             cwg,
             m_block,
             head,
-            batch,
+            rows,
             seqlen_q,
             scale_log2,
             descale_v,
@@ -635,30 +716,35 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         cwg: Int32,
         m_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # varlen.DenseRows / SeqRows: the tile's sequence
         seqlen_q: Int32,
         scale_log2: Float32,
         descale_v: Float32 | None,  # fp8: this tile's descale of V (`tile_scales`)
     ):
         """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store."""
         inv = cute.make_rmem_tensor((2,), Float32)
+        batch = rows.batch
+        lse_rows = rows.lse_rows(mLSE, head) if const_expr(self.VARLEN) else None
         for r in cutlass.range_constexpr(2):
             inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale(descale_v))
             row = m_block * self.TILE_M + tScS[2 * r][0]
             # One lane of each quad owns the row's statistics; tail rows are not stored.
             if (tScS[0][1] == 0) & (row < seqlen_q):
-                mLSE[row, head, batch] = lse
+                if const_expr(self.VARLEN):
+                    lse_rows[row] = lse  # (seqlen_q,) of this sequence and head
+                else:
+                    mLSE[row, head, batch] = lse
         rescale_rows(acc_O, inv)
         if const_expr(self.PER_WG_EPILOGUE):
             store_o_wg(
-                tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, batch, self.HEAD_DIM,
+                tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, rows, self.HEAD_DIM,
                 self.dtype, self.o_dtype, self._pv_b_major(), self.NUM_CONSUMER_WGS,
             )  # fmt: skip
         else:
             # sO on sQ: every WG's Q·Kᵀ must have retired; persistent: the previous store
             # must have read sO.
             store_o(
-                tma_o, tO, mma_pv, sO, acc_O, ctid, warp, m_block, head, batch, self.TILE_M,
+                tma_o, tO, mma_pv, sO, acc_O, ctid, warp, m_block, head, rows, self.TILE_M,
                 self.HEAD_DIM, self.o_dtype, self.CONSUMER_THREADS,
                 self.O_ALIAS_Q or self.PERSISTENT,
             )  # fmt: skip

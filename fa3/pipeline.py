@@ -103,7 +103,7 @@ def load_tile(
     kv_state: pipeline.PipelineState,
     m_block: Int32,
     head: Int32,
-    batch: Int32,
+    rows,  # varlen.DenseRows / SeqRows: the tile's sequence
     group: Int32,
     n_block_min: Int32,
     n_block_max: Int32,
@@ -119,16 +119,16 @@ def load_tile(
     Returns the advanced (q_state, kv_state). Persistent: Q is loaded for every tile, even
     one with no K/V block, so that the consumers' Q wait/release (which guards sQ, and sO
     where it aliases sQ) stays in step with the producer. `k_first` (persistent tile
-    overlap): the first K block before Q. `v_blocks(tV, head_kv, batch)`: V of one (batch, kv
-    head) as (TILE_N, D, n_blocks) blocks (Vᵀ blocks for fp8).
+    overlap): the first K block before Q. `v_blocks(v_rows)`: V rows of one (sequence, kv head)
+    as (TILE_N, D, n_blocks) blocks (Vᵀ blocks for fp8).
     """
     head_kv = head // group
-    gQ = cute.local_tile(tQ[None, None, head, batch], (tile_m, head_dim), (m_block, 0))
+    gQ = cute.local_tile(rows.q_rows(tQ, head), (tile_m, head_dim), (m_block, 0))
     # (tile_m, D)
     gK = cute.local_tile(
-        tK[None, None, head_kv, batch], (tile_n, head_dim), (None, 0)
+        rows.k_rows(tK, head_kv), (tile_n, head_dim), (None, 0)
     )  # (tile_n, D, n_blocks)
-    gV = v_blocks(tV, head_kv, batch)  # (tile_n, D, n_blocks) (fp8: Vᵀ blocks)
+    gV = v_blocks(rows.k_rows(tV, head_kv))  # (tile_n, D, n_blocks) (fp8: Vᵀ blocks)
     one = cute.make_layout(1)
     tQs, tQg = cpasync.tma_partition(
         tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)

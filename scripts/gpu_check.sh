@@ -2,7 +2,7 @@
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
-#                                                integrations bwd sanitize-bwd
+#                                                integrations bwd sanitize-bwd varlen
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -112,6 +112,20 @@ for part in $parts; do
           > "$out/sanitize-bwd-$tool.log" 2>&1 || status=1
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAIL" "$out/sanitize-bwd-$tool.log" | tail -8
       done ;;
+    varlen)
+      # fa3's varlen forward: its GPU tests (per-sequence oracle, NaN guard rows around out
+      # and lse, one binary for every batch composition, autograd through fa2's backward),
+      # then the same under compute-sanitizer memcheck (any out-of-bounds access fails), then
+      # the forward beside fa2's varlen, fa3 dense and SDPA cuDNN (decode_bench --varlen).
+      python3 -m pytest tests/test_fa3_varlen.py -v -rfEs -p no:cacheprovider \
+        --junitxml "$out/varlen.xml" 2>&1 | tee "$out/varlen.log" || status=1
+      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
+        compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest tests/test_fa3_varlen.py -q -p no:cacheprovider -k "gpu and not large" \
+        > "$out/sanitize-varlen.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen.log" | tail -12
+      python3 benchmarks/decode_bench.py --out "$out/varlen-bench" --varlen 2>&1 \
+        | tee "$out/varlen-bench.log" || status=1 ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \

@@ -350,6 +350,8 @@ FA3_MASK = "fa3/mask.py"
 FA3_PIPE = "fa3/pipeline.py"  # the producer's loads (K/V head of a query head)
 FA3_HOST = "fa3/interface.py"  # the launcher: fp8 descales and Vᵀ
 FA3_BWD = "fa3/bwd_pointwise.py"
+FA3_VARLEN = "fa3/varlen.py"  # packed sequences: ragged views, the virtual-block grid
+VARLEN_TESTS = ("tests/test_fa3_varlen.py",)
 FA3_BWD_HOST = "fa3/bwd_host.py"
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
@@ -444,6 +446,30 @@ GPU_MUTANTS = [
         "acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale",
         "acc_dP[i] = acc_P[i] * acc_dP[i] * scale",
         OWN,
+    ),
+    Mutant(
+        "fa3 varlen: Q/O rows bounded one past the sequence (a write into the next one)",
+        FA3_VARLEN,
+        "return self._rows(t, head, self.offset_q, self.seqlen_q)",
+        "return self._rows(t, head, self.offset_q, self.seqlen_q + 1)",
+        "gpu_varlen_matches",
+        VARLEN_TESTS,
+    ),
+    Mutant(
+        "fa3 varlen: the next sequence's first key visible",
+        FA3_VARLEN,
+        "seqlen_k = mCuSeqlensK[batch + 1] - offset_k\n",
+        "seqlen_k = mCuSeqlensK[batch + 1] - offset_k + 1\n",
+        "gpu_varlen_matches",
+        VARLEN_TESTS,
+    ),
+    Mutant(
+        "fa3 varlen: virtual blocks of a sequence undercounted",
+        FA3_VARLEN,
+        "return (mCuSeqlensQ[b] + b * self.TILE_M) // self.TILE_M",
+        "return (mCuSeqlensQ[b] + b * (self.TILE_M - 64)) // self.TILE_M",
+        "gpu_varlen_matches",
+        VARLEN_TESTS,
     ),
     Mutant(
         "fa3 fp8: descale (b, h) read from (h, b)",

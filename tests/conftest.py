@@ -5,7 +5,12 @@ fix applied; with a GPU everything runs natively and the larger cases join."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,3 +80,26 @@ def pytest_collection_modifyitems(config, items) -> None:
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+def run_fa3_probe(out: Path, *args: str, shards: int = 2) -> dict[str, dict]:
+    """`python -m benchmarks.fa3_probe ARGS` in `shards` processes at once (the CuTe DSL reads
+    CUTE_DSL_* at import, so each compile runs outside this interpreter), results keyed
+    "name-D<head_dim>-<dtype>-<causal|full>"."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    root = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
+
+    def run(i: int) -> list[dict]:
+        path = out / f"shard{i}.json"
+        cmd = [sys.executable, "-m", "benchmarks.fa3_probe", *args]
+        cmd += ["--shard", f"{i}/{shards}", "--json", str(path)]
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
+        return json.loads(path.read_text())
+
+    with ThreadPoolExecutor(shards) as pool:
+        results = [r for shard in pool.map(run, range(shards)) for r in shard]
+    return {
+        f"{r['name']}-D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}": r
+        for r in results
+    }

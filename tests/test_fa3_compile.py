@@ -11,13 +11,7 @@ bytes and no serialised wgmma.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +26,8 @@ from flashsuite.fa3.configs import (
     shipped_configs,
     smem_bytes,
 )
+from tests.conftest import run_fa3_probe
 
-ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
 SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
 CASES = shipped_cases() + flag_variants()
 
@@ -45,23 +39,7 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp("fa3_probe")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
-
-    def run(i: int) -> list[dict]:
-        path = out / f"shard{i}.json"
-        cmd = [sys.executable, "-m", "benchmarks.fa3_probe", "--variants"]
-        cmd += ["--shard", f"{i}/{SHARDS}", "--json", str(path)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"probe shard {i} failed:\n{proc.stdout}\n{proc.stderr}"
-        return json.loads(path.read_text())
-
-    with ThreadPoolExecutor(SHARDS) as pool:
-        results = [r for shard in pool.map(run, range(SHARDS)) for r in shard]
-    return {
-        f"{r['name']}-D{r['head_dim']}-{r['dtype']}-{'causal' if r['causal'] else 'full'}": r
-        for r in results
-    }
+    return run_fa3_probe(tmp_path_factory.mktemp("fa3_probe"), "--variants", shards=SHARDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)

@@ -41,7 +41,9 @@ KEY = fa3_compile.CompileKey(
     torch.bfloat16, 64, False, False, False, get_config(64, torch.bfloat16, False)
 )
 Q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)  # (B, N, H, D), on the CPU
-ARGS = (Q, Q, Q, Q.clone(), torch.zeros(1, 1, 128), None, None, None, 1.0, 1.0, 0, 0, 1)
+# q, k, v, out, lse, three descales and two cu_seqlens (None: 16-bit, dense), four scalars,
+# the persistent grid size.
+ARGS = (Q, Q, Q, Q.clone(), torch.zeros(1, 1, 128), *(None,) * 5, 1.0, 1.0, 0, 0, 1)
 
 
 def _signature(fn) -> str:

@@ -205,7 +205,8 @@ def test_transpose_v_layout() -> None:
 def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> None:
     """interface.forward on the CPU with the binary stubbed: both dtypes take the same path to
     one CompileKey and the binary's one calling convention (q, k, v, out, lse, three descales,
-    four scalars, the SM count); fp8 gets Vᵀ, bf16 O and (B, Hkv) descales (ones for None)."""
+    two cu_seqlens (None: dense), four scalars, the SM count); fp8 gets Vᵀ, bf16 O and (B, Hkv)
+    descales (ones for None)."""
     from flashsuite.fa3 import compile as fa3_compile
 
     calls = []
@@ -230,7 +231,7 @@ def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> 
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 40)
     ((key, args),) = calls
     assert key == CompileKey(dtype, 64, True, False, False, get_config(64, dtype, True))
-    assert len(args) == 5 + 3 + 4 + 1 and args[-1] == 132
+    assert len(args) == 5 + 3 + 2 + 4 + 1 and args[-1] == 132 and args[8:10] == (None, None)
     assert args[0] is q and args[1] is k and args[3] is out and args[4] is lse
     if fp8:
         assert torch.equal(args[2].view(torch.uint8), v.view(torch.uint8).permute(0, 2, 3, 1))

@@ -19,7 +19,8 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 
 
 def _versions(kind: str) -> list[str]:
-    """Versions with this entry point whose software is present (fa3 refuses both)."""
+    """Versions with this entry point whose software is present (fa3's varlen forward runs
+    on an sm90 GPU only: tests/test_fa3_varlen.py; it has no KV-cache path)."""
     return [v for v in runnable_versions() if v in ("fa2", "torch")]
 
 
