@@ -93,6 +93,22 @@ def correctness_cases() -> list[Case]:
         for causal in (False, True):
             c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=causal, softcap=30.0))
         c.append(Case(1, 113, 17, 2, 1, d, dtype=F16, causal=True, softcap=5.0, tags=("nq>nk",)))
+    c += wide_head_cases()
+    return c
+
+
+def wide_head_cases() -> list[Case]:
+    """D = 96 (D = 128's structure) and the odd shapes, GQA, empty rows and softcap of each."""
+    c = []
+    for d in (96,):
+        c.append(Case(2, 300, 260, 4, 2, d, dtype=F16, causal=True, tags=("gqa",)))
+        c.append(Case(2, 1000, 1000, 4, 4, d, dtype=BF16))
+        c.append(Case(1, 17, 113, 2, 2, d, dtype=BF16, causal=True, tags=("odd",)))
+        c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
+        c.append(Case(2, 513, 700, 8, 1, d, dtype=BF16, causal=True, tags=("mqa",)))
+        c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
+        c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=True, softcap=30.0))
+        c.append(Case(1, 4096, 4096, 4, 2, d, dtype=BF16, causal=True, tags=("long",)))
     return c
 
 
@@ -107,7 +123,7 @@ def variant_cases() -> list[Case]:
         Case(1, 400, 130, 2, 2, 128, dtype=BF16, causal=True, tags=("empty-rows",)),
         Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
         Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
-    ]
+    ] + [c for c in wide_head_cases() if c.softcap == 0]
 
 
 STABILITY_RUNS = 10

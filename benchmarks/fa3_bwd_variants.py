@@ -3,9 +3,9 @@
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
-one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 128, "pipe128" at
-D = 64, "warp_stm2" its softcap build. (The "bulk" dQ mode, per-row bulk reduces issued by MMA
-warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
+one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
+"pipe128" at D = 64, "warp_stm2" its softcap build. (The "bulk" dQ mode, per-row bulk reduces
+issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -73,15 +73,19 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
 }
 
 
-# Variants built for some head dims only (the others are all of BWD_HEAD_DIMS).
-HEAD_DIMS: dict[str, tuple[int, ...]] = {"pipe128": (64,), "pipe128_lpt": (64,)}
+# The head dims a variant is built and checked for where HEAD_DIMS does not say otherwise.
+DEFAULT_HEAD_DIMS = (64, 128)
+HEAD_DIMS: dict[str, tuple[int, ...]] = {
+    "pipe128": (64,),
+    "pipe128_lpt": (64,),
+    "pipe_stm": (64, 96, 128),  # D = 96 ships it too
+    "warp_stm2": (64, 96, 128),
+}
 
 
 def variant_head_dims(name: str) -> tuple[int, ...]:
     """The head dims a named variant is built and checked for."""
-    from flashsuite.fa3.configs import BWD_HEAD_DIMS
-
-    return HEAD_DIMS.get(name, BWD_HEAD_DIMS)
+    return HEAD_DIMS.get(name, DEFAULT_HEAD_DIMS)
 
 
 def variant(name: str) -> BwdConfig:

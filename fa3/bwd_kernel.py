@@ -125,7 +125,16 @@ class Fa3Backward(BwdDq, BwdSteps):
         sQ_l = cute.tile_to_shape(
             d_atom, (self.TILE_M, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )
-        sK_l = cute.tile_to_shape(d_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
+        # sK is also dQ's MN-major B operand, D split between the warpgroups: each one's
+        # D / NUM_MMA_WGS columns must be whole swizzle atoms or a whole fraction of one (D = 96:
+        # 48 columns, so 32-byte atoms rather than the 64-byte ones of sQ).
+        wg_bytes = self.HEAD_DIM // self.NUM_MMA_WGS * width
+        row_bytes = self.HEAD_DIM * width
+        atom_bytes = next(b for b in (128, 64, 32) if row_bytes % b == 0)  # d_atom's width
+        k_atom = d_atom
+        if wg_bytes % atom_bytes and atom_bytes % wg_bytes:
+            k_atom = ForwardLayouts._k_major_atom(wg_bytes, self.dtype)
+        sK_l = cute.tile_to_shape(k_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
         n_atom = ForwardLayouts._k_major_atom(self.TILE_N * width, self.dtype)
         sdS_l = cute.tile_to_shape(
             n_atom, (self.TILE_M, self.TILE_N, self.DS_STAGES), order=(0, 1, 2)

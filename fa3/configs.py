@@ -319,7 +319,11 @@ def _overlap(cfg: Fa3Config) -> Fa3Config:
 # ------------------------------------------------------------------------------------------------
 # setmaxnreg split (producer, MMA) per number of MMA warpgroups: 128 x 24 + 256 x 240 = 64,512.
 BWD_REG_SPLIT = {2: (24, 240)}
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)
+# Head dims whose backward compiles spill-free and passes the CPU checks but has not yet run on a
+# GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
+# (interface.backward_opt_in), fa2's otherwise.
+BWD_HEAD_DIMS_UNVERIFIED = (96,)
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
 # (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
@@ -441,6 +445,10 @@ def bwd_config_for(
     passed the variant oracle cases at D = 64 (one block, fp16 causal GQA with Nq != Nk, causal
     MQA at 513 x 700, strided). Softcap builds keep the serial issue order (dS needs tanh' from
     the P loop) and 64-row tiles.
+
+    D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
+    2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
+    smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
     """
     del dtype, causal
     if head_dim not in BWD_HEAD_DIMS:

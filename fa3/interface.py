@@ -22,6 +22,7 @@ from flashsuite.common.validation import AttnParams
 from flashsuite.fa3.configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
+    BWD_HEAD_DIMS_UNVERIFIED,
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
@@ -292,6 +293,15 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
         f"{cfg.num_mma_wgs} MMA WGs{issue}, dQ by {route[cfg.dq_mode]}{order}"
     )
+
+
+def backward_opt_in(p: AttnParams) -> str:
+    """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
+    when it takes it by default: head dims whose kernel compiles and passes the CPU checks but
+    has not yet run on a GPU (configs.BWD_HEAD_DIMS_UNVERIFIED)."""
+    if p.head_dim in BWD_HEAD_DIMS_UNVERIFIED:
+        return f"fa3 backward at head_dim {p.head_dim} compiled but not yet run on a GPU"
+    return ""
 
 
 def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:

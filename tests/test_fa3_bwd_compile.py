@@ -11,7 +11,8 @@ order, the build torch.use_deterministic_algorithms takes; benchmarks/fa3_bwd_va
 compiled at D = 64 non-causal and D = 128 causal and must add dQ with atomics between an
 acquiring spin and a releasing increment of its turn counter, still spill-free; "det_pipe" (the
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
-"warp_stm2") at the same two points must take one tanh per score and stay spill-free.
+"warp_stm2") at those two points and D = 96 causal must take one tanh per score and stay
+spill-free. Every build's highest SASS register must stay within setmaxnreg's 240.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
@@ -84,8 +85,10 @@ def det_pipe_probes(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def softcap_probes(tmp_path_factory) -> list[dict]:
-    """The softcap builds of the shipped softcap config at (D 64, full) and (D 128, causal)."""
-    runs = [["--variant", "warp_stm2", "--softcap", "--shard", shard] for shard in ("0/4", "3/4")]
+    """The softcap builds of the shipped softcap config at (D 64, full), (D 96, causal) and
+    (D 128, causal): warp_stm2's cases are (64, 96, 128) x (full, causal)."""
+    shards = ("0/6", "3/6", "5/6")
+    runs = [["--variant", "warp_stm2", "--softcap", "--shard", shard] for shard in shards]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_softcap"), runs)
 
 
@@ -134,9 +137,16 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         assert ptx["sem_acquire"] == 0 and ptx["sem_release"] == 0, f"{where}: dQ turn counter"
         assert ptx["tanh"] == 0 and not r["softcap"], f"{where}: softcap code in a plain build"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
         # C7508: setmaxnreg ignored. C7512/C7515: every wgmma serialised.
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def _assert_fits_registers(r: dict) -> None:
+    """The SASS's highest register (R0 .. R239) within the MMA warpgroups' setmaxnreg 240."""
+    assert r["max_reg"] is not None, f"{_id(r)}: no cubin or no nvdisasm to read registers"
+    assert r["max_reg"] < 240, f"{_id(r)}: R{r['max_reg']} past the 240 registers of setmaxnreg"
 
 
 def test_bwd_deterministic_variant_compiles(det_probes) -> None:
@@ -153,6 +163,7 @@ def test_bwd_deterministic_variant_compiles(det_probes) -> None:
         # DS_FREE, DS_READY, DQ_TURN and DQ_ADDED.
         assert ptx["bar_sync"] >= 4, f"{where}: the turn barriers are missing"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
@@ -169,10 +180,12 @@ def test_bwd_deterministic_writer_warp_compiles(det_pipe_probes) -> None:
     assert ptx["fence_async_global"] == 2 and ptx["dq_bulk"] == 1, f"{where}: {ptx}"
     assert ptx["dq_atomic"] == 0, f"{where}: {ptx}"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+    _assert_fits_registers(r)
 
 
 def test_bwd_softcap_compiles(softcap_probes) -> None:
-    assert {(r["head_dim"], r["causal"]) for r in softcap_probes} == {(64, False), (128, True)}
+    want = {(64, False), (96, True), (128, True)}
+    assert {(r["head_dim"], r["causal"]) for r in softcap_probes} == want
     for r in softcap_probes:
         ptx, d, where = r["ptx"], r["head_dim"], _id(r)
         assert r["softcap"], where
@@ -180,6 +193,7 @@ def test_bwd_softcap_compiles(softcap_probes) -> None:
         assert ptx["tanh"] == 32 and ptx["ex2"] >= 32, f"{where}: {ptx}"
         assert ptx["wgmma"] == 2 * d // 16 + 2 * 64 // 16 + 128 // 16, f"{where}: {ptx}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
