@@ -81,7 +81,9 @@ def test_env_arch_override(monkeypatch) -> None:
         (128, {"window_size": (64, 0)}, "1", "fa2", "sliding window not implemented"),
         (96, {"causal": True}, None, "fa2", "head_dim 96 compiled but not yet run on a GPU"),
         (96, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
-        (256, {}, "1", "fa2", "head_dim 256 not in"),
+        (256, {}, None, "fa2", "head_dim 256 compiled but not yet run on a GPU"),
+        (256, {}, "1", "fa3", "own backward: fa3 backward: 64x48 tiles"),
+        (192, {"causal": True}, "1", "fa3", "P and dS through smem, dK^T / dV^T with D on M"),
     ],
 )
 def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) -> None:
