@@ -8,25 +8,30 @@
    (common.testing.reference_pair; DESIGN's rule with factor 3 for gradients), and out / lse
    against it too (factor 2: the forward is untouched). D 64 and 128, bf16 and fp16, causal or
    not, GQA / MQA, Nq != Nk both ways, odd lengths (1, 17, 113, 1000), fully masked rows
-   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5), sliding windows
-   (`--match window` runs only those; --match takes any part of a case id). fa2's backward
-   error on the same case is recorded beside ours. One line per case; DIR/fa3_bwd.json is
-   written before every case and each GPU step runs under a hang watchdog (a barrier bug hangs
-   the GPU: the JSON then shows which case was running). --smoke: the first three cases only.
+   (causal with Nq > Nk), strided inputs, N up to 4k, softcap (30 and 5), sliding windows;
+   then D 96, 192 and 256 (`wide_head_cases`). `--match window` runs only the window cases
+   (--match takes any part of a case id). fa2's backward error on the same case is recorded
+   beside ours. One line per case; DIR/fa3_bwd.json is written before every case and each GPU
+   step runs under a hang watchdog (a barrier bug hangs the GPU: the JSON then shows which
+   case was running). --smoke: the first three cases and the first of each of D 96, 192 and
+   256.
 2. --bench: backward TFLOP/s (2.5x the forward FLOPs, causal halved) over B*N = 16k tokens,
-   Hq*D = 2048, N 1k / 4k / 16k, D 64 / 128, causal and not: fa3 (own backward), fa3 with
+   Hq*D = 2048 (1536 at D 96 / 192), N 1k / 4k / 16k, D 64 / 96 / 128 / 192 / 256, causal
+   and not: fa3 (own backward), fa3 with
    FLASHSUITE_FA3_BWD=0 (fa2's backward, the previous pairing), SDPA cuDNN and flash, and FA4's
    CuTe-DSL SM90 backward (flash_attn.cute, skipped with a note if not importable), all timed in
    this run with triton.testing.do_bench (median); then a training step (forward + backward) at
    D = 128, N = 8k. A summary table is printed last.
 3. --variant NAME (repeatable; names in benchmarks/fa3_bwd_variants.py) replaces 1 and 2: per
-   variant, the reduced correctness set (`variant_cases`: D 64 / 128, causal, GQA, MQA, odd
-   lengths, empty rows, strided) through fa3.interface.backward(..., cfg=variant), and with
-   --bench the backward TFLOP/s of every variant at N 4k / 16k, D 64 / 128, causal or not,
-   beside SDPA cuDNN and FA4 timed in the same run. A variant that fails or raises is recorded
-   and the next one runs; DIR/fa3_bwd_variants.json is rewritten before every step.
+   variant, the reduced correctness set (`variant_cases`: causal, GQA, MQA, odd lengths, empty
+   rows, strided, at the variant's head dims, `fa3_bwd_variants.variant_head_dims`) through
+   fa3.interface.backward(..., cfg=variant), and with --bench the backward TFLOP/s of every
+   variant at N 4k / 16k at its head dims, causal or not, beside SDPA cuDNN and FA4 timed in
+   the same run. A variant that fails or raises is recorded and the next one runs;
+   DIR/fa3_bwd_variants.json is rewritten before every step.
 
-    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant bulk --bench
+    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant pipe --bench
+    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant wide192 --variant wide256 --bench
 4. --stability (after the correctness run, or after the --variant runs): under
    torch.use_deterministic_algorithms the fa3 backward orders its dQ adds
    (BwdConfig.deterministic); every `stability_cases` case runs forward + backward through
@@ -110,6 +115,26 @@ def correctness_cases() -> list[Case]:
         )  # fmt: skip
         long_window = Case(1, 4096, 4096, 4, 4, d, dtype=BF16, window_size=(512, 512))
         c.append(replace(long_window, tags=("window", "long")))
+    c += wide_head_cases()
+    return c
+
+
+def wide_head_cases() -> list[Case]:
+    """D = 96 (the "sdp_t" layout of D = 128), 192 and 256 (the "dkv_t" layout): GQA, odd
+    lengths, empty rows, MQA, strided, softcap, a long causal case and a window each, the GQA
+    case first
+    (the smoke set takes it)."""
+    c = []
+    for d in (96, 192, 256):
+        c.append(Case(2, 300, 260, 4, 2, d, dtype=F16, causal=True, tags=("gqa",)))
+        c.append(Case(2, 1000, 1000, 4, 4, d, dtype=BF16))
+        c.append(Case(1, 17, 113, 2, 2, d, dtype=BF16, causal=True, tags=("odd",)))
+        c.append(Case(1, 400, 130, 2, 2, d, dtype=BF16, causal=True, tags=("empty-rows",)))
+        c.append(Case(2, 513, 700, 8, 1, d, dtype=BF16, causal=True, tags=("mqa",)))
+        c.append(Case(2, 250, 250, 4, 2, d, dtype=BF16, non_contiguous=True))
+        c.append(Case(2, 700, 513, 4, 2, d, dtype=BF16, causal=True, softcap=30.0))
+        c.append(Case(1, 4096, 4096, 4, 2, d, dtype=BF16, causal=True, tags=("long",)))
+        c.append(Case(1, 700, 900, 4, 2, d, dtype=BF16, window_size=(128, 64), tags=("window",)))
     return c
 
 
@@ -124,15 +149,16 @@ def variant_cases() -> list[Case]:
         Case(1, 400, 130, 2, 2, 128, dtype=BF16, causal=True, tags=("empty-rows",)),
         Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
         Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
-    ]
+    ] + [c for c in wide_head_cases() if c.softcap == 0]
 
 
 STABILITY_RUNS = 10
 
 
 def stability_cases() -> list[Case]:
-    """Deterministic-mode cases: both head dims, causal or not, GQA, MQA, tails, empty rows, and
-    a long causal one (64 column blocks queue on each row block's counter)."""
+    """Deterministic-mode cases: D 64 and 128 causal or not, GQA, MQA, tails, empty rows, a
+    long causal one (64 column blocks queue on each row block's counter), and a causal GQA case
+    at each of D 96, 192 and 256."""
     c = []
     for d in (64, 128):
         for causal in (False, True):
@@ -142,6 +168,8 @@ def stability_cases() -> list[Case]:
     c.append(Case(1, 400, 130, 2, 2, 64, dtype=BF16, causal=True, tags=("empty-rows",)))
     c.append(Case(1, 8192, 8192, 4, 4, 128, dtype=BF16, causal=True, tags=("long",)))
     c.append(Case(2, 700, 513, 4, 2, 64, dtype=BF16, causal=True, softcap=30.0))
+    for d in (96, 192, 256):
+        c.append(Case(2, 1000, 700, 4, 2, d, dtype=BF16, causal=True, tags=("gqa",)))
     return c
 
 
@@ -342,7 +370,11 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         report["bench"].append(row)
         _log(f"{name:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
 
-    bench_cases = [c for c in sweep_cases() if c.seqlen_q in (4096, 16384)] if bench else []
+    all_dims = {d for n in names for d in variant_head_dims(n)}
+    bench_cases = [
+        c for c in sweep_cases() if c.seqlen_q in (4096, 16384) and c.head_dim in all_dims
+    ]
+    bench_cases = bench_cases if bench else []
     peers = []
     if bench:
         fa4, why = _fa4()
@@ -458,9 +490,13 @@ def time_case(contender: str, case: Case, step: bool = False) -> dict:
 
 
 def sweep_cases() -> list[Case]:
+    """The standard sweep at D 64 / 128 / 256 (Hq * D = 2048) and 96 / 192 (Hq * D = 1536)."""
     from flashsuite.dispatch.bench import standard_sweep
 
-    return standard_sweep(head_dims=(64, 128), seqlens=(1024, 4096, 16384))
+    seqlens = (1024, 4096, 16384)
+    return standard_sweep(head_dims=(64, 128, 256), seqlens=seqlens) + standard_sweep(
+        head_dims=(96, 192), seqlens=seqlens, model_dim=1536
+    )
 
 
 def _summary(rows: list[dict], contenders: list[str], ratio_of: str = "fa3") -> str:
@@ -486,7 +522,9 @@ def _summary(rows: list[dict], contenders: list[str], ratio_of: str = "fa3") -> 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", required=True, help="folder for fa3_bwd.json")
-    ap.add_argument("--smoke", action="store_true", help="the first three correctness cases")
+    ap.add_argument(
+        "--smoke", action="store_true", help="three correctness cases, one per wide head dim"
+    )
     ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
     ap.add_argument("--match", default="", help="only the correctness cases whose id has this")
     ap.add_argument(
@@ -515,8 +553,9 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=1))
 
     cases = correctness_cases()
-    if args.smoke:
-        cases = cases[:3]
+    if args.smoke:  # the first three (D 64 / 128) and the first case of each wide head dim
+        wide = wide_head_cases()
+        cases = cases[:3] + [next(c for c in wide if c.head_dim == d) for d in (96, 192, 256)]
     cases = [c for c in cases if args.match in c.id]
     failures = 0
     for case in cases:

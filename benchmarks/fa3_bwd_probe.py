@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass is imported
+
+os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # the cubin too, for its highest register
 
 # The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
 DQ_ATOMIC = r"(?:atom|red)\.global\.add\.f32"
@@ -63,6 +69,23 @@ def cases(everything: bool) -> list[tuple]:
     return picked
 
 
+def max_register(cubin: bytes | None) -> int | None:
+    """Highest general register index in the SASS of `cubin` (Triton's nvdisasm), or None
+    without a cubin or a disassembler. Under setmaxnreg ptxas' "Used N registers" is the entry
+    count, not the MMA warpgroups' use: this is what must stay below their 240."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not cubin or not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True)
+    regs = [int(r) for r in re.findall(r"\bR(\d+)\b", sass.stdout)]
+    return max(regs) if regs else None
+
+
 def probe_backward(
     head_dim: int, dtype, causal: bool, cfg, softcap: bool = False, local: bool = False
 ) -> dict:
@@ -96,6 +119,7 @@ def probe_backward(
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": counts,
+        "max_reg": max_register(getattr(compiled, "__cubin__", None)),
         **probe.parse_ptxas(log),
     }
 
@@ -117,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         if not args.json:
             print(
-                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} {cfg} regs={r['registers']} "
+                f"D={d:3d} {r['dtype']:8s} causal={causal!s:5s} {cfg} R{r['max_reg']} "
                 f"spill={r['spill_stores']}/{r['spill_loads']} remarks={r['remarks']} "
                 f"{r['compile_s']}s {r['ptx']}"
             )

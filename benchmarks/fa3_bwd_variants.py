@@ -3,9 +3,9 @@
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
-one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 128, "pipe128" at
-D = 64, "warp_stm2" its softcap build. (The "bulk" dQ mode, per-row bulk reduces issued by MMA
-warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
+one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
+"pipe128" at D = 64, "warp_stm2" its softcap build. (The "bulk" dQ mode, per-row bulk reduces
+issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -72,16 +72,64 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     ),
 }
 
+# The "dkv_t" layout (D = 192 and 256; configs._bwd_wide_config): S not transposed, P and dS
+# through smem, dK^T / dV^T with D on wgmma's M, a 2-stage Q ring and a 1-stage dO ring.
+_WIDE = {"tile_m": 64, "stages": 2, "do_stages": 1, "dq_mode": "warp", "layout": "dkv_t"}
+_WIDE192 = {**_WIDE, "tile_n": 96, "dkv_split": "keys"}
+_WIDE256 = {**_WIDE, "tile_n": 48, "dkv_split": "d"}
+_DET = {"dq_mode": "atomic", "overlap": False, "deterministic": True}
+VARIANTS.update(
+    {
+        "wide192": (
+            BwdConfig(**_WIDE192, overlap=True),
+            "D = 192 as shipped: 64 x 96 tiles, the WGs split the keys of dK^T / dV^T",
+        ),
+        "wide256": (
+            BwdConfig(**_WIDE256, overlap=True),
+            "D = 256 as shipped: 64 x 48 tiles, the WGs split D of dK^T / dV^T",
+        ),
+        "wide192_serial": (
+            BwdConfig(**_WIDE192),
+            "wide192 in the serial issue order: the shipped D = 192 softcap config",
+        ),
+        "wide256_serial": (
+            BwdConfig(**_WIDE256),
+            "wide256 in the serial issue order: the shipped D = 256 softcap config",
+        ),
+        "wide192_det": (
+            BwdConfig(**{**_WIDE192, **_DET}),
+            "wide192 with dQ by atomics in column-block order: the deterministic build",
+        ),
+        "wide256_det": (
+            BwdConfig(**{**_WIDE256, **_DET}),
+            "wide256 with dQ by atomics in column-block order: the deterministic build",
+        ),
+        "wide192_ring": (
+            BwdConfig(**{**_WIDE192, "tile_n": 64, "do_stages": 0}, overlap=True),
+            "D = 192 with a 2-stage dO ring and 64 x 64 tiles (210 KiB)",
+        ),
+        "wide192_n80": (
+            BwdConfig(**{**_WIDE192, "tile_n": 80}, ds_stages=2, overlap=True),
+            "D = 192 with 64 x 80 tiles and two sP / sdS buffers (221 KiB)",
+        ),
+    }
+)
 
-# Variants built for some head dims only (the others are all of BWD_HEAD_DIMS).
-HEAD_DIMS: dict[str, tuple[int, ...]] = {"pipe128": (64,), "pipe128_lpt": (64,)}
+
+# The head dims a variant is built and checked for where HEAD_DIMS does not say otherwise.
+DEFAULT_HEAD_DIMS = (64, 128)
+HEAD_DIMS: dict[str, tuple[int, ...]] = {
+    "pipe128": (64,),
+    "pipe128_lpt": (64,),
+    "pipe_stm": (64, 96, 128),  # D = 96 ships it too
+    "warp_stm2": (64, 96, 128),
+    **{name: (int(name[4:7]),) for name in VARIANTS if name.startswith("wide")},
+}
 
 
 def variant_head_dims(name: str) -> tuple[int, ...]:
     """The head dims a named variant is built and checked for."""
-    from flashsuite.fa3.configs import BWD_HEAD_DIMS
-
-    return HEAD_DIMS.get(name, BWD_HEAD_DIMS)
+    return HEAD_DIMS.get(name, DEFAULT_HEAD_DIMS)
 
 
 def variant(name: str) -> BwdConfig:

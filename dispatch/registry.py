@@ -78,7 +78,9 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
     A partial own backward runs where the version's `supports_backward` says yes and either
     the version ships it on by default (`OWN_BACKWARD_DEFAULT`, chosen by measurement) or
     `FLASHSUITE_<NAME>_BWD=1` (e.g. FLASHSUITE_FA3_BWD=1) asks for it; `=0` turns it off, so
-    the partner's backward runs without a code change.
+    the partner's backward runs without a code change. Problems for which the version's
+    optional `backward_opt_in(p)` gives a reason (fa3: head dims not yet run on a GPU) take
+    the own backward only when asked for.
     """
     mod = module(name)
     if mod.HAS_BACKWARD:
@@ -95,6 +97,10 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
             f"{name}: own backward off by default (slower than the partner's where measured; "
             f"{switch}=1 turns it on)"
         )
+    opt_in = getattr(mod, "backward_opt_in", None)  # problems taken only when asked for
+    why = opt_in(p) if setting != "1" and opt_in is not None else ""
+    if why:
+        return False, f"{name}: {why} ({switch}=1 turns it on)"
     return check(p, arch)
 
 

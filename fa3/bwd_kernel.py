@@ -1,8 +1,12 @@
 """FA3-style attention backward for Hopper (sm_90a) in the CuTe DSL.
 
-One CTA owns one K/V column block (TILE_N = 64 x NUM_MMA_WGS key rows) of one (kv head, batch)
-and walks the query row blocks (TILE_M rows) of every query head of its GQA group that can see
-the block. The grid is (n_blocks, Hkv, B); 128 + 128 x NUM_MMA_WGS threads.
+One CTA owns one K/V column block (TILE_N key rows) of one (kv head, batch) and walks the query
+row blocks (TILE_M rows) of every query head of its GQA group that can see the block. The grid
+is (n_blocks, Hkv, B); 128 + 128 x NUM_MMA_WGS threads. Two layouts (`BwdConfig.layout`): the
+"sdp_t" one below (D <= 128, TILE_N = 64 x NUM_MMA_WGS), and "dkv_t" (D = 192, 256:
+`bwd_dkvt.BwdDkvT`, S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M,
+dK and dV stored through sK / sV by TMA), which share this launcher, the producer
+(`bwd_load.BwdLoad`), the dQ routes and the elementwise steps.
 
 Roles (`WarpRole`):
 - WG0, the producer (24 registers): warp 0 loads K and V once (`pipe_kv`, one stage, never
@@ -64,7 +68,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.bwd_dkvt import BwdDkvT
 from flashsuite.fa3.bwd_dq import Barrier, BwdDq, dq_tile_layout
+from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
 from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
@@ -78,7 +84,7 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Fa3Backward(BwdDq, BwdSteps):
+class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdDkvT):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -96,6 +102,9 @@ class Fa3Backward(BwdDq, BwdSteps):
         self.TILE_N = cfg.tile_n
         self.STAGES = cfg.stages
         self.NUM_MMA_WGS = cfg.num_mma_wgs
+        self.DKV_T = cfg.layout == "dkv_t"  # bwd_dkvt.BwdDkvT; else the "sdp_t" loop (mma)
+        self.DKV_SPLIT_D = cfg.dkv_split == "d"
+        self.DO_STAGES = cfg.do_stages or cfg.stages
         self.PRODUCER_REGS, self.MMA_REGS = BWD_REG_SPLIT[cfg.num_mma_wgs]
         self.MMA_THREADS = 128 * cfg.num_mma_wgs
         self.NUM_THREADS = 128 + self.MMA_THREADS
@@ -126,21 +135,36 @@ class Fa3Backward(BwdDq, BwdSteps):
     # layouts, MMAs, shared storage (trace-time helpers)
     # ----------------------------------------------------------------------------------------
     def _make_layouts(self):
-        """sQ and sdO (TILE_M, D, STAGES), sK and sV (TILE_N, D), sdS (TILE_M, TILE_N,
-        DS_STAGES), sLSE and sD (TILE_M, STAGES). Rows are contiguous along D (along TILE_N for
-        sdS)."""
+        """sQ (TILE_M, D, STAGES), sdO (TILE_M, D, DO_STAGES), sK and sV (TILE_N, D), sdS (and
+        sP, "dkv_t") (TILE_M, TILE_N, DS_STAGES), sLSE (TILE_M, STAGES), sD (TILE_M,
+        DO_STAGES). Rows are contiguous along D (along TILE_N for sdS)."""
         width = self.dtype.width // 8
         d_atom = ForwardLayouts._k_major_atom(self.HEAD_DIM * width, self.dtype)
         sQ_l = cute.tile_to_shape(
             d_atom, (self.TILE_M, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )
-        sK_l = cute.tile_to_shape(d_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
+        # sK is also dQ's MN-major B operand, D split between the warpgroups: each one's
+        # D / NUM_MMA_WGS columns must be whole swizzle atoms or a whole fraction of one (D = 96:
+        # 48 columns, so 32-byte atoms rather than the 64-byte ones of sQ).
+        wg_bytes = self.HEAD_DIM // self.NUM_MMA_WGS * width
+        row_bytes = self.HEAD_DIM * width
+        atom_bytes = next(b for b in (128, 64, 32) if row_bytes % b == 0)  # d_atom's width
+        k_atom = d_atom
+        if wg_bytes % atom_bytes and atom_bytes % wg_bytes:
+            k_atom = ForwardLayouts._k_major_atom(wg_bytes, self.dtype)
+        sK_l = cute.tile_to_shape(k_atom, (self.TILE_N, self.HEAD_DIM), order=(0, 1))
         n_atom = ForwardLayouts._k_major_atom(self.TILE_N * width, self.dtype)
         sdS_l = cute.tile_to_shape(
             n_atom, (self.TILE_M, self.TILE_N, self.DS_STAGES), order=(0, 1, 2)
         )
         sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
-        return sQ_l, sK_l, sdS_l, sLSE_l
+        if const_expr(not self.DKV_T):  # one Q / dO ring
+            return sQ_l, sQ_l, sK_l, sdS_l, sLSE_l, sLSE_l
+        sdO_l = cute.tile_to_shape(
+            d_atom, (self.TILE_M, self.HEAD_DIM, self.DO_STAGES), order=(0, 1, 2)
+        )
+        sD_l = cute.make_layout((self.TILE_M, self.DO_STAGES))
+        return sQ_l, sdO_l, sK_l, self._pds_layout(), sLSE_l, sD_l
 
     def _sdq_layout(self) -> cute.Layout:
         """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; the
@@ -148,6 +172,8 @@ class Fa3Backward(BwdDq, BwdSteps):
         return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS)
 
     def _make_mmas(self):
+        if const_expr(self.DKV_T):
+            return self._dkvt_mmas()
         major = cute.nvgpu.OperandMajorMode
         dt = self.dtype
         # S^T and dP^T: the MMA warpgroups stacked along the key rows (64 each).
@@ -177,8 +203,11 @@ class Fa3Backward(BwdDq, BwdSteps):
         )
         return mma_sdp, mma_dkv, mma_dq
 
-    def _storage(self, sQ_l, sK_l, sdS_l, sLSE_l):
-        """The shared-memory struct: mbarriers, sQ, sdO, sK, sV, sdS, sLSE, sD."""
+    def _storage(self, sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l):
+        """The shared-memory struct: mbarriers, sQ, sdO, sK, sV, sdS, sLSE, sD ("dkv_t":
+        `_dkvt_storage`)."""
+        if const_expr(self.DKV_T):
+            return self._dkvt_storage(sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l)
         dt = self.dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
@@ -247,9 +276,9 @@ class Fa3Backward(BwdDq, BwdSteps):
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
             for t in (mLSE, mDsum)
         )  # (Nq_pad, Hq, B)
-        sQ_l, sK_l, sdS_l, sLSE_l = self._make_layouts()
+        sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = self._make_layouts()
         mma_sdp, mma_dkv, mma_dq = self._make_mmas()
-        self.storage = self._storage(sQ_l, sK_l, sdS_l, sLSE_l)
+        self.storage = self._storage(sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l)
 
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         row_tile = (self.TILE_M, self.HEAD_DIM)
@@ -262,6 +291,12 @@ class Fa3Backward(BwdDq, BwdSteps):
         lse_stage = cute.make_layout((self.TILE_M,))
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, lse_stage, (self.TILE_M,))
         tma_dsum, tDsum = cpasync.make_tiled_tma_atom(g2s, mDsum, lse_stage, (self.TILE_M,))
+        dkv_tmas = None  # "dkv_t": dK and dV leave through sK / sV by TMA stores
+        if const_expr(self.DKV_T):
+            s2g = cpasync.CopyBulkTensorTileS2GOp()
+            tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_l, col_tile)
+            tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, mdV, sK_l, col_tile)
+            dkv_tmas = (tma_dk, tdK, tma_dv, tdV)
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -269,16 +304,14 @@ class Fa3Backward(BwdDq, BwdSteps):
         n_blocks = (seqlen_k + self.TILE_N - 1) // self.TILE_N
         self.kernel(
             (tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum),
+            dkv_tmas,
             mdQacc,
             mdK,
             mdV,
             mma_sdp,
             mma_dkv,
             mma_dq,
-            sQ_l,
-            sK_l,
-            sdS_l,
-            sLSE_l,
+            (sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l),
             Int32(seqlen_q),
             Int32(seqlen_k),
             Int32(group),
@@ -303,16 +336,14 @@ class Fa3Backward(BwdDq, BwdSteps):
     def kernel(
         self,
         tmas: tuple,  # (atom, coordinates) of Q, dO, K, V, LSE, D
+        dkv_tmas: tuple | None,  # "dkv_t": (atom, coordinates) of the dK and dV stores
         mdQacc: cute.Tensor,  # (Nq, D, Hq, B) fp32; "warp": (B, Hq, Nq_pad, D) in tiles
         mdK: cute.Tensor,  # (Nk, D, Hkv, B)
         mdV: cute.Tensor,  # (Nk, D, Hkv, B)
         mma_sdp: cute.TiledMma,
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
-        sQ_l: cute.ComposedLayout,  # (TILE_M, D, STAGES)
-        sK_l: cute.ComposedLayout,  # (TILE_N, D)
-        sdS_l: cute.ComposedLayout,  # (TILE_M, TILE_N, DS_STAGES)
-        sLSE_l: cute.Layout,  # (TILE_M, STAGES)
+        layouts: tuple,  # sQ, sdO, sK, sdS (and sP), sLSE, sD: `_make_layouts`
         seqlen_q: Int32,
         seqlen_k: Int32,
         group: Int32,
@@ -323,6 +354,7 @@ class Fa3Backward(BwdDq, BwdSteps):
         win: tuple | None,  # (window_left, window_right) Int32: local builds
     ):
         tidx, _, _ = cute.arch.thread_idx()
+        sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = layouts
         if const_expr(self.LPT):
             head_kv, batch, n_block = cute.arch.block_idx()
         else:
@@ -335,14 +367,17 @@ class Fa3Backward(BwdDq, BwdSteps):
                 cpasync.prefetch_descriptor(tmas[i])
 
         st = SmemAllocator().allocate(self.storage)
-        pipe_kv, pipe_qdo = self._make_pipelines(st, sQ_l, sK_l, sLSE_l)
+        pipe_kv, pipe_qdo, pipe_do = self._make_pipelines(st, sQ_l, sK_l)
         sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D, STAGES)
-        sdO = st.sdO.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D, STAGES)
+        sdO = st.sdO.get_tensor(sdO_l.outer, swizzle=sdO_l.inner)  # (TILE_M, D, DO_STAGES)
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
         sV = st.sV.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D)
         sdS = st.sdS.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sLSE = st.sLSE.get_tensor(sLSE_l)  # (TILE_M, STAGES)
-        sD = st.sD.get_tensor(sLSE_l)  # (TILE_M, STAGES)
+        sD = st.sD.get_tensor(sD_l)  # (TILE_M, DO_STAGES)
+        sP = None
+        if const_expr(self.DKV_T):
+            sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
         pipeline.pipeline_init_wait()
 
@@ -352,8 +387,7 @@ class Fa3Backward(BwdDq, BwdSteps):
                 self.load(
                     tmas,
                     (sQ, sdO, sK, sV, sLSE, sD),
-                    pipe_kv,
-                    pipe_qdo,
+                    (pipe_kv, pipe_qdo, pipe_do),
                     n_block,
                     head_kv,
                     batch,
@@ -369,16 +403,16 @@ class Fa3Backward(BwdDq, BwdSteps):
                     )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
-            self.mma(
+            # dK and dV leave by TMA stores through sK / sV ("dkv_t") or from registers.
+            dkv_out = dkv_tmas if const_expr(self.DKV_T) else (mdK, mdV)
+            args = (
                 mma_sdp,
                 mma_dkv,
                 mma_dq,
-                (sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ),
-                pipe_kv,
-                pipe_qdo,
+                (sQ, sdO, sK, sV, sP, sdS, sLSE, sD, sdQ),
+                (pipe_kv, pipe_qdo, pipe_do),
                 mdQacc,
-                mdK,
-                mdV,
+                dkv_out,
                 tidx - 128,
                 n_block,
                 head_kv,
@@ -392,33 +426,10 @@ class Fa3Backward(BwdDq, BwdSteps):
                 softcap_pre,
                 win,
             )
-
-    def _make_pipelines(self, st, sQ_l, sK_l, sLSE_l):
-        """pipe_kv (K and V, one stage) and pipe_qdo (Q, dO, LSE, D per stage), init included."""
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        # consumer_release arrives from one lane per warp: the count is MMA *warps*.
-        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.MMA_THREADS // 32)
-        kv_bytes = 2 * cute.size_in_bytes(self.dtype, sK_l)
-        q_bytes = cute.size_in_bytes(self.dtype, cute.select(sQ_l, mode=[0, 1]))
-        qdo_bytes = 2 * q_bytes + 2 * self.TILE_M * 4  # Q, dO, LSE and D of one row block
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            num_stages=1,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=kv_bytes,
-            barrier_storage=st.mbar_kv.data_ptr(),
-            defer_sync=True,
-        )
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            num_stages=self.STAGES,
-            producer_group=producer,
-            consumer_group=consumers,
-            tx_count=qdo_bytes,
-            barrier_storage=st.mbar_qdo.data_ptr(),
-            defer_sync=True,
-        )
-        pipeline.pipeline_init_arrive()
-        return pipe_kv, pipe_qdo
+            if const_expr(self.DKV_T):
+                self.mma_t(*args)
+            else:
+                self.mma(*args)
 
     @cute.jit
     def row_blocks(
@@ -459,83 +470,6 @@ class Fa3Backward(BwdDq, BwdSteps):
         return head_kv * group + hq, m_block_min + i - hq * n_m
 
     # ----------------------------------------------------------------------------------------
-    # producer
-    # ----------------------------------------------------------------------------------------
-    @cute.jit
-    def load(
-        self,
-        tmas: tuple,
-        smem: tuple,
-        pipe_kv: pipeline.PipelineTmaAsync,
-        pipe_qdo: pipeline.PipelineTmaAsync,
-        n_block: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        group: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        win: tuple | None,
-    ):
-        """Producer warp: K and V once, then Q, dO, LSE, D of row block i = 0 .. n_iter - 1
-        (query head head_kv * group + i // n_m, row block m_block_min + i % n_m)."""
-        tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum = tmas
-        sQ, sdO, sK, sV, sLSE, sD = smem
-        one = cute.make_layout(1)
-        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        if n_iter > 0:  # a CTA without row blocks loads nothing (no TMA in flight at exit)
-            gK = cute.local_tile(
-                tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
-            )  # (TILE_N, D)
-            gV = cute.local_tile(
-                tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
-            )  # (TILE_N, D)
-            tKs, tKg = cpasync.tma_partition(
-                tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVs, tVg = cpasync.tma_partition(
-                tma_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2)
-            )
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_kv.producer_acquire(kv_state)
-            bar = pipe_kv.producer_get_barrier(kv_state)
-            cute.copy(tma_k, tKg, tKs, tma_bar_ptr=bar)
-            cute.copy(tma_v, tVg, tVs, tma_bar_ptr=bar)
-
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
-            for i in cutlass.range(n_iter, unroll=1):
-                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
-                gQ = cute.local_tile(
-                    tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-                )  # (TILE_M, D)
-                gdO = cute.local_tile(
-                    tdO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
-                )  # (TILE_M, D)
-                gLSE = cute.local_tile(
-                    tLSE[None, head, batch], (self.TILE_M,), (m_block,)
-                )  # (TILE_M,)
-                gD = cute.local_tile(tDsum[None, head, batch], (self.TILE_M,), (m_block,))
-                tQs, tQg = cpasync.tma_partition(
-                    tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-                )  # (TMA, STAGES), (TMA,)
-                tdOs, tdOg = cpasync.tma_partition(
-                    tma_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2)
-                )
-                tLs, tLg = cpasync.tma_partition(
-                    tma_lse, 0, one, cute.group_modes(sLSE, 0, 1), cute.group_modes(gLSE, 0, 1)
-                )
-                tDs, tDg = cpasync.tma_partition(
-                    tma_dsum, 0, one, cute.group_modes(sD, 0, 1), cute.group_modes(gD, 0, 1)
-                )
-                pipe_qdo.producer_acquire(state)
-                bar = pipe_qdo.producer_get_barrier(state)
-                s = state.index
-                cute.copy(tma_q, tQg, tQs[None, s], tma_bar_ptr=bar)
-                cute.copy(tma_do, tdOg, tdOs[None, s], tma_bar_ptr=bar)
-                cute.copy(tma_lse, tLg, tLs[None, s], tma_bar_ptr=bar)
-                cute.copy(tma_dsum, tDg, tDs[None, s], tma_bar_ptr=bar)
-                state.advance()
-
-    # ----------------------------------------------------------------------------------------
     # MMA warpgroups
     # ----------------------------------------------------------------------------------------
     @cute.jit
@@ -545,11 +479,9 @@ class Fa3Backward(BwdDq, BwdSteps):
         mma_dkv: cute.TiledMma,
         mma_dq: cute.TiledMma,
         smem: tuple,
-        pipe_kv: pipeline.PipelineTmaAsync,
-        pipe_qdo: pipeline.PipelineTmaAsync,
+        pipes: tuple,  # pipe_kv, pipe_qdo (and pipe_do, None here)
         mdQacc: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
+        dkv_out: tuple,  # mdK, mdV (Nk, D, Hkv, B)
         mtid: Int32,  # 0 .. MMA_THREADS - 1
         n_block: Int32,
         head_kv: Int32,
@@ -564,7 +496,9 @@ class Fa3Backward(BwdDq, BwdSteps):
         win: tuple | None,
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
-        sQ, sdO, sK, sV, sdS, sLSE, sD, sdQ = smem
+        sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
+        pipe_kv, pipe_qdo, _ = pipes
+        mdK, mdV = dkv_out
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)

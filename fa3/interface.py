@@ -14,6 +14,7 @@ kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here fir
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +23,7 @@ from flashsuite.common.validation import AttnParams, VarlenParams
 from flashsuite.fa3.configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
+    BWD_HEAD_DIMS_UNVERIFIED,
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
@@ -306,25 +308,38 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     order = " in column-block order (deterministic)" if cfg.deterministic else ""
     route = {"warp": "a writer warp's bulk reduce", "atomic": "atomics"}
     issue = ", overlapped issue" if cfg.overlap else ""
+    layout = ", P and dS through smem, dK^T / dV^T with D on M" if cfg.layout == "dkv_t" else ""
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
-        f"{cfg.num_mma_wgs} MMA WGs{issue}, dQ by {route[cfg.dq_mode]}{order}"
+        f"{cfg.num_mma_wgs} MMA WGs{layout}{issue}, dQ by {route[cfg.dq_mode]}{order}"
     )
+
+
+def backward_opt_in(p: AttnParams) -> str:
+    """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
+    when it takes it by default: head dims whose kernel compiles and passes the CPU checks but
+    has not yet run on a GPU (configs.BWD_HEAD_DIMS_UNVERIFIED)."""
+    if p.head_dim in BWD_HEAD_DIMS_UNVERIFIED:
+        return f"fa3 backward at head_dim {p.head_dim} compiled but not yet run on a GPU"
+    return ""
 
 
 def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
     """`cfg` or the tile table's config for `p`. Under torch.use_deterministic_algorithms the
     dQ adds are ordered (BwdConfig.deterministic, docs/design.md): 64-row Q tiles, the same
-    ring, per-element atomics, one sdS buffer and the serial issue order, the deterministic
-    build that has run on the H200."""
+    tiles, layout and rings, per-element atomics, one sdS buffer and the serial issue order,
+    the deterministic build that has run on the H200 (at D = 64 / 128)."""
     if cfg is None:
         cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
     if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
-        cfg = BwdConfig(
+        cfg = replace(
+            cfg,
             tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
-            tile_n=cfg.tile_n,
-            stages=cfg.stages,
-            num_mma_wgs=cfg.num_mma_wgs,
+            dq_mode="atomic",
+            ds_store="scalar",
+            ds_stages=1,
+            overlap=False,
+            lpt=False,
             deterministic=True,
         )
     return cfg

@@ -2,7 +2,7 @@
 # On a GPU host: the GPU tests, the main job and the benchmark sweep, with logs and JSON in OUTDIR.
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
-#                                                integrations bwd sanitize-bwd varlen
+#                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -103,6 +103,17 @@ for part in $parts; do
         --stability 2>&1 | tee "$out/bwd.log" || status=1
       python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-smoke" --smoke --bench 2>&1 \
         | tee "$out/bwd-smoke.log" || status=1 ;;
+    bwd-wide)
+      # fa3's own backward at D = 96 (pipe_stm), 192 and 256 (the dkv_t layout), which dispatch
+      # takes only with FLASHSUITE_FA3_BWD=1 until run here: every variant against the oracle and
+      # timed beside cuDNN and FA4, then bitwise stability of the deterministic builds, then the
+      # dispatch path's smoke cases (JSON in OUTDIR/bwd-wide and OUTDIR/bwd-wide-smoke).
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-wide" --variant wide192 \
+        --variant wide256 --variant pipe_stm --variant wide192_serial --variant wide256_serial \
+        --variant wide192_det --variant wide256_det --variant wide192_ring --variant wide192_n80 \
+        --bench --stability 2>&1 | tee "$out/bwd-wide.log" || status=1
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-wide-smoke" --smoke 2>&1 \
+        | tee "$out/bwd-wide-smoke.log" || status=1 ;;
     sanitize-bwd)
       # compute-sanitizer memcheck, then racecheck, on the shipped fa3 backward's smoke cases.
       for tool in memcheck racecheck; do

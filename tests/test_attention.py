@@ -107,6 +107,18 @@ GPU_CASES = [
         window_size=(256, 64),
         tags=("gpu",),
     ),
+    # D = 192 without a window (fa3's own backward takes it): GQA, causal, ragged lengths.
+    Case(
+        batch=1,
+        seqlen_q=2500,
+        seqlen_k=2100,
+        heads_q=4,
+        heads_kv=2,
+        head_dim=192,
+        dtype=BF16,
+        causal=True,
+        tags=("gpu",),
+    ),
 ]
 
 # The GPU cases' float64 oracles hold 2-4 GB per N x N product: GPU_MEMORY (tests/conftest.py).

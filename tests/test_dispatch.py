@@ -79,7 +79,11 @@ def test_env_arch_override(monkeypatch) -> None:
         (128, {"causal": True}, "0", "fa2", "FLASHSUITE_FA3_BWD=0"),
         (128, {"softcap": 30.0}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (128, {"window_size": (64, 0)}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
-        (256, {}, "1", "fa2", "head_dim 256 not in"),
+        (96, {"causal": True}, None, "fa2", "head_dim 96 compiled but not yet run on a GPU"),
+        (96, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
+        (256, {}, None, "fa2", "head_dim 256 compiled but not yet run on a GPU"),
+        (256, {}, "1", "fa3", "own backward: fa3 backward: 64x48 tiles"),
+        (192, {"causal": True}, "1", "fa3", "P and dS through smem, dK^T / dV^T with D on M"),
     ],
 )
 def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) -> None:

@@ -1,0 +1,298 @@
+"""The "dkv_t" layout of the fa3 backward (`BwdConfig.layout`), for D = 192 and 256, where the
+"sdp_t" layout's D x 64 keys of fp32 dK and dV per warpgroup do not fit the registers.
+`bwd_kernel.Fa3Backward` mixes `BwdDkvT` in; the producer, the dQ writer warp, the
+elementwise steps (`bwd_pointwise.BwdSteps`) and the dQ routes (`bwd_dq.BwdDq`) are shared.
+
+Per row block (TILE_M = 64 query rows against the CTA's TILE_N keys), per MMA warpgroup:
+    S    = Q K^T       SS wgmma, M = the 64 rows, N = this WG's TILE_N / NUM_MMA_WGS keys
+    dP   = dO V^T      SS wgmma, the same split
+    P    = exp2(S * scale_log2 - LSE_log2), dS = P * (dP - D) * scale, 16-bit, to sP and sdS
+    dV^T += dO^T P     SS wgmma, A = sdO as an MN-major (D, TILE_M) view, B = sP as an MN-major
+                       (TILE_N, TILE_M) view; M = D
+    dQ    = dS K       SS wgmma, A = sdS, B = sK as an MN-major (D, TILE_N) view; the WGs split D
+    dK^T += Q^T dS     SS wgmma, like dV^T
+dK^T and dV^T are split between the WGs by D ("d": D / NUM_MMA_WGS rows each, every key) or by
+keys ("keys": every row of D, TILE_N / NUM_MMA_WGS keys each), `BwdConfig.dkv_split`.
+
+Q / LSE and dO / D come through two TMA rings (`pipe_q`, STAGES deep, released when dK^T has
+retired; `pipe_do`, DO_STAGES deep, released as soon as dV^T has retired). sP and sdS
+(DS_STAGES buffers) are published by the named barrier DS_READY after the writes and the
+async-proxy fence; with one buffer DS_FREE comes before the writes (every WG has retired the
+previous block's dV^T, dQ and dK^T, the wgmmas that read them). The elementwise steps see the
+fragment through a (key, row) coordinate view, so they are the "sdp_t" layout's own.
+"""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from flashsuite.fa3.bwd_dq import Barrier
+from flashsuite.fa3.epilogue import tma_store
+from flashsuite.fa3.fwd_layouts import ForwardLayouts
+
+
+class BwdDkvT:
+    """Layouts, MMAs and the MMA warpgroups' loop of the "dkv_t" layout. Uses the kernel's
+    TILE_M, TILE_N, HEAD_DIM, STAGES, DO_STAGES, DS_STAGES, NUM_MMA_WGS, MMA_THREADS, dtype,
+    DKV_SPLIT_D, OVERLAP and the shared steps."""
+
+    def _pds_layout(self) -> cute.ComposedLayout:
+        """sP and sdS (TILE_M, TILE_N, DS_STAGES), keys contiguous. Each WG writes its S
+        columns (TILE_N / NUM_MMA_WGS keys) from the accumulator, and dV^T / dK^T read their N
+        keys as an MN-major B operand: the swizzle atom must divide both (D = 256, TILE_N = 48:
+        24 and 48 keys, no swizzle; D = 192, TILE_N = 96: 48 keys, 32-byte atoms)."""
+        width = self.dtype.width // 8
+        w = self.NUM_MMA_WGS
+        n_dkv = self.TILE_N if const_expr(self.DKV_SPLIT_D) else self.TILE_N // w
+        row_bytes = math.gcd(self.TILE_N // w, n_dkv) * width
+        kind = warpgroup.SmemLayoutAtomKind
+        if row_bytes % 32 == 0:
+            atom = ForwardLayouts._k_major_atom(row_bytes, self.dtype)
+        else:  # 8 x 8 core matrices: a warp's 4-byte stores still fill 128 contiguous bytes
+            atom = warpgroup.make_smem_layout_atom(kind.K_INTER, self.dtype)
+        return cute.tile_to_shape(atom, (self.TILE_M, self.TILE_N, self.DS_STAGES), order=(0, 1, 2))
+
+    def _dkvt_mmas(self):
+        """S / dP (rows on M, the WGs split the keys), dK^T / dV^T (D on M, both operands from
+        smem and MN-major), dQ (the WGs split D, as in "sdp_t")."""
+        major = cute.nvgpu.OperandMajorMode
+        dt, w = self.dtype, self.NUM_MMA_WGS
+        mma_sdp = sm90.make_trivial_tiled_mma(
+            dt, dt, major.K, major.K, Float32, (1, w, 1), (64, self.TILE_N // w)
+        )
+        if const_expr(self.DKV_SPLIT_D):
+            atoms, tiler = (w, 1, 1), (64, self.TILE_N)
+        else:
+            atoms, tiler = (1, w, 1), (64, self.TILE_N // w)
+        mma_dkv = sm90.make_trivial_tiled_mma(dt, dt, major.MN, major.MN, Float32, atoms, tiler)
+        mma_dq = sm90.make_trivial_tiled_mma(
+            dt, dt, major.K, major.MN, Float32, (1, w, 1), (64, self.HEAD_DIM // w)
+        )
+        return mma_sdp, mma_dkv, mma_dq
+
+    def _dkvt_storage(self, sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l):
+        """The shared-memory struct: mbarriers of K/V, the Q ring and the dO ring, sLSE, sD, sQ,
+        sdO, sK, sV, sP, sdS, sdQ (bwd_smem_bytes mirrors it)."""
+        dt = self.dtype
+        mrange, align = cute.struct.MemRange, cute.struct.Align
+        n_q, n_do, n_k, n_ds = (cute.cosize(x) for x in (sQ_l, sdO_l, sK_l, sdS_l))
+        n_lse, n_d = cute.cosize(sLSE_l), cute.cosize(sD_l)
+        n_dq = self.TILE_M * self.HEAD_DIM if const_expr(self.DQ_WARP) else 1
+        st, dst = self.STAGES, self.DO_STAGES
+
+        @cute.struct
+        class Storage:
+            mbar_kv: mrange[cutlass.Int64, 2]
+            mbar_qdo: mrange[cutlass.Int64, 2 * st]
+            mbar_do: mrange[cutlass.Int64, 2 * dst]
+            sLSE: align[mrange[Float32, n_lse], 128]
+            sD: align[mrange[Float32, n_d], 128]
+            sQ: align[mrange[dt, n_q], 1024]
+            sdO: align[mrange[dt, n_do], 1024]
+            sK: align[mrange[dt, n_k], 1024]
+            sV: align[mrange[dt, n_k], 1024]
+            sP: align[mrange[dt, n_ds], 1024]
+            sdS: align[mrange[dt, n_ds], 1024]
+            sdQ: align[mrange[Float32, n_dq], 128]
+
+        return Storage
+
+    @staticmethod
+    def _stage_view(s: cute.Tensor, stage: Int32, rows: int) -> cute.Tensor:
+        """(rows, 1) view of stage `stage` of a compact (rows, stages) sLSE / sD: the stage
+        index the elementwise steps take is then 0 for both, whatever ring each came from."""
+        return cute.make_tensor(s.iterator + stage * rows, cute.make_layout((rows, 1)))
+
+    @cute.jit
+    def mma_t(
+        self,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        smem: tuple,
+        pipes: tuple,
+        mdQacc: cute.Tensor,
+        dkv_tmas: tuple,  # (atom, coordinates) of the dK and dV TMA stores
+        mtid: Int32,  # 0 .. MMA_THREADS - 1
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+        group: Int32,
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        scale_log2: Float32,
+        scale: Float32,
+        mSem: cute.Tensor | None,
+        softcap_pre: Float32 | None,
+        win: tuple | None,  # (window_left, window_right): local builds
+    ):
+        """MMA warpgroups, "dkv_t": the five GEMMs of every row block, dQ to the accumulator,
+        then dK and dV."""
+        sQ, sdO, sK, sV, sP, sdS, sLSE, sD, sdQ = smem
+        pipe_kv, pipe_q, pipe_do = pipes
+        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
+        D, TM, TN = self.HEAD_DIM, self.TILE_M, self.TILE_N
+        thr_sdp = mma_sdp.get_slice(mtid)
+        thr_dkv = mma_dkv.get_slice(mtid)
+        thr_dq = mma_dq.get_slice(mtid)
+        # S = Q K^T and dP = dO V^T.
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))  # (MMA, 1, D/16, STAGES)
+        tSrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))  # (MMA, 1, D/16, DO_STAGES)
+        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))  # (MMA, 1, D/16)
+        tSrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))  # (MMA, 1, D/16)
+        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TM, TN)))  # 2 rows a thread
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TM, TN)))
+        # dV^T += dO^T P and dK^T += Q^T dS: (D, TILE_M) views of sdO / sQ as A, (TILE_N, TILE_M)
+        # views of sP / sdS as B, all MN-major.
+        sdOt = self._transposed(sdO, TM, D, self.DO_STAGES)  # (D, TILE_M, DO_STAGES)
+        sQt = self._transposed(sQ, TM, D, self.STAGES)  # (D, TILE_M, STAGES)
+        sPt = self._transposed(sP, TM, TN, self.DS_STAGES)  # (TILE_N, TILE_M, DS_STAGES)
+        sdSt = self._transposed(sdS, TM, TN, self.DS_STAGES)
+        tdVrdO = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdOt))  # (MMA, M, TM/16, DO_ST)
+        tdVrP = thr_dkv.make_fragment_B(thr_dkv.partition_B(sPt))  # (MMA, N, TM/16, DS_ST)
+        tdKrQ = thr_dkv.make_fragment_A(thr_dkv.partition_A(sQt))  # (MMA, M, TM/16, ST)
+        tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdSt))  # (MMA, N, TM/16, DS_ST)
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dV^T
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dK^T
+        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
+        sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
+        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TN/16, DS_ST)
+        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TN/16)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
+        # (key, row) coordinates of each S element: the "sdp_t" steps index them that way.
+        key_row = cute.composition(
+            cute.make_identity_tensor((TN, TM)), cute.make_layout((TM, TN), stride=(TN, 1))
+        )
+        tScS = thr_sdp.partition_C(key_row)
+        tPsP = thr_sdp.partition_C(sP)  # (MMA, 1, 1, DS_STAGES): where this thread's P goes
+        tPsdS = thr_sdp.partition_C(sdS)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+
+        if n_iter > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_kv.consumer_wait(kv_state)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.STAGES)
+            do_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.DO_STAGES
+            )
+            shift = seqlen_k - seqlen_q
+            key_tail = (n_block + 1) * TN > seqlen_k
+            right_edge = 0  # the window's right edge: 0 when causal
+            if const_expr(self.LOCAL):
+                right_edge = win[1]
+            first_free_row = (n_block + 1) * TN - 1 - shift - right_edge  # rows >= see all
+            for i in cutlass.range(n_iter, unroll=1):
+                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
+                masked = key_tail
+                if const_expr(self.HAS_RIGHT):
+                    masked = masked | (m_block * TM < first_free_row)
+                if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
+                    last_free_row = n_block * TN - shift + win[0]
+                    masked = masked | ((m_block + 1) * TM - 1 > last_free_row)
+                s, sd = q_state.index, do_state.index
+                ds_i = 0  # the sP / sdS buffer of this row block
+                if const_expr(self.DS_STAGES > 1):
+                    ds_i = i % self.DS_STAGES
+                lse_i = self._stage_view(sLSE, s, TM)  # (TILE_M, 1)
+                d_i = self._stage_view(sD, sd, TM)  # (TILE_M, 1)
+                pipe_q.consumer_wait(q_state, pipe_q.consumer_try_wait(q_state))
+                self.gemm_ss(mma_sdp, acc_S, tSrQ[None, None, None, s], tSrK, False)
+                pipe_do.consumer_wait(do_state, pipe_do.consumer_try_wait(do_state))
+                self.gemm_ss(mma_sdp, acc_dP, tSrdO[None, None, None, sd], tSrV, False)
+                probs_args = (
+                    tScS,
+                    lse_i,
+                    0,
+                    masked,
+                    n_block,
+                    m_block,
+                    seqlen_k,
+                    shift,
+                    scale_log2,
+                    win,
+                )
+                if const_expr(self.OVERLAP):
+                    # P while dP's wgmma runs, then dS.
+                    warpgroup.wait_group(1)
+                    self.probs(acc_S, *probs_args, None, softcap_pre)
+                    self.pack(acc_S, rP)
+                    warpgroup.wait_group(0)
+                    self.dscores(acc_S, acc_dP, tScS, d_i, 0, scale)
+                else:  # S and dP retire together; P and dS in one loop
+                    warpgroup.wait_group(0)
+                    self.probs(acc_S, *probs_args, (acc_dP, d_i, scale), softcap_pre)
+                    self.pack(acc_S, rP)
+                self.pack(acc_dP, rdS)
+                # One buffer: every WG has retired the previous block's dV^T, dQ and dK^T (the
+                # readers of sP and sdS) before either is rewritten. Two: the previous block's
+                # DS_READY already ordered it.
+                if const_expr(self.DS_STAGES == 1):
+                    cute.arch.barrier(
+                        barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
+                    )
+                cute.autovec_copy(rP, tPsP[None, None, None, ds_i])
+                cute.autovec_copy(rdS, tPsdS[None, None, None, ds_i])
+                # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(
+                    barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
+                )
+                self.gemm_ss(mma_dkv, acc_dV, tdVrdO[None, None, None, sd],
+                             tdVrP[None, None, None, ds_i], True)  # fmt: skip
+                self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                self.gemm_ss(mma_dkv, acc_dK, tdKrQ[None, None, None, s],
+                             tdKrdS[None, None, None, ds_i], True)  # fmt: skip
+                warpgroup.wait_group(2)  # dV^T retired: the dO stage is read
+                pipe_do.consumer_release(do_state)
+                warpgroup.wait_group(1)  # dQ retired; dK^T runs on
+                self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                            m_block, seqlen_q)  # fmt: skip
+                warpgroup.wait_group(0)  # dK^T retired: the Q stage is read
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+                do_state.advance()
+        self.store_dkv_t(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, batch)
+
+    @cute.jit
+    def store_dkv_t(
+        self,
+        thr_dkv,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        dkv_tmas: tuple,
+        mtid: Int32,
+        n_block: Int32,
+        head_kv: Int32,
+        batch: Int32,
+    ):
+        """dK^T and dV^T (D, TILE_N) in the input dtype into sK and sV (no longer read once
+        every WG is past its last dQ, S and dP), then one thread TMA-stores both (TILE_N, D)
+        tiles; the TMA unit drops the rows past Nk. (Stored from registers element by element,
+        the two fragments and their row addresses spilled.)"""
+        tile = (self.TILE_N, self.HEAD_DIM)
+        mma_threads = self.MMA_THREADS
+        cute.arch.barrier(barrier_id=int(Barrier.DS_FREE), number_of_threads=mma_threads)
+        for acc, s in ((acc_dK, sK), (acc_dV, sV)):
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            self.pack(acc, r)
+            st = thr_dkv.partition_C(self._transposed(s, self.TILE_N, self.HEAD_DIM))
+            cute.autovec_copy(r, st)
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
+        cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=mma_threads)
+        if mtid == 0:
+            tma_dk, tdK, tma_dv, tdV = dkv_tmas
+            for tma, t, s in ((tma_dk, tdK, sK), (tma_dv, tdV, sV)):
+                g = cute.local_tile(t[None, None, head_kv, batch], tile, (n_block, 0))
+                tma_store(tma, s, g)  # (TILE_N, D)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem read before the CTA exits
