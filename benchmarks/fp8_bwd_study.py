@@ -229,8 +229,23 @@ def summary(rows: list[dict]) -> str:
             for i, (mx, mn) in enumerate(_ratios(r, name)):
                 worst[i] = [max(worst[i][0], mx), max(worst[i][1], mn)]
         ok = all(w <= 2.0 for pair in worst for w in pair)
-        cells = " | ".join(f"{w[0]:.1f}x / {w[1]:.1f}x" for w in worst)
+        cells = " | ".join(f"{w[0]:.3g}x / {w[1]:.3g}x" for w in worst)
         lines.append(f"| {name} | {cells} | {'yes' if ok else 'no'} |")
+    return "\n".join(lines)
+
+
+def bf16_errors(rows: list[dict]) -> str:
+    """The range over cases of the bf16 backward's and PyTorch's bf16 relative errors."""
+    lines = ["| backward | inputs | dq max / mean | dk max / mean | dv max / mean |"]
+    lines.append("|---|---|---|---|---|")
+    for name in ("bf16", "bf16 pytorch"):
+        for kind in KINDS:
+            errs = [r["errors"][name] for r in rows if r["kind"] == kind]
+            cells = []
+            for i in range(3):
+                mx, mn = [e[i][0] for e in errs], [e[i][1] for e in errs]
+                cells.append(f"{min(mx):.2g}-{max(mx):.2g} / {min(mn):.2g}-{max(mn):.2g}")
+            lines.append(f"| {name} | {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -267,9 +282,11 @@ def main() -> None:
     for bits in args.acc_bits:
         rows = study(cases, bits)
         all_rows += rows
-        parts.append(
-            f"acc_bits {bits}: worst ratio to the bf16 backward's error\n\n{summary(rows)}"
-        )
+        for kind in KINDS:
+            sub = [r for r in rows if r["kind"] == kind]
+            head = f"acc_bits {bits}, {kind} inputs: worst ratio to the bf16 backward's error"
+            parts.append(f"{head}\n\n{summary(sub)}")
+        parts.append(f"bf16 backward's own errors (acc_bits {bits}):\n\n{bf16_errors(rows)}")
     text = "\n\n".join(parts)
     print(text)
     if args.out:
