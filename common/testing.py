@@ -14,7 +14,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from flashsuite.common.fp8_reference import scores_capped_and_masked
 from flashsuite.common.reference import attention_reference
+
+# The scores transform of the fp8 baselines (softcap, causal / window mask), under the name the
+# fp8 lab scripts import from here.
+_capped_and_masked = scores_capped_and_masked
 
 
 @dataclass(frozen=True)
@@ -380,8 +385,6 @@ def fp8_lse_baseline(
 ) -> torch.Tensor:
     """The LSE (B, Hq, Nq) float32 of e4m3 q, k whose scores are accumulated with `acc_bits`
     mantissa bits (mma_truncated), then descaled, capped, masked and reduced in float64."""
-
-    from flashsuite.common.fp8_reference import scores_capped_and_masked
 
     b, nq, hq, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
