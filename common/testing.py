@@ -14,7 +14,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from flashsuite.common.fp8_reference import scores_capped_and_masked
 from flashsuite.common.reference import attention_reference
+
+# The scores transform of the fp8 baselines (softcap, causal / window mask), under the name the
+# fp8 lab scripts import from here.
+_capped_and_masked = scores_capped_and_masked
 
 
 @dataclass(frozen=True)
@@ -391,49 +396,21 @@ def fp8_lse_baseline(
     s = mma_truncated(torch.zeros(b, hq, nq, nk, device=q8.device), qf, kf.transpose(-1, -2),
                       acc_bits).double()  # fmt: skip
     descale = (ds_q * ds_k).repeat_interleave(g, 1)[:, :, None, None].double()  # (B, Hq, 1, 1)
-    s = _capped_and_masked(s * descale * (options.get("softmax_scale") or d**-0.5), options)
+    s = scores_capped_and_masked(s * descale * (options.get("softmax_scale") or d**-0.5), options)
     return torch.logsumexp(s, dim=-1).float()
-
-
-def _capped_and_masked(s: torch.Tensor, options: dict) -> torch.Tensor:
-    """Scaled scores (B, Hq, Nq, Nk) with the softcap of `options` applied and the keys a query
-    may not see (causal / window, bottom-right) set to -inf."""
-    from flashsuite.common.reference import visibility_mask
-
-    softcap = options.get("softcap", 0.0)
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    visible = visibility_mask(
-        s.shape[-2],
-        s.shape[-1],
-        causal=options.get("causal", False),
-        window_size=options.get("window_size", (-1, -1)),
-        device=s.device,
-    )
-    return s.masked_fill(~visible, float("-inf"))
 
 
 def fp8_baseline(q8, k8, v8, descales=(None, None, None), **options) -> torch.Tensor:
     """The fp8 path's own error: attention of the dequantised e4m3 q, k, v in float32 with
     P = exp(S - rowmax) rounded to e4m3 before P·V (as the fp8 kernel feeds its PV wgmma; the
-    row sum stays float32), delivered in bf16 like the kernel's output. (B, Nq, Hq, Dv)."""
-    from flashsuite.common.fp8 import E4M3, dequantize_e4m3
+    row sum stays float32), delivered in bf16 like the kernel's output. (B, Nq, Hq, Dv).
+    Descales (B, Hkv), q's shared by its GQA group: common.fp8_reference.attention_fp8 in
+    "head" mode."""
+    from flashsuite.common.fp8 import Fp8Tensor
+    from flashsuite.common.fp8_reference import attention_fp8
 
-    b, _, hq, d = q8.shape
-    hkv = k8.shape[2]
-    g = hq // hkv
+    b, hq, hkv = q8.shape[0], q8.shape[2], k8.shape[2]
     ones = torch.ones(b, hkv, device=q8.device)
     ds_q, ds_k, ds_v = (t if t is not None else ones for t in descales)
-    qf = dequantize_e4m3(q8, ds_q, group=g)  # (B, Nq, Hq, D)
-    kf = dequantize_e4m3(k8, ds_k).repeat_interleave(g, dim=2)  # (B, Nk, Hq, D)
-    vf = dequantize_e4m3(v8, ds_v).repeat_interleave(g, dim=2)  # (B, Nk, Hq, Dv)
-    scale = options.get("softmax_scale") or d**-0.5
-    s = torch.einsum("bqhd,bkhd->bhqk", qf, kf) * scale  # (B, Hq, Nq, Nk)
-    s = _capped_and_masked(s, options)  # (B, Hq, Nq, Nk)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # (B, Hq, Nq, 1)
-    p = torch.exp(s - m)  # (B, Hq, Nq, Nk)
-    denom = p.sum(-1, keepdim=True)  # (B, Hq, Nq, 1)
-    out = torch.einsum("bhqk,bkhd->bqhd", p.to(E4M3).float(), vf)  # (B, Nq, Hq, Dv)
-    denom = torch.where(denom == 0, torch.ones_like(denom), denom).transpose(1, 2)
-    return (out / denom).to(torch.bfloat16)
+    q = Fp8Tensor(q8, ds_q, "head", group=hq // hkv)
+    return attention_fp8(q, Fp8Tensor(k8, ds_k), Fp8Tensor(v8, ds_v), **options)
