@@ -21,7 +21,8 @@ import json
 
 import torch
 
-from flashsuite.common.testing import FP8_MMA_K, _capped_and_masked, mma_truncated
+from flashsuite.common.fp8_reference import scores_capped_and_masked
+from flashsuite.common.testing import FP8_MMA_K, mma_truncated
 
 
 def _aligned(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def emulated_lse(q8, k8, ds, model: str, bits: int, causal: bool) -> torch.Tenso
         out.append(s)
     s = torch.cat(out, dim=1).double()
     descale = (ds[0] * ds[1]).repeat_interleave(g, 1)[:, :, None, None].double()
-    s = _capped_and_masked(s * descale * d**-0.5, {"causal": causal})
+    s = scores_capped_and_masked(s * descale * d**-0.5, {"causal": causal})
     return torch.logsumexp(s, dim=-1).float()
 
 

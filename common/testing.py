@@ -17,10 +17,6 @@ import torch
 from flashsuite.common.fp8_reference import scores_capped_and_masked
 from flashsuite.common.reference import attention_reference
 
-# The scores transform of the fp8 baselines (softcap, causal / window mask), under the name the
-# fp8 lab scripts import from here.
-_capped_and_masked = scores_capped_and_masked
-
 
 @dataclass(frozen=True)
 class Case:
