@@ -526,7 +526,10 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="three correctness cases, one per wide head dim"
     )
     ap.add_argument("--bench", action="store_true", help="also the TFLOP/s sweep")
-    ap.add_argument("--match", default="", help="only the correctness cases whose id has this")
+    ap.add_argument(
+        "--match", action="append", default=[],
+        help="only the correctness cases whose id has this (repeat: any of them)",
+    )  # fmt: skip
     ap.add_argument(
         "--variant", action="append", default=[], help="a BwdConfig variant by name (repeat)"
     )
@@ -556,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:  # the first three (D 64 / 128) and the first case of each wide head dim
         wide = wide_head_cases()
         cases = cases[:3] + [next(c for c in wide if c.head_dim == d) for d in (96, 192, 256)]
-    cases = [c for c in cases if args.match in c.id]
+    if args.match:
+        cases = [c for c in cases if any(m in c.id for m in args.match)]
     failures = 0
     for case in cases:
         save(running=case.id)
