@@ -79,7 +79,7 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
     the version ships it on by default (`OWN_BACKWARD_DEFAULT`, chosen by measurement) or
     `FLASHSUITE_<NAME>_BWD=1` (e.g. FLASHSUITE_FA3_BWD=1) asks for it; `=0` turns it off, so
     the partner's backward runs without a code change. Problems for which the version's
-    optional `backward_opt_in(p)` gives a reason (fa3: head dims not yet run on a GPU) take
+    optional `backward_opt_in(p)` gives a reason (fa3: builds not yet run on a GPU) take
     the own backward only when asked for.
     """
     mod = module(name)

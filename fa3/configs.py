@@ -286,11 +286,11 @@ def config_for(p: AttnParams) -> Fa3Config:
 # packed sequences (varlen)
 # ------------------------------------------------------------------------------------------------
 # Whether auto selection runs fa3 for `dispatch.attention_varlen` on sm90 (else fa2's Triton
-# varlen kernel, with fa3's reason in explain()). Off: the fa3 varlen forward is compiled and
-# checked for sm_90a on the CPU (tests/test_fa3_varlen.py) but has not run on a GPU yet;
-# version="fa3" runs it. Turn on once tests/test_fa3_varlen.py passes on the H200 and
-# benchmarks/decode_bench.py --varlen shows it ahead of fa2's varlen there.
-VARLEN_AUTO = False
+# varlen kernel, with fa3's reason in explain()). On: on the H200 (commit e4c4cc5) every GPU
+# case of tests/test_fa3_varlen.py passed (per-sequence oracle with NaN guard rows, one binary
+# for every batch composition, autograd, 64k mixed tokens), and benchmarks/decode_bench.py
+# --varlen timed it at 1.48x fa2's varlen forward (1.34x causal; 64k tokens, H 16, D 128).
+VARLEN_AUTO = True
 
 
 def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
@@ -353,10 +353,13 @@ def _overlap(cfg: Fa3Config) -> Fa3Config:
 # setmaxnreg split (producer, MMA) per number of MMA warpgroups: 128 x 24 + 256 x 240 = 64,512.
 BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
-# Head dims whose backward compiles spill-free and passes the CPU checks but has not yet run on a
-# GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
-# (interface.backward_opt_in), fa2's otherwise.
-BWD_HEAD_DIMS_UNVERIFIED = (96, 192, 256)
+# Builds (head_dim, feature) that compile spill-free and pass the CPU checks but have not yet run
+# on a GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
+# (interface.backward_opt_in), fa2's otherwise. On the H200 (commit e4c4cc5) D 96 and 192 passed
+# every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
+# included), D 256 the variant set (no softcap case); no deterministic build of the three ran.
+BWD_UNVERIFIED = ((256, "softcap"), (96, "deterministic"), (192, "deterministic"),
+                  (256, "deterministic"))  # fmt: skip
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
 # (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
@@ -547,7 +550,7 @@ def _bwd_wide_config(head_dim: int, softcap: bool) -> BwdConfig:
     softcap, deterministic), 0 spills. D = 192 cannot give each warpgroup whole m64 atoms of D
     (96 rows), so they split the keys (192 x 48 each: 3 m64n48 atoms), dK^T + dV^T 144, S + dP
     48, dQ 48; R224-R228, 0 spills (budget 240; tests/test_fa3_bwd_compile.py checks both).
-    Not yet run on a GPU (BWD_HEAD_DIMS_UNVERIFIED).
+    On the H200 both pass their oracle cases (BWD_UNVERIFIED lists what has not run).
     """
     common = {
         "tile_m": 64,

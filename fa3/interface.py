@@ -23,7 +23,7 @@ from flashsuite.common.validation import AttnParams, VarlenParams
 from flashsuite.fa3.configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
-    BWD_HEAD_DIMS_UNVERIFIED,
+    BWD_UNVERIFIED,
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
@@ -42,7 +42,7 @@ NAME = "fa3"
 HAS_BACKWARD = False
 # Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
-# Whether auto selection takes fa3 for packed sequences: configs.VARLEN_AUTO says why not yet.
+# Whether auto selection takes fa3 for packed sequences (configs.VARLEN_AUTO: the measurement).
 # The varlen backward is the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
 VARLEN_AUTO_SELECT = VARLEN_AUTO
 
@@ -317,10 +317,20 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 
 def backward_opt_in(p: AttnParams) -> str:
     """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
-    when it takes it by default: head dims whose kernel compiles and passes the CPU checks but
-    has not yet run on a GPU (configs.BWD_HEAD_DIMS_UNVERIFIED)."""
-    if p.head_dim in BWD_HEAD_DIMS_UNVERIFIED:
-        return f"fa3 backward at head_dim {p.head_dim} compiled but not yet run on a GPU"
+    when it takes it by default: builds that compile and pass the CPU checks but have not yet
+    run on a GPU (configs.BWD_UNVERIFIED: softcap at D = 256, the deterministic builds at
+    D = 96 / 192 / 256)."""
+    features = []
+    if p.softcap > 0:
+        features.append("softcap")
+    if torch.are_deterministic_algorithms_enabled():
+        features.append("deterministic")
+    for feature in features:
+        if (p.head_dim, feature) in BWD_UNVERIFIED:
+            return (
+                f"fa3 backward at head_dim {p.head_dim} with {feature} compiled but not yet run "
+                "on a GPU"
+            )
     return ""
 
 
