@@ -448,6 +448,20 @@ GPU_MUTANTS = [
         OWN,
     ),
     Mutant(
+        "fa3 bwd: window's left edge off by one (mask)",
+        FA3_BWD,
+        "hi, lo = diag + win[1] + 1, diag - win[0]",
+        "hi, lo = diag + win[1] + 1, diag - win[0] - 1",
+        f"{OWN} and win",
+    ),
+    Mutant(
+        "fa3 bwd: window's last row block of a column block skipped",
+        "fa3/bwd_kernel.py",
+        "row_end = cutlass.max(last_key - shift + window_left + 1, 0)",
+        "row_end = cutlass.max(last_key - shift + window_left + 1 - self.TILE_M, 0)",
+        f"{OWN} and win",
+    ),
+    Mutant(
         "fa3 varlen: Q/O rows bounded one past the sequence (a write into the next one)",
         FA3_VARLEN,
         "return self._rows(t, head, self.offset_q, self.seqlen_q)",
