@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     # fa3's own backward is what this script checks, also where dispatch leaves it off by
-    # default (configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
+    # default (bwd_configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
     os.environ[SWITCH] = "1"
     if not torch.cuda.is_available():
         _log("fa3_bwd_check: needs a CUDA GPU (sm90)")

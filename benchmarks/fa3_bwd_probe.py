@@ -59,7 +59,7 @@ def cases(everything: bool) -> list[tuple]:
     in bf16 plus fp16 once: the dtype changes only the conversion instructions."""
     import torch
 
-    from flashsuite.fa3.configs import bwd_shipped_configs
+    from flashsuite.fa3.bwd_configs import bwd_shipped_configs
 
     shipped = bwd_shipped_configs()
     if everything:

@@ -10,7 +10,7 @@ issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/r
 
 from __future__ import annotations
 
-from flashsuite.fa3.configs import BwdConfig
+from flashsuite.fa3.bwd_configs import BwdConfig
 
 # name -> (config, what it changes relative to "base")
 VARIANTS: dict[str, tuple[BwdConfig, str]] = {
@@ -72,7 +72,7 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     ),
 }
 
-# The "dkv_t" layout (D = 192 and 256; configs._bwd_wide_config): S not transposed, P and dS
+# The "dkv_t" layout (D = 192 and 256; bwd_configs._bwd_wide_config): S not transposed, P and dS
 # through smem, dK^T / dV^T with D on wgmma's M, a 2-stage Q ring and a 1-stage dO ring.
 _WIDE = {"tile_m": 64, "stages": 2, "do_stages": 1, "dq_mode": "warp", "layout": "dkv_t"}
 _WIDE192 = {**_WIDE, "tile_n": 96, "dkv_split": "keys"}

@@ -70,7 +70,7 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         args = (q, q, q, q.clone(), lse, *(None,) * 5, 1.0, 1.0, 0, 0, 1)  # no descales/cu_seqlens
     elif step == "bwd":
         from flashsuite.fa3 import bwd_host
-        from flashsuite.fa3.configs import bwd_config_for
+        from flashsuite.fa3.bwd_configs import bwd_config_for
 
         mod, name, getter = bwd_host, "compile_backward", bwd_host.get_backward
         key = bwd_host.BwdCompileKey(bf16, head_dim, causal, bwd_config_for(head_dim, bf16, causal))

@@ -9,7 +9,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from flashsuite.fa3.configs import dq_tile_modes
+from flashsuite.fa3.bwd_configs import dq_tile_modes
 from flashsuite.fa3.utils import (
     bulk_reduce_add_f32,
     ld_acquire_gpu_s32,
@@ -32,7 +32,7 @@ class Barrier(enum.IntEnum):
 
 def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int) -> cute.Layout:
     """(TILE_M, D) -> offset of the "warp" dq_mode's fp32 tile, in smem and in each TILE_M x D
-    block of the global accumulator: configs.dq_tile_modes, the dQ wgmma's fragment order."""
+    block of the global accumulator: bwd_configs.dq_tile_modes, the dQ wgmma's fragment order."""
     shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs)
     return cute.make_layout(shape, stride=stride)
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
+from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 from flashsuite.fa3.compile import (
     cached,
     check_storage,
@@ -32,7 +33,6 @@ from flashsuite.fa3.compile import (
     cutlass_dtype,
     kernel_scalars,
 )
-from flashsuite.fa3.configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 
 LOG2E = math.log2(math.e)
 
@@ -195,7 +195,7 @@ def dq_from_tiles(
     dq_acc: torch.Tensor, nq: int, tile_m: int, num_wgs: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
-    whose TILE_M x D blocks hold dQ in configs.dq_tile_modes order: one permuting copy (with
+    whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order: one permuting copy (with
     the cast)."""
     (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs)
     # The tile's modes sorted by decreasing stride are a plain view of its memory; a row mode

@@ -68,11 +68,11 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
 from flashsuite.fa3.bwd_dq import Barrier, BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
-from flashsuite.fa3.configs import BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 
 

@@ -20,18 +20,20 @@ import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
 from flashsuite.common.validation import AttnParams, VarlenParams
-from flashsuite.fa3.configs import (
+from flashsuite.fa3.bwd_configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
     BWD_UNVERIFIED,
+    BwdConfig,
+    bwd_can_implement,
+    bwd_config_for,
+)
+from flashsuite.fa3.configs import (
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
     VARLEN_AUTO,
-    BwdConfig,
     Fa3Config,
-    bwd_can_implement,
-    bwd_config_for,
     can_implement,
     can_implement_varlen,
     config_for,
@@ -40,7 +42,7 @@ from flashsuite.fa3.configs import (
 
 NAME = "fa3"
 HAS_BACKWARD = False
-# Own backward without FLASHSUITE_FA3_BWD=1: configs.BWD_DEFAULT_ON holds the measurement.
+# Own backward without FLASHSUITE_FA3_BWD=1: bwd_configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 # Whether auto selection takes fa3 for packed sequences (configs.VARLEN_AUTO: the measurement).
 # The varlen backward is the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
@@ -318,7 +320,7 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 def backward_opt_in(p: AttnParams) -> str:
     """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
     when it takes it by default: builds that compile and pass the CPU checks but have not yet
-    run on a GPU (configs.BWD_UNVERIFIED: softcap at D = 256, the deterministic builds at
+    run on a GPU (bwd_configs.BWD_UNVERIFIED: softcap at D = 256, the deterministic builds at
     D = 96 / 192 / 256)."""
     features = []
     if p.softcap > 0:
@@ -370,7 +372,7 @@ def backward(
 
     dout, q, out (B, Nq, Hq, D); k, v (B, Nk, Hkv, D), fp16/bf16 on an sm90 GPU, last dim
     contiguous; lse (B, Hq, Nq) float32 (natural log, -inf for rows that see no key). `cfg`
-    overrides the tile config from configs.bwd_config_for.
+    overrides the tile config from bwd_configs.bwd_config_for.
     """
     ok, reason = supports_backward(p, 90)
     if not ok:

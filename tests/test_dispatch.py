@@ -289,7 +289,7 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
             backward(q, q, k, v, q, None, check_inputs(q, k, v))
         finally:
             torch.use_deterministic_algorithms(was)
-        monkeypatch.delenv("FLASHSUITE_FA3_BWD")  # the default: configs.BWD_DEFAULT_ON
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD")  # the default: bwd_configs.BWD_DEFAULT_ON
         backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
     default = "fa3" if registry.module("fa3").OWN_BACKWARD_DEFAULT else "fa2"
     assert calls == ["fa3", "fa3", "fa2", "fa3", default]

@@ -32,14 +32,14 @@ import torch
 
 pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 
-from flashsuite.fa3.configs import (
-    SMEM_CAPACITY,
+from flashsuite.fa3.bwd_configs import (
     BwdConfig,
     bwd_can_implement,
     bwd_config_for,
     bwd_shipped_configs,
     bwd_smem_bytes,
 )
+from flashsuite.fa3.configs import SMEM_CAPACITY
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARDS = 2  # the CI machine has 2 cores; each shard is one compiler process
@@ -396,8 +396,8 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int) -> None:
     """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
     layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
     that map, for a ragged Nq too."""
+    from flashsuite.fa3.bwd_configs import dq_tile_modes
     from flashsuite.fa3.bwd_host import dq_from_tiles
-    from flashsuite.fa3.configs import dq_tile_modes
 
     (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, 2)
 
@@ -429,7 +429,7 @@ def _kernel_contract(key, causal: bool):
     dQ into the accumulator in the config's layout ("warp": TILE_M x D blocks in dq_tile_modes
     order), dK and dV summed over each GQA group."""
     from flashsuite.common.reference import visibility_mask
-    from flashsuite.fa3.configs import dq_tile_modes
+    from flashsuite.fa3.bwd_configs import dq_tile_modes
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
             window_left, window_right):  # fmt: skip

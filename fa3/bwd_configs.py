@@ -1,0 +1,316 @@
+"""Tile configurations for the fa3 backward (bwd_kernel.Fa3Backward), one frozen dataclass per
+(head_dim, dtype, causal, softcap): the "sdp_t" layout (S^T and dP^T, dK / dV from registers) at
+D = 64 / 96 / 128 and the "dkv_t" layout (P and dS through smem, dK^T / dV^T with D on M) at
+D = 192 / 256, the setmaxnreg split, the dQ tile order of the writer warp, and the limits
+`bwd_can_implement` checks. Each entry's shared-memory and register arithmetic is written next
+to it; H200 numbers are noted where an entry was measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashsuite.fa3.configs import DTYPES, SMEM_CAPACITY, _align
+
+# setmaxnreg split (producer, MMA) per number of MMA warpgroups: 128 x 24 + 256 x 240 = 64,512.
+BWD_REG_SPLIT = {2: (24, 240)}
+BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
+# Builds (head_dim, feature) that compile spill-free and pass the CPU checks but have not yet run
+# on a GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
+# (interface.backward_opt_in), fa2's otherwise. On the H200 (commit e4c4cc5) D 96 and 192 passed
+# every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
+# included), D 256 the variant set (no softcap case); no deterministic build of the three ran.
+BWD_UNVERIFIED = ((256, "softcap"), (96, "deterministic"), (192, "deterministic"),
+                  (256, "deterministic"))  # fmt: skip
+
+# Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
+# (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
+# both D in that run) the kernel ran at 1.3-1.7x fa2's backward on the H200, both timed in one
+# run (commit 67913ca, bf16, B·N = 16k, Hq·D = 2048, N = 16k, TFLOP/s; docs/results.md):
+# D = 128 571 vs 384, causal 551 vs 323; D = 64 452 vs 346, causal 452 vs 299. Not at N = 1k,
+# D = 64 causal: 166 vs 188.
+BWD_DEFAULT_ON = True
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Static tile shape of the fa3 backward (part of its compile key)."""
+
+    tile_m: int = 64  # query rows per step of the row-block loop (S^T's N, dV/dK's K)
+    tile_n: int = 128  # key rows per CTA: 64 per MMA warpgroup ("sdp_t")
+    stages: int = 2  # depth of the Q / dO / LSE / D TMA ring ("dkv_t": of Q and LSE)
+    num_mma_wgs: int = 2
+    # Which products are transposed (docs/design.md, "The fa3 backward"). "sdp_t" (D <= 128):
+    # S^T = K Q^T and dP^T = V dO^T with 64 keys per warpgroup on wgmma's M, P^T and dS^T
+    # feeding dV += P^T dO and dK += dS^T Q from registers. "dkv_t" (D = 192, 256, where D x 64
+    # keys of fp32 dK and dV do not fit the registers): S = Q K^T and dP = dO V^T with the query
+    # rows on M (the warpgroups split the keys), P and dS through shared memory (sP, sdS),
+    # dV^T += dO^T P and dK^T += Q^T dS with D on M, all four operands from shared memory.
+    layout: str = "sdp_t"
+    # "dkv_t": how the MMA warpgroups split dK^T and dV^T. "d": D / num_mma_wgs rows of D each
+    # (whole m64 atoms) over every key; "keys": every row of D over tile_n / num_mma_wgs keys.
+    dkv_split: str = "d"
+    # "dkv_t": depth of the dO / D ring, which has its own mbarriers (Q and LSE keep `stages`);
+    # the dO stage is released as soon as dV^T's wgmma retires. 0: `stages` (one ring).
+    do_stages: int = 0
+    # How a row block's dQ reaches the fp32 accumulator in global memory: "atomic", one
+    # atom.global.add.f32 per element from registers; "warp", the MMA warpgroups store the
+    # fragment to an fp32 smem tile in fragment order and warp 1 of the producer warpgroup adds
+    # the whole tile with one cp.reduce.async.bulk into a tile-ordered accumulator
+    # (B, Hq, Nq_pad, D), which the host permutes back (bwd_host.dq_from_tiles).
+    dq_mode: str = "atomic"
+    # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
+    # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
+    ds_store: str = "scalar"
+    # Deterministic dQ (torch.use_deterministic_algorithms): the column blocks of one
+    # (row block, head, batch) add their dQ in n_block order, each waiting on an int32 counter
+    # in global memory (ld.acquire.gpu spin, red.release.gpu increment): by the MMA threads in
+    # "atomic" dq_mode, by the writer warp in "warp" dq_mode.
+    deterministic: bool = False
+    # Buffers of sdS (and of sP, "dkv_t"). 1: every WG's wgmmas of the previous row block that
+    # read them must retire before they are rewritten (a named barrier per row block); 2: row
+    # blocks alternate buffers, and the one barrier that publishes dS also orders the reuse.
+    ds_stages: int = 1
+    # Issue order inside a row block. False: S^T and dP^T retire together, then P^T and dS^T,
+    # then dV, dK and dQ, all retired before dQ is added. True: P^T while dP^T's wgmma runs;
+    # dV, dQ, then dK issued; dQ leaves once dV and dQ retire, while dK still runs.
+    overlap: bool = False
+    # Grid order. False: (n_block, kv head, batch), blockIdx.x = n_block, so the column blocks of
+    # one head run side by side and share its Q / dO tiles in L2. True: (kv head, batch,
+    # n_block), so every head's n_block 0 launches before any n_block 1: the longest CTAs first
+    # under causal masking (column block n sees the row blocks from n's diagonal down). On the
+    # H200 True lost 3-24 % at D 64 / 128, N 4k / 16k, causal too (docs/results.md).
+    lpt: bool = False
+
+
+BWD_DQ_MODES = ("atomic", "warp")
+BWD_DS_STORES = ("scalar", "stmatrix")
+BWD_LAYOUTS = ("sdp_t", "dkv_t")
+BWD_DKV_SPLITS = ("d", "keys")
+
+
+def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tuple]:
+    """(shape, stride) of the "warp" dq_mode's (TILE_M, D) fp32 tile layout, used in smem and
+    in each TILE_M x D block of the global accumulator (bwd_dq.dq_tile_layout builds it,
+    bwd_host.dq_from_tiles inverts it).
+
+    Warpgroup g owns columns [g D/G, (g+1) D/G) (dQ's atom layout (1, G, 1)); in it, warp w of
+    the m64nNk16 accumulator holds rows 16 w + 8 r + a (a = lane / 4) and columns 8 j + 2 b + c
+    (b = lane % 4) in register c + 2 r + 4 j. Offset c + 2 r + 4 b + 16 a + 128 w + 512 j
+    (+ g TILE_M D / G) puts each thread's registers 4 j .. 4 j + 3 in 16 contiguous bytes and a
+    warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4 registers, and one bulk copy
+    per tile."""
+    if tile_m % 64:
+        raise ValueError(f"dq_tile_modes: tile_m {tile_m} not a multiple of 64 (m64 atoms)")
+    if head_dim % (8 * num_wgs):
+        raise ValueError(f"dq_tile_modes: head_dim {head_dim} not a multiple of 8 x {num_wgs}")
+    j = head_dim // num_wgs // 8
+    chunk = tile_m * head_dim // num_wgs
+    # A second m64 atom (tile_m = 128: rows 64 m + ...) follows the first's j blocks, as its
+    # registers follow them in the fragment.
+    rows, row_strides = (8, 2, 4), (16, 2, 128)
+    if tile_m > 64:
+        rows, row_strides = (*rows, tile_m // 64), (*row_strides, 512 * j)
+    return (rows, (2, 4, j, num_wgs)), (row_strides, (1, 4, 512, chunk))
+
+
+def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
+    """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
+    mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV, sdS (and sP,
+    "dkv_t"), then sdQ (TILE_M x D fp32 in "warp" dq_mode, one word otherwise). sdS and sP have
+    ds_stages buffers; "dkv_t" gives dO and D their own do_stages ring."""
+    do_stages = cfg.do_stages or cfg.stages
+    dkv_t = cfg.layout == "dkv_t"
+    mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
+    stats = _align(cfg.tile_m * cfg.stages * 4, 128) + _align(cfg.tile_m * do_stages * 4, 128)
+    q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
+    do = cfg.tile_m * head_dim * elem_bytes * do_stages
+    kv = cfg.tile_n * head_dim * elem_bytes
+    ds = cfg.tile_m * cfg.tile_n * elem_bytes * cfg.ds_stages
+    dq = cfg.tile_m * head_dim * 4 if cfg.dq_mode == "warp" else 4
+    body = _align(_align(mbar, 128) + stats) + _align(q) + _align(do) + 2 * _align(kv)
+    body += (2 if dkv_t else 1) * _align(ds)
+    return body + _align(dq)  # the struct rounds up to its 1 KiB alignment
+
+
+def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
+    """fp32 accumulators per MMA thread at their peak plus overhead; ptxas
+    (tests/test_fa3_bwd_compile.py) is the judge.
+
+    "sdp_t": S^T, dP^T, dV and dK. The packed 16-bit P^T and dS^T take the place of S^T and
+    dP^T, and dQ's fragment comes after both are consumed, so neither is counted. "dkv_t": dK^T
+    and dV^T for the whole loop, plus the larger of S, dP and their 16-bit copies (before sP and
+    sdS are written) and dQ (after)."""
+    w = cfg.num_mma_wgs
+    if cfg.layout == "dkv_t":
+        dkv = 2 * head_dim * cfg.tile_n // (128 * w)
+        sdp = 2 * cfg.tile_m * cfg.tile_n // (128 * w)
+        dq = cfg.tile_m * head_dim // (128 * w)
+        return dkv + max(sdp + sdp // 2, dq) + 24
+    rows = cfg.tile_n // w
+    s = rows * cfg.tile_m // 128
+    dkv = rows * head_dim // 128
+    return 2 * s + 2 * dkv + 24
+
+
+def bwd_config_for(
+    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
+) -> BwdConfig:
+    """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
+
+    128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
+    ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
+    at D = 128, 128-row ones at D = 64 (FA3's and FA4's shapes). Chosen on the H200 (bf16,
+    B·N = 16k, Hq·D = 2048, TFLOP/s at N = 16k,
+    `benchmarks/fa3_bwd_check.py --variant ... --bench`, docs/results.md), against the first
+    config (per-element dQ atomics, one sdS buffer, serial issue): D = 128 516 vs 297, causal
+    510 vs 297; D = 64 434 vs 274, causal 417 vs 276. The writer warp alone gives most of it
+    (483 / 484 / 411 / 398); the overlapped order and the second sdS buffer gain nothing without it
+    (301 / 306 / 269 / 284); stmatrix adds 0-7 % at D = 128. At D = 64, 128-row Q tiles
+    (variant pipe128: twice the work per barrier and per K/V load) take N = 4k / 16k from
+    420 / 452 to 438 / 479 and causal from 371 / 452 to 380 / 464 (+2-6 %; the 64-row numbers
+    through dispatch and pipe128 through its variant run, one device session, commit 67913ca;
+    0.97-1.07x cuDNN); they
+    passed the variant oracle cases at D = 64 (one block, fp16 causal GQA with Nq != Nk, causal
+    MQA at 513 x 700, strided). Softcap builds keep the serial issue order (dS needs tanh' from
+    the P loop) and 64-row tiles.
+
+    D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
+    2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
+    smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
+    """
+    del dtype, causal
+    if head_dim not in BWD_HEAD_DIMS:
+        raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
+    if head_dim > 128:
+        return _bwd_wide_config(head_dim, softcap)
+    return BwdConfig(
+        tile_m=128 if head_dim == 64 and not softcap else 64,
+        tile_n=128,
+        stages=2,
+        dq_mode="warp",
+        ds_store="stmatrix",
+        ds_stages=2,
+        overlap=not softcap,
+    )
+
+
+def _bwd_wide_config(head_dim: int, softcap: bool) -> BwdConfig:
+    """The "dkv_t" configs of D = 192 and 256 (FA3's and FA4's SM90 structure for these head
+    dims: S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M, 64-row Q
+    tiles); the serial issue order for softcap.
+
+    Shared memory (227 KiB, the writer warp's fp32 sdQ tile included) decides the tile. With a
+    2-stage Q ring and a 1-stage dO ring (dO's stage is released once dV^T retires, early in the
+    row block, so its next load overlaps dQ, dK^T and the next S) and one sP / sdS buffer:
+        D = 192, tile_n 96: Q 2 x 24 + dO 24 + K, V 2 x 36 + sP, sdS 2 x 12 + sdQ 48 = 216 KiB
+        D = 256, tile_n 48: Q 2 x 32 + dO 32 + K, V 2 x 24 + sP, sdS 2 x 6 + sdQ 64 = 220 KiB
+    (+ 2 KiB of mbarriers, LSE and D). A 2-stage dO ring would cost another 24 / 32 KiB: tile_n
+    64 at D = 192 (210 KiB: variant wide192_ring), and nothing wider than 16 at D = 256.
+    Registers per MMA thread (fp32): D = 256 splits D between the warpgroups (128 rows each: 2
+    m64n48 atoms), dK^T + dV^T 96, S + dP 24, dQ 64; ptxas' highest register R183-R191 (plain,
+    softcap, deterministic), 0 spills. D = 192 cannot give each warpgroup whole m64 atoms of D
+    (96 rows), so they split the keys (192 x 48 each: 3 m64n48 atoms), dK^T + dV^T 144, S + dP
+    48, dQ 48; R224-R228, 0 spills (budget 240; tests/test_fa3_bwd_compile.py checks both).
+    On the H200 both pass their oracle cases (BWD_UNVERIFIED lists what has not run).
+    """
+    common = {
+        "tile_m": 64,
+        "stages": 2,
+        "do_stages": 1,
+        "dq_mode": "warp",
+        "ds_stages": 1,
+        "overlap": not softcap,
+        "layout": "dkv_t",
+    }
+    if head_dim == 192:
+        return BwdConfig(tile_n=96, dkv_split="keys", **common)
+    return BwdConfig(tile_n=48, dkv_split="d", **common)
+
+
+def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether Fa3Backward can be built for this config: tile legality, smem and registers."""
+    if dtype not in DTYPES:
+        return False, f"fa3 backward: dtype {dtype} not in (float16, bfloat16)"
+    if head_dim not in BWD_HEAD_DIMS:
+        return False, f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}"
+    if cfg.num_mma_wgs not in BWD_REG_SPLIT:
+        return False, f"fa3 backward: num_mma_wgs {cfg.num_mma_wgs} not in {set(BWD_REG_SPLIT)}"
+    if cfg.layout not in BWD_LAYOUTS:
+        return False, f"fa3 backward: layout {cfg.layout!r} not in {BWD_LAYOUTS}"
+    ok, reason = (_dkvt_tiles_ok if cfg.layout == "dkv_t" else _sdpt_tiles_ok)(cfg, head_dim)
+    if not ok:
+        return False, reason
+    if head_dim % (8 * cfg.num_mma_wgs) != 0:
+        return False, f"fa3 backward: head_dim {head_dim} not split by {cfg.num_mma_wgs} WGs"
+    if cfg.stages < 1:
+        return False, f"fa3 backward: stages {cfg.stages} < 1"
+    if cfg.dq_mode not in BWD_DQ_MODES:
+        return False, f"fa3 backward: dq_mode {cfg.dq_mode!r} not in {BWD_DQ_MODES}"
+    if cfg.ds_store not in BWD_DS_STORES:
+        return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
+    if cfg.ds_stages not in (1, 2):
+        return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
+    smem = bwd_smem_bytes(cfg, head_dim)
+    if smem > SMEM_CAPACITY:
+        return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"
+    regs, budget = bwd_regs_estimate(cfg, head_dim), BWD_REG_SPLIT[cfg.num_mma_wgs][1]
+    if regs > budget:
+        return False, f"fa3 backward: ~{regs} registers per MMA thread > {budget}"
+    return True, ""
+
+
+def _sdpt_tiles_ok(cfg: BwdConfig, head_dim: int) -> tuple[bool, str]:
+    """Tile legality of the "sdp_t" layout: 64 keys per MMA warpgroup, one Q / dO ring."""
+    if cfg.tile_n != 64 * cfg.num_mma_wgs:
+        return False, f"fa3 backward: tile_n must be {64 * cfg.num_mma_wgs} (64 keys per MMA WG)"
+    # tile_m is the M of dQ's wgmma (64-row atoms, the WGs split D) and S^T's N. 128 rows
+    # fit the registers at D = 64 only, and only with dQ through the writer warp.
+    if cfg.tile_m not in (64, 128):
+        return False, f"fa3 backward: tile_m {cfg.tile_m} not in (64, 128)"
+    if cfg.tile_m == 128 and (head_dim != 64 or cfg.dq_mode != "warp"):
+        return False, "fa3 backward: tile_m 128 needs head_dim 64 and dq_mode 'warp'"
+    if cfg.do_stages not in (0, cfg.stages):
+        return False, f"fa3 backward: layout 'sdp_t' has one Q/dO ring, do_stages {cfg.do_stages}"
+    return True, ""
+
+
+def _dkvt_tiles_ok(cfg: BwdConfig, head_dim: int) -> tuple[bool, str]:
+    """Tile legality of the "dkv_t" layout: one m64 atom of query rows (S, dP, dQ), the keys
+    split between the warpgroups in S and dP, D (or the keys) in dK^T and dV^T."""
+    w = cfg.num_mma_wgs
+    if cfg.tile_m != 64:
+        return False, f"fa3 backward: layout 'dkv_t' needs tile_m 64, not {cfg.tile_m}"
+    # Each WG's S columns are a wgmma N (a multiple of 8); the keys are dQ's K (16 a step).
+    if cfg.tile_n % 16 or cfg.tile_n % (8 * w) or not 16 <= cfg.tile_n <= 256:
+        return False, (
+            f"fa3 backward: tile_n {cfg.tile_n} must be a multiple of 16 and of 8 x {w} in "
+            "[16, 256] (layout 'dkv_t')"
+        )
+    if cfg.dkv_split not in BWD_DKV_SPLITS:
+        return False, f"fa3 backward: dkv_split {cfg.dkv_split!r} not in {BWD_DKV_SPLITS}"
+    rows = head_dim // w if cfg.dkv_split == "d" else head_dim
+    if rows % 64 or head_dim % w:
+        return False, (
+            f"fa3 backward: dkv_split {cfg.dkv_split!r} gives each WG {rows} rows of D for "
+            "dK^T / dV^T, not whole m64 atoms"
+        )
+    if cfg.dkv_split == "keys" and (cfg.tile_n // w) % 8:
+        return False, f"fa3 backward: tile_n {cfg.tile_n} not split into wgmma N by {w} WGs"
+    if cfg.ds_store != "scalar":
+        return False, "fa3 backward: layout 'dkv_t' stores P and dS with ds_store 'scalar'"
+    if cfg.do_stages < 0 or cfg.do_stages > cfg.stages:
+        return False, f"fa3 backward: do_stages {cfg.do_stages} not in [0, stages]"
+    return True, ""
+
+
+def bwd_shipped_configs() -> list[tuple[int, torch.dtype, bool, BwdConfig]]:
+    """Every (head_dim, dtype, causal, config) bwd_config_for returns."""
+    return [
+        (d, dt, c, bwd_config_for(d, dt, c))
+        for d in BWD_HEAD_DIMS
+        for dt in DTYPES
+        for c in (False, True)
+    ]
