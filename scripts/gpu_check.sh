@@ -6,6 +6,7 @@
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
+#   TEST_SHARD    i/n: `tests` runs every n-th test file from the i-th (the suite in n calls)
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
 #   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
 #                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
@@ -36,9 +37,17 @@ for part in $parts; do
       eval "extra=(${PYTEST_ARGS:-})"  # keeps quoted words together: -k 'fa1 or tma'
       # -v: one line per test as it finishes, so a run cut off midway still names every
       # failure so far; -rfE: the failures' and errors' short summaries at the end.
+      # TEST_SHARD=i/n: only every n-th test file from the i-th (0-based, sorted by name), for
+      # running the whole suite in n calls that each fit a device command's time limit
+      # (tests/benchmarks, the pytest-benchmark cases, is the `pybench` part then).
+      targets=(tests)
+      if [ -n "${TEST_SHARD:-}" ]; then
+        i=${TEST_SHARD%/*} n=${TEST_SHARD#*/}
+        mapfile -t targets < <(ls tests/test_*.py | sort | awk -v i="$i" -v n="$n" '(NR - 1) % n == i')
+      fi
       # shellcheck disable=SC2086
-      python3 -m pytest tests -v -rfE -p no:cacheprovider --junitxml "$out/junit.xml" $xdist \
-        "${extra[@]}" 2>&1 | tee "$out/tests.log" || status=1
+      python3 -m pytest "${targets[@]}" -v -rfE -p no:cacheprovider --junitxml "$out/junit.xml" \
+        $xdist "${extra[@]}" 2>&1 | tee "$out/tests.log" || status=1
       grep -E "(FAILED|ERROR)( |$)" "$out/tests.log" | sort -u > "$out/tests-failed.txt" ;;
     bench)
       # shellcheck disable=SC2086
