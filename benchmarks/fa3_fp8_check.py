@@ -52,7 +52,7 @@ def _probe_env() -> None:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"  # ptxas -v output on stderr
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a cache hit would skip ptxas
-    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # the cubin for its highest register
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_fp8_probe_")
 
 
@@ -61,6 +61,11 @@ FP8_PTX_PATTERNS = {
     "shfl_idx": r"shfl\.sync\.idx",
     "prmt": r"prmt\.b32",
     "cvt_e4m3x2": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+    # v_transpose="smem": the producer warpgroup's V -> Vᵀ (fp8_ops.transpose_block)
+    "ldmatrix_trans": r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16",
+    "stmatrix_b16x4": r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
+    "fence_proxy_async": r"fence\.proxy\.async\.shared::cta",
+    "mbarrier_arrive": r"mbarrier\.arrive(?!\.expect_tx)",
 }
 
 
@@ -100,6 +105,7 @@ def probe_one(
     head_dim: int, causal: bool, cfg: Any = None, local: bool = False, softcap: bool = False
 ) -> dict:
     """Compile one fp8 config; PTX counts, ptxas registers / spills / remarks."""
+    from benchmarks.fa3_bwd_probe import max_register
     from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
     from flashsuite.fa3.compile import CompileKey, compile_forward
     from flashsuite.fa3.configs import FP8_DTYPE, get_config, smem_bytes
@@ -125,6 +131,7 @@ def probe_one(
         "config": asdict(cfg),
         "smem": smem_bytes(cfg, head_dim, FP8_DTYPE),
         "compile_s": round(time.perf_counter() - t0, 2),
+        "max_reg": max_register(getattr(compiled, "__cubin__", None)),
         "ptx": counts,
         **parse_ptxas(log),
     }
@@ -133,7 +140,12 @@ def probe_one(
 def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool) -> int:
     _probe_env()
     from benchmarks.fa3_variants import fp8_variants
-    from flashsuite.fa3.configs import FP8_DTYPE, fp8_shipped_configs, get_config
+    from flashsuite.fa3.configs import (
+        FP8_DTYPE,
+        fp8_shipped_configs,
+        fp8_smem_transpose_config,
+        get_config,
+    )
 
     cases = [("shipped", d, c, cfg) for d, _, c, cfg in fp8_shipped_configs()]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
@@ -143,6 +155,10 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     named = {(n, d): cfg for n, d, cfg in fp8_variants()}
     cases.append(("persistent_v2", 128, True, named[("persistent_v2", 128)]))
     cases.append(("wg3_n128", 64, False, named[("wg3_n128", 64)]))
+    # V transposed in shared memory by the producer warpgroup (not shipped until timed).
+    cases += [
+        ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)
+    ]
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [
