@@ -117,8 +117,8 @@ def test_smem_transpose_build_and_barrier_protocol(name: str, d: int, causal: bo
     plus: one ldmatrix.x4.trans and one stmatrix.x4 per 32-key x 16-byte unit per warp (units
     split over TRANSPOSE_WARPS warps, the last round guarded), a proxy fence before the Vᵀ
     full barrier's arrive, arrives on the V empty and Vᵀ full barriers (transposers) and Vᵀ
-    empty (consumers), and the same wgmma as the host build (same tile: the issue count only
-    depends on tile_n and D)."""
+    empty (consumers), and as many wgmma instructions as the host build where the tiles are
+    equal (they depend on tile_n and D only)."""
     r = probes["configs"][(name, d, causal)]
     ptx, cfg = r["ptx"], Fa3Config(**r["config"])
     host = probes["configs"][("shipped", d, causal)]
