@@ -165,6 +165,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     cases += [
         ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)
     ]
+    cases.append(("vt_window_softcap", 128, False, fp8_smem_transpose_config(128, False)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [
@@ -176,7 +177,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     for name, d, causal, cfg in cases:
         if head_dims and d not in head_dims:
             continue
-        extra = name == "window_softcap"
+        extra = name in ("window_softcap", "vt_window_softcap")
         r = {"name": name, **probe_one(d, causal, cfg, local=extra, softcap=extra)}
         results["configs"].append(r)
         if not json_path:

@@ -49,7 +49,7 @@ CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue
 CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
 # V transposed in shared memory by the producer warpgroup (v_transpose="smem", not shipped).
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
-CASES += VT_CASES
+CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
 
 # The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
 # index = m + 64 k): the probe reads CuTe's own and must find exactly these.
