@@ -3,6 +3,7 @@
     python -m benchmarks.fa3_fp8_check --probe [--json F] [--head-dim D]   # sm_90a, no GPU
     python -m benchmarks.fa3_fp8_check --out DIR [--smoke] [--skip-bench]   # on the H200
     python -m benchmarks.fa3_fp8_check --out DIR --ablate [--head-dim D]   # H200: the variants
+    python -m benchmarks.fa3_fp8_check --out DIR --vt [--head-dim D]   # H200: Vᵀ host vs smem
 
 --probe compiles every fp8 table entry (configs.FP8_CONFIGS; causal and not) and reports PTX
 instruction counts, ptxas registers / spills / C75xx remarks and CuTe's fragment layouts that
@@ -18,6 +19,11 @@ The GPU run writes DIR/fa3_fp8.json:
    LSE is held to the bf16-maths error of the same dequantised problem.
 2. TFLOP/s at B·N = 16k, Hq·D = 2048, N 8192/16384, D 64/128/256, causal or not: fa3 fp8
    (with and without the Vᵀ copy), fa3 bf16 and SDPA cuDNN bf16 at the same shape, same run.
+
+--vt (DIR/fa3_fp8_vt.json) compares who transposes V (Fa3Config.v_transpose): the table's
+"host" build and its "smem" twin (configs.fp8_smem_transpose_config), each first on 3 small
+oracle cases (a failing build is not timed), then TFLOP/s of the user's call,
+fa3.interface.forward on an untransposed V (the host build's Vᵀ copy included), at N 4k/16k.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def _probe_env() -> None:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"  # ptxas -v output on stderr
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a cache hit would skip ptxas
-    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # the cubin for its highest register
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_fp8_probe_")
 
 
@@ -61,6 +67,11 @@ FP8_PTX_PATTERNS = {
     "shfl_idx": r"shfl\.sync\.idx",
     "prmt": r"prmt\.b32",
     "cvt_e4m3x2": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+    # v_transpose="smem": the producer warpgroup's V -> Vᵀ (fp8_ops.transpose_block)
+    "ldmatrix_trans": r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16",
+    "stmatrix_b16x4": r"stmatrix\.sync\.aligned\.m8n8\.x4\.shared\.b16",
+    "fence_proxy_async": r"fence\.proxy\.async\.shared::cta",
+    "mbarrier_arrive": r"mbarrier\.arrive(?!\.expect_tx)",
 }
 
 
@@ -100,6 +111,7 @@ def probe_one(
     head_dim: int, causal: bool, cfg: Any = None, local: bool = False, softcap: bool = False
 ) -> dict:
     """Compile one fp8 config; PTX counts, ptxas registers / spills / remarks."""
+    from benchmarks.fa3_bwd_probe import max_register
     from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
     from flashsuite.fa3.compile import CompileKey, compile_forward
     from flashsuite.fa3.configs import FP8_DTYPE, get_config, smem_bytes
@@ -125,6 +137,7 @@ def probe_one(
         "config": asdict(cfg),
         "smem": smem_bytes(cfg, head_dim, FP8_DTYPE),
         "compile_s": round(time.perf_counter() - t0, 2),
+        "max_reg": max_register(getattr(compiled, "__cubin__", None)),
         "ptx": counts,
         **parse_ptxas(log),
     }
@@ -133,7 +146,12 @@ def probe_one(
 def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool) -> int:
     _probe_env()
     from benchmarks.fa3_variants import fp8_variants
-    from flashsuite.fa3.configs import FP8_DTYPE, fp8_shipped_configs, get_config
+    from flashsuite.fa3.configs import (
+        FP8_DTYPE,
+        fp8_shipped_configs,
+        fp8_smem_transpose_config,
+        get_config,
+    )
 
     cases = [("shipped", d, c, cfg) for d, _, c, cfg in fp8_shipped_configs()]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
@@ -143,6 +161,11 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     named = {(n, d): cfg for n, d, cfg in fp8_variants()}
     cases.append(("persistent_v2", 128, True, named[("persistent_v2", 128)]))
     cases.append(("wg3_n128", 64, False, named[("wg3_n128", 64)]))
+    # V transposed in shared memory by the producer warpgroup (not shipped until timed).
+    cases += [
+        ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)
+    ]
+    cases.append(("vt_window_softcap", 128, False, fp8_smem_transpose_config(128, False)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [
@@ -154,7 +177,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     for name, d, causal, cfg in cases:
         if head_dims and d not in head_dims:
             continue
-        extra = name == "window_softcap"
+        extra = name in ("window_softcap", "vt_window_softcap")
         r = {"name": name, **probe_one(d, causal, cfg, local=extra, softcap=extra)}
         results["configs"].append(r)
         if not json_path:
@@ -405,9 +428,8 @@ def run_ablation(n: int = 8192, head_dims: list[int] | None = None) -> list[dict
         if d not in (head_dims or (64, 128, 256)):
             continue
         row: dict[str, Any] = {"variant": name, "D": d, "config": asdict(cfg)}
-        small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, descale=True)
         statuses = []
-        for c in (small, {**small, "causal": True}, {**small, "nq": 17, "nk": 700}):
+        for c in _small_cases(d):
             with hang_watchdog(_HANG_S):
                 try:
                     statuses.append(check_case(c, cfg=cfg)["status"])
@@ -424,6 +446,63 @@ def run_ablation(n: int = 8192, head_dims: list[int] | None = None) -> list[dict
     return rows
 
 
+def _small_cases(d: int) -> list[dict]:
+    small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, descale=True)
+    return [small, {**small, "causal": True}, {**small, "nq": 17, "nk": 700}]
+
+
+def run_vt_compare(head_dims: list[int] | None = None) -> list[dict]:
+    """Vᵀ by the host vs in shared memory: correctness (3 cases each), then TFLOP/s of the
+    whole call at B·N = 16k, Hq·D = 2048, N 4k / 16k, causal or not, D 64 / 128 / 256."""
+    from flashsuite.common.flops import attention_flops
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import FP8_DTYPE, fp8_smem_transpose_config, get_config
+
+    rows = []
+    for d in head_dims or (64, 128, 256):
+        for causal in (False, True):
+            builds = {
+                "host": get_config(d, FP8_DTYPE, causal),
+                "smem": fp8_smem_transpose_config(d, causal),
+            }
+            ok = {}
+            for name, cfg in builds.items():
+                statuses = []
+                small = dict(b=2, nq=1000, nk=1000, hq=4, hkv=2, d=d, descale=True, causal=causal)
+                mqa = {**small, "b": 1, "nq": 777, "hq": 6, "hkv": 1}
+                for c in (small, {**small, "nq": 17, "nk": 700}, mqa):
+                    with hang_watchdog(_HANG_S):
+                        try:
+                            statuses.append(check_case(c, cfg=cfg)["status"])
+                        except Exception as e:
+                            statuses.append(f"ERROR {type(e).__name__}: {e}")
+                ok[name] = all(st == "PASS" for st in statuses)
+                _log(f"[vt] D={d} causal={causal} {name}: {statuses}")
+                rows.append({"D": d, "causal": causal, "build": name, "correct": statuses})
+            for n in (4096, 16384):
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v, ds = _inputs(dict(b=b, nq=n, nk=n, hq=h, hkv=h, d=d, descale=True))
+                p8 = check_inputs(q, k, v, causal=causal)
+                flops = attention_flops(b, h, n, n, d, causal=causal)
+                row: dict[str, Any] = {"D": d, "N": n, "causal": causal}
+                for name, cfg in builds.items():
+                    row[f"{name}_config"] = asdict(cfg)
+                    if not ok[name]:
+                        row[f"{name}_error"] = "failed its oracle cases: not timed"
+                        continue
+                    with hang_watchdog(_HANG_S):
+                        args = (q, k, v, p8, *ds)
+                        ms = _ms(lambda a=args, c=cfg: interface.forward(*a, cfg=c))
+                    row[f"{name}_ms"] = ms
+                    row[f"{name}_tflops"] = flops / (ms * 1e-3) / 1e12
+                if "host_ms" in row and "smem_ms" in row:
+                    row["smem_speedup"] = row["host_ms"] / row["smem_ms"]
+                _log(f"[vt] {_describe(row)} speedup={row.get('smem_speedup')}")
+                rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--probe", action="store_true", help="compile for sm_90a only (no GPU)")
@@ -436,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         "--ablate",
         action="store_true",
         help="GPU run: only fa3_variants.fp8_variants (3 cases each, then TFLOP/s)",
+    )
+    ap.add_argument(
+        "--vt", action="store_true", help="GPU run: Vᵀ by the host vs in shared memory only"
     )
     ap.add_argument("--out", help="GPU run: output folder")
     ap.add_argument("--smoke", action="store_true", help="GPU run: 3 small cases only")
@@ -452,6 +534,10 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (out / "fa3_fp8.json").write_text(json.dumps(res, indent=1, default=str))
 
+    if args.vt:
+        res["vt_compare"] = run_vt_compare(args.head_dim)
+        (out / "fa3_fp8_vt.json").write_text(json.dumps(res, indent=1, default=str))
+        return 0
     if args.ablate:  # the variants only, each checked on its own 3 small cases first
         res["ablation"] = run_ablation(head_dims=args.head_dim)
         save()

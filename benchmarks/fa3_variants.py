@@ -23,6 +23,7 @@ from flashsuite.fa3.configs import (
     _overlap,
     _tiles,
     can_implement,
+    fp8_smem_transpose_config,
     get_config,
     varlen_config,
 )
@@ -231,6 +232,9 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         if d == 256:
             cands["tile_n_64"] = replace(cfg, tile_n=64)
             cands["tile_n_112"] = replace(cfg, tile_n=112)
+        # V transposed in shared memory by the producer WG instead of the host's Vᵀ copy
+        # (`fp8_check --vt` times the user's whole call of both builds).
+        cands["vt_smem"] = fp8_smem_transpose_config(d, False)
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if can_implement(c, d, FP8_DTYPE)[0]]
     return out

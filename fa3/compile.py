@@ -133,8 +133,8 @@ def _fake_varlen_inputs(key: CompileKey) -> tuple:
 def _fake_inputs(key: CompileKey) -> tuple:
     """Fake q, k, v, out, lse, the three descales (None for 16-bit inputs) and the two
     cu_seqlens (None: dense), with symbolic sizes and 16-byte-aligned symbolic strides. fp8: v
-    is Vᵀ (B, Hkv, D, Nk), out is bf16 and the descales are (B, Hkv) fp32. varlen: packed
-    tensors (`_fake_varlen_inputs`)."""
+    is Vᵀ (B, Hkv, D, Nk) with v_transpose="host" (else V as for 16 bits), out is bf16 and the
+    descales are (B, Hkv) fp32. varlen: packed tensors (`_fake_varlen_inputs`)."""
     if key.varlen:
         return _fake_varlen_inputs(key)
     import cutlass
@@ -151,7 +151,8 @@ def _fake_inputs(key: CompileKey) -> tuple:
         return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
 
     q, k = strided((b, nq, hq, d)), strided((b, nk, hkv, d))
-    v = strided((b, hkv, d, nk) if fp8 else (b, nk, hkv, d))
+    vt_host = fp8 and key.cfg.v_transpose == "host"
+    v = strided((b, hkv, d, nk) if vt_host else (b, nk, hkv, d))
     # out is allocated by us, contiguous: (B, Nq, Hq, D).
     o = cute.runtime.make_fake_compact_tensor(
         cutlass.BFloat16 if fp8 else dt, (b, nq, hq, d), stride_order=(3, 2, 1, 0), assumed_align=16
@@ -175,9 +176,9 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
 
     The binary takes (q, k, v, out, lse, descale_q, descale_k, descale_v, cu_seqlens_q,
     cu_seqlens_k, scale_log2, softcap_pre, window_left, window_right, max_ctas): for fp8 v is
-    Vᵀ (`interface.transpose_v`) and the descales are (B, Hkv) fp32 tensors; for 16-bit inputs
-    they are None. The cu_seqlens are (B + 1,) int32 with `key.varlen` (packed q, k, v, out
-    and a (Hq, total_q) lse), None otherwise.
+    Vᵀ (`interface.transpose_v`) unless cfg.v_transpose == "smem", and the descales are
+    (B, Hkv) fp32 tensors; for 16-bit inputs they are None. The cu_seqlens are (B + 1,) int32
+    with `key.varlen` (packed q, k, v, out and a (Hq, total_q) lse), None otherwise.
     """
     import cutlass
     import cutlass.cute as cute

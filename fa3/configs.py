@@ -71,6 +71,18 @@ class Fa3Config:
     # N = 4k / 16k: 192x128 tiles 1.062 -> 1.031 / 1.016 -> 1.008; 128x112 1.056 -> 1.039;
     # 128x80 1.047 -> 1.031; 128x128 unchanged (fires only when Nk - Nq % tile_n != 0).
     skip_masked_wg: bool = False
+    # float8 only: who makes Vᵀ (D x keys, keys contiguous: fp8 wgmma takes its B operand
+    # K-major only). "host": a transpose copy before the launch (interface.transpose_v), the
+    # kernel loads Vᵀ blocks. "smem": the kernel loads V blocks as they lie (keys x D) and warps
+    # 1..TRANSPOSE_WARPS of the producer warpgroup transpose each into a Vᵀ ring of `stages`
+    # more stages (ldmatrix.trans, prmt, stmatrix; fp8_ops.transpose_block) that P·V reads.
+    v_transpose: str = "host"
+
+
+V_TRANSPOSES = ("host", "smem")
+# Producer-WG warps that transpose V with v_transpose="smem" (warp 0 keeps the TMA loads).
+TRANSPOSE_WARPS = 3
+VT_REG_SPLIT = {2: (56, 224), 3: (32, 160)}
 
 
 def _align(n: int, a: int = 1024) -> int:
@@ -81,14 +93,16 @@ def smem_bytes(cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat1
     """Shared memory of the kernel's storage struct: mbarriers, then 1 KiB-aligned sQ, sK, sV
     (Vᵀ for fp8) and sO (16-bit O in the input dtype, fp8's in bf16; none where sO aliases sQ).
 
+    v_transpose="smem" adds the Vᵀ ring (a third K/V-sized buffer) and its full/empty barriers.
     Mirrors `Fa3Forward._storage` (compile.py checks the two agree on the real struct).
     """
     elem = dtype.itemsize
-    mbar = 8 * (2 + 2 * cfg.stages + 2 * cfg.stages)  # Q, K and V full/empty barriers
+    rings = 3 if cfg.v_transpose == "smem" else 2  # K, V (and Vᵀ)
+    mbar = 8 * (2 + rings * 2 * cfg.stages)  # Q, K, V (and Vᵀ) full/empty barriers
     q = cfg.tile_m * head_dim * elem
     kv = cfg.tile_n * head_dim * elem * cfg.stages
     o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * 2
-    total = _align(mbar) + _align(q) + _align(kv) + _align(kv) + (_align(o) if o else 0)
+    total = _align(mbar) + _align(q) + rings * _align(kv) + (_align(o) if o else 0)
     return total
 
 
@@ -120,6 +134,13 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, f"fa3: tile_m must be {64 * cfg.num_consumer_wgs} (64 rows per consumer WG)"
     if fp8 and cfg.o_alias_q:
         return False, "fa3: fp8 needs its own sO buffer (bf16 O does not fit on the fp8 sQ)"
+    if cfg.v_transpose not in V_TRANSPOSES:
+        return False, f"fa3: v_transpose {cfg.v_transpose!r} not in {V_TRANSPOSES}"
+    if cfg.v_transpose == "smem":
+        if not fp8:
+            return False, "fa3: v_transpose='smem' is for float8_e4m3fn (16-bit V needs none)"
+        if cfg.persistent:
+            return False, "fa3: v_transpose='smem' is built for the plain grid (persistent=False)"
     # wgmma N is a multiple of 8 up to 256; P is the K operand of PV, so tile_n is a multiple of
     # its K (fp8: Vᵀ's smem rows are tile_n bytes, and 32 is a swizzle width that divides them).
     mma_k = MMA_K[dtype.itemsize]
@@ -274,6 +295,22 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
     if causal and head_dim in FP8_CAUSAL_CONFIGS:
         return FP8_CAUSAL_CONFIGS[head_dim]
     return FP8_CONFIGS[head_dim]
+
+
+def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
+    """The fp8 table's entry for (head_dim, causal) with V transposed in shared memory
+    (v_transpose="smem"), not shipped until the H200 shows it faster than the host copy
+    (`python -m benchmarks.fa3_fp8_check --out DIR --vt`).
+
+    The Vᵀ ring costs one more K/V-sized buffer. It fits beside the table's tiles at D <= 192
+    (D = 128, tile_n 192: Q 16 + K, V, Vᵀ 3 x 2 x 24 + sO 32 = 192 KiB; D = 192, tile_n 128:
+    24 + 3 x 48 + 48 = 216 KiB). At D = 256 tile_n 96 would need 32 + 3 x 48 + 64 = 240 KiB
+    (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB).
+    """
+    cfg = replace(_fp8_tiles(head_dim, causal), v_transpose="smem")
+    if smem_bytes(cfg, head_dim, FP8_DTYPE) > SMEM_CAPACITY:
+        cfg = replace(cfg, tile_n=64)
+    return cfg
 
 
 def config_for(p: AttnParams) -> Fa3Config:

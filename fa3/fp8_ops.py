@@ -1,5 +1,6 @@
 """Device helpers of the fa3 forward's float8 (e4m3) branch: P from the fp32 C fragment of S to
-the e4m3 A fragment of the P·V wgmma.
+the e4m3 A fragment of the P·V wgmma, and (v_transpose="smem") V blocks transposed in shared
+memory into the K-major Vᵀ blocks that P·V's fp8 wgmma needs (`transpose_block`).
 
 The m64nNk16 fp32 C fragment of S and the m64nNk32 e4m3 A fragment of P give a thread other
 columns (`quad_exchange`), so unlike the 16-bit branch (a per-thread convert) P is converted
@@ -11,7 +12,7 @@ dtype is e4m3.
 # No `from __future__ import annotations`: the CuTe DSL reads kernel annotations as objects.
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -115,3 +116,122 @@ def probs_to_operand(acc_S: cute.Tensor, tOrP: cute.Tensor, tile_n: cutlass.Cons
             w2 = cute.arch.shuffle_sync(y if even else x, quad0 + src2)
             words[4 * kb + r] = byte_perm(w1, w2, sel_lo)
             words[4 * kb + 2 + r] = byte_perm(w1, w2, sel_hi)
+
+
+# ------------------------------------------------------------------------------------------------
+# V -> Vᵀ in shared memory (Fa3Config.v_transpose = "smem")
+# ------------------------------------------------------------------------------------------------
+# One warp instruction pair moves a unit of 32 keys x 16 bytes of D: ldmatrix.x4.trans reads
+# four 8 x 8 matrices of 16-bit pairs from sV (keys x D, D contiguous), two prmt per pair of
+# registers regroup the bytes, stmatrix.x4 writes four 8 x 8 matrices into sVt (D x keys,
+# keys contiguous). Each lane gives one 16-byte row address to each instruction.
+VT_UNIT_KEYS = 32
+VT_UNIT_D = 16
+# prmt selectors: bytes 0, 2 of each word (the even D byte of 4 keys), and bytes 1, 3.
+VT_SEL_EVEN = 0x6420
+VT_SEL_ODD = 0x7531
+
+
+def vt_load_row(lane):
+    """The sV row (key within the unit; D offset 0) whose 16 bytes lane `lane` addresses for
+    ldmatrix.x4.trans.
+
+    Matrix m = lane / 8 takes row r = lane % 8 from here. With .trans, lane (p, q) = (t / 4,
+    t % 4) receives of matrix m the 16-bit column p of rows 2q and 2q + 1: bytes (2p, 2p + 1)
+    of those two keys. Matrix m = 2g + h holds keys 16g + 4(r / 2) + 2h + r % 2, so rows 2q,
+    2q + 1 are keys 16g + 4q + 2h + (0, 1), and the registers of matrices 2g and 2g + 1 hold
+    the four consecutive keys 16g + 4q .. 16g + 4q + 3 at D bytes 2p and 2p + 1.
+    Plain integer arithmetic: the kernel (Int32) and its CPU model in the tests (int).
+    """
+    m = lane // 8
+    r = lane % 8
+    return 16 * (m // 2) + 4 * (r // 2) + 2 * (m % 2) + r % 2
+
+
+def vt_store_row(lane):
+    """(D row, first key) of the sVt row segment (16 keys) lane `lane` addresses for stmatrix.x4.
+
+    After the prmt, lane (p, q)'s word 2g + c is D byte 2p + c of keys 16g + 4q .. + 3;
+    stmatrix puts register m of lane t at row t / 4 = p, bytes 4q .. 4q + 3 = those keys, of
+    matrix m, whose row p is D row 2p + m % 2 at keys 16(m / 2) .. + 15.
+    """
+    m = lane // 8
+    r = lane % 8
+    return 2 * r + m % 2, 16 * (m // 2)
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(addr: Int32, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: four 32-bit registers. Volatile, so it
+    stays after the mbarrier wait that made the TMA's bytes visible."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def stmatrix_x4(addr: Int32, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *, loc=None, ip=None):
+    """stmatrix.sync.aligned.m8n8.x4.shared.b16 of four 32-bit registers."""
+    llvm.inline_asm(
+        None,
+        [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@cute.jit
+def transpose_block(
+    sV_base: Int32,  # shared address of sV (1 KiB aligned)
+    sVt_base: Int32,  # shared address of sVt (1 KiB aligned)
+    sV_l: cute.ComposedLayout,  # (TILE_N, D, STAGES) fp8, D contiguous (swizzled)
+    sVt_l: cute.ComposedLayout,  # (D, TILE_N, STAGES) fp8, keys contiguous (swizzled)
+    v_stage: Int32,
+    vt_stage: Int32,
+    warp: Int32,  # 0 .. num_warps - 1 among the transposing warps
+    num_warps: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+):
+    """sVt[:, :, vt_stage] = sV[:, :, v_stage]ᵀ by `num_warps` warps, unit u = warp,
+    warp + num_warps, ... (units: keys 32 kb, D bytes 16 db, kb fastest). Byte offsets come
+    from the swizzled layouts (the 16-byte segments every lane addresses stay contiguous under
+    the 16-byte-granular swizzles)."""
+    lane = cute.arch.lane_idx()
+    key_ld = vt_load_row(lane)
+    d_st, key_st = vt_store_row(lane)
+    kbs = tile_n // VT_UNIT_KEYS
+    units = kbs * (head_dim // VT_UNIT_D)
+    for i in cutlass.range_constexpr((units + num_warps - 1) // num_warps):
+        u = warp + i * num_warps
+        args = (sV_base, sVt_base, sV_l, sVt_l, v_stage, vt_stage, u, kbs, key_ld, d_st, key_st)
+        if const_expr((i + 1) * num_warps <= units):
+            _transpose_unit(*args)
+        else:
+            if u < units:  # the last round, when the units do not split evenly
+                _transpose_unit(*args)
+
+
+@cute.jit
+def _transpose_unit(
+    sV_base, sVt_base, sV_l, sVt_l, v_stage, vt_stage, u, kbs, key_ld, d_st, key_st
+):
+    """One 32-key x 16-byte unit u of `transpose_block` (this lane's rows: key_ld, d_st, key_st)."""
+    k0 = (u % kbs) * VT_UNIT_KEYS
+    d0 = (u // kbs) * VT_UNIT_D
+    r = ldmatrix_x4_trans(sV_base + sV_l((k0 + key_ld, d0, v_stage)))
+    words = []
+    for g in cutlass.range_constexpr(2):
+        words.append(byte_perm(r[2 * g], r[2 * g + 1], Int32(VT_SEL_EVEN)))
+        words.append(byte_perm(r[2 * g], r[2 * g + 1], Int32(VT_SEL_ODD)))
+    stmatrix_x4(sVt_base + sVt_l((d0 + d_st, k0 + key_st, vt_stage)), *words)

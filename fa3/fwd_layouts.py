@@ -3,11 +3,14 @@ wgmma tilings, the TMA atoms and the mbarrier pipelines, and the global-tensor v
 
 `ForwardLayouts` is a base of the kernel class (`kernels.Fa3Forward`). Reads the static
 configuration set by the kernel's `__init__` (dtype, FP8, HEAD_DIM, TILE_M, TILE_N, STAGES,
-NUM_CONSUMER_WGS, ...). V's side has two branches: 16-bit V is loaded as it lies in gmem
+NUM_CONSUMER_WGS, ...). V's side has three branches: 16-bit V is loaded as it lies in gmem
 (keys x D blocks) and PV reads it as an MN-major Vᵀ view; fp8 wgmma takes no MN-major operand,
-so the host hands the kernel Vᵀ (B, Hkv, D, Nk) with the keys contiguous and the kernel loads
-K-major (D x keys) blocks of it (`_make_layouts`, `_pv_b_major`, `_v_view`, `_v_box`,
-`_v_blocks`, `_v_operand`).
+so with VT_HOST (v_transpose="host") the host hands the kernel Vᵀ (B, Hkv, D, Nk) with the keys
+contiguous and the kernel loads K-major (D x keys) blocks of it (`_make_layouts`, `_pv_b_major`,
+`_v_view`, `_v_box`, `_v_blocks`, `_v_operand`); with VT_SMEM (v_transpose="smem") V is loaded
+as it lies, into sV with sK's layout, and the producer warpgroup's transposing warps write each
+block into a Vᵀ ring sVt (the host Vᵀ path's smem layout) on a pipeline of its own (`pipe_vt`:
+full when the transposing warps have written and fenced a stage, empty when P·V retired).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
@@ -19,6 +22,8 @@ from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.configs import TRANSPOSE_WARPS
+from flashsuite.fa3.pipeline import VtPipe
 from flashsuite.fa3.varlen import lse_view, rows_view
 
 
@@ -54,12 +59,20 @@ class ForwardLayouts:
             atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )  # (TILE_N, D, STAGES)
         sV_l = sK_l
-        if self.FP8:
+        if self.VT_HOST:
             vt_atom = self._k_major_atom(self.TILE_N, self.dtype)
             sV_l = cute.tile_to_shape(
                 vt_atom, (self.HEAD_DIM, self.TILE_N, self.STAGES), order=(0, 1, 2)
             )  # (D, TILE_N, STAGES)
         return sQ_l, sK_l, sV_l, self._o_layout()
+
+    def _vt_layout(self):
+        """VT_SMEM: the Vᵀ ring sVt (D, TILE_N, STAGES), PV's K-major B operand (the layout the
+        host-Vᵀ build loads its blocks into)."""
+        vt_atom = self._k_major_atom(self.TILE_N, self.dtype)
+        return cute.tile_to_shape(
+            vt_atom, (self.HEAD_DIM, self.TILE_N, self.STAGES), order=(0, 1, 2)
+        )  # (D, TILE_N, STAGES)
 
     def _o_layout(self):
         """sO in O's dtype: (TILE_M, D), or (64, D, NUM_CONSUMER_WGS) slabs with PER_WG_EPILOGUE,
@@ -104,7 +117,22 @@ class ForwardLayouts:
         n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
         st = self.STAGES
 
-        if const_expr(self.O_ALIAS_Q):
+        if const_expr(self.VT_SMEM):
+            n_vt = cute.cosize(self._vt_layout())
+
+            @cute.struct
+            class Storage:
+                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_k: mrange[cutlass.Int64, 2 * st]
+                mbar_v: mrange[cutlass.Int64, 2 * st]
+                mbar_vt: mrange[cutlass.Int64, 2 * st]
+                sQ: align[mrange[dt, n_q], 1024]
+                sK: align[mrange[dt, n_k], 1024]
+                sV: align[mrange[dt, n_v], 1024]
+                sVt: align[mrange[dt, n_vt], 1024]
+                sO: align[mrange[o_dt, n_o], 1024]
+
+        elif const_expr(self.O_ALIAS_Q):
 
             @cute.struct
             class Storage:
@@ -134,25 +162,25 @@ class ForwardLayouts:
     def _v_view(self) -> list[int]:
         """The modes of the V argument in the kernel's (rows, columns, Hkv, B) order: 16-bit V
         (B, Nk, Hkv, D) -> (Nk, D, Hkv, B); fp8 Vᵀ (B, Hkv, D, Nk) -> (D, Nk, Hkv, B)."""
-        return [2, 3, 1, 0] if self.FP8 else [1, 3, 2, 0]
+        return [2, 3, 1, 0] if self.VT_HOST else [1, 3, 2, 0]
 
     def _v_box(self) -> tuple[int, int]:
-        """The TMA box (and smem stage shape) of one V (fp8: Vᵀ) block."""
-        if self.FP8:
+        """The TMA box (and smem stage shape) of one V (VT_HOST: Vᵀ) block."""
+        if self.VT_HOST:
             return (self.HEAD_DIM, self.TILE_N)
         return (self.TILE_N, self.HEAD_DIM)
 
     def _v_blocks(self, v_rows: cute.Tensor) -> cute.Tensor:
         """V of one (sequence, kv head), (Nk, D), tiled into blocks: (TILE_N, D, n_blocks); fp8:
-        Vᵀ (D, Nk) into (D, TILE_N, n_blocks)."""
-        if self.FP8:
+        Vᵀ (D, Nk) into (D, TILE_N, n_blocks) with VT_HOST."""
+        if self.VT_HOST:
             return cute.local_tile(v_rows, (self.HEAD_DIM, self.TILE_N), (0, None))
         return cute.local_tile(v_rows, (self.TILE_N, self.HEAD_DIM), (None, 0))
 
     def _v_operand(self, sV: cute.Tensor) -> cute.Tensor:
         """Vᵀ as the B operand of PV, (D, TILE_N, STAGES): an MN-major view of sV's bytes
-        (16-bit), or sV itself (fp8: the loaded Vᵀ blocks are already K-major)."""
-        if self.FP8:
+        (16-bit), or sV itself (VT_HOST: the loaded Vᵀ blocks are already K-major)."""
+        if self.VT_HOST:
             return sV
         return cute.composition(
             sV,
@@ -208,18 +236,51 @@ class ForwardLayouts:
 
         pipe_q = make_pipe(1, sQ_l, st.mbar_q)
         pipe_k = make_pipe(self.STAGES, cute.select(sK_l, mode=[0, 1]), st.mbar_k)
+        if const_expr(self.VT_SMEM):
+            # sV is read by the transposing warps, whose lane 0 releases it; sVt is written
+            # by them (lane 0 of each commits, after its warp's writes and fences) and read by
+            # the consumers (lane 0 of each warp releases, `VtPipe`).
+            transposers = pipeline.CooperativeGroup(pipeline.Agent.Thread, TRANSPOSE_WARPS)
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                num_stages=self.STAGES,
+                producer_group=producer,
+                consumer_group=transposers,
+                tx_count=cute.size_in_bytes(self.dtype, cute.select(sV_l, mode=[0, 1])),
+                barrier_storage=st.mbar_v.data_ptr(),
+                defer_sync=True,
+            )
+            pipe_vt = pipeline.PipelineAsync.create(
+                num_stages=self.STAGES,
+                producer_group=transposers,
+                consumer_group=consumers,
+                barrier_storage=st.mbar_vt.data_ptr(),
+                defer_sync=True,
+            )
+            pipeline.pipeline_init_arrive()
+            return pipe_q, pipe_k, pipe_v, pipe_vt
         pipe_v = make_pipe(self.STAGES, cute.select(sV_l, mode=[0, 1]), st.mbar_v)
         pipeline.pipeline_init_arrive()
         return pipe_q, pipe_k, pipe_v
 
     def _allocate_smem(self, sQ_l, sK_l, sV_l, sO_l):
         """Kernel prologue: the storage struct, its pipelines and smem tensors, then the wait
-        for every thread's view of the initialised mbarriers. Returns (pipes, tensors)."""
+        for every thread's view of the initialised mbarriers. Returns (pipes, tensors, vt):
+        pipes = (pipe_q, pipe_k, pipe_v, the pipeline P·V waits on: pipe_v, or with VT_SMEM the
+        consumers' view of pipe_vt); vt is None, or with VT_SMEM the transposing warps'
+        (pipe_v, pipe_vt, sV address, sVt address)."""
         st = SmemAllocator().allocate(self.storage)
         pipes = self._make_pipelines(st, sQ_l, sK_l, sV_l)
         smem = self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l)
+        vt = None
+        if const_expr(self.VT_SMEM):
+            pipe_q, pipe_k, pipe_v, pipe_vt = pipes
+            pipes = (pipe_q, pipe_k, pipe_v, VtPipe(pipe_vt))
+            addr = (st.sV.data_ptr().toint(), st.sVt.data_ptr().toint())
+            vt = (pipe_v, pipe_vt, *addr)
+        else:
+            pipes = (*pipes, pipes[2])
         pipeline.pipeline_init_wait()
-        return pipes, smem
+        return pipes, smem, vt
 
     def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
         """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
@@ -228,6 +289,9 @@ class ForwardLayouts:
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
         sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES); fp8 Vᵀ
         sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)
+        if const_expr(self.VT_SMEM):
+            vt_l = self._vt_layout()
+            sVt = st.sVt.get_tensor(vt_l.outer, swizzle=vt_l.inner)  # (D, TILE_N, STAGES)
         if const_expr(self.O_ALIAS_Q):
             sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
         else:

@@ -8,7 +8,8 @@ FLASHSUITE_FA3_BWD=0 sends every backward there. The forward kernel (`kernels.Fa
 compiled once per `compile.CompileKey` (dtype, head_dim, causal/local/softcap flags, tile
 config) and launched through TVM-FFI on torch's current stream; batch, sequence lengths, head
 counts and strides are runtime values. float8_e4m3fn inputs take the same path and the same
-kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here first).
+kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here first, or in the
+kernel's shared memory with Fa3Config.v_transpose = "smem").
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         )
         if on
     ]
-    what = "fp8 e4m3 forward (bf16 out, Vᵀ copied on the host), " if p.is_fp8 else ""
+    vt = "in shared memory" if cfg.v_transpose == "smem" else "copied on the host"
+    what = f"fp8 e4m3 forward (bf16 out, Vᵀ {vt}), " if p.is_fp8 else ""
     tiles = f"{cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages"
     return True, f"fa3: {what}{tiles}, {', '.join(features)}"
 
@@ -221,7 +223,10 @@ def forward(
         return out, lse
     q, k = _tma_ready(q), _tma_ready(k)
     if p.is_fp8:
-        v = transpose_v(v)  # (B, Hkv, D, Nk), keys contiguous
+        if (cfg or config_for(p)).v_transpose == "host":
+            v = transpose_v(v)  # (B, Hkv, D, Nk), keys contiguous
+        else:
+            v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
         descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
     else:
         v = _tma_ready(v)

@@ -28,7 +28,9 @@ one producer and two (or three) consumer warpgroups:
   descales are kernel arguments, (B, Hkv) fp32 tensors: each tile's consumer reads those of its
   (batch, kv head) (`tile_scales`); descale_q·descale_k multiplies the softmax scale (after the
   raw-score max, so P stays in [0, 1] before its e4m3 rounding) and descale_v the final 1/l.
-  sO is bf16, its own buffer (it does not fit on the fp8 sQ).
+  sO is bf16, its own buffer (it does not fit on the fp8 sQ). Fa3Config.v_transpose="smem"
+  (VT_SMEM) takes V as it lies instead: warps 1-3 of the producer WG transpose each loaded V
+  block into a Vᵀ ring that P·V reads (fwd_layouts.py, pipeline.transpose_blocks).
 
 This file holds the kernel class: its static configuration, the host launch, the kernel entry,
 the role split (`warp_roles`), the consumer's per-tile work (`consumer`) and the epilogue. The
@@ -87,12 +89,12 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from flashsuite.fa3.configs import REG_SPLIT, Fa3Config
+from flashsuite.fa3.configs import REG_SPLIT, TRANSPOSE_WARPS, VT_REG_SPLIT, Fa3Config
 from flashsuite.fa3.epilogue import store_o, store_o_wg
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 from flashsuite.fa3.fwd_mainloop import ForwardMainloop
 from flashsuite.fa3.mask import mask_phases
-from flashsuite.fa3.pipeline import PingPong, load_tile
+from flashsuite.fa3.pipeline import PingPong, load_tile, transpose_blocks
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
 from flashsuite.fa3.tile_scheduler import TileScheduler
 from flashsuite.fa3.utils import WarpRole
@@ -116,6 +118,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
     ) -> None:
         self.dtype = dtype
         self.FP8 = dtype is Float8E4M3FN
+        # fp8: Vᵀ made by the host (VT_HOST) or in shared memory by the producer WG (VT_SMEM).
+        self.VT_SMEM = self.FP8 and cfg.v_transpose == "smem"
+        self.VT_HOST = self.FP8 and not self.VT_SMEM
+        assert not (self.VT_SMEM and cfg.persistent), "v_transpose='smem': plain grid only"
         self.o_dtype = BFloat16 if self.FP8 else dtype  # O's dtype in smem and gmem
         self.HEAD_DIM = head_dim
         self.TILE_M = cfg.tile_m
@@ -125,7 +131,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
-        self.PRODUCER_REGS, self.CONSUMER_REGS = REG_SPLIT[cfg.num_consumer_wgs]
+        split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT
+        self.PRODUCER_REGS, self.CONSUMER_REGS = split[cfg.num_consumer_wgs]
         self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
         self.NUM_THREADS = 128 + self.CONSUMER_THREADS
         self.PERSISTENT = cfg.persistent
@@ -349,8 +356,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
 
-        pipes, smem = self._allocate_smem(sQ_l, sK_l, sV_l, sO_l)
-        pipe_q, pipe_k, pipe_v = pipes
+        pipes, smem, vt = self._allocate_smem(sQ_l, sK_l, sV_l, sO_l)
+        pipe_q, pipe_k, pipe_v, pipe_pv = pipes  # pipe_pv: what P·V waits on (VtPipe for VT_SMEM)
         sQ, sK, sV, sVt, sO = smem
         descales = None
         if const_expr(self.FP8):
@@ -368,10 +375,11 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
             warp,
             tidx,
             (tma_q, tQ, tma_k, tK, tma_v, tV, sQ, sK, sV, pipe_q, pipe_k, pipe_v),
-            (tma_o, tO, mLSE, descales, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v),
+            (tma_o, tO, mLSE, descales, mma_qk, mma_pv, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_pv),
             sched,
             scale_log2,
             softcap_pre,
+            (vt, sV_l),
         )
 
     @cute.jit
@@ -385,8 +393,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
         sched: SimpleNamespace,
         scale_log2: Float32,
         softcap_pre: Float32,
+        vt_args: tuple,  # VT_SMEM: (_allocate_smem's vt, sV_l); (None, sV_l) otherwise
     ):
-        """The role split: warp 0 of the producer WG loads, the consumer WGs compute.
+        """The role split: warp 0 of the producer WG loads, the consumer WGs compute (VT_SMEM:
+        warps 1..TRANSPOSE_WARPS of the producer WG transpose V).
 
         `sched`: the problem (seqlen_q, seqlen_k, group, window_left, window_right; a packed
         tile's own sequence lengths with VARLEN) and tile0, this CTA's (m_block, head, batch)
@@ -423,6 +433,16 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop):
                     self.load(
                         load_args, q_state, kv_state, m_block0, head0, rows0, group,
                         n_block_min, n_block_max,
+                    )  # fmt: skip
+            if const_expr(self.VT_SMEM):  # noqa: SIM102
+                if (warp > 0) & (warp <= TRANSPOSE_WARPS):
+                    n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
+                    transpose_blocks(
+                        vt_args[0], vt_args[1], self._vt_layout(),
+                        pipeline.make_pipeline_state(Consumer, self.STAGES),
+                        pipeline.make_pipeline_state(Producer, self.STAGES),
+                        n_block_max - n_block_min, warp - 1, TRANSPOSE_WARPS, self.TILE_N,
+                        self.HEAD_DIM,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)

@@ -3,7 +3,9 @@
 `load_tile`: the producer warp's TMA loads of one tile (Q once, then K and V per block into
 STAGES-deep rings, newest block first), on `PipelineTmaAsync` pipelines whose phases carry
 over from tile to tile. `PingPong`: named barriers pass a token round the ring of consumer
-warpgroups 0 -> 1 (-> 2) -> 0 so they take turns on the tensor cores.
+warpgroups 0 -> 1 (-> 2) -> 0 so they take turns on the tensor cores. fp8 with
+v_transpose="smem": `transpose_blocks`, the producer warpgroup's other warps turning each
+loaded V block into a Vᵀ stage, and `VtPipe`, the consumers' side of that Vᵀ ring.
 """
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
@@ -15,6 +17,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from flashsuite.fa3.fp8_ops import transpose_block
 from flashsuite.fa3.utils import Barrier
 
 
@@ -170,3 +173,64 @@ def load_tile(
                 load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
                 kv_state.advance()
     return q_state, kv_state
+
+
+class VtPipe:
+    """The consumers' view of the Vᵀ ring's `PipelineAsync` (v_transpose="smem"), with the
+    calls the main loop makes on a V pipeline: waits as they are, releases by lane 0 of each
+    consumer warp (its empty barriers count consumer warps, as the TMA rings' do)."""
+
+    def __init__(self, pipe: pipeline.PipelineAsync) -> None:
+        self.pipe = pipe
+
+    def consumer_try_wait(self, state: pipeline.PipelineState):
+        return self.pipe.consumer_try_wait(state)
+
+    def consumer_wait(self, state: pipeline.PipelineState, token=None):
+        self.pipe.consumer_wait(state, token)
+
+    @cute.jit
+    def consumer_release(self, state: pipeline.PipelineState):
+        if cute.arch.lane_idx() == 0:
+            self.pipe.consumer_release(state)
+
+
+@cute.jit
+def transpose_blocks(
+    vt_args: tuple,  # (pipe_v, pipe_vt, sV address, sVt address) from _allocate_smem
+    sV_l: cute.ComposedLayout,  # (TILE_N, D, STAGES)
+    sVt_l: cute.ComposedLayout,  # (D, TILE_N, STAGES)
+    v_state: pipeline.PipelineState,  # consumer state of the V ring
+    vt_state: pipeline.PipelineState,  # producer state of the Vᵀ ring
+    n_blocks: Int32,
+    warp: Int32,  # 0 .. num_warps - 1 among the transposing warps
+    num_warps: cutlass.Constexpr[int],
+    tile_n: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+):
+    """Transposing warps: V block i (the producer's i-th V load of the tile) -> Vᵀ stage, for
+    i < n_blocks; returns the advanced (v_state, vt_state).
+
+    Per block: wait for the V stage (its TMA bytes landed), wait for the Vᵀ stage (both
+    consumer WGs' P·V that read it retired), ldmatrix / prmt / stmatrix, then every lane fences
+    its generic-proxy writes for the wgmma's async-proxy reads and the warp syncs, and lane 0
+    arrives on V's empty barrier (the stage may be reloaded) and on Vᵀ's full barrier (count:
+    the transposing warps). Both rings have STAGES stages and advance together.
+    """
+    pipe_v, pipe_vt, sV_base, sVt_base = vt_args
+    lane = cute.arch.lane_idx()
+    for _ in cutlass.range(n_blocks, unroll=1):
+        pipe_v.consumer_wait(v_state, pipe_v.consumer_try_wait(v_state))
+        pipe_vt.producer_acquire(vt_state)
+        transpose_block(
+            sV_base, sVt_base, sV_l, sVt_l, v_state.index, vt_state.index, warp, num_warps,
+            tile_n, head_dim,
+        )  # fmt: skip
+        cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> wgmma reads
+        cute.arch.sync_warp()
+        pipe_v.consumer_release(v_state)  # lane 0 (PipelineTmaAsync's signalling lane)
+        if lane == 0:
+            pipe_vt.producer_commit(vt_state)
+        v_state.advance()
+        vt_state.advance()
+    return v_state, vt_state

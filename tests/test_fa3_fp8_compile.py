@@ -29,10 +29,16 @@ from flashsuite.fa3.configs import (
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
+    REG_SPLIT,
+    SMEM_CAPACITY,
+    TRANSPOSE_WARPS,
+    VT_REG_SPLIT,
+    Fa3Config,
     can_implement,
     config_for,
     fp8_shipped_configs,
     get_config,
+    smem_bytes,
 )
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
@@ -41,6 +47,9 @@ CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
 CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue (not shipped)
 CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
+# V transposed in shared memory by the producer warpgroup (v_transpose="smem", not shipped).
+VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
+CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
 
 # The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
 # index = m + 64 k): the probe reads CuTe's own and must find exactly these.
@@ -91,6 +100,53 @@ def test_fp8_compiles_with_hopper_machinery(name: str, d: int, causal: bool, pro
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
+    cfg = Fa3Config(**r["config"])
+    split = VT_REG_SPLIT if cfg.v_transpose == "smem" else REG_SPLIT
+    assert r["max_reg"] is not None, "no cubin or no nvdisasm to read registers"
+    assert r["max_reg"] < split[cfg.num_consumer_wgs][1], f"R{r['max_reg']} past setmaxnreg"
+    if cfg.v_transpose == "host":
+        assert ptx["ldmatrix_trans"] == 0, "the host-Vᵀ build transposes nothing in the kernel"
+
+
+@pytest.mark.parametrize(
+    ("name", "d", "causal"), VT_CASES, ids=[f"D{d}-{c}" for _, d, c in VT_CASES]
+)
+def test_smem_transpose_build_and_barrier_protocol(name: str, d: int, causal: bool, probes) -> None:
+    """v_transpose="smem": the producer WG's transposing warps show in the PTX with the
+    protocol of fp8_ops.transpose_block / pipeline.transpose_blocks, the host build's PTX
+    plus: one ldmatrix.x4.trans and one stmatrix.x4 per 32-key x 16-byte unit per warp (units
+    split over TRANSPOSE_WARPS warps, the last round guarded), a proxy fence before the Vᵀ
+    full barrier's arrive, arrives on the V empty and Vᵀ full barriers (transposers) and Vᵀ
+    empty (consumers), and as many wgmma instructions as the host build where the tiles are
+    equal (they depend on tile_n and D only)."""
+    r = probes["configs"][(name, d, causal)]
+    ptx, cfg = r["ptx"], Fa3Config(**r["config"])
+    host = probes["configs"][("shipped", d, causal)]
+    units = cfg.tile_n // fp8_ops.VT_UNIT_KEYS * (d // fp8_ops.VT_UNIT_D)
+    per_warp = -(-units // TRANSPOSE_WARPS)
+    assert cfg.v_transpose == "smem" and not cfg.persistent
+    assert ptx["ldmatrix_trans"] == per_warp
+    assert ptx["stmatrix_b16x4"] == host["ptx"]["stmatrix_b16x4"] + per_warp
+    assert ptx["fence_proxy_async"] == host["ptx"]["fence_proxy_async"] + 1
+    # + V empty (transposers' release), Vᵀ full (commit), Vᵀ empty (consumers' VtPipe).
+    assert ptx["mbarrier_arrive"] >= host["ptx"]["mbarrier_arrive"] + 2
+    assert ptx["setmaxnreg"] == host["ptx"]["setmaxnreg"]
+    if cfg.tile_n == host["config"]["tile_n"]:
+        assert ptx["wgmma"] == host["ptx"]["wgmma"]
+        assert ptx["prmt"] == host["ptx"]["prmt"] + 4 * per_warp
+    assert r["smem"] == smem_bytes(cfg, d, FP8_DTYPE) <= SMEM_CAPACITY
+
+
+def test_smem_transpose_register_split() -> None:
+    """The split the smem builds run under fits the registers one CTA gets at launch
+    (min_blocks_per_mp=1: 65,536 / threads, rounded down to 8) and gives the producer WG at
+    least the host builds' registers (2 WGs: 56, not 24; with 24 and 40 ptxas spilled at
+    D = 128)."""
+    for wgs, (prod, cons) in VT_REG_SPLIT.items():
+        threads = 128 * (1 + wgs)
+        launch = 65_536 // threads // 8 * 8
+        assert 128 * prod + 128 * wgs * cons <= threads * launch
+        assert prod >= REG_SPLIT[wgs][0] and prod % 8 == 0 and cons % 8 == 0
 
 
 def test_cute_fragment_layouts_match_the_exchange_model(probes) -> None:
@@ -242,3 +298,85 @@ def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> 
         assert args[2] is v and args[5:8] == (None, None, None)
         with pytest.raises(ValueError, match="descale factors are for fp8 inputs only"):
             interface.forward(q, k, v, p, torch.ones(2, 2))
+
+
+def _ldmatrix_trans(rows: list[list]) -> list[list]:
+    """ldmatrix.x4.trans: rows[L] = the 16 bytes lane L addresses (matrix L // 8, row L % 8);
+    lane t gets of matrix m the 16-bit column t // 4 of rows 2(t % 4), 2(t % 4) + 1 (PTX ISA,
+    ldmatrix with .trans), low half first: 4 bytes per register."""
+    regs = []
+    for t in range(32):
+        p, q = t // 4, t % 4
+        regs.append(
+            [
+                rows[8 * m + 2 * q][2 * p : 2 * p + 2] + rows[8 * m + 2 * q + 1][2 * p : 2 * p + 2]
+                for m in range(4)
+            ]
+        )
+    return regs
+
+
+def _stmatrix(regs: list[list]) -> list[list]:
+    """stmatrix.x4: the 16 bytes written at the row address of lane L (matrix L // 8, row
+    L % 8): register m of lanes 4r .. 4r + 3, 4 bytes each."""
+    return [[b for q in range(4) for b in regs[4 * (L % 8) + q][L // 8]] for L in range(32)]
+
+
+@pytest.mark.parametrize(("tile_n", "d"), [(32, 16), (64, 64), (96, 256), (192, 128)])
+def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int) -> None:
+    """fp8_ops.transpose_block's lanes, instruction by instruction: ldmatrix.trans at the rows
+    vt_load_row names, the two prmt per register pair, stmatrix at the rows vt_store_row names,
+    over every unit and warp: sVt[d, key] ends up V[key, d] for every byte, each written once."""
+    sv = {(k, c): ("v", k, c) for k in range(tile_n) for c in range(d)}  # (key, D byte)
+    svt: dict[tuple, tuple] = {}
+    kbs = tile_n // fp8_ops.VT_UNIT_KEYS
+    units = kbs * (d // fp8_ops.VT_UNIT_D)
+    for u in range(units):
+        k0, d0 = (u % kbs) * fp8_ops.VT_UNIT_KEYS, (u // kbs) * fp8_ops.VT_UNIT_D
+        rows = []
+        for lane in range(32):
+            key = k0 + fp8_ops.vt_load_row(lane)
+            rows.append([sv[(key, d0 + c)] for c in range(16)])
+        regs = _ldmatrix_trans(rows)
+        words = [
+            [
+                _prmt(r[2 * g], r[2 * g + 1], sel)
+                for g in range(2)
+                for sel in (fp8_ops.VT_SEL_EVEN, fp8_ops.VT_SEL_ODD)
+            ]
+            for r in regs
+        ]
+        for lane, seg in enumerate(_stmatrix(words)):
+            dd, kk = fp8_ops.vt_store_row(lane)
+            for c in range(16):
+                at = (d0 + dd, k0 + kk + c)  # (D row, key) of sVt
+                assert at not in svt, f"sVt{at} written twice"
+                svt[at] = seg[c]
+    assert len(svt) == tile_n * d
+    assert all(svt[(c, k)] == ("v", k, c) for k in range(tile_n) for c in range(d))
+
+
+def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
+    """interface.forward with a v_transpose="smem" config (binary stubbed): V goes to the
+    binary untouched (B, Nk, Hkv, D), no Vᵀ copy; the compile key carries the config."""
+    from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3.configs import fp8_smem_transpose_config
+
+    calls = []
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(fa3_compile, "get_forward", lambda key: lambda *a: calls.append((key, a)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(interface, "_plans", {})
+    monkeypatch.setattr(interface, "transpose_v", lambda v: pytest.fail("Vᵀ copied on the host"))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 128, generator=gen).to(FP8_DTYPE)  # (B, Nq, Hq, D)
+    k = torch.randn(2, 56, 2, 128, generator=gen).to(FP8_DTYPE)  # (B, Nk, Hkv, D)
+    v = torch.randn(2, 56, 2, 128, generator=gen).to(FP8_DTYPE)
+    p = check_inputs(q, k, v)
+    cfg = fp8_smem_transpose_config(128, False)
+    interface.forward(q, k, v, p, cfg=cfg)
+    ((key, args),) = calls
+    assert key.cfg == cfg and key.cfg.v_transpose == "smem"
+    assert args[2] is v
+    ok, reason = interface.supports(p, 90)
+    assert ok and "copied on the host" in reason  # the table still ships the host copy

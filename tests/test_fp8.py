@@ -137,10 +137,17 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     out, lse = dispatch.attention(
         q8, k8, v8, causal=causal, return_lse=True, version=version, **kwargs
     )
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=version == "fa3")
+
+
+def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: bool) -> None:
+    """out / lse of an fp8 forward against the float64 oracle, within FP8_FACTOR of the e4m3
+    baseline's error (fa3's LSE: of the reduced-precision accumulator's emulation)."""
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
     base = fp8_baseline(q8, k8, v8, ds, causal=causal)
-    if version == "fa3":  # fp8 wgmma: the LSE against the reduced-precision accumulation
+    if fa3:  # fp8 wgmma: the LSE against the reduced-precision accumulation
         lse_base = fp8_lse_baseline(q8, k8, ds, causal=causal)
         lse_check = compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)
     else:  # the torch version dequantises: float32 all the way
@@ -151,6 +158,32 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     ]
     bad = [str(r) for r in results if not r.ok]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}-{c[6]}")
+def test_fa3_fp8_smem_transpose_build(case: tuple) -> None:
+    """fa3's fp8 build that transposes V in shared memory (Fa3Config.v_transpose="smem", not
+    the table's pick yet, so launched through fa3.interface with its config): within the e4m3
+    baseline as the shipped build is, and bit for bit the shipped build's output where both
+    use the same tiles (the transpose moves bytes; the arithmetic is the same)."""
+    if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import FP8_DTYPE, fp8_smem_transpose_config, get_config
+
+    b, nq, nk, hq, hkv, d, causal, _ = case
+    q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, DEVICE)
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    p = check_inputs(q8, k8, v8, causal=causal, **kwargs)
+    cfg = fp8_smem_transpose_config(d, causal)
+    out, lse = interface.forward(q8, k8, v8, p, *ds, cfg=cfg)
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=True)
+    host = get_config(d, FP8_DTYPE, causal)
+    if host.tile_n == cfg.tile_n:
+        out_h, lse_h = interface.forward(q8, k8, v8, p, *ds, cfg=host)
+        assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
 
 
 @pytest.mark.parametrize("case", [c for c in FP8_CASES if not c[-1]], ids=lambda c: f"d{c[5]}")
