@@ -343,7 +343,7 @@ MUTANTS = [
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
 # fa3's files only needs the paths and patterns here re-pointed.
-FA3_KERNEL = "fa3/kernels.py"  # the forward kernel class: roles, epilogue
+FA3_KERNEL = "fa3/fwd_consumer.py"  # the forward consumer tile: main loop, epilogue
 FA3_SOFTMAX = "fa3/softmax.py"  # online softmax, final 1/l and LSE
 FA3_LOOP = "fa3/fwd_mainloop.py"  # the per-K/V-block steps
 FA3_MASK = "fa3/mask.py"
