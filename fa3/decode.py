@@ -334,7 +334,8 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         n_right_free = tile.seqlen_k // self.TILE_N
         if const_expr(self.HAS_RIGHT):
             n_right_free = cutlass.min(
-                n_right_free, cutlass.max(first_tok + tile.shift + window_right + 1, 0) // self.TILE_N
+                n_right_free,
+                cutlass.max(first_tok + tile.shift + window_right + 1, 0) // self.TILE_N,
             )
         n_left_free = n_block_min
         if const_expr(self.HAS_LEFT):
