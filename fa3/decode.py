@@ -251,7 +251,9 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         first = n_block * self.TILE_N  # the block's first key
         page = tile.batch
         start = first
-        valid = tile.seqlen_k  # tokens of the page that belong to the row
+        # Tokens of the page that belong to the row: a contiguous row holds at most N_max, so
+        # even a cache_seqlens past the capacity (unchecked metadata) reads no other row.
+        valid = cutlass.min(tile.seqlen_k, tile.page_size)
         if const_expr(self.PAGED):
             index = first // tile.page_size
             page = mBlockTable[tile.batch, index]

@@ -363,9 +363,10 @@ def test_gpu_decode_matches_per_row_oracle(case) -> None:
 
 
 @gpu_fa3
-def test_gpu_dispatch_fa3_matches_fa2_at_serving_size() -> None:
+def test_gpu_dispatch_fa3_at_serving_size() -> None:
     """B 4, 32k keys, GQA 32/8, D 128 through dispatch (version="fa3", the heuristic's split
-    count) against fa2's split-KV kernel on the same cache, lse in float32."""
+    count) against the torch version in float32 on the same cache; a row without keys gives
+    out 0 and lse -inf."""
     gen = torch.Generator(device=DEV).manual_seed(1)
     q = _rand(gen, 4, 1, 32, 128, dtype=BF16)
     k, v = (_rand(gen, 4, 32768, 8, 128, dtype=BF16) for _ in range(2))
