@@ -9,6 +9,8 @@ compiled once per `compile.CompileKey` (dtype, head_dim, causal/local/softcap fl
 config) and launched through TVM-FFI on torch's current stream; batch, sequence lengths, head
 counts and strides are runtime values. float8_e4m3fn inputs take the same path and the same
 kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here first).
+KV-cache attention (`supports_kvcache` / `kvcache_forward`) runs the split-KV decode kernel
+(`decode.Fa3Decode`, host side in `decode_host`, compiled per `compile.DecodeKey`).
 """
 
 from __future__ import annotations
