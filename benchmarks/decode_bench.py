@@ -2,14 +2,18 @@
 
     python benchmarks/decode_bench.py --out DIR [--quick]
     python benchmarks/decode_bench.py --out DIR --varlen     # the varlen forward peers only
+    python benchmarks/decode_bench.py --out DIR --decode     # the decode sweep only
 
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
-shuffled block table). Each point reports the median time (triton.testing.do_bench) and the
-K/V bytes read per second, next to PyTorch SDPA's flash and cuDNN backends on the same cache
-(viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same run. Every decode time is one
+shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels (version=
+"fa3": auto keeps fa2 until this run shows fa3 ahead). Each point reports the median time
+(triton.testing.do_bench) and the K/V bytes read per second, next to PyTorch SDPA's flash and
+cuDNN backends on the same cache (viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same
+run; fa3's largest difference from fa2's output, and each version's time for forced split
+counts at three shapes (the data to set their split heuristics from). Every decode time is one
 replay of a CUDA graph of the call (as a serving loop runs decode steps), so Python and launch
-overhead are out of all four columns; fa2's eager time, overhead included, is in the JSON.
+overhead are out of every column; fa2's eager time, overhead included, is in the JSON.
 The metadata value checks (a device-to-host copy per call, which a graph cannot hold) are off
 (FLASHSUITE_CHECK_METADATA=0), as flash-attn and SDPA do none.
 
@@ -46,6 +50,7 @@ from flashsuite import dispatch
 from flashsuite.common.flops import attention_flops
 from flashsuite.dispatch.bench import time_ms
 from flashsuite.fa2 import decode
+from flashsuite.fa3 import decode_host
 
 HQ, HKV, D = 32, 8, 128
 PAGE = 64
@@ -80,20 +85,34 @@ def _sdpa_ms(q, k_cache, v_cache, backend) -> float | str:
         return f"n/a ({type(exc).__name__})"
 
 
-def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):
+def _decode(version, q, k_cache, v_cache, lens, table, num_splits=0):
     return lambda: dispatch.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=num_splits,
-        version="fa2",
+        version=version,
     )  # fmt: skip
+
+
+def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):
+    return _decode("fa2", q, k_cache, v_cache, lens, table, num_splits)
+
+
+def _timed(fn) -> float | str:
+    """_graph_ms, or the error that stopped it (one version's failure keeps the sweep going)."""
+    try:
+        return _graph_ms(fn)
+    except Exception as exc:
+        return f"error ({type(exc).__name__}: {str(exc)[:200]})"
 
 
 SPLIT_SWEEP = ((1, 131072), (8, 32768), (32, 4096))  # the shapes a split count matters most
 
 
-def _split_sweep(q, k, v, lens) -> dict:
-    """fa2's contiguous decode time for a range of forced split counts (0: the heuristic's),
-    the data to set fa2.decode.PROGRAMS_PER_SM from."""
-    return {s: _graph_ms(_fa2(q, k, v, lens, None, s)) for s in (0, 1, 4, 8, 16, 32, 64, 128)}
+def _split_sweep(version, q, k, v, lens) -> dict:
+    """A version's contiguous decode time for a range of forced split counts (0: the
+    heuristic's), the data to set fa2.decode.PROGRAMS_PER_SM / fa3's DECODE_CTAS_PER_SM from."""
+    return {
+        s: _timed(_decode(version, q, k, v, lens, None, s)) for s in (0, 1, 4, 8, 16, 32, 64, 128)
+    }
 
 
 def decode_sweep(quick: bool) -> list[dict]:
@@ -113,13 +132,16 @@ def decode_sweep(quick: bool) -> list[dict]:
         row = dict(batch=b, seqlen_k=n, kv_bytes=kv_bytes)
         row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
         row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
+        row["fa3_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
         if (b, n) in SPLIT_SWEEP:
-            row["fa2_ms_by_num_splits"] = _split_sweep(q, k, v, lens)
+            row["fa2_ms_by_num_splits"] = _split_sweep("fa2", q, k, v, lens)
+            row["fa3_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
         cfg = decode.decode_config(HQ // HKV, D, interpreter=False)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         row["heuristic_splits"] = decode.num_splits_heuristic(
             b * HKV, math.ceil(n / cfg.block_n), sms
         )
+        row["fa3_heuristic_splits"] = decode_host.num_splits_heuristic(b * HKV, n // 128, sms)
         # Paged copy: the same tokens on shuffled 64-token pages.
         pages = b * n // PAGE
         table = torch.randperm(pages, device="cuda").to(torch.int32).reshape(b, n // PAGE)
@@ -134,10 +156,30 @@ def decode_sweep(quick: bool) -> list[dict]:
         row["paged_max_diff"] = (out_dense.float() - out_paged.float()).abs().max().item()
         row["fa2_paged_ms"] = _graph_ms(_fa2(q, k_pages, v_pages, lens, table))
         row["paged_over_contiguous"] = row["fa2_paged_ms"] / row["fa2_ms"]
+        row["fa3_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
+        try:
+            for name, args in (("fa3", (k, v, None)), ("fa3_paged", (k_pages, v_pages, table))):
+                out = _decode("fa3", q, *args[:2], lens, args[2])()
+                row[f"{name}_max_diff_vs_fa2"] = (
+                    (out.float() - out_dense.float()).abs().max().item()
+                )
+        except Exception as exc:
+            row["fa3_max_diff_vs_fa2"] = f"error ({type(exc).__name__})"
         del k_pages, v_pages
         row["sdpa_flash_ms"] = _sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION)
         row["sdpa_cudnn_ms"] = _sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION)
-        for key in ("fa2_ms", "fa2_paged_ms", "sdpa_flash_ms", "sdpa_cudnn_ms"):
+        sdpa = [row[k] for k in ("sdpa_flash_ms", "sdpa_cudnn_ms") if isinstance(row[k], float)]
+        if isinstance(row["fa3_ms"], float) and sdpa:
+            row["fa3_speedup_vs_best_sdpa"] = min(sdpa) / row["fa3_ms"]
+        keys = (
+            "fa2_ms",
+            "fa2_paged_ms",
+            "fa3_ms",
+            "fa3_paged_ms",
+            "sdpa_flash_ms",
+            "sdpa_cudnn_ms",
+        )
+        for key in keys:
             if isinstance(row[key], float):
                 row[key.replace("_ms", "_tbps")] = kv_bytes / (row[key] * 1e-3) / 1e12
         rows.append(row)
@@ -251,6 +293,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--quick", action="store_true", help="first three decode points only")
     ap.add_argument("--varlen", action="store_true", help="the varlen forward peers only")
+    ap.add_argument("--decode", action="store_true", help="the decode sweep only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_bench needs a CUDA GPU")
@@ -259,11 +302,14 @@ def main() -> None:
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
     if not args.varlen:
         result["decode"] = decode_sweep(args.quick)
+    if not (args.varlen or args.decode):
         result["varlen"] = varlen_prefill("fa2")
-    result["varlen_peers"] = varlen_peers()
+    if not args.decode:
+        result["varlen_peers"] = varlen_peers()
     result["seconds"] = time.time() - start
     (args.out / "decode_bench.json").write_text(json.dumps(result, indent=2))
-    _print_varlen_peers(result["varlen_peers"])
+    if not args.decode:
+        _print_varlen_peers(result["varlen_peers"])
     if args.varlen:
         print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
         return
@@ -271,14 +317,22 @@ def main() -> None:
         f"\ndecode, Nq=1, GQA {HQ}/{HKV}, D={D}, bf16, CUDA-graph replay (ms | K/V TB/s); "
         f"paged = {PAGE}-token pages"
     )
-    heads = ("fa2", "fa2 paged", "SDPA flash", "SDPA cuDNN")
-    print(f"{'B':>4} {'Nk':>7} | " + " | ".join(f"{h:>15}" for h in heads))
+    heads = ("fa2", "fa2 paged", "fa3", "fa3 paged", "SDPA flash", "SDPA cuDNN")
+    print(f"{'B':>4} {'Nk':>7} | " + " | ".join(f"{h:>15}" for h in heads) + " | fa3/best")
     for r in result["decode"]:
         cells = []
-        for key in ("fa2", "fa2_paged", "sdpa_flash", "sdpa_cudnn"):
+        for key in ("fa2", "fa2_paged", "fa3", "fa3_paged", "sdpa_flash", "sdpa_cudnn"):
             ms, rate = r[f"{key}_ms"], r.get(f"{key}_tbps")
             cells.append(f"{_fmt(ms)} | {rate:.2f}" if rate is not None else str(ms)[:15])
-        print(f"{r['batch']:>4} {r['seqlen_k']:>7} | " + " | ".join(f"{c:>15}" for c in cells))
+        ratio = _fmt(r.get("fa3_speedup_vs_best_sdpa", "n/a"))
+        print(
+            f"{r['batch']:>4} {r['seqlen_k']:>7} | "
+            + " | ".join(f"{c:>15}" for c in cells)
+            + f" | {ratio}"
+        )
+    if args.decode:
+        print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
+        return
     print("\nvarlen prefill, 64k tokens, mean 2k, H=16, D=128, bf16 (TFLOP/s; ratio varlen/dense)")
     for r in result["varlen"]:
         print(

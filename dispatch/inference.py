@@ -4,10 +4,11 @@ with flash-attn's argument names, and their select/explain.
 
 Selection works as for `attention` (dispatch/api.py): the candidates of `auto_order(arch)`,
 each asked through its `supports_varlen` / `supports_kvcache`; a version without that entry
-point answers no, and auto passes by a version whose `VARLEN_AUTO_SELECT` is False (its varlen
-path runs only when asked for by name). A version without a varlen backward of its own is
-differentiated by its partner's (`registry.BACKWARD_PARTNER`) on the saved tensors. An
-explicit `version=` never falls back. Design: docs/inference.md.
+point answers no, and auto passes by a version whose `VARLEN_AUTO_SELECT` (packed sequences)
+or `KVCACHE_AUTO_SELECT` (KV cache) is False (that path runs only when asked for by name). A
+version without a varlen backward of its own is differentiated by its partner's
+(`registry.BACKWARD_PARTNER`) on the saved tensors. An explicit `version=` never falls back.
+Design: docs/inference.md.
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ def _check(kind: str, name: str, params, arch: int | None, needs_grad: bool) -> 
 
 def _auto_refusal(kind: str, name: str) -> str | None:
     """Why auto selection passes by `name` for this entry point although it could run it."""
-    if kind == "varlen" and not getattr(registry.module(name), "VARLEN_AUTO_SELECT", True):
+    flag = {"varlen": "VARLEN_AUTO_SELECT", "kvcache": "KVCACHE_AUTO_SELECT"}[kind]
+    if not getattr(registry.module(name), flag, True):
+        what = {"varlen": "varlen", "kvcache": "split-KV decode"}[kind]
         return (
-            f"{name}: varlen kernel not in auto selection yet (not verified on a GPU; "
+            f"{name}: {what} kernel not in auto selection yet (not verified on a GPU; "
             f"version='{name}' runs it)"
         )
     return None

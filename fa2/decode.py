@@ -12,7 +12,8 @@ Schedule (docs/inference.md):
 - Split-KV: grid (num_splits, Hkv * m_blocks, B). Each row's visible key blocks are divided
   into num_splits contiguous ranges, one per program, so a short batch still fills the GPU.
   Each split writes its normalised partial O and its LSE in float32; `_combine` merges them
-  (out = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s). With one split the kernel
+  (out = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s; common/split_combine.py, shared
+  with fa3's decode). With one split the kernel
   writes the final out and lse itself.
 - Paged addressing: key j of row b is page block_table[b, j // page_size], slot
   j % page_size. When page_size is a multiple of BLOCK_N one table entry serves the whole
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from flashsuite.common.split_combine import _combine, split_count  # noqa: F401 (_combine re-exported)
 from flashsuite.fa2.kernels import _scores, _visible
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -200,53 +202,6 @@ def _decode_split(
         tl.store(LsePart + part, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["total_rows", "seqlen_q", "num_splits"])
-def _combine(
-    OPart,  # (num_splits, R, Dv) fp32, R = B * Nq * Hq rows numbered (b, token, head)
-    LsePart,  # (num_splits, R) fp32
-    Out,  # (B, Nq, Hq, Dv) contiguous
-    Lse,  # (B, Hq, Nq) fp32 contiguous
-    total_rows,  # R
-    seqlen_q,
-    num_heads,
-    num_splits,
-    HEAD_DIM_V: tl.constexpr,
-    DV_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """out = sum_s exp(lse_s - lse) * O_s with lse = logsumexp_s lse_s, one pass over splits
-    with a running maximum (splits that saw no key have lse_s = -inf and weigh 0)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-    row_ok = rows < total_rows
-    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
-    mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_R, DV_PAD)
-    rows64 = rows.to(tl.int64)
-    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)  # (BLOCK_R,) running max lse
-    den = tl.zeros([BLOCK_R], dtype=tl.float32)  # (BLOCK_R,) sum exp(lse_s - m)
-    acc = tl.zeros([BLOCK_R, DV_PAD], dtype=tl.float32)  # (BLOCK_R, DV_PAD)
-    for s in range(num_splits):
-        lse_s = tl.load(LsePart + s * total_rows + rows64, mask=row_ok, other=float("-inf"))
-        o_s = tl.load(OPart + (s * total_rows + rows64)[:, None] * HEAD_DIM_V + offs_dv[None, :],
-                      mask=mask, other=0.0)  # fmt: skip
-        m_new = tl.maximum(m, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)  # (BLOCK_R,)
-        w = tl.exp(lse_s - m_use)  # (BLOCK_R,)
-        den = den * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        m = m_new
-    seen = den > 0.0
-    out = acc / tl.where(seen, den, 1.0)[:, None]
-    lse = tl.where(seen, m + tl.log(tl.where(seen, den, 1.0)), float("-inf"))
-    tl.store(Out + rows64[:, None] * HEAD_DIM_V + offs_dv[None, :], out.to(Out.dtype.element_ty),
-             mask=mask)  # fmt: skip
-    # lse is (B, Hq, Nq): row (b, t, h) -> b * Hq * Nq + h * Nq + t
-    tok = (rows // num_heads) % seqlen_q
-    b = rows // (num_heads * seqlen_q)
-    head = rows % num_heads
-    tl.store(Lse + (b.to(tl.int64) * num_heads + head) * seqlen_q + tok, lse, mask=row_ok)
-
-
 # ----------------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------------
@@ -291,15 +246,6 @@ def num_splits_heuristic(tiles: int, key_blocks: int, num_sms: int) -> int:
     (programs / (waves * target)) is within 5% of the best wins: more programs in flight, up
     to the target, without a mostly idle last wave.
     """
-    target = PROGRAMS_PER_SM * num_sms
-    if tiles >= target or key_blocks < 2 * MIN_BLOCKS_PER_SPLIT:
-        return 1
-    bound = min(MAX_SPLITS, -(-target // tiles), key_blocks // MIN_BLOCKS_PER_SPLIT)
-
-    def efficiency(s: int) -> float:
-        programs = tiles * s
-        waves = -(-programs // target)
-        return programs / (waves * target)
-
-    best = max(efficiency(s) for s in range(1, bound + 1))
-    return next(s for s in range(bound, 0, -1) if efficiency(s) >= 0.95 * best)
+    return split_count(
+        tiles, key_blocks, PROGRAMS_PER_SM * num_sms, MIN_BLOCKS_PER_SPLIT, MAX_SPLITS
+    )

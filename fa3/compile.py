@@ -34,6 +34,7 @@ from flashsuite.fa3.configs import (
     Fa3Config,
     can_implement,
     can_implement_varlen,
+    decode_can_implement,
     smem_bytes,
 )
 
@@ -242,3 +243,91 @@ def kernel_scalars(
     left = far if left < 0 else left
     right = 0 if causal else (far if right < 0 else right)
     return scale_log2, softcap_pre, left, right
+
+
+@dataclass(frozen=True)
+class DecodeKey:
+    """Everything that changes the generated code of one KV-cache decode kernel
+    (decode.Fa3Decode): batch, lengths, head counts, page counts, split count and strides are
+    runtime values."""
+
+    dtype: torch.dtype  # of q and the cache: float16 or bfloat16
+    head_dim: int
+    causal: bool
+    local: bool
+    softcap: bool
+    paged: bool  # a block_table addresses the cache's pages
+    split: bool  # writes fp32 partial O and LSE for the combine (num_splits > 1)
+    cfg: Fa3Config
+    arch: str = "sm_90a"
+    tvm_ffi: bool = True
+
+
+def _fake_decode_inputs(key: DecodeKey) -> tuple:
+    """Fake q, k_cache, v_cache, out rows, lse, block_table (None unless paged) and
+    cache_seqlens: symbolic sizes, 16-byte-aligned 64-bit symbolic strides."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(key.dtype)
+    d = key.head_dim
+    b, nq, hq, pages, page, hkv, rows, n_lse, max_pages = (cute.sym_int() for _ in range(9))
+    elems_16b = 16 // (dt.width // 8)
+
+    def strided(shape: tuple) -> Any:  # last dim contiguous, any 16-byte-aligned outer strides
+        stride = (*(cute.sym_int64(divisibility=elems_16b) for _ in range(3)), 1)
+        return cute.runtime.make_fake_tensor(dt, shape, stride=stride, assumed_align=16)
+
+    q = strided((b, nq, hq, d))
+    k, v = strided((pages, page, hkv, d)), strided((pages, page, hkv, d))
+    # out (B, Nq, Hq, D) or the partials (splits, B, Nq, Hq, D) fp32, as (rows, D) rows.
+    o = cute.runtime.make_fake_compact_tensor(
+        cutlass.Float32 if key.split else dt, (rows, d), stride_order=(1, 0), assumed_align=16
+    )
+    lse = cute.runtime.make_fake_compact_tensor(cutlass.Float32, (n_lse,), assumed_align=4)
+    table = None
+    if key.paged:
+        table = cute.runtime.make_fake_compact_tensor(
+            cutlass.Int32, (b, max_pages), stride_order=(1, 0), assumed_align=4
+        )
+    seqlens = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
+    return (q, k, v, o, lse, table, seqlens)
+
+
+def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
+    """Build one decode binary (no cache). It takes (q, k_cache, v_cache, out_rows, lse,
+    block_table, cache_seqlens, n_new, num_splits, scale_log2, softcap_pre, window_left,
+    window_right): out_rows is out (B·Nq·Hq, D) in q's dtype, or with `key.split` the fp32
+    partials (splits·B·Nq·Hq, D); lse is (B·Hq·Nq,), or (splits·B·Nq·Hq,) with `key.split`."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from flashsuite.fa3.decode import Fa3Decode
+
+    ok, reason = decode_can_implement(key.cfg, key.head_dim, key.dtype)
+    if not ok:
+        raise ValueError(f"fa3: cannot build {key}: {reason}")
+    kernel = Fa3Decode(
+        cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
+        key.paged, key.split,
+    )  # fmt: skip
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
+    compiled = cute.compile(
+        kernel,
+        *_fake_decode_inputs(key),
+        cutlass.Int32(0),
+        cutlass.Int32(1),
+        cutlass.Float32(1.0),
+        cutlass.Float32(1.0),
+        cutlass.Int32(0),
+        cutlass.Int32(0),
+        stream,
+        options=compile_options(key.arch, key.tvm_ffi, extra_options),
+    )
+    check_storage(kernel, smem_bytes(key.cfg, key.head_dim, key.dtype), f"decode {key.cfg}")
+    return compiled
+
+
+def get_decode(key: DecodeKey) -> Any:
+    """The cached decode binary for `key`, compiled on first use (thread-safe)."""
+    return cached(key, compile_decode)

@@ -352,6 +352,65 @@ def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]
     return True, ""
 
 
+# ------------------------------------------------------------------------------------------------
+# KV-cache decode (decode.Fa3Decode)
+# ------------------------------------------------------------------------------------------------
+# Whether auto selection runs fa3 for `dispatch.attention_with_kvcache` on sm90 (else fa2's
+# Triton split-KV kernel). Off until the GPU oracle tests of tests/test_fa3_kvcache.py pass on
+# an H200 and benchmarks/decode_bench.py times it ahead of fa2; version="fa3" runs it meanwhile.
+KVCACHE_AUTO = False
+# (producer, consumer) setmaxnreg of the decode kernel: one producer and one consumer
+# warpgroup at one CTA per SM (FA3's split for a single MMA warpgroup).
+DECODE_REG_SPLIT = (56, 256)
+DECODE_TILE_M = 64  # packed (token, head-in-group) rows: one consumer warpgroup
+DECODE_MAX_STAGES = 4  # per 128-key tile; smaller page-sized tiles get up to 8 (same bytes)
+# Split-KV: CTAs in flight per SM (one fits: its K/V rings fill shared memory), the fewest key
+# blocks a split streams, the most splits.
+DECODE_CTAS_PER_SM = 1
+DECODE_MIN_BLOCKS_PER_SPLIT = 2
+DECODE_MAX_SPLITS = 128
+
+
+def decode_config(head_dim: int, page_size: int = 0) -> Fa3Config:
+    """The decode kernel's tiles: 64 packed rows x tile_n keys, as many K/V stages as shared
+    memory holds (up to DECODE_MAX_STAGES). tile_n is 128 keys (64 at D = 256: S, O and P of a
+    128-key tile would need ~280 registers a thread), or for a paged cache the largest multiple
+    of 16 up to that which divides page_size, so each key tile lies in one page."""
+    tile_n = 64 if head_dim > 192 else 128
+    if page_size:
+        tile_n = next(n for n in range(tile_n, 0, -16) if page_size % n == 0)
+    cfg = Fa3Config(
+        tile_m=DECODE_TILE_M,
+        tile_n=tile_n,
+        stages=2,
+        pingpong=False,
+        intra_wg_overlap=True,
+        o_alias_q=True,
+        num_consumer_wgs=1,
+    )
+    stages = min(8, DECODE_MAX_STAGES * 128 // tile_n)
+    while stages > 2 and smem_bytes(replace(cfg, stages=stages), head_dim) > SMEM_CAPACITY:
+        stages -= 1
+    return replace(cfg, stages=stages)
+
+
+def decode_can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether the decode kernel can be built for `cfg`: 16-bit inputs, the dense head dims, one
+    64-row consumer warpgroup, wgmma-legal tile_n, shared memory within the capacity."""
+    if dtype not in DTYPES:
+        return False, f"fa3 decode: dtype {dtype} not in (float16, bfloat16)"
+    if head_dim not in HEAD_DIMS:
+        return False, f"fa3 decode: head_dim {head_dim} not in {set(HEAD_DIMS)}"
+    if (cfg.tile_m, cfg.num_consumer_wgs, cfg.o_alias_q) != (DECODE_TILE_M, 1, True):
+        return False, "fa3 decode: needs tile_m 64, one consumer warpgroup, no sO (o_alias_q)"
+    if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
+        return False, f"fa3 decode: tile_n {cfg.tile_n} not a multiple of 16 in [16, 256]"
+    smem = smem_bytes(cfg, head_dim, dtype)
+    if smem > SMEM_CAPACITY:
+        return False, f"fa3 decode: {smem} B of shared memory > {SMEM_CAPACITY}"
+    return True, ""
+
+
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
     """Every 16-bit (head_dim, dtype, causal, config) the table returns for long keys."""
     return [

@@ -10,6 +10,8 @@ config) and launched through TVM-FFI on torch's current stream; batch, sequence 
 counts and strides are runtime values. float8_e4m3fn inputs take the same path and the same
 kernel class (its fp8 branch: bf16 out, (B, Hkv) descales, V transposed here first, or in the
 kernel's shared memory with Fa3Config.v_transpose = "smem").
+KV-cache attention (`supports_kvcache` / `kvcache_forward`) runs the split-KV decode kernel
+(`decode.Fa3Decode`, host side in `decode_host`, compiled per `compile.DecodeKey`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from flashsuite.fa3.configs import (
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
+    KVCACHE_AUTO,
     VARLEN_AUTO,
     Fa3Config,
     can_implement,
@@ -48,6 +51,9 @@ OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 # Whether auto selection takes fa3 for packed sequences (configs.VARLEN_AUTO: the measurement).
 # The varlen backward is the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
 VARLEN_AUTO_SELECT = VARLEN_AUTO
+# Whether auto selection takes fa3 for KV-cache attention (configs.KVCACHE_AUTO: off until the
+# H200 has run it; version="fa3" runs it).
+KVCACHE_AUTO_SELECT = KVCACHE_AUTO
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
 
@@ -480,5 +486,19 @@ def varlen_forward(
 
 
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
-    """The CuTe DSL kernels have no split-KV decode: KV-cache attention runs on fa2."""
-    return False, "fa3: no split-KV / paged decode kernel in the CuTe DSL; fa2 runs it"
+    """KV-cache attention (decode.Fa3Decode): the dense limits (sm90, dtype, head dims, scale)
+    and the decode kernel's own (16-bit inputs, 32-bit offsets; decode_host.supports)."""
+    ok, reason = supports(kp.attn, arch)
+    if not ok:
+        return False, reason
+    from flashsuite.fa3 import decode_host
+
+    return decode_host.supports(kp)
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
+    """Split-KV decode against a contiguous or paged cache, after appending k, v
+    (decode_host.kvcache_forward). Returns out (B, Nq, Hq, D) and lse (B, Hq, Nq) fp32."""
+    from flashsuite.fa3 import decode_host
+
+    return decode_host.kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)

@@ -29,8 +29,13 @@ def apply_mask(
     tile_n: cutlass.Constexpr[int],
     has_right: cutlass.Constexpr[bool],
     has_left: cutlass.Constexpr[bool],
+    query_of=None,
 ):
     """-inf where the key is past seqlen_k or outside the (causal / local) window.
+
+    `query_of` (optional): the query index of each of the thread's two rows, a tuple indexed
+    by r, for tiles whose rows are not consecutive queries (the decode kernel's GQA-packed
+    rows, several heads per query token); by default row m_block * tile_m + tile row.
 
     Element i = 4j + 2r + c of the m64nNk16 C fragment sits in row r of the thread's two
     rows and column col0 + 8j + c. Comparing the compile-time offset 8j + c against one
@@ -40,6 +45,8 @@ def apply_mask(
     col0 = n_block * tile_n + tScS[0][1]  # this thread's first column in the block
     for r in cutlass.range_constexpr(2):
         row = m_block * tile_m + tScS[2 * r][0]
+        if const_expr(query_of is not None):
+            row = query_of[r]
         col_end = seqlen_k
         if const_expr(has_right):
             col_end = cutlass.min(col_end, row + shift + window_right + 1)

@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
+#                                                kvcache
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -146,6 +147,19 @@ for part in $parts; do
       grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen.log" | tail -12
       python3 benchmarks/decode_bench.py --out "$out/varlen-bench" --varlen 2>&1 \
         | tee "$out/varlen-bench.log" || status=1 ;;
+    kvcache)
+      # fa3's split-KV decode: its GPU tests (per-row oracle, NaN in unused cache slots and
+      # spare pages, NaN guard rows around out and lse), the same under compute-sanitizer
+      # memcheck, then the decode sweep beside fa2 and SDPA (decode_bench --decode).
+      python3 -m pytest tests/test_fa3_kvcache.py -v -rfEs -p no:cacheprovider \
+        --junitxml "$out/kvcache.xml" 2>&1 | tee "$out/kvcache.log" || status=1
+      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
+        compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest tests/test_fa3_kvcache.py -q -p no:cacheprovider -k "gpu_decode" \
+        > "$out/sanitize-kvcache.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-kvcache.log" | tail -12
+      python3 benchmarks/decode_bench.py --out "$out/kvcache-bench" --decode 2>&1 \
+        | tee "$out/kvcache-bench.log" || status=1 ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \

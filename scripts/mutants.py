@@ -352,6 +352,8 @@ FA3_HOST = "fa3/interface.py"  # the launcher: fp8 descales and Vᵀ
 FA3_BWD = "fa3/bwd_pointwise.py"
 FA3_VARLEN = "fa3/varlen.py"  # packed sequences: ragged views, the virtual-block grid
 VARLEN_TESTS = ("tests/test_fa3_varlen.py",)
+FA3_DECODE = "fa3/decode.py"  # KV-cache decode: page bounds, GQA packing, split ranges
+KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
 FA3_BWD_HOST = "fa3/bwd_host.py"
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
@@ -484,6 +486,30 @@ GPU_MUTANTS = [
         "return (mCuSeqlensQ[b] + b * (self.TILE_M - 64)) // self.TILE_M",
         "gpu_varlen_matches",
         VARLEN_TESTS,
+    ),
+    Mutant(
+        "fa3 decode: a page's TMA bound one token past the row's keys (reads a NaN slot)",
+        FA3_DECODE,
+        "valid = cutlass.min(tile.page_size, tile.seqlen_k - index * tile.page_size)",
+        "valid = cutlass.min(tile.page_size, tile.seqlen_k + 1 - index * tile.page_size)",
+        "gpu_decode_matches",
+        KVCACHE_TESTS,
+    ),
+    Mutant(
+        "fa3 decode: packed rows masked by their row, not their query token",
+        FA3_MASK,
+        "            row = query_of[r]\n",
+        "            row = query_of[r] * 0 + row\n",
+        "gpu_decode_matches",
+        KVCACHE_TESTS,
+    ),
+    Mutant(
+        "fa3 decode: the last key block of every split dropped",
+        FA3_DECODE,
+        "return n_block_min, cutlass.min(n_block_min + per_split, hi_blk)",
+        "return n_block_min, cutlass.min(n_block_min + per_split - 1, hi_blk)",
+        "gpu_decode_matches",
+        KVCACHE_TESTS,
     ),
     Mutant(
         "fa3 fp8: descale (b, h) read from (h, b)",

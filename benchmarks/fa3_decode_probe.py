@@ -1,0 +1,92 @@
+"""Compile probe of fa3's KV-cache decode kernel (fa3/decode.py) for sm_90a, no GPU needed.
+
+    python -m benchmarks.fa3_decode_probe               # the CI set, a table
+    python -m benchmarks.fa3_decode_probe --all         # every head dim x cache layout x split
+    python -m benchmarks.fa3_decode_probe --json out.json
+
+Per build: the PTX instruction counts of benchmarks.fa3_probe (wgmma, TMA, setmaxnreg, ...),
+the TMA rank of the K/V loads (5-D ragged views), vectorised Q loads, and ptxas' registers,
+spills and C75xx remarks. Sets CUTE_DSL_* before importing cutlass: run it in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+
+from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
+
+# (head_dim, causal, local, softcap, page_size (0: contiguous), split): the CI set covers every
+# flag, both cache layouts, a page smaller than the default key tile, and both outputs.
+CI_CASES = [
+    (128, False, False, False, 0, False),
+    (128, True, False, False, 64, True),
+    (64, True, True, True, 16, False),
+    (256, False, True, False, 0, True),
+]
+
+
+def all_cases() -> list[tuple]:
+    return [
+        (d, causal, False, False, page, split)
+        for d in (64, 96, 128, 192, 256)
+        for page in (0, 16, 48, 64, 192, 256)
+        for split in (False, True)
+        for causal in (False, True)
+    ]
+
+
+def case_name(case: tuple) -> str:
+    d, causal, local, softcap, page, split = case
+    flags = [f for f, on in (("causal", causal), ("local", local), ("softcap", softcap)) if on]
+    cache = f"paged{page}" if page else "contiguous"
+    return "-".join([f"D{d}", cache, "split" if split else "final", *flags])
+
+
+def probe(case: tuple) -> dict:
+    """Compile one decode build; its PTX and ptxas facts."""
+    import torch
+
+    from flashsuite.fa3.compile import DecodeKey, compile_decode
+    from flashsuite.fa3.configs import decode_config
+
+    d, causal, local, softcap, page, split = case
+    cfg = decode_config(d, page)
+    key = DecodeKey(torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg)
+    t0 = time.perf_counter()
+    compiled, log = _capture_fd2(lambda: compile_decode(key))
+    ptx = getattr(compiled, "__ptx__", None) or ""
+    return {
+        "name": case_name(case),
+        "config": cfg.__dict__,
+        "compile_s": round(time.perf_counter() - t0, 2),
+        "ptx": ptx_counts(ptx),
+        "tma_5d": len(re.findall(r"cp\.async\.bulk\.tensor\.5d", ptx)),
+        "q_loads_v4": len(re.findall(r"ld\.global\.v4", ptx)),
+        "setmaxnreg": re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx),
+        **parse_ptxas(log),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--all", action="store_true", help="every head dim, layout and output")
+    args = ap.parse_args(argv)
+    results = [probe(c) for c in (all_cases() if args.all else CI_CASES)]
+    for r in results:
+        print(
+            f"{r['name']:40s} regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']} "
+            f"remarks={r['remarks']} tma5d={r['tma_5d']} {r['compile_s']}s"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

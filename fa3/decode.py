@@ -1,0 +1,436 @@
+"""Split-KV attention against a KV cache (decode) for Hopper in the CuTe DSL, contiguous or paged.
+
+Layout: q (B, Nq, Hq, D); the cache (B_cache, N_max, Hkv, D), or pages (num_pages, page_size,
+Hkv, D) with block_table (B, max_pages) int32; cache_seqlens (B,) int32. Row b attends its first
+seqlen_b = cache_seqlens[b] + n_new keys, bottom-right aligned (query token t sits at key
+t + seqlen_b - Nq). The new keys are already in the cache (the host appends them first).
+
+One CTA = one producer warpgroup (warp 0 issues the TMA loads) and one consumer warpgroup of 64
+rows, on a grid (num_splits, Hkv x m_blocks, B):
+
+- GQA packing. Row r of the 64-row tile is query token r // G, head hkv·G + r % G (G = Hq /
+  Hkv): the G heads that share a K/V head, for every query token, so each K/V tile is read
+  once per K/V head. Q is gathered into the swizzled sQ by the consumer warpgroup (16-byte
+  loads, rows past Nq·G zero-filled): a TMA box cannot follow the (token, head) packing for
+  a runtime G.
+- Split-KV. The key blocks any row of the tile can see (after the window / causal bounds) are
+  divided into num_splits contiguous ranges; split s streams its range newest block first
+  through STAGES-deep K and V TMA rings, with the dense kernel's consumer steps (QK, mask,
+  online softmax, PV, intra-WG overlap). With SPLIT each CTA writes its normalised partial O
+  and its LSE in float32 for the combine; otherwise the final O (q's dtype) and LSE.
+- K/V addressing (`kv_view`, `kv_tile`). The cache is viewed as a 5-D TMA tensor (R, D, Hkv,
+  L, P) with strides (s_n, 1, s_h, s_n, s_p): the token stride twice and the base moved back
+  R = 2^30 tokens, as fa3's varlen views do. Coordinate (R - len + i, d, h, len, p) is token
+  i of page p (a contiguous cache: row p), inside the box bounds only for i < len. A key tile
+  starting at token `start` of a page holding `len` valid tokens is therefore loaded with the
+  tokens from len on zero-filled: never the unwritten slots past the row's length (whatever
+  they hold, NaN included, cannot reach O through P·V), never another page. Paged: page
+  block_table[b, j // page_size] holds key j, page_size a multiple of TILE_N so a tile lies in
+  one page; contiguous: one "page" per row, page_size = N_max.
+- O and LSE leave registers straight to global memory (a decode tile has at most Nq·G valid
+  rows; the (token, head) packing is no TMA box either).
+"""
+
+# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
+import math
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from flashsuite.fa3.configs import DECODE_REG_SPLIT, Fa3Config
+from flashsuite.fa3.fwd_layouts import ForwardLayouts
+from flashsuite.fa3.fwd_mainloop import ForwardMainloop
+from flashsuite.fa3.mask import apply_mask
+from flashsuite.fa3.pipeline import PingPong
+from flashsuite.fa3.softmax import finalize_row, rescale_rows
+from flashsuite.fa3.utils import Barrier, WarpRole
+from flashsuite.fa3.varlen import RAGGED_LAST, RAGGED_ROWS
+
+__all__ = ["Fa3Decode"]
+
+
+def kv_view(t: cute.Tensor) -> cute.Tensor:
+    """A cache (P, S, Hkv, D) as the 5-D ragged TMA view (R, D, Hkv, L, P) (host side)."""
+    rows = cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2]))  # (S, D, Hkv)
+    base = cute.domain_offset((-RAGGED_ROWS, 0, 0), rows).iterator
+    s_n, _, s_h, _ = t.stride
+    shape = (RAGGED_ROWS, t.shape[3], t.shape[2], RAGGED_LAST, t.shape[0])
+    return cute.make_tensor(base, cute.make_layout(shape, stride=(s_n, 1, s_h, s_n, t.stride[0])))
+
+
+class Fa3Decode(ForwardLayouts, ForwardMainloop):
+    """Static configuration of one compiled decode kernel; `__call__` is the host launcher."""
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        cfg: Fa3Config,
+        causal: bool,
+        local: bool,
+        softcap: bool,
+        paged: bool,
+        split: bool,
+    ) -> None:
+        assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
+        self.dtype = dtype
+        self.FP8 = False
+        self.VT_SMEM = self.VT_HOST = False  # 16-bit V, read as it lies (fwd_layouts)
+        self.SPLIT = split
+        self.o_dtype = Float32 if split else dtype  # partial O in fp32, final O in q's dtype
+        self.HEAD_DIM = head_dim
+        self.TILE_M = cfg.tile_m
+        self.TILE_N = cfg.tile_n
+        self.STAGES = cfg.stages
+        self.PINGPONG = False  # one consumer warpgroup
+        self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
+        self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory
+        self.NUM_CONSUMER_WGS = 1
+        self.PRODUCER_REGS, self.CONSUMER_REGS = DECODE_REG_SPLIT
+        self.CONSUMER_THREADS = 128
+        self.NUM_THREADS = 256
+        self.PERSISTENT = False
+        self.VARLEN = False
+        self.PER_WG_EPILOGUE = False
+        self.EARLY_Q_RELEASE = False
+        self.HAS_RIGHT = causal or local
+        self.HAS_LEFT = local
+        self.SOFTCAP = softcap
+        self.PAGED = paged
+        self.pingpong = PingPong(False, 1)
+
+    # ----------------------------------------------------------------------------------------
+    # host side
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (B, Nq, Hq, D)
+        mK: cute.Tensor,  # (B_cache, N_max, Hkv, D) or (num_pages, page_size, Hkv, D)
+        mV: cute.Tensor,  # like mK
+        mO: cute.Tensor,  # (rows, D): rows (b, t, h) of out; SPLIT: (split, b, t, h) fp32
+        mLSE: cute.Tensor,  # (B * Hq * Nq,) as (b, h, t); SPLIT: (splits * rows,) as mO's rows
+        mBlockTable: cute.Tensor | None,  # (B, max_pages) int32 when paged, else None
+        mCacheSeqlens: cute.Tensor,  # (B,) int32
+        n_new: Int32,  # tokens appended to every row before attending
+        num_splits: Int32,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        stream,
+    ):
+        atom = self._smem_atom(self.dtype)
+        sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+        sK_l = cute.tile_to_shape(atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2))
+        mma_qk, mma_pv = self._make_mmas()
+        self.storage = self._storage(sQ_l, sK_l, sK_l, sQ_l)
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        box = (self.TILE_N, self.HEAD_DIM)
+        stage_l = cute.select(sK_l, mode=[0, 1])
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, kv_view(mK), stage_l, box)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, kv_view(mV), stage_l, box)
+        batch_n, seqlen_q, heads_q, _ = mQ.shape
+        heads_kv = mK.shape[2]
+        group = heads_q // heads_kv
+        m_blocks = (seqlen_q * group + self.TILE_M - 1) // self.TILE_M
+        self.kernel(
+            mQ, tma_k, tK, tma_v, tV, mO, mLSE, mBlockTable, mCacheSeqlens, mma_qk, mma_pv,
+            sQ_l, sK_l, Int32(seqlen_q), Int32(heads_q), Int32(group), Int32(m_blocks),
+            Int32(mK.shape[1]), n_new, num_splits, scale_log2, softcap_pre, window_left,
+            window_right,
+        ).launch(
+            grid=(num_splits, heads_kv * m_blocks, batch_n),
+            block=[self.NUM_THREADS, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+        )  # fmt: skip
+
+    # ----------------------------------------------------------------------------------------
+    # device side
+    # ----------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tK: cute.Tensor,  # (R, D, Hkv, L, P) TMA coordinates
+        tma_v: cute.CopyAtom,
+        tV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mBlockTable: cute.Tensor | None,
+        mCacheSeqlens: cute.Tensor,
+        mma_qk: cute.TiledMma,
+        mma_pv: cute.TiledMma,
+        sQ_l: cute.ComposedLayout,  # (TILE_M, D)
+        sK_l: cute.ComposedLayout,  # (TILE_N, D, STAGES), sV's too
+        seqlen_q: Int32,
+        heads_q: Int32,
+        group: Int32,
+        m_blocks: Int32,
+        page_size: Int32,  # tokens per page; N_max for a contiguous cache
+        n_new: Int32,
+        num_splits: Int32,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+        window_left: Int32,
+        window_right: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, hm, batch = cute.arch.block_idx()
+        head_kv = hm // m_blocks
+        m_block = hm - head_kv * m_blocks
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp // 4
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        pipes, smem, _ = self._allocate_smem(sQ_l, sK_l, sK_l, sQ_l)  # no Vᵀ ring (16-bit V)
+        _, pipe_k, pipe_v, _ = pipes
+        sQ, sK, sV, sVt, _ = smem
+
+        seqlen_k = mCacheSeqlens[batch] + n_new
+        tile = SimpleNamespace(
+            batch=batch,
+            head_kv=head_kv,
+            m_block=m_block,
+            group=group,
+            rows=seqlen_q * group,  # packed rows of this (batch, kv head)
+            seqlen_q=seqlen_q,
+            seqlen_k=seqlen_k,
+            shift=seqlen_k - seqlen_q,
+            page_size=page_size,
+        )
+        n_block_min, n_block_max = self.split_blocks(tile, split, num_splits, window_left,
+                                                     window_right)  # fmt: skip
+        if wg == WarpRole.PRODUCER:
+            cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
+            if warp == 0:
+                self.load(tma_k, tK, tma_v, tV, sK, sV, pipe_k, pipe_v, mBlockTable, tile,
+                          n_block_min, n_block_max)  # fmt: skip
+        else:
+            cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
+            self.consumer(
+                mQ, mO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, pipe_k, pipe_v, tidx - 128, tile,
+                split, heads_q, scale_log2, softcap_pre, window_left, window_right, n_block_min,
+                n_block_max,
+            )  # fmt: skip
+
+    @cute.jit
+    def split_blocks(self, tile, split: Int32, num_splits: Int32, window_left, window_right):
+        """[n_block_min, n_block_max) of this split: the key blocks any row of the tile sees
+        (its first and last query tokens bound the window), cut into num_splits even ranges.
+        Empty (max <= min) for a split past the end or a row without keys."""
+        first_tok = tile.m_block * self.TILE_M // tile.group
+        last_tok = (cutlass.min(tile.m_block * self.TILE_M + self.TILE_M, tile.rows) - 1) // (
+            tile.group
+        )
+        lo = Int32(0)
+        hi = tile.seqlen_k
+        if const_expr(self.HAS_LEFT):
+            lo = cutlass.max(first_tok + tile.shift - window_left, 0)
+        if const_expr(self.HAS_RIGHT):
+            hi = cutlass.min(cutlass.max(last_tok + tile.shift + window_right + 1, 0), hi)
+        lo_blk = lo // self.TILE_N
+        hi_blk = (hi + self.TILE_N - 1) // self.TILE_N
+        per_split = (cutlass.max(hi_blk - lo_blk, 0) + num_splits - 1) // num_splits
+        n_block_min = lo_blk + split * per_split
+        return n_block_min, cutlass.min(n_block_min + per_split, hi_blk)
+
+    # ----------------------------------------------------------------------------------------
+    # producer
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def kv_tile(self, tX: cute.Tensor, mBlockTable, tile, n_block: Int32) -> cute.Tensor:
+        """TMA coordinates of key block n_block of the tile's row and kv head: (TILE_N, D, 1),
+        in bounds only for the row's keys (`kv_view`)."""
+        first = n_block * self.TILE_N  # the block's first key
+        page = tile.batch
+        start = first
+        # Tokens of the page that belong to the row: a contiguous row holds at most N_max, so
+        # even a cache_seqlens past the capacity (unchecked metadata) reads no other row.
+        valid = cutlass.min(tile.seqlen_k, tile.page_size)
+        if const_expr(self.PAGED):
+            index = first // tile.page_size
+            page = mBlockTable[tile.batch, index]
+            start = first - index * tile.page_size
+            valid = cutlass.min(tile.page_size, tile.seqlen_k - index * tile.page_size)
+        rows = cute.domain_offset(
+            (RAGGED_ROWS - valid + start, 0), tX[None, None, tile.head_kv, valid, page]
+        )  # (R, D): row 0 is the block's first key
+        return cute.local_tile(rows, (self.TILE_N, self.HEAD_DIM), (None, 0))
+
+    @cute.jit
+    def load_block(self, tma, tX, sX, pipe, mBlockTable, tile, n_block: Int32, kv_state):
+        """Wait for ring stage kv_state to be free, then TMA-load K or V block n_block."""
+        gX = self.kv_tile(tX, mBlockTable, tile, n_block)
+        tXs, tXg = cpasync.tma_partition(
+            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
+        )  # (TMA, STAGES), (TMA, 1)
+        pipe.producer_acquire(kv_state)
+        cute.copy(
+            tma, tXg[None, 0], tXs[None, kv_state.index], tma_bar_ptr=pipe.producer_get_barrier(
+                kv_state
+            ),
+        )  # fmt: skip
+
+    @cute.jit
+    def load(self, tma_k, tK, tma_v, tV, sK, sV, pipe_k, pipe_v, mBlockTable, tile,
+             n_block_min: Int32, n_block_max: Int32):  # fmt: skip
+        """Producer warp: K and V of blocks n_block_max - 1 down to n_block_min."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
+        for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+            n_block = n_block_max - 1 - i
+            self.load_block(tma_k, tK, sK, pipe_k, mBlockTable, tile, n_block, kv_state)
+            self.load_block(tma_v, tV, sV, pipe_v, mBlockTable, tile, n_block, kv_state)
+            kv_state.advance()
+
+    # ----------------------------------------------------------------------------------------
+    # consumer
+    # ----------------------------------------------------------------------------------------
+    @cute.jit
+    def load_q(self, mQ: cute.Tensor, sQ: cute.Tensor, ctid: Int32, tile, heads_q: Int32):
+        """The tile's packed Q rows into sQ (16-byte loads, rows past Nq·G zero), then made
+        visible to the wgmma (async proxy) of the whole consumer warpgroup."""
+        vec = 128 // self.dtype.width
+        chunks = self.HEAD_DIM // vec  # 16-byte chunks per row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(self.TILE_M * chunks // 128):
+            idx = ctid + 128 * i
+            row = idx // chunks
+            chunk = idx - row * chunks
+            packed = tile.m_block * self.TILE_M + row
+            tok = packed // tile.group
+            head = tile.head_kv * tile.group + (packed - tok * tile.group)
+            frag = cute.make_rmem_tensor((vec,), self.dtype)
+            frag.fill(0.0)
+            if packed < tile.rows:
+                src = cute.local_tile(mQ[tile.batch, tok, head, None], (vec,), (chunk,))
+                cute.copy(atom, src, frag)
+            cute.copy(atom, frag, cute.local_tile(sQ[row, None], (vec,), (chunk,)))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=128)
+
+    @cute.jit
+    def _mask(self, ctx, n_block: Int32):
+        """mask.apply_mask with each row's query token (the packed rows' tokens)."""
+        apply_mask(
+            ctx.acc_S, ctx.tScS, n_block, ctx.m_block, ctx.seqlen_k, ctx.shift, ctx.window_left,
+            ctx.window_right, self.TILE_M, self.TILE_N, self.HAS_RIGHT, self.HAS_LEFT,
+            query_of=ctx.tokens,
+        )  # fmt: skip
+
+    @cute.jit
+    def mask_phases(self, tile, n_block_min, n_block_max, window_left, window_right):
+        """(n_masked_hi, n_unmasked) of the split's blocks walked newest first after the
+        first (always masked) one: masked blocks down to the first that every row sees whole
+        on the right, unmasked ones down to the left window's edge, masked ones to the end."""
+        first_tok = tile.m_block * self.TILE_M // tile.group
+        last_tok = (cutlass.min(tile.m_block * self.TILE_M + self.TILE_M, tile.rows) - 1) // (
+            tile.group
+        )
+        n_right_free = tile.seqlen_k // self.TILE_N
+        if const_expr(self.HAS_RIGHT):
+            n_right_free = cutlass.min(
+                n_right_free,
+                cutlass.max(first_tok + tile.shift + window_right + 1, 0) // self.TILE_N,
+            )
+        n_left_free = n_block_min
+        if const_expr(self.HAS_LEFT):
+            n_left_free = (
+                cutlass.max(last_tok + tile.shift - window_left, 0) + self.TILE_N - 1
+            ) // self.TILE_N
+        n_masked_hi = cutlass.max(n_block_max - 1 - cutlass.max(n_right_free, n_block_min), 0)
+        n_after = n_block_max - n_block_min - 1 - n_masked_hi
+        n_unmasked = cutlass.max(
+            cutlass.min(n_after, n_block_max - 1 - n_masked_hi - n_left_free), 0
+        )
+        return n_masked_hi, n_unmasked
+
+    @cute.jit
+    def consumer(
+        self, mQ, mO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, pipe_k, pipe_v, ctid: Int32, tile,
+        split: Int32, heads_q: Int32, scale_log2: Float32, softcap_pre: Float32,
+        window_left: Int32, window_right: Int32, n_block_min: Int32, n_block_max: Int32,
+    ):  # fmt: skip
+        thr_qk = mma_qk.get_slice(ctid)
+        thr_pv = mma_pv.get_slice(ctid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.TILE_M, self.TILE_N)))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.TILE_M, self.HEAD_DIM)))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((self.TILE_M, self.TILE_N)))
+        assert cute.size(acc_S) == self.TILE_N // 2 and cute.size(acc_O) == self.HEAD_DIM // 2
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((self.TILE_M, self.TILE_N)))
+        row_max = cute.make_rmem_tensor((2,), Float32)
+        row_sum = cute.make_rmem_tensor((2,), Float32)
+        row_max.fill(Float32(-math.inf))
+        row_sum.fill(0.0)
+        acc_O.fill(0.0)
+        self.load_q(mQ, sQ, ctid, tile, heads_q)
+
+        n_blocks = n_block_max - n_block_min
+        if n_blocks > 0:
+            n_masked_hi, n_unmasked = self.mask_phases(
+                tile, n_block_min, n_block_max, window_left, window_right
+            )
+            base = tile.m_block * self.TILE_M
+            ctx = SimpleNamespace(
+                mma_qk=mma_qk, mma_pv=mma_pv, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, acc_S=acc_S,
+                acc_O=acc_O, tOrP=tOrP, tScS=tScS, row_max=row_max, row_sum=row_sum,
+                pipe_k=pipe_k, pipe_v=pipe_v, cwg=Int32(0), m_block=tile.m_block,
+                seqlen_k=tile.seqlen_k, shift=tile.shift, scale_log2=scale_log2,
+                softcap_pre=softcap_pre, window_left=window_left, window_right=window_right,
+                tokens=tuple((base + tScS[2 * r][0]) // tile.group for r in range(2)),
+            )  # fmt: skip
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.STAGES)
+            self.overlap_loop(
+                ctx, kv_state, n_block_max - 1, 0, n_blocks, n_masked_hi, n_unmasked, None, None
+            )
+        self.epilogue(mO, mLSE, thr_pv, acc_O, tScS, row_max, row_sum, tile, split, heads_q,
+                      scale_log2)  # fmt: skip
+
+    @cute.jit
+    def out_index(self, tile, packed: Int32, split: Int32, heads_q: Int32):
+        """(row of mO, index of mLSE) of packed row `packed`: out's rows are (b, t, h), the
+        partials' (split, b, t, h) with their LSE alike; the final lse is (b, h, t)."""
+        tok = packed // tile.group
+        head = tile.head_kv * tile.group + (packed - tok * tile.group)
+        o_row = (tile.batch * tile.seqlen_q + tok) * heads_q + head
+        lse_at = (tile.batch * heads_q + head) * tile.seqlen_q + tok
+        if const_expr(self.SPLIT):
+            o_row = o_row + split * (cute.arch.grid_dim()[2] * tile.seqlen_q * heads_q)
+            lse_at = o_row
+        return o_row, lse_at
+
+    @cute.jit
+    def epilogue(self, mO, mLSE, thr_pv, acc_O, tScS, row_max, row_sum, tile, split: Int32,
+                 heads_q: Int32, scale_log2: Float32):  # fmt: skip
+        """O /= l (0 for a row without keys), then O and the LSE of each valid packed row
+        straight to global memory (final or, with SPLIT, this split's partial)."""
+        inv = cute.make_rmem_tensor((2,), Float32)
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
+        base = tile.m_block * self.TILE_M
+        for r in cutlass.range_constexpr(2):
+            inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, lambda rcp_l: rcp_l)
+            packed = base + tScS[2 * r][0]
+            # One lane of each quad owns the row's statistics; padding rows are not stored.
+            if (tScS[0][1] == 0) & (packed < tile.rows):
+                mLSE[self.out_index(tile, packed, split, heads_q)[1]] = lse
+        rescale_rows(acc_O, inv)
+        rO = cute.make_rmem_tensor_like(acc_O, self.o_dtype)
+        rO.store(acc_O.load().to(self.o_dtype))
+        for r in cutlass.range_constexpr(2):
+            packed = base + tOcO[2 * r][0]
+            if packed < tile.rows:
+                gO = mO[self.out_index(tile, packed, split, heads_q)[0], None]  # (D,)
+                for j in cutlass.range_constexpr(cute.size(acc_O) // 4):
+                    for c in cutlass.range_constexpr(2):
+                        i = 4 * j + 2 * r + c
+                        gO[tOcO[i][1]] = rO[i]

@@ -1,0 +1,142 @@
+"""Host side of fa3's KV-cache decode (decode.Fa3Decode): what it takes, the split count, the
+launch and the combine.
+
+The new k, v are appended into the cache first (common.kvcache.append_kv, shared by every
+version); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
+it writes out and lse itself; with more, each split writes its fp32 partial O and LSE and the
+shared Triton combine (common.split_combine) merges them into out and lse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashsuite.common.kvcache import append_kv
+from flashsuite.common.split_combine import combine_splits, split_count
+from flashsuite.common.validation import KVCacheParams
+from flashsuite.fa3.configs import (
+    DECODE_CTAS_PER_SM,
+    DECODE_MAX_SPLITS,
+    DECODE_MIN_BLOCKS_PER_SPLIT,
+    DECODE_TILE_M,
+    DTYPES,
+    decode_can_implement,
+    decode_config,
+)
+
+H100_SMS = 132  # the split heuristic's SM count where there is no GPU (planning, tests)
+_MAX_GRID_YZ = 65_535
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def num_splits_heuristic(tiles: int, key_blocks: int, num_sms: int) -> int:
+    """Split count for `tiles` = B · Hkv · m_blocks CTAs over rows of `key_blocks` key tiles:
+    enough CTAs for DECODE_CTAS_PER_SM per SM (one: a CTA's K/V rings fill shared memory, and
+    its STAGES tiles in flight are what keeps HBM busy), no split shorter than
+    DECODE_MIN_BLOCKS_PER_SPLIT tiles (common.split_combine.split_count)."""
+    return split_count(
+        tiles, key_blocks, DECODE_CTAS_PER_SM * num_sms, DECODE_MIN_BLOCKS_PER_SPLIT,
+        DECODE_MAX_SPLITS,
+    )  # fmt: skip
+
+
+def plan(kp: KVCacheParams, num_sms: int) -> tuple:
+    """(config, m_blocks, splits) of problem `kp` on a GPU with num_sms SMs: num_splits = 0
+    takes the heuristic, whose key-block count comes from the cache capacity (no
+    device-to-host copy of the lengths; each row divides its own length among the splits)."""
+    p = kp.attn
+    cfg = decode_config(p.head_dim, kp.page_size)
+    m_blocks = math.ceil(p.seqlen_q * p.group_size / DECODE_TILE_M)
+    tiles = p.batch * p.heads_kv * m_blocks
+    splits = kp.num_splits or num_splits_heuristic(
+        tiles, math.ceil(p.seqlen_k / cfg.tile_n), num_sms
+    )
+    return cfg, m_blocks, max(1, min(splits, DECODE_MAX_SPLITS))
+
+
+def supports(kp: KVCacheParams) -> tuple[bool, str]:
+    """What the decode kernel takes beyond fa3's dense limits (checked by the caller)."""
+    p = kp.attn
+    if p.dtype not in DTYPES:
+        return False, f"fa3 kvcache: dtype {_dt(p.dtype)} not in (float16, bfloat16)"
+    if p.seqlen_k >= 2**29:
+        # The ragged K/V views address a page's tokens below 2^30 (decode.kv_view).
+        return False, f"fa3 kvcache: cache capacity {p.seqlen_k} must be < 2^29 tokens per row"
+    cfg, m_blocks, _ = plan(kp, H100_SMS)
+    if p.heads_kv * m_blocks > _MAX_GRID_YZ:
+        return False, f"fa3 kvcache: Hkv x m_blocks = {p.heads_kv * m_blocks} > {_MAX_GRID_YZ}"
+    rows = p.batch * p.seqlen_q * p.heads_q
+    if rows * DECODE_MAX_SPLITS * p.head_dim >= 2**31:
+        return False, "fa3 kvcache: B x Nq x Hq x D x 128 splits must be < 2^31 (32-bit offsets)"
+    ok, reason = decode_can_implement(cfg, p.head_dim, p.dtype)
+    if not ok:
+        return False, reason
+    how = f"paged, {kp.page_size}-token pages" if kp.paged else "contiguous cache"
+    return True, (
+        f"fa3: split-KV decode with GQA packing ({DECODE_TILE_M} packed rows x {cfg.tile_n} "
+        f"keys, {cfg.stages} TMA stages), {how}"
+    )
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` (4-D, last dim contiguous) with a 16-byte-aligned base and outer strides, as the
+    kernel's 16-byte Q loads and the cache's TMA views need: itself in the common case, else a
+    contiguous copy (exact, read-only use)."""
+    elems = 16 // t.element_size()
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:3]):
+        return t
+    return t.contiguous()
+
+
+def kvcache_forward(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, out=None,
+    lse=None,
+):  # fmt: skip
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
+    writing k, v (B, Nnew, Hkv, D) into the cache in place. Returns out (B, Nq, Hq, D) in q's
+    dtype and lse (B, Hq, Nq) float32, contiguous. `out` and `lse` (contiguous views into
+    larger buffers, in tests that watch the memory around them) are written in place."""
+    from flashsuite.fa3.compile import DecodeKey, get_decode, kernel_scalars
+
+    p = kp.attn
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    b, nq, hq, d = q.shape
+    if out is None:
+        out = torch.empty(b, nq, hq, d, dtype=q.dtype, device=q.device)  # (B, Nq, Hq, D)
+    if lse is None:
+        lse = torch.empty(b, hq, nq, dtype=torch.float32, device=q.device)  # (B, Hq, Nq)
+    assert out.is_contiguous() and lse.is_contiguous(), "out and lse must be contiguous"
+    if out.numel() == 0:
+        return out, lse
+    sms = H100_SMS
+    if q.is_cuda:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    cfg, _, splits = plan(kp, sms)
+    key = DecodeKey(
+        dtype=p.dtype, head_dim=d, causal=p.causal, local=p.is_local, softcap=p.softcap > 0,
+        paged=kp.paged, split=splits > 1, cfg=cfg,
+    )  # fmt: skip
+    fn = get_decode(key)
+    scalars = kernel_scalars(
+        p.scale, p.softcap, (p.window_left, p.window_right), p.causal, nq, p.seqlen_k
+    )
+    q, k_cache, v_cache = _aligned(q), _aligned(k_cache), _aligned(v_cache)
+    table = block_table.contiguous() if kp.paged else None
+    seqlens = cache_seqlens.contiguous()
+    if splits == 1:
+        fn(q, k_cache, v_cache, out.view(-1, d), lse.view(-1), table, seqlens, kp.seqlen_new,
+           1, *scalars)  # fmt: skip
+        return out, lse
+    rows = b * nq * hq
+    o_part = torch.empty(splits, rows, d, dtype=torch.float32, device=q.device)  # (S, R, D)
+    lse_part = torch.empty(splits, rows, dtype=torch.float32, device=q.device)  # (S, R)
+    fn(q, k_cache, v_cache, o_part.view(-1, d), lse_part.view(-1), table, seqlens,
+       kp.seqlen_new, splits, *scalars)  # fmt: skip
+    combine_splits(o_part, lse_part, out, lse)
+    return out, lse

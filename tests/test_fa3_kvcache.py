@@ -1,0 +1,383 @@
+"""fa3's KV-cache decode (fa3/decode.py: split-KV, GQA packing, contiguous or paged cache).
+
+On the CPU: the decode builds of benchmarks.fa3_decode_probe compile for sm_90a with wgmma,
+5-D TMA loads, setmaxnreg and no spills; the decode config table and compile key; the split
+heuristic; the host path and the dispatch wiring around a stand-in for the compiled binary that
+checks its argument contract and writes known partials, which the shared Triton combine (under
+the interpreter) must merge exactly. On an sm90 GPU: the kernel against the per-row float64
+oracle, with NaN in every cache slot past a row's length and in the spare pages, and NaN guard
+rows around out and lse that must stay untouched.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common.arch import override_arch
+from flashsuite.common.testing import compare
+from flashsuite.common.validation import check_kvcache_inputs
+from flashsuite.dispatch import registry
+from tests.conftest import HAS_CUDA, must_run
+from tests.test_inference import _oracle, _paged, _rand
+
+F16, BF16 = torch.float16, torch.bfloat16
+DEV = "cuda" if HAS_CUDA else "cpu"
+HAS_CUTLASS = importlib.util.find_spec("cutlass") is not None
+needs_dsl = pytest.mark.skipif(not HAS_CUTLASS, reason="nvidia-cutlass-dsl not installed")
+gpu_fa3 = pytest.mark.skipif(
+    not HAS_CUDA or not (registry.available("fa3")[0] or must_run("fa3")),
+    reason="needs fa3 on an sm90 GPU",
+)
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: compile for sm_90a
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict[str, dict]:
+    """`python -m benchmarks.fa3_decode_probe` (the CI set) in its own process."""
+    path = tmp_path_factory.mktemp("fa3_decode_probe") / "probe.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "benchmarks.fa3_decode_probe", "--json", str(path)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"decode probe failed:\n{proc.stdout}\n{proc.stderr}"
+    return {r["name"]: r for r in json.loads(path.read_text())}
+
+
+def _ci_names() -> list[str]:
+    if not HAS_CUTLASS:
+        return []
+    from benchmarks.fa3_decode_probe import CI_CASES, case_name
+
+    return [case_name(c) for c in CI_CASES]
+
+
+@needs_dsl
+@pytest.mark.parametrize("name", _ci_names())
+def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
+    r = probes[name]
+    ptx = r["ptx"]
+    assert ptx["wgmma"] > 0 and ptx["wgmma_rs"] > 0, "no wgmma / P·V not from registers"
+    assert r["tma_5d"] >= 2, "K and V are not loaded through the 5-D ragged TMA views"
+    assert ptx["tma_store"] == 0, "O leaves registers straight to global memory"
+    assert r["q_loads_v4"] > 0, "Q is not gathered with 16-byte loads"
+    assert r["setmaxnreg"] == [["dec", "56"], ["inc", "256"]], r["setmaxnreg"]
+    assert r["registers"] is not None, "no ptxas report captured"
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
+    for code in ("C7508", "C7512", "C7515", "C7519"):
+        assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
+
+
+def test_decode_config_table() -> None:
+    from flashsuite.fa3.configs import (
+        DTYPES,
+        FP8_DTYPE,
+        HEAD_DIMS,
+        SMEM_CAPACITY,
+        decode_can_implement,
+        decode_config,
+        smem_bytes,
+    )
+
+    for d in HEAD_DIMS:
+        for page in (0, 16, 32, 48, 64, 96, 128, 192, 256):
+            cfg = decode_config(d, page)
+            assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q, cfg
+            assert not (cfg.pingpong or cfg.persistent), cfg
+            assert page == 0 or page % cfg.tile_n == 0, (d, page, cfg)  # a tile in one page
+            assert cfg.stages >= 2 and smem_bytes(cfg, d) <= SMEM_CAPACITY, (d, page, cfg)
+            for dt in DTYPES:
+                assert decode_can_implement(cfg, d, dt) == (True, "")
+    assert decode_config(128).tile_n == 128 and decode_config(256).tile_n == 64
+    assert decode_config(128, 48).tile_n == 48 and decode_config(128, 192).tile_n == 96
+    ok, reason = decode_can_implement(decode_config(128), 128, FP8_DTYPE)
+    assert not ok and "float8_e4m3fn" in reason
+    ok, reason = decode_can_implement(decode_config(128), 80, BF16)
+    assert not ok and "head_dim 80" in reason
+
+
+def test_decode_compile_key() -> None:
+    from flashsuite.fa3 import disk_cache
+    from flashsuite.fa3.compile import DecodeKey
+    from flashsuite.fa3.configs import decode_config
+
+    cfg = decode_config(128)
+    keys = {
+        DecodeKey(BF16, 128, c, False, False, paged, split, cfg)
+        for c in (False, True)
+        for paged in (False, True)
+        for split in (False, True)
+    }
+    assert len(keys) == 8 and len({disk_cache.key_text(k) for k in keys}) == 8
+    assert "paged=True" in disk_cache.key_text(
+        DecodeKey(BF16, 128, False, False, False, True, False, cfg)
+    )
+
+
+def test_split_heuristic() -> None:
+    from flashsuite.fa3.configs import DECODE_MAX_SPLITS
+    from flashsuite.fa3.decode_host import num_splits_heuristic, plan
+
+    sms = 132
+    # B = 1, GQA 32/8, 128k keys in 128-key tiles: 8 CTAs alone leave 124 SMs idle.
+    one = num_splits_heuristic(8, 1024, sms)
+    assert 8 * one <= sms and 8 * one >= 0.9 * sms and one <= DECODE_MAX_SPLITS
+    assert num_splits_heuristic(32 * 8, 32, sms) == 1  # B = 32 fills the GPU by itself
+    assert num_splits_heuristic(8, 3, sms) == 1  # too few key tiles to split
+    mid = num_splits_heuristic(8 * 8, 256, sms)  # B = 8, 32k
+    assert 1 < mid < one
+    params = _params(b=1, nq=1, hq=32, hkv=8, cap=131072, page=0, splits=0)
+    cfg, m_blocks, splits = plan(params, sms)
+    assert (cfg.tile_n, m_blocks, splits) == (128, 1, one)
+    assert plan(_params(1, 1, 32, 8, 131072, 0, 3), sms)[2] == 3  # explicit count kept
+    assert plan(_params(1, 40, 32, 8, 4096, 0, 1), sms)[1] == 3  # 40 tokens x 4 heads / 64
+
+
+# ------------------------------------------------------------------------------------------
+# CPU: the host path and dispatch around a stand-in binary
+# ------------------------------------------------------------------------------------------
+def _params(b, nq, hq, hkv, cap, page, splits, d=128):
+    q = torch.empty(b, nq, hq, d, dtype=BF16, device="meta")
+    if page:
+        kc = torch.empty(b * cap // page, page, hkv, d, dtype=BF16, device="meta")
+        table = torch.empty(b, cap // page, dtype=torch.int32, device="meta")
+    else:
+        kc, table = torch.empty(b, cap, hkv, d, dtype=BF16, device="meta"), None
+    return check_kvcache_inputs(q, kc, kc, cache_seqlens=1, block_table=table, num_splits=splits)
+
+
+class StandIn:
+    """The compiled decode binary's argument contract; writes known results: with S splits,
+    split s's partial O is s + 1 everywhere and its LSE log(s + 1), so the combine must give
+    out = sum (s+1)^2 / sum (s+1) and lse = log(sum (s+1))."""
+
+    def __init__(self, key) -> None:
+        self.key, self.calls = key, []
+
+    def __call__(self, q, kc, vc, o_rows, lse, table, seqlens, n_new, splits, *scalars):
+        b, nq, hq, d = q.shape
+        rows = b * nq * hq
+        assert self.key.split == (splits > 1) and len(scalars) == 4
+        assert o_rows.shape == (splits * rows, d) and o_rows.is_contiguous()
+        assert o_rows.dtype == (torch.float32 if splits > 1 else q.dtype)
+        assert lse.shape == (splits * rows,) and lse.dtype == torch.float32
+        assert (table is not None) == self.key.paged and seqlens.dtype == torch.int32
+        assert kc.stride(-1) == 1 and all(s % 8 == 0 for s in kc.stride()[:3])
+        part = torch.arange(1, splits + 1, dtype=torch.float32)[:, None]  # (S, 1)
+        o_rows.view(splits, rows, d).copy_(part[:, :, None].expand(splits, rows, d))
+        lse.view(splits, rows).copy_(part.log().expand(splits, rows))
+        self.calls.append((splits, n_new))
+
+
+@pytest.fixture
+def stand_in(monkeypatch) -> list:
+    from flashsuite.fa3 import compile as fa3_compile
+
+    made = []
+
+    def get_decode(key):
+        made.append(StandIn(key))
+        return made[-1]
+
+    monkeypatch.setattr(fa3_compile, "get_decode", get_decode)
+    return made
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("page", [0, 32])
+def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
+    pytest.importorskip("triton")
+    from flashsuite.fa3.decode_host import kvcache_forward
+
+    b, nq, hq, hkv, d, cap = 2, 2, 8, 2, 64, 64
+    q = torch.randn(b, nq, hq, d, dtype=BF16)
+    pages = b * cap // page if page else b
+    kc = torch.zeros(pages, page or cap, hkv, d, dtype=BF16)
+    vc = torch.zeros_like(kc)
+    table = torch.arange(pages, dtype=torch.int32).reshape(b, -1) if page else None
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    kn = torch.ones(b, 1, hkv, d, dtype=BF16)
+    kp = check_kvcache_inputs(
+        q, kc, vc, kn, kn, cache_seqlens=lens, block_table=table, num_splits=splits
+    )
+    out, lse = kvcache_forward(q, kc, vc, kn, kn, lens, table, kp)
+    (binary,) = stand_in
+    assert binary.calls == [(splits, 1)] and binary.key.paged == (page > 0)
+    assert out.shape == (b, nq, hq, d) and lse.shape == (b, hq, nq)
+    w = torch.arange(1, splits + 1, dtype=torch.float64)
+    expect = (w * w).sum() / w.sum()
+    if splits > 1:
+        assert torch.equal(out, torch.full_like(out, float(expect)))  # rounded once, to bf16
+        torch.testing.assert_close(lse, torch.full_like(lse, math.log(w.sum())))
+    flat = kc[table[0].long()].flatten(0, 1) if page else kc[0]
+    assert torch.equal(flat[5], kn[0, 0]), "the new token was not appended at cache_seqlens"
+
+
+def test_dispatch_runs_fa3_on_request_and_keeps_fa2_for_auto(stand_in, monkeypatch) -> None:
+    pytest.importorskip("triton")
+    if not HAS_CUTLASS:
+        pytest.skip("needs the CuTe DSL (fa3 planning)")
+    from flashsuite.fa3 import interface
+
+    q = torch.randn(2, 1, 8, 64, dtype=BF16)
+    kc = torch.zeros(2, 64, 2, 64, dtype=BF16)
+    with override_arch(90):
+        text = dispatch.explain_kvcache(q, kc, kc, cache_seqlens=3)
+        assert text.splitlines()[0].endswith("-> fa2"), text
+        assert "fa3: no - fa3: split-KV decode kernel not in auto selection yet" in text, text
+        choice = dispatch.select_kvcache(q, kc, kc, cache_seqlens=3, version="fa3")
+        assert choice.version == "fa3" and "GQA packing" in str(choice), str(choice)
+        monkeypatch.setattr(interface, "KVCACHE_AUTO_SELECT", True)
+        assert dispatch.select_kvcache(q, kc, kc, cache_seqlens=3).version == "fa3"
+        fp32 = dispatch.explain_kvcache(q.float(), kc.float(), kc.float(), cache_seqlens=3)
+        assert "fa3: no" in fp32 and "float32" in fp32, fp32
+        out = dispatch.attention_with_kvcache(q, kc, kc, cache_seqlens=3, version="fa3")
+    assert out.shape == q.shape and len(stand_in) == 1
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the kernel against the per-row oracle
+# ------------------------------------------------------------------------------------------
+# (B, Nq, Nnew, Hq, Hkv, D, dtype, cache_seqlens, capacity, page_size, num_splits, options)
+GPU_CASES = [
+    (1, 1, 0, 32, 8, 128, BF16, [3000], 4096, 0, 0, {}),
+    (1, 1, 1, 32, 8, 128, BF16, [2999], 4096, 64, 3, {}),
+    (8, 1, 0, 32, 8, 128, BF16, [0, 1, 127, 128, 129, 700, 2048, 4095], 4096, 0, 0, {}),
+    (8, 1, 0, 32, 8, 128, F16, [0, 1, 127, 128, 129, 700, 2048, 4095], 4096, 128, 3, {}),
+    (
+        8,
+        4,
+        4,
+        32,
+        8,
+        128,
+        BF16,
+        [0, 1, 60, 200, 500, 900, 1000, 1020],
+        1024,
+        0,
+        1,
+        dict(causal=True),
+    ),
+    (
+        8,
+        4,
+        0,
+        8,
+        8,
+        128,
+        BF16,
+        [1, 2, 60, 200, 500, 900, 1000, 1024],
+        1024,
+        64,
+        0,
+        dict(causal=True),
+    ),
+    (
+        8,
+        4,
+        2,
+        32,
+        8,
+        64,
+        BF16,
+        [0, 1, 60, 200, 500, 900, 1000, 1000],
+        1024,
+        16,
+        3,
+        dict(causal=True, window_size=(100, 0)),
+    ),
+    (1, 4, 0, 8, 8, 128, F16, [1500], 2048, 0, 3, dict(window_size=(300, 50), softcap=20.0)),
+    (8, 1, 0, 32, 8, 256, BF16, [0, 1, 63, 64, 65, 300, 511, 512], 512, 64, 0, dict(softcap=10.0)),
+    (1, 40, 0, 32, 8, 128, BF16, [2000], 2048, 256, 0, dict(causal=True)),  # 3 m-blocks
+]
+
+
+def _case_id(c) -> str:
+    b, nq, n_new, hq, hkv, d, dt, _, _, page, splits, opts = c
+    return (
+        f"b{b}-nq{nq}-new{n_new}-h{hq}x{hkv}-D{d}-{str(dt)[6:]}-page{page}-s{splits}"
+        f"-{'-'.join(opts) or 'plain'}"
+    )
+
+
+@gpu_fa3
+@pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
+def test_gpu_decode_matches_per_row_oracle(case) -> None:
+    from flashsuite.fa3.decode_host import kvcache_forward
+
+    b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q = _rand(gen, b, nq, hq, d, dtype=dtype)
+    k_dense, v_dense = (_rand(gen, b, cap, hkv, d, dtype=dtype) for _ in range(2))
+    k_new, v_new = (_rand(gen, b, n_new, hkv, d, dtype=dtype) if n_new else None for _ in "kv")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for t in (k_dense, v_dense):  # every slot past a row's keys (after the append) is NaN
+        for row, n in enumerate(lens):
+            t[row, n + n_new :] = math.nan
+    if page:
+        k_cache, table = _paged(k_dense, page, gen)
+        v_cache, _ = _paged(v_dense, page, gen)
+        v_cache[table.long()] = v_dense.reshape(b, cap // page, page, hkv, d)
+        spare = torch.ones(k_cache.shape[0], dtype=torch.bool, device=DEV)
+        spare[table.long().flatten()] = False
+        k_cache[spare], v_cache[spare] = math.nan, math.nan  # pages no row owns
+    else:
+        k_cache, v_cache, table = k_dense.clone(), v_dense.clone(), None
+    kp = check_kvcache_inputs(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+        num_splits=splits, **options,
+    )  # fmt: skip
+    guard = 64
+    out_buf = torch.full((b * nq * hq * d + 2 * guard,), math.nan, dtype=dtype, device=DEV)
+    lse_buf = torch.full((b * hq * nq + 2 * guard,), math.nan, device=DEV)
+    out = out_buf[guard:-guard].view(b, nq, hq, d)
+    lse = lse_buf[guard:-guard].view(b, hq, nq)
+    kvcache_forward(q, k_cache, v_cache, k_new, v_new, seqlens, table, kp, out=out, lse=lse)
+    torch.cuda.synchronize()
+    for buf in (out_buf, lse_buf):
+        assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "wrote outside out/lse"
+    pieces = []
+    for row in range(b):
+        n = lens[row]
+        ks, vs = k_dense[row : row + 1, :n], v_dense[row : row + 1, :n]
+        if n_new:
+            ks = torch.cat([ks, k_new[row : row + 1]], dim=1)
+            vs = torch.cat([vs, v_new[row : row + 1]], dim=1)
+        pieces.append(_oracle(q[row : row + 1], ks, vs, None, **options))
+    for name, ours, dt in (("out", out, dtype), ("lse", lse, torch.float32)):
+        ref = torch.cat([p["ref"][name] for p in pieces])  # (B, ...) float64
+        pt = torch.cat([p["pt"][name] for p in pieces])  # (B, ...) in the input dtype
+        c = compare(name, ours, ref, pt, factor=2.0, dtype=dt)
+        assert c.ok, str(c)
+
+
+@gpu_fa3
+def test_gpu_dispatch_fa3_at_serving_size() -> None:
+    """B 4, 32k keys, GQA 32/8, D 128 through dispatch (version="fa3", the heuristic's split
+    count) against the torch version in float32 on the same cache; a row without keys gives
+    out 0 and lse -inf."""
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q = _rand(gen, 4, 1, 32, 128, dtype=BF16)
+    k, v = (_rand(gen, 4, 32768, 8, 128, dtype=BF16) for _ in range(2))
+    lens = torch.tensor([32768, 1, 20000, 0], dtype=torch.int32, device=DEV)
+    out, lse = dispatch.attention_with_kvcache(
+        q, k, v, cache_seqlens=lens, return_lse=True, version="fa3"
+    )
+    ref, ref_lse = dispatch.attention_with_kvcache(
+        q.float(), k.float(), v.float(), cache_seqlens=lens, return_lse=True, version="torch"
+    )
+    assert lse.dtype == torch.float32 and torch.isneginf(lse[3]).all() and (out[3] == 0).all()
+    ok = lens > 0
+    assert (out.float() - ref)[ok].abs().max().item() <= 2e-2 * ref.abs().max().item()
+    assert (lse - ref_lse)[ok].abs().max().item() < 1e-3
