@@ -3,7 +3,8 @@
 One CTA owns one K/V column block (TILE_N key rows) of one (kv head, batch) and walks the query
 row blocks (TILE_M rows) of every query head of its GQA group that can see the block. The grid
 is (n_blocks, Hkv, B); 128 + 128 x NUM_MMA_WGS threads. Two layouts (`BwdConfig.layout`): the
-"sdp_t" one below (D <= 128, TILE_N = 64 x NUM_MMA_WGS), and "dkv_t" (D = 192, 256:
+"sdp_t" one below (D <= 128, TILE_N = 64 x NUM_MMA_WGS; its loop is `bwd_sdpt.BwdSdpT`), and
+"dkv_t" (D = 192, 256:
 `bwd_dkvt.BwdDkvT`, S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M,
 dK and dV stored through sK / sV by TMA), which share this launcher, the producer
 (`bwd_load.BwdLoad`), the dQ routes and the elementwise steps.
@@ -70,9 +71,10 @@ from cutlass.memory import SmemAllocator
 
 from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
-from flashsuite.fa3.bwd_dq import Barrier, BwdDq, dq_tile_layout
+from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
+from flashsuite.fa3.bwd_sdpt import BwdSdpT
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 
 
@@ -84,7 +86,7 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdDkvT):
+class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -468,181 +470,3 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdDkvT):
         producer, the MMA warpgroups and the dQ writer walk the same sequence."""
         hq = i // n_m
         return head_kv * group + hq, m_block_min + i - hq * n_m
-
-    # ----------------------------------------------------------------------------------------
-    # MMA warpgroups
-    # ----------------------------------------------------------------------------------------
-    @cute.jit
-    def mma(
-        self,
-        mma_sdp: cute.TiledMma,
-        mma_dkv: cute.TiledMma,
-        mma_dq: cute.TiledMma,
-        smem: tuple,
-        pipes: tuple,  # pipe_kv, pipe_qdo (and pipe_do, None here)
-        mdQacc: cute.Tensor,
-        dkv_out: tuple,  # mdK, mdV (Nk, D, Hkv, B)
-        mtid: Int32,  # 0 .. MMA_THREADS - 1
-        n_block: Int32,
-        head_kv: Int32,
-        batch: Int32,
-        group: Int32,
-        seqlen_q: Int32,
-        seqlen_k: Int32,
-        scale_log2: Float32,
-        scale: Float32,
-        mSem: cute.Tensor | None,
-        softcap_pre: Float32 | None,
-        win: tuple | None,
-    ):
-        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
-        sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
-        pipe_kv, pipe_qdo, _ = pipes
-        mdK, mdV = dkv_out
-        m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
-        thr_sdp = mma_sdp.get_slice(mtid)
-        thr_dkv = mma_dkv.get_slice(mtid)
-        thr_dq = mma_dq.get_slice(mtid)
-        # S^T = K Q^T and dP^T = V dO^T.
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))  # (MMA, 1, D/16)
-        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))  # (MMA, 1, D/16)
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGES)
-        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))  # (MMA, 1, D/16, STAGES)
-        acc_S = thr_sdp.make_fragment_C(
-            thr_sdp.partition_shape_C((TN, TM))
-        )  # ((2, 2, TILE_M/8), 1, 1) fp32: 2 key rows per thread
-        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TN, TM)))
-        # dV += P^T dO and dK += dS^T Q: B is dO / Q as a (D, TILE_M) MN-major view.
-        sdOt = self._transposed(sdO, TM, D, ST)  # (D, TILE_M, STAGES)
-        sQt = self._transposed(sQ, TM, D, ST)  # (D, TILE_M, STAGES)
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))  # (MMA, 1, TILE_M/16, ST)
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt))  # (MMA, 1, TILE_M/16, ST)
-        tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit P^T
-        tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit dS^T
-        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))  # ((2,2,D/8),1,1)
-        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))
-        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
-        sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TILE_N/16, DS_ST)
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
-        # The elementwise code indexes acc_S as i = c + 2r + 4j (m64nNk16 C layout, one MMA
-        # tile per warpgroup) and relies on the C fragment of S^T having the element order of
-        # the A fragment of dV/dK: check the shapes those rest on.
-        assert cute.size(acc_S, mode=[1]) == 1 and cute.size(acc_S, mode=[2]) == 1
-        assert cute.size(acc_S) == TM // 2 and cute.size(acc_dV) == D // 2
-        assert cute.size(tdVrP) == cute.size(acc_S)
-        tScS = thr_sdp.partition_C(cute.make_identity_tensor((TN, TM)))  # (key, row) coords
-        sdSt = self._transposed(sdS, TM, TN, self.DS_STAGES)  # (TILE_N, TILE_M, DS_ST): dS^T
-        rdS = cute.make_tensor(tdKrdS.iterator, acc_S.layout)  # tdKrdS in acc_S's shape
-        if const_expr(self.DS_STMATRIX):
-            # stmatrix.trans: the fragment's register pairs run along query rows, sdS rows
-            # along keys; each 8x8 matrix row is 16 contiguous bytes of sdS (swizzle-safe).
-            ds_atom = cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype
-            )
-            ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
-            thr_ds = ds_copy.get_slice(mtid)
-            tSsdS = thr_ds.partition_D(sdSt)  # where this thread's stmatrix rows go
-            tSrdS = thr_ds.retile(rdS)
-        else:
-            ds_copy = None
-            tSsdS = thr_sdp.partition_C(sdSt)  # where this thread's dS^T elements go
-            tSrdS = rdS
-        acc_dV.fill(0.0)
-        acc_dK.fill(0.0)
-
-        if n_iter > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_kv.consumer_wait(kv_state)
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ST)
-            shift = seqlen_k - seqlen_q
-            # Key columns of this block that some row may not see: past seqlen_k, or (causal /
-            # window) right of the diagonal of rows below first_free_row, or (window) left of
-            # the window of rows above last_free_row.
-            key_tail = (n_block + 1) * TN > seqlen_k
-            right_edge = 0  # the window's right edge: 0 when causal
-            if const_expr(self.LOCAL):
-                right_edge = win[1]
-            first_free_row = (n_block + 1) * TN - 1 - shift - right_edge  # rows >= see all
-            for i in cutlass.range(n_iter, unroll=1):
-                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
-                masked = key_tail
-                if const_expr(self.HAS_RIGHT):
-                    masked = masked | (m_block * TM < first_free_row)
-                if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
-                    last_free_row = n_block * TN - shift + win[0]
-                    masked = masked | ((m_block + 1) * TM - 1 > last_free_row)
-                s = state.index
-                ds_i = 0  # the sdS buffer of this row block
-                if const_expr(self.DS_STAGES > 1):
-                    ds_i = i % self.DS_STAGES
-                pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
-                self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
-                self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
-                probs_args = (
-                    tScS,
-                    sLSE,
-                    s,
-                    masked,
-                    n_block,
-                    m_block,
-                    seqlen_k,
-                    shift,
-                    scale_log2,
-                    win,
-                )
-                if const_expr(self.OVERLAP):
-                    # P^T while dP^T's wgmma runs, then dS^T.
-                    warpgroup.wait_group(1)
-                    self.probs(acc_S, *probs_args, None, softcap_pre)
-                    self.pack(acc_S, tdVrP)
-                    warpgroup.wait_group(0)
-                    self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
-                else:  # S^T and dP^T retire together; P^T and dS^T in one loop
-                    warpgroup.wait_group(0)
-                    self.probs(acc_S, *probs_args, (acc_dP, sD, scale), softcap_pre)
-                    self.pack(acc_S, tdVrP)
-                self.pack(acc_dP, tdKrdS)
-                # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
-                # before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
-                # touched (read included) until a wait_group has retired it. With two sdS
-                # buffers the DS_READY barrier of the previous row block already ordered it (every
-                # WG had retired the dQ wgmma of the block before that).
-                if const_expr(self.DS_STAGES == 1):
-                    cute.arch.barrier(
-                        barrier_id=int(Barrier.DS_FREE), number_of_threads=self.MMA_THREADS
-                    )
-                if const_expr(self.DS_STMATRIX):
-                    cute.copy(ds_copy, tSrdS, tSsdS[None, None, None, ds_i])
-                else:
-                    cute.autovec_copy(tSrdS, tSsdS[None, None, None, ds_i])
-                # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                if const_expr(self.OVERLAP):
-                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                    cute.arch.barrier(
-                        barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
-                    )
-                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
-                    self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
-                    warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
-                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
-                                m_block, seqlen_q)  # fmt: skip
-                    warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
-                    pipe_qdo.consumer_release(state)
-                else:
-                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
-                    self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
-                    cute.arch.barrier(
-                        barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
-                    )
-                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
-                    # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
-                    warpgroup.wait_group(0)
-                    pipe_qdo.consumer_release(state)
-                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
-                                m_block, seqlen_q)  # fmt: skip
-                state.advance()
-        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
