@@ -62,6 +62,12 @@ def runnable_versions() -> list:
     return params
 
 
+def runnable_names() -> set[str]:
+    """The names of the versions `runnable_versions` does not skip (its params are
+    pytest.param objects: compare names with this, never with that list)."""
+    return {p.values[0] for p in runnable_versions() if not any(m.name == "skip" for m in p.marks)}
+
+
 def pytest_report_header(config) -> list[str]:
     lines = [f"flashsuite: device={DEVICE} TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"]
     for name in registry.VERSIONS:

@@ -21,7 +21,7 @@ from flashsuite.common.testing import (
     make_inputs,
     reference_pair,
 )
-from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run, runnable_versions
+from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run, runnable_names, runnable_versions
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -192,7 +192,7 @@ def test_backward_fa3_own(case: Case, device: str, monkeypatch) -> None:
     """The shared backward cases through fa3's own backward kernel (FLASHSUITE_FA3_BWD=1 forces
     it, whatever the default); skipped where it does not apply (then fa2's backward, covered by
     test_backward, runs)."""
-    if "fa3" not in VERSIONS:
+    if "fa3" not in runnable_names():
         pytest.skip("fa3 not runnable here")
     monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
     q, k, v = make_inputs(case, device, requires_grad=True)

@@ -12,7 +12,7 @@ from flashsuite import dispatch
 from flashsuite.common.arch import override_arch
 from flashsuite.common.reference import attention_reference
 from flashsuite.common.testing import compare
-from tests.conftest import GPU_MEMORY, HAS_CUDA, runnable_versions
+from tests.conftest import GPU_MEMORY, HAS_CUDA, runnable_names, runnable_versions
 
 F16, BF16, F32, I32 = torch.float16, torch.bfloat16, torch.float32, torch.int32
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -164,7 +164,7 @@ def test_kvcache_matches_per_row_oracle(version, case) -> None:
 def test_fa2_varlen_split_dkdv_launches_match() -> None:
     """The two-launch dK/dV schedule (dV, then dK) some varlen entries use on the GPU gives the
     same gradients as the one-launch schedule the interpreter table picks."""
-    if "fa2" not in runnable_versions() or HAS_CUDA:
+    if "fa2" not in runnable_names() or HAS_CUDA:
         pytest.skip("checks the interpreter tiles (the GPU runs the table's own)")
     from dataclasses import replace
 
@@ -400,13 +400,15 @@ def test_explain_on_sm90_picks_fa3_varlen_and_fa2_kvcache() -> None:
 
 
 def test_explicit_version_without_the_entry_point_raises() -> None:
+    """fa1 has neither packed-sequence nor KV-cache entry points: asked for by name, it raises."""
+    if "fa1" not in runnable_names():
+        pytest.skip("fa1 not runnable here")
     q, k = torch.randn(10, 4, 64), torch.randn(10, 2, 64)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
-    for name in ("fa1", "fa3"):
-        if name not in runnable_versions():
-            continue
-        with pytest.raises(dispatch.Unsupported, match=f"version '{name}' cannot run varlen"):
-            dispatch.attention_varlen(q, k, k, cu, cu, 6, 6, version=name)
+    with pytest.raises(dispatch.Unsupported, match="version 'fa1' cannot run varlen"):
+        dispatch.attention_varlen(q, k, k, cu, cu, 6, 6, version="fa1")
+    with pytest.raises(dispatch.Unsupported, match="version 'fa1' cannot run"):
+        dispatch.attention_with_kvcache(q[None], k[None], k[None], cache_seqlens=3, version="fa1")
 
 
 def test_torch_compile_fullgraph() -> None:
