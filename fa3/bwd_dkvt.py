@@ -185,19 +185,10 @@ class BwdDkvT:
                 pipeline.PipelineUserType.Consumer, self.DO_STAGES
             )
             shift = seqlen_k - seqlen_q
-            key_tail = (n_block + 1) * TN > seqlen_k
-            right_edge = 0  # the window's right edge: 0 when causal
-            if const_expr(self.LOCAL):
-                right_edge = win[1]
-            first_free_row = (n_block + 1) * TN - 1 - shift - right_edge  # rows >= see all
+            edges = self.key_edges(n_block, seqlen_k, shift, win)
             for i in cutlass.range(n_iter, unroll=1):
                 head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
-                masked = key_tail
-                if const_expr(self.HAS_RIGHT):
-                    masked = masked | (m_block * TM < first_free_row)
-                if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
-                    last_free_row = n_block * TN - shift + win[0]
-                    masked = masked | ((m_block + 1) * TM - 1 > last_free_row)
+                masked = self.block_masked(m_block, n_block, shift, edges, win)
                 s, sd = q_state.index, do_state.index
                 ds_i = 0  # the sP / sdS buffer of this row block
                 if const_expr(self.DS_STAGES > 1):

@@ -470,3 +470,30 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         producer, the MMA warpgroups and the dQ writer walk the same sequence."""
         hq = i // n_m
         return head_kv * group + hq, m_block_min + i - hq * n_m
+
+    @cute.jit
+    def key_edges(self, n_block: Int32, seqlen_k: Int32, shift: Int32, win: tuple | None):
+        """(key_tail, first_free_row) of column block n_block, before the row-block loop: whether
+        it holds keys past seqlen_k, and the first row that sees all of its keys on the right
+        (causal / window edge; rows >= it need no right-side mask)."""
+        key_tail = (n_block + 1) * self.TILE_N > seqlen_k
+        right_edge = 0  # the window's right edge: 0 when causal
+        if const_expr(self.LOCAL):
+            right_edge = win[1]
+        return key_tail, (n_block + 1) * self.TILE_N - 1 - shift - right_edge
+
+    @cute.jit
+    def block_masked(
+        self, m_block: Int32, n_block: Int32, shift: Int32, edges: tuple, win: tuple | None
+    ):
+        """Whether row block m_block needs the per-element mask against column block n_block:
+        keys past seqlen_k, rows above the right edge's first_free_row (`key_edges`), or (window)
+        rows below the last one that sees the block's first key."""
+        key_tail, first_free_row = edges
+        masked = key_tail
+        if const_expr(self.HAS_RIGHT):
+            masked = masked | (m_block * self.TILE_M < first_free_row)
+        if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
+            last_free_row = n_block * self.TILE_N - shift + win[0]
+            masked = masked | ((m_block + 1) * self.TILE_M - 1 > last_free_row)
+        return masked
