@@ -228,15 +228,15 @@ def forward(
         lse.fill_(float("-inf"))
         return out, lse
     q, k = _tma_ready(q), _tma_ready(k)
+    fn, scalars, cfg = _launch_plan(p, cfg, q.device)
     if p.is_fp8:
-        if (cfg or config_for(p)).v_transpose == "host":
+        if cfg.v_transpose == "host":
             v = transpose_v(v)  # (B, Hkv, D, Nk), keys contiguous
         else:
             v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
         descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
     else:
         v = _tma_ready(v)
-    fn, scalars = _launch_plan(p, cfg, q.device)
     fn(q, k, v, out, lse, *descales, None, None, *scalars)
     return out, lse
 
@@ -249,7 +249,7 @@ _plans: dict[tuple, tuple] = {}
 def _launch_plan(
     p: AttnParams, cfg: Fa3Config | None, device: torch.device, vp: VarlenParams | None = None
 ) -> tuple:
-    """The compiled forward and its runtime scalars for `p`, memoised per static problem.
+    """(compiled forward, runtime scalars, config) for `p`, memoised per static problem.
 
     With `vp` (packed sequences, p = vp.attn): the varlen build, and an unbounded window side
     becomes total_q + total_k + 1, beyond every sequence's rows and keys whatever max_seqlen
@@ -290,7 +290,7 @@ def _launch_plan(
             p.scale, p.softcap, (p.window_left, p.window_right), p.causal, nq, nk
         )
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        plan = (get_forward(key), (*scalars, sms))  # sms: the persistent grid's CTA count
+        plan = (get_forward(key), (*scalars, sms), cfg)  # sms: the persistent grid's CTA count
         if len(_plans) > 4096:  # many distinct seqlens: start over rather than grow forever
             _plans.clear()
         _plans[pkey] = plan
@@ -480,7 +480,7 @@ def varlen_forward(
         return out, lse
     q, k, v = (_tma_ready(t[None])[0] for t in (q, k, v))
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    fn, scalars = _launch_plan(p, cfg, q.device, vp)
+    fn, scalars, _ = _launch_plan(p, cfg, q.device, vp)
     fn(q, k, v, out, lse, None, None, None, cu_seqlens_q, cu_seqlens_k, *scalars)
     return out, lse
 
