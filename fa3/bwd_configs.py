@@ -81,7 +81,7 @@ class BwdConfig:
     # one head run side by side and share its Q / dO tiles in L2. True: (kv head, batch,
     # n_block), so every head's n_block 0 launches before any n_block 1: the longest CTAs first
     # under causal masking (column block n sees the row blocks from n's diagonal down). On the
-    # H200 True lost 3-24 % at D 64 / 128, N 4k / 16k, causal too (docs/results.md).
+    # H200 True lost 2-24 % at D 64, N 4k / 16k, causal too (docs/results.md).
     lpt: bool = False
 
 
