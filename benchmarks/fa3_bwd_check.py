@@ -398,20 +398,30 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
             except Exception as exc:
                 r = {"case": case.id, "ok": False, "error": traceback.format_exc(limit=4)}
                 r["text"] = f"{type(exc).__name__}: {exc}"[:300]
+                if isinstance(exc, ValueError) and " cannot run: " in str(exc):
+                    # The config refuses the case by design (dispatch sends it to fa2):
+                    # neither a pass nor a failure.
+                    r["ok"], r["refused"] = None, str(exc).split(" cannot run: ", 1)[1]
             rows.append(r)
-            _log(f"{'ok  ' if r['ok'] else 'FAIL'} [{name}] {case.id}: {r['text']}")
-        passed = sum(r["ok"] for r in rows)
-        report["variants"][name]["passed"] = f"{passed}/{len(rows)}"
-        failed += passed < len(rows)
-        _log(f"variant {name}: {passed}/{len(rows)} cases pass")
+            tag = "ok  " if r["ok"] else "FAIL" if r["ok"] is False else "REFUSED"
+            _log(f"{tag} [{name}] {case.id}: {r['text']}")
+        ran = [r for r in rows if r["ok"] is not None]
+        passed = sum(r["ok"] for r in ran)
+        refused = len(rows) - len(ran)
+        report["variants"][name]["passed"] = f"{passed}/{len(ran)}"
+        report["variants"][name]["refused"] = refused
+        failed += passed < len(ran)
+        _log(f"variant {name}: {passed}/{len(ran)} cases pass, {refused} refused by the config")
         # Timed even when a case failed (the speed of a mechanism is still worth knowing);
         # the summary marks such variants.
         for case in (c for c in bench_cases if c.head_dim in dims):
             timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
     save()
     if bench:
-        label = {n: n if v["passed"].startswith(f"{len(v['cases'])}/") else f"{n}!"
-                 for n, v in report["variants"].items()}  # fmt: skip
+        label = {}
+        for n, v in report["variants"].items():
+            ok, ran = (int(x) for x in v["passed"].split("/"))
+            label[n] = n if ok == ran else f"{n}!"
         for row in report["bench"]:
             row["contender"] = label.get(row["contender"], row["contender"])
         marked = list(label.values())

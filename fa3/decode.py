@@ -53,13 +53,22 @@ from flashsuite.fa3.varlen import RAGGED_LAST, RAGGED_ROWS
 __all__ = ["Fa3Decode"]
 
 
+def kv_view_layout(shape: tuple, stride: tuple) -> tuple[tuple, tuple]:
+    """(shape, stride) of the 5-D ragged view (R, D, Hkv, L, P) of a cache of `shape` and
+    `stride` (P, S, Hkv, D): the token stride on R and on L, the head and page strides on Hkv
+    and P. The view's base is the cache's moved back R tokens (`kv_view`); coordinate
+    (R - len + i, d, h, len, p) is then element (p, i, h, d), inside the box only for i < len.
+    Plain tuples in, plain tuples out: the CPU tests check the addressing with integers."""
+    s_p, s_n, s_h, _ = stride
+    return (RAGGED_ROWS, shape[3], shape[2], RAGGED_LAST, shape[0]), (s_n, 1, s_h, s_n, s_p)
+
+
 def kv_view(t: cute.Tensor) -> cute.Tensor:
     """A cache (P, S, Hkv, D) as the 5-D ragged TMA view (R, D, Hkv, L, P) (host side)."""
     rows = cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2]))  # (S, D, Hkv)
-    base = cute.domain_offset((-RAGGED_ROWS, 0, 0), rows).iterator
-    s_n, _, s_h, _ = t.stride
-    shape = (RAGGED_ROWS, t.shape[3], t.shape[2], RAGGED_LAST, t.shape[0])
-    return cute.make_tensor(base, cute.make_layout(shape, stride=(s_n, 1, s_h, s_n, t.stride[0])))
+    base = cute.domain_offset((-RAGGED_ROWS, 0, 0), rows).iterator  # R tokens back
+    shape, stride = kv_view_layout(t.shape, t.stride)
+    return cute.make_tensor(base, cute.make_layout(shape, stride=stride))
 
 
 class Fa3Decode(ForwardLayouts, ForwardMainloop):

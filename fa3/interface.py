@@ -331,8 +331,7 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 def backward_opt_in(p: AttnParams) -> str:
     """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
     when it takes it by default: builds that compile and pass the CPU checks but have not yet
-    run on a GPU (bwd_configs.BWD_UNVERIFIED: softcap at D = 256, the deterministic builds at
-    D = 96 / 192 / 256)."""
+    run on a GPU (bwd_configs.BWD_UNVERIFIED: softcap at D = 256)."""
     features = []
     if p.softcap > 0:
         features.append("softcap")

@@ -79,6 +79,31 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
         assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
 
 
+@needs_dsl
+@pytest.mark.parametrize("page", [0, 16])
+def test_kv_view_addresses_each_rows_own_tokens(page) -> None:
+    """The 5-D ragged view's arithmetic (decode.kv_view_layout) against torch's own element
+    offsets, on a cache whose page, token and head strides all differ (padded heads and D):
+    coordinate (R - len + i, d, h, len, p) must be element (p, i, h, d) and inside the box
+    exactly for i < len."""
+    from flashsuite.fa3.decode import kv_view_layout
+    from flashsuite.fa3.varlen import RAGGED_ROWS
+
+    pool = torch.empty(3, page or 40, 4, 80)[:, :, :3, :64]  # (P, S, Hkv, D), padded strides
+    shape, stride = kv_view_layout(tuple(pool.shape), pool.stride())
+    assert shape[:3] == (RAGGED_ROWS, 64, 3) and shape[4] == 3
+    base = -RAGGED_ROWS * stride[0]  # kv_view moves the base back R tokens
+    for p, h, length, start in [(0, 0, 1, 0), (2, 1, 17, 0), (1, 2, pool.shape[1], 8)]:
+        for i in range(start, pool.shape[1]):
+            for d in (0, 63):
+                coord = (RAGGED_ROWS - length + i, d, h, length, p)
+                assert (coord[0] < shape[0]) == (i < length)
+                if i < length:
+                    at = base + sum(c * s for c, s in zip(coord, stride, strict=True))
+                    want = pool[p, i, h, d].data_ptr() - pool.data_ptr()
+                    assert at * pool.element_size() == want, (p, h, length, i, d)
+
+
 def test_decode_config_table() -> None:
     from flashsuite.fa3.configs import (
         DTYPES,
@@ -201,13 +226,15 @@ def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
     from flashsuite.fa3.decode_host import kvcache_forward
 
     b, nq, hq, hkv, d, cap = 2, 2, 8, 2, 64, 64
-    q = torch.randn(b, nq, hq, d, dtype=BF16)
+    # On the suite's device: on a GPU host the shared combine is Triton's compiled kernel,
+    # which takes CUDA tensors only (the interpreter runs it on a CPU machine).
+    q = torch.randn(b, nq, hq, d, dtype=BF16, device=DEV)
     pages = b * cap // page if page else b
-    kc = torch.zeros(pages, page or cap, hkv, d, dtype=BF16)
+    kc = torch.zeros(pages, page or cap, hkv, d, dtype=BF16, device=DEV)
     vc = torch.zeros_like(kc)
-    table = torch.arange(pages, dtype=torch.int32).reshape(b, -1) if page else None
-    lens = torch.tensor([5, 0], dtype=torch.int32)
-    kn = torch.ones(b, 1, hkv, d, dtype=BF16)
+    table = torch.arange(pages, dtype=torch.int32, device=DEV).reshape(b, -1) if page else None
+    lens = torch.tensor([5, 0], dtype=torch.int32, device=DEV)
+    kn = torch.ones(b, 1, hkv, d, dtype=BF16, device=DEV)
     kp = check_kvcache_inputs(
         q, kc, vc, kn, kn, cache_seqlens=lens, block_table=table, num_splits=splits
     )
@@ -215,7 +242,7 @@ def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
     (binary,) = stand_in
     assert binary.calls == [(splits, 1)] and binary.key.paged == (page > 0)
     assert out.shape == (b, nq, hq, d) and lse.shape == (b, hq, nq)
-    w = torch.arange(1, splits + 1, dtype=torch.float64)
+    w = torch.arange(1, splits + 1, dtype=torch.float64, device=DEV)
     expect = (w * w).sum() / w.sum()
     if splits > 1:
         assert torch.equal(out, torch.full_like(out, float(expect)))  # rounded once, to bf16
