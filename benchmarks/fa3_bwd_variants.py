@@ -4,13 +4,18 @@
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
 one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
-"pipe128" at D = 64, "warp_stm2" its softcap build. (The "bulk" dQ mode, per-row bulk reduces
+"pipe128" at D = 64, "warp_stm2" its softcap build; "pipe128_dqm", "pipe_wgdq", "pipe128_wgdq"
+and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward (dq_split, dq_handoff;
+docs/design.md, "Next to FA4's SM90 backward"). (The "bulk" dQ mode, per-row bulk reduces
 issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
 
 from flashsuite.fa3.bwd_configs import BwdConfig
+
+# The shipped "sdp_t" mechanisms (pipe_stm), for the variants built on them.
+_PIPE = {"dq_mode": "warp", "overlap": True, "ds_stages": 2, "ds_store": "stmatrix"}
 
 # name -> (config, what it changes relative to "base")
 VARIANTS: dict[str, tuple[BwdConfig, str]] = {
@@ -63,6 +68,23 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
             tile_m=128, dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", lpt=True
         ),
         "pipe128 with the grid ordered longest-first (D = 64 only)",
+    ),
+    "pipe128_dqm": (
+        BwdConfig(tile_m=128, dq_split="m", **_PIPE),
+        "pipe128 with dQ split by rows: each WG one m64n64 atom (n64 wgmmas, half as many, a "
+        "third less smem read) instead of two m64n32 (D = 64 only)",
+    ),
+    "pipe_wgdq": (
+        BwdConfig(dq_handoff="wg", **_PIPE),
+        "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
+    ),
+    "pipe128_wgdq": (
+        BwdConfig(tile_m=128, dq_handoff="wg", **_PIPE),
+        "pipe128 with sdQ handed to the writer per warpgroup (D = 64 only)",
+    ),
+    "pipe128_dqm_wgdq": (
+        BwdConfig(tile_m=128, dq_split="m", dq_handoff="wg", **_PIPE),
+        "pipe128 with both: dQ split by rows, handed over per warpgroup (FA4's D = 64 dQ route)",
     ),
     "det_pipe": (
         BwdConfig(
@@ -121,6 +143,9 @@ DEFAULT_HEAD_DIMS = (64, 128)
 HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128": (64,),
     "pipe128_lpt": (64,),
+    "pipe128_dqm": (64,),
+    "pipe128_wgdq": (64,),
+    "pipe128_dqm_wgdq": (64,),
     "pipe_stm": (64, 96, 128),  # D = 96 ships it too
     "warp_stm2": (64, 96, 128),
     **{name: (int(name[4:7]),) for name in VARIANTS if name.startswith("wide")},

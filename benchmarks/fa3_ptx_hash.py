@@ -14,12 +14,11 @@ own process.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
 
-from benchmarks.ptx_hash import compare, hashes, save
+from benchmarks.ptx_hash import cli
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
@@ -87,21 +86,7 @@ def _compile(case) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--json", help="write {case: {ptx, ptx_no_debug}} hashes here")
-    ap.add_argument("--shard", default="0/1", help="i/n: cases i, i+n, i+2n, ...")
-    ap.add_argument("--compare", nargs="+", metavar="JSON", help="BEFORE AFTER [AFTER ...]")
-    args = ap.parse_args(argv)
-    if args.compare:
-        return compare(args.compare)
-    i, n = (int(x) for x in args.shard.split("/"))
-    result = {}
-    for case in _cases()[i::n]:
-        ptx = _compile(case)
-        result[_case_id(case)] = hashes(ptx)
-        print(_case_id(case), result[_case_id(case)]["ptx"][:16], flush=True)
-    save(args.json, result)
-    return 0
+    return cli(argv, __doc__, lambda args: _cases(), _case_id, _compile)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Shared parts of the PTX-hash scripts (fa3_ptx_hash, triton_ptx_hash): hashing PTX with and
-without its debug information, and comparing two runs' JSON files (a config passes when its
+"""Shared parts of the PTX-hash scripts (fa3_ptx_hash, fa3_bwd_ptx_hash, triton_ptx_hash):
+hashing PTX with and without its debug information, the command line of the CuTe DSL ones
+(`cli`), and comparing two runs' JSON files (a config passes when its
 PTX is the same once `.loc`/`.file` lines, and where both runs hashed it the DWARF sections,
 are left out; or, where both runs hashed it, when only the kernels' symbol names differ: the
 CuTe DSL names a kernel after its class's module path and its arguments)."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import re
@@ -93,3 +95,26 @@ def compare(paths: list[str]) -> int:
         elif not _same_code(before[k], after[k]):
             print("SYMBOL NAMES ONLY:", k)
     return 0 if unnamed == len(before) else 1
+
+
+def cli(argv, doc: str, cases, case_id, compile_one, flags: tuple = ()) -> int:
+    """The command line of a script that compiles one PTX module per case: `--json PATH`
+    (hashes of cases i, i+n, ... for `--shard i/n`) or `--compare BEFORE AFTER`. `cases(args)`
+    lists the cases, `case_id(case)` names one, `compile_one(case)` returns its PTX; `flags`
+    are (name, help) of extra store-true options `cases` reads."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--json", help="write {case: hashes} here")
+    ap.add_argument("--shard", default="0/1", help="i/n: cases i, i+n, i+2n, ...")
+    ap.add_argument("--compare", nargs="+", metavar="JSON", help="BEFORE AFTER [AFTER ...]")
+    for flag, text in flags:
+        ap.add_argument(flag, action="store_true", help=text)
+    args = ap.parse_args(argv)
+    if args.compare:
+        return compare(args.compare)
+    i, n = (int(x) for x in args.shard.split("/"))
+    result = {}
+    for case in cases(args)[i::n]:
+        result[case_id(case)] = hashes(compile_one(case))
+        print(case_id(case), result[case_id(case)]["ptx"][:16], flush=True)
+    save(args.json, result)
+    return 0

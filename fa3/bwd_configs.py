@@ -62,6 +62,17 @@ class BwdConfig:
     # the whole tile with one cp.reduce.async.bulk into a tile-ordered accumulator
     # (B, Hq, Nq_pad, D), which the host permutes back (bwd_host.dq_from_tiles).
     dq_mode: str = "atomic"
+    # How the MMA warpgroups split dQ = dS K (TILE_M x D). "d": each takes D / num_mma_wgs
+    # columns of every row (TILE_M / 64 m64 atoms of n = D / num_mma_wgs). "m": each takes 64
+    # rows and every column (one m64nD atom; needs tile_m = 64 x num_mma_wgs): at D = 64,
+    # TILE_M = 128 half the wgmmas at twice the N (n64 rather than n32), and each warpgroup
+    # reads only its own rows of sdS, so a third less shared-memory traffic for the GEMM.
+    dq_split: str = "d"
+    # "warp" dq_mode: how sdQ is handed to the writer warp. "cta": one DQ_FULL / DQ_EMPTY pair
+    # of named barriers over every MMA thread and the writer, one bulk reduce of the whole
+    # tile. "wg": a pair per MMA warpgroup (128 + 32 threads) and one bulk reduce per
+    # warpgroup's chunk, so neither warpgroup waits for the other's dQ.
+    dq_handoff: str = "cta"
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
     # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
     ds_store: str = "scalar"
@@ -90,21 +101,38 @@ BWD_DQ_MODES = ("atomic", "warp")
 BWD_DS_STORES = ("scalar", "stmatrix")
 BWD_LAYOUTS = ("sdp_t", "dkv_t")
 BWD_DKV_SPLITS = ("d", "keys")
+BWD_DQ_SPLITS = ("d", "m")
+BWD_DQ_HANDOFFS = ("cta", "wg")
 
 
-def dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int) -> tuple[tuple, tuple]:
+def dq_tile_modes(
+    tile_m: int, head_dim: int, num_wgs: int, split: str = "d"
+) -> tuple[tuple, tuple]:
     """(shape, stride) of the "warp" dq_mode's (TILE_M, D) fp32 tile layout, used in smem and
     in each TILE_M x D block of the global accumulator (bwd_dq.dq_tile_layout builds it,
     bwd_host.dq_from_tiles inverts it).
 
-    Warpgroup g owns columns [g D/G, (g+1) D/G) (dQ's atom layout (1, G, 1)); in it, warp w of
-    the m64nNk16 accumulator holds rows 16 w + 8 r + a (a = lane / 4) and columns 8 j + 2 b + c
-    (b = lane % 4) in register c + 2 r + 4 j. Offset c + 2 r + 4 b + 16 a + 128 w + 512 j
-    (+ g TILE_M D / G) puts each thread's registers 4 j .. 4 j + 3 in 16 contiguous bytes and a
-    warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4 registers, and one bulk copy
-    per tile."""
+    With `split` "d" warpgroup g owns columns [g D/G, (g+1) D/G) (dQ's atom layout (1, G, 1));
+    in it, warp w of the m64nNk16 accumulator holds rows 16 w + 8 r + a (a = lane / 4) and
+    columns 8 j + 2 b + c (b = lane % 4) in register c + 2 r + 4 j. Offset c + 2 r + 4 b + 16 a
+    + 128 w + 512 j (+ g TILE_M D / G) puts each thread's registers 4 j .. 4 j + 3 in 16
+    contiguous bytes and a warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4
+    registers, and one bulk copy per tile (or per warpgroup: each one's chunk is contiguous).
+    With `split` "m" (atom layout (G, 1, 1), TILE_M = 64 G) warpgroup g owns rows
+    [64 g, 64 g + 64) and every column, in the same order with j < D / 8, at g 64 D."""
+    if split not in BWD_DQ_SPLITS:
+        raise ValueError(f"dq_tile_modes: split {split!r} not in {BWD_DQ_SPLITS}")
     if tile_m % 64:
         raise ValueError(f"dq_tile_modes: tile_m {tile_m} not a multiple of 64 (m64 atoms)")
+    if split == "m":
+        if tile_m != 64 * num_wgs or head_dim % 8:
+            raise ValueError(
+                f"dq_tile_modes: split 'm' needs tile_m 64 x {num_wgs} and head_dim a multiple "
+                f"of 8, not {tile_m} and {head_dim}"
+            )
+        j = head_dim // 8
+        rows, row_strides = (8, 2, 4, num_wgs), (16, 2, 128, 64 * head_dim)
+        return (rows, (2, 4, j)), (row_strides, (1, 4, 512))
     if head_dim % (8 * num_wgs):
         raise ValueError(f"dq_tile_modes: head_dim {head_dim} not a multiple of 8 x {num_wgs}")
     j = head_dim // num_wgs // 8
@@ -254,12 +282,34 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
+    ok, reason = _dq_route_ok(cfg)
+    if not ok:
+        return False, reason
     smem = bwd_smem_bytes(cfg, head_dim)
     if smem > SMEM_CAPACITY:
         return False, f"fa3 backward: {smem} B of shared memory > {SMEM_CAPACITY} B"
     regs, budget = bwd_regs_estimate(cfg, head_dim), BWD_REG_SPLIT[cfg.num_mma_wgs][1]
     if regs > budget:
         return False, f"fa3 backward: ~{regs} registers per MMA thread > {budget}"
+    return True, ""
+
+
+def _dq_route_ok(cfg: BwdConfig) -> tuple[bool, str]:
+    """How dQ is split between the warpgroups and handed to the writer warp."""
+    if cfg.dq_split not in BWD_DQ_SPLITS:
+        return False, f"fa3 backward: dq_split {cfg.dq_split!r} not in {BWD_DQ_SPLITS}"
+    if cfg.dq_split == "m" and (cfg.layout != "sdp_t" or cfg.tile_m != 64 * cfg.num_mma_wgs):
+        return False, (
+            f"fa3 backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
+            f"{64 * cfg.num_mma_wgs} (64 rows per MMA WG), not {cfg.layout!r} and {cfg.tile_m}"
+        )
+    if cfg.dq_handoff not in BWD_DQ_HANDOFFS:
+        return False, f"fa3 backward: dq_handoff {cfg.dq_handoff!r} not in {BWD_DQ_HANDOFFS}"
+    if cfg.dq_handoff == "wg" and (cfg.dq_mode != "warp" or cfg.deterministic):
+        return False, (
+            "fa3 backward: dq_handoff 'wg' needs dq_mode 'warp' and deterministic False, not "
+            f"{cfg.dq_mode!r} and {cfg.deterministic}"
+        )
     return True, ""
 
 

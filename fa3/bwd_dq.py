@@ -28,12 +28,15 @@ class Barrier(enum.IntEnum):
     DQ_ADDED = 6  # deterministic: every MMA thread has issued its dQ adds of this row block
     DQ_FULL = 7  # "warp" dq_mode: sdQ holds this row block's dQ (MMA threads arrive, writer waits)
     DQ_EMPTY = 8  # "warp" dq_mode: the writer's bulk reduce has read sdQ (writer arrives)
+    # dq_handoff "wg": DQ_FULL and DQ_EMPTY per MMA warpgroup g (ids + g), 128 + 32 threads.
+    DQ_FULL_WG = 9
+    DQ_EMPTY_WG = 11
 
 
-def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int) -> cute.Layout:
+def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int, split: str = "d") -> cute.Layout:
     """(TILE_M, D) -> offset of the "warp" dq_mode's fp32 tile, in smem and in each TILE_M x D
     block of the global accumulator: bwd_configs.dq_tile_modes, the dQ wgmma's fragment order."""
-    shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs)
+    shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs, split)
     return cute.make_layout(shape, stride=stride)
 
 
@@ -80,7 +83,7 @@ class BwdDq:
     ):
         """This row block's dQ fragment on its way to the accumulator, by the config's route."""
         if const_expr(self.DQ_WARP):
-            self.stage_dq(thr_dq, acc_dQ, sdQ)
+            self.stage_dq(thr_dq, acc_dQ, sdQ, mtid)
         elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
                 thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
@@ -89,15 +92,21 @@ class BwdDq:
             self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
 
     @cute.jit
-    def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor):
+    def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor, mtid: Int32):
         """MMA threads, "warp" dq_mode: once the writer has read the previous tile
         (DQ_EMPTY), store this row block's dQ fragment to sdQ, fence it for the async proxy
-        and hand it over (DQ_FULL); the bulk reduce then runs while the MMAs go on."""
+        and hand it over (DQ_FULL); the bulk reduce then runs while the MMAs go on. With
+        dq_handoff "wg" each warpgroup waits for and hands over only its own chunk."""
         n = self.MMA_THREADS + 32
-        cute.arch.barrier(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+        empty, full = int(Barrier.DQ_EMPTY), int(Barrier.DQ_FULL)
+        if const_expr(self.DQ_HANDOFF_WG):
+            n = 128 + 32
+            wg = cute.arch.make_warp_uniform(mtid // 128)
+            empty, full = int(Barrier.DQ_EMPTY_WG) + wg, int(Barrier.DQ_FULL_WG) + wg
+        cute.arch.barrier(barrier_id=empty, number_of_threads=n)
         cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
+        cute.arch.barrier_arrive(barrier_id=full, number_of_threads=n)
 
     @cute.jit
     def write_dq(
@@ -128,7 +137,9 @@ class BwdDq:
         n = self.MMA_THREADS + 32
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        if n_iter > 0:
+        if const_expr(self.DQ_HANDOFF_WG):
+            self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, batch, group)
+        elif n_iter > 0:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
             for i in cutlass.range(n_iter, unroll=1):
                 head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
@@ -156,6 +167,49 @@ class BwdDq:
                 cute.arch.sync_warp()
                 if i < n_iter - 1:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+            if lane == 0:  # the last adds complete before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def write_dq_chunks(
+        self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32,
+        batch: Int32, group: Int32,
+    ):  # fmt: skip
+        """`write_dq` with dq_handoff "wg": per row block, for each MMA warpgroup g in turn,
+        wait for its chunk (DQ_FULL_WG + g) and add it (TILE_M x D / G floats, contiguous in
+        sdQ and in the accumulator's block: bwd_configs.dq_tile_modes) with its own bulk
+        reduce; chunk g's DQ_EMPTY_WG + g comes once that reduce has read sdQ (bulk groups
+        complete in order: wait_group G - 1 - g), given at the top of the next row block. The
+        first arrivals come before the loop and none after the last row block, so every
+        arrive meets one wait of its warpgroup. `blocks`: `row_blocks`' (m_block_min, n_m,
+        n_iter)."""
+        n, num_wgs = 128 + 32, self.NUM_MMA_WGS
+        chunk = self.TILE_M * self.HEAD_DIM // num_wgs
+        lane = cute.arch.lane_idx()
+        m_block_min, n_m, n_iter = blocks
+        if n_iter > 0:
+            for g in cutlass.range_constexpr(num_wgs):
+                cute.arch.barrier_arrive(
+                    barrier_id=int(Barrier.DQ_EMPTY_WG) + g, number_of_threads=n
+                )
+            for i in cutlass.range(n_iter, unroll=1):
+                head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
+                if i > 0:
+                    for g in cutlass.range_constexpr(num_wgs):
+                        if lane == 0:
+                            cute.arch.cp_async_bulk_wait_group(num_wgs - 1 - g, read=True)
+                        cute.arch.sync_warp()
+                        cute.arch.barrier_arrive(
+                            barrier_id=int(Barrier.DQ_EMPTY_WG) + g, number_of_threads=n
+                        )
+                crd = (batch, head, m_block * self.TILE_M, 0)
+                gdq = mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout)
+                for g in cutlass.range_constexpr(num_wgs):
+                    cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG) + g, number_of_threads=n)
+                    if lane == 0:
+                        bulk_reduce_add_f32(gdq + g * chunk, sdQ.iterator + g * chunk, chunk * 4)
+                        cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.sync_warp()
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
 

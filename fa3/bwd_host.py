@@ -187,17 +187,24 @@ def run_backward(
         win = (left, right)
     fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre, *win)
     if key.cfg.dq_mode == "warp":
-        return dq_from_tiles(dq_acc, nq, key.cfg.tile_m, key.cfg.num_mma_wgs, q.dtype), dk, dv
+        cfg = key.cfg
+        return dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split), dk, dv
     return dq_acc.to(q.dtype), dk, dv
 
 
 def dq_from_tiles(
-    dq_acc: torch.Tensor, nq: int, tile_m: int, num_wgs: int, dtype: torch.dtype
+    dq_acc: torch.Tensor,
+    nq: int,
+    tile_m: int,
+    num_wgs: int,
+    dtype: torch.dtype,
+    split: str = "d",
 ) -> torch.Tensor:
     """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
-    whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order: one permuting copy (with
-    the cast)."""
-    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs)
+    whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's
+    dq_split): one permuting copy (with the cast)."""
+    shape, strides = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs, split)
+    (rows, cols), (row_strides, col_strides) = shape, strides
     # The tile's modes sorted by decreasing stride are a plain view of its memory; a row mode
     # or column mode goes back to its place in (rows, cols), minor mode last.
     modes = [(st, "r", i, n) for i, (n, st) in enumerate(zip(rows, row_strides, strict=True))]

@@ -116,6 +116,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         self.LOCAL = local
         self.HAS_RIGHT = causal or local
         self.DQ_WARP = cfg.dq_mode == "warp"
+        self.DQ_SPLIT = cfg.dq_split  # "d": the WGs split dQ's columns, "m": its rows
+        self.DQ_HANDOFF_WG = cfg.dq_handoff == "wg"  # sdQ handed over per warpgroup
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
         self.LPT = cfg.lpt
@@ -131,6 +133,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
+            )
+        if self.DQ_HANDOFF_WG and (not self.DQ_WARP or self.DETERMINISTIC):
+            raise ValueError("Fa3Backward: dq_handoff 'wg' needs dq_mode 'warp', not deterministic")
+        if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
+            raise ValueError(
+                f"Fa3Backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
+                f"{64 * cfg.num_mma_wgs}, not {cfg.layout!r} and {cfg.tile_m}"
             )
 
     # ----------------------------------------------------------------------------------------
@@ -171,7 +180,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
     def _sdq_layout(self) -> cute.Layout:
         """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; the
         "atomic" one allocates a single word and never touches it)."""
-        return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS)
+        return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
 
     def _make_mmas(self):
         if const_expr(self.DKV_T):
@@ -193,16 +202,12 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             (64, self.HEAD_DIM),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        # dQ (TILE_M x D): the warpgroups split the D columns; TILE_M / 64 m64 atoms each.
-        mma_dq = sm90.make_trivial_tiled_mma(
-            dt,
-            dt,
-            major.K,
-            major.MN,
-            Float32,
-            (1, self.NUM_MMA_WGS, 1),
-            (64, self.HEAD_DIM // self.NUM_MMA_WGS),
-        )
+        # dQ (TILE_M x D): the warpgroups split the D columns, TILE_M / 64 m64 atoms each
+        # (dq_split "d"), or the rows, one m64nD atom each ("m").
+        dq_atoms, dq_tiler = (1, self.NUM_MMA_WGS, 1), (64, self.HEAD_DIM // self.NUM_MMA_WGS)
+        if const_expr(self.DQ_SPLIT == "m"):
+            dq_atoms, dq_tiler = (self.NUM_MMA_WGS, 1, 1), (64, self.HEAD_DIM)
+        mma_dq = sm90.make_trivial_tiled_mma(dt, dt, major.K, major.MN, Float32, dq_atoms, dq_tiler)
         return mma_sdp, mma_dkv, mma_dq
 
     def _storage(self, sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l):

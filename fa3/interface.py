@@ -358,6 +358,8 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
             cfg,
             tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
             dq_mode="atomic",
+            dq_split="d",
+            dq_handoff="cta",
             ds_store="scalar",
             ds_stages=1,
             overlap=False,

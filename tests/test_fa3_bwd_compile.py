@@ -98,6 +98,17 @@ def det_pipe_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def dq_route_probes(tmp_path_factory) -> list[dict]:
+    """pipe128_dqm_wgdq at (D 64, causal): dQ split by rows, handed over per warpgroup;
+    pipe_wgdq at (D 128, full): the per-warpgroup hand-over with dQ split by columns."""
+    runs = [
+        ["--variant", "pipe128_dqm_wgdq", "--shard", "1/2"],
+        ["--variant", "pipe_wgdq", "--shard", "2/4"],
+    ]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_dq_route"), runs)
+
+
+@pytest.fixture(scope="module")
 def softcap_probes(tmp_path_factory) -> list[dict]:
     """The softcap builds of the shipped softcap config at (D 64, full), (D 96, causal) and
     (D 128, causal): warp_stm2's cases are (64, 96, 128) x (full, causal)."""
@@ -151,6 +162,24 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert not ok and "tile_m 96 not in (64, 128)" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
     assert not ok and "dtype" in reason
+    # dQ split by rows needs 64 rows per MMA warpgroup; the per-warpgroup hand-over needs the
+    # writer warp and no turn order.
+    warp128 = BwdConfig(tile_m=128, dq_mode="warp")
+    assert bwd_can_implement(replace(warp128, dq_split="m"), 64, torch.bfloat16) == (True, "")
+    ok, reason = bwd_can_implement(BwdConfig(dq_split="m"), 64, torch.bfloat16)
+    assert not ok and "dq_split 'm' needs layout 'sdp_t' and tile_m 128" in reason
+    ok, reason = bwd_can_implement(replace(wide, dq_split="m"), 256, torch.bfloat16)
+    assert not ok and "dq_split 'm' needs layout 'sdp_t'" in reason
+    ok, reason = bwd_can_implement(BwdConfig(dq_split="n"), 64, torch.bfloat16)
+    assert not ok and "dq_split 'n' not in" in reason
+    ok, reason = bwd_can_implement(BwdConfig(dq_handoff="wg"), 128, torch.bfloat16)
+    assert not ok and "dq_handoff 'wg' needs dq_mode 'warp'" in reason
+    det_warp = BwdConfig(dq_mode="warp", dq_handoff="wg", deterministic=True)
+    ok, reason = bwd_can_implement(det_warp, 128, torch.bfloat16)
+    assert not ok and "deterministic False" in reason
+    ok, reason = bwd_can_implement(BwdConfig(dq_mode="warp", dq_handoff="cluster"), 128,
+                                   torch.bfloat16)  # fmt: skip
+    assert not ok and "dq_handoff 'cluster' not in" in reason
 
 
 def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
@@ -158,6 +187,8 @@ def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
     of every m64 atom of the five GEMMs is one instruction."""
     tm, tn, w = cfg["tile_m"], cfg["tile_n"], cfg["num_mma_wgs"]
     dq = tn // 16 * tm // 64  # dQ: K = the keys, one m64 atom per 64 query rows
+    if cfg["dq_split"] == "m":  # each warpgroup its own 64 rows: one m64 atom
+        dq = tn // 16
     if cfg["layout"] == "dkv_t":
         # S and dP (D/16 k-steps), dV^T and dK^T (tile_m/16 k-steps per m64 atom of D a WG
         # holds: D / w / 64 when the WGs split D, D / 64 when they split the keys), all SS.
@@ -239,6 +270,25 @@ def test_bwd_deterministic_writer_warp_compiles(det_pipe_probes) -> None:
     assert ptx["dq_atomic"] == 0, f"{where}: {ptx}"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
     _assert_fits_registers(r)
+
+
+def test_bwd_dq_routes_compile(dq_route_probes) -> None:
+    """The dq_split / dq_handoff variants: with dq_split "m" dQ is one m64 atom per warpgroup
+    (tile_n / 16 wgmmas, not twice as many of half the N); with dq_handoff "wg" the writer warp
+    issues one bulk reduce per warpgroup (2) and no atomics; spill-free within 240 registers."""
+    seen = {(r["config"]["dq_split"], r["head_dim"], r["causal"]) for r in dq_route_probes}
+    assert seen == {("m", 64, True), ("d", 128, False)}, seen
+    for r in dq_route_probes:
+        ptx, d, cfg, where = r["ptx"], r["head_dim"], r["config"], _id(r)
+        assert cfg["dq_handoff"] == "wg" and cfg["dq_mode"] == "warp", where
+        expected, rs = _expected_wgmma(d, cfg)
+        assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
+        assert ptx["wgmma_rs"] == rs, f"{where}: {ptx['wgmma_rs']} RS wgmma, expected {rs}"
+        assert ptx["dq_bulk"] == 2 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
 def test_bwd_wide_deterministic_and_softcap_compile(wide_probes) -> None:
@@ -391,15 +441,19 @@ def test_preprocess_pads_rows_and_keeps_empty_rows(device) -> None:
     assert (dsum[:, :, nq:] == 0).all()
 
 
-@pytest.mark.parametrize(("tile_m", "head_dim"), [(64, 64), (64, 128), (128, 64)])
-def test_dq_tile_order_round_trips(tile_m: int, head_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("tile_m", "head_dim", "split"),
+    [(64, 64, "d"), (64, 128, "d"), (128, 64, "d"), (128, 64, "m"), (128, 128, "m")],
+)
+def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> None:
     """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
     layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
-    that map, for a ragged Nq too."""
+    that map, for a ragged Nq too. Each warpgroup's part is one contiguous chunk (the
+    per-warpgroup bulk reduces of dq_handoff "wg" rely on it)."""
     from flashsuite.fa3.bwd_configs import dq_tile_modes
     from flashsuite.fa3.bwd_host import dq_from_tiles
 
-    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, 2)
+    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, 2, split)
 
     def offsets(shape, stride, n) -> torch.Tensor:  # CuTe's colexicographic decomposition
         idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
@@ -411,16 +465,20 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int) -> None:
     row_off, col_off = offsets(rows, row_strides, tile_m), offsets(cols, col_strides, head_dim)
     tile_off = (row_off[:, None] + col_off[None, :]).flatten()
     assert sorted(tile_off.tolist()) == list(range(tile_m * head_dim)), "not a bijection"
+    chunk = tile_m * head_dim // 2
+    by_wg = tile_off.view(tile_m, head_dim)
+    by_wg = by_wg[: tile_m // 2] if split == "m" else by_wg[:, : head_dim // 2]
+    assert sorted(by_wg.flatten().tolist()) == list(range(chunk)), "warpgroup 0 not one chunk"
     b, hq, nq, nq_pad = 2, 3, 200, 256
     dq = torch.randn(b, nq_pad, hq, head_dim)
     tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
     acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim)
     acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
-    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, tile_m, 2, torch.float32)
+    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, tile_m, 2, torch.float32, split)
     assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
     assert torch.equal(got, dq[:, :nq])
     assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, tile_m, 2,
-                                     torch.float32), dq)  # fmt: skip
+                                     torch.float32, split), dq)  # fmt: skip
 
 
 def _kernel_contract(key, causal: bool):
@@ -451,7 +509,7 @@ def _kernel_contract(key, causal: bool):
             dq_acc.copy_(dq.transpose(1, 2))
             return
         tm = key.cfg.tile_m
-        (rows, cols), (rs, cs) = dq_tile_modes(tm, d, key.cfg.num_mma_wgs)
+        (rows, cols), (rs, cs) = dq_tile_modes(tm, d, key.cfg.num_mma_wgs, key.cfg.dq_split)
 
         def offsets(shape, stride, n):
             idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
@@ -475,6 +533,7 @@ def _kernel_contract(key, causal: bool):
     [
         (64, "warp", False, True, (2, 100, 70, 4, 2, 64)),  # Nq > Nk: rows with no key
         (128, "warp", False, False, (1, 130, 200, 2, 1, 64)),  # MQA, ragged row blocks
+        (128, "warp-m", False, True, (2, 200, 130, 2, 1, 64)),  # dQ split by rows
         (64, "warp", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic", True, True, (2, 90, 120, 4, 4, 64)),
         (64, "warp", False, True, (1, 70, 100, 4, 2, 256)),  # "dkv_t": the same host path
@@ -489,7 +548,9 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
     from flashsuite.fa3 import bwd_host
 
     b, nq, nk, hq, hkv, d = shape
-    cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, deterministic=deterministic)
+    dq_mode, _, split = dq_mode.partition("-")  # "warp-m": dq_split "m"
+    cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, dq_split=split or "d",
+                    deterministic=deterministic)  # fmt: skip
     if d > 128:
         cfg = replace(bwd_config_for(d, torch.bfloat16, causal), deterministic=deterministic)
     key = bwd_host.BwdCompileKey(torch.float32, d, causal, cfg)
