@@ -2,14 +2,17 @@
 
     python -m benchmarks.fa3_ptx_hash --json before.json [--shard 0/2]
     python -m benchmarks.fa3_ptx_hash --compare before.json after.json
+    python -m benchmarks.fa3_ptx_hash --bwd --json before_bwd.json   (the backward's builds)
 
 Compiles for sm_90a on the CPU (no GPU needed): the bf16/fp16 shipped cases and flag variants
 (what tests/test_fa3_compile.py builds), the shipped bf16 entries again with a sliding window
 and with softcap (the mask and score paths those flags add), every fp8 table entry (causal and
 not; window and softcap cases) and every fp8 tile variant (`fa3_variants.fp8_variants`). The
 PTX is hashed as written and with the `.loc`/`.file` debug lines removed; `--compare` reports
-configs whose PTX differs. The CuTe DSL reads `CUTE_DSL_*` at import: run this module in its
-own process.
+configs whose PTX differs. `--bwd` hashes the dense backward's builds instead: every shipped
+(head_dim, causal) config, the sliding-window and softcap builds, the deterministic builds and
+the per-element-atomic variants ("base", "pipe_atomic"). The CuTe DSL reads `CUTE_DSL_*` at
+import: run this module in its own process.
 """
 
 from __future__ import annotations
@@ -86,20 +89,62 @@ def _compile(case) -> str:
     return ptx
 
 
+def _bwd_cases() -> list[tuple[str, int, bool, bool, bool, object]]:
+    """(name, head_dim, causal, local, softcap, BwdConfig) of every dense backward build."""
+    import torch
+
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_configs import BWD_HEAD_DIMS, bwd_config_for
+
+    bf16 = torch.bfloat16
+    out = []
+    for d in BWD_HEAD_DIMS:
+        for causal in (False, True):
+            out.append(("shipped", d, causal, False, False, bwd_config_for(d, bf16, causal)))
+        out.append(("local", d, False, True, False, bwd_config_for(d, bf16, False)))
+        out.append(("softcap", d, True, False, True, bwd_config_for(d, bf16, True, True)))
+    for name, d in (("det", 64), ("det", 128), ("det_pipe", 128), ("wide256_det", 256)):
+        out.append((name, d, True, False, False, variant(name)))
+    for name in ("base", "pipe_atomic"):
+        out.append((name, 128, False, False, False, variant(name)))
+    return out
+
+
+def _bwd_id(case) -> str:
+    name, d, causal, local, softcap, cfg = case
+    return f"bwd:{name}:D{d}:causal={causal}:local={local}:softcap={softcap}:{cfg}"
+
+
+def _bwd_compile(case) -> str:
+    import torch
+
+    from flashsuite.fa3.bwd_host import BwdCompileKey, compile_backward
+
+    _, d, causal, local, softcap, cfg = case
+    key = BwdCompileKey(torch.bfloat16, d, causal, cfg, local=local, softcap=softcap)
+    ptx = getattr(compile_backward(key), "__ptx__", None) or ""
+    if not ptx:
+        raise RuntimeError(f"no PTX for {_bwd_id(case)}")
+    return ptx
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write {case: {ptx, ptx_no_debug}} hashes here")
     ap.add_argument("--shard", default="0/1", help="i/n: cases i, i+n, i+2n, ...")
     ap.add_argument("--compare", nargs="+", metavar="JSON", help="BEFORE AFTER [AFTER ...]")
+    ap.add_argument("--bwd", action="store_true", help="the dense backward's builds")
     args = ap.parse_args(argv)
     if args.compare:
         return compare(args.compare)
     i, n = (int(x) for x in args.shard.split("/"))
+    cases, case_id, build = _cases(), _case_id, _compile
+    if args.bwd:
+        cases, case_id, build = _bwd_cases(), _bwd_id, _bwd_compile
     result = {}
-    for case in _cases()[i::n]:
-        ptx = _compile(case)
-        result[_case_id(case)] = hashes(ptx)
-        print(_case_id(case), result[_case_id(case)]["ptx"][:16], flush=True)
+    for case in cases[i::n]:
+        result[case_id(case)] = hashes(build(case))
+        print(case_id(case), result[case_id(case)]["ptx"][:16], flush=True)
     save(args.json, result)
     return 0
 

@@ -48,14 +48,14 @@ class BwdDq:
         acc_dQ: cute.Tensor,
         mdQacc: cute.Tensor,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         m_block: Int32,
         seqlen_q: Int32,
     ):
         """dQ of this row block added into the fp32 accumulator, one red.global.add per value;
         rows past seqlen_q are skipped."""
         gdQ = cute.local_tile(
-            mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            rows.q_out(mdQacc, head), (self.TILE_M, self.HEAD_DIM), (m_block, 0)
         )  # (TILE_M, D)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
@@ -74,7 +74,7 @@ class BwdDq:
         mtid: Int32,
         n_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         m_block: Int32,
         seqlen_q: Int32,
     ):
@@ -83,10 +83,10 @@ class BwdDq:
             self.stage_dq(thr_dq, acc_dQ, sdQ)
         elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
-                thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
+                thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, rows, m_block, seqlen_q
             )
         else:
-            self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+            self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
 
     @cute.jit
     def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor):
@@ -107,7 +107,7 @@ class BwdDq:
         mSem: cute.Tensor | None,
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -135,14 +135,14 @@ class BwdDq:
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
                 if lane == 0:
                     if const_expr(self.DETERMINISTIC):
-                        sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+                        crd = (rows.batch, head, m_block)  # dense builds only
+                        sem = mSem.iterator + cute.crd2idx(crd, mSem.layout)
                         seen = ld_acquire_gpu_s32(sem)
                         while seen != n_block:
                             seen = ld_acquire_gpu_s32(sem)
                         cute.arch.fence_proxy("async.global")
-                    crd = (batch, head, m_block * self.TILE_M, 0)
                     bulk_reduce_add_f32(
-                        mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout),
+                        rows.dq_tile(mdQacc, head, m_block * self.TILE_M),
                         sdQ.iterator,
                         self.TILE_M * self.HEAD_DIM * 4,
                     )
@@ -169,7 +169,7 @@ class BwdDq:
         mtid: Int32,
         n_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd (deterministic builds are dense)
         m_block: Int32,
         seqlen_q: Int32,
     ):
@@ -177,7 +177,7 @@ class BwdDq:
         (batch, head, m_block) counter reads n_block, add, then increment it. The column blocks
         that see a row block are a prefix of the n_blocks, and a CTA only waits on lower
         n_blocks of its own (kv head, batch), which the grid launches before it."""
-        sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+        sem = mSem.iterator + cute.crd2idx((rows.batch, head, m_block), mSem.layout)
         turn_wait(sem, n_block, mtid, int(Barrier.DQ_TURN), self.MMA_THREADS)
-        self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+        self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
         turn_pass(sem, mtid, int(Barrier.DQ_ADDED), self.MMA_THREADS)
