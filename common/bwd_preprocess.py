@@ -150,7 +150,7 @@ def _varlen_bwd_preprocess(
     do = tl.load(dOut + off_h * stride_doh + rows[:, None] * stride_don + offs_dv[None, :],
                  mask=mask, other=0.0).to(tl.float32)  # fmt: skip
     lse = tl.load(Lse + off_h * stride_lh + rows, mask=m_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # (BLOCK_M,)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), LOG2E * lse)  # (BLOCK_M,)
     dst = off_h * rows_pad + start + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     tl.store(Delta + dst, tl.sum(o * do, 1))
     tl.store(Lse2 + dst, lse2)

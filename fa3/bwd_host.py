@@ -300,29 +300,35 @@ def run_varlen_backward(
     scale: float,
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the input dtype, contiguous) of packed sequences: TMA-ready q, dout
     (total_q, Hq, D), k, v (total_k, Hkv, D), out (total_q, Hq, D) with unit last stride, lse
     (Hq, total_q) float32 (natural log), cu_seqlens_q / _k (B + 1,) int32 contiguous, both
-    totals > 0; a key built with varlen=True (softcap / window as `run_backward`)."""
+    totals > 0; a key built with varlen=True (softcap / window as `run_backward`). `grads`:
+    contiguous dq, dk, dv to write into (views into larger buffers, in tests that watch the
+    memory around them) instead of new tensors."""
     if not key.varlen:
         raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
     total_q, hq, d = q.shape
     scalars = _scalars(key, scale, softcap, window, total_q, k.shape[0])
     tile_m = key.cfg.tile_m
-    lse_log2, dsum = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
+    dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
     rows_pad = lse_log2.shape[1]
     if key.cfg.dq_mode == "warp":  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
         dq_acc = torch.zeros(hq, rows_pad, d, dtype=torch.float32, device=q.device)
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (total_q, Hq, D)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (total_k, Hkv, D)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (total_k, Hkv, D)
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = grads  # (total_q, Hq, D), (total_k, Hkv, D) x 2
     fn = get_backward(key)
     fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], None, *scalars[2:],
        cu_seqlens_q, cu_seqlens_k)  # fmt: skip
     if key.cfg.dq_mode != "warp":
-        return dq_acc.to(q.dtype), dk, dv
+        dq.copy_(dq_acc)
+        return dq, dk, dv
     cfg = key.cfg
-    dq = dq_from_tiles(dq_acc[None], rows_pad, tile_m, cfg.num_mma_wgs, q.dtype)[0]  # padded
-    return dq.index_select(0, varlen_pad_index(cu_seqlens_q, total_q, tile_m)), dk, dv
+    padded = dq_from_tiles(dq_acc[None], rows_pad, tile_m, cfg.num_mma_wgs, q.dtype)[0]
+    torch.index_select(padded, 0, varlen_pad_index(cu_seqlens_q, total_q, tile_m), out=dq)
+    return dq, dk, dv
