@@ -3,6 +3,7 @@
     python benchmarks/decode_bench.py --out DIR [--quick]
     python benchmarks/decode_bench.py --out DIR --varlen     # the varlen forward peers only
     python benchmarks/decode_bench.py --out DIR --decode     # the decode sweep only
+    python benchmarks/decode_bench.py --out DIR --varlen-bwd # the varlen training peers only
 
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
@@ -27,6 +28,14 @@ Varlen forward peers (`varlen_peers`, also part of the full run): the same packe
 kernel and fa2's, against dense attention over the same total tokens (B = 32 x N = 2048) by
 fa3 and by PyTorch SDPA's cuDNN backend; TFLOP/s of the visible pairs and tokens per second
 of each.
+
+Varlen training peers (`varlen_bwd_peers`, --varlen-bwd only): fwd + bwd (torch.autograd.grad)
+of the same kind of packed batch (64k tokens; mean 2k, and mean 512), Hq = Hkv = 16, D = 64 and
+128, bf16, causal and not, through fa3's varlen forward with fa3's own varlen backward
+(FLASHSUITE_FA3_VARLEN_BWD=1) and with fa2's (=0), fa2's varlen forward and backward, and
+dense attention over the same total tokens (B = 64k / N) by PyTorch SDPA's cuDNN and flash
+backends; the backward's time is fwd + bwd minus fwd; TFLOP/s of the visible pairs (2.5x the
+forward's for the backward); the largest difference between fa3's own gradients and fa2's.
 
 Writes DIR/decode_bench.json and prints a table last. Runs in about 2-3 minutes.
 """
@@ -284,6 +293,100 @@ def varlen_peers() -> list[dict]:
     return rows
 
 
+def varlen_bwd_peers() -> list[dict]:
+    """fwd + bwd: fa3 varlen with its own backward and with fa2's, fa2 varlen, SDPA dense."""
+    rows = []
+    for mean, d, causal in [(m, d, c) for m in (2048, 512) for d in (64, 128) for c in (0, 1)]:
+        rows.append(_varlen_bwd_point(mean, d, bool(causal)))
+        print(f"varlen bwd peers: {rows[-1]}", file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+    os.environ.pop("FLASHSUITE_FA3_VARLEN_BWD", None)
+    return rows
+
+
+def _varlen_bwd_point(mean: int, d: int, causal: bool) -> dict:
+    """One point of `varlen_bwd_peers`: 64k tokens of mean length `mean`, H = 16."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    total, heads = 65536, 16
+    lens = _mixed_lengths(total, mean, torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).cuda()
+    mk = lambda *shape: torch.randn(*shape, device="cuda").to(DTYPE).requires_grad_()
+    q, k, v = mk(total, heads, d), mk(total, heads, d), mk(total, heads, d)
+    do = torch.randn(total, heads, d, device="cuda").to(DTYPE)
+    b = total // mean
+    dense = [t.detach().view(b, mean, heads, d).transpose(1, 2).requires_grad_()
+             for t in (q, k, v)]  # fmt: skip  # (B, H, N, D) for SDPA
+    ddo = do.view(b, mean, heads, d).transpose(1, 2)
+    flops = sum(attention_flops(1, heads, n, n, d, causal=causal) for n in lens)
+    dense_flops = attention_flops(b, heads, mean, mean, d, causal=causal)
+
+    def packed(version: str, own: str):
+        def run():
+            os.environ["FLASHSUITE_FA3_VARLEN_BWD"] = own  # read by each backward call
+            return dispatch.attention_varlen(
+                q, k, v, cu, cu, max(lens), max(lens), causal=causal, version=version
+            )
+
+        return run
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(*dense, is_causal=causal)
+
+        return run
+
+    row = dict(mean=mean, head_dim=d, causal=causal, sequences=len(lens), tokens=total)
+    peers = (
+        ("fa3_own", packed("fa3", "1"), (q, k, v), do, flops),
+        ("fa3_fa2bwd", packed("fa3", "0"), (q, k, v), do, flops),
+        ("fa2", packed("fa2", "0"), (q, k, v), do, flops),
+        ("cudnn_dense", sdpa(SDPBackend.CUDNN_ATTENTION), dense, ddo, dense_flops),
+        ("flash_dense", sdpa(SDPBackend.FLASH_ATTENTION), dense, ddo, dense_flops),
+    )
+    for name, fn, inputs, grad, fl in peers:
+        try:
+            with torch.no_grad():
+                fwd = time_ms(fn)
+            both = time_ms(
+                lambda fn=fn, inputs=inputs, grad=grad: torch.autograd.grad(fn(), inputs, grad)
+            )
+        except Exception as e:  # a peer that cannot run here: recorded, not fatal
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            continue
+        row[f"{name}_fwd_ms"], row[f"{name}_bwd_ms"] = fwd, both - fwd
+        row[f"{name}_bwd_tflops"] = 2.5 * fl / ((both - fwd) * 1e-3) / 1e12
+        row[f"{name}_step_mtok_s"] = total / (both * 1e-3) / 1e6
+    try:
+        own = torch.autograd.grad(packed("fa3", "1")(), (q, k, v), do)
+        ref = torch.autograd.grad(packed("fa3", "0")(), (q, k, v), do)
+        row["fa3_own_vs_fa2_max_diff"] = max(
+            (a.float() - r.float()).abs().max().item() for a, r in zip(own, ref, strict=True)
+        )
+    except Exception as e:  # recorded, not fatal
+        row["fa3_own_vs_fa2_error"] = f"{type(e).__name__}: {e}"
+    return row
+
+
+def _print_varlen_bwd_peers(rows: list[dict]) -> None:
+    print("\nvarlen fwd+bwd, 64k tokens, H=16, bf16: backward TFLOP/s | step M tokens/s")
+    names = ("fa3_own", "fa3_fa2bwd", "fa2", "cudnn_dense", "flash_dense")
+    print(f"{'mean':>5} {'D':>4} {'causal':>6} | " + " | ".join(f"{n:>13}" for n in names))
+    for r in rows:
+        cells = [
+            f"{r[n + '_bwd_tflops']:.0f} | {r[n + '_step_mtok_s']:.1f}" if n + "_bwd_ms" in r
+            else "error"
+            for n in names
+        ]  # fmt: skip
+        diff = _fmt(r.get("fa3_own_vs_fa2_max_diff", "n/a"))
+        print(
+            f"{r['mean']:>5} {r['head_dim']:>4} {int(r['causal']):>6} | "
+            + " | ".join(f"{c:>13}" for c in cells)
+            + f" | max|fa3 own - fa2| {diff}"
+        )
+
+
 def _fmt(x) -> str:
     return f"{x:.3f}" if isinstance(x, float) else str(x)
 
@@ -294,12 +397,20 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="first three decode points only")
     ap.add_argument("--varlen", action="store_true", help="the varlen forward peers only")
     ap.add_argument("--decode", action="store_true", help="the decode sweep only")
+    ap.add_argument("--varlen-bwd", action="store_true", help="the varlen training peers only")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_bench needs a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    if args.varlen_bwd:
+        result["varlen_bwd_peers"] = varlen_bwd_peers()
+        result["seconds"] = time.time() - start
+        (args.out / "decode_bench.json").write_text(json.dumps(result, indent=2))
+        _print_varlen_bwd_peers(result["varlen_bwd_peers"])
+        print(f"\n{result['seconds']:.0f} s; JSON in {args.out / 'decode_bench.json'}")
+        return
     if not args.varlen:
         result["decode"] = decode_sweep(args.quick)
     if not (args.varlen or args.decode):

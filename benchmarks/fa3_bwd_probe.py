@@ -8,6 +8,7 @@
                                                         # bf16, D 64 / 128, causal or not
     python -m benchmarks.fa3_bwd_probe --variant base --softcap   # the softcap builds
     python -m benchmarks.fa3_bwd_probe --local                    # sliding-window builds
+    python -m benchmarks.fa3_bwd_probe --varlen                   # packed-sequence builds
 
 Per case: instruction counts in the PTX (wgmma, RS wgmma, TMA loads, setmaxnreg, named
 barriers, the dQ reduction) and ptxas' spill bytes and remarks. benchmarks.fa3_probe sets the
@@ -54,6 +55,27 @@ def variant_cases(names: list[str]) -> list[tuple]:
     ]
 
 
+def varlen_cases() -> list[tuple]:
+    """(head_dim, bf16, causal, cfg, softcap, local) of the packed-sequence builds CI compiles:
+    both loops ("sdp_t" at D 64 / 96 / 128, "dkv_t" at D 192 / 256), 128-row tiles (D 64),
+    causal, a window and softcap, and the per-element-atomic dQ variant."""
+    import torch
+
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_configs import bwd_config_for
+
+    bf16 = torch.bfloat16
+    return [
+        (64, bf16, False, bwd_config_for(64, bf16, False), False, False),
+        (128, bf16, True, bwd_config_for(128, bf16, True), False, False),
+        (96, bf16, True, bwd_config_for(96, bf16, True, True), True, False),
+        (128, bf16, False, bwd_config_for(128, bf16, False), False, True),
+        (192, bf16, True, bwd_config_for(192, bf16, True), False, False),
+        (256, bf16, False, bwd_config_for(256, bf16, False, True), True, True),
+        (128, bf16, True, variant("pipe_atomic"), False, False),
+    ]
+
+
 def cases(everything: bool) -> list[tuple]:
     """(head_dim, dtype, causal, cfg) to compile. The CI set is every shipped (head_dim, causal)
     in bf16 plus fp16 once: the dtype changes only the conversion instructions."""
@@ -87,7 +109,13 @@ def max_register(cubin: bytes | None) -> int | None:
 
 
 def probe_backward(
-    head_dim: int, dtype, causal: bool, cfg, softcap: bool = False, local: bool = False
+    head_dim: int,
+    dtype,
+    causal: bool,
+    cfg,
+    softcap: bool = False,
+    local: bool = False,
+    varlen: bool = False,
 ) -> dict:
     """Compile one backward config and return its PTX counts and ptxas facts."""
     from flashsuite.fa3.bwd_host import BwdCompileKey, compile_backward
@@ -98,7 +126,9 @@ def probe_backward(
         tvm = True
     except ImportError:
         tvm = False
-    key = BwdCompileKey(dtype, head_dim, causal, cfg, local=local, softcap=softcap, tvm_ffi=tvm)
+    key = BwdCompileKey(
+        dtype, head_dim, causal, cfg, local=local, softcap=softcap, varlen=varlen, tvm_ffi=tvm
+    )
     t0 = time.perf_counter()
     compiled, log = probe._capture_fd2(lambda: compile_backward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -116,6 +146,7 @@ def probe_backward(
         "causal": causal,
         "softcap": softcap,
         "local": local,
+        "varlen": varlen,
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": counts,
@@ -132,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], help="a named variant (repeat)")
     ap.add_argument("--softcap", action="store_true", help="build with softcap")
     ap.add_argument("--local", action="store_true", help="build with a sliding window")
+    ap.add_argument("--varlen", action="store_true", help="the packed-sequence builds CI compiles")
     args = ap.parse_args(argv)
     i, n = (int(x) for x in args.shard.split("/"))
     results = []
     todo = variant_cases(args.variant) if args.variant else cases(args.all)
-    for d, dt, causal, cfg in todo[i::n]:
-        r = probe_backward(d, dt, causal, cfg, args.softcap, args.local)
+    todo = [(*c, args.softcap, args.local) for c in todo]
+    if args.varlen:
+        todo = varlen_cases()
+    for d, dt, causal, cfg, softcap, local in todo[i::n]:
+        r = probe_backward(d, dt, causal, cfg, softcap, local, args.varlen)
         results.append(r)
         if not args.json:
             print(

@@ -3,7 +3,9 @@ lse2 = LSE * log2(e), float32, padded to whole row blocks, in one memory-bound T
 (no float32 copies of O and dO, one launch).
 
 `bwd_preprocess` is the launcher; `_bwd_preprocess` the kernel (fa2 launches it directly with
-its own row padding).
+its own row padding). `varlen_bwd_preprocess` does the same for packed sequences into the
+padded row layout of fa3's varlen backward (`varlen_pad_rows`: sequence b from row
+((cu_seqlens_q[b] + b·tile_m) // tile_m)·tile_m on, whole tile_m blocks of its own).
 """
 
 from __future__ import annotations
@@ -91,5 +93,111 @@ def bwd_preprocess(
     _bwd_preprocess[(seqlen_pad // BLOCK_M, hq, b)](
         out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
         nq, seqlen_pad, hq, HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M,
+    )  # fmt: skip
+    return delta, lse2
+
+
+@triton.jit
+def _first_pad_row(CuQ, b, TILE_M: tl.constexpr):
+    """The first padded row of sequence b: ((cu_seqlens_q[b] + b * TILE_M) // TILE_M) * TILE_M."""
+    return (tl.load(CuQ + b) + b * TILE_M) // TILE_M * TILE_M
+
+
+@triton.jit(do_not_specialize=["batch", "rows_pad"])
+def _varlen_bwd_preprocess(
+    Out,  # (total_q, Hq, Dv)
+    dOut,  # (total_q, Hq, Dv)
+    Lse,  # (Hq, total_q) fp32, natural log
+    Delta,  # (Hq, rows_pad) fp32 out, contiguous
+    Lse2,  # (Hq, rows_pad) fp32 out, contiguous
+    CuQ,  # (B + 1,) int32
+    stride_on,
+    stride_oh,
+    stride_don,
+    stride_doh,
+    stride_lh,
+    batch,
+    rows_pad,
+    HEAD_DIM_V: tl.constexpr,
+    DV_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_M: tl.constexpr,
+):
+    """delta and lse2 (as `_bwd_preprocess`) of padded rows [pid·BLOCK_M, +BLOCK_M), which lie
+    in one tile_m block and so in one sequence's padded rows: every padded row is written,
+    +inf / 0 past the sequence's end, whatever max_seqlen_q says."""
+    start = tl.program_id(0) * BLOCK_M
+    off_h = tl.program_id(1).to(tl.int64)
+    # The sequence whose padded rows hold `start`: the largest b < B with first row <= start
+    # (binary search; sequence 0 starts at row 0).
+    lo = 0
+    hi = batch - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _first_pad_row(CuQ, mid, TILE_M) <= start:
+            lo = mid
+        else:
+            hi = mid - 1
+    q0 = tl.load(CuQ + lo).to(tl.int64)
+    seqlen_q = tl.load(CuQ + lo + 1) - q0
+    offs_m = start - _first_pad_row(CuQ, lo, TILE_M) + tl.arange(0, BLOCK_M)  # sequence rows
+    offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
+    m_ok = offs_m < seqlen_q  # (BLOCK_M,)
+    mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_M, DV_PAD)
+    rows = q0 + offs_m  # (BLOCK_M,) packed rows (masked where past the sequence)
+    o = tl.load(Out + off_h * stride_oh + rows[:, None] * stride_on + offs_dv[None, :], mask=mask,
+                other=0.0).to(tl.float32)  # fmt: skip
+    do = tl.load(dOut + off_h * stride_doh + rows[:, None] * stride_don + offs_dv[None, :],
+                 mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    lse = tl.load(Lse + off_h * stride_lh + rows, mask=m_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), LOG2E * lse)  # (BLOCK_M,)
+    dst = off_h * rows_pad + start + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    tl.store(Delta + dst, tl.sum(o * do, 1))
+    tl.store(Lse2 + dst, lse2)
+
+
+def varlen_pad_rows(total_q: int, batch: int, tile_m: int) -> int:
+    """rows_pad of the padded row layout: ((total_q + B·tile_m) // tile_m)·tile_m rows, the
+    first padded row of a sequence B past the last."""
+    return (total_q + batch * tile_m) // tile_m * tile_m
+
+
+def varlen_pad_index(cu_seqlens_q: torch.Tensor, total_q: int, tile_m: int) -> torch.Tensor:
+    """(total_q,) int64: the padded row of every packed row (on cu_seqlens_q's device, no
+    host copy): row i of sequence b, packed at cu_seqlens_q[b] + i, is padded row
+    ((cu_seqlens_q[b] + b·tile_m) // tile_m)·tile_m + i."""
+    cu = cu_seqlens_q.to(torch.int64)
+    rows = torch.arange(total_q, dtype=torch.int64, device=cu.device)  # (total_q,)
+    seq = torch.searchsorted(cu[1:].contiguous(), rows, right=True)  # (total_q,) sequence b
+    start = cu[seq]  # (total_q,) cu_seqlens_q[b]
+    return rows - start + (start + seq * tile_m) // tile_m * tile_m
+
+
+def varlen_bwd_preprocess(
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    tile_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(delta, lse2), both (Hq, rows_pad) float32 contiguous in the padded row layout
+    (`varlen_pad_index`), for out and dout (total_q, Hq, Dv) with unit last stride, lse
+    (Hq, total_q) float32 (natural log) and cu_seqlens_q (B + 1,) int32. As `bwd_preprocess`:
+    delta 0 and lse2 +inf on every padding row. `tile_m` must be a multiple of BLOCK_M."""
+    total_q, hq, dv = out.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    if tile_m % BLOCK_M:
+        raise ValueError(
+            f"varlen_bwd_preprocess: tile_m expected a multiple of {BLOCK_M}, got {tile_m}"
+        )
+    rows_pad = varlen_pad_rows(total_q, batch, tile_m)
+    delta = torch.empty(hq, rows_pad, dtype=torch.float32, device=out.device)
+    lse2 = torch.empty(hq, rows_pad, dtype=torch.float32, device=out.device)
+    if hq * rows_pad == 0:
+        return delta, lse2
+    _varlen_bwd_preprocess[(rows_pad // BLOCK_M, hq)](
+        out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
+        lse.stride(0), batch, rows_pad, HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv),
+        BLOCK_M=BLOCK_M, TILE_M=tile_m,
     )  # fmt: skip
     return delta, lse2

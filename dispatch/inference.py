@@ -7,7 +7,9 @@ each asked through its `supports_varlen` / `supports_kvcache`; a version without
 point answers no, and auto passes by a version whose `VARLEN_AUTO_SELECT` (packed sequences)
 or `KVCACHE_AUTO_SELECT` (KV cache) is False (that path runs only when asked for by name). A
 version without a varlen backward of its own is differentiated by its partner's
-(`registry.BACKWARD_PARTNER`) on the saved tensors. An explicit `version=` never falls back.
+(`registry.BACKWARD_PARTNER`) on the saved tensors; one whose own varlen backward is partial
+(`supports_varlen_backward`: fa3) by its own where `registry.own_varlen_backward` says yes,
+decided per call, else by the partner's. An explicit `version=` never falls back.
 Design: docs/inference.md.
 """
 
@@ -34,10 +36,17 @@ from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_cho
 _ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
 
 
-def _varlen_backward_source(name: str) -> str | None:
-    """The version whose varlen backward differentiates `name`'s varlen forward: its own, else
-    its partner's where that is available (None: no varlen backward)."""
-    if hasattr(registry.module(name), "varlen_backward"):
+def _varlen_backward_source(
+    name: str, vp: VarlenParams | None = None, arch: int | None = None
+) -> str | None:
+    """The version whose varlen backward differentiates `name`'s varlen forward on `vp`: its
+    own (a partial one where `registry.own_varlen_backward` says yes), else its partner's where
+    that is available (None: no varlen backward). Without `vp`, a partial own backward answers
+    with the partner."""
+    mod = registry.module(name)
+    if hasattr(mod, "varlen_backward") and not hasattr(mod, "supports_varlen_backward"):
+        return name
+    if vp is not None and registry.own_varlen_backward(name, vp, arch)[0]:
         return name
     partner = registry.BACKWARD_PARTNER.get(name)
     if partner is None or not registry.available(partner)[0]:
@@ -56,8 +65,14 @@ def _check(kind: str, name: str, params, arch: int | None, needs_grad: bool) -> 
     ok, reason = supports(params, arch)
     if not ok or not needs_grad:
         return ok, reason
-    if kind == "kvcache" or _varlen_backward_source(name) is None:
+    if kind == "kvcache" or _varlen_backward_source(name, params, arch) is None:
         return False, f"{name}: no {_ENTRY[kind]} backward (inputs require grad)"
+    if hasattr(mod, "supports_varlen_backward"):
+        own, why = registry.own_varlen_backward(name, params, arch)
+        if not own:
+            partner = _varlen_backward_source(name, params, arch)
+            return ok, f"{reason}; backward by {partner}, not its own: {why}"
+        reason = f"{reason}; own varlen backward: {why}"
     return ok, reason
 
 
@@ -78,7 +93,10 @@ def _select(kind: str, params, version: str, needs_grad: bool) -> Choice:
     requested = version
     if version == "auto":
         requested = os.environ.get("FLASHSUITE_VERSION", "auto") or "auto"
-    bwd = _varlen_backward_source if needs_grad else (lambda n: None)
+
+    def bwd(name: str) -> str | None:
+        return _varlen_backward_source(name, params, arch) if needs_grad else None
+
     if requested != "auto":
         registry.check_name(requested)
         ok, reason = _check(kind, requested, params, arch, needs_grad)
@@ -122,6 +140,14 @@ def _op(kind: str, name: str):
     mod = registry.module(name)
     if kind == "kvcache":
         return define_kvcache_op(name, mod)
+    if hasattr(mod, "supports_varlen_backward"):
+        # A partial own varlen backward: chosen per call, on the problem differentiated.
+        return VarlenOp(
+            name,
+            SimpleNamespace(
+                varlen_forward=mod.varlen_forward, varlen_backward=_choosing_varlen_backward(name)
+            ),
+        )
     source = _varlen_backward_source(name)
     if source is not None and source != name:
         # The forward's module with the partner's varlen backward (same saved tensors).
@@ -130,6 +156,21 @@ def _op(kind: str, name: str):
             varlen_backward=registry.module(source).varlen_backward,
         )
     return VarlenOp(name, mod)
+
+
+def _choosing_varlen_backward(name: str):
+    """A varlen backward that runs `name`'s own where `registry.own_varlen_backward` says yes,
+    else the partner's (`_varlen_backward_source`), on the problem being differentiated."""
+
+    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams):
+        source = _varlen_backward_source(name, vp, arch_mod.device_arch(vp.attn.device))
+        if source is None:
+            raise RuntimeError(f"{name}: no varlen backward can take {vp.describe()}")
+        return registry.module(source).varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp
+        )
+
+    return backward
 
 
 def _extra(params) -> tuple:

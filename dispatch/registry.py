@@ -88,20 +88,45 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
     check = getattr(mod, "supports_backward", None)
     if check is None:
         return False, f"{name}: no backward of its own"
+    default = getattr(mod, "OWN_BACKWARD_DEFAULT", True)
+    off = "slower than the partner's where measured"
+    return _own(name, "own backward", "BWD", default, off, p, p, check, arch)
+
+
+def own_varlen_backward(name: str, vp, arch: int | None) -> tuple[bool, str]:
+    """Whether `name` differentiates its varlen forward on packed sequences `vp`
+    (validation.VarlenParams) with its own varlen backward, and why: as `own_backward`, with
+    the version's `supports_varlen_backward`, `OWN_VARLEN_BACKWARD_DEFAULT` and
+    `FLASHSUITE_<NAME>_VARLEN_BWD`; `FLASHSUITE_<NAME>_BWD=0` turns it off too (every own
+    backward). A version with a `varlen_backward` and no `supports_varlen_backward` has a whole
+    one."""
+    mod = module(name)
+    check = getattr(mod, "supports_varlen_backward", None)
+    if check is None:
+        whole = hasattr(mod, "varlen_backward")
+        return whole, f"{name}: {'own' if whole else 'no'} varlen backward"
     switch = f"FLASHSUITE_{name.upper()}_BWD"
+    if os.environ.get(switch, "") == "0":
+        return False, f"{name}: own backward turned off ({switch}=0)"
+    default = getattr(mod, "OWN_VARLEN_BACKWARD_DEFAULT", True)
+    off = "not yet run on a GPU"
+    return _own(name, "own varlen backward", "VARLEN_BWD", default, off, vp, vp.attn, check, arch)
+
+
+def _own(name, what, suffix, default, off, params, p, check, arch) -> tuple[bool, str]:
+    """The switch (FLASHSUITE_<NAME>_<suffix>), the default and the opt-in list of an own
+    backward `what` that `check(params, arch)` says can take the problem."""
+    switch = f"FLASHSUITE_{name.upper()}_{suffix}"
     setting = os.environ.get(switch, "")
     if setting == "0":
-        return False, f"{name}: own backward turned off ({switch}=0)"
-    if setting != "1" and not getattr(mod, "OWN_BACKWARD_DEFAULT", True):
-        return False, (
-            f"{name}: own backward off by default (slower than the partner's where measured; "
-            f"{switch}=1 turns it on)"
-        )
-    opt_in = getattr(mod, "backward_opt_in", None)  # problems taken only when asked for
+        return False, f"{name}: {what} turned off ({switch}=0)"
+    if setting != "1" and not default:
+        return False, f"{name}: {what} off by default ({off}; {switch}=1 turns it on)"
+    opt_in = getattr(module(name), "backward_opt_in", None)  # problems taken only when asked
     why = opt_in(p) if setting != "1" and opt_in is not None else ""
     if why:
         return False, f"{name}: {why} ({switch}=1 turns it on)"
-    return check(p, arch)
+    return check(params, arch)
 
 
 def backward_source(name: str, p: AttnParams | None = None, arch: int | None = None) -> str | None:

@@ -122,7 +122,7 @@ class BwdDkvT:
         mtid: Int32,  # 0 .. MMA_THREADS - 1
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd: the column block's sequence
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -245,13 +245,13 @@ class BwdDkvT:
                 warpgroup.wait_group(2)  # dV^T retired: the dO stage is read
                 pipe_do.consumer_release(do_state)
                 warpgroup.wait_group(1)  # dQ retired; dK^T runs on
-                self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                             m_block, seqlen_q)  # fmt: skip
                 warpgroup.wait_group(0)  # dK^T retired: the Q stage is read
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
                 do_state.advance()
-        self.store_dkv_t(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, batch)
+        self.store_dkv_t(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, rows)
 
     @cute.jit
     def store_dkv_t(
@@ -265,7 +265,7 @@ class BwdDkvT:
         mtid: Int32,
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
     ):
         """dK^T and dV^T (D, TILE_N) in the input dtype into sK and sV (no longer read once
         every WG is past its last dQ, S and dP), then one thread TMA-stores both (TILE_N, D)
@@ -284,6 +284,6 @@ class BwdDkvT:
         if mtid == 0:
             tma_dk, tdK, tma_dv, tdV = dkv_tmas
             for tma, t, s in ((tma_dk, tdK, sK), (tma_dv, tdV, sV)):
-                g = cute.local_tile(t[None, None, head_kv, batch], tile, (n_block, 0))
+                g = cute.local_tile(rows.k_rows(t, head_kv), tile, (n_block, 0))
                 tma_store(tma, s, g)  # (TILE_N, D)
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem read before the CTA exits

@@ -51,14 +51,14 @@ class BwdDq:
         acc_dQ: cute.Tensor,
         mdQacc: cute.Tensor,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         m_block: Int32,
         seqlen_q: Int32,
     ):
         """dQ of this row block added into the fp32 accumulator, one red.global.add per value;
         rows past seqlen_q are skipped."""
         gdQ = cute.local_tile(
-            mdQacc[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+            rows.q_out(mdQacc, head), (self.TILE_M, self.HEAD_DIM), (m_block, 0)
         )  # (TILE_M, D)
         tdQcdQ = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
@@ -77,7 +77,7 @@ class BwdDq:
         mtid: Int32,
         n_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         m_block: Int32,
         seqlen_q: Int32,
     ):
@@ -86,10 +86,10 @@ class BwdDq:
             self.stage_dq(thr_dq, acc_dQ, sdQ, mtid)
         elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
-                thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, batch, m_block, seqlen_q
+                thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, rows, m_block, seqlen_q
             )
         else:
-            self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+            self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
 
     @cute.jit
     def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor, mtid: Int32):
@@ -116,7 +116,7 @@ class BwdDq:
         mSem: cute.Tensor | None,
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -138,7 +138,7 @@ class BwdDq:
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if const_expr(self.DQ_HANDOFF_WG):
-            self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, batch, group)
+            self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif n_iter > 0:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
             for i in cutlass.range(n_iter, unroll=1):
@@ -146,14 +146,14 @@ class BwdDq:
                 cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL), number_of_threads=n)
                 if lane == 0:
                     if const_expr(self.DETERMINISTIC):
-                        sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+                        crd = (rows.batch, head, m_block)  # dense builds only
+                        sem = mSem.iterator + cute.crd2idx(crd, mSem.layout)
                         seen = ld_acquire_gpu_s32(sem)
                         while seen != n_block:
                             seen = ld_acquire_gpu_s32(sem)
                         cute.arch.fence_proxy("async.global")
-                    crd = (batch, head, m_block * self.TILE_M, 0)
                     bulk_reduce_add_f32(
-                        mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout),
+                        rows.dq_tile(mdQacc, head, m_block * self.TILE_M),
                         sdQ.iterator,
                         self.TILE_M * self.HEAD_DIM * 4,
                     )
@@ -172,8 +172,8 @@ class BwdDq:
 
     @cute.jit
     def write_dq_chunks(
-        self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32,
-        batch: Int32, group: Int32,
+        self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32, rows,
+        group: Int32,
     ):  # fmt: skip
         """`write_dq` with dq_handoff "wg": per row block, for each MMA warpgroup g in turn,
         wait for its chunk (DQ_FULL_WG + g) and add it (TILE_M x D / G floats, contiguous in
@@ -182,7 +182,7 @@ class BwdDq:
         complete in order: wait_group G - 1 - g), given at the top of the next row block. The
         first arrivals come before the loop and none after the last row block, so every
         arrive meets one wait of its warpgroup. `blocks`: `row_blocks`' (m_block_min, n_m,
-        n_iter)."""
+        n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd)."""
         n, num_wgs = 128 + 32, self.NUM_MMA_WGS
         chunk = self.TILE_M * self.HEAD_DIM // num_wgs
         lane = cute.arch.lane_idx()
@@ -202,8 +202,7 @@ class BwdDq:
                         cute.arch.barrier_arrive(
                             barrier_id=int(Barrier.DQ_EMPTY_WG) + g, number_of_threads=n
                         )
-                crd = (batch, head, m_block * self.TILE_M, 0)
-                gdq = mdQacc.iterator + cute.crd2idx(crd, mdQacc.layout)
+                gdq = rows.dq_tile(mdQacc, head, m_block * self.TILE_M)
                 for g in cutlass.range_constexpr(num_wgs):
                     cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG) + g, number_of_threads=n)
                     if lane == 0:
@@ -223,7 +222,7 @@ class BwdDq:
         mtid: Int32,
         n_block: Int32,
         head: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd (deterministic builds are dense)
         m_block: Int32,
         seqlen_q: Int32,
     ):
@@ -231,7 +230,7 @@ class BwdDq:
         (batch, head, m_block) counter reads n_block, add, then increment it. The column blocks
         that see a row block are a prefix of the n_blocks, and a CTA only waits on lower
         n_blocks of its own (kv head, batch), which the grid launches before it."""
-        sem = mSem.iterator + cute.crd2idx((batch, head, m_block), mSem.layout)
+        sem = mSem.iterator + cute.crd2idx((rows.batch, head, m_block), mSem.layout)
         turn_wait(sem, n_block, mtid, int(Barrier.DQ_TURN), self.MMA_THREADS)
-        self.add_dq(thr_dq, acc_dQ, mdQacc, head, batch, m_block, seqlen_q)
+        self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
         turn_pass(sem, mtid, int(Barrier.DQ_ADDED), self.MMA_THREADS)

@@ -1,14 +1,18 @@
 """Host side of the fa3 backward: compile cache, pre/postprocess and the launch.
 
 `BwdCompileKey` holds only what changes the generated code (dtype, head_dim, causal, local,
-softcap, tile config, arch); batch, sequence lengths, head counts and strides are symbolic in
-the fake tensors the kernel is compiled from, so new shapes never recompile. The binary is built
-with `--enable-tvm-ffi` and takes torch tensors on torch's current stream.
+softcap, varlen, tile config, arch); batch, sequence lengths, head counts and strides are
+symbolic in the fake tensors the kernel is compiled from, so new shapes never recompile. The
+binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's current stream.
 
 Pre- and postprocess are small torch ops for now (docs/design.md): D = rowsum(dO * O) in
 float32, LSE * log2(e) (-inf kept: the kernel reads it as P = 0), both padded to whole row
 blocks with 0 / -inf; the float32 dQ accumulator zeroed; dQ cast to the input dtype at the end
 (the softmax scale is folded into dS inside the kernel).
+
+Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the "warp" dQ
+accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`),
+dQ gathered back to the packed rows (`varlen_pad_index`) after the tile-order permutation.
 
 The binary is cached like the forward's (`compile.cached`: in memory, then on disk) and called
 with every parameter positionally, as a binary loaded from disk takes them. The CuTe DSL is
@@ -24,7 +28,12 @@ from typing import Any
 
 import torch
 
-from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
+from flashsuite.common.bwd_preprocess import (
+    BLOCK_M,
+    bwd_preprocess,
+    varlen_bwd_preprocess,
+    varlen_pad_index,
+)
 from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 from flashsuite.fa3.compile import (
     cached,
@@ -48,6 +57,10 @@ class BwdCompileKey:
     local: bool = False  # sliding window (runtime window_left / window_right)
     softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs overlap False
     arch: str = "sm_90a"
+    # Packed sequences: q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), cu_seqlens_q/k
+    # (B + 1,) int32, lse_log2 / dsum (Hq, rows_pad), the "warp" dQ accumulator (Hq, rows_pad, D)
+    # ("atomic": (total_q, Hq, D)).
+    varlen: bool = False
     tvm_ffi: bool = True
 
 
@@ -93,6 +106,40 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
     return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem
 
 
+def _fake_varlen_inputs(key: BwdCompileKey) -> tuple:
+    """Fake packed q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv and cu_seqlens_q/k: symbolic
+    totals, batch and heads, 16-byte-aligned 64-bit strides (the ragged views move the base
+    pointer back 2^30 rows; the accumulator and dK / dV offsets may pass 2^31 elements)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    dt = cutlass_dtype(key.dtype)
+    d = key.head_dim
+    tq, tk, hq, hkv, rows_pad, b1 = (cute.sym_int() for _ in range(6))
+    elems_16b = 16 // (dt.width // 8)
+
+    def rows(dtype: Any, n: Any, h: Any, align: int) -> Any:  # (tokens, heads, D), D contiguous
+        stride = (*(cute.sym_int64(divisibility=align) for _ in range(2)), 1)
+        return cute.runtime.make_fake_tensor(dtype, (n, h, d), stride=stride, assumed_align=16)
+
+    def stats() -> Any:  # (Hq, rows_pad) fp32
+        stride = (cute.sym_int64(divisibility=4), 1)
+        return cute.runtime.make_fake_tensor(
+            cutlass.Float32, (hq, rows_pad), stride=stride, assumed_align=16
+        )
+
+    q, k, v, do = (rows(dt, n, h, elems_16b) for n, h in ((tq, hq), (tk, hkv), (tk, hkv), (tq, hq)))
+    dq_acc = rows(cutlass.Float32, tq, hq, 4)  # "atomic": (total_q, Hq, D)
+    if key.cfg.dq_mode == "warp":  # (Hq, rows_pad, D): whole row blocks in tile order
+        dq_acc = rows(cutlass.Float32, hq, rows_pad, 4)
+    dk, dv = rows(dt, tk, hkv, elems_16b), rows(dt, tk, hkv, elems_16b)
+    cu_q, cu_k = (
+        cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b1,), assumed_align=4)
+        for _ in range(2)
+    )  # (B + 1,) each
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, cu_q, cu_k
+
+
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     """Build one backward binary (no cache). `extra_options` are appended to cute.compile's."""
     import cutlass
@@ -101,17 +148,30 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     from flashsuite.fa3.bwd_kernel import Fa3Backward
 
     kernel = Fa3Backward(
-        cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.softcap, key.local
+        cutlass_dtype(key.dtype),
+        key.head_dim,
+        key.cfg,
+        key.causal,
+        key.softcap,
+        key.local,
+        varlen=key.varlen,
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
-    *tensors, sem = _fake_inputs(key)
+    if key.varlen:
+        *tensors, cu_q, cu_k = _fake_varlen_inputs(key)
+        sem = None
+    else:
+        *tensors, sem = _fake_inputs(key)
     # Trailing optional parameters: the turn counters, softcap_pre (softcap builds), then
-    # window_left and window_right (local builds).
+    # window_left and window_right (local builds), then cu_seqlens_q / _k (varlen builds).
     extra = () if sem is None else (sem,)
-    if key.softcap or key.local:
+    if key.softcap or key.local or key.varlen:
         extra = (sem, cutlass.Float32(1.0) if key.softcap else None)
-    if key.local:
-        extra = (*extra, cutlass.Int32(0), cutlass.Int32(0))
+    if key.local or key.varlen:
+        window = (cutlass.Int32(0), cutlass.Int32(0)) if key.local else (None, None)
+        extra = (*extra, *window)
+    if key.varlen:
+        extra = (*extra, cu_q, cu_k)
     compiled = cute.compile(
         kernel,
         *tensors,
@@ -146,6 +206,26 @@ def preprocess(
     return lse_log2, dsum
 
 
+def _scalars(
+    key: BwdCompileKey, scale: float, softcap: float, window: tuple[int, int], nq: int, nk: int
+) -> tuple:
+    """(scale_log2, scale, softcap_pre, window_left, window_right) of a launch (None where the
+    build has no such parameter). An unbounded window side becomes a bound no row reaches
+    (nq + nk + 1: the totals of packed sequences); causal is right = 0."""
+    if key.softcap != (softcap > 0):
+        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
+    if not key.local and tuple(window) != (-1, -1):
+        raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
+    scale_log2, softcap_pre = scale * LOG2E, None
+    if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
+        scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
+    win = (None, None)
+    if key.local:
+        _, _, left, right = kernel_scalars(scale, 0.0, window, key.causal, nq, nk)
+        win = (left, right)
+    return scale_log2, scale, softcap_pre, *win
+
+
 def run_backward(
     key: BwdCompileKey,
     dout: torch.Tensor,
@@ -161,10 +241,8 @@ def run_backward(
     """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D).
     `softcap` > 0 needs a key built with softcap=True, a `window` (left, right; -1 unbounded)
     other than (-1, -1) one built with local=True."""
-    if key.softcap != (softcap > 0):
-        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
-    if not key.local and tuple(window) != (-1, -1):
-        raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
+    if key.varlen:
+        raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     b, nq, hq, d = q.shape
     if key.cfg.dq_mode == "warp":  # row blocks in dq_tile_layout order
@@ -178,14 +256,8 @@ def run_backward(
     if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
         b, hq, nq_pad = lse_log2.shape
         sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
-    scale_log2, softcap_pre = scale * LOG2E, None
-    if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
-        scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
-    win = (None, None)
-    if key.local:  # an unbounded side becomes a bound no row reaches; causal is right = 0
-        _, _, left, right = kernel_scalars(scale, 0.0, window, key.causal, q.shape[1], k.shape[1])
-        win = (left, right)
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre, *win)
+    scalars = _scalars(key, scale, softcap, window, q.shape[1], k.shape[1])
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], sem, *scalars[2:])
     if key.cfg.dq_mode == "warp":
         cfg = key.cfg
         return dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split), dk, dv
@@ -220,3 +292,52 @@ def dq_from_tiles(
     dq.copy_(rows_cols)
     dq = dq.view(b, nq_pad, hq, d)
     return dq if nq == nq_pad else dq[:, :nq].contiguous()
+
+
+def run_varlen_backward(
+    key: BwdCompileKey,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    window: tuple[int, int] = (-1, -1),
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (the input dtype, contiguous) of packed sequences: TMA-ready q, dout
+    (total_q, Hq, D), k, v (total_k, Hkv, D), out (total_q, Hq, D) with unit last stride, lse
+    (Hq, total_q) float32 (natural log), cu_seqlens_q / _k (B + 1,) int32 contiguous, both
+    totals > 0; a key built with varlen=True (softcap / window as `run_backward`). `grads`:
+    contiguous dq, dk, dv to write into (views into larger buffers, in tests that watch the
+    memory around them) instead of new tensors."""
+    if not key.varlen:
+        raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
+    total_q, hq, d = q.shape
+    scalars = _scalars(key, scale, softcap, window, total_q, k.shape[0])
+    tile_m = key.cfg.tile_m
+    dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
+    rows_pad = lse_log2.shape[1]
+    if key.cfg.dq_mode == "warp":  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
+        dq_acc = torch.zeros(hq, rows_pad, d, dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (total_q, Hq, D)
+    if grads is None:
+        grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = grads  # (total_q, Hq, D), (total_k, Hkv, D) x 2
+    fn = get_backward(key)
+    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], None, *scalars[2:],
+       cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    if key.cfg.dq_mode != "warp":
+        dq.copy_(dq_acc)
+        return dq, dk, dv
+    cfg = key.cfg
+    padded = dq_from_tiles(dq_acc[None], rows_pad, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split)[
+        0
+    ]
+    torch.index_select(padded, 0, varlen_pad_index(cu_seqlens_q, total_q, tile_m), out=dq)
+    return dq, dk, dv

@@ -56,6 +56,14 @@ P = exp2(s - inf) = 0: zero gradients, no NaN.
 
 Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B) for 4-D
 TMA descriptors (tail row blocks load zeros); LSE and D as (Nq_pad, H, B).
+
+Packed sequences (`varlen`, bwd_varlen.py): q, dO (total_q, Hq, D), k, v, dK, dV (total_k, Hkv,
+D), cu_seqlens_q / cu_seqlens_k (B + 1,) int32, LSE and D (Hq, rows_pad) and the "warp" dQ
+accumulator (Hq, rows_pad, D) in the padded row layout of bwd_varlen.py. The grid is the
+virtual column blocks (bwd_varlen.VarlenColumns); each CTA takes its sequence's lengths, so
+the masking, the row-block ranges and the bounds above are per sequence (causal bottom-right
+aligned in each). The row-block loops are the dense ones: only the views differ
+(`DenseRowsBwd` / `SeqRowsBwd`).
 """
 
 # No `from __future__ import annotations`: cute.struct reads its field annotations as objects.
@@ -75,6 +83,7 @@ from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
 from flashsuite.fa3.bwd_sdpt import BwdSdpT
+from flashsuite.fa3.bwd_varlen import DenseRowsBwd, VarlenColumns, packed_view
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 
 
@@ -97,6 +106,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         causal: bool,
         softcap: bool = False,
         local: bool = False,
+        varlen: bool = False,
     ) -> None:
         self.dtype = dtype
         self.HEAD_DIM = head_dim
@@ -130,6 +140,11 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             # The turn counters start each row block at column block 0; under a left window
             # its first column block is later, and the adds would wait forever.
             raise ValueError("Fa3Backward: deterministic dQ order is not built for windows")
+        # Packed sequences (bwd_varlen.py): the virtual column-block grid in launch order.
+        self.VARLEN = varlen
+        if varlen and (self.DETERMINISTIC or self.LPT):
+            raise ValueError("Fa3Backward: varlen takes neither deterministic nor lpt configs")
+        self.varlen_cols = VarlenColumns(cfg.tile_m, cfg.tile_n)
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
@@ -271,18 +286,33 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         softcap_pre: Float32 | None = None,  # softmax_scale / softcap: softcap builds only
         window_left: Int32 | None = None,  # local builds: >= 0 (unbounded: a far value)
         window_right: Int32 | None = None,  # local builds: >= 0, 0 when causal
+        mCuSeqlensQ: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
+        mCuSeqlensK: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
     ):
-        to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
-        mQ, mK, mV, mdO, mdK, mdV = (
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_ndhb))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
-        )
-        if const_expr(not self.DQ_WARP):
-            mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
-        mLSE, mDsum = (
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
-            for t in (mLSE, mDsum)
-        )  # (Nq_pad, Hq, B)
+        """Varlen builds take the packed tensors of the module docstring in the same places."""
+        if const_expr(self.VARLEN):
+            total_k = mK.shape[0]
+            mQ, mK, mV, mdO = (packed_view(t, True) for t in (mQ, mK, mV, mdO))  # (R, D, H, L)
+            # dK / dV: TMA stores through the ragged view ("dkv_t"), else (total_k, D, Hkv).
+            mdK, mdV = (packed_view(t, self.DKV_T) for t in (mdK, mdV))
+            if const_expr(not self.DQ_WARP):
+                mdQacc = packed_view(mdQacc, False)  # (total_q, D, Hq)
+            mLSE, mDsum = (
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+                for t in (mLSE, mDsum)
+            )  # (rows_pad, Hq)
+        else:
+            to_ndhb = [1, 3, 2, 0]  # (B, N, H, D) -> (N, D, H, B)
+            mQ, mK, mV, mdO, mdK, mdV = (
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_ndhb))
+                for t in (mQ, mK, mV, mdO, mdK, mdV)
+            )
+            if const_expr(not self.DQ_WARP):
+                mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
+            mLSE, mDsum = (
+                cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+                for t in (mLSE, mDsum)
+            )  # (Nq_pad, Hq, B)
         sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = self._make_layouts()
         mma_sdp, mma_dkv, mma_dq = self._make_mmas()
         self.storage = self._storage(sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l)
@@ -295,7 +325,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         col_tile = (self.TILE_N, self.HEAD_DIM)
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, sK_l, col_tile)
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, sK_l, col_tile)
-        lse_stage = cute.make_layout((self.TILE_M,))
+        lse_stage = cute.make_layout((self.TILE_M,))  # LSE and D have no bound (padded rows)
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, lse_stage, (self.TILE_M,))
         tma_dsum, tDsum = cpasync.make_tiled_tma_atom(g2s, mDsum, lse_stage, (self.TILE_M,))
         dkv_tmas = None  # "dkv_t": dK and dV leave through sK / sV by TMA stores
@@ -309,6 +339,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         seqlen_k = mK.shape[0]
         group = mQ.shape[2] // mK.shape[2]  # query heads per kv head (GQA/MQA)
         n_blocks = (seqlen_k + self.TILE_N - 1) // self.TILE_N
+        grid = (n_blocks, mK.shape[2], mK.shape[3])
+        if const_expr(self.LPT):
+            grid = (mK.shape[2], mK.shape[3], n_blocks)
+        if const_expr(self.VARLEN):  # lengths per sequence, in the kernel
+            seqlen_q, seqlen_k = 0, 0
+            batch_n = mCuSeqlensQ.shape[0] - 1
+            grid = (self.varlen_cols.grid_blocks(total_k, batch_n), mK.shape[2], 1)
         self.kernel(
             (tma_q, tQ, tma_do, tdO, tma_k, tK, tma_v, tV, tma_lse, tLSE, tma_dsum, tDsum),
             dkv_tmas,
@@ -327,10 +364,10 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             mSem,
             softcap_pre,
             (window_left, window_right) if const_expr(self.LOCAL) else None,
+            mCuSeqlensQ,
+            mCuSeqlensK,
         ).launch(
-            grid=(mK.shape[2], mK.shape[3], n_blocks)
-            if const_expr(self.LPT)
-            else (n_blocks, mK.shape[2], mK.shape[3]),
+            grid=grid,
             block=[self.NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
@@ -359,13 +396,56 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         mSem: cute.Tensor | None,  # (B, Hq, row blocks) int32: dQ turn counters, deterministic
         softcap_pre: Float32 | None,  # softmax_scale / softcap (scale_log2 = softcap * log2 e)
         win: tuple | None,  # (window_left, window_right) Int32: local builds
+        mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32: varlen builds
+        mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32: varlen builds
     ):
+        """The CTA's column block and sequence, then `cta`. Varlen: a virtual block past its
+        sequence's keys does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
-        sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = layouts
-        if const_expr(self.LPT):
-            head_kv, batch, n_block = cute.arch.block_idx()
+        args = (tmas, dkv_tmas, mdQacc, mdK, mdV, mma_sdp, mma_dkv, mma_dq, layouts)
+        scalars = (group, scale_log2, scale, mSem, softcap_pre, win)
+        if const_expr(self.VARLEN):
+            batch_n = mCuSeqlensQ.shape[0] - 1
+            n_block, head_kv, valid, rows = self.varlen_cols.tile(mCuSeqlensQ, mCuSeqlensK, batch_n)
+            if valid:
+                self.cta(
+                    tidx, n_block, head_kv, rows, rows.seqlen_q, rows.seqlen_k, *args, *scalars
+                )
         else:
-            n_block, head_kv, batch = cute.arch.block_idx()
+            if const_expr(self.LPT):
+                head_kv, batch, n_block = cute.arch.block_idx()
+            else:
+                n_block, head_kv, batch = cute.arch.block_idx()
+            rows = DenseRowsBwd(batch)
+            self.cta(tidx, n_block, head_kv, rows, seqlen_q, seqlen_k, *args, *scalars)
+
+    @cute.jit
+    def cta(
+        self,
+        tidx: Int32,
+        n_block: Int32,
+        head_kv: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd: the column block's sequence
+        seqlen_q: Int32,
+        seqlen_k: Int32,
+        tmas: tuple,
+        dkv_tmas: tuple | None,
+        mdQacc: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mma_sdp: cute.TiledMma,
+        mma_dkv: cute.TiledMma,
+        mma_dq: cute.TiledMma,
+        layouts: tuple,
+        group: Int32,
+        scale_log2: Float32,
+        scale: Float32,
+        mSem: cute.Tensor | None,
+        softcap_pre: Float32 | None,
+        win: tuple | None,
+    ):
+        """One column block of one kv head: shared memory, pipelines, the role split."""
+        sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = layouts
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp // 4
 
@@ -397,7 +477,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
                     (pipe_kv, pipe_qdo, pipe_do),
                     n_block,
                     head_kv,
-                    batch,
+                    rows,
                     group,
                     seqlen_q,
                     seqlen_k,
@@ -406,7 +486,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 if warp == 1:
                     self.write_dq(
-                        sdQ, mdQacc, mSem, n_block, head_kv, batch, group, seqlen_q, seqlen_k, win
+                        sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win
                     )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
@@ -423,7 +503,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
                 tidx - 128,
                 n_block,
                 head_kv,
-                batch,
+                rows,
                 group,
                 seqlen_q,
                 seqlen_k,

@@ -62,7 +62,7 @@ class BwdLoad:
         pipes: tuple,  # pipe_kv, pipe_qdo, pipe_do ("dkv_t"; else None)
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd: the column block's sequence
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -78,10 +78,10 @@ class BwdLoad:
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if n_iter > 0:  # a CTA without row blocks loads nothing (no TMA in flight at exit)
             gK = cute.local_tile(
-                tK[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
+                rows.k_rows(tK, head_kv), (self.TILE_N, self.HEAD_DIM), (n_block, 0)
             )  # (TILE_N, D)
             gV = cute.local_tile(
-                tV[None, None, head_kv, batch], (self.TILE_N, self.HEAD_DIM), (n_block, 0)
+                rows.k_rows(tV, head_kv), (self.TILE_N, self.HEAD_DIM), (n_block, 0)
             )  # (TILE_N, D)
             tKs, tKg = cpasync.tma_partition(
                 tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
@@ -104,15 +104,15 @@ class BwdLoad:
             for i in cutlass.range(n_iter, unroll=1):
                 head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
                 gQ = cute.local_tile(
-                    tQ[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+                    rows.q_rows(tQ, head), (self.TILE_M, self.HEAD_DIM), (m_block, 0)
                 )  # (TILE_M, D)
                 gdO = cute.local_tile(
-                    tdO[None, None, head, batch], (self.TILE_M, self.HEAD_DIM), (m_block, 0)
+                    rows.q_rows(tdO, head), (self.TILE_M, self.HEAD_DIM), (m_block, 0)
                 )  # (TILE_M, D)
                 gLSE = cute.local_tile(
-                    tLSE[None, head, batch], (self.TILE_M,), (m_block,)
+                    rows.stat_rows(tLSE, head), (self.TILE_M,), (m_block,)
                 )  # (TILE_M,)
-                gD = cute.local_tile(tDsum[None, head, batch], (self.TILE_M,), (m_block,))
+                gD = cute.local_tile(rows.stat_rows(tDsum, head), (self.TILE_M,), (m_block,))
                 tQs, tQg = cpasync.tma_partition(
                     tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
                 )  # (TMA, STAGES), (TMA,)

@@ -126,14 +126,14 @@ class BwdSteps:
         mdV: cute.Tensor,
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         seqlen_k: Int32,
     ):
         """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped)."""
         tile = (self.TILE_N, self.HEAD_DIM)
         tcD = thr_dkv.partition_C(cute.make_identity_tensor(tile))
         for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
-            g = cute.local_tile(m[None, None, head_kv, batch], tile, (n_block, 0))  # (TILE_N, D)
+            g = cute.local_tile(rows.k_out(m, head_kv), tile, (n_block, 0))  # (TILE_N, D)
             tg = thr_dkv.partition_C(g)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if n_block * self.TILE_N + tcD[i][0] < seqlen_k:

@@ -31,7 +31,7 @@ class BwdSdpT:
         mtid: Int32,  # 0 .. MMA_THREADS - 1
         n_block: Int32,
         head_kv: Int32,
-        batch: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd: the column block's sequence
         group: Int32,
         seqlen_q: Int32,
         seqlen_k: Int32,
@@ -163,7 +163,7 @@ class BwdSdpT:
                     self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
                     self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                     warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
-                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
                     warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
                     pipe_qdo.consumer_release(state)
@@ -177,7 +177,7 @@ class BwdSdpT:
                     # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
                     warpgroup.wait_group(0)
                     pipe_qdo.consumer_release(state)
-                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, batch,
+                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
                 state.advance()
-        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, batch, seqlen_k)
+        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k)

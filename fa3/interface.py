@@ -27,6 +27,7 @@ from flashsuite.fa3.bwd_configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
     BWD_UNVERIFIED,
+    VARLEN_BWD_AUTO,
     BwdConfig,
     bwd_can_implement,
     bwd_config_for,
@@ -49,8 +50,11 @@ HAS_BACKWARD = False
 # Own backward without FLASHSUITE_FA3_BWD=1: bwd_configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 # Whether auto selection takes fa3 for packed sequences (configs.VARLEN_AUTO: the measurement).
-# The varlen backward is the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
+# Its backward is fa3's own where `supports_varlen_backward` says yes and dispatch is asked
+# (FLASHSUITE_FA3_VARLEN_BWD=1) or OWN_VARLEN_BACKWARD_DEFAULT (bwd_configs.VARLEN_BWD_AUTO:
+# off until run on a GPU), else the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
 VARLEN_AUTO_SELECT = VARLEN_AUTO
+OWN_VARLEN_BACKWARD_DEFAULT = VARLEN_BWD_AUTO
 # Whether auto selection takes fa3 for KV-cache attention (configs.KVCACHE_AUTO: off until the
 # H200 has run it; version="fa3" runs it).
 KVCACHE_AUTO_SELECT = KVCACHE_AUTO
@@ -369,6 +373,32 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
     return cfg
 
 
+def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
+    """The backward's compile key for `p` and `cfg`, or a ValueError saying why `cfg` cannot
+    run `p` (varlen: packed sequences, neither deterministic nor lpt)."""
+    from flashsuite.fa3.bwd_host import BwdCompileKey
+
+    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    if ok and p.softcap > 0 and cfg.overlap:
+        ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
+    if ok and p.is_local and cfg.deterministic:
+        ok, reason = False, "the deterministic dQ order is not built for sliding windows"
+    if ok and varlen and (cfg.deterministic or cfg.lpt):
+        ok, reason = False, "varlen builds take neither deterministic nor lpt configs"
+    if not ok:
+        what = "varlen backward" if varlen else "backward"
+        raise ValueError(f"fa3 {what}: config {cfg} cannot run: {reason}")
+    return BwdCompileKey(
+        dtype=p.dtype,
+        head_dim=p.head_dim,
+        causal=p.causal,
+        cfg=cfg,
+        local=p.is_local,
+        softcap=p.softcap > 0,
+        varlen=varlen,
+    )
+
+
 def backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -392,24 +422,9 @@ def backward(
     if q.numel() == 0 or k.numel() == 0:
         # No row or no key: every gradient is 0 (TMA cannot describe a zero-length tensor).
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    from flashsuite.fa3.bwd_host import BwdCompileKey, run_backward
+    from flashsuite.fa3.bwd_host import run_backward
 
-    cfg = _bwd_config(p, cfg)
-    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
-    if ok and p.softcap > 0 and cfg.overlap:
-        ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
-    if ok and p.is_local and cfg.deterministic:
-        ok, reason = False, "the deterministic dQ order is not built for sliding windows"
-    if not ok:
-        raise ValueError(f"fa3 backward: config {cfg} cannot run: {reason}")
-    key = BwdCompileKey(
-        dtype=p.dtype,
-        head_dim=p.head_dim,
-        causal=p.causal,
-        cfg=cfg,
-        local=p.is_local,
-        softcap=p.softcap > 0,
-    )
+    key = _bwd_key(p, _bwd_config(p, cfg), varlen=False)
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()
@@ -484,6 +499,77 @@ def varlen_forward(
     fn, scalars, _ = _launch_plan(p, cfg, q.device, vp)
     fn(q, k, v, out, lse, None, None, None, cu_seqlens_q, cu_seqlens_k, *scalars)
     return out, lse
+
+
+def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
+    """Whether fa3's own backward (bwd_varlen.py) takes packed sequences `vp` on `arch`: the
+    varlen forward's limits, the dense backward's head dims and configs, not deterministic
+    (fa2's varlen backward, the partner, is), kv heads within grid dim y."""
+    ok, reason = supports_varlen(vp, arch)
+    if not ok:
+        return False, reason
+    p = vp.attn
+    if p.head_dim not in BWD_HEAD_DIMS:
+        dims = ", ".join(map(str, BWD_HEAD_DIMS))
+        return False, f"fa3 varlen backward: head_dim {p.head_dim} not in {{{dims}}}"
+    if torch.are_deterministic_algorithms_enabled():
+        return False, "fa3 varlen backward: no deterministic build (fa2's varlen backward is)"
+    if p.heads_kv > _MAX_GRID_YZ:
+        return False, f"fa3 varlen backward: heads_kv {p.heads_kv} must be <= {_MAX_GRID_YZ}"
+    cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
+    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    if not ok:
+        return False, reason
+    return True, (
+        f"fa3 varlen backward: {cfg.tile_m}x{cfg.tile_n} tiles on a virtual column-block grid "
+        "(per-sequence TMA bounds)"
+    )
+
+
+def varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    vp: VarlenParams,
+    *,
+    cfg: BwdConfig | None = None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv in the input dtype, contiguous, of `varlen_forward`, for what
+    `supports_varlen_backward` accepts: dout, q, out (total_q, Hq, D), k, v (total_k, Hkv, D)
+    last dim contiguous, lse (Hq, total_q) float32 (natural log), cu_seqlens_q/k (B + 1,) int32
+    (validated by the caller). `cfg` overrides bwd_config_for (neither deterministic nor lpt);
+    `grads` (contiguous dq, dk, dv: views into larger buffers, in tests that watch the memory
+    around them) are written in place instead of new tensors."""
+    ok, reason = supports_varlen_backward(vp, 90)
+    if not ok:
+        raise ValueError(f"fa3 varlen backward: cannot take {vp.describe()}: {reason}")
+    p = vp.attn
+    if vp.total_q == 0 or vp.total_k == 0:
+        # No row or no key: every gradient is 0 (TMA cannot describe a zero-length tensor).
+        if grads is None:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        return tuple(g.zero_() for g in grads)
+    from flashsuite.fa3.bwd_host import run_varlen_backward
+
+    if cfg is None:
+        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
+    key = _bwd_key(p, cfg, varlen=True)
+    if dout.stride(-1) != 1 or 0 in dout.stride():
+        dout = dout.contiguous()  # any view of the incoming gradient (e.g. expanded: strides 0)
+    q, k, v, dout = (_tma_ready(t[None])[0] for t in (q, k, v, dout))
+    out = out if out.stride(-1) == 1 else out.contiguous()
+    lse, cu_seqlens_q, cu_seqlens_k = (t.contiguous() for t in (lse, cu_seqlens_q, cu_seqlens_k))
+    window = (p.window_left, p.window_right) if p.is_local else (-1, -1)
+    return run_varlen_backward(
+        key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, p.scale, p.softcap, window,
+        grads,
+    )  # fmt: skip
 
 
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:

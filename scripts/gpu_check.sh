@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
-#                                                kvcache
+#                                                varlen-bwd kvcache
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -147,6 +147,21 @@ for part in $parts; do
       grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen.log" | tail -12
       python3 benchmarks/decode_bench.py --out "$out/varlen-bench" --varlen 2>&1 \
         | tee "$out/varlen-bench.log" || status=1 ;;
+    varlen-bwd)
+      # fa3's own varlen backward: its GPU tests (per-sequence oracle with NaN guard rows
+      # around the inputs and dq / dk / dv, random batch compositions, autograd through
+      # dispatch with FLASHSUITE_FA3_VARLEN_BWD=1, 64k mixed tokens against fa2's error), the
+      # same under compute-sanitizer memcheck, then fwd + bwd beside fa2's varlen and SDPA's
+      # dense backends (decode_bench --varlen-bwd).
+      python3 -m pytest tests/test_fa3_varlen_bwd.py -v -rfEs -p no:cacheprovider \
+        --junitxml "$out/varlen-bwd.xml" 2>&1 | tee "$out/varlen-bwd.log" || status=1
+      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
+        compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest tests/test_fa3_varlen_bwd.py -q -p no:cacheprovider \
+        -k "gpu and not large and not random" > "$out/sanitize-varlen-bwd.log" 2>&1 || status=1
+      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen-bwd.log" | tail -12
+      python3 benchmarks/decode_bench.py --out "$out/varlen-bwd-bench" --varlen-bwd 2>&1 \
+        | tee "$out/varlen-bwd-bench.log" || status=1 ;;
     kvcache)
       # fa3's split-KV decode: its GPU tests (per-row oracle, NaN in unused cache slots and
       # spare pages, NaN guard rows around out and lse), the same under compute-sanitizer

@@ -339,6 +339,14 @@ MUTANTS = [
         "tl.store(dv_ptrs, (dv * 1.01).to(dV.dtype.element_ty), mask=n_ok & dv_ok)",
         _bwd("fa2", "float32"),
     ),
+    Mutant(
+        "fa3 varlen bwd preprocess: a sequence's padded rows one tile late",
+        "common/bwd_preprocess.py",
+        "return (tl.load(CuQ + b) + b * TILE_M) // TILE_M * TILE_M",
+        "return (tl.load(CuQ + b) + (b + 1) * TILE_M) // TILE_M * TILE_M",
+        "host_path or preprocess",
+        ("tests/test_fa3_varlen_bwd.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
@@ -352,6 +360,8 @@ FA3_HOST = "fa3/interface.py"  # the launcher: fp8 descales and Vᵀ
 FA3_BWD = "fa3/bwd_pointwise.py"
 FA3_VARLEN = "fa3/varlen.py"  # packed sequences: ragged views, the virtual-block grid
 VARLEN_TESTS = ("tests/test_fa3_varlen.py",)
+FA3_VARLEN_BWD = "fa3/bwd_varlen.py"  # packed sequences in the backward
+VARLEN_BWD_TESTS = ("tests/test_fa3_varlen_bwd.py",)
 FA3_DECODE = "fa3/decode.py"  # KV-cache decode: page bounds, GQA packing, split ranges
 KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
 FA3_BWD_HOST = "fa3/bwd_host.py"
@@ -486,6 +496,30 @@ GPU_MUTANTS = [
         "return (mCuSeqlensQ[b] + b * (self.TILE_M - 64)) // self.TILE_M",
         "gpu_varlen_matches",
         VARLEN_TESTS,
+    ),
+    Mutant(
+        "fa3 varlen bwd: LSE, D and dQ rows of a sequence one tile late",
+        FA3_VARLEN_BWD,
+        "pad_row = self.rows._first_block(mCuSeqlensQ, batch) * self.TILE_M",
+        "pad_row = (self.rows._first_block(mCuSeqlensQ, batch) + 1) * self.TILE_M",
+        "gpu_varlen_bwd_matches",
+        VARLEN_BWD_TESTS,
+    ),
+    Mutant(
+        "fa3 varlen bwd: dK / dV rows one past the sequence's first",
+        FA3_VARLEN_BWD,
+        "return cute.domain_offset((self.offset_k, 0), t[None, None, head_kv])",
+        "return cute.domain_offset((self.offset_k + 1, 0), t[None, None, head_kv])",
+        "gpu_varlen_bwd_matches",
+        VARLEN_BWD_TESTS,
+    ),
+    Mutant(
+        "fa3 varlen bwd: the next sequence's first key visible",
+        FA3_VARLEN_BWD,
+        "seqlen_k = mCuSeqlensK[batch + 1] - offset_k\n",
+        "seqlen_k = mCuSeqlensK[batch + 1] - offset_k + 1\n",
+        "gpu_varlen_bwd_matches",
+        VARLEN_BWD_TESTS,
     ),
     Mutant(
         "fa3 decode: a page's TMA bound one token past the row's keys (reads a NaN slot)",
