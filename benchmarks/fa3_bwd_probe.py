@@ -39,6 +39,19 @@ DQ_BULK = r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
 SEM_ACQUIRE = r"ld\.acquire\.gpu\.global\.b32"
 SEM_RELEASE = r"red\.release\.gpu\.global\.add\.s32"
 TANH = r"tanh\.approx\.f32"
+# fp32 multiplies (scale_out takes one per dS element out of the row-block loop, adds D / 2 on
+# dK's epilogue) and 32-bit shared-memory loads (stats_regs issues the LSE / D rows' loads
+# under the S^T / dP^T wgmmas rather than after them).
+MUL_F32 = r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b"
+LD_SHARED_32 = r"\bld\.shared(?:::cta)?(?:\.v[24])?\.[bf]32\b"
+FIRST_GEMM = r"wgmma\.commit_group.*?wgmma\.wait_group"  # from the first commit to its wait
+
+
+def lds_under_gemm(ptx: str) -> int:
+    """32-bit shared-memory loads between the first wgmma commit (S^T of the row-block loop)
+    and the first wait: the LSE / D rows stats_regs loads while S^T and dP^T run."""
+    m = re.search(FIRST_GEMM, ptx, re.S)
+    return len(re.findall(LD_SHARED_32, m.group(0))) if m else 0
 
 
 def variant_cases(names: list[str]) -> list[tuple]:
@@ -140,6 +153,8 @@ def probe_backward(
     counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
     counts["fence_async_global"] = len(re.findall(r"fence\.proxy\.async\.global", ptx))
     counts["tanh"] = len(re.findall(TANH, ptx))
+    counts["mul_f32"] = len(re.findall(MUL_F32, ptx))
+    counts["lds_under_gemm"] = lds_under_gemm(ptx)
     return {
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),

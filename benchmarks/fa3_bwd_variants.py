@@ -6,8 +6,11 @@ them for sm_90a and reports PTX facts. "base" is the first config (per-element d
 one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
 "pipe128" at D = 64, "warp_stm2" its softcap build; "pipe128_dqm", "pipe_wgdq", "pipe128_wgdq"
 and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward (dq_split, dq_handoff;
-docs/design.md, "Next to FA4's SM90 backward"). (The "bulk" dQ mode, per-row bulk reduces
-issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
+docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants take the softmax scale
+out of dS (scale_out), the "_sreg" ones load LSE and D into registers under the S^T / dP^T
+wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers spill). (The "bulk" dQ
+mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and
+removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -86,6 +89,31 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=128, dq_split="m", dq_handoff="wg", **_PIPE),
         "pipe128 with both: dQ split by rows, handed over per warpgroup (FA4's D = 64 dQ route)",
     ),
+    "pipe128_sout": (
+        BwdConfig(tile_m=128, scale_out=True, **_PIPE),
+        "pipe128 with dS = P (dP - D), the softmax scale on dK's epilogue and dQ's conversion "
+        "(one multiply per score less; D = 64 only)",
+    ),
+    "pipe_sout": (
+        BwdConfig(scale_out=True, **_PIPE),
+        "pipe_stm with dS = P (dP - D), the softmax scale on dK's epilogue and dQ's conversion",
+    ),
+    "pipe128_dqm_sout": (
+        BwdConfig(tile_m=128, dq_split="m", scale_out=True, **_PIPE),
+        "pipe128_dqm with the softmax scale out of dS (D = 64 only)",
+    ),
+    "warp_stm2_sout": (
+        BwdConfig(dq_mode="warp", ds_stages=2, ds_store="stmatrix", scale_out=True),
+        "warp_stm2 (the softcap build's config) with the softmax scale out of dS",
+    ),
+    "pipe_sreg": (
+        BwdConfig(stats_regs=True, **_PIPE),
+        "pipe_stm with the row block's LSE and D in registers, loaded under the S^T / dP^T wgmmas",
+    ),
+    "pipe_sout_sreg": (
+        BwdConfig(scale_out=True, stats_regs=True, **_PIPE),
+        "pipe_stm with both: the scale out of dS, LSE and D in registers",
+    ),
     "det_pipe": (
         BwdConfig(
             dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
@@ -146,6 +174,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
+    "pipe128_sout": (64,),
+    "pipe128_dqm_sout": (64,),
+    "warp_stm2_sout": (64, 96, 128),
     "pipe_stm": (64, 96, 128),  # D = 96 ships it too
     "warp_stm2": (64, 96, 128),
     **{name: (int(name[4:7]),) for name in VARIANTS if name.startswith("wide")},

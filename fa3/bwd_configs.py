@@ -103,6 +103,18 @@ class BwdConfig:
     # under causal masking (column block n sees the row blocks from n's diagonal down). On the
     # H200 True lost 2-24 % at D 64, N 4k / 16k, causal too (docs/results.md).
     lpt: bool = False
+    # "sdp_t": where the softmax scale enters dS = P (dP - D) scale. False: on every dS element
+    # (one multiply per score). True: dS = P (dP - D) in the loop; dK is scaled once in the
+    # epilogue, before its store, and dQ by the host in its fp32 -> dtype conversion (FA4's
+    # order). Exact for softcap too: the tanh' factor stays on dS, the scale is linear.
+    scale_out: bool = False
+    # "sdp_t": how the row block's LSE and D reach the elementwise loop. False: read from sLSE /
+    # sD per element after S^T / dP^T retire (ptxas keeps one LDS.64 per row pair). True: the
+    # TILE_M / 4 rows a thread's fragment holds (columns 8 j + 2 (lane % 4) + c of S^T) are
+    # loaded into registers once, LSE right after S^T's wgmma is issued and D after dP^T's,
+    # so the loads run under the GEMMs (FA4's order); LSE's -inf -> +inf fix is done per row.
+    # tile_m 64 only (R237 at D = 128; 128 rows spill).
+    stats_regs: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp")
@@ -290,6 +302,15 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
+    if cfg.layout != "sdp_t" and (cfg.scale_out or cfg.stats_regs):
+        return False, (
+            f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} need layout "
+            f"'sdp_t', not {cfg.layout!r}"
+        )
+    if cfg.stats_regs and cfg.tile_m != 64:
+        # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
+        # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.
+        return False, f"fa3 backward: stats_regs needs tile_m 64 (registers), not {cfg.tile_m}"
     ok, reason = _dq_route_ok(cfg)
     if not ok:
         return False, reason

@@ -8,7 +8,8 @@ binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's curre
 Pre- and postprocess are small torch ops for now (docs/design.md): D = rowsum(dO * O) in
 float32, LSE * log2(e) (-inf kept: the kernel reads it as P = 0), both padded to whole row
 blocks with 0 / -inf; the float32 dQ accumulator zeroed; dQ cast to the input dtype at the end
-(the softmax scale is folded into dS inside the kernel).
+(the softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied
+here in the conversion of dQ).
 
 Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the "warp" dQ
 accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`),
@@ -258,10 +259,14 @@ def run_backward(
         sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
     scalars = _scalars(key, scale, softcap, window, q.shape[1], k.shape[1])
     fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], sem, *scalars[2:])
-    if key.cfg.dq_mode == "warp":
-        cfg = key.cfg
-        return dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split), dk, dv
-    return dq_acc.to(q.dtype), dk, dv
+    cfg = key.cfg
+    dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
+    if cfg.dq_mode == "warp":
+        dq = dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
+        return dq, dk, dv
+    if dq_scale is None:
+        return dq_acc.to(q.dtype), dk, dv
+    return torch.mul(dq_acc, dq_scale, out=torch.empty_like(dq_acc, dtype=q.dtype)), dk, dv
 
 
 def dq_from_tiles(
@@ -271,10 +276,12 @@ def dq_from_tiles(
     num_wgs: int,
     dtype: torch.dtype,
     split: str = "d",
+    scale: float | None = None,
 ) -> torch.Tensor:
     """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
     whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's
-    dq_split): one permuting copy (with the cast)."""
+    dq_split): one permuting copy (with the cast, and times `scale` in fp32 when given: the
+    `scale_out` configs)."""
     shape, strides = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs, split)
     (rows, cols), (row_strides, col_strides) = shape, strides
     # The tile's modes sorted by decreasing stride are a plain view of its memory; a row mode
@@ -289,7 +296,10 @@ def dq_from_tiles(
     col_dims = [where["c", i] for i in reversed(range(len(cols)))]
     rows_cols = tiles.permute(0, 2, *row_dims, 1, *col_dims)  # (b, m, rows.., hq, cols..)
     dq = torch.empty(rows_cols.shape, dtype=dtype, device=dq_acc.device)
-    dq.copy_(rows_cols)
+    if scale is None:
+        dq.copy_(rows_cols)
+    else:
+        torch.mul(rows_cols, scale, out=dq)
     dq = dq.view(b, nq_pad, hq, d)
     return dq if nq == nq_pad else dq[:, :nq].contiguous()
 
@@ -332,12 +342,13 @@ def run_varlen_backward(
     fn = get_backward(key)
     fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], None, *scalars[2:],
        cu_seqlens_q, cu_seqlens_k)  # fmt: skip
-    if key.cfg.dq_mode != "warp":
-        dq.copy_(dq_acc)
-        return dq, dk, dv
     cfg = key.cfg
-    padded = dq_from_tiles(dq_acc[None], rows_pad, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split)[
-        0
-    ]
+    dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
+    if cfg.dq_mode != "warp":
+        dq.copy_(dq_acc if dq_scale is None else dq_acc * dq_scale)
+        return dq, dk, dv
+    acc = dq_acc[None]
+    padded = dq_from_tiles(acc, rows_pad, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
+    padded = padded[0]
     torch.index_select(padded, 0, varlen_pad_index(cu_seqlens_q, total_q, tile_m), out=dq)
     return dq, dk, dv

@@ -31,8 +31,9 @@ Roles (`WarpRole`):
   Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
   layout, which is the A-fragment layout of the RS wgmmas for dV and dK: no transpose through
   shared memory for those two.
-- Epilogue: dK and dV (fp32, scale already folded into dS) converted to the input dtype and
-  stored from registers with a bounds test per key row.
+- Epilogue: dK and dV (fp32, scale already folded into dS; with BwdConfig.scale_out dK is
+  scaled here and dQ by the host) converted to the input dtype and stored from registers with
+  a bounds test per key row.
 
 Barriers. `pipe_qdo`: full barriers complete on the producer's arrive_and_expect_tx (count 1)
 plus the TMA bytes of Q, dO, LSE and D; empty barriers on one arrival per MMA warp after the
@@ -133,6 +134,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         self.LPT = cfg.lpt
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DETERMINISTIC = cfg.deterministic
+        self.SCALE_OUT = cfg.scale_out  # dS without the scale; dK (and the host's dQ) take it
+        self.STATS_REGS = cfg.stats_regs  # LSE and D rows in registers, loaded under the GEMMs
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
         if softcap and cfg.overlap:
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")
@@ -151,6 +154,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             )
         if self.DQ_HANDOFF_WG and (not self.DQ_WARP or self.DETERMINISTIC):
             raise ValueError("Fa3Backward: dq_handoff 'wg' needs dq_mode 'warp', not deterministic")
+        if self.DKV_T and (cfg.scale_out or cfg.stats_regs):
+            raise ValueError("Fa3Backward: scale_out and stats_regs need layout 'sdp_t'")
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(
                 f"Fa3Backward: dq_split 'm' needs layout 'sdp_t' and tile_m "

@@ -1,7 +1,7 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL and SOFTCAP."""
+TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, SCALE_OUT and STATS_REGS."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -55,6 +55,8 @@ class BwdSteps:
     ):
         """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
         ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
+        With STATS_REGS, sLSE and sD are `load_rows`' register views (indexed like acc_S; the
+        LSE already read as +inf where it was -inf) and `stage` is unused.
 
         Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
         tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
@@ -83,28 +85,73 @@ class BwdSteps:
                         limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
                     acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            lse = sLSE[tScS[i][1], stage]
-            # A row that sees no key (or a padding row) must give P = 0, never NaN: the shared
-            # preprocess hands +inf there (exp2(s - inf) = 0, exp2(-inf - inf) = 0 for masked
-            # entries), and a natural-log -inf is read as +inf too.
-            lse = Float32.inf if lse == -Float32.inf else lse
+            if const_expr(self.STATS_REGS):
+                lse = sLSE[i]
+            else:
+                lse = self._no_neg_inf(sLSE[tScS[i][1], stage])
             if const_expr(self.SOFTCAP):
                 t = acc_S[i]
             acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
             if const_expr(ds is not None):
                 acc_dP, sD, scale = ds
-                acc_dP[i] = acc_S[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+                acc_dP[i] = self._ds(acc_S[i], acc_dP[i], self._row(sD, tScS, i, stage), scale)
                 if const_expr(self.SOFTCAP):
                     acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+
+    @cute.jit
+    def _no_neg_inf(self, lse: Float32) -> Float32:
+        """A row that sees no key (or a padding row) must give P = 0, never NaN: the shared
+        preprocess hands +inf there (exp2(s - inf) = 0, exp2(-inf - inf) = 0 for masked
+        entries), and a natural-log -inf is read as +inf too."""
+        return Float32.inf if lse == -Float32.inf else lse
+
+    @cute.jit
+    def _row(self, sX: cute.Tensor, tScS: cute.Tensor, i: cutlass.Constexpr[int], stage: Int32):
+        """The LSE / D value of element i's query row: from smem, or (STATS_REGS) from the
+        `load_rows` register view."""
+        if const_expr(self.STATS_REGS):
+            v = sX[i]
+        else:
+            v = sX[tScS[i][1], stage]
+        return v
+
+    @cute.jit
+    def _ds(self, p: Float32, dp: Float32, d: Float32, scale: Float32) -> Float32:
+        """One element of dS^T = P^T (dP^T - D), times softmax_scale unless SCALE_OUT (then
+        dK's epilogue and the host's dQ conversion take the scale)."""
+        ds = p * (dp - d)
+        if const_expr(not self.SCALE_OUT):
+            ds = ds * scale
+        return ds
+
+    @cute.jit
+    def load_rows(
+        self, sX: cute.Tensor, tScS: cute.Tensor, stage: Int32, lse: cutlass.Constexpr[bool]
+    ) -> cute.Tensor:
+        """STATS_REGS: this thread's query rows of sLSE / sD (stage `stage`) in registers, as a
+        view indexed like the S^T fragment. In its m64nNk16 C layout element c + 2 r + 4 j
+        (acc_S's ((2, 2, TILE_M/8), 1, 1)) is query row 8 j + 2 (lane % 4) + c for both key
+        rows r, so TILE_M / 4 values serve the TILE_M / 2 elements: the view's r mode has
+        stride 0. `lse`: read -inf as +inf (`_no_neg_inf`) once per row here."""
+        n = cute.size(tScS) // 2  # TILE_M / 4 rows: (c, j) -> c + 2 j
+        vals = cute.make_rmem_tensor((n,), Float32)
+        for k in cutlass.range_constexpr(n):
+            v = sX[tScS[k % 2 + 4 * (k // 2)][1], stage]
+            if const_expr(lse):
+                v = self._no_neg_inf(v)
+            vals[k] = v
+        view = cute.make_layout(((2, 2, n // 2), 1, 1), stride=((1, 0, 2), 0, 0))
+        return cute.make_tensor(vals.iterator, view)
 
     @cute.jit
     def dscores(
         self, acc_P: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, sD: cute.Tensor,
         stage: Int32, scale: Float32,
     ):  # fmt: skip
-        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T)."""
+        """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T;
+        SCALE_OUT: without the scale; STATS_REGS: sD is `load_rows`' view)."""
         for i in cutlass.range_constexpr(cute.size(acc_P)):
-            acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale
+            acc_dP[i] = self._ds(acc_P[i], acc_dP[i], self._row(sD, tScS, i, stage), scale)
 
     @cute.jit
     def pack(self, acc: cute.Tensor, frag: cute.Tensor):
@@ -128,10 +175,15 @@ class BwdSteps:
         head_kv: Int32,
         rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         seqlen_k: Int32,
+        scale: Float32 | None = None,
     ):
-        """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped)."""
+        """dK and dV to gmem in the input dtype (rows past seqlen_k are skipped). SCALE_OUT:
+        dK times `scale` (softmax_scale) first, which its dS^T did not carry."""
         tile = (self.TILE_N, self.HEAD_DIM)
         tcD = thr_dkv.partition_C(cute.make_identity_tensor(tile))
+        if const_expr(self.SCALE_OUT):
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                acc_dK[i] = acc_dK[i] * scale
         for acc, m in ((acc_dK, mdK), (acc_dV, mdV)):
             g = cute.local_tile(rows.k_out(m, head_kv), tile, (n_block, 0))  # (TILE_N, D)
             tg = thr_dkv.partition_C(g)

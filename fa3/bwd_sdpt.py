@@ -115,10 +115,15 @@ class BwdSdpT:
                     ds_i = i % self.DS_STAGES
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
+                lse_i, d_i = sLSE, sD  # STATS_REGS: this thread's rows, loaded under the GEMMs
+                if const_expr(self.STATS_REGS):
+                    lse_i = self.load_rows(sLSE, tScS, s, True)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
+                if const_expr(self.STATS_REGS):
+                    d_i = self.load_rows(sD, tScS, s, False)
                 probs_args = (
                     tScS,
-                    sLSE,
+                    lse_i,
                     s,
                     masked,
                     n_block,
@@ -134,10 +139,10 @@ class BwdSdpT:
                     self.probs(acc_S, *probs_args, None, softcap_pre)
                     self.pack(acc_S, tdVrP)
                     warpgroup.wait_group(0)
-                    self.dscores(acc_S, acc_dP, tScS, sD, s, scale)
+                    self.dscores(acc_S, acc_dP, tScS, d_i, s, scale)
                 else:  # S^T and dP^T retire together; P^T and dS^T in one loop
                     warpgroup.wait_group(0)
-                    self.probs(acc_S, *probs_args, (acc_dP, sD, scale), softcap_pre)
+                    self.probs(acc_S, *probs_args, (acc_dP, d_i, scale), softcap_pre)
                     self.pack(acc_S, tdVrP)
                 self.pack(acc_dP, tdKrdS)
                 # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
@@ -180,4 +185,4 @@ class BwdSdpT:
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
                 state.advance()
-        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k)
+        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k, scale)

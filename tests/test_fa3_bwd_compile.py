@@ -109,6 +109,23 @@ def dq_route_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def ds_stats_probes(tmp_path_factory) -> list[dict]:
+    """scale_out and stats_regs against their bases: pipe128, pipe128_sout and
+    pipe128_dqm_sout at (D 64, causal); pipe_stm, pipe_sout, pipe_sreg and pipe_sout_sreg at
+    (D 128, causal); warp_stm2 and warp_stm2_sout with softcap at (D 128, causal)."""
+    runs = [
+        ["--variant", "pipe128", "--variant", "pipe128_sout", "--variant", "pipe128_dqm_sout"],
+        ["--variant", "pipe_sout", "--variant", "pipe_sreg", "--variant", "pipe_sout_sreg"],
+        ["--variant", "pipe_stm", "--shard", "5/6"],
+        ["--variant", "warp_stm2", "--softcap", "--shard", "5/6"],
+        ["--variant", "warp_stm2_sout", "--softcap", "--shard", "5/6"],
+    ]
+    runs[0] += ["--shard", "1/2"]
+    runs[1] += ["--shard", "3/4"]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_ds_stats"), runs)
+
+
+@pytest.fixture(scope="module")
 def softcap_probes(tmp_path_factory) -> list[dict]:
     """The softcap builds of the shipped softcap config at (D 64, full), (D 96, causal) and
     (D 128, causal): warp_stm2's cases are (64, 96, 128) x (full, causal)."""
@@ -180,6 +197,14 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     ok, reason = bwd_can_implement(BwdConfig(dq_mode="warp", dq_handoff="cluster"), 128,
                                    torch.bfloat16)  # fmt: skip
     assert not ok and "dq_handoff 'cluster' not in" in reason
+    # The scale out of dS and LSE / D in registers are "sdp_t" mechanisms; the registers
+    # take 64-row tiles.
+    for field in ("scale_out", "stats_regs"):
+        ok, reason = bwd_can_implement(replace(wide, **{field: True}), 256, torch.bfloat16)
+        assert not ok and f"{field} True" in reason and "need layout 'sdp_t'" in reason
+    ok, reason = bwd_can_implement(replace(warp128, stats_regs=True), 64, torch.bfloat16)
+    assert not ok and "stats_regs needs tile_m 64 (registers), not 128" in reason
+    assert bwd_can_implement(replace(warp128, scale_out=True), 64, torch.bfloat16) == (True, "")
 
 
 def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
@@ -289,6 +314,31 @@ def test_bwd_dq_routes_compile(dq_route_probes) -> None:
         _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
+    """scale_out drops the softmax-scale multiply of every dS^T element (TILE_M / 2 per thread
+    and row block) and adds D / 2 on dK's epilogue, softcap builds included (their tanh per
+    score kept); stats_regs issues every LSE / D load of the row block (TILE_M / 8 v2 loads
+    each) between S^T's wgmma and its wait, where the base issues none. Same wgmmas, 0 spills,
+    within 240 registers."""
+    by = {}
+    for r in ds_stats_probes:
+        c = r["config"]
+        by[(c["tile_m"], c["dq_split"], c["scale_out"], c["stats_regs"], r["softcap"])] = r
+    assert len(by) == 9 and all(r["causal"] for r in ds_stats_probes), sorted(by)
+    for (tm, split, sout, sreg, cap), r in by.items():
+        ptx, d, where = r["ptx"], r["head_dim"], _id(r)
+        assert d == (64 if tm == 128 else 128), where
+        assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(d, r["config"]), where
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
+        base = by[(tm, "d", False, False, cap)]
+        want = base["ptx"]["mul_f32"] + ((d - tm) // 2 if sout else 0)
+        if split == "d":
+            assert ptx["mul_f32"] == want, f"{where} {r['config']}: {ptx['mul_f32']} != {want}"
+        assert ptx["lds_under_gemm"] == (tm // 4 if sreg else 0), f"{where}: {ptx}"
+        assert ptx["tanh"] == base["ptx"]["tanh"] == (tm // 2 if cap else 0), where
 
 
 def test_bwd_wide_deterministic_and_softcap_compile(wide_probes) -> None:
@@ -501,9 +551,13 @@ def _kernel_contract(key, causal: bool):
         s = qh @ kh.transpose(-1, -2) * scale_log2  # (B, Hq, Nq, Nk), base 2
         s = s.masked_fill(~visibility_mask(nq, nk, causal=causal).to(s.device), float("-inf"))
         p = torch.exp2(s - lse_log2[:, :, :nq, None].double())  # +inf LSE: P = 0
-        ds = p * (doh @ vh.transpose(-1, -2) - dsum[:, :, :nq, None].double()) * scale
+        ds = p * (doh @ vh.transpose(-1, -2) - dsum[:, :, :nq, None].double())
+        dk_scale = scale  # scale_out: dS and the dQ accumulator without it, dK with it
+        if not key.cfg.scale_out:
+            ds, dk_scale = ds * scale, 1.0
         dq = ds @ kh  # (B, Hq, Nq, D)
-        dk.copy_((ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
+        dk_ = (ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2)
+        dk.copy_(dk_ * dk_scale)
         dv.copy_((p.transpose(-1, -2) @ doh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
         if key.cfg.dq_mode != "warp":
             dq_acc.copy_(dq.transpose(1, 2))
@@ -537,6 +591,9 @@ def _kernel_contract(key, causal: bool):
         (64, "warp", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic", True, True, (2, 90, 120, 4, 4, 64)),
         (64, "warp", False, True, (1, 70, 100, 4, 2, 256)),  # "dkv_t": the same host path
+        (128, "warp-m+sout", False, True, (2, 200, 130, 2, 1, 64)),  # dQ scaled by the host
+        (64, "warp+sout", False, False, (1, 64, 64, 2, 2, 128)),
+        (64, "atomic+sout", True, True, (2, 90, 120, 4, 4, 64)),
     ],
 )
 def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, deterministic, causal, shape):
@@ -548,9 +605,10 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
     from flashsuite.fa3 import bwd_host
 
     b, nq, nk, hq, hkv, d = shape
+    dq_mode, _, sout = dq_mode.partition("+")  # "+sout": scale_out
     dq_mode, _, split = dq_mode.partition("-")  # "warp-m": dq_split "m"
     cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, dq_split=split or "d",
-                    deterministic=deterministic)  # fmt: skip
+                    deterministic=deterministic, scale_out=sout == "sout")  # fmt: skip
     if d > 128:
         cfg = replace(bwd_config_for(d, torch.bfloat16, causal), deterministic=deterministic)
     key = bwd_host.BwdCompileKey(torch.float32, d, causal, cfg)
