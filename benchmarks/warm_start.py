@@ -75,7 +75,8 @@ def _cpu_step(step: str, head_dim: int, causal: bool) -> dict:
         mod, name, getter = bwd_host, "compile_backward", bwd_host.get_backward
         key = bwd_host.BwdCompileKey(bf16, head_dim, causal, bwd_config_for(head_dim, bf16, causal))
         acc = torch.zeros(1, 128, 1, head_dim)
-        args = (q, q, q, q, lse, lse, acc, q.clone(), q.clone(), 1.0, 1.0, None, None)
+        tensors = (q, q, q, q, lse, lse, acc, q.clone(), q.clone())
+        args = bwd_host.launch_args(key, tensors, 1.0, 0.0, (-1, -1), 128, 128)
     else:
         from flashsuite.fa3.configs import FP8_DTYPE, get_config
 

@@ -207,16 +207,30 @@ def preprocess(
     return lse_log2, dsum
 
 
-def _scalars(
-    key: BwdCompileKey, scale: float, softcap: float, window: tuple[int, int], nq: int, nk: int
+def launch_args(
+    key: BwdCompileKey,
+    tensors: tuple,
+    scale: float,
+    softcap: float,
+    window: tuple[int, int],
+    nq: int,
+    nk: int,
+    sem: torch.Tensor | None = None,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple:
-    """(scale_log2, scale, softcap_pre, window_left, window_right) of a launch (None where the
-    build has no such parameter). An unbounded window side becomes a bound no row reaches
-    (nq + nk + 1: the totals of packed sequences); causal is right = 0."""
+    """Every parameter of a backward binary in its order (compile_backward's signature: the
+    trailing optional ones are parameters of every build, passed as None where unused):
+    `tensors` = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv), scale_log2, scale, the dQ turn
+    counters, softcap_pre, window_left, window_right, cu_seqlens_q, cu_seqlens_k. An unbounded
+    window side becomes a bound no row reaches (nq + nk + 1: the totals of packed sequences);
+    causal is right = 0."""
     if key.softcap != (softcap > 0):
         raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
     if not key.local and tuple(window) != (-1, -1):
         raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
+    if key.varlen != (cu_seqlens is not None):
+        raise ValueError(f"fa3 backward: cu_seqlens given: {cu_seqlens is not None}, key varlen "
+                         f"{key.varlen}")  # fmt: skip
     scale_log2, softcap_pre = scale * LOG2E, None
     if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
         scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
@@ -224,7 +238,7 @@ def _scalars(
     if key.local:
         _, _, left, right = kernel_scalars(scale, 0.0, window, key.causal, nq, nk)
         win = (left, right)
-    return scale_log2, scale, softcap_pre, *win
+    return (*tensors, scale_log2, scale, sem, softcap_pre, *win, *(cu_seqlens or (None, None)))
 
 
 def run_backward(
@@ -257,8 +271,8 @@ def run_backward(
     if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
         b, hq, nq_pad = lse_log2.shape
         sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
-    scalars = _scalars(key, scale, softcap, window, q.shape[1], k.shape[1])
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], sem, *scalars[2:])
+    tensors = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv)
+    fn(*launch_args(key, tensors, scale, softcap, window, q.shape[1], k.shape[1], sem))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if cfg.dq_mode == "warp":
@@ -328,7 +342,6 @@ def run_varlen_backward(
     if not key.varlen:
         raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
     total_q, hq, d = q.shape
-    scalars = _scalars(key, scale, softcap, window, total_q, k.shape[0])
     tile_m = key.cfg.tile_m
     dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
     rows_pad = lse_log2.shape[1]
@@ -340,8 +353,9 @@ def run_varlen_backward(
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads  # (total_q, Hq, D), (total_k, Hkv, D) x 2
     fn = get_backward(key)
-    fn(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, *scalars[:2], None, *scalars[2:],
-       cu_seqlens_q, cu_seqlens_k)  # fmt: skip
+    tensors = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv)
+    cu = (cu_seqlens_q, cu_seqlens_k)
+    fn(*launch_args(key, tensors, scale, softcap, window, total_q, k.shape[0], None, cu))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if cfg.dq_mode != "warp":

@@ -531,6 +531,69 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> No
                                      torch.float32, split), dq)  # fmt: skip
 
 
+_SIGNATURE_KEYS = [
+    ("plain", 64, True, {}),
+    ("softcap-local", 128, False, dict(softcap=True, local=True)),
+    ("deterministic", 64, True, dict(deterministic=True)),
+    ("varlen", 64, True, dict(varlen=True)),
+]
+
+# Run in a child process: the CuTe DSL reads CUTE_DSL_ARCH at import, and only a binary built
+# with it set calls its argument check on a machine without the GPU.
+_SIGNATURE_CHILD = """
+import json, re, sys
+from dataclasses import replace
+import torch
+from flashsuite.fa3 import bwd_host
+from flashsuite.fa3.bwd_configs import bwd_config_for
+d, causal, flags = json.loads(sys.argv[1])
+cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False))
+if flags.get("deterministic"):
+    cfg = replace(cfg, deterministic=True)
+key = bwd_host.BwdCompileKey(torch.bfloat16, d, causal, cfg, local=flags.get("local", False),
+                             softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+t = torch.zeros(2, 2)
+args = bwd_host.launch_args(
+    key, (t,) * 9, 0.125, 30.0 if key.softcap else 0.0, (64, 0) if key.local else (-1, -1),
+    100, 100, t if cfg.deterministic else None, (t, t) if key.varlen else None)
+try:
+    bwd_host.compile_backward(key)(*args)
+    message = ""
+except ValueError as e:
+    message = str(e)
+print(json.dumps({"message": message, "none": [a is None for a in args]}))
+"""
+
+
+@pytest.mark.parametrize(
+    "name, d, causal, flags", _SIGNATURE_KEYS, ids=[k[0] for k in _SIGNATURE_KEYS]
+)
+def test_binary_takes_launch_args(name, d, causal, flags) -> None:
+    """The compiled binary's parameter list (as the DSL's argument check prints it when it
+    refuses the first argument, before anything touches a device) against what
+    `bwd_host.launch_args` passes: the same parameters in the same order, None exactly where
+    the build has no such parameter.
+    The stand-ins of the host-path tests take that list too, so they cannot drift from the
+    binary unseen."""
+    import re
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "FLASHSUITE_CACHE_DIR": "off"}
+    cmd = [sys.executable, "-c", _SIGNATURE_CHILD, json.dumps([d, causal, flags])]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "when calling" in result["message"], result["message"][-2000:]
+    params = re.search(r"__call__\((.*)\)`", result["message"]).group(1)
+    found = re.findall(r"(\w+): (Tensor\(\[[^]]*\], \w+\)|\w+)", params)
+    names = [n for n, _ in found]
+    assert len(found) == len(result["none"]), (names, len(result["none"]))
+    assert names[9:] == ["scale_log2", "scale", "mSem", "softcap_pre", "window_left",
+                         "window_right", "mCuSeqlensQ", "mCuSeqlensK"], names  # fmt: skip
+    kinds_none = [kind == "None" for _, kind in found]
+    assert kinds_none == result["none"], list(zip(names, kinds_none, result["none"], strict=True))
+
+
 def _kernel_contract(key, causal: bool):
     """A stand-in for the compiled backward that keeps its argument contract, in float64 torch:
     it reads only what the host hands it (lse_log2 with +inf rows, dsum, the scales) and writes
@@ -540,9 +603,10 @@ def _kernel_contract(key, causal: bool):
     from flashsuite.fa3.bwd_configs import dq_tile_modes
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
-            window_left, window_right):  # fmt: skip
+            window_left, window_right, cu_seqlens_q, cu_seqlens_k):  # fmt: skip
         assert softcap_pre is None and (sem is None) == (not key.cfg.deterministic)
         assert window_left is None and window_right is None
+        assert cu_seqlens_q is None and cu_seqlens_k is None
         b, nq, hq, d = q.shape
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
