@@ -455,8 +455,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 bwd: D (rowsum dO*O) ignored",
         FA3_BWD,
-        "acc_dP[i] = acc_P[i] * (acc_dP[i] - sD[tScS[i][1], stage]) * scale",
-        "acc_dP[i] = acc_P[i] * acc_dP[i] * scale",
+        "ds = p * (dp - d)",
+        "ds = p * dp",
         OWN,
     ),
     Mutant(
