@@ -199,30 +199,9 @@ class BwdDkvT:
                 self.gemm_ss(mma_sdp, acc_S, tSrQ[None, None, None, s], tSrK, False)
                 pipe_do.consumer_wait(do_state, pipe_do.consumer_try_wait(do_state))
                 self.gemm_ss(mma_sdp, acc_dP, tSrdO[None, None, None, sd], tSrV, False)
-                probs_args = (
-                    tScS,
-                    lse_i,
-                    0,
-                    masked,
-                    n_block,
-                    m_block,
-                    seqlen_k,
-                    shift,
-                    scale_log2,
-                    win,
-                )
-                if const_expr(self.OVERLAP):
-                    # P while dP's wgmma runs, then dS.
-                    warpgroup.wait_group(1)
-                    self.probs(acc_S, *probs_args, None, softcap_pre)
-                    self.pack(acc_S, rP)
-                    warpgroup.wait_group(0)
-                    self.dscores(acc_S, acc_dP, tScS, d_i, 0, scale)
-                else:  # S and dP retire together; P and dS in one loop
-                    warpgroup.wait_group(0)
-                    self.probs(acc_S, *probs_args, (acc_dP, d_i, scale), softcap_pre)
-                    self.pack(acc_S, rP)
-                self.pack(acc_dP, rdS)
+                probs_args = (tScS, lse_i, 0, masked, n_block, m_block, seqlen_k, shift,
+                              scale_log2, win)  # fmt: skip
+                self.probs_and_dscores(acc_S, acc_dP, probs_args, d_i, scale, softcap_pre, rP, rdS)
                 # One buffer: every WG has retired the previous block's dV^T, dQ and dK^T (the
                 # readers of sP and sdS) before either is rewritten. Two: the previous block's
                 # DS_READY already ordered it.

@@ -1,7 +1,7 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, SCALE_OUT and STATS_REGS."""
+TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT and STATS_REGS."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -152,6 +152,29 @@ class BwdSteps:
         SCALE_OUT: without the scale; STATS_REGS: sD is `load_rows`' view)."""
         for i in cutlass.range_constexpr(cute.size(acc_P)):
             acc_dP[i] = self._ds(acc_P[i], acc_dP[i], self._row(sD, tScS, i, stage), scale)
+
+    @cute.jit
+    def probs_and_dscores(
+        self, acc_S: cute.Tensor, acc_dP: cute.Tensor, probs_args: tuple, sD, scale: Float32,
+        softcap_pre, rP: cute.Tensor, rdS: cute.Tensor,
+    ):  # fmt: skip
+        """P into acc_S and its 16-bit operand rP, dS into acc_dP and rdS, once the S and dP
+        wgmmas issued last (in that order) retire. OVERLAP: P while dP's wgmma still runs, then
+        dS; otherwise both retire first and P and dS come out of one loop. `probs_args`:
+        `probs`' (tScS, sLSE, stage, masked, n_block, m_block, seqlen_k, shift, scale_log2,
+        win); sD is read at the same stage."""
+        tScS, stage = probs_args[0], probs_args[2]
+        if const_expr(self.OVERLAP):
+            warpgroup.wait_group(1)
+            self.probs(acc_S, *probs_args, None, softcap_pre)
+            self.pack(acc_S, rP)
+            warpgroup.wait_group(0)
+            self.dscores(acc_S, acc_dP, tScS, sD, stage, scale)
+        else:
+            warpgroup.wait_group(0)
+            self.probs(acc_S, *probs_args, (acc_dP, sD, scale), softcap_pre)
+            self.pack(acc_S, rP)
+        self.pack(acc_dP, rdS)
 
     @cute.jit
     def pack(self, acc: cute.Tensor, frag: cute.Tensor):

@@ -121,30 +121,10 @@ class BwdSdpT:
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
                 if const_expr(self.STATS_REGS):
                     d_i = self.load_rows(sD, tScS, s, False)
-                probs_args = (
-                    tScS,
-                    lse_i,
-                    s,
-                    masked,
-                    n_block,
-                    m_block,
-                    seqlen_k,
-                    shift,
-                    scale_log2,
-                    win,
-                )
-                if const_expr(self.OVERLAP):
-                    # P^T while dP^T's wgmma runs, then dS^T.
-                    warpgroup.wait_group(1)
-                    self.probs(acc_S, *probs_args, None, softcap_pre)
-                    self.pack(acc_S, tdVrP)
-                    warpgroup.wait_group(0)
-                    self.dscores(acc_S, acc_dP, tScS, d_i, s, scale)
-                else:  # S^T and dP^T retire together; P^T and dS^T in one loop
-                    warpgroup.wait_group(0)
-                    self.probs(acc_S, *probs_args, (acc_dP, d_i, scale), softcap_pre)
-                    self.pack(acc_S, tdVrP)
-                self.pack(acc_dP, tdKrdS)
+                probs_args = (tScS, lse_i, s, masked, n_block, m_block, seqlen_k, shift,
+                              scale_log2, win)  # fmt: skip
+                self.probs_and_dscores(acc_S, acc_dP, probs_args, d_i, scale, softcap_pre,
+                                       tdVrP, tdKrdS)  # fmt: skip
                 # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
                 # before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
                 # touched (read included) until a wait_group has retired it. With two sdS
