@@ -25,6 +25,21 @@ status=0
   echo "commit $FLASHSUITE_COMMIT, $(date -u +%FT%TZ)"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>/dev/null
 } | tee "$out/machine.txt"
+# One fa3 kernel's GPU part: the test FILE (junit XML and log as NAME), then the tests matching
+# FILTER under compute-sanitizer memcheck (any out-of-bounds access fails), then
+# benchmarks/decode_bench.py BENCH_FLAG (JSON in OUTDIR/NAME-bench).
+tests_memcheck_bench() {
+  local name=$1 file=$2 filter=$3 bench_flag=$4
+  python3 -m pytest "$file" -v -rfEs -p no:cacheprovider --junitxml "$out/$name.xml" 2>&1 \
+    | tee "$out/$name.log" || status=1
+  FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
+    compute-sanitizer --tool memcheck --error-exitcode 1 \
+    python3 -m pytest "$file" -q -p no:cacheprovider -k "$filter" \
+    > "$out/sanitize-$name.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-$name.log" | tail -12
+  python3 benchmarks/decode_bench.py --out "$out/$name-bench" "$bench_flag" 2>&1 \
+    | tee "$out/$name-bench.log" || status=1
+}
 for part in $parts; do
   case $part in
     check)
@@ -134,47 +149,21 @@ for part in $parts; do
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAIL" "$out/sanitize-bwd-$tool.log" | tail -8
       done ;;
     varlen)
-      # fa3's varlen forward: its GPU tests (per-sequence oracle, NaN guard rows around out
-      # and lse, one binary for every batch composition, autograd through fa2's backward),
-      # then the same under compute-sanitizer memcheck (any out-of-bounds access fails), then
-      # the forward beside fa2's varlen, fa3 dense and SDPA cuDNN (decode_bench --varlen).
-      python3 -m pytest tests/test_fa3_varlen.py -v -rfEs -p no:cacheprovider \
-        --junitxml "$out/varlen.xml" 2>&1 | tee "$out/varlen.log" || status=1
-      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
-        compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest tests/test_fa3_varlen.py -q -p no:cacheprovider -k "gpu and not large" \
-        > "$out/sanitize-varlen.log" 2>&1 || status=1
-      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen.log" | tail -12
-      python3 benchmarks/decode_bench.py --out "$out/varlen-bench" --varlen 2>&1 \
-        | tee "$out/varlen-bench.log" || status=1 ;;
+      # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
+      # for every batch composition, autograd through fa2's backward; timed beside fa2's
+      # varlen, fa3 dense and SDPA cuDNN.
+      tests_memcheck_bench varlen tests/test_fa3_varlen.py "gpu and not large" --varlen ;;
     varlen-bwd)
-      # fa3's own varlen backward: its GPU tests (per-sequence oracle with NaN guard rows
-      # around the inputs and dq / dk / dv, random batch compositions, autograd through
-      # dispatch with FLASHSUITE_FA3_VARLEN_BWD=1, 64k mixed tokens against fa2's error), the
-      # same under compute-sanitizer memcheck, then fwd + bwd beside fa2's varlen and SDPA's
-      # dense backends (decode_bench --varlen-bwd).
-      python3 -m pytest tests/test_fa3_varlen_bwd.py -v -rfEs -p no:cacheprovider \
-        --junitxml "$out/varlen-bwd.xml" 2>&1 | tee "$out/varlen-bwd.log" || status=1
-      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
-        compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest tests/test_fa3_varlen_bwd.py -q -p no:cacheprovider \
-        -k "gpu and not large and not random" > "$out/sanitize-varlen-bwd.log" 2>&1 || status=1
-      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-varlen-bwd.log" | tail -12
-      python3 benchmarks/decode_bench.py --out "$out/varlen-bwd-bench" --varlen-bwd 2>&1 \
-        | tee "$out/varlen-bwd-bench.log" || status=1 ;;
+      # fa3's own varlen backward: per-sequence oracle with NaN guard rows around the inputs
+      # and dq / dk / dv, random batch compositions, autograd through dispatch with
+      # FLASHSUITE_FA3_VARLEN_BWD=1, 64k mixed tokens against fa2's error; fwd + bwd timed
+      # beside fa2's varlen and SDPA's dense backends.
+      tests_memcheck_bench varlen-bwd tests/test_fa3_varlen_bwd.py \
+        "gpu and not large and not random" --varlen-bwd ;;
     kvcache)
-      # fa3's split-KV decode: its GPU tests (per-row oracle, NaN in unused cache slots and
-      # spare pages, NaN guard rows around out and lse), the same under compute-sanitizer
-      # memcheck, then the decode sweep beside fa2 and SDPA (decode_bench --decode).
-      python3 -m pytest tests/test_fa3_kvcache.py -v -rfEs -p no:cacheprovider \
-        --junitxml "$out/kvcache.xml" 2>&1 | tee "$out/kvcache.log" || status=1
-      FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-540}" \
-        compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest tests/test_fa3_kvcache.py -q -p no:cacheprovider -k "gpu_decode" \
-        > "$out/sanitize-kvcache.log" 2>&1 || status=1
-      grep -E "ERROR SUMMARY|Invalid|passed|failed" "$out/sanitize-kvcache.log" | tail -12
-      python3 benchmarks/decode_bench.py --out "$out/kvcache-bench" --decode 2>&1 \
-        | tee "$out/kvcache-bench.log" || status=1 ;;
+      # fa3's split-KV decode: per-row oracle, NaN in unused cache slots and spare pages, NaN
+      # guard rows around out and lse; the decode sweep beside fa2 and SDPA.
+      tests_memcheck_bench kvcache tests/test_fa3_kvcache.py "gpu_decode" --decode ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \
