@@ -207,6 +207,14 @@ def preprocess(
     return lse_log2, dsum
 
 
+def check_key(key: BwdCompileKey, softcap: float, window: tuple[int, int]) -> None:
+    """A launch's softcap and window against what `key` was built for (before any work)."""
+    if key.softcap != (softcap > 0):
+        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
+    if not key.local and tuple(window) != (-1, -1):
+        raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
+
+
 def launch_args(
     key: BwdCompileKey,
     tensors: tuple,
@@ -223,14 +231,7 @@ def launch_args(
     `tensors` = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv), scale_log2, scale, the dQ turn
     counters, softcap_pre, window_left, window_right, cu_seqlens_q, cu_seqlens_k. An unbounded
     window side becomes a bound no row reaches (nq + nk + 1: the totals of packed sequences);
-    causal is right = 0."""
-    if key.softcap != (softcap > 0):
-        raise ValueError(f"fa3 backward: softcap {softcap} with a key built for {key.softcap}")
-    if not key.local and tuple(window) != (-1, -1):
-        raise ValueError(f"fa3 backward: window {tuple(window)} with a key built without one")
-    if key.varlen != (cu_seqlens is not None):
-        raise ValueError(f"fa3 backward: cu_seqlens given: {cu_seqlens is not None}, key varlen "
-                         f"{key.varlen}")  # fmt: skip
+    causal is right = 0. `check_key` has vetted softcap and window against the key."""
     scale_log2, softcap_pre = scale * LOG2E, None
     if key.softcap:  # tanh takes scale / softcap; exp2's scale becomes softcap * log2(e)
         scale_log2, softcap_pre = softcap * LOG2E, scale / softcap
@@ -258,6 +259,7 @@ def run_backward(
     other than (-1, -1) one built with local=True."""
     if key.varlen:
         raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
+    check_key(key, softcap, window)
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     b, nq, hq, d = q.shape
     if key.cfg.dq_mode == "warp":  # row blocks in dq_tile_layout order
@@ -341,6 +343,7 @@ def run_varlen_backward(
     memory around them) instead of new tensors."""
     if not key.varlen:
         raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
+    check_key(key, softcap, window)
     total_q, hq, d = q.shape
     tile_m = key.cfg.tile_m
     dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)

@@ -594,6 +594,24 @@ def test_binary_takes_launch_args(name, d, causal, flags) -> None:
     assert kinds_none == result["none"], list(zip(names, kinds_none, result["none"], strict=True))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_launch_refuses_options_the_key_lacks(varlen) -> None:
+    """A softcap or a window the binary was not built for is refused before any work (the
+    tensors are never touched: empty stand-ins)."""
+    from flashsuite.fa3 import bwd_host
+
+    key = bwd_host.BwdCompileKey(
+        torch.bfloat16, 64, False, bwd_config_for(64, torch.bfloat16, False), varlen=varlen
+    )
+    t = torch.empty(0)
+    run = bwd_host.run_varlen_backward if varlen else bwd_host.run_backward
+    extra = (t, t) if varlen else ()
+    with pytest.raises(ValueError, match=r"softcap 30\.0 with a key built for False"):
+        run(key, t, t, t, t, t, t, *extra, 0.125, 30.0)
+    with pytest.raises(ValueError, match=r"window \(64, 0\) with a key built without one"):
+        run(key, t, t, t, t, t, t, *extra, 0.125, 0.0, (64, 0))
+
+
 def _kernel_contract(key, causal: bool):
     """A stand-in for the compiled backward that keeps its argument contract, in float64 torch:
     it reads only what the host hands it (lse_log2 with +inf rows, dsum, the scales) and writes
