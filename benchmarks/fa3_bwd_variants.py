@@ -4,13 +4,13 @@
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
 one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
-"pipe128" at D = 64, "warp_stm2" its softcap build; "pipe128_dqm", "pipe_wgdq", "pipe128_wgdq"
-and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward (dq_split, dq_handoff;
-docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants take the softmax scale
-out of dS (scale_out), the "_sreg" ones load LSE and D into registers under the S^T / dP^T
-wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers spill). (The "bulk" dQ
-mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and
-removed: docs/results.md.)
+"pipe128_dqm" at D = 64, "warp_stm2" its softcap build; "pipe128_dqm", "pipe_wgdq",
+"pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
+(dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
+take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
+under the S^T / dP^T wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers
+spill). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early"
+order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations

@@ -19,12 +19,13 @@ BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # Builds (head_dim, feature) that compile spill-free and pass the CPU checks but have not yet run
 # on a GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
-# (interface.backward_opt_in), fa2's otherwise. On the H200 (commit e4c4cc5) D 96 and 192 passed
-# every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
-# included), D 256 the variant set (no softcap case); at commit 8d3abdf the deterministic
-# builds at D 192 and 256 passed the variant set (7 cases each; windows are refused by design)
-# and those at D 96, 192 and 256 were bitwise stable over 10 runs and correct (causal GQA).
-BWD_UNVERIFIED = ((256, "softcap"),)
+# (interface.backward_opt_in), fa2's otherwise. Empty: on the H200 (commit e4c4cc5) D 96 and 192
+# passed every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
+# included), D 256 the variant set; at commit 8d3abdf the deterministic builds at D 192 and 256
+# passed the variant set (7 cases each; windows are refused by design) and those at D 96, 192
+# and 256 were bitwise stable over 10 runs and correct (causal GQA); at commit 63c3300 D 256
+# passed its 9 dispatch cases, softcap 30 (700 x 513, causal) and a 128/64 window among them.
+BWD_UNVERIFIED: tuple[tuple[int, str], ...] = ()
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
 # (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
@@ -36,11 +37,14 @@ BWD_DEFAULT_ON = True
 
 # Whether dispatch differentiates fa3's varlen forward with fa3's own varlen backward
 # (bwd_varlen.py: the same kernel and configs on a virtual column-block grid) without being
-# asked (FLASHSUITE_FA3_VARLEN_BWD=1 asks, =0 refuses, as does FLASHSUITE_FA3_BWD=0). Off:
-# its 18 GPU oracle cases (tests/test_fa3_varlen_bwd.py) pass on the H200 (commit cec8779), but
-# its speed against fa2's varlen backward (benchmarks/decode_bench.py --varlen-bwd) and its
-# memcheck have not run; fa2's varlen backward differentiates fa3's varlen forward until then.
-VARLEN_BWD_AUTO = False
+# asked (FLASHSUITE_FA3_VARLEN_BWD=1 asks, =0 refuses, as does FLASHSUITE_FA3_BWD=0). On: its 18
+# GPU oracle cases (tests/test_fa3_varlen_bwd.py) pass on the H200 (commit cec8779), its
+# compute-sanitizer memcheck is clean (commit 63c3300), and benchmarks/decode_bench.py
+# --varlen-bwd timed its backward at 1.52x / 1.63x fa2's varlen backward at D = 64 (non-causal /
+# causal) and 1.37x / 1.83x at D = 128 (64k tokens in 35 sequences of mean 2048, H 16), 1.22x
+# at mean 512 (D = 64, 134 sequences); in TFLOP/s 0.88-0.97x SDPA cuDNN's dense backward over
+# the same tokens cut into equal sequences, 0.76x at mean 512 (docs/inference.md).
+VARLEN_BWD_AUTO = True
 
 
 @dataclass(frozen=True)
@@ -223,8 +227,15 @@ def bwd_config_for(
     through dispatch and pipe128 through its variant run, one device session, commit 67913ca;
     0.97-1.07x cuDNN); they
     passed the variant oracle cases at D = 64 (one block, fp16 causal GQA with Nq != Nk, causal
-    MQA at 513 x 700, strided). Softcap builds keep the serial issue order (dS needs tanh' from
-    the P loop) and 64-row tiles.
+    MQA at 513 x 700, strided). With those tiles D = 64 splits dQ = dS K by rows (dq_split "m":
+    each warpgroup one m64n64 atom over its own 64 rows of sdS, not two m64n32 over all 128):
+    variant pipe128_dqm took N = 4k / 16k from 432 / 470 to 456 / 494 and causal from 377 / 464
+    to 396 / 485 (+4.5-5.4 %; 1.06-1.13x SDPA cuDNN, 0.88-0.94x FA4's SM90 backward, all timed
+    in one run, commit 63c3300); handing sdQ over per warpgroup on top (pipe128_dqm_wgdq: 450 /
+    497 / 397 / 483) or scaling outside the loop (pipe128_dqm_sout: 464 / 494 / 386 / 480) gained
+    nothing consistent. Softcap builds keep the serial issue order (dS needs tanh' from the P
+    loop) and 64-row tiles. At D = 128 neither pipe_wgdq (507 / 523 / 437 / 556) nor
+    pipe_sout_sreg (484 / 506 / 400 / 505) beat the shipped tiles (526 / 561 / 443 / 545).
 
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
@@ -235,8 +246,10 @@ def bwd_config_for(
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     if head_dim > 128:
         return _bwd_wide_config(head_dim, softcap)
+    wide_m = head_dim == 64 and not softcap
     return BwdConfig(
-        tile_m=128 if head_dim == 64 and not softcap else 64,
+        tile_m=128 if wide_m else 64,
+        dq_split="m" if wide_m else "d",
         tile_n=128,
         stages=2,
         dq_mode="warp",

@@ -167,7 +167,7 @@ def get_config(
 ) -> Fa3Config:
     """The shipped config for (head_dim, dtype, causal), and for non-causal D = 64 the key length
     `seqlen_k` (None: a long one). fp16 and bf16 share tiles (same bytes); float8_e4m3fn takes
-    `FP8_CONFIGS` (any key length).
+    `FP8_CONFIGS`, with V transposed in shared memory up to FP8_SMEM_VT_MAX_SEQLEN_K keys.
 
     16-bit tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
     (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
@@ -203,6 +203,8 @@ def get_config(
                plain
     """
     if dtype == FP8_DTYPE:
+        if fp8_vt_in_smem(head_dim, seqlen_k):
+            return fp8_smem_transpose_config(head_dim, causal)
         return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
     if not causal:
@@ -297,10 +299,31 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
     return FP8_CONFIGS[head_dim]
 
 
+# Who transposes fp8 V (wgmma's B operand must be K-major: Vᵀ), per head_dim: the kernel, in
+# shared memory (v_transpose="smem"), for key lengths up to this (None: any), else the host
+# (one more pass over V before the launch). On the H200 (commit 63c3300,
+# `benchmarks/fa3_fp8_check --vt`, B·N = 16k, Hq·D = 2048) smem / host time of the whole call at
+# N = 4k / 16k, non-causal and causal:
+#     D = 64   1.14 / 1.02, causal 1.26 / 1.08   (smem at every length)
+#     D = 128  1.16 / 0.98, causal 1.35 / 1.04   (commit 8d3abdf)
+#     D = 256  1.03 / 0.86, causal 1.23 / 0.90   (tile_n 64 with the Vᵀ ring, 96 without)
+# The host's pass costs O(N D) against the kernel's O(N² D), so its share shrinks with N; the
+# crossover lies between the measured 4k and 16k, and the boundaries split that range. D = 96 and
+# 192 are not measured and keep the host copy.
+FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 8192, 256: 4096}
+
+
+def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None) -> bool:
+    """Whether the fp8 forward transposes V in shared memory for `seqlen_k` keys (None: long)."""
+    if head_dim not in FP8_SMEM_VT_MAX_SEQLEN_K:
+        return False
+    limit = FP8_SMEM_VT_MAX_SEQLEN_K[head_dim]
+    return limit is None or (seqlen_k is not None and seqlen_k <= limit)
+
+
 def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
     """The fp8 table's entry for (head_dim, causal) with V transposed in shared memory
-    (v_transpose="smem"), not shipped until the H200 shows it faster than the host copy
-    (`python -m benchmarks.fa3_fp8_check --out DIR --vt`).
+    (v_transpose="smem"; get_config takes it where fp8_vt_in_smem says so).
 
     The Vᵀ ring costs one more K/V-sized buffer. It fits beside the table's tiles at D <= 192
     (D = 128, tile_n 192: Q 16 + K, V, Vᵀ 3 x 2 x 24 + sO 32 = 192 KiB; D = 192, tile_n 128:
@@ -356,11 +379,12 @@ def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]
 # KV-cache decode (decode.Fa3Decode)
 # ------------------------------------------------------------------------------------------------
 # Whether auto selection runs fa3 for `dispatch.attention_with_kvcache` on sm90 (else fa2's
-# Triton split-KV kernel). The GPU oracle tests of tests/test_fa3_kvcache.py pass on the H200
-# (commit cec8779) and benchmarks/decode_bench.py --decode --quick timed it at 1.0 / 1.57 /
-# 1.44x fa2 at B 1 and 4k / 32k / 128k keys; off until the larger batches (B 8 - 128) are timed
-# too. version="fa3" runs it meanwhile.
-KVCACHE_AUTO = False
+# Triton split-KV kernel). On: the GPU oracle tests of tests/test_fa3_kvcache.py pass on the H200
+# (commit cec8779) and under compute-sanitizer memcheck (commit 63c3300), and
+# benchmarks/decode_bench.py --decode (CUDA-graph replay, GQA 32/8, D = 128, commit 63c3300)
+# timed it at 1.00-1.52x fa2 over B 1 - 128 and 4k - 128k keys (paged, 64-token pages:
+# 1.07-1.37x fa2 paged) and 0.98-1.00x SDPA cuDNN at B >= 8 (0.74 / 0.87 / 0.94x at B = 1).
+KVCACHE_AUTO = True
 # (producer, consumer) setmaxnreg of the decode kernel: one producer and one consumer
 # warpgroup at one CTA per SM (FA3's split for a single MMA warpgroup).
 DECODE_REG_SPLIT = (56, 256)
@@ -434,10 +458,11 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
 
 
 def fp8_shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
-    """Every fp8 (head_dim, dtype, causal, config) the table returns."""
-    return [
-        (d, FP8_DTYPE, c, get_config(d, FP8_DTYPE, c)) for d in HEAD_DIMS for c in (False, True)
-    ]
+    """Every fp8 (head_dim, dtype, causal, config) of the table with V copied on the host (what
+    get_config returns past FP8_SMEM_VT_MAX_SEQLEN_K keys); its builds with V transposed in
+    shared memory are fp8_smem_transpose_config's (tests/test_fa3_fp8_compile.py compiles
+    both)."""
+    return [(d, FP8_DTYPE, c, _fp8_tiles(d, c)) for d in HEAD_DIMS for c in (False, True)]
 
 
 def _overlap(cfg: Fa3Config) -> Fa3Config:

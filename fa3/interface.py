@@ -326,16 +326,17 @@ def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     route = {"warp": "a writer warp's bulk reduce", "atomic": "atomics"}
     issue = ", overlapped issue" if cfg.overlap else ""
     layout = ", P and dS through smem, dK^T / dV^T with D on M" if cfg.layout == "dkv_t" else ""
+    split = " (split by rows)" if cfg.dq_split == "m" else ""
     return True, (
         f"fa3 backward: {cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages, "
-        f"{cfg.num_mma_wgs} MMA WGs{layout}{issue}, dQ by {route[cfg.dq_mode]}{order}"
+        f"{cfg.num_mma_wgs} MMA WGs{layout}{issue}, dQ{split} by {route[cfg.dq_mode]}{order}"
     )
 
 
 def backward_opt_in(p: AttnParams) -> str:
     """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
     when it takes it by default: builds that compile and pass the CPU checks but have not yet
-    run on a GPU (bwd_configs.BWD_UNVERIFIED: softcap at D = 256)."""
+    run on a GPU (bwd_configs.BWD_UNVERIFIED; empty while every build has run)."""
     features = []
     if p.softcap > 0:
         features.append("softcap")

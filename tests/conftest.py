@@ -34,6 +34,26 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 GPU_MEMORY = pytest.mark.xdist_group("gpu_memory")
 
 
+# pytest-xdist: `-n N` without a --dist mode would schedule with "load", which ignores xdist
+# groups. Start from "loadgroup" instead, so that GPU_MEMORY holds however the suite is started:
+# the controller schedules by group, and each worker (which parses the original command line,
+# not the controller's options) is told to tag its tests with their group.
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    node.workerinput["flashsuite_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+def pytest_configure(config) -> None:
+    if getattr(config, "workerinput", {}).get("flashsuite_loadgroup"):
+        config.option.loadgroup = True
+
+
 def must_run(name: str) -> bool:
     """fa3 on an sm90 GPU with the CuTe DSL installed: unavailable there is a bug, not a skip."""
     if name != "fa3" or not HAS_CUDA or torch.cuda.get_device_capability() != (9, 0):

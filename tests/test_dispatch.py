@@ -82,7 +82,7 @@ def test_env_arch_override(monkeypatch) -> None:
         (96, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (96, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (256, {}, None, "fa3", "own backward: fa3 backward: 64x48 tiles"),
-        (256, {"softcap": 30.0}, None, "fa2", "head_dim 256 with softcap compiled but not yet"),
+        (256, {"softcap": 30.0}, None, "fa3", "own backward: fa3 backward: 64x48 tiles"),
         (256, {}, "1", "fa3", "own backward: fa3 backward: 64x48 tiles"),
         (192, {"causal": True}, "1", "fa3", "P and dS through smem, dK^T / dV^T with D on M"),
     ],
@@ -101,6 +101,30 @@ def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) ->
     assert (choice.version, choice.backward) == ("fa3", backward), text
     assert f"backward: {backward}" in text
     assert why in text, text
+
+
+def test_unverified_backward_build_runs_only_when_asked(monkeypatch) -> None:
+    """A (head_dim, feature) listed in bwd_configs.BWD_UNVERIFIED (compiled, not yet run on a
+    GPU) gets fa2's backward unless FLASHSUITE_FA3_BWD=1 asks for fa3's, and explain says why."""
+    from flashsuite.fa3 import interface
+
+    monkeypatch.setattr(interface, "BWD_UNVERIFIED", ((128, "softcap"),))
+    q, k, v = _qkv(d=128, requires_grad=True)
+    with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
+        for env, backward in ((None, "fa2"), ("1", "fa3")):
+            if env is None:
+                monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+            else:
+                monkeypatch.setenv("FLASHSUITE_FA3_BWD", env)
+            choice = dispatch.select(q, k, v, softcap=30.0)
+            text = dispatch.explain(q, k, v, softcap=30.0)
+            assert choice.backward == backward, text
+            if env is None:
+                assert "head_dim 128 with softcap compiled but not yet run" in text, text
+        monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+        assert dispatch.select(q, k, v, window_size=(8, 8)).backward == "fa3"  # no softcap
 
 
 def test_env_version_overrides_auto(monkeypatch) -> None:

@@ -47,7 +47,8 @@ CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
 CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue (not shipped)
 CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
-# V transposed in shared memory by the producer warpgroup (v_transpose="smem", not shipped).
+# V transposed in shared memory by the producer warpgroup (v_transpose="smem": get_config's
+# build up to configs.FP8_SMEM_VT_MAX_SEQLEN_K keys).
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
 CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
 
@@ -207,7 +208,7 @@ def test_fp8_table_entries_can_be_implemented(d: int, causal: bool) -> None:
 
 def test_fp8_limits_of_the_one_table() -> None:
     """What the fp8 branch cannot take, and why: sO on the fp8 sQ, P blocks under 32 keys."""
-    cfg = get_config(64, FP8_DTYPE, False)
+    cfg = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
     for changed in (replace(cfg, o_alias_q=True), replace(cfg, tile_n=48)):
         assert can_implement(changed, 64, torch.bfloat16)[0]  # fine in 16 bits
     ok, reason = can_implement(replace(cfg, o_alias_q=True), 64, FP8_DTYPE)
@@ -216,6 +217,31 @@ def test_fp8_limits_of_the_one_table() -> None:
     assert not ok and "multiple of 32" in reason
     with pytest.raises(ValueError, match="fp8 head_dim 80"):
         get_config(80, FP8_DTYPE, False)
+
+
+def test_who_transposes_fp8_v_follows_the_key_length() -> None:
+    """get_config's fp8 build transposes V in shared memory up to FP8_SMEM_VT_MAX_SEQLEN_K keys
+    (at every length where that is None) and takes the host copy past it and at unmeasured
+    head dims; config_for passes the problem's key length."""
+    from flashsuite.fa3.configs import FP8_SMEM_VT_MAX_SEQLEN_K, fp8_smem_transpose_config
+
+    for d in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            limit = FP8_SMEM_VT_MAX_SEQLEN_K.get(d, 0)
+            for n in (1, 4096, 8192, 8193, 16384, 131072, None):
+                smem = limit is None or (limit > 0 and n is not None and n <= limit)
+                cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=n)
+                want = fp8_smem_transpose_config(d, causal) if smem else None
+                assert cfg.v_transpose == ("smem" if smem else "host"), (d, causal, n)
+                assert want is None or cfg == want
+                assert smem or cfg == fp8_shipped(d, causal)
+    assert FP8_SMEM_VT_MAX_SEQLEN_K[128] == 8192  # the measured crossovers: docs/fp8.md
+    assert config_for(_fp8_params(nk=4096)).v_transpose == "smem"
+    assert config_for(_fp8_params(nk=16384)).v_transpose == "host"
+
+
+def fp8_shipped(d: int, causal: bool):
+    return {(dd, c): cfg for dd, _, c, cfg in fp8_shipped_configs()}[d, causal]
 
 
 def test_one_compile_key_for_both_dtypes() -> None:
@@ -228,20 +254,20 @@ def test_one_compile_key_for_both_dtypes() -> None:
     assert len(set(keys)) == 3
     assert repr(keys[-1]).startswith("CompileKey(dtype=torch.float8_e4m3fn, head_dim=128, ")
     assert keys[-1].cfg != keys[0].cfg  # fp8 has its own table entry
-    assert config_for(_fp8_params()) == keys[-1].cfg  # and config_for reads it
+    assert config_for(_fp8_params(nk=16384)) == keys[-1].cfg  # and config_for reads it
 
 
-def _fp8_params(d: int = 128):
+def _fp8_params(d: int = 128, nk: int = 130):
     f8 = torch.float8_e4m3fn
     q = torch.zeros(2, 100, 4, d).to(f8)  # (B, Nq, Hq, D)
-    kv = torch.zeros(2, 130, 2, d).to(f8)  # (B, Nk, Hkv, D)
+    kv = torch.zeros(2, nk, 2, d).to(f8)  # (B, Nk, Hkv, D)
     return check_inputs(q, kv, kv, causal=True)
 
 
 def test_fp8_support_and_reasons() -> None:
     p = _fp8_params()
     ok, reason = interface.supports(p, 90)
-    cfg = get_config(p.head_dim, FP8_DTYPE, p.causal)
+    cfg = get_config(p.head_dim, FP8_DTYPE, p.causal, p.seqlen_k)
     assert ok and reason.startswith("fa3: fp8 e4m3 forward") and f"x{cfg.tile_n} tiles" in reason
     assert not interface.supports(p, None)[0]
     assert not interface.supports(p, 80)[0]
@@ -261,11 +287,14 @@ def test_transpose_v_layout() -> None:
 def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> None:
     """interface.forward on the CPU with the binary stubbed: both dtypes take the same path to
     one CompileKey and the binary's one calling convention (q, k, v, out, lse, three descales,
-    two cu_seqlens (None: dense), four scalars, the SM count); fp8 gets Vᵀ, bf16 O and (B, Hkv)
-    descales (ones for None)."""
+    two cu_seqlens (None: dense), four scalars, the SM count); fp8 gets Vᵀ (the host-copy build:
+    the table's shared-memory transpose turned off here), bf16 O and (B, Hkv) descales (ones
+    for None)."""
     from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3 import configs
 
     calls = []
+    monkeypatch.setattr(configs, "FP8_SMEM_VT_MAX_SEQLEN_K", {})
 
     def get_forward(key):
         return lambda *args: calls.append((key, args))
@@ -379,4 +408,7 @@ def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
     assert key.cfg == cfg and key.cfg.v_transpose == "smem"
     assert args[2] is v
     ok, reason = interface.supports(p, 90)
-    assert ok and "copied on the host" in reason  # the table still ships the host copy
+    assert ok and "Vᵀ in shared memory" in reason  # the table's pick for 56 keys at D = 128
+    kv_long = k[:, :1].expand(2, 16384, 2, 128)
+    long = check_inputs(q, kv_long, kv_long)
+    assert "Vᵀ copied on the host" in interface.supports(long, 90)[1]  # and for 16k

@@ -251,7 +251,9 @@ def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
     assert torch.equal(flat[5], kn[0, 0]), "the new token was not appended at cache_seqlens"
 
 
-def test_dispatch_runs_fa3_on_request_and_keeps_fa2_for_auto(stand_in, monkeypatch) -> None:
+def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
+    """Auto selection takes fa3's decode on sm90 (configs.KVCACHE_AUTO) and fa2's when the
+    switch is off, saying why; version="fa3" runs it either way; float32 is refused by name."""
     pytest.importorskip("triton")
     if not HAS_CUTLASS:
         pytest.skip("needs the CuTe DSL (fa3 planning)")
@@ -260,13 +262,13 @@ def test_dispatch_runs_fa3_on_request_and_keeps_fa2_for_auto(stand_in, monkeypat
     q = torch.randn(2, 1, 8, 64, dtype=BF16)
     kc = torch.zeros(2, 64, 2, 64, dtype=BF16)
     with override_arch(90):
+        assert dispatch.select_kvcache(q, kc, kc, cache_seqlens=3).version == "fa3"
+        monkeypatch.setattr(interface, "KVCACHE_AUTO_SELECT", False)
         text = dispatch.explain_kvcache(q, kc, kc, cache_seqlens=3)
         assert text.splitlines()[0].endswith("-> fa2"), text
         assert "fa3: no - fa3: split-KV decode kernel not in auto selection yet" in text, text
         choice = dispatch.select_kvcache(q, kc, kc, cache_seqlens=3, version="fa3")
         assert choice.version == "fa3" and "GQA packing" in str(choice), str(choice)
-        monkeypatch.setattr(interface, "KVCACHE_AUTO_SELECT", True)
-        assert dispatch.select_kvcache(q, kc, kc, cache_seqlens=3).version == "fa3"
         fp32 = dispatch.explain_kvcache(q.float(), kc.float(), kc.float(), cache_seqlens=3)
         assert "fa3: no" in fp32 and "float32" in fp32, fp32
         out = dispatch.attention_with_kvcache(q, kc, kc, cache_seqlens=3, version="fa3")

@@ -5,9 +5,10 @@ sm_90a (both loops, windows, softcap, the atomic dQ route) with the dense builds
 the sequence search's ballot and no spills; varlen is part of the backward's compile key; the
 preprocess writes every padded row (LSE in base 2, D = rowsum(dO·O), +inf / 0 on padding); the
 host path around a stand-in kernel that keeps the compiled one's argument contract (the padded
-LSE / D / dQ rows, cu_seqlens, window scalars of the totals); and dispatch's wiring: fa2's
-varlen backward by default (bwd_configs.VARLEN_BWD_AUTO off), fa3's own with
-FLASHSUITE_FA3_VARLEN_BWD=1, refused under FLASHSUITE_FA3_BWD=0 and deterministic algorithms.
+LSE / D / dQ rows, cu_seqlens, window scalars of the totals); and dispatch's wiring: fa3's
+own varlen backward by default (bwd_configs.VARLEN_BWD_AUTO), fa2's with that default off
+unless FLASHSUITE_FA3_VARLEN_BWD=1, refused under FLASHSUITE_FA3_BWD=0 and deterministic
+algorithms.
 On an sm90 GPU: dq, dk, dv against the per-sequence float64 oracle (common.testing.compare),
 written into views of NaN-filled buffers whose guard rows must stay NaN, inputs read from views
 with NaN guard rows; lengths 0 to 1000, Lq != Lk, GQA / MQA, causal, windows, softcap, every
@@ -191,7 +192,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
         # The tile order's offset of each (row, col): dq_from_tiles (checked against
         # dq_tile_modes by test_fa3_bwd_compile) applied to the offsets themselves.
         offsets = torch.arange(tm * d, dtype=torch.float64).view(1, 1, tm, d)
-        tile = dq_from_tiles(offsets, tm, tm, key.cfg.num_mma_wgs, torch.float64)
+        tile = dq_from_tiles(offsets, tm, tm, key.cfg.num_mma_wgs, torch.float64, key.cfg.dq_split)
         tile = tile.flatten().long()  # (tm * d,) in (row, col) order
         dq_acc.view(hq, -1, tm * d)[..., tile] = dq_pad.view(hq, -1, tm * d).float()
 
@@ -288,11 +289,11 @@ def stand_ins(monkeypatch):
 @needs_dsl
 @pytest.mark.skipif(HAS_CUDA, reason="CPU tensors planned as sm90; the GPU tests run the binary")
 def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypatch) -> None:
-    """version="fa3" with a gradient: fa2's varlen backward by default (VARLEN_BWD_AUTO off,
-    explain says why), fa3's own with FLASHSUITE_FA3_VARLEN_BWD=1 (through autograd, against the
-    oracle), fa2's again under FLASHSUITE_FA3_BWD=0 and under deterministic algorithms."""
+    """version="fa3" with a gradient: fa3's own varlen backward by default (VARLEN_BWD_AUTO),
+    fa2's with the default off (explain says why) unless FLASHSUITE_FA3_VARLEN_BWD=1 asks (then
+    fa3's, through autograd, against the oracle), fa2's again under FLASHSUITE_FA3_BWD=0 and
+    under deterministic algorithms."""
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.bwd_configs import VARLEN_BWD_AUTO
 
     options = dict(causal=True)
     seen = stand_ins(options)
@@ -302,10 +303,10 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
         with override_arch(90):
             return dispatch.select_varlen(q, k, v, cq, ck, 70, 66, version="fa3", **options)
 
+    assert choice().backward == "fa3", str(choice())
+    monkeypatch.setattr(interface, "OWN_VARLEN_BACKWARD_DEFAULT", False)
     c = choice()
-    assert c.backward == ("fa3" if VARLEN_BWD_AUTO else "fa2"), str(c)
-    if not VARLEN_BWD_AUTO:
-        assert "own varlen backward off by default" in str(c), str(c)
+    assert c.backward == "fa2" and "own varlen backward off by default" in str(c), str(c)
     monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")
     c = choice()
     assert c.backward == "fa3" and "own varlen backward: fa3 varlen backward" in str(c), str(c)

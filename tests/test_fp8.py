@@ -10,6 +10,8 @@ to FP8_FACTOR of an emulation of it (common/testing.py, FP8_ACC_BITS).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -163,9 +165,9 @@ def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: boo
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}-{c[6]}")
 def test_fa3_fp8_smem_transpose_build(case: tuple) -> None:
-    """fa3's fp8 build that transposes V in shared memory (Fa3Config.v_transpose="smem", not
-    the table's pick yet, so launched through fa3.interface with its config): within the e4m3
-    baseline as the shipped build is, and bit for bit the shipped build's output where both
+    """fa3's fp8 build that transposes V in shared memory (Fa3Config.v_transpose="smem", the
+    table's pick up to FP8_SMEM_VT_MAX_SEQLEN_K keys; launched through fa3.interface with its
+    config): within the e4m3 baseline, and bit for bit the host-Vᵀ build's output where both
     use the same tiles (the transpose moves bytes; the arithmetic is the same)."""
     if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
@@ -180,7 +182,7 @@ def test_fa3_fp8_smem_transpose_build(case: tuple) -> None:
     cfg = fp8_smem_transpose_config(d, causal)
     out, lse = interface.forward(q8, k8, v8, p, *ds, cfg=cfg)
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=True)
-    host = get_config(d, FP8_DTYPE, causal)
+    host = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
     if host.tile_n == cfg.tile_n:
         out_h, lse_h = interface.forward(q8, k8, v8, p, *ds, cfg=host)
         assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
