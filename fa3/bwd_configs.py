@@ -41,7 +41,7 @@ BWD_DEFAULT_ON = True
 # GPU oracle cases (tests/test_fa3_varlen_bwd.py) pass on the H200 (commit cec8779), its
 # compute-sanitizer memcheck is clean (commit 63c3300), and benchmarks/decode_bench.py
 # --varlen-bwd timed its backward at 1.52x / 1.63x fa2's varlen backward at D = 64 (non-causal /
-# causal) and 1.37x / 1.83x at D = 128 (64k tokens in 35 sequences of mean 2048, H 16), 1.22x
+# causal) and 1.37x / 1.88x at D = 128 (64k tokens in 35 sequences of mean 2048, H 16), 1.22x
 # at mean 512 (D = 64, 134 sequences); in TFLOP/s 0.88-0.97x SDPA cuDNN's dense backward over
 # the same tokens cut into equal sequences, 0.76x at mean 512 (docs/inference.md).
 VARLEN_BWD_AUTO = True

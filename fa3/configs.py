@@ -382,8 +382,8 @@ def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]
 # Triton split-KV kernel). On: the GPU oracle tests of tests/test_fa3_kvcache.py pass on the H200
 # (commit cec8779) and under compute-sanitizer memcheck (commit 63c3300), and
 # benchmarks/decode_bench.py --decode (CUDA-graph replay, GQA 32/8, D = 128, commit 63c3300)
-# timed it at 1.00-1.52x fa2 over B 1 - 128 and 4k - 128k keys (paged, 64-token pages:
-# 1.07-1.37x fa2 paged) and 0.98-1.00x SDPA cuDNN at B >= 8 (0.74 / 0.87 / 0.94x at B = 1).
+# timed it at 1.00-1.51x fa2 over B 1 - 128 and 4k - 128k keys (paged, 64-token pages:
+# 0.98-1.34x fa2 paged) and 0.98-1.00x SDPA cuDNN at B >= 8 (0.74 / 0.87 / 0.94x at B = 1).
 KVCACHE_AUTO = True
 # (producer, consumer) setmaxnreg of the decode kernel: one producer and one consumer
 # warpgroup at one CTA per SM (FA3's split for a single MMA warpgroup).

@@ -168,8 +168,8 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
         tm, (_, hq, d), hkv = key.cfg.tile_m, q.shape, k.shape[1]
         g = hq // hkv
         rows_pad = lse_log2.shape[1]
-        used = torch.zeros(rows_pad, dtype=torch.bool)
-        dq_pad = torch.zeros(hq, rows_pad, d, dtype=torch.float64)
+        used = torch.zeros(rows_pad, dtype=torch.bool, device=q.device)
+        dq_pad = torch.zeros(hq, rows_pad, d, dtype=torch.float64, device=q.device)
         for ((q0, q1), (k0, k1)), p0 in zip(_bounds(cu_q, cu_k), _pad_rows(cu_q, tm), strict=True):
             nq, nk = q1 - q0, k1 - k0
             used[p0 : p0 + nq] = True
@@ -177,7 +177,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
             kh, vh = (t[k0:k1].double().transpose(0, 1).repeat_interleave(g, 0) for t in (k, v))
             s = qh @ kh.transpose(-1, -2) * scale_log2  # (Hq, nq, nk), base 2
             vis = visibility_mask(nq, nk, causal=causal, window_size=window)
-            s = s.masked_fill(~vis, float("-inf"))
+            s = s.masked_fill(~vis.to(s.device), float("-inf"))
             lse_s, d_s = (t[:, p0 : p0 + nq, None].double() for t in (lse_log2, dsum))
             p = torch.exp2(s - lse_s)  # +inf LSE: P = 0
             ds = p * (doh @ vh.transpose(-1, -2) - d_s) * scale
@@ -191,7 +191,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
             return
         # The tile order's offset of each (row, col): dq_from_tiles (checked against
         # dq_tile_modes by test_fa3_bwd_compile) applied to the offsets themselves.
-        offsets = torch.arange(tm * d, dtype=torch.float64).view(1, 1, tm, d)
+        offsets = torch.arange(tm * d, dtype=torch.float64, device=q.device).view(1, 1, tm, d)
         tile = dq_from_tiles(offsets, tm, tm, key.cfg.num_mma_wgs, torch.float64, key.cfg.dq_split)
         tile = tile.flatten().long()  # (tm * d,) in (row, col) order
         dq_acc.view(hq, -1, tm * d)[..., tile] = dq_pad.view(hq, -1, tm * d).float()
