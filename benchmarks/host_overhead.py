@@ -1,6 +1,7 @@
 """Host time per call of `dispatch.attention`, per version: everything but the kernel.
 
     python -m benchmarks.host_overhead            # CPU: the kernels replaced by no-ops
+    python -m benchmarks.host_overhead --backward # CPU: also fa3's training step
     python -m benchmarks.host_overhead --gpu      # GPU: wall time minus the kernel's time
     python -m benchmarks.host_overhead --sdpa     # CPU: dispatch.sdpa vs F.sdpa, whole calls
 
@@ -43,6 +44,7 @@ def stubbed_kernels() -> Iterator[None]:
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
     from flashsuite.fa1 import kernels as fa1_kernels
     from flashsuite.fa2 import kernels as fa2_kernels
+    from flashsuite.fa3 import bwd_host
     from flashsuite.fa3 import compile as fa3_compile  # imports the CuTe DSL only to compile
 
     sm = type("Props", (), {"multi_processor_count": 132})
@@ -50,6 +52,8 @@ def stubbed_kernels() -> Iterator[None]:
         (fa1_kernels, "fa1_fwd_kernel", _NoKernel()),
         (fa2_kernels, "_attn_fwd", _NoKernel()),
         (fa3_compile, "get_forward", lambda key: lambda *args: None),
+        (bwd_host, "get_backward", lambda key: lambda *args: None),
+        (bwd_host, "bwd_preprocess", _stats_only),
         (torch.cuda, "get_device_properties", lambda device=None: sm),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
@@ -73,6 +77,16 @@ def _outputs_only(q, k, v, p, descale_q=None, descale_k=None, descale_v=None):
     """The outputs of a forward, uninitialised: out (B, Nq, Hq, Dv), lse (B, Hq, Nq)."""
     out = torch.empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim_v, dtype=p.out_dtype)
     return out, torch.empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32)
+
+
+def _step(out: torch.Tensor) -> None:
+    out.sum().backward()
+
+
+def _stats_only(out, dout, lse, rows):
+    """The fa3 backward preprocess's outputs (D and LSE, (B, Hq, rows) fp32), uninitialised."""
+    b, _, hq, _ = out.shape
+    return torch.empty(b, hq, rows), torch.empty(b, hq, rows)
 
 
 def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -112,20 +126,33 @@ def _tensors(device: str, dtype: torch.dtype, grad: bool) -> tuple[torch.Tensor,
     )
 
 
-def cpu_table(versions: tuple[str, ...], calls: int) -> list[tuple[str, float]]:
+def cpu_table(
+    versions: tuple[str, ...], calls: int, backward: bool = False
+) -> list[tuple[str, float]]:
     """Host µs per forward call of each version on CPU tensors, kernels stubbed, planning for
-    sm90."""
+    sm90. With `backward` (fa3 only: its backward binary and preprocess are the stubbed
+    kernels), also a forward on inputs that need a gradient, and a training step
+    (forward, `out.sum().backward()`)."""
     q, k, v = _tensors("cpu", torch.bfloat16, grad=False)
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     rows = []
-    with override_arch(90), stubbed_kernels(), torch.no_grad():
+    with override_arch(90), stubbed_kernels():
         for name in versions:
-            fn = lambda name=name: api.attention(q, k, v, version=name)
-            try:
-                fn()
-            except Exception as exc:  # a version that cannot run here: say why, keep going
-                print(f"{name}: skipped ({type(exc).__name__}: {exc})")
-                continue
-            rows.append((name, per_call_us(fn, calls, lambda: None)))
+            steps = [
+                (name, lambda name=name: _no_grad(lambda: api.attention(q, k, v, version=name)))
+            ]
+            if backward and name == "fa3":
+                steps += [
+                    ("fa3 fwd, grad", lambda: api.attention(qg, kg, vg, version="fa3")),
+                    ("fa3 fwd+bwd", lambda: _step(api.attention(qg, kg, vg, version="fa3"))),
+                ]
+            for label, fn in steps:
+                try:
+                    fn()
+                except Exception as exc:  # a version that cannot run here: say why, keep going
+                    print(f"{label}: skipped ({type(exc).__name__}: {exc})")
+                    continue
+                rows.append((label, per_call_us(fn, calls, lambda: None)))
     return rows
 
 
@@ -193,7 +220,9 @@ def _no_grad(fn: Callable[[], object]) -> object:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", action="store_true", help="time on the GPU (default: CPU, stubbed)")
-    ap.add_argument("--backward", action="store_true", help="GPU: also time forward + backward")
+    ap.add_argument(
+        "--backward", action="store_true", help="also time forward + backward (CPU: fa3 only)"
+    )
     ap.add_argument("--sdpa", action="store_true", help="CPU: dispatch.sdpa against F.sdpa")
     ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
     ap.add_argument("--calls", type=int, default=2000)
@@ -213,9 +242,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<16}" + "".join(f"{t:>10.1f}" for t in times))
     else:
         print("CPU host path, kernels stubbed, planning for sm90")
-        print(f"{'version':<10}{'host us':>10}")
-        for name, us in cpu_table(versions, args.calls):
-            print(f"{name:<10}{us:>10.1f}")
+        print(f"{'call':<16}{'host us':>10}")
+        for name, us in cpu_table(versions, args.calls, args.backward):
+            print(f"{name:<16}{us:>10.1f}")
 
 
 if __name__ == "__main__":

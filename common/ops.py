@@ -32,6 +32,7 @@ class AttentionOp:
 
     def __init__(self, name: str, forward: ForwardFn, backward: BackwardFn | None) -> None:
         self.name = name
+        self.forward_fn, self.backward_fn = forward, backward
         self.fwd = _define_forward(name, forward)
         self.bwd = _define_backward(name, backward) if backward is not None else None
         self.fwd.register_autograd(self._backward, setup_context=self._setup_context)
@@ -47,6 +48,16 @@ class AttentionOp:
         descale_v: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.fwd(q, k, v, *p.to_op_args(), descale_q, descale_k, descale_v)
+
+    def eager_autograd(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward op's result and autograd graph for 16-bit or float32 inputs, without the
+        op: the version's forward and backward called from a torch.autograd.Function. What the
+        dispatcher runs in eager mode on plain tensors (the custom op's autograd layer, its
+        argument defaults and its dynamo guard cost more host time than a small kernel); the
+        op stays the path of torch.compile, torch.export, tensor subclasses and modes."""
+        return _EagerAttention.apply(q, k, v, p, self)
 
     @staticmethod
     def _setup_context(ctx, inputs, output) -> None:
@@ -66,6 +77,29 @@ class AttentionOp:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = self.bwd(dout, q, k, v, out, lse, *ctx.options)
         return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+class _EagerAttention(torch.autograd.Function):
+    """AttentionOp.eager_autograd: the same saved tensors and backward as the op's autograd
+    formula (q, k, v, out, lse; the lse output is not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, p: AttnParams, op: AttentionOp):
+        out, lse = op.forward_fn(q, k, v, p, None, None, None)
+        out, lse = out.contiguous(), lse.contiguous()
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.p, ctx.op = p, op
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        op = ctx.op
+        if op.backward_fn is None:
+            raise RuntimeError(f"{op.name}: this version has no backward")
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = op.backward_fn(dout, q, k, v, out, lse, ctx.p)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None
 
 
 def _define_forward(name: str, forward: ForwardFn):

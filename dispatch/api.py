@@ -224,8 +224,9 @@ def attention(
 class Plan:
     """What `attention` decided for one static signature: the version, the validated problem,
     whether the inputs need a gradient, whether the version's forward may be called directly
-    (`_run`), its forward op with the op's option arguments, and the version's forward (op
-    and forward are None for PyTorch's SDPA, `fallback.NAME`)."""
+    (`_run`), its forward op with the op's option arguments, the version's forward, and the
+    op pair's eager autograd path for inputs that need a gradient (op, forward and autograd
+    are None for PyTorch's SDPA, `fallback.NAME`)."""
 
     version: str
     params: AttnParams
@@ -234,6 +235,7 @@ class Plan:
     op: object
     op_args: tuple
     forward: object
+    autograd: object = None
 
 
 # The eager fast path of `attention`: key of one call (`_lookup`) -> Plan. One validation and one
@@ -291,11 +293,13 @@ def _lookup(
         if name == fallback.NAME:
             plan = Plan(name, p, needs_grad, False, None, (), None)
         else:
-            op = registry.op(name).fwd
+            pair = registry.op(name)
             # The forward itself runs only on real devices (the op's fake answers for meta).
-            direct = not needs_grad and p.device.type in ("cpu", "cuda")
+            real = p.device.type in ("cpu", "cuda")
+            direct = not needs_grad and real
             forward = registry.module(name).forward
-            plan = Plan(name, p, needs_grad, direct, op, p.to_op_args(), forward)
+            autograd = pair.eager_autograd if needs_grad and real and not p.is_fp8 else None
+            plan = Plan(name, p, needs_grad, direct, pair.fwd, p.to_op_args(), forward, autograd)
         remember(_plans, key, plan)
     return plan
 
@@ -315,12 +319,14 @@ def _plan(q, k, v, *, version: str = "auto", **options) -> Plan | None:
 
 
 def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Run a plan's forward. Through the custom op where it adds something (autograd, a
-    tensor subclass or a dispatch/function mode that must see the op, the profiler); else the
-    version's forward directly, as the op's implementation would (the dispatcher's Python
-    layers are most of a tiny call's host time). PyTorch's SDPA returns no LSE (None)."""
+    """Run a plan's forward. Through the custom op where it adds something (a tensor subclass
+    or a dispatch/function mode that must see the op, the profiler); else the version's
+    forward directly, as the op's implementation would (the dispatcher's Python layers are
+    most of a tiny call's host time), and with a gradient the op pair's eager autograd path
+    (the same forward, saved tensors and backward, without the op's layers). PyTorch's SDPA
+    returns no LSE (None)."""
     if (
-        not plan.direct
+        not (plan.direct or plan.autograd is not None)
         or type(q) is not torch.Tensor
         or type(k) is not torch.Tensor
         or type(v) is not torch.Tensor
@@ -331,6 +337,8 @@ def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
         if plan.op is None:
             return fallback.forward(q, k, v, plan.params.causal, plan.params.scale), None
         return plan.op(q, k, v, *plan.op_args, None, None, None)
+    if plan.autograd is not None:
+        return plan.autograd(q, k, v, plan.params)
     out, lse = plan.forward(q, k, v, plan.params, None, None, None)
     return out.contiguous(), lse.contiguous()
 

@@ -23,6 +23,7 @@ first imported (set `CUTE_DSL_ARCH=sm_90a` before the first compile on a machine
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -285,6 +286,25 @@ def run_backward(
     return torch.mul(dq_acc, dq_scale, out=torch.empty_like(dq_acc, dtype=q.dtype)), dk, dv
 
 
+@functools.cache
+def _dq_tile_view(
+    tile_m: int, head_dim: int, num_wgs: int, split: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """How dq_from_tiles reads one TILE_M x D block of dQ in dq_tile_modes order: the block's
+    modes sorted by decreasing stride (a plain view of its memory), and where each row mode
+    and each column mode then sits among the view's dims (after B, Hq and the block index),
+    outer first."""
+    shape, strides = dq_tile_modes(tile_m, head_dim, num_wgs, split)
+    (rows, cols), (row_strides, col_strides) = shape, strides
+    modes = [(st, "r", i, n) for i, (n, st) in enumerate(zip(rows, row_strides, strict=True))]
+    modes += [(st, "c", i, n) for i, (n, st) in enumerate(zip(cols, col_strides, strict=True))]
+    modes.sort(reverse=True)
+    where = {(kind, i): 3 + pos for pos, (_, kind, i, _) in enumerate(modes)}
+    row_dims = tuple(where["r", i] for i in reversed(range(len(rows))))
+    col_dims = tuple(where["c", i] for i in reversed(range(len(cols))))
+    return tuple(n for *_, n in modes), row_dims, col_dims
+
+
 def dq_from_tiles(
     dq_acc: torch.Tensor,
     nq: int,
@@ -298,18 +318,9 @@ def dq_from_tiles(
     whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's
     dq_split): one permuting copy (with the cast, and times `scale` in fp32 when given: the
     `scale_out` configs)."""
-    shape, strides = dq_tile_modes(tile_m, dq_acc.shape[3], num_wgs, split)
-    (rows, cols), (row_strides, col_strides) = shape, strides
-    # The tile's modes sorted by decreasing stride are a plain view of its memory; a row mode
-    # or column mode goes back to its place in (rows, cols), minor mode last.
-    modes = [(st, "r", i, n) for i, (n, st) in enumerate(zip(rows, row_strides, strict=True))]
-    modes += [(st, "c", i, n) for i, (n, st) in enumerate(zip(cols, col_strides, strict=True))]
-    modes.sort(reverse=True)
     b, hq, nq_pad, d = dq_acc.shape
-    tiles = dq_acc.view(b, hq, nq_pad // tile_m, *(n for *_, n in modes))
-    where = {(kind, i): 3 + pos for pos, (_, kind, i, _) in enumerate(modes)}
-    row_dims = [where["r", i] for i in reversed(range(len(rows)))]
-    col_dims = [where["c", i] for i in reversed(range(len(cols)))]
+    sizes, row_dims, col_dims = _dq_tile_view(tile_m, d, num_wgs, split)
+    tiles = dq_acc.view(b, hq, nq_pad // tile_m, *sizes)
     rows_cols = tiles.permute(0, 2, *row_dims, 1, *col_dims)  # (b, m, rows.., hq, cols..)
     dq = torch.empty(rows_cols.shape, dtype=dtype, device=dq_acc.device)
     if scale is None:

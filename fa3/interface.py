@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
-from flashsuite.common.validation import AttnParams, VarlenParams
+from flashsuite.common.validation import AttnParams, VarlenParams, remember
 from flashsuite.fa3.bwd_configs import (
     BWD_DEFAULT_ON,
     BWD_HEAD_DIMS,
@@ -301,8 +301,24 @@ def _launch_plan(
     return plan
 
 
+# (p, arch, deterministic algorithms on) -> supports_backward's answer; (p, deterministic)
+# -> the backward's compile key of the table's config. Both are asked on every backward call.
+_bwd_support: dict[tuple, tuple[bool, str]] = {}
+_bwd_keys: dict[tuple, object] = {}
+
+
 def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
-    """Whether fa3's own backward kernel takes problem `p` on `arch` (else fa2's runs)."""
+    """Whether fa3's own backward kernel takes problem `p` on `arch` (else fa2's runs);
+    memoised per problem, architecture and deterministic-algorithms setting."""
+    mkey = (p, arch, torch.are_deterministic_algorithms_enabled())
+    answer = _bwd_support.get(mkey)
+    if answer is None:
+        answer = _supports_backward(p, arch)
+        remember(_bwd_support, mkey, answer)
+    return answer
+
+
+def _supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     ok, reason = supports(p, arch)
     if not ok:
         return False, reason
@@ -425,7 +441,14 @@ def backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flashsuite.fa3.bwd_host import run_backward
 
-    key = _bwd_key(p, _bwd_config(p, cfg), varlen=False)
+    if cfg is None:
+        mkey = (p, torch.are_deterministic_algorithms_enabled())
+        key = _bwd_keys.get(mkey)
+        if key is None:
+            key = _bwd_key(p, _bwd_config(p, None), varlen=False)
+            remember(_bwd_keys, mkey, key)
+    else:
+        key = _bwd_key(p, _bwd_config(p, cfg), varlen=False)
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()

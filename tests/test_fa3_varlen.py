@@ -251,9 +251,11 @@ def _check(ours: dict, oracle: dict, dtype: torch.dtype) -> None:
 )
 def test_host_path_and_autograd_through_fa2s_varlen_backward(stand_in, monkeypatch) -> None:
     """version="fa3" on a CPU planned as sm90: the binary gets the packed tensors, the
-    cu_seqlens and the scalars of the totals; the gradient comes from fa2's varlen backward
-    (Triton interpreter) on the saved (q, k, v, out, lse) and matches the oracle."""
+    cu_seqlens and the scalars of the totals; with fa3's own varlen backward turned off
+    (FLASHSUITE_FA3_VARLEN_BWD=0) the gradient comes from fa2's varlen backward (Triton
+    interpreter) on the saved (q, k, v, out, lse) and matches the oracle."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "0")
     from flashsuite.fa3.compile import CompileKey, kernel_scalars
     from flashsuite.fa3.configs import varlen_config
 
@@ -302,18 +304,20 @@ def test_keyless_and_empty_batches_skip_the_binary(stand_in) -> None:
 
 
 @needs_dsl
-def test_auto_keeps_fa2_and_says_why() -> None:
+def test_auto_takes_fa3_and_falls_back_to_fa2_with_a_reason(monkeypatch) -> None:
+    """Auto selection runs packed sequences on fa3 (configs.VARLEN_AUTO); with that switch
+    off, on fa2, and the choice says why."""
     pytest.importorskip("triton")
-    from flashsuite.fa3.configs import VARLEN_AUTO
+    from flashsuite.fa3 import interface
 
     q, k, v, cq, ck = _packed([4, 6], [4, 6], 4, 2, 64, BF16)
     with override_arch(90):
         choice = dispatch.select_varlen(q, k, v, cq, ck, 6, 6, causal=True)
-    if VARLEN_AUTO:
         assert choice.version == "fa3", str(choice)
-    else:
-        assert choice.version == "fa2", str(choice)
-        assert "fa3: no - fa3: varlen kernel not in auto selection yet" in str(choice)
+        monkeypatch.setattr(interface, "VARLEN_AUTO_SELECT", False)
+        choice = dispatch.select_varlen(q, k, v, cq, ck, 6, 6, causal=True)
+    assert choice.version == "fa2", str(choice)
+    assert "fa3: no - fa3: varlen kernel not in auto selection yet" in str(choice)
 
 
 @needs_dsl

@@ -168,3 +168,48 @@ def test_fast_path_gives_the_op_path_result() -> None:
     with torch.profiler.profile() as prof:
         dispatch.attention(q, k, v, causal=True, version="torch")
     assert any("flashsuite::torch_fwd" in e.name for e in prof.events())
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (8, 3), "softcap": 5.0}])
+def test_eager_autograd_gives_the_op_path_gradients(options) -> None:
+    """With a gradient, the eager call runs the version's forward and backward from a
+    torch.autograd.Function (not the custom op): the same out, lse and gradients as the op
+    pair's autograd, bit for bit; the lse output takes no gradient; the profiler and a
+    dispatch mode get the op path."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from flashsuite.dispatch import registry
+
+    q, k, v = _qkv(n=48, dtype=F32, hq=4, hkv=2, requires_grad=True)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    pair = registry.op("torch")
+    calls = []
+    real_fwd, real_bwd = pair.forward_fn, pair.backward_fn
+    try:
+        pair.forward_fn = lambda *a: calls.append("fwd") or real_fwd(*a)
+        pair.backward_fn = lambda *a: calls.append("bwd") or real_bwd(*a)
+        out, lse = dispatch.attention(q, k, v, return_lse=True, version="torch", **options)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        pair.forward_fn, pair.backward_fn = real_fwd, real_bwd
+    assert calls == ["fwd", "bwd"] and out.grad_fn is not None and not lse.requires_grad
+    assert "EagerAttention" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
+    p = validation.check_inputs(q, k, v, **options)
+    ref_out, ref_lse = pair(q, k, v, p)  # the custom op, with its registered autograd
+    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    calls.clear()
+    with Seen():
+        dispatch.attention(q, k, v, version="torch", **options)
+    assert any("flashsuite.torch_fwd" in c for c in calls), calls
+    with torch.profiler.profile() as prof:
+        dispatch.attention(q, k, v, version="torch", **options).sum().backward()
+    names = {e.name for e in prof.events()}
+    assert {"flashsuite::torch_fwd", "flashsuite::torch_bwd"} <= names, names
