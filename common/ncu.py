@@ -25,7 +25,7 @@ def command(ncu: str, *options: str) -> list[str]:
         "none",
         "--nvtx",
         "--nvtx-include",
-        "measure/",
+        "measure",  # a start/end range (a push/pop one would be named "measure/")
         "--csv",
         *options,
     ]
@@ -35,11 +35,13 @@ def measure_once(run: Callable[[], object]) -> None:
     """In the profiled process: warm `run` up, then the marker and one call inside "measure"."""
     run()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("measure")
+    # A start/end range, not push/pop: push/pop ranges belong to the thread that opened them,
+    # and a backward's kernels are launched from autograd's device thread.
+    rid = torch.cuda.nvtx.range_start("measure")
     torch.cuda._sleep(1)
     run()
     torch.cuda.synchronize()
-    torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_end(rid)
 
 
 def cases(stdout: str) -> list[list[dict]]:
