@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -317,3 +319,32 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
         backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
     default = "fa3" if registry.module("fa3").OWN_BACKWARD_DEFAULT else "fa2"
     assert calls == ["fa3", "fa3", "fa2", "fa3", default]
+
+
+def test_fa3_backward_answers_follow_the_deterministic_switch(monkeypatch) -> None:
+    """fa3's memoised backward support and compile key are per deterministic setting: the same
+    problem with a window is taken, then refused under torch.use_deterministic_algorithms
+    (no deterministic build for windows), then taken again; without a window the key that
+    interface.backward launches carries the ordered dQ build exactly when the switch is on."""
+    if importlib.util.find_spec("cutlass") is None:
+        pytest.skip("needs the CuTe DSL (fa3 planning)")
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import bwd_host, interface
+
+    launched = []
+    monkeypatch.setattr(bwd_host, "run_backward", lambda key, *a: launched.append(key) or a[1:4])
+    q, k, v = _qkv(d=64)
+    local = check_inputs(q, k, v, window_size=(8, 0))
+    plain = check_inputs(q, k, v, causal=True)
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])  # (B, Hq, Nq)
+    was = torch.are_deterministic_algorithms_enabled()
+    answers = []
+    try:
+        for on in (False, True, False, True):
+            torch.use_deterministic_algorithms(on)
+            answers.append(interface.supports_backward(local, 90)[0])
+            interface.backward(q, q, k, v, q, lse, plain)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert answers == [True, False, True, False]
+    assert [key.cfg.deterministic for key in launched] == [False, True, False, True]
