@@ -354,7 +354,7 @@ def time_variant(name: str, cfg, case: Case) -> dict:
 def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
     """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
     TFLOP/s, so that a hang in one variant leaves the results of those before it."""
-    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_causal, variant_head_dims
 
     cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
     path = out_dir / "fa3_bwd_variants.json"
@@ -414,7 +414,8 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         _log(f"variant {name}: {passed}/{len(ran)} cases pass, {refused} refused by the config")
         # Timed even when a case failed (the speed of a mechanism is still worth knowing);
         # the summary marks such variants.
-        for case in (c for c in bench_cases if c.head_dim in dims):
+        causal = variant_causal(name)  # a non-causal variant's causal cases are refused
+        for case in (c for c in bench_cases if c.head_dim in dims and c.causal in causal):
             timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
     save()
     if bench:
