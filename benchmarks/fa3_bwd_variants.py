@@ -9,8 +9,9 @@ one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
 under the S^T / dP^T wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers
-spill). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early"
-order were measured and removed: docs/results.md.)
+spill). "pipe80" is pipe_stm with FA4's 80-row tile at D = 128 (non-causal only: NON_CAUSAL),
+dQ computed as dQ^T = K^T dS^T (dq_split "dt"). (The "bulk" dQ mode, per-row bulk reduces
+issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ Roles (`WarpRole`):
                        (D, TILE_M) view
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
-                       MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
+                       MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1));
+                       BwdConfig.dq_split "dt" (TILE_M = 80): dQ^T = K^T dS^T, the same
+                       operands swapped, D on M (atom (2, 1, 1)), the fragment holding dQ^T
   and send dQ to the float32 accumulator in global memory: BwdConfig.dq_mode "warp" stores the
   fragment to an fp32 sdQ tile in fragment order for the writer warp's one bulk reduce per row
   block; "atomic" adds it with `atom.global.add.f32` per element from registers (REDG in SASS).

@@ -12,7 +12,9 @@ compiled at D = 64 non-causal and D = 128 causal and must add dQ with atomics be
 acquiring spin and a releasing increment of its turn counter, still spill-free; "det_pipe" (the
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
 "warp_stm2") at those two points and D = 96 causal must take one tanh per score and stay
-spill-free. Every build's highest SASS register must stay within setmaxnreg's 240.
+spill-free. "pipe80" (80-row Q tiles, dQ^T = K^T dS^T) at D = 128 non-causal must show its
+m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. Every build's highest SASS register must
+stay within setmaxnreg's 240.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
