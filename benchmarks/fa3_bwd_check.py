@@ -26,9 +26,10 @@
    variant, the reduced correctness set (`variant_cases`: causal, GQA, MQA, odd lengths, empty
    rows, strided, at the variant's head dims, `fa3_bwd_variants.variant_head_dims`) through
    fa3.interface.backward(..., cfg=variant), and with --bench the backward TFLOP/s of every
-   variant at N 4k / 16k at its head dims, causal or not, beside SDPA cuDNN and FA4 timed in
-   the same run. A variant that fails or raises is recorded and the next one runs;
-   DIR/fa3_bwd_variants.json is rewritten before every step.
+   variant at N 4k / 16k at its head dims, causal or not (non-causal only for
+   `fa3_bwd_variants.NON_CAUSAL`, whose causal cases are reported as refused), beside SDPA
+   cuDNN and FA4 timed in the same run. A variant that fails or raises is recorded and the
+   next one runs; DIR/fa3_bwd_variants.json is rewritten before every step.
 
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant pipe --bench
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant wide192 --variant wide256 --bench
@@ -149,6 +150,12 @@ def variant_cases() -> list[Case]:
         Case(1, 400, 130, 2, 2, 128, dtype=BF16, causal=True, tags=("empty-rows",)),
         Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
         Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
+        # Non-causal D = 128 shapes for the non-causal variants (pipe80's 80-row blocks): GQA
+        # with a ragged last row block and Nq < Nk, one partial block of MQA over strided
+        # inputs, and a long one.
+        Case(2, 170, 333, 8, 2, 128, dtype=F16, tags=("gqa",)),
+        Case(1, 50, 700, 4, 1, 128, dtype=BF16, non_contiguous=True, tags=("mqa",)),
+        Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, tags=("long",)),
     ] + [c for c in wide_head_cases() if c.softcap == 0]
 
 
