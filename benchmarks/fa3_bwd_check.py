@@ -26,9 +26,10 @@
    variant, the reduced correctness set (`variant_cases`: causal, GQA, MQA, odd lengths, empty
    rows, strided, at the variant's head dims, `fa3_bwd_variants.variant_head_dims`) through
    fa3.interface.backward(..., cfg=variant), and with --bench the backward TFLOP/s of every
-   variant at N 4k / 16k at its head dims, causal or not, beside SDPA cuDNN and FA4 timed in
-   the same run. A variant that fails or raises is recorded and the next one runs;
-   DIR/fa3_bwd_variants.json is rewritten before every step.
+   variant at N 4k / 16k at its head dims, causal or not (non-causal only for
+   `fa3_bwd_variants.NON_CAUSAL`, whose causal cases are reported as refused), beside SDPA
+   cuDNN and FA4 timed in the same run. A variant that fails or raises is recorded and the
+   next one runs; DIR/fa3_bwd_variants.json is rewritten before every step.
 
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant pipe --bench
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant wide192 --variant wide256 --bench
@@ -149,6 +150,12 @@ def variant_cases() -> list[Case]:
         Case(1, 400, 130, 2, 2, 128, dtype=BF16, causal=True, tags=("empty-rows",)),
         Case(2, 250, 250, 4, 2, 64, dtype=BF16, non_contiguous=True),
         Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, causal=True, tags=("long",)),
+        # Non-causal D = 128 shapes for the non-causal variants (pipe80's 80-row blocks): GQA
+        # with a ragged last row block and Nq < Nk, one partial block of MQA over strided
+        # inputs, and a long one.
+        Case(2, 170, 333, 8, 2, 128, dtype=F16, tags=("gqa",)),
+        Case(1, 50, 700, 4, 1, 128, dtype=BF16, non_contiguous=True, tags=("mqa",)),
+        Case(1, 4096, 4096, 4, 2, 128, dtype=BF16, tags=("long",)),
     ] + [c for c in wide_head_cases() if c.softcap == 0]
 
 
@@ -354,7 +361,7 @@ def time_variant(name: str, cfg, case: Case) -> dict:
 def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
     """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
     TFLOP/s, so that a hang in one variant leaves the results of those before it."""
-    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
+    from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_causal, variant_head_dims
 
     cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
     path = out_dir / "fa3_bwd_variants.json"
@@ -414,7 +421,8 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         _log(f"variant {name}: {passed}/{len(ran)} cases pass, {refused} refused by the config")
         # Timed even when a case failed (the speed of a mechanism is still worth knowing);
         # the summary marks such variants.
-        for case in (c for c in bench_cases if c.head_dim in dims):
+        causal = variant_causal(name)  # a non-causal variant's causal cases are refused
+        for case in (c for c in bench_cases if c.head_dim in dims and c.causal in causal):
             timed(name, case, lambda name=name, cfg=cfg, case=case: time_variant(name, cfg, case))
     save()
     if bench:

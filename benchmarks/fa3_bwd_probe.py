@@ -45,6 +45,13 @@ TANH = r"tanh\.approx\.f32"
 MUL_F32 = r"\bmul(?:\.rn)?(?:\.ftz)?\.f32\b"
 LD_SHARED_32 = r"\bld\.shared(?:::cta)?(?:\.v[24])?\.[bf]32\b"
 FIRST_GEMM = r"wgmma\.commit_group.*?wgmma\.wait_group"  # from the first commit to its wait
+# One wgmma: its shape, then after the accumulator either A from registers ("{...}") and B's
+# descriptor, or both descriptors; the trailing immediates end with imm-trans-b (RS) or with
+# imm-trans-a, imm-trans-b (SS; 1 = MN-major).
+WGMMA = (
+    r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.[^{]*\{[^}]*\}, (\{)?[^;]*?"
+    r"((?:,\s*\d)+);"
+)
 
 
 def lds_under_gemm(ptx: str) -> int:
@@ -54,17 +61,29 @@ def lds_under_gemm(ptx: str) -> int:
     return len(re.findall(LD_SHARED_32, m.group(0))) if m else 0
 
 
+def wgmma_shapes(ptx: str) -> dict[str, int]:
+    """wgmma instructions by shape, A's source and transposes: "m64n80k16.ss.t10" is an SS
+    m64n80k16 with A MN-major and B K-major, "m64n128k16.rs.t1" an RS one with B MN-major."""
+    out: dict[str, int] = {}
+    for shape, rs, imms in re.findall(WGMMA, ptx):
+        flags = imms.replace(",", "").split()
+        trans = "".join(flags[-1:] if rs else flags[-2:])
+        name = f"{shape}.{'rs' if rs else 'ss'}.t{trans}"
+        out[name] = out.get(name, 0) + 1
+    return out
+
+
 def variant_cases(names: list[str]) -> list[tuple]:
     """(head_dim, bf16, causal, cfg) of each named variant (benchmarks.fa3_bwd_variants)."""
     import torch
 
-    from benchmarks.fa3_bwd_variants import variant, variant_head_dims
+    from benchmarks.fa3_bwd_variants import variant, variant_causal, variant_head_dims
 
     return [
         (d, torch.bfloat16, c, variant(n))
         for n in names
         for d in variant_head_dims(n)
-        for c in (False, True)
+        for c in variant_causal(n)
     ]
 
 
@@ -155,6 +174,8 @@ def probe_backward(
     counts["tanh"] = len(re.findall(TANH, ptx))
     counts["mul_f32"] = len(re.findall(MUL_F32, ptx))
     counts["lds_under_gemm"] = lds_under_gemm(ptx)
+    counts["wgmma_shapes"] = wgmma_shapes(ptx)
+    counts["st_shared_v4"] = len(re.findall(r"\bst\.shared(?:::cta)?\.v4\.[bf]32\b", ptx))
     return {
         "head_dim": head_dim,
         "dtype": str(dtype).removeprefix("torch."),

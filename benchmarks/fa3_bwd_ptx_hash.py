@@ -63,11 +63,16 @@ def _cases(variants: bool) -> list[tuple]:
         for c in (False, True):
             out.append(("deterministic", d, bf16, c, False, False, _deterministic(d, bf16, c)))
     if variants:
-        from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
+        from benchmarks.fa3_bwd_variants import (
+            VARIANTS,
+            variant,
+            variant_causal,
+            variant_head_dims,
+        )
 
         for name in VARIANTS:
             for d in variant_head_dims(name):
-                for c in (False, True):
+                for c in variant_causal(name):
                     out.append((f"variant-{name}", d, bf16, c, False, False, variant(name)))
     return out
 

@@ -9,8 +9,9 @@ one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
 under the S^T / dP^T wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers
-spill). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early"
-order were measured and removed: docs/results.md.)
+spill). "pipe80" is pipe_stm with FA4's 80-row tile at D = 128 (non-causal only: NON_CAUSAL),
+dQ computed as dQ^T = K^T dS^T (dq_split "dt"). (The "bulk" dQ mode, per-row bulk reduces
+issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(scale_out=True, stats_regs=True, **_PIPE),
         "pipe_stm with both: the scale out of dS, LSE and D in registers",
     ),
+    "pipe80": (
+        BwdConfig(tile_m=80, dq_split="dt", **_PIPE),
+        "pipe_stm with 80-row Q tiles (FA4's non-causal tile at D = 128): S^T / dP^T m64n80, "
+        "dV / dK over 5 k-steps, dQ^T = K^T dS^T with D on M (D = 128, non-causal only)",
+    ),
     "det_pipe": (
         BwdConfig(
             dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
@@ -171,6 +177,7 @@ DEFAULT_HEAD_DIMS = (64, 128)
 HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128": (64,),
     "pipe128_lpt": (64,),
+    "pipe80": (128,),
     "pipe128_dqm": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
@@ -186,6 +193,16 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
 def variant_head_dims(name: str) -> tuple[int, ...]:
     """The head dims a named variant is built and checked for."""
     return HEAD_DIMS.get(name, DEFAULT_HEAD_DIMS)
+
+
+# Variants built for non-causal problems only (bwd_configs.bwd_can_implement refuses causal
+# and windowed ones): their probes, hashes and timings skip the causal builds.
+NON_CAUSAL = ("pipe80",)
+
+
+def variant_causal(name: str) -> tuple[bool, ...]:
+    """The causal settings a named variant is built and timed for."""
+    return (False,) if name in NON_CAUSAL else (False, True)
 
 
 def variant(name: str) -> BwdConfig:

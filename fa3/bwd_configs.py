@@ -79,6 +79,11 @@ class BwdConfig:
     # rows and every column (one m64nD atom; needs tile_m = 64 x num_mma_wgs): at D = 64,
     # TILE_M = 128 half the wgmmas at twice the N (n64 rather than n32), and each warpgroup
     # reads only its own rows of sdS, so a third less shared-memory traffic for the GEMM.
+    # "dt": D split as in "d", but computed transposed, dQ^T = K^T dS^T with D on wgmma's M
+    # (one m64 atom of D per warpgroup: D = 64 x num_mma_wgs) and the query rows on N, so
+    # TILE_M need not be a multiple of 64 (the 80-row tile at D = 128, FA4's dQ_swapAB); A is
+    # sK as an MN-major (D, TILE_N) view, B is sdS as it is (K-major), and the fragment holds
+    # dQ^T (dq_tile_modes orders sdQ for it).
     dq_split: str = "d"
     # "warp" dq_mode: how sdQ is handed to the writer warp. "cta": one DQ_FULL / DQ_EMPTY pair
     # of named barriers over every MMA thread and the writer, one bulk reduce of the whole
@@ -125,7 +130,7 @@ BWD_DQ_MODES = ("atomic", "warp")
 BWD_DS_STORES = ("scalar", "stmatrix")
 BWD_LAYOUTS = ("sdp_t", "dkv_t")
 BWD_DKV_SPLITS = ("d", "keys")
-BWD_DQ_SPLITS = ("d", "m")
+BWD_DQ_SPLITS = ("d", "m", "dt")
 BWD_DQ_HANDOFFS = ("cta", "wg")
 
 
@@ -143,9 +148,23 @@ def dq_tile_modes(
     contiguous bytes and a warp's 32 lanes in 512: one conflict-free st.shared.v4 per 4
     registers, and one bulk copy per tile (or per warpgroup: each one's chunk is contiguous).
     With `split` "m" (atom layout (G, 1, 1), TILE_M = 64 G) warpgroup g owns rows
-    [64 g, 64 g + 64) and every column, in the same order with j < D / 8, at g 64 D."""
+    [64 g, 64 g + 64) and every column, in the same order with j < D / 8, at g 64 D.
+    With `split` "dt" (dQ^T = K^T dS^T: atom layout (G, 1, 1) over (D, TILE_M), D = 64 G) the
+    fragment's rows are D and its columns query rows: warpgroup g's register c + 2 r + 4 j holds
+    column 64 g + 16 w + 8 r + a of query row 8 j + 2 b + c (j < TILE_M / 8), at the same
+    offset as above (+ g 64 TILE_M): the same v4 stores, and each warpgroup's chunk is
+    contiguous again."""
     if split not in BWD_DQ_SPLITS:
         raise ValueError(f"dq_tile_modes: split {split!r} not in {BWD_DQ_SPLITS}")
+    if split == "dt":
+        if head_dim != 64 * num_wgs or tile_m % 8 or not 8 <= tile_m <= 256:
+            raise ValueError(
+                f"dq_tile_modes: split 'dt' needs head_dim 64 x {num_wgs} (one m64 atom of D "
+                f"per warpgroup) and tile_m a wgmma N (a multiple of 8 in [8, 256]), not "
+                f"{head_dim} and {tile_m}"
+            )
+        rows, row_strides = (2, 4, tile_m // 8), (1, 4, 512)
+        return (rows, (8, 2, 4, num_wgs)), (row_strides, (16, 2, 128, 64 * tile_m))
     if tile_m % 64:
         raise ValueError(f"dq_tile_modes: tile_m {tile_m} not a multiple of 64 (m64 atoms)")
     if split == "m":
@@ -169,6 +188,12 @@ def dq_tile_modes(
     return (rows, (2, 4, j, num_wgs)), (row_strides, (1, 4, 512, chunk))
 
 
+def stats_stage_rows(tile_m: int) -> int:
+    """The stage stride of sLSE and sD in floats: TILE_M rounded up to 32, so that each stage,
+    a TMA destination, starts 128-byte aligned (80 rows: 96)."""
+    return -(-tile_m // 32) * 32
+
+
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
     mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV, sdS (and sP,
@@ -177,7 +202,8 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
-    stats = _align(cfg.tile_m * cfg.stages * 4, 128) + _align(cfg.tile_m * do_stages * 4, 128)
+    rows = stats_stage_rows(cfg.tile_m)
+    stats = _align(rows * cfg.stages * 4, 128) + _align(rows * do_stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
     do = cfg.tile_m * head_dim * elem_bytes * do_stages
     kv = cfg.tile_n * head_dim * elem_bytes
@@ -292,8 +318,18 @@ def _bwd_wide_config(head_dim: int, softcap: bool) -> BwdConfig:
     return BwdConfig(tile_n=48, dkv_split="d", **common)
 
 
-def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether Fa3Backward can be built for this config: tile legality, smem and registers."""
+def bwd_can_implement(
+    cfg: BwdConfig,
+    head_dim: int,
+    dtype: torch.dtype,
+    *,
+    causal: bool = False,
+    local: bool = False,
+    varlen: bool = False,
+) -> tuple[bool, str]:
+    """Whether Fa3Backward can be built for this config: tile legality, smem and registers;
+    `causal`, `local` (a sliding window) and `varlen` (packed sequences) describe the problem,
+    which the 80-row tile refuses (`_tile_m80_ok`)."""
     if dtype not in DTYPES:
         return False, f"fa3 backward: dtype {dtype} not in (float16, bfloat16)"
     if head_dim not in BWD_HEAD_DIMS:
@@ -325,6 +361,8 @@ def bwd_can_implement(cfg: BwdConfig, head_dim: int, dtype: torch.dtype) -> tupl
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.
         return False, f"fa3 backward: stats_regs needs tile_m 64 (registers), not {cfg.tile_m}"
     ok, reason = _dq_route_ok(cfg)
+    if ok and cfg.tile_m == 80:
+        ok, reason = _tile_m80_ok(cfg, causal, local, varlen)
     if not ok:
         return False, reason
     smem = bwd_smem_bytes(cfg, head_dim)
@@ -345,6 +383,15 @@ def _dq_route_ok(cfg: BwdConfig) -> tuple[bool, str]:
             f"fa3 backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
             f"{64 * cfg.num_mma_wgs} (64 rows per MMA WG), not {cfg.layout!r} and {cfg.tile_m}"
         )
+    if cfg.dq_split == "dt" and (
+        cfg.layout != "sdp_t" or cfg.tile_m != 80 or cfg.dq_mode != "warp"
+    ):
+        # dQ^T's fragment is ordered for the writer warp's sdQ tile (dq_tile_modes); the
+        # "atomic" route indexes a (TILE_M, D) fragment. 64 / 128 rows take "d" or "m".
+        return False, (
+            "fa3 backward: dq_split 'dt' needs layout 'sdp_t', tile_m 80 and dq_mode 'warp', "
+            f"not {cfg.layout!r}, {cfg.tile_m} and {cfg.dq_mode!r}"
+        )
     if cfg.dq_handoff not in BWD_DQ_HANDOFFS:
         return False, f"fa3 backward: dq_handoff {cfg.dq_handoff!r} not in {BWD_DQ_HANDOFFS}"
     if cfg.dq_handoff == "wg" and (cfg.dq_mode != "warp" or cfg.deterministic):
@@ -355,16 +402,45 @@ def _dq_route_ok(cfg: BwdConfig) -> tuple[bool, str]:
     return True, ""
 
 
+def _tile_m80_ok(cfg: BwdConfig, causal: bool, local: bool, varlen: bool) -> tuple[bool, str]:
+    """What the 80-row tile is built for: FA4's non-causal, unwindowed, dense D = 128 problem.
+    Causal and windowed problems keep 64-row tiles, as in FA4; the 80-row build is compiled
+    and checked for neither.
+    Packed sequences: the varlen preprocess writes 64-row pieces that must each fall inside one
+    TILE_M block of a sequence's padded rows (common/bwd_preprocess.py), so TILE_M must be a
+    multiple of 64. The deterministic build is interface._bwd_config's own (64-row tiles,
+    per-element atomics in n_block order)."""
+    for flag, name in ((causal, "causal"), (local, "a sliding window"), (varlen, "varlen")):
+        if flag:
+            return False, (
+                f"fa3 backward: tile_m 80 is built for dense non-causal problems, not {name}"
+            )
+    if cfg.deterministic:
+        return False, "fa3 backward: tile_m 80 needs deterministic False (64-row tiles order dQ)"
+    return True, ""
+
+
 def _sdpt_tiles_ok(cfg: BwdConfig, head_dim: int) -> tuple[bool, str]:
     """Tile legality of the "sdp_t" layout: 64 keys per MMA warpgroup, one Q / dO ring."""
     if cfg.tile_n != 64 * cfg.num_mma_wgs:
         return False, f"fa3 backward: tile_n must be {64 * cfg.num_mma_wgs} (64 keys per MMA WG)"
     # tile_m is the M of dQ's wgmma (64-row atoms, the WGs split D) and S^T's N. 128 rows
     # fit the registers at D = 64 only, and only with dQ through the writer warp.
-    if cfg.tile_m not in (64, 128):
-        return False, f"fa3 backward: tile_m {cfg.tile_m} not in (64, 128)"
+    if cfg.tile_m not in (64, 80, 128):
+        return False, f"fa3 backward: tile_m {cfg.tile_m} not in (64, 80, 128)"
     if cfg.tile_m == 128 and (head_dim != 64 or cfg.dq_mode != "warp"):
         return False, "fa3 backward: tile_m 128 needs head_dim 64 and dq_mode 'warp'"
+    # 80 rows (FA4's non-causal tile at D = 128): per MMA thread S^T and dP^T are m64n80, 40 +
+    # 40 fp32, dV and dK 64 + 64 (K = 80: 5 k-steps of RS m64n128k16), ~232 of 240 with the
+    # overhead of bwd_regs_estimate; dQ is computed as dQ^T (dq_split "dt": 80 is not whole m64
+    # atoms), its 40 fp32 after P^T and dS^T are consumed. Shared memory: Q, dO 2 x 2 x 20 KiB
+    # + K, V 2 x 32 KiB + sdS 2 x 20 KiB + sdQ 40 KiB + 2 KiB of mbarriers, LSE and D (96-float
+    # stages: stats_stage_rows) = 226 KiB of 227.
+    if cfg.tile_m == 80 and (head_dim != 128 or cfg.dq_split != "dt"):
+        return False, (
+            f"fa3 backward: tile_m 80 needs head_dim 128 and dq_split 'dt', not {head_dim} and "
+            f"{cfg.dq_split!r}"
+        )
     if cfg.do_stages not in (0, cfg.stages):
         return False, f"fa3 backward: layout 'sdp_t' has one Q/dO ring, do_stages {cfg.do_stages}"
     return True, ""

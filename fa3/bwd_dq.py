@@ -41,8 +41,8 @@ def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int, split: str = "d") -
 
 
 class BwdDq:
-    """dQ of one row block into the accumulator. Uses the kernel's TILE_M, HEAD_DIM and
-    MMA_THREADS."""
+    """dQ of one row block into the accumulator. Uses the kernel's TILE_M, HEAD_DIM,
+    MMA_THREADS and DQ_SPLIT."""
 
     @cute.jit
     def add_dq(
@@ -104,6 +104,8 @@ class BwdDq:
             wg = cute.arch.make_warp_uniform(mtid // 128)
             empty, full = int(Barrier.DQ_EMPTY_WG) + wg, int(Barrier.DQ_FULL_WG) + wg
         cute.arch.barrier(barrier_id=empty, number_of_threads=n)
+        if const_expr(self.DQ_SPLIT == "dt"):  # the fragment holds dQ^T: a (D, TILE_M) view
+            sdQ = cute.make_tensor(sdQ.iterator, cute.select(sdQ.layout, mode=[1, 0]))
         cute.autovec_copy(acc_dQ, thr_dq.partition_C(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=full, number_of_threads=n)

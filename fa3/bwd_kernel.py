@@ -22,7 +22,9 @@ Roles (`WarpRole`):
                        (D, TILE_M) view
     dK  += dS^T Q      RS wgmma: A = dS^T (registers), B = sQ stage as an MN-major view
     dQ   = dS K        SS wgmma: A = sdS (dS^T written to smem by both WGs), B = sK as an
-                       MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1))
+                       MN-major (D, TILE_N) view; the WGs split dQ's D columns (atom (1, 2, 1));
+                       BwdConfig.dq_split "dt" (TILE_M = 80): dQ^T = K^T dS^T, the same
+                       operands swapped, D on M (atom (2, 1, 1)), the fragment holding dQ^T
   and send dQ to the float32 accumulator in global memory: BwdConfig.dq_mode "warp" stores the
   fragment to an fp32 sdQ tile in fragment order for the writer warp's one bulk reduce per row
   block; "atomic" adds it with `atom.global.add.f32` per element from registers (REDG in SASS).
@@ -78,7 +80,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig
+from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig, stats_stage_rows
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
 from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
@@ -127,7 +129,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         self.LOCAL = local
         self.HAS_RIGHT = causal or local
         self.DQ_WARP = cfg.dq_mode == "warp"
-        self.DQ_SPLIT = cfg.dq_split  # "d": the WGs split dQ's columns, "m": its rows
+        # "d": the WGs split dQ's columns, "m": its rows, "dt": D of dQ^T = K^T dS^T
+        self.DQ_SPLIT = cfg.dq_split
         self.DQ_HANDOFF_WG = cfg.dq_handoff == "wg"  # sdQ handed over per warpgroup
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
@@ -156,6 +159,12 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             raise ValueError("Fa3Backward: dq_handoff 'wg' needs dq_mode 'warp', not deterministic")
         if self.DKV_T and (cfg.scale_out or cfg.stats_regs):
             raise ValueError("Fa3Backward: scale_out and stats_regs need layout 'sdp_t'")
+        if cfg.tile_m == 80 and (causal or local or varlen or cfg.dq_split != "dt"):
+            # bwd_configs._tile_m80_ok says why.
+            raise ValueError(
+                "Fa3Backward: tile_m 80 needs dq_split 'dt' and a dense non-causal problem "
+                "without a window"
+            )
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(
                 f"Fa3Backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
@@ -188,7 +197,10 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         sdS_l = cute.tile_to_shape(
             n_atom, (self.TILE_M, self.TILE_N, self.DS_STAGES), order=(0, 1, 2)
         )
-        sLSE_l = cute.make_layout((self.TILE_M, self.STAGES))
+        # Each stage a 128-byte-aligned TMA destination (80 rows: a 96-float stride).
+        sLSE_l = cute.make_layout(
+            (self.TILE_M, self.STAGES), stride=(1, stats_stage_rows(self.TILE_M))
+        )
         if const_expr(not self.DKV_T):  # one Q / dO ring
             return sQ_l, sQ_l, sK_l, sdS_l, sLSE_l, sLSE_l
         sdO_l = cute.tile_to_shape(
@@ -223,11 +235,17 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
             a_source=warpgroup.OperandSource.RMEM,
         )
         # dQ (TILE_M x D): the warpgroups split the D columns, TILE_M / 64 m64 atoms each
-        # (dq_split "d"), or the rows, one m64nD atom each ("m").
+        # (dq_split "d"), or the rows, one m64nD atom each ("m"). "dt": dQ^T (D x TILE_M) =
+        # K^T dS^T, one m64 atom of D per warpgroup, N = TILE_M; A = sK as an MN-major
+        # (D, TILE_N) view, B = sdS (K-major).
         dq_atoms, dq_tiler = (1, self.NUM_MMA_WGS, 1), (64, self.HEAD_DIM // self.NUM_MMA_WGS)
+        dq_major = (major.K, major.MN)
         if const_expr(self.DQ_SPLIT == "m"):
             dq_atoms, dq_tiler = (self.NUM_MMA_WGS, 1, 1), (64, self.HEAD_DIM)
-        mma_dq = sm90.make_trivial_tiled_mma(dt, dt, major.K, major.MN, Float32, dq_atoms, dq_tiler)
+        if const_expr(self.DQ_SPLIT == "dt"):
+            dq_atoms, dq_tiler = (self.NUM_MMA_WGS, 1, 1), (64, self.TILE_M)
+            dq_major = (major.MN, major.K)
+        mma_dq = sm90.make_trivial_tiled_mma(dt, dt, *dq_major, Float32, dq_atoms, dq_tiler)
         return mma_sdp, mma_dkv, mma_dq
 
     def _storage(self, sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l):

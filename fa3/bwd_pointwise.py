@@ -1,7 +1,7 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT and STATS_REGS."""
+TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS and DQ_SPLIT."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -25,6 +25,15 @@ class BwdSteps:
             cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_dq(self, tiled: cute.TiledMma, acc, tdS, tK):
+        """Issue dQ = dS K, or dQ^T = K^T dS^T (DQ_SPLIT "dt"): `tdS` and `tK` are sdS's and
+        sK's fragments in whichever operand places the dQ MMA gave them."""
+        if const_expr(self.DQ_SPLIT == "dt"):
+            self.gemm_ss(tiled, acc, tK, tdS, False)
+        else:
+            self.gemm_ss(tiled, acc, tdS, tK, False)
 
     @cute.jit
     def gemm_rs(self, tiled: cute.TiledMma, acc, tA, tB):

@@ -68,11 +68,17 @@ class BwdSdpT:
         tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit dS^T
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))  # ((2,2,D/8),1,1)
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))
-        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
+        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view; dq_split
+        # "dt": dQ^T = K^T dS^T, the same two operands in the other places.
         sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TILE_N/16, DS_ST)
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
+        if const_expr(self.DQ_SPLIT == "dt"):
+            tdQrK = thr_dq.make_fragment_A(thr_dq.partition_A(sKt))  # (MMA, 1, TILE_N/16)
+            tdQrdS = thr_dq.make_fragment_B(thr_dq.partition_B(sdS))  # (.., TILE_N/16, DS_ST)
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((D, TM)))  # dQ^T
+        else:
+            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (.., TILE_N/16, DS_ST)
+            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
         # The elementwise code indexes acc_S as i = c + 2r + 4j (m64nNk16 C layout, one MMA
         # tile per warpgroup) and relies on the C fragment of S^T having the element order of
         # the A fragment of dV/dK: check the shapes those rest on.
@@ -145,7 +151,7 @@ class BwdSdpT:
                     cute.arch.barrier(
                         barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
                     )
-                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                    self.gemm_dq(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK)
                     self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
                     warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
@@ -158,7 +164,7 @@ class BwdSdpT:
                     cute.arch.barrier(
                         barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
                     )
-                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                    self.gemm_dq(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK)
                     # dV, dK and dQ retired: the sQ / sdO stage and sdS are read.
                     warpgroup.wait_group(0)
                     pipe_qdo.consumer_release(state)

@@ -395,7 +395,9 @@ def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     run `p` (varlen: packed sequences, neither deterministic nor lpt)."""
     from flashsuite.fa3.bwd_host import BwdCompileKey
 
-    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    ok, reason = bwd_can_implement(
+        cfg, p.head_dim, p.dtype, causal=p.causal, local=p.is_local, varlen=varlen
+    )
     if ok and p.softcap > 0 and cfg.overlap:
         ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
     if ok and p.is_local and cfg.deterministic:

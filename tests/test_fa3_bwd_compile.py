@@ -12,7 +12,9 @@ compiled at D = 64 non-causal and D = 128 causal and must add dQ with atomics be
 acquiring spin and a releasing increment of its turn counter, still spill-free; "det_pipe" (the
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
 "warp_stm2") at those two points and D = 96 causal must take one tanh per score and stay
-spill-free. Every build's highest SASS register must stay within setmaxnreg's 240.
+spill-free. "pipe80" (80-row Q tiles, dQ^T = K^T dS^T) at D = 128 non-causal must show its
+m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. Every build's highest SASS register must
+stay within setmaxnreg's 240.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
@@ -109,6 +111,13 @@ def dq_route_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def pipe80_probes(tmp_path_factory) -> list[dict]:
+    """The pipe80 variant's one build (D 128, full): 80-row Q tiles, dQ^T = K^T dS^T."""
+    runs = [["--variant", "pipe80"]]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_pipe80"), runs)
+
+
+@pytest.fixture(scope="module")
 def ds_stats_probes(tmp_path_factory) -> list[dict]:
     """scale_out and stats_regs against their bases: pipe128, pipe128_sout and
     pipe128_dqm_sout at (D 64, causal); pipe_stm, pipe_sout, pipe_sreg and pipe_sout_sreg at
@@ -176,7 +185,7 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     ok, reason = bwd_can_implement(BwdConfig(tile_m=128), 64, torch.bfloat16)
     assert not ok and "tile_m 128 needs head_dim 64 and dq_mode 'warp'" in reason
     ok, reason = bwd_can_implement(BwdConfig(tile_m=96), 64, torch.bfloat16)
-    assert not ok and "tile_m 96 not in (64, 128)" in reason
+    assert not ok and "tile_m 96 not in (64, 80, 128)" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
     assert not ok and "dtype" in reason
     # dQ split by rows needs 64 rows per MMA warpgroup; the per-warpgroup hand-over needs the
@@ -207,12 +216,61 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert bwd_can_implement(replace(warp128, scale_out=True), 64, torch.bfloat16) == (True, "")
 
 
+def test_bwd_tile_m80_limits() -> None:
+    """The 80-row tile: D = 128 with dQ computed as dQ^T through the writer warp, for dense
+    non-causal problems without a window; everything else is refused with the reason."""
+    from benchmarks.fa3_bwd_variants import variant
+
+    bf16 = torch.bfloat16
+    pipe80 = variant("pipe80")
+    assert bwd_can_implement(pipe80, 128, bf16) == (True, "")
+    # 226 KiB: Q, dO 2 x 2 x 20 + K, V 2 x 32 + sdS 2 x 20 + sdQ 40 + 2 (96-float LSE / D stages)
+    assert bwd_smem_bytes(pipe80, 128) == 226 * 1024 <= SMEM_CAPACITY
+    for flag, what in (("causal", "causal"), ("local", "a sliding window"), ("varlen", "varlen")):
+        ok, reason = bwd_can_implement(pipe80, 128, bf16, **{flag: True})
+        assert not ok and f"tile_m 80 is built for dense non-causal problems, not {what}" in reason
+    ok, reason = bwd_can_implement(replace(pipe80, deterministic=True), 128, bf16)
+    assert not ok and "tile_m 80 needs deterministic False" in reason
+    ok, reason = bwd_can_implement(pipe80, 64, bf16)
+    assert not ok and "tile_m 80 needs head_dim 128 and dq_split 'dt', not 64" in reason
+    ok, reason = bwd_can_implement(replace(pipe80, dq_split="d"), 128, bf16)
+    assert not ok and "tile_m 80 needs head_dim 128 and dq_split 'dt', not 128 and 'd'" in reason
+    ok, reason = bwd_can_implement(replace(pipe80, tile_m=64), 128, bf16)
+    assert not ok and "dq_split 'dt' needs layout 'sdp_t', tile_m 80 and dq_mode 'warp'" in reason
+    ok, reason = bwd_can_implement(replace(pipe80, dq_mode="atomic"), 128, bf16)
+    assert not ok and "not 'sdp_t', 80 and 'atomic'" in reason
+
+
+def test_bwd_tile_m80_refused_for_causal_problems() -> None:
+    """interface._bwd_key and the kernel's constructor refuse the 80-row tile where its build is
+    not checked: causal, windowed and packed problems."""
+    import cutlass
+
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.bwd_kernel import Fa3Backward
+    from flashsuite.fa3.interface import _bwd_key
+
+    pipe80 = variant("pipe80")
+    q = torch.empty(1, 160, 2, 128, dtype=torch.bfloat16)
+    assert _bwd_key(check_inputs(q, q, q), pipe80, varlen=False).cfg == pipe80
+    with pytest.raises(ValueError, match=r"cannot run: .*not causal"):
+        _bwd_key(check_inputs(q, q, q, causal=True), pipe80, varlen=False)
+    with pytest.raises(ValueError, match=r"cannot run: .*not a sliding window"):
+        _bwd_key(check_inputs(q, q, q, window_size=(64, 64)), pipe80, varlen=False)
+    with pytest.raises(ValueError, match=r"cannot run: .*not varlen"):
+        _bwd_key(check_inputs(q, q, q), pipe80, varlen=True)
+    for causal, local, varlen in ((True, False, False), (False, True, False), (False, False, True)):
+        with pytest.raises(ValueError, match="tile_m 80 needs dq_split 'dt' and a dense"):
+            Fa3Backward(cutlass.BFloat16, 128, pipe80, causal, local=local, varlen=varlen)
+
+
 def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
     """(wgmma, RS wgmma) instructions in the unrolled loop body of one row block: every k-step
     of every m64 atom of the five GEMMs is one instruction."""
     tm, tn, w = cfg["tile_m"], cfg["tile_n"], cfg["num_mma_wgs"]
     dq = tn // 16 * tm // 64  # dQ: K = the keys, one m64 atom per 64 query rows
-    if cfg["dq_split"] == "m":  # each warpgroup its own 64 rows: one m64 atom
+    if cfg["dq_split"] in ("m", "dt"):  # each warpgroup one m64 atom (its rows, or its D)
         dq = tn // 16
     if cfg["layout"] == "dkv_t":
         # S and dP (D/16 k-steps), dV^T and dK^T (tile_m/16 k-steps per m64 atom of D a WG
@@ -314,6 +372,25 @@ def test_bwd_dq_routes_compile(dq_route_probes) -> None:
         _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
+    """pipe80: S^T and dP^T as 8 m64n80k16 each (both operands K-major), dV and dK as 5 RS
+    m64n128k16 each (K = 80 rows; B MN-major), dQ^T = K^T dS^T as 8 m64n80k16 with A (sK) read
+    MN-major; the sdQ tile written with one st.shared.v4 per 4 fragment registers (40 fp32:
+    10) and added by one bulk reduce; 0 spills within 240 registers."""
+    ((r),) = pipe80_probes
+    ptx, cfg, where = r["ptx"], r["config"], _id(r)
+    assert (r["head_dim"], r["causal"], cfg["tile_m"], cfg["dq_split"]) == (128, False, 80, "dt")
+    shapes = {"m64n80k16.ss.t00": 16, "m64n128k16.rs.t1": 10, "m64n80k16.ss.t10": 8}
+    assert ptx["wgmma_shapes"] == shapes, f"{where}: {ptx['wgmma_shapes']}"
+    assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(128, cfg), where
+    assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+    assert ptx["st_shared_v4"] == 10 and ptx["stmatrix"] == 5, f"{where}: {ptx}"
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+    _assert_fits_registers(r)
+    for code in ("C7508", "C7512", "C7515", "C7519"):
+        assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
 def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
@@ -493,7 +570,14 @@ def test_preprocess_pads_rows_and_keeps_empty_rows(device) -> None:
 
 @pytest.mark.parametrize(
     ("tile_m", "head_dim", "split"),
-    [(64, 64, "d"), (64, 128, "d"), (128, 64, "d"), (128, 64, "m"), (128, 128, "m")],
+    [
+        (64, 64, "d"),
+        (64, 128, "d"),
+        (128, 64, "d"),
+        (128, 64, "m"),
+        (128, 128, "m"),
+        (80, 128, "dt"),
+    ],
 )
 def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> None:
     """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
@@ -519,7 +603,8 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> No
     by_wg = tile_off.view(tile_m, head_dim)
     by_wg = by_wg[: tile_m // 2] if split == "m" else by_wg[:, : head_dim // 2]
     assert sorted(by_wg.flatten().tolist()) == list(range(chunk)), "warpgroup 0 not one chunk"
-    b, hq, nq, nq_pad = 2, 3, 200, 256
+    b, hq, nq = 2, 3, 200
+    nq_pad = -(-256 // tile_m) * tile_m  # whole row blocks past nq: 256, or 320 at 80 rows
     dq = torch.randn(b, nq_pad, hq, head_dim)
     tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
     acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim)
@@ -676,6 +761,7 @@ def _kernel_contract(key, causal: bool):
         (128, "warp-m+sout", False, True, (2, 200, 130, 2, 1, 64)),  # dQ scaled by the host
         (64, "warp+sout", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic+sout", True, True, (2, 90, 120, 4, 4, 64)),
+        (80, "warp-dt", False, False, (2, 170, 130, 4, 2, 128)),  # dQ^T: 80-row blocks
     ],
 )
 def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, deterministic, causal, shape):
