@@ -52,7 +52,7 @@ class AttentionOp:
     def eager_autograd(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: AttnParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward op's result and autograd graph for 16-bit or float32 inputs, without the
+        """The forward op's result and autograd graph for inputs other than float8, without the
         op: the version's forward and backward called from a torch.autograd.Function. What the
         dispatcher runs in eager mode on plain tensors (the custom op's autograd layer, its
         argument defaults and its dynamo guard cost more host time than a small kernel); the

@@ -418,6 +418,17 @@ def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     )
 
 
+def _table_bwd_key(p: AttnParams):
+    """The dense backward's compile key of the table's config for `p`, memoised per problem
+    and deterministic-algorithms setting."""
+    mkey = (p, torch.are_deterministic_algorithms_enabled())
+    key = _bwd_keys.get(mkey)
+    if key is None:
+        key = _bwd_key(p, _bwd_config(p, None), varlen=False)
+        remember(_bwd_keys, mkey, key)
+    return key
+
+
 def backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -443,14 +454,7 @@ def backward(
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flashsuite.fa3.bwd_host import run_backward
 
-    if cfg is None:
-        mkey = (p, torch.are_deterministic_algorithms_enabled())
-        key = _bwd_keys.get(mkey)
-        if key is None:
-            key = _bwd_key(p, _bwd_config(p, None), varlen=False)
-            remember(_bwd_keys, mkey, key)
-    else:
-        key = _bwd_key(p, _bwd_config(p, cfg), varlen=False)
+    key = _table_bwd_key(p) if cfg is None else _bwd_key(p, _bwd_config(p, cfg), varlen=False)
     # The incoming gradient may be any view (e.g. expanded from a sum: strides 0).
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()
