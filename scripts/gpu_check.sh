@@ -118,8 +118,9 @@ for part in $parts; do
         tests/test_flash_attn_api.py tests/test_fallback.py -v -rfEs -p no:cacheprovider \
         --junitxml "$out/integrations.xml" 2>&1 | tee "$out/integrations.log" || status=1 ;;
     mutants)
-      # The fa3 / fp8 mutants (scripts/mutants.py --gpu): each must be killed by the tests.
-      python3 scripts/mutants.py --gpu --out "$out/mutants-gpu.md" 2>&1 \
+      # The fa3 / fp8 mutants (scripts/mutants.py --gpu), MUTANT_JOBS (6) at a time: each
+      # must be killed by the tests.
+      python3 scripts/mutants.py --gpu --jobs "${MUTANT_JOBS:-6}" --out "$out/mutants-gpu.md" 2>&1 \
         | tee "$out/mutants-gpu.log" || status=1 ;;
     bwd)
       # fa3's own backward: the shipped variants and the deterministic ones against the oracle

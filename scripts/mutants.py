@@ -11,6 +11,7 @@ copy). A mutant is killed when a test fails; the table says which one.
     python scripts/mutants.py --gpu           # fa3 and the fp8 path (on an sm90 GPU)
     python scripts/mutants.py --only fa2      # names containing "fa2"
     python scripts/mutants.py --out FILE.md   # also write the table as markdown
+    python scripts/mutants.py --gpu --jobs 6  # six mutants at a time, each in its own copy
 
 Exit status: 0 when every selected mutant is killed, 1 when one survives, 2 when a pattern no
 longer matches or a selection runs no test. docs/testing.md lists the mutants and the result.
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -606,8 +608,14 @@ def _copy_tree(dest: Path) -> Path:
 
 
 def _env(tmp: Path) -> dict[str, str]:
+    """The copy first on PYTHONPATH; the caller's other entries (e.g. a site folder holding the
+    CuTe DSL on a GPU host) kept after it, the original repository's own entries dropped."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp / "_pkg"), str(tmp / "repo")])
+    kept = [
+        e for e in env.get("PYTHONPATH", "").split(os.pathsep)
+        if e and Path(e).resolve() != ROOT
+    ]  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp / "_pkg"), str(tmp / "repo"), *kept])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.pop("FLASHSUITE_COMPARE_LOG", None)
     return env
@@ -637,7 +645,16 @@ def _apply(repo: Path, m: Mutant) -> str:
     return text
 
 
-def run(mutants: list[Mutant], keep_going: bool = True) -> list[dict]:
+def run(mutants: list[Mutant], keep_going: bool = True, jobs: int = 1) -> list[dict]:
+    """The table's rows in `mutants`' order. With jobs > 1 the mutants are dealt round-robin
+    to that many workers, each with its own copy of the repository (a mutant never sees
+    another's edit); keep_going=False then stops each worker at its first non-kill."""
+    if jobs > 1 and len(mutants) > 1:
+        shares = [mutants[i::jobs] for i in range(min(jobs, len(mutants)))]
+        with ThreadPoolExecutor(len(shares)) as pool:
+            done = list(pool.map(lambda share: run(share, keep_going), shares))
+        by_name = {r["mutant"]: r for rows in done for r in rows}
+        return [by_name[m.name] for m in mutants if m.name in by_name]
     rows = []
     with tempfile.TemporaryDirectory(prefix="flashsuite-mutants-") as d:
         tmp = Path(d)
@@ -656,7 +673,7 @@ def run(mutants: list[Mutant], keep_going: bool = True) -> list[dict]:
                 continue
             try:
                 cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
-                cmd += ["-rf", "--no-header", "-k", m.select, *m.files]
+                cmd += ["-rfs", "--no-header", "-k", m.select, *m.files]
                 # Only the mutated version's modules are imported (fa3's toolchain is slow to
                 # load); the other versions' tests are skipped.
                 version = {"FLASHSUITE_TEST_VERSIONS": m.name.split()[0]}
@@ -674,6 +691,12 @@ def run(mutants: list[Mutant], keep_going: bool = True) -> list[dict]:
                 else:  # a crash (e.g. the mutated kernel does not compile) is not a catch
                     why = errors[0] if errors else "no traceback"
                     row.update(status="ERROR", killed_by=f"{failed[0]}: {why}")
+            elif res.returncode == 0 and not re.search(r"\b\d+ passed", out):
+                # every selected test skipped (e.g. the version unavailable in the copy): the
+                # mutant was never exercised, which is neither a kill nor a survival
+                skips = re.findall(r"^SKIPPED \[\d+\] \S+: (.*)$", out, flags=re.M)
+                why = skips[0] if skips else "no reason printed"
+                row.update(status="SKIPPED", killed_by=f"-k {m.select!r} ran no test: {why}")
             elif res.returncode == 0:
                 row.update(status="SURVIVED", killed_by=f"-k {m.select!r} all passed")
             elif res.returncode == 5:
@@ -712,13 +735,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="the fa3 / fp8 mutants (sm90 GPU)")
     ap.add_argument("--only", help="run the mutants whose name contains this text")
     ap.add_argument("--out", type=Path, help="write the table as markdown to this file")
+    ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs: expected a count >= 1, got {args.jobs}")
     mutants = select(args.gpu, args.only)
     if not mutants:
         print("no mutant selected", file=sys.stderr)
         return 2
     t0 = time.time()
-    rows = run(mutants)
+    rows = run(mutants, jobs=args.jobs)
     table = markdown(rows)
     print(f"\n{table}\n{len(rows)} mutants in {time.time() - t0:.0f} s")
     if args.out:
