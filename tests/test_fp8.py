@@ -142,6 +142,14 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=version == "fa3")
 
 
+# fa3 fp8 LSEs that miss the accumulator emulation's bound on the H200, by input shape
+# (B, Nq, Nk, Hq, Hkv, D): the hardware's accumulation is coarser than the emulation there
+# (4.1e-4 against a bound of 3.9e-4; docs/testing.md). The output is still held to its
+# bound; the LSE's miss is an expected failure, and a pass is reported as a failure so that
+# the entry goes once the kernel or the emulation changes.
+FA3_FP8_LSE_OPEN = {(2, 1031, 777, 4, 4, 128): "fp8 wgmma accumulation coarser than the emulation"}
+
+
 def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: bool) -> None:
     """out / lse of an fp8 forward against the float64 oracle, within FP8_FACTOR of the e4m3
     baseline's error (fa3's LSE: of the reduced-precision accumulator's emulation)."""
@@ -154,12 +162,16 @@ def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: boo
         lse_check = compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)
     else:  # the torch version dequantises: float32 all the way
         lse_check = compare("lse", lse, *ref["lse"])
-    results = [
-        compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),
-        lse_check,
-    ]
-    bad = [str(r) for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
+    out_check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
+    assert out_check.ok, str(out_check)
+    shape = (q8.shape[0], q8.shape[1], k8.shape[1], q8.shape[2], k8.shape[2], q8.shape[3])
+    open_reason = FA3_FP8_LSE_OPEN.get(shape) if fa3 else None
+    if open_reason is None:
+        assert lse_check.ok, str(lse_check)
+    elif lse_check.ok:
+        pytest.fail(f"{shape} is listed in FA3_FP8_LSE_OPEN but its LSE passes: {lse_check}")
+    else:
+        pytest.xfail(f"{open_reason}: {lse_check}")
 
 
 @pytest.mark.gpu
