@@ -98,9 +98,24 @@ def bwd_preprocess(
 
 
 @triton.jit
-def _first_pad_row(CuQ, b, TILE_M: tl.constexpr):
+def first_pad_row(CuQ, b, TILE_M: tl.constexpr):
     """The first padded row of sequence b: ((cu_seqlens_q[b] + b * TILE_M) // TILE_M) * TILE_M."""
     return (tl.load(CuQ + b) + b * TILE_M) // TILE_M * TILE_M
+
+
+@triton.jit
+def sequence_of_pad_row(CuQ, row, batch, TILE_M: tl.constexpr):
+    """The sequence whose padded rows hold padded row `row`: the largest b < batch whose first
+    padded row is <= row (binary search; sequence 0 starts at row 0)."""
+    lo = 0
+    hi = batch - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if first_pad_row(CuQ, mid, TILE_M) <= row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @triton.jit(do_not_specialize=["batch", "rows_pad"])
@@ -128,19 +143,10 @@ def _varlen_bwd_preprocess(
     +inf / 0 past the sequence's end, whatever max_seqlen_q says."""
     start = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
-    # The sequence whose padded rows hold `start`: the largest b < B with first row <= start
-    # (binary search; sequence 0 starts at row 0).
-    lo = 0
-    hi = batch - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _first_pad_row(CuQ, mid, TILE_M) <= start:
-            lo = mid
-        else:
-            hi = mid - 1
+    lo = sequence_of_pad_row(CuQ, start, batch, TILE_M)
     q0 = tl.load(CuQ + lo).to(tl.int64)
     seqlen_q = tl.load(CuQ + lo + 1) - q0
-    offs_m = start - _first_pad_row(CuQ, lo, TILE_M) + tl.arange(0, BLOCK_M)  # sequence rows
+    offs_m = start - first_pad_row(CuQ, lo, TILE_M) + tl.arange(0, BLOCK_M)  # sequence rows
     offs_dv = tl.arange(0, DV_PAD)  # (DV_PAD,)
     m_ok = offs_m < seqlen_q  # (BLOCK_M,)
     mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)  # (BLOCK_M, DV_PAD)

@@ -5,15 +5,16 @@ softcap, varlen, tile config, arch); batch, sequence lengths, head counts and st
 symbolic in the fake tensors the kernel is compiled from, so new shapes never recompile. The
 binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's current stream.
 
-Pre- and postprocess are small torch ops for now (docs/design.md): D = rowsum(dO * O) in
-float32, LSE * log2(e) (-inf kept: the kernel reads it as P = 0), both padded to whole row
-blocks with 0 / -inf; the float32 dQ accumulator zeroed; dQ cast to the input dtype at the end
-(the softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied
-here in the conversion of dQ).
+Pre- and postprocess are memory-bound Triton kernels shared through common/: the preprocess
+(common/bwd_preprocess.py) writes D = rowsum(dO * O) and LSE * log2(e) in float32, padded to
+whole row blocks (+inf LSE and 0 on padding rows: the kernel reads them as P = 0); the float32
+dQ accumulator is zeroed; the postprocess (common/bwd_postprocess.py) turns the "warp" dq_mode's
+tile-ordered accumulator into dQ in the input dtype in one pass, writing the real rows only (the
+softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied there).
 
 Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the "warp" dQ
-accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`),
-dQ gathered back to the packed rows (`varlen_pad_index`) after the tile-order permutation.
+accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`);
+the postprocess writes each sequence's rows back to their packed place.
 
 The binary is cached like the forward's (`compile.cached`: in memory, then on disk) and called
 with every parameter positionally, as a binary loaded from disk takes them. The CuTe DSL is
@@ -30,12 +31,8 @@ from typing import Any
 
 import torch
 
-from flashsuite.common.bwd_preprocess import (
-    BLOCK_M,
-    bwd_preprocess,
-    varlen_bwd_preprocess,
-    varlen_pad_index,
-)
+from flashsuite.common.bwd_postprocess import dq_postprocess
+from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess, varlen_bwd_preprocess
 from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
 from flashsuite.fa3.compile import (
     cached,
@@ -287,22 +284,22 @@ def run_backward(
 
 
 @functools.cache
-def _dq_tile_view(
-    tile_m: int, head_dim: int, num_wgs: int, split: str
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """How dq_from_tiles reads one TILE_M x D block of dQ in dq_tile_modes order: the block's
-    modes sorted by decreasing stride (a plain view of its memory), and where each row mode
-    and each column mode then sits among the view's dims (after B, Hq and the block index),
-    outer first."""
-    shape, strides = dq_tile_modes(tile_m, head_dim, num_wgs, split)
-    (rows, cols), (row_strides, col_strides) = shape, strides
-    modes = [(st, "r", i, n) for i, (n, st) in enumerate(zip(rows, row_strides, strict=True))]
-    modes += [(st, "c", i, n) for i, (n, st) in enumerate(zip(cols, col_strides, strict=True))]
-    modes.sort(reverse=True)
-    where = {(kind, i): 3 + pos for pos, (_, kind, i, _) in enumerate(modes)}
-    row_dims = tuple(where["r", i] for i in reversed(range(len(rows))))
-    col_dims = tuple(where["c", i] for i in reversed(range(len(cols))))
-    return tuple(n for *_, n in modes), row_dims, col_dims
+def _dq_offsets(
+    tile_m: int, head_dim: int, num_wgs: int, split: str, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_off (TILE_M,), col_off (D,)) int32 on `device`: where element (r, c) of a TILE_M x D
+    block of the "warp" dq_mode's accumulator sits (row_off[r] + col_off[c]), from
+    dq_tile_modes' (shape, stride) by CuTe's colexicographic decomposition of r and c."""
+    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, num_wgs, split)
+
+    def offsets(shape: tuple, stride: tuple, n: int) -> torch.Tensor:
+        idx, off = torch.arange(n), torch.zeros(n, dtype=torch.int32)
+        for size, st in zip(shape, stride, strict=True):
+            off += (idx % size).to(torch.int32) * st
+            idx = idx // size
+        return off.to(device)
+
+    return offsets(rows, row_strides, tile_m), offsets(cols, col_strides, head_dim)
 
 
 def dq_from_tiles(
@@ -313,22 +310,24 @@ def dq_from_tiles(
     dtype: torch.dtype,
     split: str = "d",
     scale: float | None = None,
+    out: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
-    whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's
-    dq_split): one permuting copy (with the cast, and times `scale` in fp32 when given: the
-    `scale_out` configs)."""
-    b, hq, nq_pad, d = dq_acc.shape
-    sizes, row_dims, col_dims = _dq_tile_view(tile_m, d, num_wgs, split)
-    tiles = dq_acc.view(b, hq, nq_pad // tile_m, *sizes)
-    rows_cols = tiles.permute(0, 2, *row_dims, 1, *col_dims)  # (b, m, rows.., hq, cols..)
-    dq = torch.empty(rows_cols.shape, dtype=dtype, device=dq_acc.device)
-    if scale is None:
-        dq.copy_(rows_cols)
-    else:
-        torch.mul(rows_cols, scale, out=dq)
-    dq = dq.view(b, nq_pad, hq, d)
-    return dq if nq == nq_pad else dq[:, :nq].contiguous()
+    """dQ in `dtype` from the "warp" dq_mode's accumulator, whose TILE_M x D blocks hold dQ in
+    bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale` in fp32
+    when given (the `scale_out` configs): one pass of common.bwd_postprocess's kernel, which
+    writes the Nq real rows only. Dense: dq_acc (B, Hq, Nq_pad, D) -> (B, Nq, Hq, D). Packed
+    sequences (`cu_seqlens_q`): dq_acc (Hq, rows_pad, D) in the padded row layout -> `out`
+    (total_q, Hq, D), which they need (`nq` is then total_q). `out`, when given, is written
+    and returned (unit last stride)."""
+    d = dq_acc.shape[-1]
+    if out is None:
+        if cu_seqlens_q is not None:
+            raise ValueError("dq_from_tiles: packed sequences write into `out`; got out=None")
+        b, hq = dq_acc.shape[:2]
+        out = torch.empty(b, nq, hq, d, dtype=dtype, device=dq_acc.device)
+    row_off, col_off = _dq_offsets(tile_m, d, num_wgs, split, dq_acc.device)
+    return dq_postprocess(dq_acc, row_off, col_off, out, scale, cu_seqlens_q)
 
 
 def run_varlen_backward(
@@ -375,8 +374,6 @@ def run_varlen_backward(
     if cfg.dq_mode != "warp":
         dq.copy_(dq_acc if dq_scale is None else dq_acc * dq_scale)
         return dq, dk, dv
-    acc = dq_acc[None]
-    padded = dq_from_tiles(acc, rows_pad, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
-    padded = padded[0]
-    torch.index_select(padded, 0, varlen_pad_index(cu_seqlens_q, total_q, tile_m), out=dq)
+    dq_from_tiles(dq_acc, total_q, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale,
+                  out=dq, cu_seqlens_q=cu_seqlens_q)  # fmt: skip
     return dq, dk, dv

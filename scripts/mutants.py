@@ -349,6 +349,14 @@ MUTANTS = [
         "host_path or preprocess",
         ("tests/test_fa3_varlen_bwd.py",),
     ),
+    Mutant(
+        "fa3 dQ postprocess: the first padding row written",
+        "common/bwd_postprocess.py",
+        "r_ok = r_ok & (dst_rows < seqlen_q)",
+        "r_ok = r_ok & (dst_rows <= seqlen_q)",
+        "dense",
+        ("tests/test_bwd_postprocess.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
@@ -435,8 +443,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 bwd: dq x1.01",
         FA3_BWD_HOST,
-        "dq.copy_(rows_cols)",
-        "dq.copy_(rows_cols * 1.01)",
+        "row_off, col_off, out, scale, cu_seqlens_q)",
+        "row_off, col_off, out, (scale or 1.0) * 1.01, cu_seqlens_q)",
         f"{OWN} and float16",
     ),
     Mutant(
