@@ -305,6 +305,20 @@ def _dq_tile_view(
     return tuple(n for *_, n in modes), row_dims, col_dims
 
 
+def _row_pieces(digits: tuple[int, ...], rows: int) -> list[tuple[tuple[int, ...], int]]:
+    """Rows [0, rows) of a mixed-radix row index (`digits` outer first: the row block, then the
+    tile's row modes) as rectangular pieces, one per nonzero digit of `rows`: (the values of
+    the digits above, how many of the next one; the digits below it whole)."""
+    pieces, fixed, below = [], [], math.prod(digits)
+    for size in digits:
+        below //= size
+        count, rows = divmod(rows, below)
+        if count:
+            pieces.append((tuple(fixed), count))
+        fixed.append(count)
+    return pieces
+
+
 def dq_from_tiles(
     dq_acc: torch.Tensor,
     nq: int,
@@ -314,21 +328,39 @@ def dq_from_tiles(
     split: str = "d",
     scale: float | None = None,
 ) -> torch.Tensor:
-    """(B, Nq, Hq, D) in `dtype` from the "warp" dq_mode's accumulator (B, Hq, Nq_pad, D),
-    whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's
-    dq_split): one permuting copy (with the cast, and times `scale` in fp32 when given: the
-    `scale_out` configs)."""
+    """(B, Nq, Hq, D) in `dtype`, contiguous, from the "warp" dq_mode's accumulator (B, Hq,
+    Nq_pad, D), whose TILE_M x D blocks hold dQ in bwd_configs.dq_tile_modes order (`split`:
+    the config's dq_split): permuting copies (with the cast, and times `scale` in fp32 when
+    given: the `scale_out` configs) into the one tensor returned.
+
+    A row of dQ is (row block, the tile's row modes) in the permuted view, so a ragged Nq is
+    not one slice of it: with B > 1 the rows below Nq are copied as `_row_pieces` (one copy
+    per nonzero digit of Nq, none of the padding rows); with B = 1 the padding rows end the
+    output and a view leaves them out of one copy of every row."""
     b, hq, nq_pad, d = dq_acc.shape
     sizes, row_dims, col_dims = _dq_tile_view(tile_m, d, num_wgs, split)
     tiles = dq_acc.view(b, hq, nq_pad // tile_m, *sizes)
     rows_cols = tiles.permute(0, 2, *row_dims, 1, *col_dims)  # (b, m, rows.., hq, cols..)
-    dq = torch.empty(rows_cols.shape, dtype=dtype, device=dq_acc.device)
-    if scale is None:
-        dq.copy_(rows_cols)
+    keep = nq_pad if b == 1 else nq
+    dq = torch.empty((b, keep, hq, d), dtype=dtype, device=dq_acc.device)
+    if keep == nq_pad:  # whole row blocks
+        parts = [(rows_cols, dq.view(rows_cols.shape))]
     else:
-        torch.mul(rows_cols, scale, out=dq)
-    dq = dq.view(b, nq_pad, hq, d)
-    return dq if nq == nq_pad else dq[:, :nq].contiguous()
+        digits = rows_cols.shape[1 : 2 + len(row_dims)]  # the row block, then the row modes
+        inner = rows_cols.shape[2 + len(row_dims) :]  # (hq, cols..)
+        parts, start = [], 0
+        for fixed, count in _row_pieces(digits, keep):
+            below = digits[len(fixed) + 1 :]
+            span = count * math.prod(below)
+            src = rows_cols[(slice(None), *fixed, slice(0, count))]
+            parts.append((src, dq[:, start : start + span].view(b, count, *below, *inner)))
+            start += span
+    for src, dst in parts:
+        if scale is None:
+            dst.copy_(src)
+        else:
+            torch.mul(src, scale, out=dst)
+    return dq if keep == nq else dq[:, :nq]
 
 
 def run_varlen_backward(

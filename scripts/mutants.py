@@ -433,8 +433,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 bwd: dq x1.01",
         FA3_BWD_HOST,
-        "dq.copy_(rows_cols)",
-        "dq.copy_(rows_cols * 1.01)",
+        "dst.copy_(src)",
+        "dst.copy_(src * 1.01)",
         f"{OWN} and float16",
     ),
     Mutant(
