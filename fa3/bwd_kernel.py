@@ -53,9 +53,9 @@ bracket the MMA threads' adds (`add_dq_in_order`).
 
 Masking: the row blocks [m_block_min, m_block_max) of a column block are those with a row that
 sees one of its keys (causal, bottom-right: query i sees key j iff j <= i + Nk - Nq); fully
-masked blocks are never visited. Blocks on the causal diagonal or holding keys past Nk set
-S = -inf there. An infinite LSE (a row that sees no key, and the padding rows past Nq) gives
-P = exp2(s - inf) = 0: zero gradients, no NaN.
+masked blocks are never visited (`bwd_blocks.BwdBlocks`). Blocks on the causal diagonal or
+holding keys past Nk set S = -inf there. An infinite LSE (a row that sees no key, and the
+padding rows past Nq) gives P = exp2(s - inf) = 0: zero gradients, no NaN.
 
 Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B) for 4-D
 TMA descriptors (tail row blocks load zeros); LSE and D as (Nq_pad, H, B).
@@ -80,6 +80,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
+from flashsuite.fa3.bwd_blocks import BwdBlocks
 from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig, stats_stage_rows
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
 from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
@@ -98,7 +99,7 @@ class WarpRole(enum.IntEnum):
     MMA1 = 2
 
 
-class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
+class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
     """Static configuration of one compiled backward; `__call__` is the host-side launcher."""
 
     def __init__(
@@ -540,68 +541,3 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
                 self.mma_t(*args)
             else:
                 self.mma(*args)
-
-    @cute.jit
-    def row_blocks(
-        self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, group: Int32, win: tuple | None
-    ):
-        """(m_block_min, n_m, n_iter): the row blocks [m_block_min, m_block_min + n_m) with a
-        row that sees a key of n_block, and n_iter = n_m * group steps over the query heads.
-        Row i sees key j iff i + shift - left <= j <= i + shift + right (shift = seqlen_k -
-        seqlen_q; causal: right = 0; `win` = (left, right) in local builds).
-
-        Called inside each role's branch, after setmaxnreg: values computed in the kernel's
-        top region live through the register reallocation and ptxas spilled one there."""
-        m_block_max = (seqlen_q + self.TILE_M - 1) // self.TILE_M
-        m_block_min = Int32(0)
-        shift = seqlen_k - seqlen_q
-        if const_expr(self.LOCAL):
-            window_left, window_right = win
-            # The first row that sees the block's first key, the last that sees its last key.
-            first_row = cutlass.max(n_block * self.TILE_N - shift - window_right, 0)
-            last_key = cutlass.min((n_block + 1) * self.TILE_N, seqlen_k) - 1
-            row_end = cutlass.max(last_key - shift + window_left + 1, 0)  # past the last row
-            m_block_max = cutlass.min(m_block_max, (row_end + self.TILE_M - 1) // self.TILE_M)
-            m_block_min = cutlass.min(first_row // self.TILE_M, m_block_max)
-        elif const_expr(self.CAUSAL):
-            # Row i sees key j iff i >= j - (seqlen_k - seqlen_q): the first row that sees the
-            # block's first key.
-            first_row = cutlass.max(n_block * self.TILE_N - shift, 0)
-            m_block_min = cutlass.min(first_row // self.TILE_M, m_block_max)
-        n_m = m_block_max - m_block_min
-        return m_block_min, n_m, n_m * group
-
-    @cute.jit
-    def row_block(self, i: Int32, m_block_min: Int32, n_m: Int32, head_kv: Int32, group: Int32):
-        """(query head, row block) of step i of the row-block loop: the heads of the GQA group
-        one after another, each over its row blocks [m_block_min, m_block_min + n_m). The
-        producer, the MMA warpgroups and the dQ writer walk the same sequence."""
-        hq = i // n_m
-        return head_kv * group + hq, m_block_min + i - hq * n_m
-
-    @cute.jit
-    def key_edges(self, n_block: Int32, seqlen_k: Int32, shift: Int32, win: tuple | None):
-        """(key_tail, first_free_row) of column block n_block, before the row-block loop: whether
-        it holds keys past seqlen_k, and the first row that sees all of its keys on the right
-        (causal / window edge; rows >= it need no right-side mask)."""
-        key_tail = (n_block + 1) * self.TILE_N > seqlen_k
-        right_edge = 0  # the window's right edge: 0 when causal
-        if const_expr(self.LOCAL):
-            right_edge = win[1]
-        return key_tail, (n_block + 1) * self.TILE_N - 1 - shift - right_edge
-
-    @cute.jit
-    def block_masked(
-        self, m_block: Int32, n_block: Int32, shift: Int32, edges: tuple, win: tuple | None
-    ):
-        """Whether row block m_block needs the per-element mask against column block n_block:
-        keys past seqlen_k, rows above the right edge's first_free_row (`key_edges`), or (window)
-        rows below the last one that sees the block's first key."""
-        key_tail, first_free_row = edges
-        masked = key_tail
-        if const_expr(self.HAS_RIGHT):
-            masked = masked | (m_block * self.TILE_M < first_free_row)
-        if const_expr(self.LOCAL):  # rows <= last_free_row see the block's first key
-            last_free_row = n_block * self.TILE_N - shift + win[0]
-            masked = masked | ((m_block + 1) * self.TILE_M - 1 > last_free_row)
-        return masked

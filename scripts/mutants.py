@@ -478,7 +478,7 @@ GPU_MUTANTS = [
     ),
     Mutant(
         "fa3 bwd: window's last row block of a column block skipped",
-        "fa3/bwd_kernel.py",
+        "fa3/bwd_blocks.py",
         "row_end = cutlass.max(last_key - shift + window_left + 1, 0)",
         "row_end = cutlass.max(last_key - shift + window_left + 1 - self.TILE_M, 0)",
         f"{OWN} and win",

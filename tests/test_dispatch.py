@@ -108,9 +108,9 @@ def test_fa3_backward_own_or_fa2(monkeypatch, d, options, env, backward, why) ->
 def test_unverified_backward_build_runs_only_when_asked(monkeypatch) -> None:
     """A (head_dim, feature) listed in bwd_configs.BWD_UNVERIFIED (compiled, not yet run on a
     GPU) gets fa2's backward unless FLASHSUITE_FA3_BWD=1 asks for fa3's, and explain says why."""
-    from flashsuite.fa3 import interface
+    from flashsuite.fa3 import bwd_interface
 
-    monkeypatch.setattr(interface, "BWD_UNVERIFIED", ((128, "softcap"),))
+    monkeypatch.setattr(bwd_interface, "BWD_UNVERIFIED", ((128, "softcap"),))
     q, k, v = _qkv(d=128, requires_grad=True)
     with override_arch(90):
         if not (registry.available("fa3")[0] and registry.available("fa2")[0]):

@@ -568,28 +568,14 @@ def test_preprocess_pads_rows_and_keeps_empty_rows(device) -> None:
     assert (dsum[:, :, nq:] == 0).all()
 
 
-@pytest.mark.parametrize(
-    ("tile_m", "head_dim", "split"),
-    [
-        (64, 64, "d"),
-        (64, 128, "d"),
-        (128, 64, "d"),
-        (128, 64, "m"),
-        (128, 128, "m"),
-        (80, 128, "dt"),
-    ],
-)
-def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> None:
-    """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
-    layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
-    that map, for a ragged Nq too. Each warpgroup's part is one contiguous chunk (the
-    per-warpgroup bulk reduces of dq_handoff "wg" rely on it)."""
+def _tile_offsets(tile_m: int, head_dim: int, split: str) -> torch.Tensor:
+    """(TILE_M, D): where each (row, column) of a dQ row block sits in its dq_tile_modes block,
+    from CuTe's colexicographic decomposition of the row and column indices."""
     from flashsuite.fa3.bwd_configs import dq_tile_modes
-    from flashsuite.fa3.bwd_host import dq_from_tiles
 
     (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, 2, split)
 
-    def offsets(shape, stride, n) -> torch.Tensor:  # CuTe's colexicographic decomposition
+    def offsets(shape, stride, n) -> torch.Tensor:
         idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
         for size, st in zip(shape, stride, strict=True):
             off += (idx % size) * st
@@ -597,23 +583,102 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> No
         return off
 
     row_off, col_off = offsets(rows, row_strides, tile_m), offsets(cols, col_strides, head_dim)
-    tile_off = (row_off[:, None] + col_off[None, :]).flatten()
-    assert sorted(tile_off.tolist()) == list(range(tile_m * head_dim)), "not a bijection"
+    return row_off[:, None] + col_off[None, :]
+
+
+def _tiled(dq: torch.Tensor, tile_m: int, split: str) -> torch.Tensor:
+    """The "warp" dq_mode's accumulator (B, Hq, Nq_pad, D) holding dq (B, Nq_pad, Hq, D)."""
+    b, nq_pad, hq, head_dim = dq.shape
+    tile_off = _tile_offsets(tile_m, head_dim, split).flatten()
+    tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
+    acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim, dtype=dq.dtype)
+    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
+    return acc.view(b, hq, nq_pad, head_dim)
+
+
+_TILE_ORDERS = [
+    (64, 64, "d"),
+    (64, 128, "d"),
+    (128, 64, "d"),
+    (128, 64, "m"),
+    (128, 128, "m"),
+    (80, 128, "dt"),
+]
+
+
+@pytest.mark.parametrize(("tile_m", "head_dim", "split"), _TILE_ORDERS)
+def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> None:
+    """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
+    layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
+    that map, for a ragged Nq too. Each warpgroup's part is one contiguous chunk (the
+    per-warpgroup bulk reduces of dq_handoff "wg" rely on it)."""
+    from flashsuite.fa3.bwd_host import dq_from_tiles
+
+    tile_off = _tile_offsets(tile_m, head_dim, split)
+    assert sorted(tile_off.flatten().tolist()) == list(range(tile_m * head_dim)), "not a bijection"
     chunk = tile_m * head_dim // 2
-    by_wg = tile_off.view(tile_m, head_dim)
-    by_wg = by_wg[: tile_m // 2] if split == "m" else by_wg[:, : head_dim // 2]
+    by_wg = tile_off[: tile_m // 2] if split == "m" else tile_off[:, : head_dim // 2]
     assert sorted(by_wg.flatten().tolist()) == list(range(chunk)), "warpgroup 0 not one chunk"
     b, hq, nq = 2, 3, 200
     nq_pad = -(-256 // tile_m) * tile_m  # whole row blocks past nq: 256, or 320 at 80 rows
     dq = torch.randn(b, nq_pad, hq, head_dim)
-    tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
-    acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim)
-    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
-    got = dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq, tile_m, 2, torch.float32, split)
+    acc = _tiled(dq, tile_m, split)
+    got = dq_from_tiles(acc, nq, tile_m, 2, torch.float32, split)
     assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
     assert torch.equal(got, dq[:, :nq])
-    assert torch.equal(dq_from_tiles(acc.view(b, hq, nq_pad, head_dim), nq_pad, tile_m, 2,
-                                     torch.float32, split), dq)  # fmt: skip
+    assert torch.equal(dq_from_tiles(acc, nq_pad, tile_m, 2, torch.float32, split), dq)
+
+
+def _new_storages(fn) -> tuple[object, set[int]]:
+    """fn()'s result and the storages (data pointers) of every tensor an aten op made while it
+    ran, views of one storage counted once (each kept alive until fn returns, so that no
+    address is reused)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[int] = set()
+    alive: list[torch.Tensor] = []
+
+    class Storages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.numel():
+                    seen.add(t.untyped_storage().data_ptr())
+                    alive.append(t)
+            return out
+
+    with Storages():
+        result = fn()
+    return result, seen
+
+
+@pytest.mark.parametrize(("tile_m", "head_dim", "split"), _TILE_ORDERS)
+@pytest.mark.parametrize("scale", [None, 0.125])
+def test_dq_from_tiles_writes_one_tensor(tile_m: int, head_dim: int, split: str, scale) -> None:
+    """A ragged Nq: dQ leaves the tiles in one tensor of exactly B x Nq rows (no padded copy
+    sliced a second time), equal bit for bit to the tiles' rows cast (and scaled in fp32) by
+    torch. (The offset tables are made once per layout and device: warmed first. The count of
+    new tensors is checked where the kernel is compiled, not interpreted.)"""
+    from flashsuite.fa3.bwd_host import dq_from_tiles
+
+    gen = torch.Generator().manual_seed(tile_m + head_dim)
+    hq = 3
+    for b, nq in ((2, 1), (3, 77), (2, 2 * tile_m + tile_m // 2 + 9), (1, tile_m + 5)):
+        nq_pad = -(-nq // tile_m) * tile_m
+        dq = torch.randn(b, nq_pad, hq, head_dim, generator=gen)
+        acc = _tiled(dq, tile_m, split)
+        acc_storage = acc.untyped_storage().data_ptr()
+        dq_from_tiles(acc, nq, tile_m, 2, torch.bfloat16, split, scale)
+        got, made = _new_storages(
+            lambda: dq_from_tiles(acc, nq, tile_m, 2, torch.bfloat16, split, scale)  # noqa: B023
+        )
+        want = dq[:, :nq] if scale is None else dq[:, :nq] * scale
+        assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
+        assert torch.equal(got, want.to(torch.bfloat16)), (b, nq)
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # the interpreter copies
+            # every kernel argument through host buffers of its own
+            assert made - {acc_storage} == {got.untyped_storage().data_ptr()}, (b, nq)
+        assert got.untyped_storage().nbytes() == got.numel() * got.element_size(), (b, nq)
 
 
 _SIGNATURE_KEYS = [
