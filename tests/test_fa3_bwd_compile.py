@@ -591,8 +591,8 @@ def _tiled(dq: torch.Tensor, tile_m: int, split: str) -> torch.Tensor:
     b, nq_pad, hq, head_dim = dq.shape
     tile_off = _tile_offsets(tile_m, head_dim, split).flatten()
     tiles = dq.view(b, nq_pad // tile_m, tile_m, hq, head_dim).permute(0, 3, 1, 2, 4)
-    acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim, dtype=dq.dtype)
-    acc[..., tile_off] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
+    acc = torch.empty(b, hq, nq_pad // tile_m, tile_m * head_dim, dtype=dq.dtype, device=dq.device)
+    acc[..., tile_off.to(dq.device)] = tiles.reshape(b, hq, nq_pad // tile_m, tile_m * head_dim)
     return acc.view(b, hq, nq_pad, head_dim)
 
 
@@ -607,7 +607,7 @@ _TILE_ORDERS = [
 
 
 @pytest.mark.parametrize(("tile_m", "head_dim", "split"), _TILE_ORDERS)
-def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> None:
+def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str, device) -> None:
     """The "warp" dq_mode's accumulator holds each TILE_M x D row block in dq_tile_modes order (the
     layout the kernel stores sdQ with and bulk-adds to gmem); dq_from_tiles must invert exactly
     that map, for a ragged Nq too. Each warpgroup's part is one contiguous chunk (the
@@ -621,7 +621,7 @@ def test_dq_tile_order_round_trips(tile_m: int, head_dim: int, split: str) -> No
     assert sorted(by_wg.flatten().tolist()) == list(range(chunk)), "warpgroup 0 not one chunk"
     b, hq, nq = 2, 3, 200
     nq_pad = -(-256 // tile_m) * tile_m  # whole row blocks past nq: 256, or 320 at 80 rows
-    dq = torch.randn(b, nq_pad, hq, head_dim)
+    dq = torch.randn(b, nq_pad, hq, head_dim, device=device)
     acc = _tiled(dq, tile_m, split)
     got = dq_from_tiles(acc, nq, tile_m, 2, torch.float32, split)
     assert got.shape == (b, nq, hq, head_dim) and got.is_contiguous()
@@ -654,7 +654,7 @@ def _new_storages(fn) -> tuple[object, set[int]]:
 
 @pytest.mark.parametrize(("tile_m", "head_dim", "split"), _TILE_ORDERS)
 @pytest.mark.parametrize("scale", [None, 0.125])
-def test_dq_from_tiles_writes_one_tensor(tile_m: int, head_dim: int, split: str, scale) -> None:
+def test_dq_from_tiles_writes_one_tensor(tile_m, head_dim, split, scale, device) -> None:
     """A ragged Nq: dQ leaves the tiles in one tensor of exactly B x Nq rows (no padded copy
     sliced a second time), equal bit for bit to the tiles' rows cast (and scaled in fp32) by
     torch. (The offset tables are made once per layout and device: warmed first. The count of
@@ -665,7 +665,7 @@ def test_dq_from_tiles_writes_one_tensor(tile_m: int, head_dim: int, split: str,
     hq = 3
     for b, nq in ((2, 1), (3, 77), (2, 2 * tile_m + tile_m // 2 + 9), (1, tile_m + 5)):
         nq_pad = -(-nq // tile_m) * tile_m
-        dq = torch.randn(b, nq_pad, hq, head_dim, generator=gen)
+        dq = torch.randn(b, nq_pad, hq, head_dim, generator=gen).to(device)
         acc = _tiled(dq, tile_m, split)
         acc_storage = acc.untyped_storage().data_ptr()
         dq_from_tiles(acc, nq, tile_m, 2, torch.bfloat16, split, scale)
