@@ -120,10 +120,11 @@ def pipe80_probes(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def wide256_dq_probes(tmp_path_factory) -> list[dict]:
     """D = 256 with more keys than the shipped 48: wide256_n64_turn (full) and wide256_red
-    (causal), 64 keys; wide256_red80, 80 keys, full and causal."""
+    (causal), 64 keys; wide256_red80, 80 keys, full, causal and causal with a window."""
     runs = [
         ["--variant", "wide256_n64_turn", "--variant", "wide256_red80", "--shard", "0/2"],
         ["--variant", "wide256_red", "--variant", "wide256_red80", "--shard", "1/2"],
+        ["--variant", "wide256_red80", "--local", "--shard", "1/2"],
     ]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_wide256_dq"), runs)
 
@@ -412,8 +413,17 @@ def test_bwd_wide256_dq_routes_compile(wide256_dq_probes) -> None:
     red.global.add.v4.f32 (one per 4 of dQ's 64 registers, in one piece or in two slices of
     32), no sdQ store and no bulk reduce; TMA loads and stores and setmaxnreg as shipped;
     0 spills within 240 registers, no wgmma serialised."""
-    seen = {(r["config"]["tile_n"], r["config"]["dq_mode"], r["causal"]) for r in wide256_dq_probes}
-    assert seen == {(64, "warp", False), (64, "red", True), (80, "red", False), (80, "red", True)}
+    seen = {
+        (r["config"]["tile_n"], r["config"]["dq_mode"], r["causal"], r["local"])
+        for r in wide256_dq_probes
+    }
+    assert seen == {
+        (64, "warp", False, False),
+        (64, "red", True, False),
+        (80, "red", False, False),
+        (80, "red", True, False),
+        (80, "red", True, True),
+    }
     for r in wide256_dq_probes:
         ptx, cfg, where = r["ptx"], r["config"], _id(r)
         tn, slices = cfg["tile_n"], cfg["dq_slices"]
@@ -499,6 +509,83 @@ def test_sdq_turn_layout_overlays_the_chunks(tile_m: int, head_dim: int, split: 
     assert torch.equal(one, full % chunk)
     wg0 = full < chunk  # warpgroup 0's chunk is the first one: the overlay is the identity there
     assert torch.equal(one[wg0], full[wg0]) and sorted(one[~wg0].tolist()) == list(range(chunk))
+
+
+# Run from a file in a child process (CUTE_DSL_ARCH is read at import; the DSL compiles from a
+# function's source): trace the dQ MMA of the wide256_red (64 keys, dQ in one piece) and
+# wide256_red80 (80 keys, two slices) kernels and print, for every MMA thread, the (row,
+# column) of each fragment register, as `BwdDq.red_dq` places it: slice c's columns shifted by
+# c x D / DQ_SLICES.
+_DQ_FRAGMENT_CHILD = """
+import json
+import cutlass
+import cutlass.cute as cute
+
+from benchmarks.fa3_bwd_variants import variant
+from flashsuite.fa3.bwd_kernel import Fa3Backward
+
+out = {}
+
+
+@cute.jit
+def trace(kernel: cutlass.Constexpr, name: cutlass.Constexpr[str]):
+    mma_dq = kernel._make_mmas()[2]
+    width = kernel.HEAD_DIM // kernel.DQ_SLICES
+    for tid in cutlass.range_constexpr(kernel.MMA_THREADS):
+        crd = mma_dq.get_slice(tid).partition_C(cute.make_identity_tensor((64, width)))
+        for c in cutlass.range_constexpr(kernel.DQ_SLICES):
+            for i in cutlass.range_constexpr(cute.size(crd)):
+                row, col = crd[i]
+                out[name].append((tid, c, i, row, col + c * width))
+
+
+for name in ("wide256_red", "wide256_red80"):
+    out[name] = []
+    trace(Fa3Backward(cutlass.BFloat16, 256, variant(name), False), name)
+print(json.dumps(out))
+"""
+
+
+def test_red_dq_covers_the_tile_in_whole_sectors(tmp_path) -> None:
+    """dq_mode "red" at D = 256, in one piece (dQ's m64n128 per warpgroup) or in two slices
+    (m64n64): the fragment's registers, placed by dq_tile_modes, hit every offset of the
+    64 x 256 tile once; each group of 4 registers (one red.global.add.v4.f32) is 16
+    contiguous, 16-byte-aligned bytes, and a warp's 32 lanes cover 512 contiguous bytes.
+    In one piece, warpgroup g's registers land in chunk g (the chunk the writer's bulk reduce
+    adds from a "turn" sdQ; the same dQ MMA at 64 keys); in slices, slice c of warpgroup g at
+    columns c D / 2 + g D / 4 + [0, D / 4), a quarter of both chunks each."""
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_configs import dq_tile_modes
+
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a"}
+    child = tmp_path / "dq_fragment.py"
+    child.write_text(_DQ_FRAGMENT_CHILD)
+    cmd = [sys.executable, str(child)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traced = json.loads(proc.stdout.strip().splitlines()[-1])
+    (rows, cols), (rs, cs) = dq_tile_modes(64, 256, 2, "d")
+
+    def offset(n: int, shape, stride) -> int:  # CuTe's colexicographic decomposition
+        off = 0
+        for size, st in zip(shape, stride, strict=True):
+            off, n = off + (n % size) * st, n // size
+        return off
+
+    chunk = 64 * 256 // 2
+    for name, regs in traced.items():
+        off = {(t, c, i): offset(r, rows, rs) + offset(col, cols, cs) for t, c, i, r, col in regs}
+        assert sorted(off.values()) == list(range(64 * 256)), f"{name}: not a bijection"
+        slices = variant(name).dq_slices
+        for (t, c, i), o in off.items():
+            if slices == 1:  # warpgroup g's registers, all in chunk g
+                assert o // chunk == t // 128, (t, i, o)
+            if i % 4 == 0:
+                assert o % 4 == 0, (slices, t, c, i, o)
+                assert [off[t, c, i + k] for k in range(4)] == list(range(o, o + 4))
+                if t % 32 == 0:  # lane 0: the warp's 32 v4 groups, 128 floats from here
+                    warp = sorted(off[t + lane, c, i] for lane in range(32))
+                    assert warp == list(range(o, o + 128, 4)) and o % 128 == 0, (slices, t, i)
 
 
 def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
