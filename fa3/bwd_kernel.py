@@ -233,8 +233,9 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT):
         return sQ_l, sdO_l, sK_l, self._pds_layout(), sLSE_l, sD_l
 
     def _sdq_layout(self) -> cute.Layout:
-        """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; the
-        "atomic" one allocates a single word and never touches it)."""
+        """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; with
+        dq_handoff "turn" every warpgroup's chunk on one chunk of smem; "atomic" and "red"
+        allocate a single word and never touch it)."""
         return dq_tile_layout(
             self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT, self.DQ_HANDOFF_TURN
         )
