@@ -13,8 +13,11 @@ acquiring spin and a releasing increment of its turn counter, still spill-free; 
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
 "warp_stm2") at those two points and D = 96 causal must take one tanh per score and stay
 spill-free. "pipe80" (80-row Q tiles, dQ^T = K^T dS^T) at D = 128 non-causal must show its
-m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. Every build's highest SASS register must
-stay within setmaxnreg's 240.
+m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. The D = 256 variants with 64 and 80 keys
+(wide256_n64_turn, wide256_red, wide256_red80, the last with a window too) must show their
+wgmma shapes and dQ routes (two bulk reduces from a one-chunk sdQ, or 16 red.global.add.v4.f32
+and no sdQ), spill-free; the red route's fragment placement is traced on the CPU. Every build's
+highest SASS register must stay within setmaxnreg's 240.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
