@@ -32,8 +32,10 @@ from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutla
 
 os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # the cubin too, for its highest register
 
-# The dQ reduction: per-element atomics (atom/red .global.add.f32) or the TMA bulk reduce-add.
+# The dQ reduction: per-element atomics (atom/red .global.add.f32), the MMA threads' vectorised
+# reductions (dq_mode "red") or the TMA bulk reduce-add.
 DQ_ATOMIC = r"(?:atom|red)\.global\.add\.f32"
+DQ_RED_V4 = r"red\.global\.add\.v4\.f32"
 DQ_BULK = r"cp\.reduce\.async\.bulk\.global\.shared::cta\.bulk_group\.add\.f32"
 # Deterministic dQ: the turn counter's acquiring load (spin) and releasing increment.
 SEM_ACQUIRE = r"ld\.acquire\.gpu\.global\.b32"
@@ -167,7 +169,8 @@ def probe_backward(
     counts = probe.ptx_counts(ptx)
     counts["dq_atomic"] = len(re.findall(DQ_ATOMIC, ptx))
     counts["dq_bulk"] = len(re.findall(DQ_BULK, ptx))
-    counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"]
+    counts["dq_red_v4"] = len(re.findall(DQ_RED_V4, ptx))
+    counts["dq_reduce"] = counts["dq_atomic"] + counts["dq_bulk"] + counts["dq_red_v4"]
     counts["sem_acquire"] = len(re.findall(SEM_ACQUIRE, ptx))
     counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
     counts["fence_async_global"] = len(re.findall(r"fence\.proxy\.async\.global", ptx))

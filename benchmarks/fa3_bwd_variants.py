@@ -10,8 +10,12 @@ one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
 under the S^T / dP^T wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers
 spill). "pipe80" is pipe_stm with FA4's 80-row tile at D = 128 (non-causal only: NON_CAUSAL),
-dQ computed as dQ^T = K^T dS^T (dq_split "dt"). (The "bulk" dQ mode, per-row bulk reduces
-issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
+dQ computed as dQ^T = K^T dS^T (dq_split "dt"). The "wide256_" variants past "wide256_det"
+give D = 256 more keys per CTA by shrinking sdQ to one warpgroup's chunk (dq_handoff "turn") or
+dropping it (dq_mode "red", dQ by red.global.add.v4.f32; with dq_slices 2 at 80 keys, FA3's
+hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). (The "bulk" dQ mode, per-row
+bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
+docs/results.md.)
 """
 
 from __future__ import annotations
@@ -167,6 +171,47 @@ VARIANTS.update(
         "wide192_n80": (
             BwdConfig(**{**_WIDE192, "tile_n": 80}, ds_stages=2, overlap=True),
             "D = 192 with 64 x 80 tiles and two sP / sdS buffers (221 KiB)",
+        ),
+        # D = 256 with more keys per CTA than the shipped 48: Q, dO, LSE and D are streamed once
+        # per column block, so their traffic and TMA issues per FLOP fall as tile_n grows, and
+        # the dQ GEMM's K (the keys) deepens. The 64 KiB fp32 sdQ tile is what keeps tile_n at
+        # 48; these shrink it (dq_handoff "turn") or drop it (dq_mode "red").
+        "wide256_n64_turn": (
+            BwdConfig(**{**_WIDE256, "tile_n": 64}, dq_handoff="turn", overlap=True),
+            "D = 256, 64 x 64 tiles; sdQ one warpgroup's 32 KiB chunk, filled by the WGs in turn "
+            "(209 KiB)",
+        ),
+        "wide256_n64_turn_ds2": (
+            BwdConfig(**{**_WIDE256, "tile_n": 64}, dq_handoff="turn", ds_stages=2, overlap=True),
+            "wide256_n64_turn with two sP / sdS buffers: no DS_FREE barrier (225 KiB)",
+        ),
+        "wide256_ring_turn": (
+            BwdConfig(**{**_WIDE256, "do_stages": 0}, dq_handoff="turn", overlap=True),
+            "D = 256, 64 x 48 tiles with a 2-stage dO ring in the 32 KiB the half sdQ frees "
+            "(222 KiB)",
+        ),
+        "wide256_red": (
+            BwdConfig(**{**_WIDE256, "tile_n": 64, "dq_mode": "red"}, overlap=True),
+            "D = 256, 64 x 64 tiles; dQ by red.global.add.v4.f32 from the MMA threads, no sdQ "
+            "(178 KiB)",
+        ),
+        "wide256_red80": (
+            BwdConfig(**{**_WIDE256, "tile_n": 80, "dq_mode": "red"}, dq_slices=2, overlap=True),
+            "D = 256, 64 x 80 tiles (FA3's hdim-256 tile): dQ by red.global.add.v4.f32 in two "
+            "column slices (m64n64 each, the first beside dK^T), no sdQ (198 KiB)",
+        ),
+        "wide256_red80_ds2": (
+            BwdConfig(
+                **{**_WIDE256, "tile_n": 80, "dq_mode": "red"},
+                dq_slices=2,
+                ds_stages=2,
+                overlap=True,
+            ),
+            "wide256_red80 with two sP / sdS buffers: no DS_FREE barrier (218 KiB)",
+        ),
+        "wide256_red_ring": (
+            BwdConfig(**{**_WIDE256, "tile_n": 64, "dq_mode": "red", "do_stages": 0}, overlap=True),
+            "wide256_red with a 2-stage dO ring (211 KiB)",
         ),
     }
 )

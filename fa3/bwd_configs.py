@@ -72,7 +72,11 @@ class BwdConfig:
     # atom.global.add.f32 per element from registers; "warp", the MMA warpgroups store the
     # fragment to an fp32 smem tile in fragment order and warp 1 of the producer warpgroup adds
     # the whole tile with one cp.reduce.async.bulk into a tile-ordered accumulator
-    # (B, Hq, Nq_pad, D), which the host permutes back (bwd_host.dq_from_tiles).
+    # (B, Hq, Nq_pad, D), which the host permutes back (bwd_host.dq_from_tiles); "red", the
+    # MMA threads add their fragment to that tile-ordered accumulator themselves, one
+    # red.global.add.v4.f32 per 4 registers (16 contiguous bytes; a warp's 32 lanes 512), with
+    # no sdQ tile and no writer warp (FA3's dQ route at D = 256, where the 64 KiB fp32 sdQ tile
+    # costs the keys of a wider column block).
     dq_mode: str = "atomic"
     # How the MMA warpgroups split dQ = dS K (TILE_M x D). "d": each takes D / num_mma_wgs
     # columns of every row (TILE_M / 64 m64 atoms of n = D / num_mma_wgs). "m": each takes 64
@@ -88,7 +92,10 @@ class BwdConfig:
     # "warp" dq_mode: how sdQ is handed to the writer warp. "cta": one DQ_FULL / DQ_EMPTY pair
     # of named barriers over every MMA thread and the writer, one bulk reduce of the whole
     # tile. "wg": a pair per MMA warpgroup (128 + 32 threads) and one bulk reduce per
-    # warpgroup's chunk, so neither warpgroup waits for the other's dQ.
+    # warpgroup's chunk, so neither warpgroup waits for the other's dQ. "turn": the "wg" pairs
+    # and bulk reduces through an sdQ of one warpgroup's chunk (TILE_M x D / NUM_MMA_WGS fp32),
+    # filled by the warpgroups in turn: warpgroup g + 1 writes once the reduce of g's chunk has
+    # read it (32 of the 64 KiB at D = 256 freed for keys).
     dq_handoff: str = "cta"
     # How dS^T (16-bit, accumulator layout) is written to sdS for dQ's wgmma: "scalar", one
     # 16-bit st.shared per element; "stmatrix", stmatrix.trans (four 8x8 matrices a warp).
@@ -124,18 +131,40 @@ class BwdConfig:
     # so the loads run under the GEMMs (FA4's order); LSE's -inf -> +inf fix is done per row.
     # tile_m 64 only (R237 at D = 128; 128 rows spill).
     stats_regs: bool = False
+    # "dkv_t" with dq_mode "red": dQ = dS K in this many column slices of each warpgroup's
+    # D / NUM_MMA_WGS columns, each slice's wgmma issued, retired and added by its reductions
+    # before the next is issued, so dQ holds 1 / dq_slices of its registers (FA3's hdim-256
+    # slicing of the dQ GEMM): the first runs beside dK^T, the second after it.
+    dq_slices: int = 1
 
 
-BWD_DQ_MODES = ("atomic", "warp")
+BWD_DQ_MODES = ("atomic", "warp", "red")
 BWD_DS_STORES = ("scalar", "stmatrix")
 BWD_LAYOUTS = ("sdp_t", "dkv_t")
 BWD_DKV_SPLITS = ("d", "keys")
 BWD_DQ_SPLITS = ("d", "m", "dt")
-BWD_DQ_HANDOFFS = ("cta", "wg")
+BWD_DQ_HANDOFFS = ("cta", "wg", "turn")
+# dq_modes whose accumulator is (B, Hq, Nq_pad, D) in dq_tile_modes order (the host permutes it
+# back); "atomic" adds into (B, Nq, Hq, D).
+BWD_TILED_DQ_MODES = ("warp", "red")
+
+
+def dq_tiled(cfg: BwdConfig) -> bool:
+    """Whether cfg's dQ accumulator holds whole TILE_M x D row blocks in dq_tile_modes order."""
+    return cfg.dq_mode in BWD_TILED_DQ_MODES
+
+
+def sdq_floats(cfg: BwdConfig, head_dim: int) -> int:
+    """fp32 words of the sdQ staging tile: TILE_M x D in "warp" dq_mode (one warpgroup's chunk
+    with dq_handoff "turn"), one unused word otherwise (no staging)."""
+    if cfg.dq_mode != "warp":
+        return 1
+    tile = cfg.tile_m * head_dim
+    return tile // cfg.num_mma_wgs if cfg.dq_handoff == "turn" else tile
 
 
 def dq_tile_modes(
-    tile_m: int, head_dim: int, num_wgs: int, split: str = "d"
+    tile_m: int, head_dim: int, num_wgs: int, split: str = "d", one_chunk: bool = False
 ) -> tuple[tuple, tuple]:
     """(shape, stride) of the "warp" dq_mode's (TILE_M, D) fp32 tile layout, used in smem and
     in each TILE_M x D block of the global accumulator (bwd_dq.dq_tile_layout builds it,
@@ -153,7 +182,18 @@ def dq_tile_modes(
     fragment's rows are D and its columns query rows: warpgroup g's register c + 2 r + 4 j holds
     column 64 g + 16 w + 8 r + a of query row 8 j + 2 b + c (j < TILE_M / 8), at the same
     offset as above (+ g 64 TILE_M): the same v4 stores, and each warpgroup's chunk is
-    contiguous again."""
+    contiguous again. `one_chunk` (the sdQ of dq_handoff "turn"): the warpgroup mode's stride
+    0, every chunk at offset 0 of one chunk of smem."""
+    shape, stride = _dq_tile_modes(tile_m, head_dim, num_wgs, split)
+    if one_chunk:  # the warpgroup mode is the last of the rows ("m") or of the columns
+        side = 0 if split == "m" else 1
+        wg_free = (*stride[side][:-1], 0)
+        stride = (wg_free, stride[1]) if side == 0 else (stride[0], wg_free)
+    return shape, stride
+
+
+def _dq_tile_modes(tile_m: int, head_dim: int, num_wgs: int, split: str) -> tuple[tuple, tuple]:
+    """`dq_tile_modes` with every warpgroup's chunk in its place."""
     if split not in BWD_DQ_SPLITS:
         raise ValueError(f"dq_tile_modes: split {split!r} not in {BWD_DQ_SPLITS}")
     if split == "dt":
@@ -197,8 +237,8 @@ def stats_stage_rows(tile_m: int) -> int:
 def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     """Shared memory of Fa3Backward's storage struct (the host checks it on the real struct):
     mbarriers, sLSE and sD, then 1 KiB-aligned sQ, sdO (per stage), sK, sV, sdS (and sP,
-    "dkv_t"), then sdQ (TILE_M x D fp32 in "warp" dq_mode, one word otherwise). sdS and sP have
-    ds_stages buffers; "dkv_t" gives dO and D their own do_stages ring."""
+    "dkv_t"), then sdQ (`sdq_floats`). sdS and sP have ds_stages buffers; "dkv_t" gives dO and
+    D their own do_stages ring."""
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
@@ -208,7 +248,7 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do = cfg.tile_m * head_dim * elem_bytes * do_stages
     kv = cfg.tile_n * head_dim * elem_bytes
     ds = cfg.tile_m * cfg.tile_n * elem_bytes * cfg.ds_stages
-    dq = cfg.tile_m * head_dim * 4 if cfg.dq_mode == "warp" else 4
+    dq = sdq_floats(cfg, head_dim) * 4
     body = _align(_align(mbar, 128) + stats) + _align(q) + _align(do) + 2 * _align(kv)
     body += (2 if dkv_t else 1) * _align(ds)
     return body + _align(dq)  # the struct rounds up to its 1 KiB alignment
@@ -220,14 +260,17 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
 
     "sdp_t": S^T, dP^T, dV and dK. The packed 16-bit P^T and dS^T take the place of S^T and
     dP^T, and dQ's fragment comes after both are consumed, so neither is counted. "dkv_t": dK^T
-    and dV^T for the whole loop, plus the larger of S, dP and their 16-bit copies (before sP and
-    sdS are written) and dQ (after)."""
+    and dV^T for the whole loop, plus the larger of two phases: S, dP and their 16-bit copies
+    (before sP and sdS are written) with 16 registers of overhead, and dQ (one slice of it with
+    dq_slices) with 24, its route's addresses live while dK^T's wgmma runs. Against ptxas'
+    highest register: R224-R228 at D = 192 (estimated 232), R183-R191 at D = 256, 48 keys
+    (184); at 80 keys R234 with dQ in two slices (236), 484 bytes of spills without (248)."""
     w = cfg.num_mma_wgs
     if cfg.layout == "dkv_t":
         dkv = 2 * head_dim * cfg.tile_n // (128 * w)
         sdp = 2 * cfg.tile_m * cfg.tile_n // (128 * w)
-        dq = cfg.tile_m * head_dim // (128 * w)
-        return dkv + max(sdp + sdp // 2, dq) + 24
+        dq = cfg.tile_m * head_dim // (128 * w * cfg.dq_slices)
+        return dkv + max(sdp + sdp // 2 + 16, dq + 24)
     rows = cfg.tile_n // w
     s = rows * cfg.tile_m // 128
     dkv = rows * head_dim // 128
@@ -338,6 +381,8 @@ def bwd_can_implement(
         return False, f"fa3 backward: num_mma_wgs {cfg.num_mma_wgs} not in {set(BWD_REG_SPLIT)}"
     if cfg.layout not in BWD_LAYOUTS:
         return False, f"fa3 backward: layout {cfg.layout!r} not in {BWD_LAYOUTS}"
+    if cfg.dq_slices not in (1, 2):
+        return False, f"fa3 backward: dq_slices {cfg.dq_slices} not in (1, 2)"
     ok, reason = (_dkvt_tiles_ok if cfg.layout == "dkv_t" else _sdpt_tiles_ok)(cfg, head_dim)
     if not ok:
         return False, reason
@@ -394,10 +439,23 @@ def _dq_route_ok(cfg: BwdConfig) -> tuple[bool, str]:
         )
     if cfg.dq_handoff not in BWD_DQ_HANDOFFS:
         return False, f"fa3 backward: dq_handoff {cfg.dq_handoff!r} not in {BWD_DQ_HANDOFFS}"
-    if cfg.dq_handoff == "wg" and (cfg.dq_mode != "warp" or cfg.deterministic):
+    if cfg.dq_handoff != "cta" and (cfg.dq_mode != "warp" or cfg.deterministic):
         return False, (
-            "fa3 backward: dq_handoff 'wg' needs dq_mode 'warp' and deterministic False, not "
-            f"{cfg.dq_mode!r} and {cfg.deterministic}"
+            f"fa3 backward: dq_handoff {cfg.dq_handoff!r} needs dq_mode 'warp' and "
+            f"deterministic False, not {cfg.dq_mode!r} and {cfg.deterministic}"
+        )
+    if cfg.dq_slices > 1 and (cfg.layout != "dkv_t" or cfg.dq_mode != "red"):
+        # Each slice leaves by its own reductions before the next is computed; the sdQ routes
+        # hand over whole tiles.
+        return False, (
+            f"fa3 backward: dq_slices {cfg.dq_slices} needs layout 'dkv_t' and dq_mode 'red', "
+            f"not {cfg.layout!r} and {cfg.dq_mode!r}"
+        )
+    if cfg.dq_mode == "red" and (cfg.deterministic or cfg.dq_split == "dt"):
+        # The reductions land in arrival order; the dQ^T fragment of "dt" is not indexed here.
+        return False, (
+            "fa3 backward: dq_mode 'red' needs deterministic False and dq_split 'd' or 'm', not "
+            f"{cfg.deterministic} and {cfg.dq_split!r}"
         )
     return True, ""
 
@@ -470,6 +528,14 @@ def _dkvt_tiles_ok(cfg: BwdConfig, head_dim: int) -> tuple[bool, str]:
         return False, f"fa3 backward: tile_n {cfg.tile_n} not split into wgmma N by {w} WGs"
     if cfg.ds_store != "scalar":
         return False, "fa3 backward: layout 'dkv_t' stores P and dS with ds_store 'scalar'"
+    if cfg.dq_slices > 1 and (head_dim // w // cfg.dq_slices) % 64:
+        # A slice of sK's MN-major (D, TILE_N) view, dQ's B operand, starts on a whole 128-byte
+        # swizzle atom of D (64 columns) per warpgroup.
+        cols = head_dim // w // cfg.dq_slices
+        return False, (
+            f"fa3 backward: dq_slices {cfg.dq_slices} gives each WG {cols} columns of D per "
+            "slice of dQ, not a multiple of 64"
+        )
     if cfg.do_stages < 0 or cfg.do_stages > cfg.stages:
         return False, f"fa3 backward: do_stages {cfg.do_stages} not in [0, stages]"
     return True, ""

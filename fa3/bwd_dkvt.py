@@ -60,7 +60,8 @@ class BwdDkvT:
 
     def _dkvt_mmas(self):
         """S / dP (rows on M, the WGs split the keys), dK^T / dV^T (D on M, both operands from
-        smem and MN-major), dQ (the WGs split D, as in "sdp_t")."""
+        smem and MN-major), dQ (the WGs split D, as in "sdp_t"; with DQ_SLICES each slice of
+        D / DQ_SLICES columns split the same way)."""
         major = cute.nvgpu.OperandMajorMode
         dt, w = self.dtype, self.NUM_MMA_WGS
         mma_sdp = sm90.make_trivial_tiled_mma(
@@ -72,7 +73,13 @@ class BwdDkvT:
             atoms, tiler = (1, w, 1), (64, self.TILE_N // w)
         mma_dkv = sm90.make_trivial_tiled_mma(dt, dt, major.MN, major.MN, Float32, atoms, tiler)
         mma_dq = sm90.make_trivial_tiled_mma(
-            dt, dt, major.K, major.MN, Float32, (1, w, 1), (64, self.HEAD_DIM // w)
+            dt,
+            dt,
+            major.K,
+            major.MN,
+            Float32,
+            (1, w, 1),
+            (64, self.HEAD_DIM // w // self.DQ_SLICES),
         )
         return mma_sdp, mma_dkv, mma_dq
 
@@ -83,7 +90,7 @@ class BwdDkvT:
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_do, n_k, n_ds = (cute.cosize(x) for x in (sQ_l, sdO_l, sK_l, sdS_l))
         n_lse, n_d = cute.cosize(sLSE_l), cute.cosize(sD_l)
-        n_dq = self.TILE_M * self.HEAD_DIM if const_expr(self.DQ_WARP) else 1
+        n_dq = self.SDQ_FLOATS
         st, dst = self.STAGES, self.DO_STAGES
 
         @cute.struct
@@ -160,11 +167,21 @@ class BwdDkvT:
         tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdSt))  # (MMA, N, TM/16, DS_ST)
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dV^T
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dK^T
-        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view.
+        # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view (in
+        # DQ_SLICES row slices of D / DQ_SLICES, the slices' dQ columns).
         sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
         tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TN/16, DS_ST)
-        tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TN/16)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
+        dq_cols = D // self.DQ_SLICES
+        if const_expr(self.DQ_SLICES == 1):
+            tdQrK = [thr_dq.make_fragment_B(thr_dq.partition_B(sKt))]  # (MMA, 1, TN/16)
+        else:
+            tdQrK = [
+                thr_dq.make_fragment_B(
+                    thr_dq.partition_B(cute.local_tile(sKt, (dq_cols, TN), (c, 0)))
+                )
+                for c in range(self.DQ_SLICES)
+            ]  # (MMA, 1, TN/16) each
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, dq_cols)))
         # (key, row) coordinates of each S element: the "sdp_t" steps index them that way.
         key_row = cute.composition(
             cute.make_identity_tensor((TN, TM)), cute.make_layout((TM, TN), stride=(TN, 1))
@@ -218,16 +235,24 @@ class BwdDkvT:
                 )
                 self.gemm_ss(mma_dkv, acc_dV, tdVrdO[None, None, None, sd],
                              tdVrP[None, None, None, ds_i], True)  # fmt: skip
-                self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK, False)
+                self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK[0], False)
                 self.gemm_ss(mma_dkv, acc_dK, tdKrQ[None, None, None, s],
                              tdKrdS[None, None, None, ds_i], True)  # fmt: skip
                 warpgroup.wait_group(2)  # dV^T retired: the dO stage is read
                 pipe_do.consumer_release(do_state)
-                warpgroup.wait_group(1)  # dQ retired; dK^T runs on
-                self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
-                            m_block, seqlen_q)  # fmt: skip
-                warpgroup.wait_group(0)  # dK^T retired: the Q stage is read
+                warpgroup.wait_group(1)  # dQ (its first slice) retired; dK^T runs on
+                if const_expr(self.DQ_SLICES == 1):
+                    self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
+                                m_block, seqlen_q)  # fmt: skip
+                    warpgroup.wait_group(0)  # dK^T retired: the Q stage is read
+                else:  # the next slice into the same registers once this one has left
+                    self.red_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, 0)
+                    self.gemm_ss(mma_dq, acc_dQ, tdQrdS[None, None, None, ds_i], tdQrK[1], False)
+                    warpgroup.wait_group(1)  # dK^T retired: the Q stage is read
                 pipe_q.consumer_release(q_state)
+                if const_expr(self.DQ_SLICES > 1):
+                    warpgroup.wait_group(0)
+                    self.red_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, dq_cols)
                 q_state.advance()
                 do_state.advance()
         self.store_dkv_t(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, rows)

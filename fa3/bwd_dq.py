@@ -1,13 +1,15 @@
 """How the fa3 backward's dQ reaches the float32 accumulator in global memory (the
-`BwdConfig.dq_mode` and `deterministic` mechanisms of `bwd_kernel.Fa3Backward`, which mixes
-`BwdDq` in), and the named barriers of the backward's MMA warpgroups."""
+`BwdConfig.dq_mode`, `dq_handoff` and `deterministic` mechanisms of `bwd_kernel.Fa3Backward`,
+which mixes `BwdDq` in), and the named barriers of the backward's MMA warpgroups."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import enum
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from flashsuite.fa3.bwd_configs import dq_tile_modes
 from flashsuite.fa3.utils import (
@@ -33,11 +35,31 @@ class Barrier(enum.IntEnum):
     DQ_EMPTY_WG = 11
 
 
-def dq_tile_layout(tile_m: int, head_dim: int, num_wgs: int, split: str = "d") -> cute.Layout:
-    """(TILE_M, D) -> offset of the "warp" dq_mode's fp32 tile, in smem and in each TILE_M x D
-    block of the global accumulator: bwd_configs.dq_tile_modes, the dQ wgmma's fragment order."""
-    shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs, split)
+def dq_tile_layout(
+    tile_m: int, head_dim: int, num_wgs: int, split: str = "d", one_chunk: bool = False
+) -> cute.Layout:
+    """(TILE_M, D) -> offset of the tiled dq_modes' fp32 tile, in smem and in each TILE_M x D
+    block of the global accumulator: bwd_configs.dq_tile_modes, the dQ wgmma's fragment order.
+    `one_chunk` (the sdQ of dq_handoff "turn"): every warpgroup's chunk at offset 0."""
+    shape, stride = dq_tile_modes(tile_m, head_dim, num_wgs, split, one_chunk)
     return cute.make_layout(shape, stride=stride)
+
+
+@dsl_user_op
+def red_add_v4_f32(
+    ptr: cute.Pointer, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None
+) -> None:
+    """gmem[ptr .. ptr + 3] += (a, b, c, d), one vectorised fp32 reduction (sm_90:
+    red.global.add.v4.f32, relaxed, GPU scope); ptr 16-byte aligned."""
+    llvm.inline_asm(
+        None,
+        [ptr.llvm_ptr, *(Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d))],
+        "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 class BwdDq:
@@ -84,6 +106,8 @@ class BwdDq:
         """This row block's dQ fragment on its way to the accumulator, by the config's route."""
         if const_expr(self.DQ_WARP):
             self.stage_dq(thr_dq, acc_dQ, sdQ, mtid)
+        elif const_expr(self.DQ_RED):
+            self.red_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block)
         elif const_expr(self.DETERMINISTIC):  # "atomic": the MMA threads order their adds
             self.add_dq_in_order(
                 thr_dq, acc_dQ, mdQacc, mSem, mtid, n_block, head, rows, m_block, seqlen_q
@@ -92,14 +116,40 @@ class BwdDq:
             self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
 
     @cute.jit
+    def red_dq(
+        self,
+        thr_dq,
+        acc_dQ: cute.Tensor,
+        mdQacc: cute.Tensor,
+        head: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
+        m_block: Int32,
+        col0: cutlass.Constexpr[int] = 0,
+    ):
+        """dq_mode "red": this thread's dQ fragment added to its row block of the tile-ordered
+        accumulator, one red.global.add.v4.f32 per 4 registers. In dq_tile_modes order the
+        fragment's registers 4 j .. 4 j + 3 are 16 contiguous bytes and a warp's lanes 512
+        (whole 32-byte sectors); the padded rows past Nq are the accumulator's own. With
+        DQ_SLICES the fragment is the slice of dQ columns [col0, col0 + D / DQ_SLICES)."""
+        tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
+        gdq = rows.dq_tile(mdQacc, head, m_block * self.TILE_M)
+        width = self.HEAD_DIM // self.DQ_SLICES
+        crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, width)))
+        for j in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            v = [acc_dQ[4 * j + i] for i in range(4)]
+            row, col = crd[4 * j]
+            red_add_v4_f32(gdq + cute.crd2idx((row, col + col0), tile), *v)
+
+    @cute.jit
     def stage_dq(self, thr_dq, acc_dQ: cute.Tensor, sdQ: cute.Tensor, mtid: Int32):
         """MMA threads, "warp" dq_mode: once the writer has read the previous tile
         (DQ_EMPTY), store this row block's dQ fragment to sdQ, fence it for the async proxy
         and hand it over (DQ_FULL); the bulk reduce then runs while the MMAs go on. With
-        dq_handoff "wg" each warpgroup waits for and hands over only its own chunk."""
+        dq_handoff "wg" each warpgroup waits for and hands over only its own chunk; "turn"
+        the same, through one chunk-sized sdQ (`write_dq_turns` orders the warpgroups)."""
         n = self.MMA_THREADS + 32
         empty, full = int(Barrier.DQ_EMPTY), int(Barrier.DQ_FULL)
-        if const_expr(self.DQ_HANDOFF_WG):
+        if const_expr(self.DQ_HANDOFF_WG or self.DQ_HANDOFF_TURN):
             n = 128 + 32
             wg = cute.arch.make_warp_uniform(mtid // 128)
             empty, full = int(Barrier.DQ_EMPTY_WG) + wg, int(Barrier.DQ_FULL_WG) + wg
@@ -141,6 +191,8 @@ class BwdDq:
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if const_expr(self.DQ_HANDOFF_WG):
             self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
+        elif const_expr(self.DQ_HANDOFF_TURN):
+            self.write_dq_turns(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif n_iter > 0:
             cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
             for i in cutlass.range(n_iter, unroll=1):
@@ -213,6 +265,40 @@ class BwdDq:
                     cute.arch.sync_warp()
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def write_dq_turns(
+        self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32, rows,
+        group: Int32,
+    ):  # fmt: skip
+        """`write_dq` with dq_handoff "turn": sdQ holds one warpgroup's chunk (TILE_M x D / G
+        floats). Per row block, for each MMA warpgroup g in turn: once the previous bulk reduce
+        has read sdQ, give it to g (DQ_EMPTY_WG + g), wait for g's chunk (DQ_FULL_WG + g) and
+        add it to chunk g of the accumulator's block with one bulk reduce. Each arrive meets
+        one wait of its warpgroup in the same row block, so none is left over at the end.
+        `blocks`: `row_blocks`' (m_block_min, n_m, n_iter); `rows`: the column block's
+        sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd)."""
+        n, num_wgs = 128 + 32, self.NUM_MMA_WGS
+        chunk = self.TILE_M * self.HEAD_DIM // num_wgs
+        lane = cute.arch.lane_idx()
+        m_block_min, n_m, n_iter = blocks
+        for i in cutlass.range(n_iter, unroll=1):
+            head, m_block = self.row_block(i, m_block_min, n_m, head_kv, group)
+            gdq = rows.dq_tile(mdQacc, head, m_block * self.TILE_M)
+            for g in cutlass.range_constexpr(num_wgs):
+                if lane == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.sync_warp()
+                cute.arch.barrier_arrive(
+                    barrier_id=int(Barrier.DQ_EMPTY_WG) + g, number_of_threads=n
+                )
+                cute.arch.barrier(barrier_id=int(Barrier.DQ_FULL_WG) + g, number_of_threads=n)
+                if lane == 0:
+                    bulk_reduce_add_f32(gdq + g * chunk, sdQ.iterator, chunk * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                cute.arch.sync_warp()
+        if lane == 0:  # the last adds complete before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0, read=False)
 
     @cute.jit
     def add_dq_in_order(

@@ -8,11 +8,12 @@ binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's curre
 Pre- and postprocess are memory-bound Triton kernels shared through common/: the preprocess
 (common/bwd_preprocess.py) writes D = rowsum(dO * O) and LSE * log2(e) in float32, padded to
 whole row blocks (+inf LSE and 0 on padding rows: the kernel reads them as P = 0); the float32
-dQ accumulator is zeroed; the postprocess (common/bwd_postprocess.py) turns the "warp" dq_mode's
-tile-ordered accumulator into dQ in the input dtype in one pass, writing the real rows only (the
-softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied there).
+dQ accumulator is zeroed; the postprocess (common/bwd_postprocess.py) turns the tile-ordered
+accumulator of dq_mode "warp" or "red" into dQ in the input dtype in one pass, writing the real
+rows only (the softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out
+applied there).
 
-Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the "warp" dQ
+Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the tile-ordered dQ
 accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`);
 the postprocess writes each sequence's rows back to their packed place.
 
@@ -33,7 +34,7 @@ import torch
 
 from flashsuite.common.bwd_postprocess import dq_postprocess
 from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess, varlen_bwd_preprocess
-from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes
+from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes, dq_tiled
 from flashsuite.fa3.compile import (
     cached,
     check_storage,
@@ -57,7 +58,7 @@ class BwdCompileKey:
     softcap: bool = False  # scores softcap * tanh(s * scale / softcap); needs overlap False
     arch: str = "sm_90a"
     # Packed sequences: q, dout (total_q, Hq, D), k, v, dk, dv (total_k, Hkv, D), cu_seqlens_q/k
-    # (B + 1,) int32, lse_log2 / dsum (Hq, rows_pad), the "warp" dQ accumulator (Hq, rows_pad, D)
+    # (B + 1,) int32, lse_log2 / dsum (Hq, rows_pad), the tiled dQ accumulator (Hq, rows_pad, D)
     # ("atomic": (total_q, Hq, D)).
     varlen: bool = False
     tvm_ffi: bool = True
@@ -92,7 +93,7 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
 
     q, k, v, do = strided(nq, hq), strided(nk, hkv), strided(nk, hkv), strided(nq, hq)
     dq_acc = compact(cutlass.Float32, nq, hq)
-    if key.cfg.dq_mode == "warp":  # (B, Hq, Nq_pad, D): whole row blocks in tile order
+    if dq_tiled(key.cfg):  # (B, Hq, Nq_pad, D): whole row blocks in tile order
         dq_acc = cute.runtime.make_fake_compact_tensor(
             cutlass.Float32, (b, hq, nq_pad, d), stride_order=(3, 2, 1, 0), assumed_align=16
         )
@@ -129,7 +130,7 @@ def _fake_varlen_inputs(key: BwdCompileKey) -> tuple:
 
     q, k, v, do = (rows(dt, n, h, elems_16b) for n, h in ((tq, hq), (tk, hkv), (tk, hkv), (tq, hq)))
     dq_acc = rows(cutlass.Float32, tq, hq, 4)  # "atomic": (total_q, Hq, D)
-    if key.cfg.dq_mode == "warp":  # (Hq, rows_pad, D): whole row blocks in tile order
+    if dq_tiled(key.cfg):  # (Hq, rows_pad, D): whole row blocks in tile order
         dq_acc = rows(cutlass.Float32, hq, rows_pad, 4)
     dk, dv = rows(dt, tk, hkv, elems_16b), rows(dt, tk, hkv, elems_16b)
     cu_q, cu_k = (
@@ -260,7 +261,7 @@ def run_backward(
     check_key(key, softcap, window)
     lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     b, nq, hq, d = q.shape
-    if key.cfg.dq_mode == "warp":  # row blocks in dq_tile_layout order
+    if dq_tiled(key.cfg):  # row blocks in dq_tile_layout order
         dq_acc = torch.zeros(b, hq, lse_log2.shape[2], d, dtype=torch.float32, device=q.device)
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
@@ -275,7 +276,7 @@ def run_backward(
     fn(*launch_args(key, tensors, scale, softcap, window, q.shape[1], k.shape[1], sem))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
-    if cfg.dq_mode == "warp":
+    if dq_tiled(cfg):
         dq = dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
         return dq, dk, dv
     if dq_scale is None:
@@ -288,7 +289,7 @@ def _dq_offsets(
     tile_m: int, head_dim: int, num_wgs: int, split: str, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(row_off (TILE_M,), col_off (D,)) int32 on `device`: where element (r, c) of a TILE_M x D
-    block of the "warp" dq_mode's accumulator sits (row_off[r] + col_off[c]), from
+    block of the tile-ordered accumulator sits (row_off[r] + col_off[c]), from
     dq_tile_modes' (shape, stride) by CuTe's colexicographic decomposition of r and c."""
     (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, num_wgs, split)
 
@@ -313,9 +314,9 @@ def dq_from_tiles(
     out: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dQ in `dtype` from the "warp" dq_mode's accumulator, whose TILE_M x D blocks hold dQ in
-    bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale` in fp32
-    when given (the `scale_out` configs): one pass of common.bwd_postprocess's kernel, which
+    """dQ in `dtype` from the accumulator of dq_mode "warp" or "red", whose TILE_M x D blocks
+    hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale`
+    in fp32 when given (the `scale_out` configs): one pass of common.bwd_postprocess's kernel, which
     writes the Nq real rows only. Dense: dq_acc (B, Hq, Nq_pad, D) -> (B, Nq, Hq, D). Packed
     sequences (`cu_seqlens_q`): dq_acc (Hq, rows_pad, D) in the padded row layout -> `out`
     (total_q, Hq, D), which they need (`nq` is then total_q). `out`, when given, is written
@@ -358,7 +359,7 @@ def run_varlen_backward(
     tile_m = key.cfg.tile_m
     dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
     rows_pad = lse_log2.shape[1]
-    if key.cfg.dq_mode == "warp":  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
+    if dq_tiled(key.cfg):  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
         dq_acc = torch.zeros(hq, rows_pad, d, dtype=torch.float32, device=q.device)
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (total_q, Hq, D)
@@ -371,7 +372,7 @@ def run_varlen_backward(
     fn(*launch_args(key, tensors, scale, softcap, window, total_q, k.shape[0], None, cu))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
-    if cfg.dq_mode != "warp":
+    if not dq_tiled(cfg):
         dq.copy_(dq_acc if dq_scale is None else dq_acc * dq_scale)
         return dq, dk, dv
     dq_from_tiles(dq_acc, total_q, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale,

@@ -27,7 +27,10 @@ Roles (`WarpRole`):
                        operands swapped, D on M (atom (2, 1, 1)), the fragment holding dQ^T
   and send dQ to the float32 accumulator in global memory: BwdConfig.dq_mode "warp" stores the
   fragment to an fp32 sdQ tile in fragment order for the writer warp's one bulk reduce per row
-  block; "atomic" adds it with `atom.global.add.f32` per element from registers (REDG in SASS).
+  block; "atomic" adds it with `atom.global.add.f32` per element from registers (REDG in SASS);
+  "red" adds it from registers to the tile-ordered accumulator with `red.global.add.v4.f32`,
+  one per 4 registers (no sdQ; "dkv_t" may issue and add dQ in two column slices,
+  BwdConfig.dq_slices). BwdConfig.dq_handoff "turn" shrinks sdQ to one warpgroup's chunk.
   BwdConfig.ds_store picks stmatrix.trans or scalar 16-bit stores for dS^T -> sdS,
   BwdConfig.overlap the order of wgmmas and waits (docs/design.md).
   Computing S^T and dP^T (K and V as the A operand) puts P^T and dS^T in the accumulator
@@ -81,7 +84,13 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from flashsuite.fa3.bwd_blocks import BwdBlocks
-from flashsuite.fa3.bwd_configs import BWD_REG_SPLIT, BwdConfig, stats_stage_rows
+from flashsuite.fa3.bwd_configs import (
+    BWD_REG_SPLIT,
+    BwdConfig,
+    dq_tiled,
+    sdq_floats,
+    stats_stage_rows,
+)
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
 from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
@@ -130,9 +139,16 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.LOCAL = local
         self.HAS_RIGHT = causal or local
         self.DQ_WARP = cfg.dq_mode == "warp"
+        self.DQ_RED = cfg.dq_mode == "red"  # red.global.add.v4.f32 from the MMA threads
+        self.DQ_TILED = dq_tiled(cfg)  # the accumulator in dq_tile_layout row blocks
         # "d": the WGs split dQ's columns, "m": its rows, "dt": D of dQ^T = K^T dS^T
         self.DQ_SPLIT = cfg.dq_split
         self.DQ_HANDOFF_WG = cfg.dq_handoff == "wg"  # sdQ handed over per warpgroup
+        self.DQ_HANDOFF_TURN = cfg.dq_handoff == "turn"  # ... through one chunk, in turn
+        self.SDQ_FLOATS = sdq_floats(cfg, head_dim)
+        self.DQ_SLICES = cfg.dq_slices  # "dkv_t", "red": dQ issued and added in column slices
+        if cfg.dq_slices > 1 and not (self.DKV_T and self.DQ_RED):
+            raise ValueError("Fa3Backward: dq_slices > 1 needs layout 'dkv_t' and dq_mode 'red'")
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
         self.LPT = cfg.lpt
@@ -156,8 +172,15 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError(
                 f"Fa3Backward: deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
             )
-        if self.DQ_HANDOFF_WG and (not self.DQ_WARP or self.DETERMINISTIC):
-            raise ValueError("Fa3Backward: dq_handoff 'wg' needs dq_mode 'warp', not deterministic")
+        if cfg.dq_handoff != "cta" and (not self.DQ_WARP or self.DETERMINISTIC):
+            raise ValueError(
+                f"Fa3Backward: dq_handoff {cfg.dq_handoff!r} needs dq_mode 'warp', not "
+                "deterministic"
+            )
+        if self.DQ_RED and (self.DETERMINISTIC or cfg.dq_split == "dt"):
+            raise ValueError(
+                "Fa3Backward: dq_mode 'red' needs dq_split 'd' or 'm', not deterministic"
+            )
         if self.DKV_T and (cfg.scale_out or cfg.stats_regs):
             raise ValueError("Fa3Backward: scale_out and stats_regs need layout 'sdp_t'")
         if cfg.tile_m == 80 and (causal or local or varlen or cfg.dq_split != "dt"):
@@ -211,9 +234,12 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         return sQ_l, sdO_l, sK_l, self._pds_layout(), sLSE_l, sD_l
 
     def _sdq_layout(self) -> cute.Layout:
-        """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; the
-        "atomic" one allocates a single word and never touches it)."""
-        return dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
+        """sdQ (TILE_M, D) fp32 in `dq_tile_layout`'s fragment order ("warp" dq_mode; with
+        dq_handoff "turn" every warpgroup's chunk on one chunk of smem; "atomic" and "red"
+        allocate a single word and never touch it)."""
+        return dq_tile_layout(
+            self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT, self.DQ_HANDOFF_TURN
+        )
 
     def _make_mmas(self):
         if const_expr(self.DKV_T):
@@ -257,9 +283,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         dt = self.dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_ds, n_lse = (cute.cosize(x) for x in (sQ_l, sK_l, sdS_l, sLSE_l))
-        n_dq = 1
-        if const_expr(self.DQ_WARP):
-            n_dq = self.TILE_M * self.HEAD_DIM
+        n_dq = self.SDQ_FLOATS
         st = self.STAGES
 
         @cute.struct
@@ -319,7 +343,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             mQ, mK, mV, mdO = (packed_view(t, True) for t in (mQ, mK, mV, mdO))  # (R, D, H, L)
             # dK / dV: TMA stores through the ragged view ("dkv_t"), else (total_k, D, Hkv).
             mdK, mdV = (packed_view(t, self.DKV_T) for t in (mdK, mdV))
-            if const_expr(not self.DQ_WARP):
+            if const_expr(not self.DQ_TILED):
                 mdQacc = packed_view(mdQacc, False)  # (total_q, D, Hq)
             mLSE, mDsum = (
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
@@ -331,7 +355,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=to_ndhb))
                 for t in (mQ, mK, mV, mdO, mdK, mdV)
             )
-            if const_expr(not self.DQ_WARP):
+            if const_expr(not self.DQ_TILED):
                 mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
             mLSE, mDsum = (
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))

@@ -13,8 +13,11 @@ acquiring spin and a releasing increment of its turn counter, still spill-free; 
 writer warp orders the adds) at D = 128 causal. The softcap builds (the shipped softcap config,
 "warp_stm2") at those two points and D = 96 causal must take one tanh per score and stay
 spill-free. "pipe80" (80-row Q tiles, dQ^T = K^T dS^T) at D = 128 non-causal must show its
-m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. Every build's highest SASS register must
-stay within setmaxnreg's 240.
+m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. The D = 256 variants with 64 and 80 keys
+(wide256_n64_turn, wide256_red, wide256_red80, the last with a window too) must show their
+wgmma shapes and dQ routes (two bulk reduces from a one-chunk sdQ, or 16 red.global.add.v4.f32
+and no sdQ), spill-free; the red route's fragment placement is traced on the CPU. Every build's
+highest SASS register must stay within setmaxnreg's 240.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
@@ -115,6 +118,18 @@ def pipe80_probes(tmp_path_factory) -> list[dict]:
     """The pipe80 variant's one build (D 128, full): 80-row Q tiles, dQ^T = K^T dS^T."""
     runs = [["--variant", "pipe80"]]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_pipe80"), runs)
+
+
+@pytest.fixture(scope="module")
+def wide256_dq_probes(tmp_path_factory) -> list[dict]:
+    """D = 256 with more keys than the shipped 48: wide256_n64_turn (full) and wide256_red
+    (causal), 64 keys; wide256_red80, 80 keys, full, causal and causal with a window."""
+    runs = [
+        ["--variant", "wide256_n64_turn", "--variant", "wide256_red80", "--shard", "0/2"],
+        ["--variant", "wide256_red", "--variant", "wide256_red80", "--shard", "1/2"],
+        ["--variant", "wide256_red80", "--local", "--shard", "1/2"],
+    ]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_wide256_dq"), runs)
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +284,7 @@ def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
     """(wgmma, RS wgmma) instructions in the unrolled loop body of one row block: every k-step
     of every m64 atom of the five GEMMs is one instruction."""
     tm, tn, w = cfg["tile_m"], cfg["tile_n"], cfg["num_mma_wgs"]
-    dq = tn // 16 * tm // 64  # dQ: K = the keys, one m64 atom per 64 query rows
+    dq = tn // 16 * tm // 64 * cfg["dq_slices"]  # K = the keys, an m64 atom per 64 rows
     if cfg["dq_split"] in ("m", "dt"):  # each warpgroup one m64 atom (its rows, or its D)
         dq = tn // 16
     if cfg["layout"] == "dkv_t":
@@ -391,6 +406,190 @@ def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
     _assert_fits_registers(r)
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_wide256_dq_routes_compile(wide256_dq_probes) -> None:
+    """The D = 256 variants with 64 and 80 keys: S and dP as m64n(tile_n/2)k16, dV^T and dK^T
+    as m64n(tile_n)k16 over both operands' MN-major views, dQ as m64n128k16 (m64n64k16 per
+    slice with dq_slices 2). dq_handoff "turn": the 64 fragment registers to sdQ with 16
+    st.shared.v4 and one bulk reduce per warpgroup's turn (2), no red; dq_mode "red": 16
+    red.global.add.v4.f32 (one per 4 of dQ's 64 registers, in one piece or in two slices of
+    32), no sdQ store and no bulk reduce; TMA loads and stores and setmaxnreg as shipped;
+    0 spills within 240 registers, no wgmma serialised."""
+    seen = {
+        (r["config"]["tile_n"], r["config"]["dq_mode"], r["causal"], r["local"])
+        for r in wide256_dq_probes
+    }
+    assert seen == {
+        (64, "warp", False, False),
+        (64, "red", True, False),
+        (80, "red", False, False),
+        (80, "red", True, False),
+        (80, "red", True, True),
+    }
+    for r in wide256_dq_probes:
+        ptx, cfg, where = r["ptx"], r["config"], _id(r)
+        tn, slices = cfg["tile_n"], cfg["dq_slices"]
+        assert r["head_dim"] == 256 and cfg["layout"] == "dkv_t", where
+        shapes = {
+            f"m64n{tn // 2}k16.ss.t00": 32,  # S, dP: 16 k-steps over D each
+            f"m64n{tn}k16.ss.t11": 16,  # dV^T, dK^T: 2 atoms of D x 4 k-steps each
+            f"m64n{128 // slices}k16.ss.t01": tn // 16 * slices,  # dQ: K = the keys
+        }
+        assert ptx["wgmma_shapes"] == shapes, f"{where}: {ptx['wgmma_shapes']}"
+        assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(256, cfg), where
+        assert ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+        if cfg["dq_mode"] == "red":
+            assert (ptx["dq_red_v4"], ptx["dq_bulk"], ptx["st_shared_v4"]) == (16, 0, 0), where
+        else:
+            assert cfg["dq_handoff"] == "turn", where
+            assert (ptx["dq_red_v4"], ptx["dq_bulk"], ptx["st_shared_v4"]) == (0, 2, 16), where
+        assert ptx["tma_load"] >= 6 and ptx["tma_store"] >= 2, f"{where}: {ptx}"
+        assert ptx["setmaxnreg"] == 2, where
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+def test_bwd_wide256_dq_route_limits() -> None:
+    """What the D = 256 dQ routes are built for, and each refusal's reason: the shrunk sdQ
+    (one warpgroup's chunk) and the red route's missing sdQ in the shared-memory sum; red and
+    dq_slices outside their layout, order and split; 80 keys without slices past the
+    registers."""
+    from benchmarks.fa3_bwd_variants import variant
+
+    bf16, kib = torch.bfloat16, 1024
+    turn, red, red80 = (variant(n) for n in ("wide256_n64_turn", "wide256_red", "wide256_red80"))
+    # Q 2 x 32 + dO 32 + K, V 2 x 32 + sP, sdS 2 x 8 + sdQ 32 (64 x 256 / 2 fp32) + 1 = 209 KiB;
+    # without sdQ 178 KiB, 198 KiB at 80 keys (K, V 2 x 40, sP, sdS 2 x 10).
+    assert bwd_smem_bytes(turn, 256) == 209 * kib
+    assert bwd_smem_bytes(replace(turn, dq_handoff="cta"), 256) == 241 * kib
+    assert (bwd_smem_bytes(red, 256), bwd_smem_bytes(red80, 256)) == (178 * kib, 198 * kib)
+    for cfg in (turn, red, red80):
+        assert bwd_can_implement(cfg, 256, bf16) == (True, "")
+    ok, reason = bwd_can_implement(replace(turn, dq_handoff="cta"), 256, bf16)
+    assert not ok and "shared memory" in reason
+    ok, reason = bwd_can_implement(replace(turn, dq_mode="atomic"), 256, bf16)
+    assert not ok and "dq_handoff 'turn' needs dq_mode 'warp'" in reason
+    ok, reason = bwd_can_implement(replace(red, deterministic=True), 256, bf16)
+    assert not ok and "dq_mode 'red' needs deterministic False" in reason
+    pipe80 = variant("pipe80")
+    ok, reason = bwd_can_implement(replace(pipe80, dq_mode="red"), 128, bf16)
+    assert not ok and "dq_split 'dt' needs" in reason and "not 'sdp_t', 80 and 'red'" in reason
+    ok, reason = bwd_can_implement(replace(red80, dq_slices=1), 256, bf16)
+    assert not ok and "~248 registers per MMA thread > 240" in reason
+    ok, reason = bwd_can_implement(replace(red80, dq_slices=3), 256, bf16)
+    assert not ok and "dq_slices 3 not in (1, 2)" in reason
+    ok, reason = bwd_can_implement(replace(red80, dq_mode="warp"), 256, bf16)
+    assert not ok and "dq_slices 2 needs layout 'dkv_t' and dq_mode 'red'" in reason
+    wide192 = replace(variant("wide192"), dq_mode="red", dq_slices=2)
+    ok, reason = bwd_can_implement(wide192, 192, bf16)
+    assert not ok and "each WG 48 columns of D per slice" in reason
+    ok, reason = bwd_can_implement(replace(red80, tile_n=96), 256, bf16)
+    assert not ok and "registers per MMA thread > 240" in reason
+
+
+@pytest.mark.parametrize(("tile_m", "head_dim", "split"), [(64, 256, "d"), (128, 64, "m"),
+                                                             (80, 128, "dt")])  # fmt: skip
+def test_sdq_turn_layout_overlays_the_chunks(tile_m: int, head_dim: int, split: str) -> None:
+    """dq_handoff "turn": sdQ's layout (dq_tile_modes with one_chunk) puts every warpgroup's
+    chunk at offset 0 of one chunk of smem, each in the accumulator's order, so the chunk a
+    warpgroup stores is the one the writer's bulk reduce adds at its place."""
+    from flashsuite.fa3.bwd_configs import dq_tile_modes
+
+    def offsets(shape, stride, n) -> torch.Tensor:  # CuTe's colexicographic decomposition
+        idx, off = torch.arange(n), torch.zeros(n, dtype=torch.long)
+        for size, st in zip(shape, stride, strict=True):
+            off, idx = off + (idx % size) * st, idx // size
+        return off
+
+    def tile(one_chunk: bool) -> torch.Tensor:
+        (rows, cols), (rs, cs) = dq_tile_modes(tile_m, head_dim, 2, split, one_chunk)
+        return offsets(rows, rs, tile_m)[:, None] + offsets(cols, cs, head_dim)[None, :]
+
+    full, one, chunk = tile(False), tile(True), tile_m * head_dim // 2
+    assert torch.equal(one, full % chunk)
+    wg0 = full < chunk  # warpgroup 0's chunk is the first one: the overlay is the identity there
+    assert torch.equal(one[wg0], full[wg0]) and sorted(one[~wg0].tolist()) == list(range(chunk))
+
+
+# Run from a file in a child process (CUTE_DSL_ARCH is read at import; the DSL compiles from a
+# function's source): trace the dQ MMA of the wide256_red (64 keys, dQ in one piece) and
+# wide256_red80 (80 keys, two slices) kernels and print, for every MMA thread, the (row,
+# column) of each fragment register, as `BwdDq.red_dq` places it: slice c's columns shifted by
+# c x D / DQ_SLICES.
+_DQ_FRAGMENT_CHILD = """
+import json
+import cutlass
+import cutlass.cute as cute
+
+from benchmarks.fa3_bwd_variants import variant
+from flashsuite.fa3.bwd_kernel import Fa3Backward
+
+out = {}
+
+
+@cute.jit
+def trace(kernel: cutlass.Constexpr, name: cutlass.Constexpr[str]):
+    mma_dq = kernel._make_mmas()[2]
+    width = kernel.HEAD_DIM // kernel.DQ_SLICES
+    for tid in cutlass.range_constexpr(kernel.MMA_THREADS):
+        crd = mma_dq.get_slice(tid).partition_C(cute.make_identity_tensor((64, width)))
+        for c in cutlass.range_constexpr(kernel.DQ_SLICES):
+            for i in cutlass.range_constexpr(cute.size(crd)):
+                row, col = crd[i]
+                out[name].append((tid, c, i, row, col + c * width))
+
+
+for name in ("wide256_red", "wide256_red80"):
+    out[name] = []
+    trace(Fa3Backward(cutlass.BFloat16, 256, variant(name), False), name)
+print(json.dumps(out))
+"""
+
+
+def test_red_dq_covers_the_tile_in_whole_sectors(tmp_path) -> None:
+    """dq_mode "red" at D = 256, in one piece (dQ's m64n128 per warpgroup) or in two slices
+    (m64n64): the fragment's registers, placed by dq_tile_modes, hit every offset of the
+    64 x 256 tile once; each group of 4 registers (one red.global.add.v4.f32) is 16
+    contiguous, 16-byte-aligned bytes, and a warp's 32 lanes cover 512 contiguous bytes.
+    In one piece, warpgroup g's registers land in chunk g (the chunk the writer's bulk reduce
+    adds from a "turn" sdQ; the same dQ MMA at 64 keys); in slices, slice c of warpgroup g at
+    columns c D / 2 + g D / 4 + [0, D / 4), a quarter of both chunks each."""
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_configs import dq_tile_modes
+
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "PYTHONPATH": path}  # ROOT: `benchmarks`
+    child = tmp_path / "dq_fragment.py"
+    child.write_text(_DQ_FRAGMENT_CHILD)
+    cmd = [sys.executable, str(child)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    traced = json.loads(proc.stdout.strip().splitlines()[-1])
+    (rows, cols), (rs, cs) = dq_tile_modes(64, 256, 2, "d")
+
+    def offset(n: int, shape, stride) -> int:  # CuTe's colexicographic decomposition
+        off = 0
+        for size, st in zip(shape, stride, strict=True):
+            off, n = off + (n % size) * st, n // size
+        return off
+
+    chunk = 64 * 256 // 2
+    for name, regs in traced.items():
+        off = {(t, c, i): offset(r, rows, rs) + offset(col, cols, cs) for t, c, i, r, col in regs}
+        assert sorted(off.values()) == list(range(64 * 256)), f"{name}: not a bijection"
+        slices = variant(name).dq_slices
+        for (t, c, i), o in off.items():
+            if slices == 1:  # warpgroup g's registers, all in chunk g
+                assert o // chunk == t // 128, (t, i, o)
+            if i % 4 == 0:
+                assert o % 4 == 0, (slices, t, c, i, o)
+                assert [off[t, c, i + k] for k in range(4)] == list(range(o, o + 4))
+                if t % 32 == 0:  # lane 0: the warp's 32 v4 groups, 128 floats from here
+                    warp = sorted(off[t + lane, c, i] for lane in range(32))
+                    assert warp == list(range(o, o + 128, 4)) and o % 128 == 0, (slices, t, i)
 
 
 def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
@@ -768,7 +967,7 @@ def _kernel_contract(key, causal: bool):
     dQ into the accumulator in the config's layout ("warp": TILE_M x D blocks in dq_tile_modes
     order), dK and dV summed over each GQA group."""
     from flashsuite.common.reference import visibility_mask
-    from flashsuite.fa3.bwd_configs import dq_tile_modes
+    from flashsuite.fa3.bwd_configs import dq_tile_modes, dq_tiled
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
             window_left, window_right, cu_seqlens_q, cu_seqlens_k):  # fmt: skip
@@ -791,7 +990,7 @@ def _kernel_contract(key, causal: bool):
         dk_ = (ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2)
         dk.copy_(dk_ * dk_scale)
         dv.copy_((p.transpose(-1, -2) @ doh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
-        if key.cfg.dq_mode != "warp":
+        if not dq_tiled(key.cfg):
             dq_acc.copy_(dq.transpose(1, 2))
             return
         tm = key.cfg.tile_m
@@ -823,6 +1022,7 @@ def _kernel_contract(key, causal: bool):
         (64, "warp", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic", True, True, (2, 90, 120, 4, 4, 64)),
         (64, "warp", False, True, (1, 70, 100, 4, 2, 256)),  # "dkv_t": the same host path
+        (64, "red", False, False, (2, 130, 90, 4, 2, 256)),  # the tiled accumulator, no sdQ
         (128, "warp-m+sout", False, True, (2, 200, 130, 2, 1, 64)),  # dQ scaled by the host
         (64, "warp+sout", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic+sout", True, True, (2, 90, 120, 4, 4, 64)),
@@ -844,6 +1044,8 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
                     deterministic=deterministic, scale_out=sout == "sout")  # fmt: skip
     if d > 128:
         cfg = replace(bwd_config_for(d, torch.bfloat16, causal), deterministic=deterministic)
+        if dq_mode == "red":  # wide256_red80: 80 keys, dQ in two slices
+            cfg = replace(cfg, tile_n=80, dq_mode="red", dq_slices=2)
     key = bwd_host.BwdCompileKey(torch.float32, d, causal, cfg)
     monkeypatch.setattr(bwd_host, "get_backward", lambda k: _kernel_contract(k, causal))
     gen = torch.Generator().manual_seed(1)
