@@ -10,8 +10,11 @@ one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
 under the S^T / dP^T wgmmas (stats_regs; tile_m 64 only: at 128 rows the 64 extra registers
 spill). "pipe80" is pipe_stm with FA4's 80-row tile at D = 128 (non-causal only: NON_CAUSAL),
-dQ computed as dQ^T = K^T dS^T (dq_split "dt"). (The "bulk" dQ mode, per-row bulk reduces
-issued by MMA warp 0, and the "dv_early" order were measured and removed: docs/results.md.)
+dQ computed as dQ^T = K^T dS^T (dq_split "dt"). The "_wgs" variants (wg_slice) partition the
+shared-memory operands with the warpgroup's warp-uniform slice, so their wgmma descriptors stay
+in uniform registers (benchmarks/fa3_bwd_sass.py counts what that saves per row block). (The
+"bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order were
+measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -115,6 +118,23 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(scale_out=True, stats_regs=True, **_PIPE),
         "pipe_stm with both: the scale out of dS, LSE and D in registers",
     ),
+    "pipe_wgs": (
+        BwdConfig(wg_slice=True, **_PIPE),
+        "pipe_stm with the smem operands' wgmma fragments sliced per warpgroup (warp-uniform): "
+        "descriptors in uniform registers, not rebuilt per wgmma in vector registers",
+    ),
+    "pipe_wgs_sout": (
+        BwdConfig(wg_slice=True, scale_out=True, **_PIPE),
+        "pipe_wgs with the softmax scale out of dS (on dK's epilogue and dQ's conversion)",
+    ),
+    "pipe128_dqm_wgs": (
+        BwdConfig(tile_m=128, dq_split="m", wg_slice=True, **_PIPE),
+        "pipe128_dqm (shipped at D = 64) with the wgmma fragments sliced per warpgroup",
+    ),
+    "pipe80_wgs": (
+        BwdConfig(tile_m=80, dq_split="dt", wg_slice=True, **_PIPE),
+        "pipe80 with the wgmma fragments sliced per warpgroup (D = 128, non-causal only)",
+    ),
     "pipe80": (
         BwdConfig(tile_m=80, dq_split="dt", **_PIPE),
         "pipe_stm with 80-row Q tiles (FA4's non-causal tile at D = 128): S^T / dP^T m64n80, "
@@ -178,6 +198,10 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128": (64,),
     "pipe128_lpt": (64,),
     "pipe80": (128,),
+    "pipe80_wgs": (128,),
+    "pipe_wgs": (96, 128),
+    "pipe_wgs_sout": (128,),
+    "pipe128_dqm_wgs": (64,),
     "pipe128_dqm": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
@@ -197,7 +221,7 @@ def variant_head_dims(name: str) -> tuple[int, ...]:
 
 # Variants built for non-causal problems only (bwd_configs.bwd_can_implement refuses causal
 # and windowed ones): their probes, hashes and timings skip the causal builds.
-NON_CAUSAL = ("pipe80",)
+NON_CAUSAL = ("pipe80", "pipe80_wgs")
 
 
 def variant_causal(name: str) -> tuple[bool, ...]:

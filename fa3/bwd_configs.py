@@ -124,6 +124,11 @@ class BwdConfig:
     # so the loads run under the GEMMs (FA4's order); LSE's -inf -> +inf fix is done per row.
     # tile_m 64 only (R237 at D = 128; 128 rows spill).
     stats_regs: bool = False
+    # "sdp_t": how the wgmma fragments of the shared-memory operands are partitioned. False: with
+    # each thread's slice of the TiledMma; True: with the slice of its warpgroup's first thread,
+    # the warpgroup index made warp-uniform (FA4's order), so the descriptors are computed in
+    # uniform registers rather than per wgmma in vector registers and moved across by R2UR.
+    wg_slice: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp")
@@ -356,6 +361,8 @@ def bwd_can_implement(
             f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} need layout "
             f"'sdp_t', not {cfg.layout!r}"
         )
+    if cfg.layout != "sdp_t" and cfg.wg_slice:
+        return False, f"fa3 backward: wg_slice needs layout 'sdp_t', not {cfg.layout!r}"
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.
