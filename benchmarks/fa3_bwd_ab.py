@@ -1,12 +1,12 @@
 """Interleaved A/B timing of fa3 backward variants against each other and cuDNN (a GPU run).
 
     python3 -m benchmarks.fa3_bwd_ab --variant pipe80 --variant pipe_stm --head-dim 128 \
-        --rounds 3
+        --repeats 3
 
 One variant's run after another's on the same machine drifts by several percent (clocks,
 temperature, what ran before), more than the differences being decided. This script times
-every contender on every shape once per round, rounds interleaved, and prints each one's
-TFLOP/s per round and their median: variants by name (benchmarks/fa3_bwd_variants.py, through
+every contender on every shape once per pass, passes interleaved, and prints each one's
+TFLOP/s per pass and their median: variants by name (benchmarks/fa3_bwd_variants.py, through
 fa3.interface.backward with the variant's config), "fa3" (the shipped path through dispatch and
 autograd) and SDPA's cuDNN backend. Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k
 and 16k, non-causal unless --causal. Correctness is fa3_bwd_check's job: run it first.
@@ -29,13 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", action="append", default=[], help="a variant by name (repeat)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     unknown = [v for v in args.variant if v not in VARIANTS]
     if unknown:
         ap.error(f"--variant: expected names in benchmarks/fa3_bwd_variants.py, got {unknown}")
-    if args.rounds < 1:
-        ap.error(f"--rounds: expected >= 1, got {args.rounds}")
+    if args.repeats < 1:
+        ap.error(f"--repeats: expected >= 1, got {args.repeats}")
     d, heads = args.head_dim, 2048 // args.head_dim
     cases = [
         Case(16384 // n, n, n, heads, heads, d, dtype=torch.bfloat16, causal=args.causal)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     contenders = [*args.variant, "fa3", "sdpa-cudnn"]
     tflops: dict[tuple[str, int], list[float]] = {}
-    for _ in range(args.rounds):
+    for _ in range(args.repeats):
         for case in cases:
             for name in contenders:
                 if name in VARIANTS:
@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
                 tflops.setdefault((name, case.seqlen_q), []).append(row["tflops"])
     print(f"backward TFLOP/s, D {d}, {'causal' if args.causal else 'non-causal'}, bf16")
     for (name, n), values in tflops.items():
-        rounds = " ".join(f"{x:.1f}" for x in values)
-        print(f"{name:>12} N {n:>5}: median {statistics.median(values):.1f} (rounds {rounds})")
+        passes = " ".join(f"{x:.1f}" for x in values)
+        print(f"{name:>12} N {n:>5}: median {statistics.median(values):.1f} (passes {passes})")
     return 0
 
 

@@ -13,9 +13,11 @@ spill). "pipe80" is pipe_stm with FA4's 80-row tile at D = 128 (non-causal only:
 dQ computed as dQ^T = K^T dS^T (dq_split "dt"). The "wide256_" variants past "wide256_det"
 give D = 256 more keys per CTA by shrinking sdQ to one warpgroup's chunk (dq_handoff "turn") or
 dropping it (dq_mode "red", dQ by red.global.add.v4.f32; with dq_slices 2 at 80 keys, FA3's
-hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). (The "bulk" dQ mode, per-row
-bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
-docs/results.md.)
+hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). The "_wgs" variants (wg_slice)
+partition the shared-memory operands with the warpgroup's warp-uniform slice, so their wgmma
+descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what that saves per row
+block). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order
+were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -118,6 +120,23 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     "pipe_sout_sreg": (
         BwdConfig(scale_out=True, stats_regs=True, **_PIPE),
         "pipe_stm with both: the scale out of dS, LSE and D in registers",
+    ),
+    "pipe_wgs": (
+        BwdConfig(wg_slice=True, **_PIPE),
+        "pipe_stm with the smem operands' wgmma fragments sliced per warpgroup (warp-uniform): "
+        "descriptors in uniform registers, not rebuilt per wgmma in vector registers",
+    ),
+    "pipe_wgs_sout": (
+        BwdConfig(wg_slice=True, scale_out=True, **_PIPE),
+        "pipe_wgs with the softmax scale out of dS (on dK's epilogue and dQ's conversion)",
+    ),
+    "pipe128_dqm_wgs": (
+        BwdConfig(tile_m=128, dq_split="m", wg_slice=True, **_PIPE),
+        "pipe128_dqm (shipped at D = 64) with the wgmma fragments sliced per warpgroup",
+    ),
+    "pipe80_wgs": (
+        BwdConfig(tile_m=80, dq_split="dt", wg_slice=True, **_PIPE),
+        "pipe80 with the wgmma fragments sliced per warpgroup (D = 128, non-causal only)",
     ),
     "pipe80": (
         BwdConfig(tile_m=80, dq_split="dt", **_PIPE),
@@ -223,6 +242,10 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128": (64,),
     "pipe128_lpt": (64,),
     "pipe80": (128,),
+    "pipe80_wgs": (128,),
+    "pipe_wgs": (96, 128),
+    "pipe_wgs_sout": (128,),
+    "pipe128_dqm_wgs": (64,),
     "pipe128_dqm": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
@@ -242,7 +265,7 @@ def variant_head_dims(name: str) -> tuple[int, ...]:
 
 # Variants built for non-causal problems only (bwd_configs.bwd_can_implement refuses causal
 # and windowed ones): their probes, hashes and timings skip the causal builds.
-NON_CAUSAL = ("pipe80",)
+NON_CAUSAL = ("pipe80", "pipe80_wgs")
 
 
 def variant_causal(name: str) -> tuple[bool, ...]:

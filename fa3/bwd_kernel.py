@@ -156,6 +156,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.DETERMINISTIC = cfg.deterministic
         self.SCALE_OUT = cfg.scale_out  # dS without the scale; dK (and the host's dQ) take it
         self.STATS_REGS = cfg.stats_regs  # LSE and D rows in registers, loaded under the GEMMs
+        self.WG_SLICE = cfg.wg_slice  # smem operands sliced per warpgroup: uniform descriptors
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
         if softcap and cfg.overlap:
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")

@@ -50,11 +50,22 @@ class BwdSdpT:
         thr_sdp = mma_sdp.get_slice(mtid)
         thr_dkv = mma_dkv.get_slice(mtid)
         thr_dq = mma_dq.get_slice(mtid)
+        # The shared-memory operands' descriptors depend on the thread only through its
+        # warpgroup. WG_SLICE: partition them with the slice of the warpgroup's first thread,
+        # its index made warp-uniform, so the descriptors are uniform-register values;
+        # otherwise with the thread's own slice (mtid lives in a vector register), and ptxas
+        # rebuilds every descriptor per wgmma in vector registers and moves it across (R2UR).
+        wg_sdp, wg_dkv, wg_dq = thr_sdp, thr_dkv, thr_dq
+        if const_expr(self.WG_SLICE):
+            wg_first = cute.arch.make_warp_uniform(mtid // 128) * 128
+            wg_sdp = mma_sdp.get_slice(wg_first)
+            wg_dkv = mma_dkv.get_slice(wg_first)
+            wg_dq = mma_dq.get_slice(wg_first)
         # S^T = K Q^T and dP^T = V dO^T.
-        tSrK = thr_sdp.make_fragment_A(thr_sdp.partition_A(sK))  # (MMA, 1, D/16)
-        tSrV = thr_sdp.make_fragment_A(thr_sdp.partition_A(sV))  # (MMA, 1, D/16)
-        tSrQ = thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGES)
-        tSrdO = thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO))  # (MMA, 1, D/16, STAGES)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))  # (MMA, 1, D/16)
+        tSrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))  # (MMA, 1, D/16)
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))  # (MMA, 1, D/16, STAGES)
+        tSrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))  # (MMA, 1, D/16, STAGES)
         acc_S = thr_sdp.make_fragment_C(
             thr_sdp.partition_shape_C((TN, TM))
         )  # ((2, 2, TILE_M/8), 1, 1) fp32: 2 key rows per thread
@@ -62,8 +73,8 @@ class BwdSdpT:
         # dV += P^T dO and dK += dS^T Q: B is dO / Q as a (D, TILE_M) MN-major view.
         sdOt = self._transposed(sdO, TM, D, ST)  # (D, TILE_M, STAGES)
         sQt = self._transposed(sQ, TM, D, ST)  # (D, TILE_M, STAGES)
-        tdVrdO = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdOt))  # (MMA, 1, TILE_M/16, ST)
-        tdKrQ = thr_dkv.make_fragment_B(thr_dkv.partition_B(sQt))  # (MMA, 1, TILE_M/16, ST)
+        tdVrdO = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))  # (MMA, 1, TILE_M/16, ST)
+        tdKrQ = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))  # (MMA, 1, TILE_M/16, ST)
         tdVrP = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit P^T
         tdKrdS = thr_dkv.make_fragment_A(thr_dkv.partition_shape_A((TN, TM)))  # 16-bit dS^T
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((TN, D)))  # ((2,2,D/8),1,1)
@@ -72,12 +83,12 @@ class BwdSdpT:
         # "dt": dQ^T = K^T dS^T, the same two operands in the other places.
         sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
         if const_expr(self.DQ_SPLIT == "dt"):
-            tdQrK = thr_dq.make_fragment_A(thr_dq.partition_A(sKt))  # (MMA, 1, TILE_N/16)
-            tdQrdS = thr_dq.make_fragment_B(thr_dq.partition_B(sdS))  # (.., TILE_N/16, DS_ST)
+            tdQrK = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))  # (MMA, 1, TILE_N/16)
+            tdQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))  # (.., TILE_N/16, DS_ST)
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((D, TM)))  # dQ^T
         else:
-            tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (.., TILE_N/16, DS_ST)
-            tdQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
+            tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (.., TILE_N/16, DS_ST)
+            tdQrK = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))  # (MMA, 1, TILE_N/16)
             acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((TM, D)))
         # The elementwise code indexes acc_S as i = c + 2r + 4j (m64nNk16 C layout, one MMA
         # tile per warpgroup) and relies on the C fragment of S^T having the element order of

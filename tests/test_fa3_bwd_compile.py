@@ -17,7 +17,10 @@ m64n80k16 wgmmas and dQ^T's MN-major A, spill-free. The D = 256 variants with 64
 (wide256_n64_turn, wide256_red, wide256_red80, the last with a window too) must show their
 wgmma shapes and dQ routes (two bulk reduces from a one-chunk sdQ, or 16 red.global.add.v4.f32
 and no sdQ), spill-free; the red route's fragment placement is traced on the CPU. Every build's
-highest SASS register must stay within setmaxnreg's 240.
+highest SASS register must stay within setmaxnreg's 240. "pipe_wgs" and "pipe128_dqm_wgs"
+(wg_slice) go through `benchmarks/fa3_bwd_sass.py` next to their bases, D = 128 and 64
+non-causal: no R2UR in the MMA loop's SASS, fewer instructions per row block, the same wgmmas
+and elementwise code.
 Without compiling: the configs' limits, the dQ tile order's round trip, and the host path of
 `bwd_host.run_backward` around a stand-in kernel that keeps the compiled one's arguments.
 """
@@ -133,6 +136,27 @@ def wide256_dq_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def wg_slice_sass(tmp_path_factory) -> list[dict]:
+    """benchmarks.fa3_bwd_sass on pipe_stm and pipe_wgs at (D 128, full) and on pipe128_dqm and
+    pipe128_dqm_wgs at (D 64, full), the shipped configs with and without wg_slice."""
+    out = tmp_path_factory.mktemp("fa3_bwd_sass")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    runs = [("pipe_stm", "pipe_wgs", "128"), ("pipe128_dqm", "pipe128_dqm_wgs", "64")]
+
+    def run(i: int) -> list[dict]:
+        base, wgs, d = runs[i]
+        path = out / f"run{i}.json"
+        cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--variant", base, "--variant"]
+        cmd += [wgs, "--head-dim", d, "--json", str(path)]
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"fa3_bwd_sass {runs[i]} failed:\n{proc.stdout}\n{proc.stderr}"
+        return json.loads(path.read_text())
+
+    with ThreadPoolExecutor(SHARDS) as pool:
+        return [r for part in pool.map(run, range(len(runs))) for r in part]
+
+
+@pytest.fixture(scope="module")
 def ds_stats_probes(tmp_path_factory) -> list[dict]:
     """scale_out and stats_regs against their bases: pipe128, pipe128_sout and
     pipe128_dqm_sout at (D 64, causal); pipe_stm, pipe_sout, pipe_sreg and pipe_sout_sreg at
@@ -226,6 +250,8 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     for field in ("scale_out", "stats_regs"):
         ok, reason = bwd_can_implement(replace(wide, **{field: True}), 256, torch.bfloat16)
         assert not ok and f"{field} True" in reason and "need layout 'sdp_t'" in reason
+    ok, reason = bwd_can_implement(replace(wide, wg_slice=True), 256, torch.bfloat16)
+    assert not ok and "wg_slice needs layout 'sdp_t', not 'dkv_t'" in reason
     ok, reason = bwd_can_implement(replace(warp128, stats_regs=True), 64, torch.bfloat16)
     assert not ok and "stats_regs needs tile_m 64 (registers), not 128" in reason
     assert bwd_can_implement(replace(warp128, scale_out=True), 64, torch.bfloat16) == (True, "")
@@ -615,6 +641,32 @@ def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
             assert ptx["mul_f32"] == want, f"{where} {r['config']}: {ptx['mul_f32']} != {want}"
         assert ptx["lds_under_gemm"] == (tm // 4 if sreg else 0), f"{where}: {ptx}"
         assert ptx["tanh"] == base["ptx"]["tanh"] == (tm // 2 if cap else 0), where
+
+
+def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
+    """wg_slice partitions the smem operands with the warpgroup's (warp-uniform) slice: in the
+    SASS of the MMA warpgroups' row-block loop no descriptor crosses from a vector register
+    (R2UR), and the loop issues at least one instruction per wgmma fewer than its base (the
+    base rebuilds each descriptor in vector registers), with the same wgmmas and the same
+    elementwise, shared-memory and synchronisation instructions; 0 spills within 240
+    registers."""
+    by = {r["label"].split()[0]: r for r in wg_slice_sass}
+    assert sorted(by) == ["pipe128_dqm", "pipe128_dqm_wgs", "pipe_stm", "pipe_wgs"], sorted(by)
+    same = ("HGMMA", "MUFU", "FP32 FFMA/FMUL/FADD/FMNMX", "F2FP pack", "LDS/LDSM/STS/STSM")
+    same += ("SYNCS mbarrier", "BAR named", "MEMBAR/FENCE/DEPBAR", "WARPGROUP/WARPSYNC")
+    for base, wgs in (("pipe_stm", "pipe_wgs"), ("pipe128_dqm", "pipe128_dqm_wgs")):
+        b, w = by[base], by[wgs]
+        assert w["config"]["wg_slice"] and not b["config"]["wg_slice"], (base, wgs)
+        lb, lw = b["loops"]["mma"], w["loops"]["mma"]
+        assert lw["always"].get("R2UR", 0) == 0, f"{wgs}: {lw['always']}"
+        assert lw["always"]["HGMMA"] == b["minimum"]["HGMMA"] == 32, (wgs, lw["always"])
+        fewer = lb["always_total"] - lw["always_total"]
+        assert fewer >= lw["always"]["HGMMA"], f"{wgs}: {fewer} fewer than {base}"
+        for name in same:
+            assert lw["always"].get(name) == lb["always"].get(name), (wgs, name)
+        for r in (b, w):
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["label"]
+            assert r["max_reg"] < 240, f"{r['label']}: R{r['max_reg']}"
 
 
 def test_bwd_wide_deterministic_and_softcap_compile(wide_probes) -> None:
@@ -1061,3 +1113,50 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
     for name, a, w in zip(("dq", "dk", "dv"), got, want, strict=True):
         assert a.shape == w.shape and a.is_contiguous(), name
         torch.testing.assert_close(a.double().cpu(), w, rtol=1e-4, atol=1e-4, msg=name)
+
+
+# A listing in nvdisasm -c's form: a loop (.L_x_1 .. the @P0 back-edge) whose mbarrier wait
+# retries out of line (.L_x_9, which jumps back into the loop unconditionally) and whose mask
+# is jumped over in unmasked iterations (@!P1 BRA .L_x_3).
+_SASS = """
+        .section .text.kernel,"ax",@progbits
+.text.kernel:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*0020*/              @!P0 BRA `(.L_x_9) ;
+.L_x_2:
+        /*0030*/                   R2UR UR8, R10 ;
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;
+        /*0050*/              @!P1 BRA `(.L_x_3) ;
+        /*0060*/                   FSEL R24, R24, -INF , !P2 ;
+.L_x_3:
+        /*0070*/                   IMAD.MOV.U32 R11, RZ, RZ, 0x40000040 ;
+        /*0080*/                   MUFU.EX2 R24, R24 ;
+        /*0090*/               @P0 BRA `(.L_x_1) ;
+        /*00a0*/                   EXIT ;
+.L_x_9:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2 ;
+        /*00c0*/              @!P0 BRA `(.L_x_9) ;
+        /*00d0*/                   BRA `(.L_x_2) ;
+"""
+
+
+def test_sass_loop_counts() -> None:
+    """benchmarks.fa3_bwd_sass takes the conditional back-edge's loop (not the retry stub's
+    jump back), counts what a forward branch of the loop jumps over as conditional, and
+    classes IMAD.MOV as a move."""
+    from benchmarks.fa3_bwd_sass import loop_counts
+
+    c = loop_counts(_SASS, "HGMMA")
+    assert (c["head_addr"], c["tail_addr"], c["loops_with_marker"]) == (0x10, 0x90, 1), c
+    assert c["always"] == {
+        "HGMMA": 1,
+        "MUFU": 1,
+        "SYNCS mbarrier": 1,
+        "R2UR": 1,
+        "BRA/BSSY/BSYNC": 3,
+        "MOV": 1,
+    }, c["always"]
+    assert c["conditional"] == {"ISETP/FSETP/SEL/FSEL": 1}, c["conditional"]
+    assert loop_counts(_SASS, "UTMALDG") is None
