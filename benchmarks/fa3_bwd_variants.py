@@ -232,6 +232,26 @@ VARIANTS.update(
             BwdConfig(**{**_WIDE256, "tile_n": 64, "dq_mode": "red", "do_stages": 0}, overlap=True),
             "wide256_red with a 2-stage dO ring (211 KiB)",
         ),
+        # The "dkv_t" layout with its smem operands sliced per warpgroup (wg_slice): the
+        # descriptors in uniform registers (benchmarks/fa3_bwd_sass.py counts the R2UR and
+        # descriptor arithmetic this removes per row block).
+        "wide192_wgs": (
+            BwdConfig(**_WIDE192, overlap=True, wg_slice=True),
+            "wide192 (shipped at D = 192) with the wgmma fragments sliced per warpgroup",
+        ),
+        "wide256_wgs": (
+            BwdConfig(**_WIDE256, overlap=True, wg_slice=True),
+            "wide256 (shipped at D = 256) with the wgmma fragments sliced per warpgroup",
+        ),
+        "wide256_red80_wgs": (
+            BwdConfig(
+                **{**_WIDE256, "tile_n": 80, "dq_mode": "red"},
+                dq_slices=2,
+                overlap=True,
+                wg_slice=True,
+            ),
+            "wide256_red80 with the wgmma fragments sliced per warpgroup",
+        ),
     }
 )
 

@@ -136,7 +136,7 @@ class BwdConfig:
     # before the next is issued, so dQ holds 1 / dq_slices of its registers (FA3's hdim-256
     # slicing of the dQ GEMM): the first runs beside dK^T, the second after it.
     dq_slices: int = 1
-    # "sdp_t": how the wgmma fragments of the shared-memory operands are partitioned. False: with
+    # How the wgmma fragments of the shared-memory operands are partitioned. False: with
     # each thread's slice of the TiledMma; True: with the slice of its warpgroup's first thread,
     # the warpgroup index made warp-uniform (FA4's order), so the descriptors are computed in
     # uniform registers rather than per wgmma in vector registers and moved across by R2UR.
@@ -406,8 +406,6 @@ def bwd_can_implement(
             f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} need layout "
             f"'sdp_t', not {cfg.layout!r}"
         )
-    if cfg.layout != "sdp_t" and cfg.wg_slice:
-        return False, f"fa3 backward: wg_slice needs layout 'sdp_t', not {cfg.layout!r}"
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

@@ -148,11 +148,20 @@ class BwdDkvT:
         thr_sdp = mma_sdp.get_slice(mtid)
         thr_dkv = mma_dkv.get_slice(mtid)
         thr_dq = mma_dq.get_slice(mtid)
+        # WG_SLICE: the shared-memory operands partitioned with the slice of the warpgroup's
+        # first thread, made warp-uniform, so their descriptors live in uniform registers (as
+        # in BwdSdpT.mma; without it ptxas rebuilds each one per wgmma and moves it by R2UR).
+        wg_sdp, wg_dkv, wg_dq = thr_sdp, thr_dkv, thr_dq
+        if const_expr(self.WG_SLICE):
+            wg_first = cute.arch.make_warp_uniform(mtid // 128) * 128
+            wg_sdp = mma_sdp.get_slice(wg_first)
+            wg_dkv = mma_dkv.get_slice(wg_first)
+            wg_dq = mma_dq.get_slice(wg_first)
         # S = Q K^T and dP = dO V^T.
-        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ))  # (MMA, 1, D/16, STAGES)
-        tSrdO = thr_sdp.make_fragment_A(thr_sdp.partition_A(sdO))  # (MMA, 1, D/16, DO_STAGES)
-        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))  # (MMA, 1, D/16)
-        tSrV = thr_sdp.make_fragment_B(thr_sdp.partition_B(sV))  # (MMA, 1, D/16)
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))  # (MMA, 1, D/16, STAGES)
+        tSrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))  # (MMA, 1, D/16, DO_STAGES)
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))  # (MMA, 1, D/16)
+        tSrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))  # (MMA, 1, D/16)
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TM, TN)))  # 2 rows a thread
         acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C((TM, TN)))
         # dV^T += dO^T P and dK^T += Q^T dS: (D, TILE_M) views of sdO / sQ as A, (TILE_N, TILE_M)
@@ -161,23 +170,23 @@ class BwdDkvT:
         sQt = self._transposed(sQ, TM, D, self.STAGES)  # (D, TILE_M, STAGES)
         sPt = self._transposed(sP, TM, TN, self.DS_STAGES)  # (TILE_N, TILE_M, DS_STAGES)
         sdSt = self._transposed(sdS, TM, TN, self.DS_STAGES)
-        tdVrdO = thr_dkv.make_fragment_A(thr_dkv.partition_A(sdOt))  # (MMA, M, TM/16, DO_ST)
-        tdVrP = thr_dkv.make_fragment_B(thr_dkv.partition_B(sPt))  # (MMA, N, TM/16, DS_ST)
-        tdKrQ = thr_dkv.make_fragment_A(thr_dkv.partition_A(sQt))  # (MMA, M, TM/16, ST)
-        tdKrdS = thr_dkv.make_fragment_B(thr_dkv.partition_B(sdSt))  # (MMA, N, TM/16, DS_ST)
+        tdVrdO = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdOt))  # (MMA, M, TM/16, DO_ST)
+        tdVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(sPt))  # (MMA, N, TM/16, DS_ST)
+        tdKrQ = wg_dkv.make_fragment_A(wg_dkv.partition_A(sQt))  # (MMA, M, TM/16, ST)
+        tdKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdSt))  # (MMA, N, TM/16, DS_ST)
         acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dV^T
         acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((D, TN)))  # dK^T
         # dQ = dS K: A = sdS (TILE_M, TILE_N), B = K as a (D, TILE_N) MN-major view (in
         # DQ_SLICES row slices of D / DQ_SLICES, the slices' dQ columns).
         sKt = self._transposed(sK, TN, D)  # (D, TILE_N)
-        tdQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))  # (MMA, 1, TN/16, DS_ST)
+        tdQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))  # (MMA, 1, TN/16, DS_ST)
         dq_cols = D // self.DQ_SLICES
         if const_expr(self.DQ_SLICES == 1):
-            tdQrK = [thr_dq.make_fragment_B(thr_dq.partition_B(sKt))]  # (MMA, 1, TN/16)
+            tdQrK = [wg_dq.make_fragment_B(wg_dq.partition_B(sKt))]  # (MMA, 1, TN/16)
         else:
             tdQrK = [
-                thr_dq.make_fragment_B(
-                    thr_dq.partition_B(cute.local_tile(sKt, (dq_cols, TN), (c, 0)))
+                wg_dq.make_fragment_B(
+                    wg_dq.partition_B(cute.local_tile(sKt, (dq_cols, TN), (c, 0)))
                 )
                 for c in range(self.DQ_SLICES)
             ]  # (MMA, 1, TN/16) each

@@ -137,11 +137,13 @@ def wide256_dq_probes(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def wg_slice_sass(tmp_path_factory) -> list[dict]:
-    """benchmarks.fa3_bwd_sass on pipe_stm and pipe_wgs at (D 128, full) and on pipe128_dqm and
-    pipe128_dqm_wgs at (D 64, full), the shipped configs with and without wg_slice."""
+    """benchmarks.fa3_bwd_sass on pipe_stm and pipe_wgs at (D 128, full), on pipe128_dqm and
+    pipe128_dqm_wgs at (D 64, full) and on wide256 and wide256_wgs (D 256, full, the "dkv_t"
+    layout): the shipped configs with and without wg_slice."""
     out = tmp_path_factory.mktemp("fa3_bwd_sass")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
     runs = [("pipe_stm", "pipe_wgs", "128"), ("pipe128_dqm", "pipe128_dqm_wgs", "64")]
+    runs += [("wide256", "wide256_wgs", "256")]
 
     def run(i: int) -> list[dict]:
         base, wgs, d = runs[i]
@@ -250,8 +252,6 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     for field in ("scale_out", "stats_regs"):
         ok, reason = bwd_can_implement(replace(wide, **{field: True}), 256, torch.bfloat16)
         assert not ok and f"{field} True" in reason and "need layout 'sdp_t'" in reason
-    ok, reason = bwd_can_implement(replace(wide, wg_slice=True), 256, torch.bfloat16)
-    assert not ok and "wg_slice needs layout 'sdp_t', not 'dkv_t'" in reason
     ok, reason = bwd_can_implement(replace(warp128, stats_regs=True), 64, torch.bfloat16)
     assert not ok and "stats_regs needs tile_m 64 (registers), not 128" in reason
     assert bwd_can_implement(replace(warp128, scale_out=True), 64, torch.bfloat16) == (True, "")
@@ -651,15 +651,23 @@ def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
     elementwise, shared-memory and synchronisation instructions; 0 spills within 240
     registers."""
     by = {r["label"].split()[0]: r for r in wg_slice_sass}
-    assert sorted(by) == ["pipe128_dqm", "pipe128_dqm_wgs", "pipe_stm", "pipe_wgs"], sorted(by)
+    pairs = (
+        ("pipe_stm", "pipe_wgs"),
+        ("pipe128_dqm", "pipe128_dqm_wgs"),
+        ("wide256", "wide256_wgs"),
+    )
+    assert sorted(by) == sorted(name for pair in pairs for name in pair), sorted(by)
     same = ("HGMMA", "MUFU", "FP32 FFMA/FMUL/FADD/FMNMX", "F2FP pack", "LDS/LDSM/STS/STSM")
     same += ("SYNCS mbarrier", "BAR named", "MEMBAR/FENCE/DEPBAR", "WARPGROUP/WARPSYNC")
-    for base, wgs in (("pipe_stm", "pipe_wgs"), ("pipe128_dqm", "pipe128_dqm_wgs")):
+    for base, wgs in pairs:
         b, w = by[base], by[wgs]
         assert w["config"]["wg_slice"] and not b["config"]["wg_slice"], (base, wgs)
         lb, lw = b["loops"]["mma"], w["loops"]["mma"]
-        assert lw["always"].get("R2UR", 0) == 0, f"{wgs}: {lw['always']}"
-        assert lw["always"]["HGMMA"] == b["minimum"]["HGMMA"] == 32, (wgs, lw["always"])
+        if b["config"]["layout"] == "sdp_t":
+            assert lw["always"].get("R2UR", 0) == 0, f"{wgs}: {lw['always']}"
+            assert lw["always"]["HGMMA"] == b["minimum"]["HGMMA"] == 32, (wgs, lw["always"])
+        else:  # "dkv_t": a few R2UR remain (3 of 105 per row block at D = 256)
+            assert lw["always"].get("R2UR", 0) * 10 <= lb["always"]["R2UR"], (wgs, lw["always"])
         fewer = lb["always_total"] - lw["always_total"]
         assert fewer >= lw["always"]["HGMMA"], f"{wgs}: {fewer} fewer than {base}"
         for name in same:
