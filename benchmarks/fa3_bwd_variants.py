@@ -130,6 +130,14 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(wg_slice=True, scale_out=True, **_PIPE),
         "pipe_wgs with the softmax scale out of dS (on dK's epilogue and dQ's conversion)",
     ),
+    "pipe_wgs_sout_ng": (
+        BwdConfig(wg_slice=True, scale_out=True, lse_guard=False, **_PIPE),
+        "pipe_wgs_sout without the kernel's -inf LSE guard (the preprocess writes +inf)",
+    ),
+    "pipe128_dqm_wgs_ng": (
+        BwdConfig(tile_m=128, dq_split="m", wg_slice=True, lse_guard=False, **_PIPE),
+        "pipe128_dqm_wgs without the kernel's -inf LSE guard (the preprocess writes +inf)",
+    ),
     "pipe128_dqm_wgs": (
         BwdConfig(tile_m=128, dq_split="m", wg_slice=True, **_PIPE),
         "pipe128_dqm (shipped at D = 64) with the wgmma fragments sliced per warpgroup",
@@ -265,6 +273,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe80_wgs": (128,),
     "pipe_wgs": (96, 128),
     "pipe_wgs_sout": (128,),
+    "pipe_wgs_sout_ng": (128,),
+    "pipe128_dqm_wgs_ng": (64,),
     "pipe128_dqm_wgs": (64,),
     "pipe128_dqm": (64,),
     "pipe128_wgdq": (64,),

@@ -141,6 +141,11 @@ class BwdConfig:
     # the warpgroup index made warp-uniform (FA4's order), so the descriptors are computed in
     # uniform registers rather than per wgmma in vector registers and moved across by R2UR.
     wg_slice: bool = False
+    # Read an LSE of -inf as +inf in the kernel (a row that sees no key: P = 0, never NaN).
+    # Both preprocesses (common/bwd_preprocess.py) already write +inf there and on padding rows,
+    # so False drops the per-row compare and select (16 FSETP + 16 FSEL per row block and
+    # MMA warp at D = 128) and relies on that contract.
+    lse_guard: bool = True
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")

@@ -157,6 +157,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.SCALE_OUT = cfg.scale_out  # dS without the scale; dK (and the host's dQ) take it
         self.STATS_REGS = cfg.stats_regs  # LSE and D rows in registers, loaded under the GEMMs
         self.WG_SLICE = cfg.wg_slice  # smem operands sliced per warpgroup: uniform descriptors
+        self.LSE_GUARD = cfg.lse_guard  # -inf LSE read as +inf (the preprocess writes +inf)
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
         if softcap and cfg.overlap:
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")

@@ -111,8 +111,10 @@ class BwdSteps:
     def _no_neg_inf(self, lse: Float32) -> Float32:
         """A row that sees no key (or a padding row) must give P = 0, never NaN: the shared
         preprocess hands +inf there (exp2(s - inf) = 0, exp2(-inf - inf) = 0 for masked
-        entries), and a natural-log -inf is read as +inf too."""
-        return Float32.inf if lse == -Float32.inf else lse
+        entries), and with LSE_GUARD a natural-log -inf is read as +inf too."""
+        if const_expr(self.LSE_GUARD):
+            lse = Float32.inf if lse == -Float32.inf else lse
+        return lse
 
     @cute.jit
     def _row(self, sX: cute.Tensor, tScS: cute.Tensor, i: cutlass.Constexpr[int], stage: Int32):
