@@ -1,0 +1,130 @@
+"""fa3's forward from two source trees, timed interleaved on one GPU (a GPU run).
+
+    git archive --prefix=old/ OLD_COMMIT | tar -x -C /tmp
+    python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --passes 3
+
+A change that should not move the forward (a refactor, a new module beside the kernel) is shown
+to be neutral by timing the forward of the tree before it and the tree after it in one run:
+each pass runs every tree once, each in a fresh process that imports `flashsuite` from that
+tree (a temporary folder with one link, `flashsuite -> TREE`, first on PYTHONPATH), and times
+`dispatch.attention(..., version="fa3")` over the standard sweep's quick shapes (B·N = 16k,
+Hq·D = 2048, N 2k and 8k, D 64 / 128 / 256, causal or not) in bf16 and in fp8 (e4m3 inputs,
+no descales) with triton.testing.do_bench (median). Each tree's best pass is printed per
+shape with the ratio of the last tree to the first. Correctness is the test suite's job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SHAPES = [
+    (dtype, d, n, causal)
+    for dtype in ("bf16", "fp8")
+    for d in (64, 128, 256)
+    for n in (2048, 8192)
+    for causal in (False, True)
+]
+
+
+def _child() -> None:
+    """Time every shape with the flashsuite on PYTHONPATH; one JSON line per shape."""
+    import torch
+    import triton
+
+    import flashsuite
+    from flashsuite.dispatch import attention
+
+    print(f"flashsuite from {Path(flashsuite.__file__).resolve().parent}", flush=True)
+
+    for dtype, d, n, causal in SHAPES:
+        b, h = 16384 // n, 2048 // d
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        if dtype == "fp8":
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        try:
+            ms = triton.testing.do_bench(
+                lambda q=q, k=k, v=v, c=causal: attention(q, k, v, causal=c, version="fa3")
+            )
+            flops = 4 * b * h * n * n * d / (2 if causal else 1)
+            row = {"shape": [dtype, d, n, causal], "tflops": flops / ms / 1e9}
+        except Exception as exc:  # a failing shape is recorded and the next one runs
+            row = {"shape": [dtype, d, n, causal], "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(row), flush=True)
+
+
+def _run_tree(tree: Path, link_dir: Path) -> dict[tuple, float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(link_dir), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", "from benchmarks.fwd_tree_ab import _child; _child()"],
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    rows = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("flashsuite from"):
+            print(f"  {line}", flush=True)
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[tuple(row["shape"])] = row.get("tflops", float("nan"))
+            if "error" in row:
+                print(f"  {tree}: {row['shape']}: {row['error']}", flush=True)
+    if proc.returncode:
+        print(f"  {tree}: exit {proc.returncode}: {proc.stderr[-2000:]}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--tree", action="append", required=True, help="NAME=PATH (repeat)")
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--json", default=None, help="write every pass's numbers here")
+    args = ap.parse_args(argv)
+    trees = []
+    for spec in args.tree:
+        name, sep, path = spec.partition("=")
+        if not sep or not (Path(path) / "fa3").is_dir():
+            ap.error(f"--tree: expected NAME=PATH to a flashsuite source tree, got {spec!r}")
+        trees.append((name, Path(path).resolve()))
+    if args.passes < 1:
+        ap.error(f"--passes: expected >= 1, got {args.passes}")
+    links = {}
+    for name, path in trees:
+        links[name] = Path(tempfile.mkdtemp(prefix=f"tree-{name}-"))
+        (links[name] / "flashsuite").symlink_to(path)
+    passes: dict[str, list[dict]] = {name: [] for name, _ in trees}
+    for i in range(args.passes):
+        for name, path in trees:
+            passes[name].append(_run_tree(path, links[name]))
+            print(f"pass {i} {name}: {len(passes[name][-1])} shapes", flush=True)
+    if args.json:
+        out = {
+            n: [{" ".join(map(str, k)): v for k, v in p.items()} for p in ps]
+            for n, ps in passes.items()
+        }
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    first, last = trees[0][0], trees[-1][0]
+    print(f"forward TFLOP/s, best of {args.passes} passes; ratio {last} / {first}")
+    for shape in SHAPES:
+        best = {}
+        for n, ps in passes.items():
+            got = [p[shape] for p in ps if p.get(shape) == p.get(shape) and shape in p]
+            best[n] = max(got, default=float("nan"))
+        cols = " ".join(f"{n} {v:6.1f}" for n, v in best.items())
+        mask = "causal" if shape[3] else "full  "
+        ratio = best[last] / best[first]
+        print(f"{shape[0]} D {shape[1]:>3} N {shape[2]:>5} {mask}: {cols}  ratio {ratio:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
