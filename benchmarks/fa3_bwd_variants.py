@@ -169,11 +169,11 @@ VARIANTS.update(
     {
         "wide192": (
             BwdConfig(**_WIDE192, overlap=True),
-            "D = 192 as shipped: 64 x 96 tiles, the WGs split the keys of dK^T / dV^T",
+            "D = 192: 64 x 96 tiles, the WGs split the keys of dK^T / dV^T",
         ),
         "wide256": (
             BwdConfig(**_WIDE256, overlap=True),
-            "D = 256 as shipped: 64 x 48 tiles, the WGs split D of dK^T / dV^T",
+            "D = 256: 64 x 48 tiles, the WGs split D of dK^T / dV^T",
         ),
         "wide192_serial": (
             BwdConfig(**_WIDE192),
@@ -199,7 +199,7 @@ VARIANTS.update(
             BwdConfig(**{**_WIDE192, "tile_n": 80}, ds_stages=2, overlap=True),
             "D = 192 with 64 x 80 tiles and two sP / sdS buffers (221 KiB)",
         ),
-        # D = 256 with more keys per CTA than the shipped 48: Q, dO, LSE and D are streamed once
+        # D = 256 with more keys per CTA than wide256's 48: Q, dO, LSE and D are streamed once
         # per column block, so their traffic and TMA issues per FLOP fall as tile_n grows, and
         # the dQ GEMM's K (the keys) deepens. The 64 KiB fp32 sdQ tile is what keeps tile_n at
         # 48; these shrink it (dq_handoff "turn") or drop it (dq_mode "red").
@@ -245,11 +245,11 @@ VARIANTS.update(
         # descriptor arithmetic this removes per row block).
         "wide192_wgs": (
             BwdConfig(**_WIDE192, overlap=True, wg_slice=True),
-            "wide192 (shipped at D = 192) with the wgmma fragments sliced per warpgroup",
+            "wide192 with the wgmma fragments sliced per warpgroup: shipped at D = 192",
         ),
         "wide256_wgs": (
             BwdConfig(**_WIDE256, overlap=True, wg_slice=True),
-            "wide256 (shipped at D = 256) with the wgmma fragments sliced per warpgroup",
+            "wide256 with the wgmma fragments sliced per warpgroup",
         ),
         "wide256_red80_wgs": (
             BwdConfig(
@@ -258,7 +258,7 @@ VARIANTS.update(
                 overlap=True,
                 wg_slice=True,
             ),
-            "wide256_red80 with the wgmma fragments sliced per warpgroup",
+            "wide256_red80 with the wgmma fragments sliced per warpgroup: shipped at D = 256",
         ),
     }
 )

@@ -2,6 +2,8 @@
 
     git archive --prefix=old/ OLD_COMMIT | tar -x -C /tmp
     python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --passes 3
+    python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree nocache=. \
+        --tree-env nocache=FLASHSUITE_CACHE_DIR=off --tree new=.
 
 A change that should not move the forward (a refactor, a new module beside the kernel) is shown
 to be neutral by timing the forward of the tree before it and the tree after it in one run:
@@ -40,7 +42,7 @@ def _child() -> None:
     import flashsuite
     from flashsuite.dispatch import attention
 
-    print(f"flashsuite from {Path(flashsuite.__file__).resolve().parent}", flush=True)
+    print(f"flashsuite from {list(flashsuite.__path__)}", flush=True)
 
     for dtype, d, n, causal in SHAPES:
         b, h = 16384 // n, 2048 // d
@@ -58,8 +60,8 @@ def _child() -> None:
         print(json.dumps(row), flush=True)
 
 
-def _run_tree(tree: Path, link_dir: Path) -> dict[tuple, float]:
-    env = dict(os.environ)
+def _run_tree(tree: Path, link_dir: Path, extra_env: dict[str, str]) -> dict[tuple, float]:
+    env = {**os.environ, **extra_env}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(link_dir), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", "from benchmarks.fwd_tree_ab import _child; _child()"],
@@ -86,6 +88,12 @@ def _run_tree(tree: Path, link_dir: Path) -> dict[tuple, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tree", action="append", required=True, help="NAME=PATH (repeat)")
+    ap.add_argument(
+        "--tree-env",
+        action="append",
+        default=[],
+        help="NAME=VAR=VALUE: set VAR in that tree's processes (repeat)",
+    )
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--json", default=None, help="write every pass's numbers here")
     args = ap.parse_args(argv)
@@ -95,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not (Path(path) / "fa3").is_dir():
             ap.error(f"--tree: expected NAME=PATH to a flashsuite source tree, got {spec!r}")
         trees.append((name, Path(path).resolve()))
+    envs: dict[str, dict[str, str]] = {name: {} for name, _ in trees}
+    for spec in args.tree_env:
+        name, _, assignment = spec.partition("=")
+        var, sep, value = assignment.partition("=")
+        if name not in envs or not sep or not var:
+            ap.error(f"--tree-env: expected NAME=VAR=VALUE with NAME a --tree, got {spec!r}")
+        envs[name][var] = value
     if args.passes < 1:
         ap.error(f"--passes: expected >= 1, got {args.passes}")
     links = {}
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     passes: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for i in range(args.passes):
         for name, path in trees:
-            passes[name].append(_run_tree(path, links[name]))
+            passes[name].append(_run_tree(path, links[name], envs[name]))
             print(f"pass {i} {name}: {len(passes[name][-1])} shapes", flush=True)
     if args.json:
         out = {

@@ -288,9 +288,15 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
 
 
 def bwd_config_for(
-    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    softcap: bool = False,
+    deterministic: bool = False,
 ) -> BwdConfig:
     """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
+    `deterministic`: the tiles the ordered-dQ build starts from (bwd_interface._bwd_config
+    turns them deterministic; at D = 256 the 64 x 48 tile, whose dQ goes through sdQ).
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -315,6 +321,12 @@ def bwd_config_for(
     nothing consistent. Softcap builds keep the serial issue order (dS needs tanh' from the P
     loop) and 64-row tiles. At D = 128 neither pipe_wgdq (507 / 523 / 437 / 556) nor
     pipe_sout_sreg (484 / 506 / 400 / 505) beat the shipped tiles (526 / 561 / 443 / 545).
+    Fewer instructions per row block do not pay at D <= 128 either: the wgmma operands sliced
+    per warpgroup, dS scaled outside the loop and no -inf LSE compare (pipe_wgs_sout_ng, 404 ->
+    372 SASS instructions per row block, FA4's count) time as the shipped tiles do (N = 4k / 16k,
+    non-causal: 529 / 561 against 521 / 562; medians of 3 interleaved passes, commit 8234997),
+    as does pipe128_dqm_wgs_ng at D = 64 (465 / 489 against 463 / 486): the loop is not
+    issue-bound there.
 
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
@@ -324,7 +336,7 @@ def bwd_config_for(
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     if head_dim > 128:
-        return _bwd_wide_config(head_dim, softcap)
+        return _bwd_wide_config(head_dim, softcap, deterministic)
     wide_m = head_dim == 64 and not softcap
     return BwdConfig(
         tile_m=128 if wide_m else 64,
@@ -338,24 +350,36 @@ def bwd_config_for(
     )
 
 
-def _bwd_wide_config(head_dim: int, softcap: bool) -> BwdConfig:
+def _bwd_wide_config(head_dim: int, softcap: bool, deterministic: bool = False) -> BwdConfig:
     """The "dkv_t" configs of D = 192 and 256 (FA3's and FA4's SM90 structure for these head
     dims: S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M, 64-row Q
     tiles); the serial issue order for softcap.
 
-    Shared memory (227 KiB, the writer warp's fp32 sdQ tile included) decides the tile. With a
-    2-stage Q ring and a 1-stage dO ring (dO's stage is released once dV^T retires, early in the
-    row block, so its next load overlaps dQ, dK^T and the next S) and one sP / sdS buffer:
+    D = 256 takes FA3's hdim-256 tile, 64 x 80, with dQ added by the MMA threads themselves
+    (dq_mode "red": red.global.add.v4.f32 in two column slices of m64n64, the first issued
+    beside dK^T), so no fp32 sdQ tile holds 64 KiB of shared memory:
+        Q 2 x 32 + dO 32 + K, V 2 x 40 + sP, sdS 2 x 10 (+ LSE, D, barriers) = 198 KiB.
+    On the H200 (bf16, B·N = 16k, Hq·D = 2048, backward TFLOP/s at N = 4k / 16k, non-causal
+    then causal; `fa3_bwd_check --variant wide256 --variant wide256_red80_wgs --bench`, one
+    run, commit 8234997, docs/results.md) it took 374 / 394 / 347 / 389 to
+    430 / 453 / 395 / 454 (+14-17 %; 1.13-1.26x SDPA cuDNN, 1.17-1.23x FA4's SM90 backward
+    in the same run), after passing the variant oracle cases.
+
+    The 64 x 48 tile before it, kept for softcap (the serial issue order) and for the
+    deterministic build (dQ by ordered atomics, tests/test_fa3_bwd_compile.py checks both),
+    and D = 192's 64 x 96, stage dQ through the writer warp's fp32 sdQ tile. With a 2-stage
+    Q ring and a 1-stage dO ring (dO's stage is released once dV^T retires, early in the row
+    block, so its next load overlaps dQ, dK^T and the next S) and one sP / sdS buffer:
         D = 192, tile_n 96: Q 2 x 24 + dO 24 + K, V 2 x 36 + sP, sdS 2 x 12 + sdQ 48 = 216 KiB
         D = 256, tile_n 48: Q 2 x 32 + dO 32 + K, V 2 x 24 + sP, sdS 2 x 6 + sdQ 64 = 220 KiB
-    (+ 2 KiB of mbarriers, LSE and D). A 2-stage dO ring would cost another 24 / 32 KiB: tile_n
-    64 at D = 192 (210 KiB: variant wide192_ring), and nothing wider than 16 at D = 256.
-    Registers per MMA thread (fp32): D = 256 splits D between the warpgroups (128 rows each: 2
-    m64n48 atoms), dK^T + dV^T 96, S + dP 24, dQ 64; ptxas' highest register R183-R191 (plain,
-    softcap, deterministic), 0 spills. D = 192 cannot give each warpgroup whole m64 atoms of D
-    (96 rows), so they split the keys (192 x 48 each: 3 m64n48 atoms), dK^T + dV^T 144, S + dP
-    48, dQ 48; R224-R228, 0 spills (budget 240; tests/test_fa3_bwd_compile.py checks both).
-    On the H200 both pass their oracle cases (BWD_UNVERIFIED lists what has not run).
+    (+ 2 KiB of mbarriers, LSE and D). D = 192 cannot give each warpgroup whole m64 atoms of
+    D (96 rows), so they split the keys (192 x 48 each: 3 m64n48 atoms), dK^T + dV^T 144,
+    S + dP 48, dQ 48; R224-R228 of 240, 0 spills.
+
+    Without softcap both slice their wgmma operands per warpgroup (wg_slice: the descriptors
+    in uniform registers, benchmarks/fa3_bwd_sass.py): at D = 192 484 / 508 / 433 / 495 with
+    it against 486 / 496 / 432 / 487 without, same run; at D = 256 neutral (377 / 395 / 347 /
+    389 against 374 / 394 / 347 / 389) and shipped with the 80-key tile it was checked with.
     """
     common = {
         "tile_m": 64,
@@ -365,10 +389,13 @@ def _bwd_wide_config(head_dim: int, softcap: bool) -> BwdConfig:
         "ds_stages": 1,
         "overlap": not softcap,
         "layout": "dkv_t",
+        "wg_slice": not (softcap or deterministic),
     }
     if head_dim == 192:
         return BwdConfig(tile_n=96, dkv_split="keys", **common)
-    return BwdConfig(tile_n=48, dkv_split="d", **common)
+    if softcap or deterministic:
+        return BwdConfig(tile_n=48, dkv_split="d", **common)
+    return BwdConfig(tile_n=80, dkv_split="d", **{**common, "dq_mode": "red"}, dq_slices=2)
 
 
 def bwd_can_implement(

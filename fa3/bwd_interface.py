@@ -97,9 +97,10 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
     dQ adds are ordered (BwdConfig.deterministic, docs/design.md): 64-row Q tiles, the same
     tiles, layout and rings, per-element atomics, one sdS buffer and the serial issue order,
     the deterministic build that has run on the H200 (at D = 64 / 128)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg is None:
-        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
-    if torch.are_deterministic_algorithms_enabled() and not cfg.deterministic:
+        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0, deterministic)
+    if deterministic and not cfg.deterministic:
         cfg = replace(
             cfg,
             tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
@@ -110,6 +111,7 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
             ds_stages=1,
             overlap=False,
             lpt=False,
+            wg_slice=False,
             deterministic=True,
         )
     return cfg

@@ -126,10 +126,10 @@ def pipe80_probes(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def wide256_dq_probes(tmp_path_factory) -> list[dict]:
-    """D = 256 with more keys than the shipped 48: wide256_n64_turn (full), 64 keys;
-    wide256_red80, 80 keys, full and causal with a window."""
+    """D = 256's dQ routes beside the shipped one (wide256_red80_wgs, compiled with the shipped
+    builds): wide256_n64_turn (full), 64 keys; wide256_red80, 80 keys, causal with a window."""
     runs = [
-        ["--variant", "wide256_n64_turn", "--variant", "wide256_red80", "--shard", "0/2"],
+        ["--variant", "wide256_n64_turn", "--shard", "0/2"],
         ["--variant", "wide256_red80", "--local", "--shard", "1/2"],
     ]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_wide256_dq"), runs)
@@ -323,6 +323,21 @@ def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
     return 2 * d // 16 + 2 * tm // 16 + dq, 2 * tm // 16
 
 
+def _assert_shipped_dq_route(ptx: dict, d: int, cfg: dict, where: str) -> None:
+    """The shipped builds' dQ routes in the PTX."""
+    if cfg["dq_mode"] == "red":
+        # D = 256: the MMA threads add dQ themselves, 16 red.global.add.v4.f32 (64 registers
+        # in two slices), no sdQ, no writer-warp barriers, no bulk reduce.
+        assert cfg["layout"] == "dkv_t" and d == 256, where
+        route = (ptx["dq_red_v4"], ptx["dq_bulk"], ptx["dq_atomic"], ptx["st_shared_v4"])
+        assert route == (16, 0, 0, 0), f"{where}: dQ route {ptx}"
+        return
+    # DS_READY (two sdS buffers: no DS_FREE); DQ_EMPTY / DQ_FULL between the MMA threads and
+    # the writer warp, which adds each tile with one bulk reduce.
+    assert ptx["bar_sync"] >= 3 and ptx["bar_arrive"] >= 3, f"{where}: barriers {ptx}"
+    assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+
+
 def test_bwd_compiles_with_hopper_machinery(probes) -> None:
     seen = {(r["head_dim"], r["causal"]) for r in probes}
     shipped = {(d, c) for d, _, c, _ in bwd_shipped_configs()}
@@ -336,10 +351,7 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
         # K, V, Q, dO (one copy per 64-column swizzle atom at D = 128) and LSE, D.
         assert ptx["tma_load"] >= 6, f"{where}: {ptx['tma_load']} cp.async.bulk.tensor loads"
         assert ptx["setmaxnreg"] == 2, f"{where}: setmaxnreg missing"
-        # DS_READY (two sdS buffers: no DS_FREE); DQ_EMPTY / DQ_FULL between the MMA threads
-        # and the writer warp, which adds each tile with one bulk reduce.
-        assert ptx["bar_sync"] >= 3 and ptx["bar_arrive"] >= 3, f"{where}: named barriers {ptx}"
-        assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+        _assert_shipped_dq_route(ptx, d, cfg, where)
         if cfg["layout"] == "dkv_t":
             # P and dS by plain stores; dK and dV leave through sK / sV by TMA stores (one per
             # swizzle-atom column block of each), after the DS_FREE / DS_READY pair.
@@ -447,7 +459,7 @@ def test_bwd_wide256_dq_routes_compile(wide256_dq_probes) -> None:
         (r["config"]["tile_n"], r["config"]["dq_mode"], r["causal"], r["local"])
         for r in wide256_dq_probes
     }
-    assert seen == {(64, "warp", False, False), (80, "red", False, False), (80, "red", True, True)}
+    assert seen == {(64, "warp", False, False), (80, "red", True, True)}
     for r in wide256_dq_probes:
         ptx, cfg, where = r["ptx"], r["config"], _id(r)
         tn, slices = cfg["tile_n"], cfg["dq_slices"]
@@ -736,7 +748,7 @@ def test_bwd_local_compiles(local_probes) -> None:
         expected, rs = _expected_wgmma(d, cfg)
         assert ptx["wgmma"] == expected, f"{where}: {ptx['wgmma']} wgmma, expected {expected}"
         assert ptx["wgmma_rs"] == rs, f"{where}: {ptx['wgmma_rs']} RS wgmma, expected {rs}"
-        assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+        _assert_shipped_dq_route(ptx, d, cfg, where)
         assert ptx["setmaxnreg"] == 2 and ptx["tma_load"] >= 6, f"{where}: {ptx}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         _assert_fits_registers(r)
@@ -802,9 +814,16 @@ def test_bwd_variants_can_implement() -> None:
 
     assert variant("base") == BwdConfig()
     # The "dkv_t" variants named after the shipped configs are those configs.
-    for d in (192, 256):
-        for softcap, name in ((False, f"wide{d}"), (True, f"wide{d}_serial")):
-            assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
+    shipped = {
+        (192, False): "wide192_wgs",
+        (192, True): "wide192_serial",
+        (256, False): "wide256_red80_wgs",
+        (256, True): "wide256_serial",
+    }
+    for (d, softcap), name in shipped.items():
+        assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
+    # The deterministic build starts from the tiles whose dQ goes through sdQ.
+    assert bwd_config_for(256, torch.bfloat16, True, deterministic=True) == variant("wide256")
     for name, (cfg, what) in VARIANTS.items():
         assert what, name
         for d in variant_head_dims(name):

@@ -158,6 +158,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
     torch: q, dout (total_q, Hq, D), k, v (total_k, Hkv, D), lse_log2 / dsum (Hq, rows_pad)
     read at each sequence's padded rows only (the rest must be +inf / 0), dQ into the
     accumulator at the padded rows in the config's layout, dK and dV summed over GQA groups."""
+    from flashsuite.fa3.bwd_configs import dq_tiled
     from flashsuite.fa3.bwd_host import dq_from_tiles
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
@@ -186,7 +187,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
             grad_v = (p.transpose(-1, -2) @ doh).view(hkv, g, nk, d).sum(1).transpose(0, 1)
             dk[k0:k1], dv[k0:k1] = grad_k.to(dk.dtype), grad_v.to(dv.dtype)
         assert bool(torch.isposinf(lse_log2[:, ~used]).all()) and bool((dsum[:, ~used] == 0).all())
-        if key.cfg.dq_mode != "warp":  # (total_q, Hq, D): the used rows in packed order
+        if not dq_tiled(key.cfg):  # (total_q, Hq, D): the used rows in packed order
             dq_acc.copy_(dq_pad[:, torch.nonzero(used).flatten()].transpose(0, 1))
             return
         # The tile order's offset of each (row, col): dq_from_tiles (checked against
