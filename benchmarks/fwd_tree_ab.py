@@ -50,14 +50,40 @@ def _child() -> None:
         if dtype == "fp8":
             q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         try:
-            ms = triton.testing.do_bench(
-                lambda q=q, k=k, v=v, c=causal: attention(q, k, v, causal=c, version="fa3")
-            )
+
+            def fn(q=q, k=k, v=v, c=causal):
+                return attention(q, k, v, causal=c, version="fa3")
+
+            ms = triton.testing.do_bench(fn)
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             row = {"shape": [dtype, d, n, causal], "tflops": flops / ms / 1e9}
+            if os.environ.get("FWD_TREE_AB_KERNELS") == "1":
+                try:
+                    row["kernels_us"] = _kernel_us(fn)
+                except Exception as exc:  # the profiler's failure costs only its column
+                    row["kernels_us"] = {"error": f"{type(exc).__name__}: {exc}"}
         except Exception as exc:  # a failing shape is recorded and the next one runs
             row = {"shape": [dtype, d, n, causal], "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(row), flush=True)
+
+
+def _kernel_us(fn, calls: int = 10) -> dict[str, float]:
+    """GPU time per call of each kernel `fn` launches (torch.profiler), by kernel name."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            out[e.key[:60]] = round(us / calls, 1)
+    return out
 
 
 def _run_tree(tree: Path, link_dir: Path, extra_env: dict[str, str]) -> dict[tuple, float]:
@@ -78,6 +104,8 @@ def _run_tree(tree: Path, link_dir: Path, extra_env: dict[str, str]) -> dict[tup
         if line.startswith("{"):
             row = json.loads(line)
             rows[tuple(row["shape"])] = row.get("tflops", float("nan"))
+            if "kernels_us" in row:
+                print(f"  {row['shape']}: kernels (us per call) {row['kernels_us']}", flush=True)
             if "error" in row:
                 print(f"  {tree}: {row['shape']}: {row['error']}", flush=True)
     if proc.returncode:
@@ -95,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         help="NAME=VAR=VALUE: set VAR in that tree's processes (repeat)",
     )
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also print each shape's kernels and their GPU time per call (torch.profiler)",
+    )
     ap.add_argument("--json", default=None, help="write every pass's numbers here")
     args = ap.parse_args(argv)
     trees = []
@@ -116,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, path in trees:
         links[name] = Path(tempfile.mkdtemp(prefix=f"tree-{name}-"))
         (links[name] / "flashsuite").symlink_to(path)
+    if args.kernels:
+        for env in envs.values():
+            env["FWD_TREE_AB_KERNELS"] = "1"
     passes: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for i in range(args.passes):
         for name, path in trees:
