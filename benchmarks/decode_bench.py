@@ -113,14 +113,17 @@ def _timed(fn) -> float | str:
         return f"error ({type(exc).__name__}: {str(exc)[:200]})"
 
 
-SPLIT_SWEEP = ((1, 131072), (8, 32768), (32, 4096))  # the shapes a split count matters most
+# The shapes a split count matters most at: B = 1 (few CTAs, latency-bound at 4k), and where
+# the heuristic moves from many splits to few.
+SPLIT_SWEEP = ((1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 4096))
 
 
 def _split_sweep(version, q, k, v, lens) -> dict:
     """A version's contiguous decode time for a range of forced split counts (0: the
     heuristic's), the data to set fa2.decode.PROGRAMS_PER_SM / fa3's DECODE_CTAS_PER_SM from."""
     return {
-        s: _timed(_decode(version, q, k, v, lens, None, s)) for s in (0, 1, 4, 8, 16, 32, 64, 128)
+        s: _timed(_decode(version, q, k, v, lens, None, s))
+        for s in (0, 1, 2, 4, 8, 16, 32, 64, 128)
     }
 
 
