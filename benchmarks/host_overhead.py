@@ -42,6 +42,7 @@ class _NoKernel:
 def stubbed_kernels() -> Iterator[None]:
     """Replace the kernel launches of fa1, fa2 and fa3 and the portable version's compute by
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
+    from flashsuite.common import bwd_postprocess
     from flashsuite.fa1 import kernels as fa1_kernels
     from flashsuite.fa2 import kernels as fa2_kernels
     from flashsuite.fa3 import bwd_host
@@ -54,6 +55,7 @@ def stubbed_kernels() -> Iterator[None]:
         (fa3_compile, "get_forward", lambda key: lambda *args: None),
         (bwd_host, "get_backward", lambda key: lambda *args: None),
         (bwd_host, "bwd_preprocess", _stats_only),
+        (bwd_postprocess, "_dq_postprocess", _NoKernel()),
         (torch.cuda, "get_device_properties", lambda device=None: sm),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
