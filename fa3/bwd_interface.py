@@ -64,7 +64,11 @@ def _supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     if not ok:
         return False, reason
     order = " in column-block order (deterministic)" if cfg.deterministic else ""
-    route = {"warp": "a writer warp's bulk reduce", "atomic": "atomics"}
+    route = {
+        "warp": "a writer warp's bulk reduce",
+        "atomic": "atomics",
+        "red": "the MMA threads' vector reductions",
+    }
     issue = ", overlapped issue" if cfg.overlap else ""
     layout = ", P and dS through smem, dK^T / dV^T with D on M" if cfg.layout == "dkv_t" else ""
     split = " (split by rows)" if cfg.dq_split == "m" else ""

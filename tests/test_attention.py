@@ -178,25 +178,29 @@ def test_forward_and_lse(version: str, case: Case, device: str) -> None:
     _assert_ok([compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])])
 
 
-# Measured accuracy gaps, kept visible (strict: a fix turns them into failures to update).
-# Under the Triton interpreter (CPU) only: on the H200 the compiled kernel passes the case.
-# fa2's backward recomputes P = exp2(S * scale * log2e - LSE * log2e); with x12 inputs the
-# log2-domain scores reach ~1e3, where a float32 ulp is 6e-5, so P and dV = Pᵀ dO carry ~1e-4
-# relative error: max|dV - ref| 4.0e-4 against PyTorch's float32 3.2e-5 (12.7x), mean 8.5e-6
-# against 5.3e-7 (16x). dQ, dK and the forward are within the rule on the same case.
-KNOWN_GAPS = {
-    (
-        "fa2",
-        "b1-q60-k70-h2-2-d64-float32-x12",
-    ): "fa2 fp32 dV with x12 logits: 12.7x PyTorch's error",
+# Measured accuracy gaps, kept visible: under the Triton interpreter (CPU) only, the named
+# gradient is held to a wider factor than the rule's, every other output to the rule. On the
+# H200 the compiled kernels pass these cases under the rule.
+# fa1's and fa2's backwards recompute P = exp2(S * scale * log2e - LSE * log2e) from the float32
+# LSE of the forward; with x12 inputs the log2-domain scores reach ~1e3, where a float32 ulp is
+# 6e-5, so P and dV = P^T dO carry ~1e-4 relative error that PyTorch's float32 autograd (which
+# keeps P) does not. Measured max / mean |dV - ref| against PyTorch's float32 error: 12.7x / 16x
+# and 12.6x / 37x on two CPU machines, landing on fa1 or fa2 by the forward LSE's last bit (the
+# interpreter's numpy maths); dQ, dK, out and the LSE are within the rule on the same case.
+_X12 = "b1-q60-k70-h2-2-d64-float32-x12"
+_X12_WHY = "fp32 dV from an fp32 LSE with x12 logits (the interpreter)"
+KNOWN_GAPS: dict[tuple[str, str], tuple[str, float, str]] = {
+    ("fa2", _X12): ("dv", 64.0, _X12_WHY),
+    ("fa1", _X12): ("dv", 64.0, _X12_WHY),
 }
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("case", ALL_CASES)
-def test_backward(version: str, case: Case, device: str, request) -> None:
-    if (version, case.id) in KNOWN_GAPS and device == "cpu":
-        request.applymarker(pytest.mark.xfail(reason=KNOWN_GAPS[version, case.id], strict=True))
+def test_backward(version: str, case: Case, device: str) -> None:
+    gap_name, gap_factor, _ = KNOWN_GAPS.get((version, case.id), (None, None, ""))
+    if device != "cpu":
+        gap_name = None
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
     dout = make_grad_out(case, device)
@@ -204,7 +208,12 @@ def test_backward(version: str, case: Case, device: str, request) -> None:
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     ref = _oracle(case, q, k, v, dout)
     got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])
+    _assert_ok(
+        [
+            compare(name, t, *ref[name], factor=gap_factor if name == gap_name else None)
+            for name, t in got.items()
+        ]
+    )
 
 
 @pytest.mark.parametrize("case", ALL_CASES)

@@ -83,9 +83,9 @@ def test_env_arch_override(monkeypatch) -> None:
         (128, {"window_size": (64, 0)}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (96, {"causal": True}, None, "fa3", "own backward: fa3 backward: 64x128 tiles"),
         (96, {"causal": True}, "1", "fa3", "own backward: fa3 backward: 64x128 tiles"),
-        (256, {}, None, "fa3", "own backward: fa3 backward: 64x48 tiles"),
+        (256, {}, None, "fa3", "own backward: fa3 backward: 64x80 tiles"),
         (256, {"softcap": 30.0}, None, "fa3", "own backward: fa3 backward: 64x48 tiles"),
-        (256, {}, "1", "fa3", "own backward: fa3 backward: 64x48 tiles"),
+        (256, {}, "1", "fa3", "own backward: fa3 backward: 64x80 tiles"),
         (192, {"causal": True}, "1", "fa3", "P and dS through smem, dK^T / dV^T with D on M"),
     ],
 )
