@@ -391,9 +391,12 @@ DECODE_REG_SPLIT = (56, 256)
 DECODE_TILE_M = 64  # packed (token, head-in-group) rows: one consumer warpgroup
 DECODE_MAX_STAGES = 4  # per 128-key tile; smaller page-sized tiles get up to 8 (same bytes)
 # Split-KV: CTAs in flight per SM (one fits: its K/V rings fill shared memory), the fewest key
-# blocks a split streams, the most splits.
+# blocks a split streams, the most splits. 4 blocks: on the H200 (B = 1, GQA 32/8, D = 128,
+# CUDA-graph replay, commit 90f6261, benchmarks/decode_bench.py) 4k keys took 23.2 us in 16
+# splits of 2 blocks, 19.6 in 8 of 4, 20.8 in 4; at 32k and 128k the SM count keeps 16 splits
+# either way (56.0 / 145.5 us; 8 splits: 53.7 / 163.9).
 DECODE_CTAS_PER_SM = 1
-DECODE_MIN_BLOCKS_PER_SPLIT = 2
+DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
 
 

@@ -160,6 +160,8 @@ def test_split_heuristic() -> None:
     assert 8 * one <= sms and 8 * one >= 0.9 * sms and one <= DECODE_MAX_SPLITS
     assert num_splits_heuristic(32 * 8, 32, sms) == 1  # B = 32 fills the GPU by itself
     assert num_splits_heuristic(8, 3, sms) == 1  # too few key tiles to split
+    # B = 1, 4k keys: splits of 4 tiles, not 16 of 2 (the H200: 19.6 against 23.2 us).
+    assert num_splits_heuristic(8, 32, sms) == 8
     mid = num_splits_heuristic(8 * 8, 256, sms)  # B = 8, 32k
     assert 1 < mid < one
     params = _params(b=1, nq=1, hq=32, hkv=8, cap=131072, page=0, splits=0)
