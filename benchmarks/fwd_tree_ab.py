@@ -1,9 +1,10 @@
-"""fa3's forward from two source trees, timed interleaved on one GPU (a GPU run).
+r"""fa3's forward from two source trees, timed interleaved on one GPU (a GPU run).
 
     git archive --prefix=old/ OLD_COMMIT | tar -x -C /tmp
     python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --passes 3
     python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree nocache=. \
-        --tree-env nocache=FLASHSUITE_CACHE_DIR=off --tree new=.
+        --tree-env nocache=FLASHSUITE_CACHE_DIR=off --tree new=. \
+        --match bf16-d128-n8192-causal --kernels
 
 A change that should not move the forward (a refactor, a new module beside the kernel) is shown
 to be neutral by timing the forward of the tree before it and the tree after it in one run:
@@ -34,6 +35,18 @@ SHAPES = [
 ]
 
 
+def _shape_id(shape: tuple) -> str:
+    dtype, d, n, causal = shape
+    return f"{dtype}-d{d}-n{n}-{'causal' if causal else 'full'}"
+
+
+def _selected() -> list[tuple]:
+    """SHAPES whose id (e.g. bf16-d128-n8192-causal) contains one of FWD_TREE_AB_MATCH's
+    comma-separated parts; every shape when it is unset."""
+    parts = [m for m in os.environ.get("FWD_TREE_AB_MATCH", "").split(",") if m]
+    return [s for s in SHAPES if not parts or any(m in _shape_id(s) for m in parts)]
+
+
 def _child() -> None:
     """Time every shape with the flashsuite on PYTHONPATH; one JSON line per shape."""
     import torch
@@ -44,7 +57,7 @@ def _child() -> None:
 
     print(f"flashsuite from {list(flashsuite.__path__)}", flush=True)
 
-    for dtype, d, n, causal in SHAPES:
+    for dtype, d, n, causal in _selected():
         b, h = 16384 // n, 2048 // d
         q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         if dtype == "fp8":
@@ -124,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument(
+        "--match",
+        action="append",
+        default=[],
+        help="only the shapes whose id contains this (e.g. bf16-d128-n8192-causal; repeat)",
+    )
+    ap.add_argument(
         "--kernels",
         action="store_true",
         help="also print each shape's kernels and their GPU time per call (torch.profiler)",
@@ -152,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kernels:
         for env in envs.values():
             env["FWD_TREE_AB_KERNELS"] = "1"
+    if args.match:
+        os.environ["FWD_TREE_AB_MATCH"] = ",".join(args.match)
     passes: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for i in range(args.passes):
         for name, path in trees:
@@ -165,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(out, indent=1))
     first, last = trees[0][0], trees[-1][0]
     print(f"forward TFLOP/s, best of {args.passes} passes; ratio {last} / {first}")
-    for shape in SHAPES:
+    for shape in _selected():
         best = {}
         for n, ps in passes.items():
             got = [p[shape] for p in ps if p.get(shape) == p.get(shape) and shape in p]
