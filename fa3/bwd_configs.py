@@ -292,11 +292,13 @@ def bwd_config_for(
     dtype: torch.dtype,
     causal: bool,
     softcap: bool = False,
-    deterministic: bool = False,
+    sdq: bool = False,
 ) -> BwdConfig:
     """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
-    `deterministic`: the tiles the ordered-dQ build starts from (bwd_interface._bwd_config
-    turns them deterministic; at D = 256 the 64 x 48 tile, whose dQ goes through sdQ).
+    `sdq`: at D = 256 the 64 x 48 tile whose dQ goes through the writer warp's sdQ, not the
+    80-key tile with dQ by the MMA threads' reductions; the deterministic build starts from it
+    (bwd_interface._bwd_config orders its dQ), and so does the varlen build
+    (`varlen_bwd_config_for`).
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -336,7 +338,7 @@ def bwd_config_for(
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     if head_dim > 128:
-        return _bwd_wide_config(head_dim, softcap, deterministic)
+        return _bwd_wide_config(head_dim, softcap, sdq)
     wide_m = head_dim == 64 and not softcap
     return BwdConfig(
         tile_m=128 if wide_m else 64,
@@ -350,7 +352,21 @@ def bwd_config_for(
     )
 
 
-def _bwd_wide_config(head_dim: int, softcap: bool, deterministic: bool = False) -> BwdConfig:
+# Whether packed sequences take D = 256's 80-key tile (dq_mode "red"). Off until the varlen GPU
+# oracle cases (tests/test_fa3_varlen_bwd.py) have run with it: they passed on the H200 with the
+# 64 x 48 sdQ tile (commit 8234997), which the varlen build keeps meanwhile.
+VARLEN_BWD_RED = False
+
+
+def varlen_bwd_config_for(
+    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
+) -> BwdConfig:
+    """bwd_config_for for packed sequences: the same configs, D = 256's on the sdQ tile while
+    VARLEN_BWD_RED is off."""
+    return bwd_config_for(head_dim, dtype, causal, softcap, sdq=not VARLEN_BWD_RED)
+
+
+def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConfig:
     """The "dkv_t" configs of D = 192 and 256 (FA3's and FA4's SM90 structure for these head
     dims: S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M, 64-row Q
     tiles); the serial issue order for softcap.
@@ -389,11 +405,11 @@ def _bwd_wide_config(head_dim: int, softcap: bool, deterministic: bool = False) 
         "ds_stages": 1,
         "overlap": not softcap,
         "layout": "dkv_t",
-        "wg_slice": not (softcap or deterministic),
+        "wg_slice": not (softcap or sdq),
     }
     if head_dim == 192:
         return BwdConfig(tile_n=96, dkv_split="keys", **common)
-    if softcap or deterministic:
+    if softcap or sdq:
         return BwdConfig(tile_n=48, dkv_split="d", **common)
     return BwdConfig(tile_n=80, dkv_split="d", **{**common, "dq_mode": "red"}, dq_slices=2)
 
