@@ -381,8 +381,9 @@ def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConf
     430 / 453 / 395 / 454 (+14-17 %; 1.13-1.26x SDPA cuDNN, 1.17-1.23x FA4's SM90 backward
     in the same run), after passing the variant oracle cases.
 
-    The 64 x 48 tile before it, kept for softcap (the serial issue order) and for the
-    deterministic build (dQ by ordered atomics, tests/test_fa3_bwd_compile.py checks both),
+    The 64 x 48 tile before it, kept for softcap (the serial issue order), for the
+    deterministic build (dQ by ordered atomics, tests/test_fa3_bwd_compile.py checks both) and
+    for packed sequences until they have run with 80 keys (VARLEN_BWD_RED),
     and D = 192's 64 x 96, stage dQ through the writer warp's fp32 sdQ tile. With a 2-stage
     Q ring and a 1-stage dO ring (dO's stage is released once dV^T retires, early in the row
     block, so its next load overlaps dQ, dK^T and the next S) and one sP / sdS buffer:
