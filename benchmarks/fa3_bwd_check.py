@@ -554,6 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--stability", action="store_true", help="deterministic mode: bitwise equal over 10 runs"
     )
+    ap.add_argument(
+        "--sweep-match", action="append", default=[],
+        help="with --bench: only the sweep points whose id has this (repeat: any of them); "
+        "'step' keeps the training-step rows, 'none' skips the sweep and keeps only those",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     # fa3's own backward is what this script checks, also where dispatch leaves it off by
     # default (bwd_configs.BWD_DEFAULT_ON); the "fa3-fa2bwd" contender sets 0 for its own runs.
@@ -603,14 +608,18 @@ def main(argv: list[str] | None = None) -> int:
             _log(f"FA4 (flash_attn.cute) not importable, skipped: {why}")
         else:
             contenders.append("fa4")
-        for case in sweep_cases():
+        sweep = sweep_cases()
+        if args.sweep_match:
+            sweep = [c for c in sweep if any(m in c.id for m in args.sweep_match)]
+        for case in sweep:
             for c in contenders:
                 save(running=f"bench {c} {case.id}")
                 row = time_case(c, case)
                 report["bench"].append(row)
                 _log(f"{c:11s} {case.id}: {row['tflops']:.1f} TFLOP/s {row.get('error', '')}")
         step = Case(2, 8192, 8192, 16, 16, 128, dtype=BF16)
-        for causal in (False, True):
+        step_rows = not args.sweep_match or any(m in ("step", "none") for m in args.sweep_match)
+        for causal in (False, True) if step_rows else ():
             case = replace(step, causal=causal)
             for c in contenders:
                 save(running=f"step {c} {case.id}")

@@ -297,8 +297,7 @@ def bwd_config_for(
     """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
     `sdq`: at D = 256 the 64 x 48 tile whose dQ goes through the writer warp's sdQ, not the
     80-key tile with dQ by the MMA threads' reductions; the deterministic build starts from it
-    (bwd_interface._bwd_config orders its dQ), and so does the varlen build
-    (`varlen_bwd_config_for`).
+    (bwd_interface._bwd_config orders its dQ).
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -352,20 +351,6 @@ def bwd_config_for(
     )
 
 
-# Whether packed sequences take D = 256's 80-key tile (dq_mode "red"). Off until the varlen GPU
-# oracle cases (tests/test_fa3_varlen_bwd.py) have run with it: they passed on the H200 with the
-# 64 x 48 sdQ tile (commit 8234997), which the varlen build keeps meanwhile.
-VARLEN_BWD_RED = False
-
-
-def varlen_bwd_config_for(
-    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
-) -> BwdConfig:
-    """bwd_config_for for packed sequences: the same configs, D = 256's on the sdQ tile while
-    VARLEN_BWD_RED is off."""
-    return bwd_config_for(head_dim, dtype, causal, softcap, sdq=not VARLEN_BWD_RED)
-
-
 def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConfig:
     """The "dkv_t" configs of D = 192 and 256 (FA3's and FA4's SM90 structure for these head
     dims: S not transposed, P and dS through smem, dK^T / dV^T with D on wgmma's M, 64-row Q
@@ -381,9 +366,11 @@ def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConf
     430 / 453 / 395 / 454 (+14-17 %; 1.13-1.26x SDPA cuDNN, 1.17-1.23x FA4's SM90 backward
     in the same run), after passing the variant oracle cases.
 
-    The 64 x 48 tile before it, kept for softcap (the serial issue order), for the
-    deterministic build (dQ by ordered atomics, tests/test_fa3_bwd_compile.py checks both) and
-    for packed sequences until they have run with 80 keys (VARLEN_BWD_RED),
+    Packed sequences (the varlen build) take the same tile; their GPU oracle cases
+    (tests/test_fa3_varlen_bwd.py, 18 cases) passed with it on the H200 at commit ca256a4.
+
+    The 64 x 48 tile before it, kept for softcap (the serial issue order) and for the
+    deterministic build (dQ by ordered atomics, tests/test_fa3_bwd_compile.py checks both),
     and D = 192's 64 x 96, stage dQ through the writer warp's fp32 sdQ tile. With a 2-stage
     Q ring and a 1-stage dO ring (dO's stage is released once dV^T retires, early in the row
     block, so its next load overlaps dQ, dK^T and the next S) and one sP / sdS buffer:
