@@ -16,7 +16,8 @@ dropping it (dq_mode "red", dQ by red.global.add.v4.f32; with dq_slices 2 at 80 
 hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). The "_wgs" variants (wg_slice)
 partition the shared-memory operands with the warpgroup's warp-uniform slice, so their wgmma
 descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what that saves per row
-block). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order
+block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
+"dkv_t" layout does. (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order
 were measured and removed: docs/results.md.)
 """
 
@@ -83,6 +84,14 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=128, dq_split="m", **_PIPE),
         "pipe128 with dQ split by rows: each WG one m64n64 atom (n64 wgmmas, half as many, a "
         "third less smem read) instead of two m64n32 (D = 64 only)",
+    ),
+    "pipe_stm_tma": (
+        BwdConfig(dkv_tma=True, **_PIPE),
+        "pipe_stm with dK and dV stored through sK / sV by TMA (dkv_tma)",
+    ),
+    "pipe128_dqm_tma": (
+        BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, **_PIPE),
+        "pipe128_dqm with dK and dV stored through sK / sV by TMA (dkv_tma; D = 64)",
     ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
@@ -277,6 +286,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_wgs_ng": (64,),
     "pipe128_dqm_wgs": (64,),
     "pipe128_dqm": (64,),
+    "pipe128_dqm_tma": (64,),
+    "pipe_stm_tma": (96, 128),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
     "pipe128_sout": (64,),

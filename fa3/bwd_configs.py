@@ -146,6 +146,12 @@ class BwdConfig:
     # so False drops the per-row compare and select (16 FSETP + 16 FSEL per row block and
     # MMA warp at D = 128) and relies on that contract.
     lse_guard: bool = True
+    # "sdp_t": how dK and dV reach global memory. False: from registers, one predicated 32-bit
+    # store per register pair (a warp's store covers 8 rows x 16 bytes). True: through sK / sV
+    # (free once every warpgroup is past its last S^T and dQ) and one TMA store each, which
+    # drops the rows past Nk (the ragged view's sequence end when packed), as "dkv_t" always
+    # does (FA4's epilogue).
+    dkv_tma: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")

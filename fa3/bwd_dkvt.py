@@ -33,7 +33,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from flashsuite.fa3.bwd_dq import Barrier
-from flashsuite.fa3.epilogue import tma_store
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 
 
@@ -264,39 +263,6 @@ class BwdDkvT:
                     self.red_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, dq_cols)
                 q_state.advance()
                 do_state.advance()
-        self.store_dkv_t(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, rows)
-
-    @cute.jit
-    def store_dkv_t(
-        self,
-        thr_dkv,
-        acc_dK: cute.Tensor,
-        acc_dV: cute.Tensor,
-        sK: cute.Tensor,
-        sV: cute.Tensor,
-        dkv_tmas: tuple,
-        mtid: Int32,
-        n_block: Int32,
-        head_kv: Int32,
-        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
-    ):
-        """dK^T and dV^T (D, TILE_N) in the input dtype into sK and sV (no longer read once
-        every WG is past its last dQ, S and dP), then one thread TMA-stores both (TILE_N, D)
-        tiles; the TMA unit drops the rows past Nk. (Stored from registers element by element,
-        the two fragments and their row addresses spilled.)"""
-        tile = (self.TILE_N, self.HEAD_DIM)
-        mma_threads = self.MMA_THREADS
-        cute.arch.barrier(barrier_id=int(Barrier.DS_FREE), number_of_threads=mma_threads)
-        for acc, s in ((acc_dK, sK), (acc_dV, sV)):
-            r = cute.make_rmem_tensor_like(acc, self.dtype)
-            self.pack(acc, r)
-            st = thr_dkv.partition_C(self._transposed(s, self.TILE_N, self.HEAD_DIM))
-            cute.autovec_copy(r, st)
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
-        cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=mma_threads)
-        if mtid == 0:
-            tma_dk, tdK, tma_dv, tdV = dkv_tmas
-            for tma, t, s in ((tma_dk, tdK, sK), (tma_dv, tdV, sV)):
-                g = cute.local_tile(rows.k_rows(t, head_kv), tile, (n_block, 0))
-                tma_store(tma, s, g)  # (TILE_N, D)
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem read before the CTA exits
+        self.store_dkv_tma(
+            thr_dkv, acc_dK, acc_dV, sK, sV, dkv_tmas, mtid, n_block, head_kv, rows, True
+        )

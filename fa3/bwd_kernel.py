@@ -128,6 +128,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.STAGES = cfg.stages
         self.NUM_MMA_WGS = cfg.num_mma_wgs
         self.DKV_T = cfg.layout == "dkv_t"  # bwd_dkvt.BwdDkvT; else the "sdp_t" loop (mma)
+        self.DKV_TMA = self.DKV_T or cfg.dkv_tma  # dK, dV by TMA stores through sK / sV
         self.DKV_SPLIT_D = cfg.dkv_split == "d"
         self.DO_STAGES = cfg.do_stages or cfg.stages
         self.PRODUCER_REGS, self.MMA_REGS = BWD_REG_SPLIT[cfg.num_mma_wgs]
@@ -343,8 +344,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         if const_expr(self.VARLEN):
             total_k = mK.shape[0]
             mQ, mK, mV, mdO = (packed_view(t, True) for t in (mQ, mK, mV, mdO))  # (R, D, H, L)
-            # dK / dV: TMA stores through the ragged view ("dkv_t"), else (total_k, D, Hkv).
-            mdK, mdV = (packed_view(t, self.DKV_T) for t in (mdK, mdV))
+            # dK / dV: TMA stores through the ragged view (DKV_TMA), else (total_k, D, Hkv).
+            mdK, mdV = (packed_view(t, self.DKV_TMA) for t in (mdK, mdV))
             if const_expr(not self.DQ_TILED):
                 mdQacc = packed_view(mdQacc, False)  # (total_q, D, Hq)
             mLSE, mDsum = (
@@ -378,8 +379,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         lse_stage = cute.make_layout((self.TILE_M,))  # LSE and D have no bound (padded rows)
         tma_lse, tLSE = cpasync.make_tiled_tma_atom(g2s, mLSE, lse_stage, (self.TILE_M,))
         tma_dsum, tDsum = cpasync.make_tiled_tma_atom(g2s, mDsum, lse_stage, (self.TILE_M,))
-        dkv_tmas = None  # "dkv_t": dK and dV leave through sK / sV by TMA stores
-        if const_expr(self.DKV_T):
+        dkv_tmas = None  # DKV_TMA: dK and dV leave through sK / sV by TMA stores
+        if const_expr(self.DKV_TMA):
             s2g = cpasync.CopyBulkTensorTileS2GOp()
             tma_dk, tdK = cpasync.make_tiled_tma_atom(s2g, mdK, sK_l, col_tile)
             tma_dv, tdV = cpasync.make_tiled_tma_atom(s2g, mdV, sK_l, col_tile)
@@ -430,7 +431,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
     def kernel(
         self,
         tmas: tuple,  # (atom, coordinates) of Q, dO, K, V, LSE, D
-        dkv_tmas: tuple | None,  # "dkv_t": (atom, coordinates) of the dK and dV stores
+        dkv_tmas: tuple | None,  # DKV_TMA: (atom, coordinates) of the dK and dV stores
         mdQacc: cute.Tensor,  # (Nq, D, Hq, B) fp32; "warp": (B, Hq, Nq_pad, D) in tiles
         mdK: cute.Tensor,  # (Nk, D, Hkv, B)
         mdV: cute.Tensor,  # (Nk, D, Hkv, B)
@@ -540,8 +541,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
                     )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
-            # dK and dV leave by TMA stores through sK / sV ("dkv_t") or from registers.
-            dkv_out = dkv_tmas if const_expr(self.DKV_T) else (mdK, mdV)
+            # dK and dV leave by TMA stores through sK / sV (DKV_TMA) or from registers.
+            dkv_out = dkv_tmas if const_expr(self.DKV_TMA) else (mdK, mdV)
             args = (
                 mma_sdp,
                 mma_dkv,

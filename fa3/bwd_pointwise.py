@@ -1,7 +1,8 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
-the dK / dV epilogue (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS and DQ_SPLIT."""
+the dK / dV epilogues (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
+TILE_N, HEAD_DIM, MMA_THREADS, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS and
+DQ_SPLIT."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -9,6 +10,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
+from flashsuite.fa3.bwd_dq import Barrier
+from flashsuite.fa3.epilogue import tma_store
 from flashsuite.fa3.utils import cvt_pack_16x2
 
 
@@ -224,3 +227,46 @@ class BwdSteps:
             for i in cutlass.range_constexpr(cute.size(acc)):
                 if n_block * self.TILE_N + tcD[i][0] < seqlen_k:
                     tg[i] = acc[i].to(self.dtype)
+
+    @cute.jit
+    def store_dkv_tma(
+        self,
+        thr_dkv,
+        acc_dK: cute.Tensor,
+        acc_dV: cute.Tensor,
+        sK: cute.Tensor,
+        sV: cute.Tensor,
+        dkv_tmas: tuple,
+        mtid: Int32,
+        n_block: Int32,
+        head_kv: Int32,
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
+        transposed: cutlass.Constexpr[bool],
+        scale: Float32 | None = None,
+    ):
+        """dK and dV in the input dtype into sK and sV (no longer read once every warpgroup is
+        past its last S, dP and dQ GEMM: the first barrier), then one thread TMA-stores both
+        (TILE_N, D) tiles; the TMA unit drops the rows past Nk (past the sequence's end on the
+        ragged view). `transposed`: the fragments hold dK^T and dV^T (D, TILE_N) ("dkv_t";
+        stored from registers element by element, the two fragments and their row addresses
+        spilled). SCALE_OUT: dK times `scale` first, which its dS did not carry."""
+        tile = (self.TILE_N, self.HEAD_DIM)
+        mma_threads = self.MMA_THREADS
+        if const_expr(self.SCALE_OUT):
+            for i in cutlass.range_constexpr(cute.size(acc_dK)):
+                acc_dK[i] = acc_dK[i] * scale
+        cute.arch.barrier(barrier_id=int(Barrier.DS_FREE), number_of_threads=mma_threads)
+        for acc, s in ((acc_dK, sK), (acc_dV, sV)):
+            r = cute.make_rmem_tensor_like(acc, self.dtype)
+            self.pack(acc, r)
+            if const_expr(transposed):
+                s = self._transposed(s, self.TILE_N, self.HEAD_DIM)
+            cute.autovec_copy(r, thr_dkv.partition_C(s))
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
+        cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=mma_threads)
+        if mtid == 0:
+            tma_dk, tdK, tma_dv, tdV = dkv_tmas
+            for tma, t, s in ((tma_dk, tdK, sK), (tma_dv, tdV, sV)):
+                g = cute.local_tile(rows.k_rows(t, head_kv), tile, (n_block, 0))
+                tma_store(tma, s, g)  # (TILE_N, D)
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem read before the CTA exits

@@ -27,7 +27,7 @@ class BwdSdpT:
         smem: tuple,
         pipes: tuple,  # pipe_kv, pipe_qdo (and pipe_do, None here)
         mdQacc: cute.Tensor,
-        dkv_out: tuple,  # mdK, mdV (Nk, D, Hkv, B)
+        dkv_out: tuple,  # mdK, mdV (Nk, D, Hkv, B); DKV_TMA: the dK / dV TMA stores
         mtid: Int32,  # 0 .. MMA_THREADS - 1
         n_block: Int32,
         head_kv: Int32,
@@ -44,7 +44,6 @@ class BwdSdpT:
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
         pipe_kv, pipe_qdo, _ = pipes
-        mdK, mdV = dkv_out
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
@@ -182,4 +181,11 @@ class BwdSdpT:
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
                 state.advance()
-        self.store_dkv(thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k, scale)
+        if const_expr(self.DKV_TMA):  # dkv_out: the dK and dV TMA stores
+            self.store_dkv_tma(thr_dkv, acc_dK, acc_dV, sK, sV, dkv_out, mtid, n_block, head_kv,
+                               rows, False, scale)  # fmt: skip
+        else:
+            mdK, mdV = dkv_out
+            self.store_dkv(
+                thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k, scale
+            )
