@@ -259,9 +259,7 @@ class BwdSteps:
         for acc, s in ((acc_dK, sK), (acc_dV, sV)):
             r = cute.make_rmem_tensor_like(acc, self.dtype)
             self.pack(acc, r)
-            if const_expr(transposed):
-                s = self._transposed(s, self.TILE_N, self.HEAD_DIM)
-            cute.autovec_copy(r, thr_dkv.partition_C(s))
+            cute.autovec_copy(r, thr_dkv.partition_C(self._dkv_view(s, transposed)))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> TMA reads
         cute.arch.barrier(barrier_id=int(Barrier.DS_READY), number_of_threads=mma_threads)
         if mtid == 0:
@@ -270,3 +268,8 @@ class BwdSteps:
                 g = cute.local_tile(rows.k_rows(t, head_kv), tile, (n_block, 0))
                 tma_store(tma, s, g)  # (TILE_N, D)
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # smem read before the CTA exits
+
+    def _dkv_view(self, s: cute.Tensor, transposed: bool) -> cute.Tensor:
+        """sK or sV as the dK / dV fragment indexes it: (TILE_N, D), or (D, TILE_N) when the
+        fragment holds dK^T / dV^T (a plain function: decided while tracing)."""
+        return self._transposed(s, self.TILE_N, self.HEAD_DIM) if transposed else s
