@@ -90,6 +90,11 @@ def main() -> int:
     )
     ap.add_argument("--direction", choices=("fwd", "bwd"), default="fwd")
     ap.add_argument("--section", action="append", default=[], help="another ncu section")
+    ap.add_argument(
+        "--metrics", default="",
+        help="more metrics, ncu's --metrics syntax (e.g. 'regex:smsp__average_warps_issue_"
+        "stalled_.*_per_issue_active.ratio' for the stall reasons per issued instruction)",
+    )  # fmt: skip
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contenders = args.contender or ["fa3", "sdpa-cudnn"]
@@ -102,6 +107,8 @@ def main() -> int:
         return 2
     sections = (*SECTIONS, *args.section)
     cmd = ncu.command(exe, *(arg for s in sections for arg in ("--section", s)))
+    if args.metrics:
+        cmd += ["--metrics", args.metrics]
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
     cmd += ["--direction", args.direction]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
