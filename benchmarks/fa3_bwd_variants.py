@@ -3,8 +3,8 @@
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
-one sdS buffer, serial issue); "pipe_stm" is what bwd_config_for ships at D = 96 and 128,
-"pipe128_dqm" at D = 64, "warp_stm2" its softcap build; "pipe128_dqm", "pipe_wgdq",
+one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 and 128,
+"pipe128_dqm_tma" at D = 64, "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
 "pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers

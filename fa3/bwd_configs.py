@@ -335,6 +335,15 @@ def bwd_config_for(
     as does pipe128_dqm_wgs_ng at D = 64 (465 / 489 against 463 / 486): the loop is not
     issue-bound there.
 
+    dK and dV leave through sK / sV by TMA stores (dkv_tma, FA4's epilogue) rather than from
+    registers: interleaved A/B against the register stores (`python3 -m benchmarks.fa3_bwd_ab
+    --variant pipe_stm_tma --variant pipe_stm --repeats 3`, and pipe128_dqm_tma against
+    pipe128_dqm at D = 64; H200, 2026-12-03, commit f50a837; medians, N = 4k / 16k):
+    D = 128 539 / 559 against 531 / 562, causal 483 / 556 against 461 / 547; D = 64 470 / 490
+    against 462 / 490 (+0-5 %, most at 4k, where a CTA's epilogue is a larger share). Both
+    variants passed their oracle cases first (15 and 4, D 64 / 96 / 128). Softcap builds keep
+    the register stores (not run with dkv_tma).
+
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
@@ -354,6 +363,7 @@ def bwd_config_for(
         ds_store="stmatrix",
         ds_stages=2,
         overlap=not softcap,
+        dkv_tma=not softcap,
     )
 
 
