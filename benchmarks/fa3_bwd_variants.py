@@ -17,8 +17,8 @@ hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). The "_wgs" var
 partition the shared-memory operands with the warpgroup's warp-uniform slice, so their wgmma
 descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what that saves per row
 block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
-"dkv_t" layout does. (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the "dv_early" order
-were measured and removed: docs/results.md.)
+"dkv_t" layout does. (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the
+"dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
