@@ -93,6 +93,14 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, **_PIPE),
         "pipe128_dqm with dK and dV stored through sK / sV by TMA (dkv_tma; D = 64)",
     ),
+    "pipe_wgs_tma": (
+        BwdConfig(dkv_tma=True, wg_slice=True, **_PIPE),
+        "pipe_stm_tma with the wgmma fragments sliced per warpgroup (uniform descriptors)",
+    ),
+    "pipe128_dqm_wgs_tma": (
+        BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, wg_slice=True, **_PIPE),
+        "pipe128_dqm_tma with the wgmma fragments sliced per warpgroup (D = 64)",
+    ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
         "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
@@ -288,6 +296,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm": (64,),
     "pipe128_dqm_tma": (64,),
     "pipe_stm_tma": (96, 128),
+    "pipe_wgs_tma": (96, 128),
+    "pipe128_dqm_wgs_tma": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
     "pipe128_sout": (64,),

@@ -33,7 +33,12 @@ from typing import Any
 import torch
 
 from flashsuite.common.bwd_postprocess import dq_postprocess
-from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess, varlen_bwd_preprocess
+from flashsuite.common.bwd_preprocess import (
+    BLOCK_M,
+    bwd_preprocess,
+    varlen_bwd_preprocess,
+    varlen_pad_rows,
+)
 from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes, dq_tiled
 from flashsuite.fa3.compile import (
     cached,
@@ -191,19 +196,25 @@ def get_backward(key: BwdCompileKey) -> Any:
 
 
 def preprocess(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lse_log2, dsum), both (B, Hq, Nq_pad) float32 with Nq_pad a multiple of `tile_m`, by the
-    shared Triton preprocess (common/bwd_preprocess.py).
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int, dq_d: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(lse_log2, dsum, dq_acc): lse_log2 and dsum (B, Hq, Nq_pad) float32 with Nq_pad a
+    multiple of `tile_m`, by the shared Triton preprocess (common/bwd_preprocess.py); with
+    dq_d > 0 also the zeroed float32 dQ accumulator in row blocks, (B, Hq, Nq_pad, dq_d),
+    zeroed by the same launch (else None).
 
     lse_log2 = lse * log2(e), +inf for rows that see no key and for the padding rows (the kernel
     reads any infinite LSE as P = 0); dsum = rowsum(dout * out), 0 on padding rows. dout, out
     (B, Nq, Hq, D) with unit last stride; lse (B, Hq, Nq) float32, natural log.
     """
-    nq = out.shape[1]
+    b, nq, hq, _ = out.shape
     step = math.lcm(tile_m, BLOCK_M)
-    dsum, lse_log2 = bwd_preprocess(out, dout, lse, -(-nq // step) * step)
-    return lse_log2, dsum
+    nq_pad = -(-nq // step) * step
+    dq_acc = None
+    if dq_d:
+        dq_acc = torch.empty(b, hq, nq_pad, dq_d, dtype=torch.float32, device=out.device)
+    dsum, lse_log2 = bwd_preprocess(out, dout, lse, nq_pad, dq_acc)
+    return lse_log2, dsum, dq_acc
 
 
 def check_key(key: BwdCompileKey, softcap: float, window: tuple[int, int]) -> None:
@@ -259,11 +270,10 @@ def run_backward(
     if key.varlen:
         raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
     check_key(key, softcap, window)
-    lse_log2, dsum = preprocess(dout, out, lse, key.cfg.tile_m)
     b, nq, hq, d = q.shape
-    if dq_tiled(key.cfg):  # row blocks in dq_tile_layout order
-        dq_acc = torch.zeros(b, hq, lse_log2.shape[2], d, dtype=torch.float32, device=q.device)
-    else:
+    tiled = dq_tiled(key.cfg)  # row blocks in dq_tile_layout order, zeroed by the preprocess
+    lse_log2, dsum, dq_acc = preprocess(dout, out, lse, key.cfg.tile_m, d if tiled else 0)
+    if not tiled:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
@@ -357,12 +367,16 @@ def run_varlen_backward(
     check_key(key, softcap, window)
     total_q, hq, d = q.shape
     tile_m = key.cfg.tile_m
-    dsum, lse_log2 = varlen_bwd_preprocess(out, dout, lse, cu_seqlens_q, tile_m)  # (Hq, rows_pad)
-    rows_pad = lse_log2.shape[1]
     if dq_tiled(key.cfg):  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
-        dq_acc = torch.zeros(hq, rows_pad, d, dtype=torch.float32, device=q.device)
+        rows_pad = varlen_pad_rows(total_q, cu_seqlens_q.shape[0] - 1, tile_m)
+        dq_acc = torch.empty(hq, rows_pad, d, dtype=torch.float32, device=q.device)
+        zeroed = dq_acc  # by the preprocess's launch
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (total_q, Hq, D)
+        zeroed = None
+    dsum, lse_log2 = varlen_bwd_preprocess(
+        out, dout, lse, cu_seqlens_q, tile_m, zeroed
+    )  # (Hq, rows_pad)
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads  # (total_q, Hq, D), (total_k, Hkv, D) x 2

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -357,9 +358,9 @@ def test_bwd_compiles_with_hopper_machinery(probes) -> None:
             # swizzle-atom column block of each), after the DS_FREE / DS_READY pair.
             assert ptx["stmatrix"] == 0 and ptx["tma_store"] >= 2, f"{where}: {ptx}"
             assert ptx["bar_sync"] >= 5, f"{where}: the epilogue's barriers are missing"
-        else:  # dS^T by stmatrix.x4, dK and dV from registers
+        else:  # dS^T by stmatrix.x4; dK and dV through sK / sV by TMA stores (dkv_tma)
             assert ptx["stmatrix"] == cfg["tile_m"] // 16, f"{where}: {ptx['stmatrix']} stmatrix"
-            assert ptx["tma_store"] == 0, f"{where}: {ptx}"
+            assert cfg["dkv_tma"] and ptx["tma_store"] >= 2, f"{where}: {ptx}"
         assert ptx["sem_acquire"] == 0 and ptx["sem_release"] == 0, f"{where}: dQ turn counter"
         assert ptx["tanh"] == 0 and not r["softcap"], f"{where}: softcap code in a plain build"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
@@ -731,6 +732,7 @@ def test_bwd_softcap_compiles(softcap_probes) -> None:
         # One tanh and one exp2 per S^T element of a row block (64 keys x 64 rows / 128).
         assert ptx["tanh"] == 32 and ptx["ex2"] >= 32, f"{where}: {ptx}"
         assert ptx["wgmma"] == 2 * d // 16 + 2 * 64 // 16 + 128 // 16, f"{where}: {ptx}"
+        assert ptx["tma_store"] == 0, f"{where}: softcap builds store dK / dV from registers"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
@@ -844,13 +846,40 @@ def test_preprocess_pads_rows_and_keeps_empty_rows(device) -> None:
     out = torch.randn(b, hq, nq, d, device=device).transpose(1, 2)
     lse = torch.randn(b, hq, nq, device=device)
     lse[0, 1, :5] = float("-inf")
-    lse_log2, dsum = preprocess(dout, out, lse, tile_m=64)
+    lse_log2, dsum, dq_acc = preprocess(dout, out, lse, tile_m=64)
+    assert dq_acc is None
     assert lse_log2.shape == dsum.shape == (b, hq, 128)
     assert torch.isposinf(lse_log2[0, 1, :5]).all() and torch.isposinf(lse_log2[:, :, nq:]).all()
     fine = torch.isfinite(lse)
     torch.testing.assert_close(lse_log2[:, :, :nq][fine], (lse * LOG2E)[fine])
     torch.testing.assert_close(dsum[:, :, :nq], (dout * out).sum(-1).transpose(1, 2))
     assert (dsum[:, :, nq:] == 0).all()
+
+
+def test_preprocess_zeroes_the_dq_accumulator(device) -> None:
+    """With a dQ accumulator (fa3's row blocks, B, Hq, Nq_pad, D) the preprocess's launch sets
+    every float of it to 0 (D = 96: columns past D in its power-of-two tile stay untouched),
+    whatever it held; a wrong dtype, shape or layout is refused naming dq_acc."""
+    from flashsuite.common.bwd_preprocess import bwd_preprocess
+    from flashsuite.fa3.bwd_host import preprocess
+
+    b, nq, hq, d = 2, 70, 3, 96
+    dout = torch.randn(b, nq, hq, d, device=device)
+    out = torch.randn(b, nq, hq, d, device=device)
+    lse = torch.randn(b, hq, nq, device=device)
+    store = torch.full((b * hq * 128 * d + 7,), float("nan"), device=device)
+    acc = store[: b * hq * 128 * d].view(b, hq, 128, d)
+    bwd_preprocess(out, dout, lse, 128, acc)
+    assert (acc == 0).all() and store[-7:].isnan().all()  # nothing written past its end
+    _, _, dq_acc = preprocess(dout, out, lse, tile_m=64, dq_d=d)
+    assert dq_acc.shape == (b, hq, 128, d) and (dq_acc == 0).all()
+    for bad, what in (
+        (torch.zeros(b, hq, 128, d, dtype=torch.float16, device=device), "float16"),
+        (torch.zeros(b, hq, 64, d, device=device), "(2, 3, 64, 96)"),
+        (torch.zeros(b, hq, d, 128, device=device).transpose(2, 3), "contiguous"),
+    ):
+        with pytest.raises(ValueError, match=rf"dq_acc expected .*{re.escape(what)}|{what}"):
+            bwd_preprocess(out, dout, lse, 128, bad)
 
 
 def _tile_offsets(tile_m: int, head_dim: int, split: str) -> torch.Tensor:
