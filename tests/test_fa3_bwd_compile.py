@@ -411,6 +411,7 @@ def test_bwd_deterministic_writer_warp_compiles(det_pipe_probes) -> None:
     _assert_fits_registers(r)
 
 
+@pytest.mark.lab
 def test_bwd_dq_routes_compile(dq_route_probes) -> None:
     """The dq_split / dq_handoff variants: with dq_split "m" dQ is one m64 atom per warpgroup
     (tile_n / 16 wgmmas, not twice as many of half the N); with dq_handoff "wg" the writer warp
@@ -430,6 +431,7 @@ def test_bwd_dq_routes_compile(dq_route_probes) -> None:
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
+@pytest.mark.lab
 def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
     """pipe80: S^T and dP^T as 8 m64n80k16 each (both operands K-major), dV and dK as 5 RS
     m64n128k16 each (K = 80 rows; B MN-major), dQ^T = K^T dS^T as 8 m64n80k16 with A (sK) read
@@ -449,6 +451,7 @@ def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
         assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
+@pytest.mark.lab
 def test_bwd_wide256_dq_routes_compile(wide256_dq_probes) -> None:
     """The D = 256 variants with 64 and 80 keys: S and dP as m64n(tile_n/2)k16, dV^T and dK^T
     as m64n(tile_n)k16 over both operands' MN-major views, dQ as m64n128k16 (m64n64k16 per
@@ -627,6 +630,7 @@ def test_red_dq_covers_the_tile_in_whole_sectors(tmp_path) -> None:
                     assert warp == list(range(o, o + 128, 4)) and o % 128 == 0, (slices, t, i)
 
 
+@pytest.mark.lab
 def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
     """scale_out drops the softmax-scale multiply of every dS^T element (TILE_M / 2 per thread
     and row block) and adds D / 2 on dK's epilogue, softcap builds included (their tanh per
@@ -652,6 +656,7 @@ def test_bwd_scale_out_and_stats_regs_compile(ds_stats_probes) -> None:
         assert ptx["tanh"] == base["ptx"]["tanh"] == (tm // 2 if cap else 0), where
 
 
+@pytest.mark.lab
 def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
     """wg_slice partitions the smem operands with the warpgroup's (warp-uniform) slice: in the
     SASS of the MMA warpgroups' row-block loop no descriptor crosses from a vector register
@@ -682,6 +687,7 @@ def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
             assert r["max_reg"] < 240, f"{r['label']}: R{r['max_reg']}"
 
 
+@pytest.mark.lab
 def test_bwd_without_lse_guard_drops_only_the_compare_and_select(wg_slice_sass) -> None:
     """lse_guard False (the preprocess writes +inf for rows that see no key): the MMA loop loses
     one compare and one select per LSE row (16 + 16 per row block and warp at D = 128) and
