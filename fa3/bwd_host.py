@@ -7,8 +7,9 @@ binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's curre
 
 Pre- and postprocess are memory-bound Triton kernels shared through common/: the preprocess
 (common/bwd_preprocess.py) writes D = rowsum(dO * O) and LSE * log2(e) in float32, padded to
-whole row blocks (+inf LSE and 0 on padding rows: the kernel reads them as P = 0); the float32
-dQ accumulator is zeroed; the postprocess (common/bwd_postprocess.py) turns the tile-ordered
+whole row blocks (+inf LSE and 0 on padding rows: the kernel reads them as P = 0), and zeroes
+the tile-ordered float32 dQ accumulator in the same launch (the "atomic" route's is zeroed by
+torch); the postprocess (common/bwd_postprocess.py) turns the tile-ordered
 accumulator of dq_mode "warp" or "red" into dQ in the input dtype in one pass, writing the real
 rows only (the softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out
 applied there).
