@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--shard", default="0/1", help="i/n: probe configs i, i+n, i+2n, ...")
     ap.add_argument("--head-dim", type=int, action="append", help="only these head dims")
+    ap.add_argument("--variants", action="store_true", help="also the non-default flag variants")
     ap.add_argument(
-        "--variants", action="store_true", help="also the non-default flag variants (CI does)"
+        "--only-variants", action="store_true", help="only the non-default flag variants"
     )
     ap.add_argument(
         "--varlen", action="store_true", help="only the varlen builds (fa3_variants.varlen_cases)"
@@ -141,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
 
     i, n = (int(x) for x in args.shard.split("/"))
     cases = [(*c, False, False, False) for c in shipped_cases()]
-    if args.variants:
-        cases += [(*c, False, False, False) for c in flag_variants()]
+    if args.variants or args.only_variants:
+        variants = [(*c, False, False, False) for c in flag_variants()]
+        cases = variants if args.only_variants else cases + variants
     if args.varlen:
         cases = [(*c, True) for c in varlen_cases()]
     todo = [c for c in cases if not args.head_dim or c[1] in args.head_dim][i::n]

@@ -1,10 +1,11 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
-Every shipped config (configs.shipped_cases) and every non-default flag variant
+Every shipped config (configs.shipped_cases) is compiled by `python -m benchmarks.fa3_probe`
+in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at import, so the
+compile runs outside this interpreter); every non-default flag variant
 (benchmarks/fa3_variants.py flag_variants: 3 consumer warpgroups, the persistent scheduler old
-and new: tile overlap with per-WG epilogues, balanced order) is compiled by
-`python -m benchmarks.fa3_probe --variants` in two subprocesses at once (the CuTe DSL reads its
-CUTE_DSL_* settings at import, so the compile runs outside this interpreter). Each config must
+and new: tile overlap with per-WG epilogues, balanced order) likewise by `--only-variants`
+under the `lab` marker (deselected by default: `pytest -m lab`). Each config must
 show wgmma, TMA loads and store, setmaxnreg and the named barriers in its PTX, with 0 spill
 bytes and no serialised wgmma.
 """
@@ -39,7 +40,12 @@ def _id(case) -> str:
 
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory) -> dict[str, dict]:
-    return run_fa3_probe(tmp_path_factory.mktemp("fa3_probe"), "--variants", shards=SHARDS)
+    return run_fa3_probe(tmp_path_factory.mktemp("fa3_probe"), shards=SHARDS)
+
+
+@pytest.fixture(scope="module")
+def variant_probes(tmp_path_factory) -> dict[str, dict]:
+    return run_fa3_probe(tmp_path_factory.mktemp("fa3_probe"), "--only-variants", shards=SHARDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -50,8 +56,18 @@ def test_config_can_implement(case) -> None:
     assert smem_bytes(cfg, d) <= SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", shipped_cases(), ids=_id)
 def test_compiles_with_hopper_machinery(case, probes) -> None:
+    _check_machinery(case, probes)
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("case", flag_variants(), ids=_id)
+def test_flag_variants_compile_with_hopper_machinery(case, variant_probes) -> None:
+    _check_machinery(case, variant_probes)
+
+
+def _check_machinery(case, probes: dict[str, dict]) -> None:
     cfg = case[4]
     r = probes[_id(case)]
     ptx = r["ptx"]
@@ -110,11 +126,22 @@ def test_overlap_needs_persistent() -> None:
     assert not ok and "persistent" in reason
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[4].overlap_tiles], ids=_id)
+@pytest.mark.parametrize("case", [c for c in shipped_cases() if c[4].overlap_tiles], ids=_id)
 def test_overlap_epilogue_barriers(case, probes) -> None:
     """Tile overlap with a separate sO: each consumer WG syncs only its own 128 threads around
     its sO slab (no all-consumer EPILOGUE barrier), and the store's smem reads are waited for
     twice in the code: before the slab is written again and once after the last tile."""
+    _check_overlap_barriers(case, probes)
+
+
+@pytest.mark.lab
+@pytest.mark.parametrize("case", [c for c in flag_variants() if c[4].overlap_tiles], ids=_id)
+def test_flag_variants_overlap_epilogue_barriers(case, variant_probes) -> None:
+    """`test_overlap_epilogue_barriers` for the flag variants (sO on sQ among them)."""
+    _check_overlap_barriers(case, variant_probes)
+
+
+def _check_overlap_barriers(case, probes: dict[str, dict]) -> None:
     ptx = probes[_id(case)]["ptx"]
     if case[4].o_alias_q:  # sO on sQ: the other WG's Q·Kᵀ must be done, all consumers sync
         assert ptx["bar_sync_epilogue_all"] > 0, ptx
