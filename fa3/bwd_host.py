@@ -368,15 +368,14 @@ def run_varlen_backward(
     check_key(key, softcap, window)
     total_q, hq, d = q.shape
     tile_m = key.cfg.tile_m
-    if dq_tiled(key.cfg):  # (Hq, rows_pad, D): row blocks in dq_tile_layout order
+    tiled = dq_tiled(key.cfg)  # (Hq, rows_pad, D) in dq_tile_layout order, zeroed by the preprocess
+    if tiled:
         rows_pad = varlen_pad_rows(total_q, cu_seqlens_q.shape[0] - 1, tile_m)
         dq_acc = torch.empty(hq, rows_pad, d, dtype=torch.float32, device=q.device)
-        zeroed = dq_acc  # by the preprocess's launch
     else:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (total_q, Hq, D)
-        zeroed = None
     dsum, lse_log2 = varlen_bwd_preprocess(
-        out, dout, lse, cu_seqlens_q, tile_m, zeroed
+        out, dout, lse, cu_seqlens_q, tile_m, dq_acc if tiled else None
     )  # (Hq, rows_pad)
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -387,7 +386,7 @@ def run_varlen_backward(
     fn(*launch_args(key, tensors, scale, softcap, window, total_q, k.shape[0], None, cu))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
-    if not dq_tiled(cfg):
+    if not tiled:
         dq.copy_(dq_acc if dq_scale is None else dq_acc * dq_scale)
         return dq, dk, dv
     dq_from_tiles(dq_acc, total_q, tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale,

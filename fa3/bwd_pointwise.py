@@ -247,9 +247,9 @@ class BwdSteps:
         """dK and dV in the input dtype into sK and sV (no longer read once every warpgroup is
         past its last S, dP and dQ GEMM: the first barrier), then one thread TMA-stores both
         (TILE_N, D) tiles; the TMA unit drops the rows past Nk (past the sequence's end on the
-        ragged view). `transposed`: the fragments hold dK^T and dV^T (D, TILE_N) ("dkv_t";
-        stored from registers element by element, the two fragments and their row addresses
-        spilled). SCALE_OUT: dK times `scale` first, which its dS did not carry."""
+        ragged view). `transposed`: the fragments hold dK^T and dV^T (D, TILE_N) ("dkv_t",
+        where stores from registers element by element spilled the two fragments and their
+        row addresses). SCALE_OUT: dK times `scale` first, which its dS did not carry."""
         tile = (self.TILE_N, self.HEAD_DIM)
         mma_threads = self.MMA_THREADS
         if const_expr(self.SCALE_OUT):

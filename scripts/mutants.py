@@ -448,10 +448,12 @@ GPU_MUTANTS = [
         f"{OWN} and float16",
     ),
     Mutant(
-        "fa3 bwd: dk, dv x1.01 (epilogue)",
+        "fa3 bwd: dk, dv x1.01 (TMA epilogue)",
         FA3_BWD,
-        "tg[i] = acc[i].to(self.dtype)",
-        "tg[i] = (acc[i] * Float32(1.01)).to(self.dtype)",
+        "            self.pack(acc, r)\n",
+        "            for i in cutlass.range_constexpr(cute.size(acc)):\n"
+        "                acc[i] = acc[i] * Float32(1.01)\n"
+        "            self.pack(acc, r)\n",
         f"{OWN} and float16",
     ),
     Mutant(
