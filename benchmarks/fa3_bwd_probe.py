@@ -96,16 +96,16 @@ def varlen_cases() -> list[tuple]:
     import torch
 
     from benchmarks.fa3_bwd_variants import variant
-    from flashsuite.fa3.bwd_configs import varlen_bwd_config_for
+    from flashsuite.fa3.bwd_configs import bwd_config_for
 
     bf16 = torch.bfloat16
     return [
-        (64, bf16, False, varlen_bwd_config_for(64, bf16, False), False, False),
-        (128, bf16, True, varlen_bwd_config_for(128, bf16, True), False, False),
-        (96, bf16, True, varlen_bwd_config_for(96, bf16, True, True), True, False),
-        (128, bf16, False, varlen_bwd_config_for(128, bf16, False), False, True),
-        (192, bf16, True, varlen_bwd_config_for(192, bf16, True), False, False),
-        (256, bf16, False, varlen_bwd_config_for(256, bf16, False, True), True, True),
+        (64, bf16, False, bwd_config_for(64, bf16, False), False, False),
+        (128, bf16, True, bwd_config_for(128, bf16, True), False, False),
+        (96, bf16, True, bwd_config_for(96, bf16, True, True), True, False),
+        (128, bf16, False, bwd_config_for(128, bf16, False), False, True),
+        (192, bf16, True, bwd_config_for(192, bf16, True), False, False),
+        (256, bf16, False, bwd_config_for(256, bf16, False, True), True, True),
         (128, bf16, True, variant("pipe_atomic"), False, False),
     ]
 

@@ -101,6 +101,14 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, wg_slice=True, **_PIPE),
         "pipe128_dqm_tma with the wgmma fragments sliced per warpgroup (D = 64)",
     ),
+    "pipe_wgs_ng_tma": (
+        BwdConfig(dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),
+        "pipe_wgs_tma without the kernel's -inf LSE guard (the preprocess writes +inf)",
+    ),
+    "pipe128_dqm_wgs_ng_tma": (
+        BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),
+        "pipe128_dqm_wgs_tma without the kernel's -inf LSE guard (D = 64)",
+    ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
         "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
@@ -298,6 +306,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe_stm_tma": (96, 128),
     "pipe_wgs_tma": (96, 128),
     "pipe128_dqm_wgs_tma": (64,),
+    "pipe_wgs_ng_tma": (96, 128),
+    "pipe128_dqm_wgs_ng_tma": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
     "pipe128_sout": (64,),

@@ -8,7 +8,7 @@ to it; H200 numbers are noted where an entry was measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -341,9 +341,14 @@ def bwd_config_for(
     pipe128_dqm at D = 64; H200, 2026-12-03, commit f50a837; medians, N = 4k / 16k):
     D = 128 539 / 559 against 531 / 562, causal 483 / 556 against 461 / 547; D = 64 470 / 490
     against 462 / 490 (+0-5 %, most at 4k, where a CTA's epilogue is a larger share). Both
-    variants passed their oracle cases first (15 and 4, D 64 / 96 / 128). Softcap builds and
-    packed sequences (`varlen_bwd_config_for`) keep the register stores (not run on a GPU with
-    dkv_tma).
+    variants passed their oracle cases first (15 and 4, D 64 / 96 / 128); packed sequences take
+    the same builds (their TMA stores go through the ragged views, rows past a sequence
+    dropped). Softcap builds keep the register stores. Slicing the wgmma fragments per
+    warpgroup on top (wg_slice, with and without the -inf LSE guard: variants pipe_wgs_tma,
+    pipe_wgs_ng_tma, pipe128_dqm_wgs_ng_tma) times level again (H200, 2026-12-03, commit
+    40823ed, medians of 3 interleaved passes, N = 4k / 16k: D = 128 540 / 565 and 537 / 564
+    against 530 / 564; causal 478 / 551 against 477 / 551; D = 64 468 / 489 against 467 / 492):
+    the epilogue fixed, the loop is still not issue-bound.
 
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
@@ -366,16 +371,6 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
-
-
-def varlen_bwd_config_for(
-    head_dim: int, dtype: torch.dtype, causal: bool, softcap: bool = False
-) -> BwdConfig:
-    """bwd_config_for for packed sequences, with dK and dV of the "sdp_t" layout (D <= 128)
-    stored from registers (dkv_tma off): their TMA stores through the ragged views compile
-    and pass the CPU checks, but tests/test_fa3_varlen_bwd.py's GPU cases have run only with
-    the register stores. "dkv_t" (D 192 / 256) stores by TMA either way."""
-    return replace(bwd_config_for(head_dim, dtype, causal, softcap), dkv_tma=False)
 
 
 def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConfig:

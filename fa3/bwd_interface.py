@@ -22,7 +22,6 @@ from flashsuite.fa3.bwd_configs import (
     BwdConfig,
     bwd_can_implement,
     bwd_config_for,
-    varlen_bwd_config_for,
 )
 
 # (p, arch, deterministic algorithms on) -> supports_backward's answer; (p, deterministic)
@@ -215,7 +214,7 @@ def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, 
         return False, "fa3 varlen backward: no deterministic build (fa2's varlen backward is)"
     if p.heads_kv > _MAX_GRID_YZ:
         return False, f"fa3 varlen backward: heads_kv {p.heads_kv} must be <= {_MAX_GRID_YZ}"
-    cfg = varlen_bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
+    cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
         return False, reason
@@ -258,7 +257,7 @@ def varlen_backward(
     from flashsuite.fa3.interface import _tma_ready
 
     if cfg is None:
-        cfg = varlen_bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
+        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
     key = _bwd_key(p, cfg, varlen=True)
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()  # any view of the incoming gradient (e.g. expanded: strides 0)

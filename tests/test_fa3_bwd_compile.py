@@ -48,7 +48,6 @@ from flashsuite.fa3.bwd_configs import (
     bwd_config_for,
     bwd_shipped_configs,
     bwd_smem_bytes,
-    varlen_bwd_config_for,
 )
 from flashsuite.fa3.configs import SMEM_CAPACITY
 
@@ -833,9 +832,6 @@ def test_bwd_variants_can_implement() -> None:
         assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
     # The deterministic build starts from the tiles whose dQ goes through sdQ.
     assert bwd_config_for(256, torch.bfloat16, True, sdq=True) == variant("wide256")
-    # Packed sequences: the dense table with dK / dV from registers at D <= 128.
-    assert varlen_bwd_config_for(128, torch.bfloat16, True) == variant("pipe_stm")
-    assert varlen_bwd_config_for(256, torch.bfloat16, True) == variant("wide256_red80_wgs")
     for name, (cfg, what) in VARIANTS.items():
         assert what, name
         for d in variant_head_dims(name):
