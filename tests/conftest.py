@@ -96,11 +96,31 @@ def pytest_report_header(config) -> list[str]:
     return lines
 
 
+def _module_fixture_group(item) -> str | None:
+    """The test module's path when the test uses a module-scoped fixture defined in that module
+    (the compile probes: one build of 20-90 s shared by the module's tests), else None."""
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    module = item.nodeid.split("::", 1)[0]
+    for fixturedefs in defs.values():
+        for fixturedef in fixturedefs:
+            if fixturedef.scope == "module" and fixturedef.baseid == module:
+                return module
+    return None
+
+
+# tryfirst: the xdist_group marks must be in place before pytest-xdist's own hook reads them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+        # With pytest-xdist, the tests that share a module-scoped fixture run on one worker, so
+        # that each worker does not build it again.
+        if item.get_closest_marker("xdist_group") is None:
+            group = _module_fixture_group(item)
+            if group is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture
