@@ -5,6 +5,7 @@ r"""fa3's forward from two source trees, timed interleaved on one GPU (a GPU run
     python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree nocache=. \
         --tree-env nocache=FLASHSUITE_CACHE_DIR=off --tree new=. \
         --match bf16-d128-n8192-causal --kernels
+    python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --match bf16 --rest 2
 
 A change that should not move the forward (a refactor, a new module beside the kernel) is shown
 to be neutral by timing the forward of the tree before it and the tree after it in one run:
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SHAPES = [
@@ -56,6 +58,7 @@ def _child() -> None:
     from flashsuite.dispatch import attention
 
     print(f"flashsuite from {list(flashsuite.__path__)}", flush=True)
+    rest_s = float(os.environ.get("FWD_TREE_AB_REST_S", "0"))
 
     for dtype, d, n, causal in _selected():
         b, h = 16384 // n, 2048 // d
@@ -67,6 +70,9 @@ def _child() -> None:
             def fn(q=q, k=k, v=v, c=causal):
                 return attention(q, k, v, causal=c, version="fa3")
 
+            fn()  # compiled or loaded here, outside the timing
+            torch.cuda.synchronize()
+            time.sleep(rest_s)
             ms = triton.testing.do_bench(fn)
             flops = 4 * b * h * n * n * d / (2 if causal else 1)
             row = {"shape": [dtype, d, n, causal], "tflops": flops / ms / 1e9}
@@ -147,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also print each shape's kernels and their GPU time per call (torch.profiler)",
     )
+    ap.add_argument(
+        "--rest",
+        type=float,
+        default=0.0,
+        help="seconds the GPU idles before each shape's timing, after its first call (a tree "
+        "that compiles there idles the GPU for seconds, one that loads from disk does not: "
+        "the clocks after an idle GPU are higher)",
+    )
     ap.add_argument("--json", default=None, help="write every pass's numbers here")
     args = ap.parse_args(argv)
     trees = []
@@ -173,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
             env["FWD_TREE_AB_KERNELS"] = "1"
     if args.match:
         os.environ["FWD_TREE_AB_MATCH"] = ",".join(args.match)
+    if args.rest < 0:
+        ap.error(f"--rest: expected >= 0 seconds, got {args.rest}")
+    os.environ["FWD_TREE_AB_REST_S"] = str(args.rest)
     passes: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for i in range(args.passes):
         for name, path in trees:
