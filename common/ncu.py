@@ -66,3 +66,76 @@ def value(metric: tuple[str, str], scales: dict[str, float]) -> float:
     """A metric's number ("1,234.5" with its unit) in the unit `scales` maps to 1."""
     text, unit = metric
     return float(text.replace(",", "")) * scales.get(unit.lower(), 1.0)
+
+
+def _sample_column(header: list[str]) -> int | None:
+    """The column of all warp-state samples in a source-page header (ncu names it "Warp Stall
+    Sampling (All Samples)"; older versions "Sampling Data (All)")."""
+    for i, name in enumerate(header):
+        low = name.lower()
+        if "sampl" in low and "all" in low and "not" not in low:
+            return i
+    return None
+
+
+def source_blocks(text: str) -> list[dict]:
+    """ncu's `--page source --csv --print-source sass` output -> one block per kernel:
+    {"title": the non-CSV lines before it, "rows": [(address, sass text, samples)]}. A block
+    starts at each CSV header with an address, a source and a sample column."""
+    blocks: list[dict] = []
+    title: list[str] = []
+    cur = None
+    for line in text.splitlines():
+        if not line.startswith('"'):
+            if line.strip():
+                title.append(line.strip())
+            continue
+        (fields,) = list(csv.reader([line]))
+        low = [f.lower() for f in fields]
+        is_header = any("address" in f for f in low) and any(f == "source" for f in low)
+        if is_header:
+            col = _sample_column(fields)
+            addr = next(i for i, f in enumerate(low) if "address" in f)
+            cur = {"title": " | ".join(title[-3:]), "rows": [], "cols": (addr, low.index("source"))}
+            cur["sample_col"] = col
+            blocks.append(cur)
+            title = []
+            continue
+        if cur is None or cur["sample_col"] is None:
+            continue
+        a, src = cur["cols"]
+        try:
+            samples = float(fields[cur["sample_col"]].replace(",", "") or 0)
+        except (IndexError, ValueError):
+            continue
+        cur["rows"].append((fields[a], fields[src].strip(), samples))
+    return blocks
+
+
+def _opcode(sass: str) -> str:
+    """The opcode of a SASS line without predicate and modifiers' operands (HGMMA.64x128x16...
+    -> HGMMA, @!P0 BRA -> BRA)."""
+    parts = sass.split()
+    if parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return parts[0].split(".")[0] if parts else "?"
+
+
+def source_summary(text: str, kernels: int = 4, top: int = 30) -> str:
+    """The `kernels` blocks with the most samples: per opcode and the `top` instructions, each
+    with its share of the kernel's samples."""
+    blocks = sorted(source_blocks(text), key=lambda b: -sum(r[2] for r in b["rows"]))
+    if not blocks:
+        return "no source page with warp-state samples found\n"
+    lines = []
+    for b in blocks[:kernels]:
+        total = sum(r[2] for r in b["rows"]) or 1.0
+        lines.append(f"== {b['title'][:160]}: {len(b['rows'])} instructions, {total:.0f} samples")
+        per_op: dict[str, float] = {}
+        for _, sass, n in b["rows"]:
+            per_op[_opcode(sass)] = per_op.get(_opcode(sass), 0.0) + n
+        ops = sorted(per_op.items(), key=lambda kv: -kv[1])[:15]
+        lines.append("  by opcode: " + ", ".join(f"{op} {n / total:.1%}" for op, n in ops))
+        for addr, sass, n in sorted(b["rows"], key=lambda r: -r[2])[:top]:
+            lines.append(f"  {addr:>8} {n / total:6.1%}  {sass[:90]}")
+    return "\n".join(lines) + "\n"

@@ -16,6 +16,11 @@ SpeedOfLight, LaunchStats, Occupancy, WarpStateStats and SchedulerStats sections
 one call inside the NVTX range "measure" after a warm-up call outside it, and a marker kernel
 before it tells the cases apart. Writes DIR/ncu.json (every metric of every kernel, per case)
 and prints the headline metrics of each case's longest kernel.
+
+`--source` also collects the SourceCounters section (warp-state samples per SASS instruction),
+keeps the report (DIR/report.ncu-rep), writes its source page as DIR/source.csv and sums the
+samples of each case's longest kernel per instruction and per opcode (DIR/source_summary.txt):
+where in the loop the warps wait, not only why.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ def main() -> int:
         help="more metrics, ncu's --metrics syntax (e.g. 'regex:smsp__average_warps_issue_"
         "stalled_.*_per_issue_active.ratio' for the stall reasons per issued instruction)",
     )  # fmt: skip
+    ap.add_argument(
+        "--source", action="store_true",
+        help="also warp-state samples per SASS instruction (SourceCounters; keeps the report)",
+    )  # fmt: skip
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contenders = args.contender or ["fa3", "sdpa-cudnn"]
@@ -105,23 +114,31 @@ def main() -> int:
     if exe is None:
         print("ncu not on PATH", file=sys.stderr)
         return 2
-    sections = (*SECTIONS, *args.section)
+    sections = (*SECTIONS, *args.section, *(("SourceCounters",) if args.source else ()))
     cmd = ncu.command(exe, *(arg for s in sections for arg in ("--section", s)))
     if args.metrics:
         cmd += ["--metrics", args.metrics]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report_path = out / "report.ncu-rep"
+    if args.source:
+        cmd += ["--export", str(report_path), "--force-overwrite", "--import-source", "no"]
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
     cmd += ["--direction", args.direction]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
     cmd += [arg for c in contenders for arg in ("--contender", c)]
     res = subprocess.run(cmd, capture_output=True, text=True)
-    cases = ncu.cases(res.stdout)
+    stdout = res.stdout
+    if args.source and res.returncode == 0 and not ncu.cases(stdout):
+        # With --export ncu may print no metrics: read them back from the report.
+        page = [exe, "--import", str(report_path), "--csv", "--page", "details"]
+        stdout = subprocess.run(page, capture_output=True, text=True).stdout
+    cases = ncu.cases(stdout)
     labels = [(s, c) for s in args.shape for c in contenders]
     if res.returncode != 0 or len(cases) != len(labels):
         print(f"ncu rc {res.returncode}, {len(cases)} cases for {len(labels)}:")
         print(res.stdout[-3000:], res.stderr[-3000:], sep="\n")
         return 1
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     report = [
         {"shape": s, "contender": c, "kernels": ks}
         for (s, c), ks in zip(labels, cases, strict=True)
@@ -138,6 +155,14 @@ def main() -> int:
             for metric, value in main_kernel["metrics"].items():
                 if metric.startswith(name):
                     print(f"   {metric:45s} {_text(value)}")
+    if args.source:
+        page = [exe, "--import", str(report_path), "--csv", "--page", "source"]
+        page += ["--print-source", "sass"]
+        src = subprocess.run(page, capture_output=True, text=True)
+        (out / "source.csv").write_text(src.stdout + src.stderr)
+        summary = ncu.source_summary(src.stdout)
+        (out / "source_summary.txt").write_text(summary)
+        print(summary[:6000])
     return 0
 
 

@@ -199,3 +199,35 @@ def test_ncu_csv_is_split_into_cases_at_the_marker_kernels() -> None:
     read = [sum(ncu.value(k["metrics"]["dram__bytes_read.sum"], scales) for k in c) for c in cases]
     assert read == [1_500_250.0, 2_000_000.0]
     assert cases[0][0]["metrics"]["Duration"] == ("12.5", "us")
+
+
+def test_ncu_source_page_is_summed_per_kernel_opcode_and_instruction() -> None:
+    """common/ncu.py: the source page's warp-state samples, per kernel (the busiest first),
+    per opcode (predicate and modifiers dropped) and per instruction; the not-issued column
+    is not mistaken for the all-samples one."""
+    from flashsuite.common import ncu
+
+    head = '"# Address","Source","Warp Stall Sampling (Not-issued Samples)",'
+    head += '"Warp Stall Sampling (All Samples)"'
+    text = "\n".join(
+        [
+            "  small_kernel",
+            head,
+            '"0x10","MUFU.EX2 R1, R2","5","10"',
+            "  main_kernel (132,1,1)x(384,1,1)",
+            head,
+            '"0x100","@P0 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","1,100","1,200"',
+            '"0x110","FFMA R1, R2, R3, R4","200","300"',
+            '"0x120","@!P1 HGMMA.64x128x16.F32.BF16 R88, R8, gdesc[UR8]","0","0"',
+            '"0x130","BAR.SYNC.DEFER_BLOCKING 0x1, 0x100","500","500"',
+        ]
+    )
+    blocks = ncu.source_blocks(text)
+    assert [len(b["rows"]) for b in blocks] == [1, 4]
+    assert blocks[1]["title"].startswith("main_kernel")
+    summary = ncu.source_summary(text, top=2).splitlines()
+    assert summary[0].startswith("== main_kernel") and "2000 samples" in summary[0]
+    assert summary[1] == "  by opcode: HGMMA 60.0%, BAR 25.0%, FFMA 15.0%"
+    assert "60.0%" in summary[2] and "0x100" in summary[2] and "0x130" in summary[3]
+    assert summary[4].startswith("== small_kernel") and "MUFU 100.0%" in summary[5]
+    assert ncu.source_summary("no csv here") == "no source page with warp-state samples found\n"
