@@ -156,11 +156,6 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     cases = [("shipped", d, c, cfg) for d, _, c, cfg in fp8_shipped_configs()]
     # The left-window mask and softcap paths (descale_q·descale_k folds into tanh's argument).
     cases.append(("window_softcap", 128, False, get_config(128, FP8_DTYPE, False)))
-    # Not shipped; compiled in CI so the code paths stay built: the persistent scheduler
-    # (per-tile descales, per-WG epilogue) and three consumer warpgroups.
-    named = {(n, d): cfg for n, d, cfg in fp8_variants()}
-    cases.append(("persistent_v2", 128, True, named[("persistent_v2", 128)]))
-    cases.append(("wg3_n128", 64, False, named[("wg3_n128", 64)]))
     # V transposed in shared memory by the producer warpgroup (shipped for short keys).
     cases += [
         ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)

@@ -1,6 +1,7 @@
 """Compile probe: build fa3 configs for sm_90a (no GPU needed) and report PTX and ptxas facts.
 
-    python -m benchmarks.fa3_probe                    # every shipped config, a table
+    python -m benchmarks.fa3_probe                    # the CI set (ci_cases), a table
+    python -m benchmarks.fa3_probe --all-dtypes       # every shipped config in fp16 and bf16
     python -m benchmarks.fa3_probe --json out.json    # the same, as JSON
     python -m benchmarks.fa3_probe --shard 0/2        # every other config (CI runs 2 at once)
     python -m benchmarks.fa3_probe --variants         # shipped configs + fa3_variants.flag_variants
@@ -123,6 +124,21 @@ def probe_one(
     }
 
 
+# The fp16 builds CI compiles beside every bf16 one: the table gives both 16-bit types the same
+# config (tests/test_fa3_compile.py asserts it), so the dtype changes only the element type of
+# the wgmma and the conversions; one causal and one full build, at both ends of head_dim.
+FP16_CI = (("shipped", 64, True), ("shipped", 256, False))
+
+
+def ci_cases() -> list[tuple]:
+    """configs.shipped_cases that CI compiles: every bf16 entry, the fp16 ones in FP16_CI."""
+    import torch
+
+    from flashsuite.fa3.configs import shipped_cases
+
+    return [c for c in shipped_cases() if c[2] == torch.bfloat16 or (c[0], c[1], c[3]) in FP16_CI]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write the results here")
@@ -135,13 +151,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--varlen", action="store_true", help="only the varlen builds (fa3_variants.varlen_cases)"
     )
+    ap.add_argument(
+        "--all-dtypes", action="store_true", help="every shipped config in both 16-bit types"
+    )
     args = ap.parse_args(argv)
 
     from benchmarks.fa3_variants import flag_variants, varlen_cases
     from flashsuite.fa3.configs import shipped_cases
 
     i, n = (int(x) for x in args.shard.split("/"))
-    cases = [(*c, False, False, False) for c in shipped_cases()]
+    shipped = shipped_cases() if args.all_dtypes else ci_cases()
+    cases = [(*c, False, False, False) for c in shipped]
     if args.variants or args.only_variants:
         variants = [(*c, False, False, False) for c in flag_variants()]
         cases = variants if args.only_variants else cases + variants

@@ -121,9 +121,6 @@ def pytest_collection_modifyitems(config, items) -> None:
             group = _module_fixture_group(item)
             if group is not None:
                 item.add_marker(pytest.mark.xdist_group(group))
-    # Those groups first (a stable sort: the same order on every worker), so that the long
-    # compiles start at once and the short tests fill in around them instead of after them.
-    items.sort(key=lambda item: _module_fixture_group(item) is None)
 
 
 @pytest.fixture

@@ -1,8 +1,10 @@
 """fa3 compiles for sm_90a on a machine without a GPU, with the Hopper machinery in the PTX.
 
-Every shipped config (configs.shipped_cases) is compiled by `python -m benchmarks.fa3_probe`
-in two subprocesses at once (the CuTe DSL reads its CUTE_DSL_* settings at import, so the
-compile runs outside this interpreter); every non-default flag variant
+Every shipped config (configs.shipped_cases) in bf16, and in fp16 at two of them (the table
+gives both 16-bit types one config, asserted below; `benchmarks.fa3_probe.ci_cases`), is
+compiled by `python -m benchmarks.fa3_probe` in two subprocesses at once (the CuTe DSL reads
+its CUTE_DSL_* settings at import, so the compile runs outside this interpreter); every
+non-default flag variant
 (benchmarks/fa3_variants.py flag_variants: 3 consumer warpgroups, the persistent scheduler old
 and new: tile overlap with per-WG epilogues, balanced order) likewise by `--only-variants`
 under the `lab` marker (deselected by default: `pytest -m lab`). Each config must
@@ -19,6 +21,7 @@ import torch
 
 pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 
+from benchmarks.fa3_probe import ci_cases
 from benchmarks.fa3_variants import flag_variants
 from flashsuite.fa3.configs import (
     SMEM_CAPACITY,
@@ -56,7 +59,7 @@ def test_config_can_implement(case) -> None:
     assert smem_bytes(cfg, d) <= SMEM_CAPACITY
 
 
-@pytest.mark.parametrize("case", shipped_cases(), ids=_id)
+@pytest.mark.parametrize("case", ci_cases(), ids=_id)
 def test_compiles_with_hopper_machinery(case, probes) -> None:
     _check_machinery(case, probes)
 
@@ -90,6 +93,20 @@ def _check_machinery(case, probes: dict[str, dict]) -> None:
 def test_dtype_table_covers_both_16bit_types() -> None:
     dtypes = {dt for _, dt, _, _ in shipped_configs()}
     assert dtypes == {torch.float16, torch.bfloat16}
+
+
+def test_both_16bit_types_share_each_config() -> None:
+    """What lets CI compile fp16 at two configs only (ci_cases): each shipped (name, head_dim,
+    causal) has one config for fp16 and bf16. A dtype-specific entry fails here first."""
+    by_case: dict[tuple, dict] = {}
+    for name, d, dt, causal, cfg in shipped_cases():
+        by_case.setdefault((name, d, causal), {})[dt] = cfg
+    for case, cfgs in by_case.items():
+        assert set(cfgs) == {torch.float16, torch.bfloat16}, case
+        assert cfgs[torch.float16] == cfgs[torch.bfloat16], case
+    cases = ci_cases()
+    assert {c[2] for c in cases} == {torch.float16, torch.bfloat16}
+    assert len([c for c in cases if c[2] == torch.bfloat16]) == len(by_case)
 
 
 def test_flag_variants_cover_new_flags() -> None:
@@ -126,7 +143,7 @@ def test_overlap_needs_persistent() -> None:
     assert not ok and "persistent" in reason
 
 
-@pytest.mark.parametrize("case", [c for c in shipped_cases() if c[4].overlap_tiles], ids=_id)
+@pytest.mark.parametrize("case", [c for c in ci_cases() if c[4].overlap_tiles], ids=_id)
 def test_overlap_epilogue_barriers(case, probes) -> None:
     """Tile overlap with a separate sO: each consumer WG syncs only its own 128 threads around
     its sO slab (no all-consumer EPILOGUE barrier), and the store's smem reads are waited for

@@ -45,8 +45,6 @@ ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repos
 SHARDS = ((64, 128, 192), (96, 256))  # two compiler processes (the CI machine has 2 cores)
 CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
-CASES.append(("persistent_v2", 128, True))  # per-tile descales, per-WG epilogue (not shipped)
-CASES.append(("wg3_n128", 64, False))  # three consumer warpgroups (not shipped)
 # V transposed in shared memory by the producer warpgroup (v_transpose="smem": get_config's
 # build up to configs.FP8_SMEM_VT_MAX_SEQLEN_K keys).
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
@@ -88,20 +86,43 @@ def probes(tmp_path_factory) -> dict:
     ids=[f"{n}-D{d}-{'causal' if c else 'full'}" for n, d, c in CASES],
 )
 def test_fp8_compiles_with_hopper_machinery(name: str, d: int, causal: bool, probes) -> None:
-    r = probes["configs"][(name, d, causal)]
+    _check_fp8_machinery(probes["configs"][(name, d, causal)])
+
+
+@pytest.mark.lab
+def test_fp8_variants_compile_with_hopper_machinery(tmp_path) -> None:
+    """The fp8 ablation candidates no config ships (benchmarks/fa3_variants.fp8_variants: the
+    persistent scheduler with per-tile descales, three consumer warpgroups, ...), non-causal,
+    at D 64 and 128: `pytest -m lab`."""
+    path = tmp_path / "variants.json"
+    cmd = [sys.executable, "-m", "benchmarks.fa3_fp8_check", "--probe", "--variants"]
+    cmd += ["--head-dim", "64", "--head-dim", "128", "--json", str(path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"fp8 variant probe failed:\n{proc.stdout}\n{proc.stderr}"
+    configs = json.loads(path.read_text())["configs"]
+    names = {r["name"] for r in configs}
+    assert {"persistent_v2", "wg3_n128"} <= names, names
+    for r in configs:
+        _check_fp8_machinery(r)
+
+
+def _check_fp8_machinery(r: dict) -> None:
     ptx = r["ptx"]
     assert ptx["wgmma_e4m3"] > 0 and ptx["wgmma_e4m3"] == ptx["wgmma"], "not all wgmma are e4m3"
     assert ptx["wgmma_rs"] > 0, "P·V is not an RS wgmma (P should come from registers)"
     assert ptx["tma_load"] > 0 and ptx["tma_store"] > 0, "no cp.async.bulk.tensor load/store"
     assert ptx["setmaxnreg"] >= 2, "setmaxnreg dec/inc missing"
-    assert ptx["stmatrix"] > 0 and ptx["bar_arrive"] > 0
+    cfg = Fa3Config(**r["config"])
+    assert ptx["stmatrix"] > 0
+    if cfg.pingpong:
+        assert ptx["bar_arrive"] > 0, "ping-pong named-barrier arrives missing"
     # Two shuffles and two prmt per 32-bit word pair of P, per k-block and row half.
     assert ptx["shfl_idx"] > 0 and ptx["prmt"] > 0 and ptx["cvt_e4m3x2"] > 0
     assert r["registers"] is not None, "no ptxas report captured"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
-    cfg = Fa3Config(**r["config"])
     split = VT_REG_SPLIT if cfg.v_transpose == "smem" else REG_SPLIT
     assert r["max_reg"] is not None, "no cubin or no nvdisasm to read registers"
     assert r["max_reg"] < split[cfg.num_consumer_wgs][1], f"R{r['max_reg']} past setmaxnreg"
