@@ -15,7 +15,9 @@ at import: run this module in its own process.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -25,6 +27,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_bwd_ptx_hash_")
+atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 
 
 def _deterministic(d: int, dtype, causal: bool):

@@ -29,9 +29,11 @@ fa3.interface.forward on an untransposed V (the host build's Vᵀ copy included)
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -60,6 +62,7 @@ def _probe_env() -> None:
     os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a cache hit would skip ptxas
     os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # the cubin for its highest register
     os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_fp8_probe_")
+    atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 
 
 FP8_PTX_PATTERNS = {

@@ -16,9 +16,11 @@ importing cutlass: run it in its own process.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +31,7 @@ os.environ["CUTE_DSL_COMPILER_OPT"] = "remarks{ptx}"  # ptxas -v output on stder
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"  # a cache hit would skip ptxas
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 _DUMP = tempfile.mkdtemp(prefix="fa3_probe_")
+atexit.register(shutil.rmtree, _DUMP, ignore_errors=True)  # the DSL's dumps, read in-process
 os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP
 
 PTX_PATTERNS = {

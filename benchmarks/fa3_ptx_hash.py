@@ -14,7 +14,9 @@ own process.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 
@@ -24,6 +26,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 os.environ["CUTE_DSL_DISABLE_FILE_CACHING"] = "1"
 os.environ["CUTE_DSL_KEEP"] = "ptx"
 os.environ["CUTE_DSL_DUMP_DIR"] = tempfile.mkdtemp(prefix="fa3_ptx_hash_")
+atexit.register(shutil.rmtree, os.environ["CUTE_DSL_DUMP_DIR"], ignore_errors=True)
 
 
 def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
