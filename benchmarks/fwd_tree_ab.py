@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="seconds the GPU idles before each shape's timing, after its first call (a tree "
-        "that compiles there idles the GPU for seconds, one that loads from disk does not: "
-        "the clocks after an idle GPU are higher)",
+        "that compiles there idles the GPU for seconds, one that loads from disk does not, and "
+        "a GPU that idled timed up to 14 %% faster at some shapes: docs/results.md)",
     )
     ap.add_argument("--json", default=None, help="write every pass's numbers here")
     args = ap.parse_args(argv)
