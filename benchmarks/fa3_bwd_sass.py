@@ -185,10 +185,22 @@ def loop_counts(text: str, marker: str) -> dict | None:
         (cond if sk else always)[_opclass(ins)] += 1
         if not sk:
             ops[ins.op] += 1
+    # What each wgmma wait has ahead of it in issue order: the exponentials and wgmmas issued
+    # since the previous wait (the order ptxas chose, which the PTX's order does not fix).
+    waits, mufu, hgmma = [], 0, 0
+    for ins, sk in zip(insns[head : tail + 1], skipped, strict=True):
+        if sk:
+            continue
+        if ins.op.startswith("WARPGROUP.DEPBAR"):
+            waits.append({"wait": ins.args.strip(), "mufu": mufu, "hgmma": hgmma})
+            mufu, hgmma = 0, 0
+        mufu += ins.base == "MUFU"
+        hgmma += ins.base == "HGMMA"
     return {
         "head_addr": insns[head].addr,
         "tail_addr": insns[tail].addr,
         "loops_with_marker": n_loops,
+        "waits": waits,
         "always": {k: always[k] for k in CLASS_NAMES if always[k]},
         "always_total": sum(always.values()),
         "conditional": {k: cond[k] for k in CLASS_NAMES if cond[k]},
@@ -353,6 +365,13 @@ def main(argv: list[str] | None = None) -> int:
     for role in ROLE_MARKERS:
         print()
         print(table(results, role))
+    for r in results:
+        mma = r["loops"].get("mma")
+        if mma:
+            ahead = ", ".join(
+                f"[{w['wait']}] {w['mufu']} MUFU {w['hgmma']} HGMMA" for w in mma["waits"]
+            )
+            print(f"{r['label']}: MMA loop waits, with what was issued since the last: {ahead}")
     if args.listing:
         for r in results:
             print(f"\n--- {r['label']}: {args.listing} loop")

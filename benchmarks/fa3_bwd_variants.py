@@ -109,6 +109,10 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),
         "pipe128_dqm_wgs_tma without the kernel's -inf LSE guard (D = 64)",
     ),
+    "pipe_dve_tma": (
+        BwdConfig(dkv_tma=True, dv_early=True, **_PIPE),
+        "pipe_stm_tma with dV issued once P is packed, before dP^T retires (dv_early)",
+    ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
         "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
@@ -307,6 +311,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe_wgs_tma": (96, 128),
     "pipe128_dqm_wgs_tma": (64,),
     "pipe_wgs_ng_tma": (96, 128),
+    # dv_early at 128-row tiles (D = 64's pipe128_dqm) spills 48 B and serialises its wgmmas
+    # (C7512): P^T held under dV on top of 64 + 64 fp32 of S^T and dP^T. At 64 rows it fits.
+    "pipe_dve_tma": (64, 96, 128),
     "pipe128_dqm_wgs_ng_tma": (64,),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),

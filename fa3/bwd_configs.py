@@ -152,6 +152,12 @@ class BwdConfig:
     # drops the rows past Nk (the ragged view's sequence end when packed), as "dkv_t" always
     # does (FA4's epilogue).
     dkv_tma: bool = False
+    # "sdp_t" with overlap: when dV += P^T dO is issued. False: after dS^T is computed and
+    # stored (FA4's order). True: as soon as P^T is packed, before dP^T retires, so dS^T is
+    # computed while dV's wgmma runs and the exponentials of P^T have a consumer ahead of the
+    # wait for dP^T (without one, ptxas sinks most of them past that wait: the S^T / dP^T
+    # overlap then holds a few instructions, benchmarks/fa3_bwd_sass.py --listing mma).
+    dv_early: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")
@@ -464,6 +470,8 @@ def bwd_can_implement(
             f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} need layout "
             f"'sdp_t', not {cfg.layout!r}"
         )
+    if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
+        return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (the issue order)"
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

@@ -152,6 +152,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError("Fa3Backward: dq_slices > 1 needs layout 'dkv_t' and dq_mode 'red'")
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
+        self.DV_EARLY = cfg.dv_early  # dV issued once P^T is packed, before dP^T retires
         self.LPT = cfg.lpt
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DETERMINISTIC = cfg.deterministic

@@ -139,8 +139,20 @@ class BwdSdpT:
                     d_i = self.load_rows(sD, tScS, s, False)
                 probs_args = (tScS, lse_i, s, masked, n_block, m_block, seqlen_k, shift,
                               scale_log2, win)  # fmt: skip
-                self.probs_and_dscores(acc_S, acc_dP, probs_args, d_i, scale, softcap_pre,
-                                       tdVrP, tdKrdS)  # fmt: skip
+                if const_expr(self.DV_EARLY):
+                    # S^T retired: P^T, then dV on it while dP^T's wgmma still runs; dS^T
+                    # once dP^T retires, under dV's wgmma (tdVrP is its register operand
+                    # until the wait_group after dK: not touched before).
+                    warpgroup.wait_group(1)
+                    self.probs(acc_S, *probs_args, None, softcap_pre)
+                    self.pack(acc_S, tdVrP)
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    warpgroup.wait_group(1)
+                    self.dscores(acc_S, acc_dP, tScS, d_i, s, scale)
+                    self.pack(acc_dP, tdKrdS)
+                else:
+                    self.probs_and_dscores(acc_S, acc_dP, probs_args, d_i, scale, softcap_pre,
+                                           tdVrP, tdKrdS)  # fmt: skip
                 # dS^T -> sdS once every WG's dQ wgmma that read this buffer has retired, and
                 # before the dK wgmma takes tdKrdS: a wgmma's register operands may not be
                 # touched (read included) until a wait_group has retired it. With two sdS
@@ -157,7 +169,8 @@ class BwdSdpT:
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if const_expr(self.OVERLAP):
-                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
+                    if const_expr(not self.DV_EARLY):
+                        self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     cute.arch.barrier(
                         barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS
                     )

@@ -231,6 +231,12 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert not ok and "tile_m 96 not in (64, 80, 128)" in reason
     ok, reason = bwd_can_implement(BwdConfig(), 64, torch.float32)
     assert not ok and "dtype" in reason
+    # dv_early reorders the overlapped "sdp_t" issue order: nothing else has it.
+    ok, reason = bwd_can_implement(BwdConfig(dv_early=True), 128, torch.bfloat16)
+    assert not ok and "dv_early needs layout 'sdp_t' and overlap" in reason
+    ok, reason = bwd_can_implement(replace(wide, overlap=True, dv_early=True), 256, torch.bfloat16)
+    assert not ok and "dv_early needs layout 'sdp_t' and overlap" in reason
+    assert bwd_can_implement(BwdConfig(overlap=True, dv_early=True), 128, torch.bfloat16)[0]
     # dQ split by rows needs 64 rows per MMA warpgroup; the per-warpgroup hand-over needs the
     # writer warp and no turn order.
     warp128 = BwdConfig(tile_m=128, dq_mode="warp")
@@ -684,6 +690,33 @@ def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
         for r in (b, w):
             assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["label"]
             assert r["max_reg"] < 240, f"{r['label']}: R{r['max_reg']}"
+
+
+@pytest.mark.lab
+def test_bwd_dv_early_keeps_the_exponentials_ahead_of_the_dp_wait(tmp_path) -> None:
+    """dv_early (variant pipe_dve_tma, D = 128): in the SASS of the MMA loop every exp2 of P^T
+    and dV's wgmmas are issued before the wait that retires dP^T, so P^T is computed under
+    dP^T's wgmma and dS^T under dV's; the same wgmmas and exponentials per row block as the
+    shipped order, 0 spills within 240 registers."""
+    path = tmp_path / "sass.json"
+    cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--variant", "pipe_dve_tma"]
+    cmd += ["--variant", "pipe_stm_tma", "--head-dim", "128", "--json", str(path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by = {r["label"].split()[0]: r for r in json.loads(path.read_text())}
+    dve, base = by["pipe_dve_tma"], by["pipe_stm_tma"]
+    assert dve["config"]["dv_early"] and not base["config"]["dv_early"]
+    waits = dve["loops"]["mma"]["waits"]
+    # S^T and dP^T issued (16 wgmmas), wait for S^T; then every exp2 and dV's 4 wgmmas
+    # (TILE_M / 16 k-steps) before the wait for dP^T.
+    assert [w["wait"] for w in waits[:2]] == ["gsb0, 0x1", "gsb0, 0x1"], waits
+    assert waits[0]["hgmma"] == 16 and waits[1]["hgmma"] == 4, waits
+    assert waits[1]["mufu"] == dve["minimum"]["MUFU"] == 32, waits
+    for name in ("HGMMA", "MUFU"):
+        assert dve["loops"]["mma"]["always"][name] == base["loops"]["mma"]["always"][name]
+    assert dve["spill_stores"] == 0 and dve["spill_loads"] == 0
+    assert dve["max_reg"] < 240, f"R{dve['max_reg']}"
 
 
 @pytest.mark.lab
