@@ -471,7 +471,7 @@ def bwd_can_implement(
             f"'sdp_t', not {cfg.layout!r}"
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
-        return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (the issue order)"
+        return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

@@ -1044,34 +1044,49 @@ _SIGNATURE_KEYS = [
 # Run in a child process: the CuTe DSL reads CUTE_DSL_ARCH at import, and only a binary built
 # with it set calls its argument check on a machine without the GPU.
 _SIGNATURE_CHILD = """
-import json, re, sys
+import json, sys
 from dataclasses import replace
 import torch
 from flashsuite.fa3 import bwd_host
 from flashsuite.fa3.bwd_configs import bwd_config_for
-d, causal, flags = json.loads(sys.argv[1])
-cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False))
-if flags.get("deterministic"):
-    cfg = replace(cfg, deterministic=True)
-key = bwd_host.BwdCompileKey(torch.bfloat16, d, causal, cfg, local=flags.get("local", False),
-                             softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
-t = torch.zeros(2, 2)
-args = bwd_host.launch_args(
-    key, (t,) * 9, 0.125, 30.0 if key.softcap else 0.0, (64, 0) if key.local else (-1, -1),
-    100, 100, t if cfg.deterministic else None, (t, t) if key.varlen else None)
-try:
-    bwd_host.compile_backward(key)(*args)
-    message = ""
-except ValueError as e:
-    message = str(e)
-print(json.dumps({"message": message, "none": [a is None for a in args]}))
+out = {}
+for name, d, causal, flags in json.loads(sys.argv[1]):
+    cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False))
+    if flags.get("deterministic"):
+        cfg = replace(cfg, deterministic=True)
+    key = bwd_host.BwdCompileKey(
+        torch.bfloat16, d, causal, cfg, local=flags.get("local", False),
+        softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
+    t = torch.zeros(2, 2)
+    args = bwd_host.launch_args(
+        key, (t,) * 9, 0.125, 30.0 if key.softcap else 0.0, (64, 0) if key.local else (-1, -1),
+        100, 100, t if cfg.deterministic else None, (t, t) if key.varlen else None)
+    try:
+        bwd_host.compile_backward(key)(*args)
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    out[name] = {"message": message, "none": [a is None for a in args]}
+print(json.dumps(out))
 """
+
+
+@pytest.fixture(scope="module")
+def signatures() -> dict[str, dict]:
+    """Per _SIGNATURE_KEYS entry, the binary's refusal message and which launch_args are None,
+    from one child process (one DSL import for the four builds)."""
+    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "FLASHSUITE_CACHE_DIR": "off"}
+    cmd = [sys.executable, "-c", _SIGNATURE_CHILD, json.dumps(_SIGNATURE_KEYS)]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(
     "name, d, causal, flags", _SIGNATURE_KEYS, ids=[k[0] for k in _SIGNATURE_KEYS]
 )
-def test_binary_takes_launch_args(name, d, causal, flags) -> None:
+def test_binary_takes_launch_args(name, d, causal, flags, signatures) -> None:
     """The compiled binary's parameter list (as the DSL's argument check prints it when it
     refuses the first argument, before anything touches a device) against what
     `bwd_host.launch_args` passes: the same parameters in the same order, None exactly where
@@ -1080,12 +1095,7 @@ def test_binary_takes_launch_args(name, d, causal, flags) -> None:
     binary unseen."""
     import re
 
-    env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "FLASHSUITE_CACHE_DIR": "off"}
-    cmd = [sys.executable, "-c", _SIGNATURE_CHILD, json.dumps([d, causal, flags])]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = signatures[name]
     assert "when calling" in result["message"], result["message"][-2000:]
     params = re.search(r"__call__\((.*)\)`", result["message"]).group(1)
     found = re.findall(r"(\w+): (Tensor\(\[[^]]*\], \w+\)|\w+)", params)
