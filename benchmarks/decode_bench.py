@@ -12,7 +12,10 @@ shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels 
 (triton.testing.do_bench) and the K/V bytes read per second, next to PyTorch SDPA's flash and
 cuDNN backends on the same cache (viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same
 run; fa3's largest difference from fa2's output, and each version's time for forced split
-counts at three shapes (the data to set their split heuristics from). Every decode time is one
+counts at five shapes (the data to set their split heuristics from). fa3 is timed twice: with
+the splits merged by the shared Triton combine and with the merge fused into the kernel
+(configs.DECODE_FUSED_COMBINE; `fa3_fused_*` in the JSON, with its largest difference from
+the unfused output). Every decode time is one
 replay of a CUDA graph of the call (as a serving loop runs decode steps), so Python and launch
 overhead are out of every column; fa2's eager time, overhead included, is in the JSON.
 The metadata value checks (a device-to-host copy per call, which a graph cannot hold) are off
@@ -43,6 +46,7 @@ Writes DIR/decode_bench.json and prints a table last. Runs in about 2-3 minutes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -59,6 +63,7 @@ from flashsuite import dispatch
 from flashsuite.common.flops import attention_flops
 from flashsuite.dispatch.bench import time_ms
 from flashsuite.fa2 import decode
+from flashsuite.fa3 import configs as fa3_configs
 from flashsuite.fa3 import decode_host
 
 HQ, HKV, D = 32, 8, 128
@@ -99,6 +104,17 @@ def _decode(version, q, k_cache, v_cache, lens, table, num_splits=0):
         q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=num_splits,
         version=version,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fused_combine():
+    """fa3's decode with the split combine fused into the kernel (configs.DECODE_FUSED_COMBINE)."""
+    saved = fa3_configs.DECODE_FUSED_COMBINE
+    fa3_configs.DECODE_FUSED_COMBINE = True
+    try:
+        yield
+    finally:
+        fa3_configs.DECODE_FUSED_COMBINE = saved
 
 
 def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):
@@ -145,9 +161,13 @@ def decode_sweep(quick: bool) -> list[dict]:
         row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
         row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
         row["fa3_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
+        with _fused_combine():
+            row["fa3_fused_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
         if (b, n) in SPLIT_SWEEP:
             row["fa2_ms_by_num_splits"] = _split_sweep("fa2", q, k, v, lens)
             row["fa3_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
+            with _fused_combine():
+                row["fa3_fused_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
         cfg = decode.decode_config(HQ // HKV, D, interpreter=False)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         row["heuristic_splits"] = decode.num_splits_heuristic(
@@ -169,6 +189,15 @@ def decode_sweep(quick: bool) -> list[dict]:
         row["fa2_paged_ms"] = _graph_ms(_fa2(q, k_pages, v_pages, lens, table))
         row["paged_over_contiguous"] = row["fa2_paged_ms"] / row["fa2_ms"]
         row["fa3_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
+        with _fused_combine():
+            row["fa3_fused_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
+        try:
+            with _fused_combine():
+                fused = _decode("fa3", q, k, v, lens, None)()
+            unfused = _decode("fa3", q, k, v, lens, None)()
+            row["fa3_fused_max_diff"] = (fused.float() - unfused.float()).abs().max().item()
+        except Exception as exc:
+            row["fa3_fused_max_diff"] = f"error ({type(exc).__name__})"
         try:
             for name, args in (("fa3", (k, v, None)), ("fa3_paged", (k_pages, v_pages, table))):
                 out = _decode("fa3", q, *args[:2], lens, args[2])()
@@ -188,6 +217,8 @@ def decode_sweep(quick: bool) -> list[dict]:
             "fa2_paged_ms",
             "fa3_ms",
             "fa3_paged_ms",
+            "fa3_fused_ms",
+            "fa3_fused_paged_ms",
             "sdpa_flash_ms",
             "sdpa_cudnn_ms",
         )
@@ -431,11 +462,19 @@ def main() -> None:
         f"\ndecode, Nq=1, GQA {HQ}/{HKV}, D={D}, bf16, CUDA-graph replay (ms | K/V TB/s); "
         f"paged = {PAGE}-token pages"
     )
-    heads = ("fa2", "fa2 paged", "fa3", "fa3 paged", "SDPA flash", "SDPA cuDNN")
+    heads = ("fa2", "fa2 paged", "fa3", "fa3 paged", "fa3 fused", "SDPA flash", "SDPA cuDNN")
     print(f"{'B':>4} {'Nk':>7} | " + " | ".join(f"{h:>15}" for h in heads) + " | fa3/best")
     for r in result["decode"]:
         cells = []
-        for key in ("fa2", "fa2_paged", "fa3", "fa3_paged", "sdpa_flash", "sdpa_cudnn"):
+        for key in (
+            "fa2",
+            "fa2_paged",
+            "fa3",
+            "fa3_paged",
+            "fa3_fused",
+            "sdpa_flash",
+            "sdpa_cudnn",
+        ):
             ms, rate = r[f"{key}_ms"], r.get(f"{key}_tbps")
             cells.append(f"{_fmt(ms)} | {rate:.2f}" if rate is not None else str(ms)[:15])
         ratio = _fmt(r.get("fa3_speedup_vs_best_sdpa", "n/a"))

@@ -19,31 +19,35 @@ import time
 
 from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
 
-# (head_dim, causal, local, softcap, page_size (0: contiguous), split): the CI set covers every
-# flag, both cache layouts, a page smaller than the default key tile, and both outputs.
+# (head_dim, causal, local, softcap, page_size (0: contiguous), split, fused combine): the CI
+# set covers every flag, both cache layouts, a page smaller than the default key tile, and the
+# three outputs (final, partials, partials merged in the kernel).
 CI_CASES = [
-    (128, False, False, False, 0, False),
-    (128, True, False, False, 64, True),
-    (64, True, True, True, 16, False),
-    (256, False, True, False, 0, True),
+    (128, False, False, False, 0, False, False),
+    (128, True, False, False, 64, True, False),
+    (64, True, True, True, 16, False, False),
+    (256, False, True, False, 0, True, False),
+    (128, False, False, False, 0, True, True),
+    (64, True, False, False, 16, True, True),
 ]
 
 
 def all_cases() -> list[tuple]:
     return [
-        (d, causal, False, False, page, split)
+        (d, causal, False, False, page, split, fused)
         for d in (64, 96, 128, 192, 256)
         for page in (0, 16, 48, 64, 192, 256)
-        for split in (False, True)
+        for split, fused in ((False, False), (True, False), (True, True))
         for causal in (False, True)
     ]
 
 
 def case_name(case: tuple) -> str:
-    d, causal, local, softcap, page, split = case
+    d, causal, local, softcap, page, split, fused = case
     flags = [f for f, on in (("causal", causal), ("local", local), ("softcap", softcap)) if on]
     cache = f"paged{page}" if page else "contiguous"
-    return "-".join([f"D{d}", cache, "split" if split else "final", *flags])
+    out = "fused" if fused else "split" if split else "final"
+    return "-".join([f"D{d}", cache, out, *flags])
 
 
 def probe(case: tuple) -> dict:
@@ -53,9 +57,9 @@ def probe(case: tuple) -> dict:
     from flashsuite.fa3.compile import DecodeKey, compile_decode
     from flashsuite.fa3.configs import decode_config
 
-    d, causal, local, softcap, page, split = case
+    d, causal, local, softcap, page, split, fused = case
     cfg = decode_config(d, page)
-    key = DecodeKey(torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg)
+    key = DecodeKey(torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused)
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_decode(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -66,6 +70,8 @@ def probe(case: tuple) -> dict:
         "ptx": ptx_counts(ptx),
         "tma_5d": len(re.findall(r"cp\.async\.bulk\.tensor\.5d", ptx)),
         "q_loads_v4": len(re.findall(r"ld\.global\.v4", ptx)),
+        "merge_loads": len(re.findall(r"ld\.global\.cg\.v4\.f32", ptx)),
+        "counter_atoms": len(re.findall(r"atom\.acq_rel\.gpu\.global\.add\.s32", ptx)),
         "setmaxnreg": re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx),
         **parse_ptxas(log),
     }

@@ -259,13 +259,17 @@ class DecodeKey:
     paged: bool  # a block_table addresses the cache's pages
     split: bool  # writes fp32 partial O and LSE for the combine (num_splits > 1)
     cfg: Fa3Config
+    # With split: the last split of each warp's rows merges the partials itself (no second
+    # launch; decode.Fa3Decode.combine_if_last), else common.split_combine's Triton kernel.
+    fused_combine: bool = False
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
 
 def _fake_decode_inputs(key: DecodeKey) -> tuple:
-    """Fake q, k_cache, v_cache, out rows, lse, block_table (None unless paged) and
-    cache_seqlens: symbolic sizes, 16-byte-aligned 64-bit symbolic strides."""
+    """Fake q, k_cache, v_cache, out rows, lse, block_table (None unless paged), cache_seqlens
+    and, with `key.fused_combine`, the final out rows, lse and the split counters (else None):
+    symbolic sizes, 16-byte-aligned 64-bit symbolic strides."""
     import cutlass
     import cutlass.cute as cute
 
@@ -291,14 +295,26 @@ def _fake_decode_inputs(key: DecodeKey) -> tuple:
             cutlass.Int32, (b, max_pages), stride_order=(1, 0), assumed_align=4
         )
     seqlens = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
-    return (q, k, v, o, lse, table, seqlens)
+    fused = (None, None, None)
+    if key.fused_combine:
+        rows_f, n_lse_f, n_sem = (cute.sym_int() for _ in range(3))
+        fused = (
+            cute.runtime.make_fake_compact_tensor(
+                dt, (rows_f, d), stride_order=(1, 0), assumed_align=16
+            ),
+            cute.runtime.make_fake_compact_tensor(cutlass.Float32, (n_lse_f,), assumed_align=4),
+            cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n_sem,), assumed_align=4),
+        )
+    return (q, k, v, o, lse, table, seqlens, *fused)
 
 
 def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
     """Build one decode binary (no cache). It takes (q, k_cache, v_cache, out_rows, lse,
-    block_table, cache_seqlens, n_new, num_splits, scale_log2, softcap_pre, window_left,
-    window_right): out_rows is out (B·Nq·Hq, D) in q's dtype, or with `key.split` the fp32
-    partials (splits·B·Nq·Hq, D); lse is (B·Hq·Nq,), or (splits·B·Nq·Hq,) with `key.split`."""
+    block_table, cache_seqlens, final_out, final_lse, counters, n_new, num_splits, scale_log2,
+    softcap_pre, window_left, window_right): out_rows is out (B·Nq·Hq, D) in q's dtype, or
+    with `key.split` the fp32 partials (splits·B·Nq·Hq, D); lse is (B·Hq·Nq,), or
+    (splits·B·Nq·Hq,) with `key.split`. final_out (B·Nq·Hq, D), final_lse (B·Hq·Nq,) and
+    counters (B·Hkv·m_blocks·4,) int32, zero, are for `key.fused_combine` and None otherwise."""
     import cutlass
     import cutlass.cute as cute
 
@@ -309,7 +325,7 @@ def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
         raise ValueError(f"fa3: cannot build {key}: {reason}")
     kernel = Fa3Decode(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
-        key.paged, key.split,
+        key.paged, key.split, key.fused_combine,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     compiled = cute.compile(

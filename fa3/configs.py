@@ -398,6 +398,12 @@ DECODE_MAX_STAGES = 4  # per 128-key tile; smaller page-sized tiles get up to 8 
 DECODE_CTAS_PER_SM = 1
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
+# Split partials merged by the last split of each tile inside the decode kernel (no second
+# launch; decode.Fa3Decode.combine_if_last) instead of common.split_combine's Triton kernel.
+# Off: built and checked for sm_90a on the CPU (benchmarks/fa3_decode_probe.py), not yet run on
+# a GPU (tests/test_fa3_kvcache.py's GPU cases take both; benchmarks/decode_bench.py
+# --fused-combine times it).
+DECODE_FUSED_COMBINE = False
 
 
 def decode_config(head_dim: int, page_size: int = 0) -> Fa3Config:

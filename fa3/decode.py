@@ -47,10 +47,20 @@ from flashsuite.fa3.fwd_mainloop import ForwardMainloop
 from flashsuite.fa3.mask import apply_mask
 from flashsuite.fa3.pipeline import PingPong
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
-from flashsuite.fa3.utils import Barrier, WarpRole
+from flashsuite.fa3.utils import (
+    LN2,
+    Barrier,
+    WarpRole,
+    atom_add_acq_rel_gpu_s32,
+    barrier_popc,
+    ld_cg_f32,
+    ld_cg_v4_f32,
+)
 from flashsuite.fa3.varlen import RAGGED_LAST, RAGGED_ROWS
 
 __all__ = ["Fa3Decode"]
+
+LOG2E = 1.0 / math.log(2.0)
 
 
 def kv_view_layout(shape: tuple, stride: tuple) -> tuple[tuple, tuple]:
@@ -84,12 +94,15 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         softcap: bool,
         paged: bool,
         split: bool,
+        fused_combine: bool = False,
     ) -> None:
         assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
+        assert split or not fused_combine, "the fused combine merges splits"
         self.dtype = dtype
         self.FP8 = False
         self.VT_SMEM = self.VT_HOST = False  # 16-bit V, read as it lies (fwd_layouts)
         self.SPLIT = split
+        self.FUSED_COMBINE = fused_combine  # the last split of each warp's rows merges them
         self.o_dtype = Float32 if split else dtype  # partial O in fp32, final O in q's dtype
         self.HEAD_DIM = head_dim
         self.TILE_M = cfg.tile_m
@@ -125,6 +138,9 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         mLSE: cute.Tensor,  # (B * Hq * Nq,) as (b, h, t); SPLIT: (splits * rows,) as mO's rows
         mBlockTable: cute.Tensor | None,  # (B, max_pages) int32 when paged, else None
         mCacheSeqlens: cute.Tensor,  # (B,) int32
+        mOutF: cute.Tensor | None,  # FUSED_COMBINE: out (B·Nq·Hq, D) in q's dtype, else None
+        mLseF: cute.Tensor | None,  # FUSED_COMBINE: lse (B·Hq·Nq,) as (b, h, t), else None
+        mSem: cute.Tensor | None,  # FUSED_COMBINE: (B·Hkv·m_blocks·4,) int32 zeros, else None
         n_new: Int32,  # tokens appended to every row before attending
         num_splits: Int32,
         scale_log2: Float32,
@@ -148,10 +164,10 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         group = heads_q // heads_kv
         m_blocks = (seqlen_q * group + self.TILE_M - 1) // self.TILE_M
         self.kernel(
-            mQ, tma_k, tK, tma_v, tV, mO, mLSE, mBlockTable, mCacheSeqlens, mma_qk, mma_pv,
-            sQ_l, sK_l, Int32(seqlen_q), Int32(heads_q), Int32(group), Int32(m_blocks),
-            Int32(mK.shape[1]), n_new, num_splits, scale_log2, softcap_pre, window_left,
-            window_right,
+            mQ, tma_k, tK, tma_v, tV, mO, mLSE, mBlockTable, mCacheSeqlens, mOutF, mLseF, mSem,
+            mma_qk, mma_pv, sQ_l, sK_l, Int32(seqlen_q), Int32(heads_q), Int32(group),
+            Int32(m_blocks), Int32(mK.shape[1]), n_new, num_splits, scale_log2, softcap_pre,
+            window_left, window_right,
         ).launch(
             grid=(num_splits, heads_kv * m_blocks, batch_n),
             block=[self.NUM_THREADS, 1, 1],
@@ -174,6 +190,9 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         mLSE: cute.Tensor,
         mBlockTable: cute.Tensor | None,
         mCacheSeqlens: cute.Tensor,
+        mOutF: cute.Tensor | None,
+        mLseF: cute.Tensor | None,
+        mSem: cute.Tensor | None,
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
         sQ_l: cute.ComposedLayout,  # (TILE_M, D)
@@ -227,7 +246,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
             self.consumer(
                 mQ, mO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, pipe_k, pipe_v, tidx - 128, tile,
                 split, heads_q, scale_log2, softcap_pre, window_left, window_right, n_block_min,
-                n_block_max,
+                n_block_max, (mOutF, mLseF, mSem, num_splits),
             )  # fmt: skip
 
     @cute.jit
@@ -366,6 +385,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self, mQ, mO, mLSE, mma_qk, mma_pv, sQ, sK, sVt, pipe_k, pipe_v, ctid: Int32, tile,
         split: Int32, heads_q: Int32, scale_log2: Float32, softcap_pre: Float32,
         window_left: Int32, window_right: Int32, n_block_min: Int32, n_block_max: Int32,
+        fused: tuple,
     ):  # fmt: skip
         thr_qk = mma_qk.get_slice(ctid)
         thr_pv = mma_pv.get_slice(ctid)
@@ -404,6 +424,8 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
             )
         self.epilogue(mO, mLSE, thr_pv, acc_O, tScS, row_max, row_sum, tile, split, heads_q,
                       scale_log2)  # fmt: skip
+        if const_expr(self.FUSED_COMBINE):
+            self.combine_if_last(mO, mLSE, fused, ctid, tile, heads_q)
 
     @cute.jit
     def out_index(self, tile, packed: Int32, split: Int32, heads_q: Int32):
@@ -443,3 +465,69 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
                     for c in cutlass.range_constexpr(2):
                         i = 4 * j + 2 * r + c
                         gO[tOcO[i][1]] = rO[i]
+
+    @cute.jit
+    def combine_if_last(self, mO, mLSE, fused: tuple, ctid: Int32, tile, heads_q: Int32):
+        """The split combine, fused: once this CTA's partial O and LSE are out, the consumer
+        warpgroup publishes them (every thread fences, a barrier, thread 0 adds 1 to the
+        (batch, kv head, m_block) counter with acquire-release at GPU scope) and learns by a
+        counting barrier whether it was the last of the tile's splits. The last one merges
+        all of them into out and lse (`merge_rows`) and sets the counter back to 0 for the
+        next launch on the stream."""
+        mOutF, mLseF, mSem, num_splits = fused
+        _, hm, _ = cute.arch.block_idx()
+        slot = tile.batch * cute.arch.grid_dim()[1] + hm
+        cute.arch.fence_acq_rel_gpu()  # this thread's partial O and LSE, before the count
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=128)
+        last = Int32(0)
+        if ctid == 0:
+            old = atom_add_acq_rel_gpu_s32(mSem.iterator + slot, Int32(1))
+            last = Int32(1) if old == num_splits - 1 else Int32(0)
+        if barrier_popc(int(Barrier.EPILOGUE), 128, last) > 0:
+            cute.arch.fence_acq_rel_gpu()
+            self.merge_rows(mO, mLSE, mOutF, mLseF, tile, ctid, num_splits, heads_q)
+            if ctid == 0:
+                mSem[slot] = Int32(0)
+
+    @cute.jit
+    def merge_rows(self, mO, mLSE, mOutF, mLseF, tile, ctid: Int32, num_splits: Int32,
+                   heads_q: Int32):  # fmt: skip
+        """out = sum_s exp(lse_s - lse) O_s, lse = logsumexp_s lse_s for the tile's valid
+        packed rows, 4 columns per thread and step, one pass over the splits (in order 0 ..
+        S-1, 4 in flight) with a running maximum, reading through L2 only; a row no split saw
+        keys for gets out 0 and lse -inf (common.split_combine's arithmetic)."""
+        quads = self.HEAD_DIM // 4
+        first = tile.m_block * self.TILE_M
+        n_rows = cutlass.min(tile.rows - first, self.TILE_M)
+        total = cute.arch.grid_dim()[2] * tile.seqlen_q * heads_q  # rows of one split
+        for i in cutlass.range(ctid, n_rows * quads, 128, unroll=1):
+            r = i // quads
+            col = (i - r * quads) * 4
+            packed = first + r
+            tok = packed // tile.group
+            head = tile.head_kv * tile.group + (packed - tok * tile.group)
+            o_row = (tile.batch * tile.seqlen_q + tok) * heads_q + head
+            m = Float32(-math.inf)
+            den = Float32(0.0)
+            acc = cute.make_rmem_tensor((4,), Float32)
+            acc.fill(0.0)
+            for s in cutlass.range(num_splits, unroll=4):
+                row = o_row + s * total
+                lse_s = ld_cg_f32(mLSE.iterator + row)
+                o_s = ld_cg_v4_f32(mO.iterator + row * self.HEAD_DIM + col)
+                m_new = cutlass.max(m, lse_s)
+                m_use = Float32(0.0) if m_new == Float32(-math.inf) else m_new
+                alpha = cute.math.exp2((m - m_use) * LOG2E, fastmath=True)
+                w = cute.math.exp2((lse_s - m_use) * LOG2E, fastmath=True)
+                den = den * alpha + w
+                for j in cutlass.range_constexpr(4):
+                    acc[j] = acc[j] * alpha + w * o_s[j]
+                m = m_new
+            seen = den > Float32(0.0)
+            inv = cute.arch.rcp_approx(den) if seen else Float32(0.0)
+            gO = mOutF[o_row, None]  # (D,)
+            for j in cutlass.range_constexpr(4):
+                gO[col + j] = self.dtype(acc[j] * inv)
+            if col == 0:
+                lse = (cute.math.log2(den, fastmath=True) * LN2 + m) if seen else Float32(-math.inf)
+                mLseF[(tile.batch * heads_q + head) * tile.seqlen_q + tok] = lse

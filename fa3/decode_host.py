@@ -3,8 +3,9 @@ launch and the combine.
 
 The new k, v are appended into the cache first (common.kvcache.append_kv, shared by every
 version); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
-it writes out and lse itself; with more, each split writes its fp32 partial O and LSE and the
-shared Triton combine (common.split_combine) merges them into out and lse.
+it writes out and lse itself; with more, each split writes its fp32 partial O and LSE, merged
+into out and lse by the shared Triton combine (common.split_combine) or, with
+configs.DECODE_FUSED_COMBINE, by the last split of each tile inside the kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from flashsuite.common.kvcache import append_kv
 from flashsuite.common.split_combine import combine_splits, split_count
 from flashsuite.common.validation import KVCacheParams
+from flashsuite.fa3 import configs
 from flashsuite.fa3.configs import (
     DECODE_CTAS_PER_SM,
     DECODE_MAX_SPLITS,
@@ -83,6 +85,26 @@ def supports(kp: KVCacheParams) -> tuple[bool, str]:
     )
 
 
+# (device, stream) -> int32 zeros: the fused combine's per-tile split counters. The kernel sets
+# each counter back to 0 when its tile is merged, so one buffer serves every later launch on
+# the same stream (launches on one stream run in order).
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """(n,) int32 zeros for the fused combine's counters on the current stream: a cached buffer,
+    or a fresh one where the calls are captured into a CUDA graph (the graph's own memset then
+    zeroes it at every replay) or the device is not a GPU."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf[:n]
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` (4-D, last dim contiguous) with a 16-byte-aligned base and outer strides, as the
     kernel's 16-byte Q loads and the cache's TMA views need: itself in the common case, else a
@@ -117,10 +139,11 @@ def kvcache_forward(
     sms = H100_SMS
     if q.is_cuda:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg, _, splits = plan(kp, sms)
+    cfg, m_blocks, splits = plan(kp, sms)
+    fused = splits > 1 and configs.DECODE_FUSED_COMBINE
     key = DecodeKey(
         dtype=p.dtype, head_dim=d, causal=p.causal, local=p.is_local, softcap=p.softcap > 0,
-        paged=kp.paged, split=splits > 1, cfg=cfg,
+        paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
     )  # fmt: skip
     fn = get_decode(key)
     scalars = kernel_scalars(
@@ -130,13 +153,17 @@ def kvcache_forward(
     table = block_table.contiguous() if kp.paged else None
     seqlens = cache_seqlens.contiguous()
     if splits == 1:
-        fn(q, k_cache, v_cache, out.view(-1, d), lse.view(-1), table, seqlens, kp.seqlen_new,
-           1, *scalars)  # fmt: skip
+        fn(q, k_cache, v_cache, out.view(-1, d), lse.view(-1), table, seqlens, None, None, None,
+           kp.seqlen_new, 1, *scalars)  # fmt: skip
         return out, lse
     rows = b * nq * hq
     o_part = torch.empty(splits, rows, d, dtype=torch.float32, device=q.device)  # (S, R, D)
     lse_part = torch.empty(splits, rows, dtype=torch.float32, device=q.device)  # (S, R)
-    fn(q, k_cache, v_cache, o_part.view(-1, d), lse_part.view(-1), table, seqlens,
+    final = (None, None, None)
+    if fused:  # out, lse and one counter per (batch, kv head, m_block) tile
+        final = (out.view(-1, d), lse.view(-1), split_counters(b * p.heads_kv * m_blocks, q.device))
+    fn(q, k_cache, v_cache, o_part.view(-1, d), lse_part.view(-1), table, seqlens, *final,
        kp.seqlen_new, splits, *scalars)  # fmt: skip
-    combine_splits(o_part, lse_part, out, lse)
+    if not fused:
+        combine_splits(o_part, lse_part, out, lse)
     return out, lse

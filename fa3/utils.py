@@ -91,6 +91,77 @@ def red_release_gpu_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=Non
     )
 
 
+@dsl_user_op
+def ld_cg_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> Float32:
+    """A float32 from global memory through L2 only (ld.global.cg): what another CTA wrote and
+    released, never a line this SM's L1 kept from before it was written."""
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [ptr.llvm_ptr],
+            "ld.global.cg.f32 $0, [$1];",
+            "=f,l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def ld_cg_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
+    """Four float32 at a 16-byte-aligned global address through L2 only (ld.global.cg.v4)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4),
+        [ptr.llvm_ptr],
+        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
+        "=f,=f,=f,=f,l",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def atom_add_acq_rel_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
+    """old = global int32; global int32 += value, acquire and release at GPU scope
+    (atom.acq_rel.gpu): the writes this thread (after a fence, its warp) made before are visible
+    to whoever reads the new count, and this thread sees everything released before the old."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
+            "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
+            "=r,l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def barrier_popc(barrier_id: int, threads: int, pred, *, loc=None, ip=None) -> Int32:
+    """Named barrier `barrier_id` over `threads` threads that also counts how many of them
+    passed a true `pred` (bar.red.popc): a CTA-wide vote without shared memory."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [
+                Int32(pred).ir_value(loc=loc, ip=ip),
+                Int32(barrier_id).ir_value(loc=loc, ip=ip),
+                Int32(threads).ir_value(loc=loc, ip=ip),
+            ],
+            "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\nbar.red.popc.u32 $0, $2, $3, p;\n}",
+            "=r,r,r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
 @cute.jit
 def turn_wait(sem: cute.Pointer, turn: Int32, tid: Int32, barrier_id: int, threads: int):
     """Wait until the global int32 counter `sem` reads `turn`: thread 0 of `threads` spins on

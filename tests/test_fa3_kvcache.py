@@ -77,6 +77,12 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"ptxas remark {code}: {r['ptxas_lines']}"
+    if name.split("-")[2] == "fused":
+        # One acquire-release count per CTA; the merge reads the partials through L2 with
+        # 16-byte loads, 4 splits in flight (the unrolled body and its remainder).
+        assert r["counter_atoms"] == 1 and r["merge_loads"] >= 5, r
+    else:
+        assert r["counter_atoms"] == 0 and r["merge_loads"] == 0, r
 
 
 @needs_dsl
@@ -187,12 +193,14 @@ def _params(b, nq, hq, hkv, cap, page, splits, d=128):
 class StandIn:
     """The compiled decode binary's argument contract; writes known results: with S splits,
     split s's partial O is s + 1 everywhere and its LSE log(s + 1), so the combine must give
-    out = sum (s+1)^2 / sum (s+1) and lse = log(sum (s+1))."""
+    out = sum (s+1)^2 / sum (s+1) and lse = log(sum (s+1)). A fused-combine build also gets
+    out, lse and zeroed per-tile counters, and merges the partials into them itself."""
 
     def __init__(self, key) -> None:
         self.key, self.calls = key, []
 
-    def __call__(self, q, kc, vc, o_rows, lse, table, seqlens, n_new, splits, *scalars):
+    def __call__(self, q, kc, vc, o_rows, lse, table, seqlens, out_f, lse_f, counters, n_new,
+                 splits, *scalars):  # fmt: skip
         b, nq, hq, d = q.shape
         rows = b * nq * hq
         assert self.key.split == (splits > 1) and len(scalars) == 4
@@ -204,7 +212,23 @@ class StandIn:
         part = torch.arange(1, splits + 1, dtype=torch.float32)[:, None]  # (S, 1)
         o_rows.view(splits, rows, d).copy_(part[:, :, None].expand(splits, rows, d))
         lse.view(splits, rows).copy_(part.log().expand(splits, rows))
+        if self.key.fused_combine:
+            hkv = kc.shape[2]
+            m_blocks = -(-nq * (hq // hkv) // 64)
+            assert out_f.shape == (rows, d) and out_f.dtype == q.dtype and out_f.is_contiguous()
+            assert lse_f.shape == (b * hq * nq,) and lse_f.dtype == torch.float32
+            assert counters.shape == (b * hkv * m_blocks,) and counters.dtype == torch.int32
+            assert not counters.any(), "the counters must start at 0"
+            w = part.double()
+            out_f.copy_(((w * w).sum() / w.sum()).expand(rows, d))
+            lse_f.fill_(math.log(w.sum()))
+        else:
+            assert out_f is None and lse_f is None and counters is None
         self.calls.append((splits, n_new))
+
+
+def _no_combine(*args) -> None:
+    raise AssertionError("the Triton combine ran for a fused-combine build")
 
 
 @pytest.fixture
@@ -221,11 +245,17 @@ def stand_in(monkeypatch) -> list:
     return made
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["triton-combine", "fused-combine"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("page", [0, 32])
-def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
+def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch) -> None:
     pytest.importorskip("triton")
+    from flashsuite.fa3 import configs, decode_host
     from flashsuite.fa3.decode_host import kvcache_forward
+
+    monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
+    if fused:  # the kernel merges: no second launch
+        monkeypatch.setattr(decode_host, "combine_splits", _no_combine)
 
     b, nq, hq, hkv, d, cap = 2, 2, 8, 2, 64, 64
     # On the suite's device: on a GPU host the shared combine is Triton's compiled kernel,
@@ -243,6 +273,7 @@ def test_host_path_splits_and_combine(stand_in, splits, page) -> None:
     out, lse = kvcache_forward(q, kc, vc, kn, kn, lens, table, kp)
     (binary,) = stand_in
     assert binary.calls == [(splits, 1)] and binary.key.paged == (page > 0)
+    assert binary.key.fused_combine == (fused and splits > 1)
     assert out.shape == (b, nq, hq, d) and lse.shape == (b, hq, nq)
     w = torch.arange(1, splits + 1, dtype=torch.float64, device=DEV)
     expect = (w * w).sum() / w.sum()
@@ -343,11 +374,19 @@ def _case_id(c) -> str:
 
 
 @gpu_fa3
+@pytest.mark.parametrize("fused", [False, True], ids=["triton-combine", "fused-combine"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_decode_matches_per_row_oracle(case) -> None:
+def test_gpu_decode_matches_per_row_oracle(case, fused, monkeypatch) -> None:
+    """The kernel against a float64 oracle per row. With the fused combine (split builds
+    only) the call runs twice: the second must give the same bits, so the kernel left its
+    per-tile counters at 0 for the next launch."""
+    from flashsuite.fa3 import configs
     from flashsuite.fa3.decode_host import kvcache_forward
 
     b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
+    if fused and splits == 1:
+        pytest.skip("one split: nothing to combine")
+    monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
     k_dense, v_dense = (_rand(gen, b, cap, hkv, d, dtype=dtype) for _ in range(2))
@@ -378,6 +417,19 @@ def test_gpu_decode_matches_per_row_oracle(case) -> None:
     torch.cuda.synchronize()
     for buf in (out_buf, lse_buf):
         assert buf[:guard].isnan().all() and buf[-guard:].isnan().all(), "wrote outside out/lse"
+    if fused:
+        first = (out.clone(), lse.clone())
+        out.fill_(math.nan)
+        lse.fill_(math.nan)
+        # The append already happened: attend the same keys again, appending nothing.
+        kp_again = check_kvcache_inputs(
+            q, k_cache, v_cache, cache_seqlens=seqlens + n_new, block_table=table,
+            num_splits=splits, **options,
+        )  # fmt: skip
+        kvcache_forward(q, k_cache, v_cache, None, None, seqlens + n_new, table, kp_again,
+                        out=out, lse=lse)  # fmt: skip
+        torch.cuda.synchronize()
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), "second launch differs"
     pieces = []
     for row in range(b):
         n = lens[row]
