@@ -15,6 +15,20 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 LN2 = math.log(2.0)
 
 
+def ptx(result_type, operands: list, text: str, constraints: str, side_effects: bool = True):
+    """Inline PTX `text` (AT&T operand syntax) as an LLVM inline_asm op. With `side_effects`
+    (memory operations, barriers) LLVM neither drops nor reorders it against other such ops."""
+    return llvm.inline_asm(
+        result_type,
+        operands,
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 @dsl_user_op
 def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
     """Two fp32 -> one register of two 16-bit values (a in the low half): cvt.rn.{bf16,f16}x2.
@@ -25,14 +39,12 @@ def cvt_pack_16x2(a: Float32, b: Float32, bf16: bool, *, loc=None, ip=None) -> I
     """
     kind = "bf16x2" if bf16 else "f16x2"
     return Int32(
-        llvm.inline_asm(
+        ptx(
             T.i32(),
             [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
             f"cvt.rn.{kind}.f32 $0, $2, $1;",  # d = {hi: $2 (b), lo: $1 (a)}
             "=r,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
+            side_effects=False,
         )
     )
 
@@ -44,7 +56,7 @@ def bulk_reduce_add_f32(
     """gmem[0:nbytes] += smem[0:nbytes] (fp32) by the TMA unit, in this thread's bulk group:
     cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32. Both addresses 16-byte
     aligned, nbytes a multiple of 16; commit and wait with cute.arch.cp_async_bulk_*_group."""
-    llvm.inline_asm(
+    ptx(
         None,
         [
             gmem_ptr.llvm_ptr,
@@ -53,9 +65,6 @@ def bulk_reduce_add_f32(
         ],
         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
         "l,r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
@@ -64,14 +73,11 @@ def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
     """An int32 from global memory with acquire semantics at GPU scope (ld.acquire.gpu): the
     reads and writes after it see everything the thread that released the value had done."""
     return Int32(
-        llvm.inline_asm(
+        ptx(
             T.i32(),
             [ptr.llvm_ptr],
             "ld.acquire.gpu.global.b32 $0, [$1];",
             "=r,l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
 
@@ -80,14 +86,11 @@ def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 def red_release_gpu_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
     """global int32 += value with release semantics at GPU scope (red.release.gpu): what this
     thread (and, after a barrier, its CTA) wrote before is visible to an acquiring reader."""
-    llvm.inline_asm(
+    ptx(
         None,
         [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
         "red.release.gpu.global.add.s32 [$0], $1;",
         "l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
@@ -96,14 +99,11 @@ def ld_cg_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> Float32:
     """A float32 from global memory through L2 only (ld.global.cg): what another CTA wrote and
     released, never a line this SM's L1 kept from before it was written."""
     return Float32(
-        llvm.inline_asm(
+        ptx(
             T.f32(),
             [ptr.llvm_ptr],
             "ld.global.cg.f32 $0, [$1];",
             "=f,l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
 
@@ -111,14 +111,11 @@ def ld_cg_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> Float32:
 @dsl_user_op
 def ld_cg_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
     """Four float32 at a 16-byte-aligned global address through L2 only (ld.global.cg.v4)."""
-    res = llvm.inline_asm(
+    res = ptx(
         llvm.StructType.get_literal([T.f32()] * 4),
         [ptr.llvm_ptr],
         "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
         "=f,=f,=f,=f,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
 
@@ -129,14 +126,11 @@ def atom_add_acq_rel_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=No
     (atom.acq_rel.gpu): the writes this thread (after a fence, its warp) made before are visible
     to whoever reads the new count, and this thread sees everything released before the old."""
     return Int32(
-        llvm.inline_asm(
+        ptx(
             T.i32(),
             [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
             "atom.acq_rel.gpu.global.add.s32 $0, [$1], $2;",
             "=r,l,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
 
@@ -146,7 +140,7 @@ def barrier_popc(barrier_id: int, threads: int, pred, *, loc=None, ip=None) -> I
     """Named barrier `barrier_id` over `threads` threads that also counts how many of them
     passed a true `pred` (bar.red.popc): a CTA-wide vote without shared memory."""
     return Int32(
-        llvm.inline_asm(
+        ptx(
             T.i32(),
             [
                 Int32(pred).ir_value(loc=loc, ip=ip),
@@ -155,9 +149,6 @@ def barrier_popc(barrier_id: int, threads: int, pred, *, loc=None, ip=None) -> I
             ],
             "{\n.reg .pred p;\nsetp.ne.u32 p, $1, 0;\nbar.red.popc.u32 $0, $2, $3, p;\n}",
             "=r,r,r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
 
