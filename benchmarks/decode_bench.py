@@ -7,15 +7,15 @@
 
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
-shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels (version=
-"fa3": auto keeps fa2 until this run shows fa3 ahead). Each point reports the median time
+shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels (fa3 is
+what auto picks on sm90, configs.KVCACHE_AUTO). Each point reports the median time
 (triton.testing.do_bench) and the K/V bytes read per second, next to PyTorch SDPA's flash and
 cuDNN backends on the same cache (viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same
 run; fa3's largest difference from fa2's output, and each version's time for forced split
 counts at five shapes (the data to set their split heuristics from). fa3 is timed twice: with
-the splits merged by the shared Triton combine and with the merge fused into the kernel
-(configs.DECODE_FUSED_COMBINE; `fa3_fused_*` in the JSON, with its largest difference from
-the unfused output). Every decode time is one
+the splits merged by the shared Triton combine (`fa3_*` in the JSON) and with the merge fused
+into the kernel (`fa3_fused_*`, the shipped default, configs.DECODE_FUSED_COMBINE; with its
+largest difference from the other). Every decode time is one
 replay of a CUDA graph of the call (as a serving loop runs decode steps), so Python and launch
 overhead are out of every column; fa2's eager time, overhead included, is in the JSON.
 The metadata value checks (a device-to-host copy per call, which a graph cannot hold) are off
@@ -107,10 +107,11 @@ def _decode(version, q, k_cache, v_cache, lens, table, num_splits=0):
 
 
 @contextlib.contextmanager
-def _fused_combine():
-    """fa3's decode with the split combine fused into the kernel (configs.DECODE_FUSED_COMBINE)."""
+def _combine(fused: bool):
+    """fa3's decode with the split combine fused into the kernel or by the shared Triton kernel
+    (configs.DECODE_FUSED_COMBINE), whatever the shipped default."""
     saved = fa3_configs.DECODE_FUSED_COMBINE
-    fa3_configs.DECODE_FUSED_COMBINE = True
+    fa3_configs.DECODE_FUSED_COMBINE = fused
     try:
         yield
     finally:
@@ -160,13 +161,15 @@ def decode_sweep(quick: bool) -> list[dict]:
         row = dict(batch=b, seqlen_k=n, kv_bytes=kv_bytes)
         row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
         row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
-        row["fa3_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
-        with _fused_combine():
+        with _combine(fused=False):
+            row["fa3_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
+        with _combine(fused=True):
             row["fa3_fused_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
         if (b, n) in SPLIT_SWEEP:
             row["fa2_ms_by_num_splits"] = _split_sweep("fa2", q, k, v, lens)
-            row["fa3_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
-            with _fused_combine():
+            with _combine(fused=False):
+                row["fa3_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
+            with _combine(fused=True):
                 row["fa3_fused_ms_by_num_splits"] = _split_sweep("fa3", q, k, v, lens)
         cfg = decode.decode_config(HQ // HKV, D, interpreter=False)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -188,13 +191,15 @@ def decode_sweep(quick: bool) -> list[dict]:
         row["paged_max_diff"] = (out_dense.float() - out_paged.float()).abs().max().item()
         row["fa2_paged_ms"] = _graph_ms(_fa2(q, k_pages, v_pages, lens, table))
         row["paged_over_contiguous"] = row["fa2_paged_ms"] / row["fa2_ms"]
-        row["fa3_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
-        with _fused_combine():
+        with _combine(fused=False):
+            row["fa3_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
+        with _combine(fused=True):
             row["fa3_fused_paged_ms"] = _timed(_decode("fa3", q, k_pages, v_pages, lens, table))
         try:
-            with _fused_combine():
+            with _combine(fused=True):
                 fused = _decode("fa3", q, k, v, lens, None)()
-            unfused = _decode("fa3", q, k, v, lens, None)()
+            with _combine(fused=False):
+                unfused = _decode("fa3", q, k, v, lens, None)()
             row["fa3_fused_max_diff"] = (fused.float() - unfused.float()).abs().max().item()
         except Exception as exc:
             row["fa3_fused_max_diff"] = f"error ({type(exc).__name__})"

@@ -196,11 +196,18 @@ def loop_counts(text: str, marker: str) -> dict | None:
             mufu, hgmma = 0, 0
         mufu += ins.base == "MUFU"
         hgmma += ins.base == "HGMMA"
+    # Shared-memory loads issued before the row block's first wgmma (lse_regs' LSE rows).
+    lds_first = 0
+    for ins, sk in zip(insns[head : tail + 1], skipped, strict=True):
+        if ins.base == "HGMMA":
+            break
+        lds_first += not sk and ins.base == "LDS"
     return {
         "head_addr": insns[head].addr,
         "tail_addr": insns[tail].addr,
         "loops_with_marker": n_loops,
         "waits": waits,
+        "lds_before_first_hgmma": lds_first,
         "always": {k: always[k] for k in CLASS_NAMES if always[k]},
         "always_total": sum(always.values()),
         "conditional": {k: cond[k] for k in CLASS_NAMES if cond[k]},

@@ -113,6 +113,22 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(dkv_tma=True, dv_early=True, **_PIPE),
         "pipe_stm_tma with dV issued once P is packed, before dP^T retires (dv_early)",
     ),
+    "pipe_lser_tma": (
+        BwdConfig(dkv_tma=True, lse_regs=True, **_PIPE),
+        "pipe_stm_tma with the LSE rows in registers, loaded before S^T's wgmma (lse_regs)",
+    ),
+    "pipe_dve_lser_tma": (
+        BwdConfig(dkv_tma=True, lse_regs=True, dv_early=True, **_PIPE),
+        "pipe_lser_tma with dV issued once P^T is packed, before dP^T retires (dv_early)",
+    ),
+    "pipe_dve_sreg_tma": (
+        BwdConfig(dkv_tma=True, stats_regs=True, dv_early=True, **_PIPE),
+        "pipe_dve_tma with LSE and D in registers, loaded under the S^T / dP^T wgmmas",
+    ),
+    "pipe_wgs_lser_ng_tma": (
+        BwdConfig(dkv_tma=True, lse_regs=True, wg_slice=True, lse_guard=False, **_PIPE),
+        "pipe_wgs_ng_tma with the LSE rows in registers, loaded before S^T's wgmma",
+    ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
         "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
@@ -315,6 +331,10 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     # (C7512): P^T held under dV on top of 64 + 64 fp32 of S^T and dP^T. At 64 rows it fits.
     "pipe_dve_tma": (64, 96, 128),
     "pipe128_dqm_wgs_ng_tma": (64,),
+    "pipe_lser_tma": (96, 128),
+    "pipe_dve_lser_tma": (96, 128),
+    "pipe_dve_sreg_tma": (96, 128),
+    "pipe_wgs_lser_ng_tma": (96, 128),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
     "pipe128_sout": (64,),

@@ -80,8 +80,9 @@ def _sample_column(header: list[str]) -> int | None:
 
 def source_blocks(text: str) -> list[dict]:
     """ncu's `--page source --csv --print-source sass` output -> one block per kernel:
-    {"title": the non-CSV lines before it, "rows": [(address, sass text, samples)]}. A block
-    starts at each CSV header with an address, a source and a sample column."""
+    {"title": the kernel's name (a `"Kernel Name","..."` CSV line, or the non-CSV lines
+    before the block), "rows": [(address, sass text, samples)]}. A block starts at each CSV
+    header with an address, a source and a sample column."""
     blocks: list[dict] = []
     title: list[str] = []
     cur = None
@@ -91,6 +92,9 @@ def source_blocks(text: str) -> list[dict]:
                 title.append(line.strip())
             continue
         (fields,) = list(csv.reader([line]))
+        if fields[0] == "Kernel Name" and len(fields) > 1:
+            title = [fields[1]]
+            continue
         low = [f.lower() for f in fields]
         is_header = any("address" in f for f in low) and any(f == "source" for f in low)
         if is_header:

@@ -131,6 +131,11 @@ class BwdConfig:
     # so the loads run under the GEMMs (FA4's order); LSE's -inf -> +inf fix is done per row.
     # tile_m 64 only (R237 at D = 128; 128 rows spill).
     stats_regs: bool = False
+    # "sdp_t": the LSE alone in registers (the TILE_M / 4 rows of a thread's fragment, as
+    # stats_regs), loaded before S^T's wgmma is issued so the loads retire under it; D is read
+    # from sD as with stats_regs False. Without it the LSE loads follow S^T's wait, and their
+    # first use waits on them (short-scoreboard stalls at the first compare or FFMA).
+    lse_regs: bool = False
     # "dkv_t" with dq_mode "red": dQ = dS K in this many column slices of each warpgroup's
     # D / NUM_MMA_WGS columns, each slice's wgmma issued, retired and added by its reductions
     # before the next is issued, so dQ holds 1 / dq_slices of its registers (FA3's hdim-256
@@ -465,10 +470,10 @@ def bwd_can_implement(
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
-    if cfg.layout != "sdp_t" and (cfg.scale_out or cfg.stats_regs):
+    if cfg.layout != "sdp_t" and (cfg.scale_out or cfg.stats_regs or cfg.lse_regs):
         return False, (
-            f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} need layout "
-            f"'sdp_t', not {cfg.layout!r}"
+            f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} / lse_regs "
+            f"{cfg.lse_regs} need layout 'sdp_t', not {cfg.layout!r}"
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
         return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
@@ -476,6 +481,8 @@ def bwd_can_implement(
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.
         return False, f"fa3 backward: stats_regs needs tile_m 64 (registers), not {cfg.tile_m}"
+    if cfg.lse_regs and cfg.tile_m != 64:
+        return False, f"fa3 backward: lse_regs needs tile_m 64 (registers), not {cfg.tile_m}"
     ok, reason = _dq_route_ok(cfg)
     if ok and cfg.tile_m == 80:
         ok, reason = _tile_m80_ok(cfg, causal, local, varlen)

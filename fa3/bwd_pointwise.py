@@ -1,8 +1,8 @@
 """The per-row-block steps of the fa3 backward's MMA warpgroups that are not the loop itself:
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogues (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
-TILE_N, HEAD_DIM, MMA_THREADS, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS and
-DQ_SPLIT."""
+TILE_N, HEAD_DIM, MMA_THREADS, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS,
+LSE_REGS and DQ_SPLIT."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -68,7 +68,8 @@ class BwdSteps:
         """P^T = exp2(S^T * scale_log2 - LSE_log2) into acc_S, in place, masked keys 0. With
         ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
         With STATS_REGS, sLSE and sD are `load_rows`' register views (indexed like acc_S; the
-        LSE already read as +inf where it was -inf) and `stage` is unused.
+        LSE already read as +inf where it was -inf) and `stage` is unused; with LSE_REGS sLSE
+        alone is.
 
         Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
         tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
@@ -97,7 +98,7 @@ class BwdSteps:
                         limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
                     acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            if const_expr(self.STATS_REGS):
+            if const_expr(self.STATS_REGS or self.LSE_REGS):
                 lse = sLSE[i]
             else:
                 lse = self._no_neg_inf(sLSE[tScS[i][1], stage])

@@ -130,8 +130,10 @@ class BwdSdpT:
                 if const_expr(self.DS_STAGES > 1):
                     ds_i = i % self.DS_STAGES
                 pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
-                self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 lse_i, d_i = sLSE, sD  # STATS_REGS: this thread's rows, loaded under the GEMMs
+                if const_expr(self.LSE_REGS and not self.STATS_REGS):
+                    lse_i = self.load_rows(sLSE, tScS, s, True)
+                self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 if const_expr(self.STATS_REGS):
                     lse_i = self.load_rows(sLSE, tScS, s, True)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)

@@ -4,8 +4,8 @@ launch and the combine.
 The new k, v are appended into the cache first (common.kvcache.append_kv, shared by every
 version); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
 it writes out and lse itself; with more, each split writes its fp32 partial O and LSE, merged
-into out and lse by the shared Triton combine (common.split_combine) or, with
-configs.DECODE_FUSED_COMBINE, by the last split of each tile inside the kernel.
+into out and lse by the last split of each tile inside the kernel (configs.DECODE_FUSED_COMBINE,
+on) or else by the shared Triton combine (common.split_combine).
 """
 
 from __future__ import annotations

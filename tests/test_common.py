@@ -204,7 +204,8 @@ def test_ncu_csv_is_split_into_cases_at_the_marker_kernels() -> None:
 def test_ncu_source_page_is_summed_per_kernel_opcode_and_instruction() -> None:
     """common/ncu.py: the source page's warp-state samples, per kernel (the busiest first),
     per opcode (predicate and modifiers dropped) and per instruction; the not-issued column
-    is not mistaken for the all-samples one."""
+    is not mistaken for the all-samples one; the kernel named by a plain line before its block
+    or by ncu's "Kernel Name" CSV line."""
     from flashsuite.common import ncu
 
     head = '"# Address","Source","Warp Stall Sampling (Not-issued Samples)",'
@@ -214,7 +215,7 @@ def test_ncu_source_page_is_summed_per_kernel_opcode_and_instruction() -> None:
             "  small_kernel",
             head,
             '"0x10","MUFU.EX2 R1, R2","5","10"',
-            "  main_kernel (132,1,1)x(384,1,1)",
+            '"Kernel Name","main_kernel",',
             head,
             '"0x100","@P0 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24","1,100","1,200"',
             '"0x110","FFMA R1, R2, R3, R4","200","300"',

@@ -257,11 +257,12 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert not ok and "dq_handoff 'cluster' not in" in reason
     # The scale out of dS and LSE / D in registers are "sdp_t" mechanisms; the registers
     # take 64-row tiles.
-    for field in ("scale_out", "stats_regs"):
+    for field in ("scale_out", "stats_regs", "lse_regs"):
         ok, reason = bwd_can_implement(replace(wide, **{field: True}), 256, torch.bfloat16)
         assert not ok and f"{field} True" in reason and "need layout 'sdp_t'" in reason
-    ok, reason = bwd_can_implement(replace(warp128, stats_regs=True), 64, torch.bfloat16)
-    assert not ok and "stats_regs needs tile_m 64 (registers), not 128" in reason
+    for field in ("stats_regs", "lse_regs"):
+        ok, reason = bwd_can_implement(replace(warp128, **{field: True}), 64, torch.bfloat16)
+        assert not ok and f"{field} needs tile_m 64 (registers), not 128" in reason
     assert bwd_can_implement(replace(warp128, scale_out=True), 64, torch.bfloat16) == (True, "")
 
 
@@ -692,19 +693,25 @@ def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
             assert r["max_reg"] < 240, f"{r['label']}: R{r['max_reg']}"
 
 
+def _sass_by_variant(tmp_path, *variants: str) -> dict:
+    """benchmarks/fa3_bwd_sass.py's JSON of the named D = 128 variants (one child process:
+    it sets the CUTE_DSL_* variables before cutlass is imported), by variant name."""
+    path = tmp_path / "sass.json"
+    cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--head-dim", "128"]
+    cmd += [a for v in variants for a in ("--variant", v)] + ["--json", str(path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["label"].split()[0]: r for r in json.loads(path.read_text())}
+
+
 @pytest.mark.lab
 def test_bwd_dv_early_keeps_the_exponentials_ahead_of_the_dp_wait(tmp_path) -> None:
     """dv_early (variant pipe_dve_tma, D = 128): in the SASS of the MMA loop every exp2 of P^T
     and dV's wgmmas are issued before the wait that retires dP^T, so P^T is computed under
     dP^T's wgmma and dS^T under dV's; the same wgmmas and exponentials per row block as the
     shipped order, 0 spills within 240 registers."""
-    path = tmp_path / "sass.json"
-    cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--variant", "pipe_dve_tma"]
-    cmd += ["--variant", "pipe_stm_tma", "--head-dim", "128", "--json", str(path)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    by = {r["label"].split()[0]: r for r in json.loads(path.read_text())}
+    by = _sass_by_variant(tmp_path, "pipe_dve_tma", "pipe_stm_tma")
     dve, base = by["pipe_dve_tma"], by["pipe_stm_tma"]
     assert dve["config"]["dv_early"] and not base["config"]["dv_early"]
     waits = dve["loops"]["mma"]["waits"]
@@ -717,6 +724,23 @@ def test_bwd_dv_early_keeps_the_exponentials_ahead_of_the_dp_wait(tmp_path) -> N
         assert dve["loops"]["mma"]["always"][name] == base["loops"]["mma"]["always"][name]
     assert dve["spill_stores"] == 0 and dve["spill_loads"] == 0
     assert dve["max_reg"] < 240, f"R{dve['max_reg']}"
+
+
+@pytest.mark.lab
+def test_bwd_lse_regs_loads_the_lse_ahead_of_the_first_wgmma(tmp_path) -> None:
+    """lse_regs (variant pipe_lser_tma, D = 128): the row block's TILE_M / 8 LDS.64 of LSE are
+    issued before its first wgmma (the shipped loop issues none there: it reads sLSE after
+    S^T's wait), with the same wgmmas, exponentials and shared-memory instructions per row
+    block; 0 spills within 240 registers."""
+    by = _sass_by_variant(tmp_path, "pipe_lser_tma", "pipe_stm_tma")
+    lser, base = by["pipe_lser_tma"], by["pipe_stm_tma"]
+    assert lser["config"]["lse_regs"] and not base["config"]["lse_regs"]
+    assert lser["loops"]["mma"]["lds_before_first_hgmma"] == 64 // 8
+    assert base["loops"]["mma"]["lds_before_first_hgmma"] == 0
+    for name in ("HGMMA", "MUFU", "LDS/LDSM/STS/STSM"):
+        assert lser["loops"]["mma"]["always"][name] == base["loops"]["mma"]["always"][name]
+    assert lser["spill_stores"] == 0 and lser["spill_loads"] == 0
+    assert lser["max_reg"] < 240, f"R{lser['max_reg']}"
 
 
 @pytest.mark.lab
