@@ -22,8 +22,9 @@ The metadata value checks (a device-to-host copy per call, which a graph cannot 
 (FLASHSUITE_CHECK_METADATA=0), as flash-attn and SDPA do none.
 
 Varlen prefill: packed sequences of random lengths (mean 2k, 64k tokens in all), Hq = Hkv = 16,
-D = 128, bf16, causal and not, forward and backward, against the dense kernel of the same
-version on B = 32 x N = 2048 (the same total tokens). TFLOP/s counts the visible pairs of
+D = 128, bf16, causal and not, forward and backward, through fa3 (its varlen forward and
+backward, what auto runs on sm90) and fa2, each against the dense kernel of the same version on
+B = 32 x N = 2048 (the same total tokens). TFLOP/s counts the visible pairs of
 each sequence (common.flops).
 
 Varlen forward peers (`varlen_peers`, also part of the full run): the same packed batch (mean
@@ -453,7 +454,7 @@ def main() -> None:
     if not args.varlen:
         result["decode"] = decode_sweep(args.quick)
     if not (args.varlen or args.decode):
-        result["varlen"] = varlen_prefill("fa2")
+        result["varlen"] = varlen_prefill("fa3") + varlen_prefill("fa2")
     if not args.decode:
         result["varlen_peers"] = varlen_peers()
     result["seconds"] = time.time() - start
@@ -494,7 +495,7 @@ def main() -> None:
     print("\nvarlen prefill, 64k tokens, mean 2k, H=16, D=128, bf16 (TFLOP/s; ratio varlen/dense)")
     for r in result["varlen"]:
         print(
-            f"causal={int(r['causal'])} fwd {r['varlen_fwd_tflops']:.0f} vs dense "
+            f"{r['version']} causal={int(r['causal'])} fwd {r['varlen_fwd_tflops']:.0f} vs dense "
             f"{r['dense_fwd_tflops']:.0f} ({r['fwd_ratio']:.2f}x) | bwd "
             f"{r['varlen_bwd_tflops']:.0f} vs dense {r['dense_bwd_tflops']:.0f} "
             f"({r['bwd_ratio']:.2f}x)"

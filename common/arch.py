@@ -47,15 +47,32 @@ def override_arch(arch: int | None) -> Iterator[None]:
         _override = previous
 
 
-def real_arch(device: torch.device | str | None = None) -> int | None:
+# CUDA device index -> its architecture: a device's capability never changes, and asking
+# torch for it (get_device_properties) costs microseconds on every launch that plans by arch.
+_real_archs: dict[int, int] = {}
+
+
+def real_arch(device: torch.device | str | int | None = None) -> int | None:
     """The architecture of the physical device, ignoring overrides (None for CPU)."""
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type != "cuda":
-        return None
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability(dev)
-    return major * 10 + minor
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is not None:
+        index = device.index  # the launch paths' case: a tensor's device
+    else:
+        if isinstance(device, int):
+            dev = torch.device("cuda", device)
+        else:
+            dev = torch.device(device) if device is not None else None
+        if dev is not None and dev.type != "cuda":
+            return None
+        if not torch.cuda.is_available():
+            return None
+        index = dev.index if dev is not None and dev.index is not None else None
+        if index is None:
+            index = torch.cuda.current_device()
+    arch = _real_archs.get(index)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(index)
+        _real_archs[index] = arch = major * 10 + minor
+    return arch
 
 
 def device_arch(device: torch.device | str | None = None) -> int | None:

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .bwd_preprocess import first_pad_row, sequence_of_pad_row
+from .triton_launch import launch
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "batch"])
@@ -128,9 +129,11 @@ def dq_postprocess(
     if dq.numel() == 0 or 0 in grid:
         return dq
     bm, bd = triton.next_power_of_2(tile_m), triton.next_power_of_2(d)
-    _dq_postprocess[grid](
+    launch(_dq_postprocess, grid, (
         acc, row_off, col_off, dq, cu_seqlens_q if varlen else row_off, *strides, seqlen_q,
-        batch, 1.0 if scale is None else float(scale), TILE_M=tile_m, HEAD_DIM=d, BM=bm, BD=bd,
-        VARLEN=varlen, HAS_SCALE=scale is not None, num_warps=8 if bm * bd >= 16384 else 4,
-    )  # fmt: skip
+        batch, 1.0 if scale is None else float(scale),
+    ), dict(
+        TILE_M=tile_m, HEAD_DIM=d, BM=bm, BD=bd, VARLEN=varlen, HAS_SCALE=scale is not None,
+        num_warps=8 if bm * bd >= 16384 else 4,
+    ))  # fmt: skip
     return dq

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
+
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 BLOCK_M = 64  # rows per program: memory-bound, any tile that vectorises
 
@@ -129,11 +131,10 @@ def bwd_preprocess(
     lse2 = torch.empty(b, hq, seqlen_pad, dtype=torch.float32, device=out.device)
     if b * hq == 0 or seqlen_pad == 0:
         return delta, lse2
-    _bwd_preprocess[(seqlen_pad // BLOCK_M, hq, b)](
+    launch(_bwd_preprocess, (seqlen_pad // BLOCK_M, hq, b), (
         out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
-        nq, seqlen_pad, hq, HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M,
-        **zero,
-    )  # fmt: skip
+        nq, seqlen_pad, hq,
+    ), dict(HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M, **zero))  # fmt: skip
     return delta, lse2
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_launch import launch
+
 COMBINE_ROWS = 16  # rows per combine program
 
 
@@ -72,9 +74,10 @@ def combine_splits(
     """Merge S splits into out and lse (`_combine`), in place."""
     splits, rows, dv = o_part.shape
     _, nq, hq, _ = out.shape
-    _combine[(triton.cdiv(rows, COMBINE_ROWS),)](
-        o_part, lse_part, out, lse, rows, nq, hq, splits,
-        HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_R=COMBINE_ROWS, num_warps=4,
+    launch(
+        _combine, (triton.cdiv(rows, COMBINE_ROWS),),
+        (o_part, lse_part, out, lse, rows, nq, hq, splits),
+        dict(HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_R=COMBINE_ROWS, num_warps=4),
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
+from flashsuite.common.triton_launch import launch
 from flashsuite.common.validation import AttnParams
 
 NAME = "fa2"
@@ -136,11 +137,8 @@ def forward(
         lse.fill_(float("-inf"))
         return out, lse
     grid, kwargs = _fwd_plan(p, config, _arch(q))
-    kernels._attn_fwd[grid](
-        q, k, v, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-        **kwargs,
-    )  # fmt: skip
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    launch(kernels._attn_fwd, grid, (q, k, v, out, lse, *strides, *lse.stride()[:2]), kwargs)
     return out, lse
 
 
@@ -210,10 +208,10 @@ def backward(
     delta = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     lse2 = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     bm = configs.PREPROCESS_BLOCK_M
-    kernels._bwd_preprocess[(pad // bm, hq, b)](
+    launch(kernels._bwd_preprocess, (pad // bm, hq, b), (
         out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
-        nq, pad, hq, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm,
-    )  # fmt: skip
+        nq, pad, hq,
+    ), dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm))  # fmt: skip
 
     dq_arg, dq_strides = dq, (dq.stride(0), dq.stride(2), dq.stride(1))  # unused w/o DQ_ATOMIC
     if cfg.dq_atomic:
@@ -230,24 +228,25 @@ def backward(
         dq_strides = dq_acc.stride()[:3]  # (b, h, n)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3])
     for _, want_dk, want_dv in configs.dkdv_launches(cfg):  # one launch, or dV then dK
-        kernels._bwd_dkdv[(math.ceil(nk / cfg.block_n1), hkv, b)](
+        launch(kernels._bwd_dkdv, (math.ceil(nk / cfg.block_n1), hkv, b), (
             q, k, v, dout, lse2, delta, dk, dv, dq_arg,
             *strides, *dk.stride()[:3], *dv.stride()[:3], *dq_strides,
+        ), dict(
             seqlen_pad=pad, num_heads=hq, scale=p.scale, DQ_ATOMIC=cfg.dq_atomic and want_dk,
             **common, TAIL_STAGES=None if cfg.tail_pipelined else 1,
             BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
+        ))  # fmt: skip
     if cfg.dq_atomic:
         dq.copy_(dq_acc[:, :, :nq].transpose(1, 2))
     else:
-        kernels._bwd_dq[(math.ceil(nq / cfg.block_m2), hq, b)](
-            q, k, v, dout, lse2, delta, dq,
-            *strides, *dq.stride()[:3],
+        launch(kernels._bwd_dq, (math.ceil(nq / cfg.block_m2), hq, b), (
+            q, k, v, dout, lse2, delta, dq, *strides, *dq.stride()[:3],
+        ), dict(
             seqlen_pad=pad, num_heads=hq, scale=p.scale, **common,
             BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
             num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
-        )  # fmt: skip
+        ))  # fmt: skip
     return dq, dk, dv
 
 
@@ -316,25 +315,28 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
         lse_part = torch.empty(splits, b * nq * hq, dtype=torch.float32, device=q.device)
     table = block_table if block_table is not None else cache_seqlens  # unused when contiguous
     common = _common(p)
-    decode._decode_split[(splits, p.heads_kv * m_blocks, b)](
+    launch(decode._decode_split, (splits, p.heads_kv * m_blocks, b), (
         q, k_cache, v_cache, table, cache_seqlens, out, lse, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         table.stride(0), *out.stride()[:3], *lse.stride()[:2],
         kp.seqlen_new, nq, hq, p.group_size, m_blocks, splits, max(kp.page_size, 1),
         common["window_left"], common["window_right"], common["qk_scale"],
-        common["softcap_log2"], SPLIT=splits > 1, PAGED=kp.paged,
+        common["softcap_log2"],
+    ), dict(
+        SPLIT=splits > 1, PAGED=kp.paged,
         PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0,
         HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
         DV_PAD=common["DV_PAD"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PRECISION=common["DOT_PRECISION"], num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-    )  # fmt: skip
+    ))  # fmt: skip
     if splits > 1:
         block_r = 16
-        decode._combine[(math.ceil(b * nq * hq / block_r),)](
-            o_part, lse_part, out, lse, b * nq * hq, nq, hq, splits,
-            HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4,
+        launch(
+            decode._combine, (math.ceil(b * nq * hq / block_r),),
+            (o_part, lse_part, out, lse, b * nq * hq, nq, hq, splits),
+            dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_R=block_r, num_warps=4),
         )  # fmt: skip
     return out, lse
 

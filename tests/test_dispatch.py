@@ -72,6 +72,27 @@ def test_env_arch_override(monkeypatch) -> None:
         parse_arch("hopper")
 
 
+def test_real_arch_asks_torch_once_per_device(monkeypatch) -> None:
+    """common.arch.real_arch: a CUDA device's capability is read from torch once (every launch
+    that plans by arch asks), per device index, whichever way the device is named; CPU devices
+    and a machine without CUDA give None."""
+    from flashsuite.common import arch as arch_mod
+
+    asked = []
+    caps = {0: (9, 0), 1: (8, 0)}
+    monkeypatch.setattr(arch_mod, "_real_archs", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or caps[i])
+    for device in (torch.device("cuda", 0), "cuda:0", 0, torch.device("cuda", 0)):
+        assert arch_mod.real_arch(device) == 90
+    assert arch_mod.real_arch() == 80 and arch_mod.real_arch("cuda") == 80
+    assert asked == [0, 1]
+    assert arch_mod.real_arch(torch.device("cpu")) is None and arch_mod.real_arch("cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert arch_mod.real_arch("cuda:1") is None and arch_mod.real_arch() is None
+
+
 @pytest.mark.parametrize(
     ("d", "options", "env", "backward", "why"),
     [
