@@ -6,9 +6,11 @@ into its cache key, and only then calls the compiled kernel's C launcher. For th
 that dominate decode steps and small training steps that is most of the host time (about 30 µs
 of fa2's tiny forward on the H200, docs/results.md "Host path per call").
 
-`launch` does that work once per distinct specialisation and then calls the `CompiledKernel`
-directly (`compiled[grid](*every_argument)`, Triton's own way to launch a compiled binary,
-which keeps its launch hooks). The memo key holds everything Triton specialises on: each
+`launch` does that work once per distinct specialisation and then calls the `CompiledKernel`'s
+C launcher directly with every argument in signature order, on torch's current stream (with
+Triton 3.6, whose launcher signature this is; other versions, and any call while a Triton
+launch hook is installed, go through `compiled[grid](...)`, Triton's own launch of a compiled
+binary, which runs the hooks). The memo key holds everything Triton specialises on: each
 tensor argument's dtype and 16-byte alignment, every other argument's value as is (strides,
 sizes, scalars, constexprs, num_warps, ...), and the device. A key seen before is the same
 binary Triton would pick, so the launch is identical.
@@ -28,32 +30,63 @@ from flashsuite.common.arch import triton_interpreter
 # grow.
 _compiled: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
 _MAX_ENTRIES = 4096
-
-
-_PLAIN = (int, float, bool, str, type(None))
-_OTHER = object()  # an argument of another kind
-
-
-def _part(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() & 15 == 0)
-    return a if isinstance(a, _PLAIN) else _OTHER
+_PLAIN = frozenset((int, float, bool, str, type(None)))
+_Tensor = torch.Tensor
 
 
 def _spec(fn, args: tuple, kwargs: dict) -> tuple | None:
     """What Triton's choice of binary depends on, for this call (see the module docstring);
-    None where an argument is of another kind (a tensor descriptor, a tuple): Triton's path."""
-    parts = tuple(_part(a) for a in args)
-    kw = tuple((k, _part(v)) for k, v in kwargs.items())
-    if _OTHER in parts or any(v is _OTHER for _, v in kw):
+    None where an argument is of another kind (a tensor descriptor, a tuple): Triton's path.
+    One flat loop: this runs on every launch."""
+    parts = [fn, tuple(kwargs)]
+    add = parts.append
+    device = -1
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, _Tensor):
+            add(a.dtype)
+            add(a.data_ptr() & 15 == 0)
+            if device < 0:
+                device = a.get_device()
+        elif a.__class__ in _PLAIN:
+            add(a)
+        else:
+            return None
+    add(device)
+    return tuple(parts)
+
+
+def _direct_launcher():
+    """(run, hooks) of Triton 3.6's launch path, or None where this Triton is another version."""
+    import triton
+
+    if not triton.__version__.startswith("3.6."):
         return None
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    return (fn, device, parts, kw)
+    from triton import knobs
+
+    return knobs.runtime
+
+
+_runtime = None
+_runtime_known = False
+
+
+def _stream(device: int) -> int:
+    """torch's current CUDA stream on `device`, as the launcher takes it (Triton's own getter)."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def _hooks_idle(runtime) -> bool:
+    """No launch hook installed (a profiler such as proton installs them)."""
+    for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
 
 
 def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     """`fn[grid](*args, **kwargs)` for a Triton `JITFunction` fn whose positional arguments come
     first in its signature and whose remaining parameters are all given by keyword."""
+    global _runtime, _runtime_known
     if triton_interpreter():
         fn[grid](*args, **kwargs)
         return
@@ -65,7 +98,17 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     if hit is not None:
         compiled, names = hit
         tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
-        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # its launcher takes a 3-d grid
+        g = (*grid, 1, 1)
+        if not _runtime_known:
+            _runtime, _runtime_known = _direct_launcher(), True
+        if _runtime is not None and _hooks_idle(_runtime):
+            stream = _stream(key[-1])
+            compiled.run(
+                g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                None, None, None, *args, *tail,
+            )  # fmt: skip
+        else:
+            compiled[g[:3]](*args, *tail)
         return
     compiled = fn[grid](*args, **kwargs)  # binds, specialises, compiles if new, launches
     names = tuple(fn.arg_names[len(args) :])

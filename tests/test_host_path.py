@@ -216,13 +216,27 @@ def test_eager_autograd_gives_the_op_path_gradients(options) -> None:
 
 
 class _FakeCompiled:
-    """Stands in for Triton's CompiledKernel: `compiled[grid](*every_argument)` is recorded."""
+    """Stands in for Triton's CompiledKernel: `compiled[grid](*every_argument)` (its launch
+    with hooks) and `compiled.run(...)` (its C launcher) are recorded."""
+
+    function, packed_metadata = "function", "metadata"
 
     def __init__(self, calls: list) -> None:
         self.calls = calls
 
     def __getitem__(self, grid):
         return lambda *args: self.calls.append(("compiled", grid, args))
+
+    def run(self, *launch_args):
+        self.calls.append(("direct", launch_args))
+
+
+class _Hooks:
+    """Triton's knobs.runtime with its launch hook chains (`calls`: the installed hooks)."""
+
+    def __init__(self, installed: list) -> None:
+        self.launch_enter_hook = type("Chain", (), {"calls": installed})()
+        self.launch_exit_hook = None
 
 
 class _FakeJit:
@@ -245,13 +259,18 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialisati
 ) -> None:
     """common.triton_launch.launch: the first call of a specialisation goes through Triton; the
     same one again calls the compiled kernel with every argument in signature order (this
-    call's tensors, a 3-d grid). A different int, a misaligned pointer, another dtype or
-    keyword value is a new specialisation; a parameter left to its default, an argument
+    call's tensors, a 3-d grid): through its C launcher on torch's current stream, or where a
+    launch hook is installed or the Triton version is another, through `compiled[grid]`. A
+    different int, a misaligned pointer, another dtype or keyword value is a new
+    specialisation; a parameter left to its default, an argument
     that is neither a tensor nor a plain value, and the interpreter keep Triton's path."""
     from flashsuite.common import triton_launch
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(triton_launch, "_compiled", {})
+    # Triton's own launch of the compiled kernel (another Triton version, or a hook installed).
+    monkeypatch.setattr(triton_launch, "_runtime_known", True)
+    monkeypatch.setattr(triton_launch, "_runtime", None)
     calls: list = []
     fn = _FakeJit(["x", "n", "y", "BLOCK"], calls)
     x, y, y2 = torch.zeros(8), torch.zeros(8), torch.ones(8)
@@ -281,6 +300,18 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialisati
     assert via((x, 5), kw)[0] == via((x, 5), kw)[0] == "triton"
     fn = _FakeJit(["x", "n", "y", "BLOCK"], calls)
     assert via((x, (5, 6)), kw)[0] == via((x, (5, 6)), kw)[0] == "triton"  # a tuple argument
+    # Triton 3.6 with no hook installed: its C launcher, on torch's current stream.
+    monkeypatch.setattr(triton_launch, "_runtime", _Hooks([]))
+    monkeypatch.setattr(triton_launch, "_stream", lambda device: 1234)
+    assert via((x, 7), kw)[0] == "triton"
+    kind, launch_args = via((x, 7), {**kw, "y": y2}, grid=(3,))
+    assert (
+        kind == "direct"
+        and launch_args[:9] == (3, 1, 1, 1234, "function", "metadata") + (None,) * 3
+    )
+    assert launch_args[9:11] == (x, 7) and launch_args[11] is y2 and launch_args[12:] == (16,)
+    monkeypatch.setattr(triton_launch, "_runtime", _Hooks([print]))  # a profiler's hook
+    assert via((x, 7), kw)[0] == "compiled"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert via((x, 5), kw)[0] == via((x, 5), kw)[0] == "triton"
 
