@@ -31,18 +31,36 @@ from flashsuite.dispatch import api
 SHAPE = (1, 128, 1, 64)  # (B, N, H, D): the tiny call, all host path
 
 
-class _NoKernel:
-    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing."""
+class _NoCompiled:
+    """Stands in for a compiled Triton kernel: its launches (common.triton_launch's repeat
+    calls) do nothing."""
+
+    function = packed_metadata = None
+
+    def run(self, *args) -> None:
+        pass
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args: None
+
+
+class _NoKernel:
+    """Stands in for a Triton kernel: `kernel[grid](...)` does nothing and returns a compiled
+    stand-in, as Triton's launch returns its compiled kernel, so the memoised launch path of
+    common.triton_launch is what repeat calls time."""
+
+    def __init__(self, kernel) -> None:
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: _NoCompiled()
 
 
 @contextlib.contextmanager
 def stubbed_kernels() -> Iterator[None]:
     """Replace the kernel launches of fa1, fa2 and fa3 and the portable version's compute by
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
-    from flashsuite.common import bwd_postprocess
+    from flashsuite.common import bwd_postprocess, triton_launch
     from flashsuite.fa1 import kernels as fa1_kernels
     from flashsuite.fa2 import kernels as fa2_kernels
     from flashsuite.fa3 import bwd_host
@@ -50,12 +68,13 @@ def stubbed_kernels() -> Iterator[None]:
 
     sm = type("Props", (), {"multi_processor_count": 132})
     patches = [
-        (fa1_kernels, "fa1_fwd_kernel", _NoKernel()),
-        (fa2_kernels, "_attn_fwd", _NoKernel()),
+        (fa1_kernels, "fa1_fwd_kernel", _NoKernel(fa1_kernels.fa1_fwd_kernel)),
+        (fa2_kernels, "_attn_fwd", _NoKernel(fa2_kernels._attn_fwd)),
         (fa3_compile, "get_forward", lambda key: lambda *args: None),
         (bwd_host, "get_backward", lambda key: lambda *args: None),
         (bwd_host, "bwd_preprocess", _stats_only),
-        (bwd_postprocess, "_dq_postprocess", _NoKernel()),
+        (bwd_postprocess, "_dq_postprocess", _NoKernel(bwd_postprocess._dq_postprocess)),
+        (triton_launch, "_stream", lambda device: 0),
         (torch.cuda, "get_device_properties", lambda device=None: sm),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]

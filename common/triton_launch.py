@@ -35,24 +35,28 @@ _Tensor = torch.Tensor
 
 
 def _spec(fn, args: tuple, kwargs: dict) -> tuple | None:
-    """What Triton's choice of binary depends on, for this call (see the module docstring);
-    None where an argument is of another kind (a tensor descriptor, a tuple): Triton's path.
-    One flat loop: this runs on every launch."""
-    parts = [fn, tuple(kwargs)]
-    add = parts.append
-    device = -1
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, _Tensor):
-            add(a.dtype)
-            add(a.data_ptr() & 15 == 0)
-            if device < 0:
-                device = a.get_device()
-        elif a.__class__ in _PLAIN:
-            add(a)
-        else:
-            return None
-    add(device)
-    return tuple(parts)
+    """What Triton's choice of binary depends on, for this call (see the module docstring), or
+    None where the first positional argument is not a tensor (Triton's path). One
+    comprehension: this runs on every launch. Whether the other arguments are plain values
+    is checked once, before a key is stored (`_plain`)."""
+    first = args[0] if args else None
+    if not isinstance(first, _Tensor):
+        return None
+    vals = [
+        (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a
+        for a in (*args, *kwargs.values())
+    ]
+    return (fn, first.get_device(), tuple(kwargs), *vals)
+
+
+def _plain(key: tuple) -> bool:
+    """Every argument of the key a tensor's (dtype, aligned) pair or a plain value: a tensor
+    descriptor or a tuple of tensors is specialised on more than this key holds."""
+    return all(
+        v.__class__ in _PLAIN
+        or (v.__class__ is tuple and len(v) == 2 and v[0].__class__ is torch.dtype)
+        for v in key[3:]
+    )
 
 
 def _direct_launcher():
@@ -91,10 +95,13 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         fn[grid](*args, **kwargs)
         return
     key = _spec(fn, args, kwargs)
+    try:
+        hit = None if key is None else _compiled.get(key)
+    except TypeError:  # an unhashable argument (a tensor descriptor)
+        key = hit = None
     if key is None:
         fn[grid](*args, **kwargs)
         return
-    hit = _compiled.get(key)
     if hit is not None:
         compiled, names = hit
         tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
@@ -102,7 +109,7 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         if not _runtime_known:
             _runtime, _runtime_known = _direct_launcher(), True
         if _runtime is not None and _hooks_idle(_runtime):
-            stream = _stream(key[-1])
+            stream = _stream(key[1])
             compiled.run(
                 g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                 None, None, None, *args, *tail,
@@ -112,8 +119,8 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         return
     compiled = fn[grid](*args, **kwargs)  # binds, specialises, compiles if new, launches
     names = tuple(fn.arg_names[len(args) :])
-    if compiled is None or any(n not in kwargs for n in names):
-        return  # a parameter left to its default: keep Triton's path for this call site
+    if compiled is None or any(n not in kwargs for n in names) or not _plain(key):
+        return  # a parameter left to its default, or another kind of argument: Triton's path
     if len(_compiled) >= _MAX_ENTRIES:
         _compiled.clear()
     _compiled[key] = (compiled, names)

@@ -300,6 +300,9 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialisati
     assert via((x, 5), kw)[0] == via((x, 5), kw)[0] == "triton"
     fn = _FakeJit(["x", "n", "y", "BLOCK"], calls)
     assert via((x, (5, 6)), kw)[0] == via((x, (5, 6)), kw)[0] == "triton"  # a tuple argument
+    desc = type("Descriptor", (), {"__hash__": None})()  # unhashable, as TensorDescriptor is
+    assert via((x, desc), kw)[0] == via((x, desc), kw)[0] == "triton"
+    assert via((5, x), kw)[0] == via((5, x), kw)[0] == "triton"  # no leading tensor
     # Triton 3.6 with no hook installed: its C launcher, on torch's current stream.
     monkeypatch.setattr(triton_launch, "_runtime", _Hooks([]))
     monkeypatch.setattr(triton_launch, "_stream", lambda device: 1234)
