@@ -196,6 +196,15 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         "pipe_stm with 80-row Q tiles (FA4's non-causal tile at D = 128): S^T / dP^T m64n80, "
         "dV / dK over 5 k-steps, dQ^T = K^T dS^T with D on M (D = 128, non-causal only)",
     ),
+    "pipe80_tma": (
+        BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, **_PIPE),
+        "pipe80 with dK and dV stored through sK / sV by TMA (dkv_tma, the shipped D = 128 "
+        "epilogue): FA4's non-causal D = 128 tile and epilogue",
+    ),
+    "pipe80_wgs_tma": (
+        BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, **_PIPE),
+        "pipe80_tma with the wgmma fragments sliced per warpgroup (uniform descriptors)",
+    ),
     "det_pipe": (
         BwdConfig(
             dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
@@ -316,6 +325,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_lpt": (64,),
     "pipe80": (128,),
     "pipe80_wgs": (128,),
+    "pipe80_tma": (128,),
+    "pipe80_wgs_tma": (128,),
     "pipe_wgs": (96, 128),
     "pipe_wgs_sout": (128,),
     "pipe_wgs_sout_ng": (128,),
@@ -353,7 +364,7 @@ def variant_head_dims(name: str) -> tuple[int, ...]:
 
 # Variants built for non-causal problems only (bwd_configs.bwd_can_implement refuses causal
 # and windowed ones): their probes, hashes and timings skip the causal builds.
-NON_CAUSAL = ("pipe80", "pipe80_wgs")
+NON_CAUSAL = ("pipe80", "pipe80_wgs", "pipe80_tma", "pipe80_wgs_tma")
 
 
 def variant_causal(name: str) -> tuple[bool, ...]:
