@@ -2,9 +2,9 @@
 
 `kernel[grid](*args, **kwargs)` runs Triton's `JITFunction.run` on every call: it binds the
 arguments, specialises each one (integer divisibility, pointer alignment), hashes the result
-into its cache key, and only then calls the compiled kernel's C launcher. For the tiny calls
-that dominate decode steps and small training steps that is most of the host time (about 30 µs
-of fa2's tiny forward on the H200, docs/results.md "Host path per call").
+into its cache key, and only then calls the compiled kernel's C launcher. For tiny calls that
+is a large share of the host time (40 % of fa2's tiny forward under cProfile on the H200's
+host; docs/results.md "Host path per call on the H200").
 
 `launch` does that work once per distinct specialisation and then calls the `CompiledKernel`'s
 C launcher directly with every argument in signature order, on torch's current stream (with
@@ -12,8 +12,8 @@ Triton 3.6, whose launcher signature this is; other versions, and any call while
 launch hook is installed, go through `compiled[grid](...)`, Triton's own launch of a compiled
 binary, which runs the hooks). The memo key holds everything Triton specialises on: each
 tensor argument's dtype and 16-byte alignment, every other argument's value as is (strides,
-sizes, scalars, constexprs, num_warps, ...), and the device. A key seen before is the same
-binary Triton would pick, so the launch is identical.
+sizes, scalars, constexprs, num_warps, ...), and the current device (where Triton launches).
+A key seen before is the same binary Triton would pick, so the launch is identical.
 Under the Triton interpreter (`TRITON_INTERPRET=1`) every call goes through Triton unchanged.
 """
 
@@ -46,7 +46,11 @@ def _spec(fn, args: tuple, kwargs: dict) -> tuple | None:
         (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a
         for a in (*args, *kwargs.values())
     ]
-    return (fn, first.get_device(), tuple(kwargs), *vals)
+    # Triton launches on the current device (its driver's), whatever the tensors' device.
+    device = first.get_device()
+    if device >= 0:
+        device = torch.cuda.current_device()
+    return (fn, device, tuple(kwargs), *vals)
 
 
 def _plain(key: tuple) -> bool:
