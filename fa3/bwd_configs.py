@@ -539,17 +539,18 @@ def _dq_route_ok(cfg: BwdConfig) -> tuple[bool, str]:
 
 
 def _tile_m80_ok(cfg: BwdConfig, causal: bool, local: bool, varlen: bool) -> tuple[bool, str]:
-    """What the 80-row tile is built for: FA4's non-causal, unwindowed, dense D = 128 problem.
-    Causal and windowed problems keep 64-row tiles, as in FA4; the 80-row build is compiled
-    and checked for neither.
+    """What the 80-row tile is built for: FA4's dense D = 128 problem without a window, causal
+    or not (FA4 takes 64-row tiles for causal ones; the row-block range and the diagonal's
+    mask are computed from TILE_M, whatever it is). Windows are not built for it.
     Packed sequences: the varlen preprocess writes 64-row pieces that must each fall inside one
     TILE_M block of a sequence's padded rows (common/bwd_preprocess.py), so TILE_M must be a
     multiple of 64. The deterministic build is interface._bwd_config's own (64-row tiles,
     per-element atomics in n_block order)."""
-    for flag, name in ((causal, "causal"), (local, "a sliding window"), (varlen, "varlen")):
+    del causal
+    for flag, name in ((local, "a sliding window"), (varlen, "varlen")):
         if flag:
             return False, (
-                f"fa3 backward: tile_m 80 is built for dense non-causal problems, not {name}"
+                f"fa3 backward: tile_m 80 is built for dense problems without a window, not {name}"
             )
     if cfg.deterministic:
         return False, "fa3 backward: tile_m 80 needs deterministic False (64-row tiles order dQ)"

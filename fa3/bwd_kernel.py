@@ -188,11 +188,10 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             )
         if self.DKV_T and (cfg.scale_out or cfg.stats_regs or cfg.lse_regs):
             raise ValueError("Fa3Backward: scale_out, stats_regs and lse_regs need layout 'sdp_t'")
-        if cfg.tile_m == 80 and (causal or local or varlen or cfg.dq_split != "dt"):
+        if cfg.tile_m == 80 and (local or varlen or cfg.dq_split != "dt"):
             # bwd_configs._tile_m80_ok says why.
             raise ValueError(
-                "Fa3Backward: tile_m 80 needs dq_split 'dt' and a dense non-causal problem "
-                "without a window"
+                "Fa3Backward: tile_m 80 needs dq_split 'dt' and a dense problem without a window"
             )
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(

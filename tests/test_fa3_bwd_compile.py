@@ -268,7 +268,7 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
 
 def test_bwd_tile_m80_limits() -> None:
     """The 80-row tile: D = 128 with dQ computed as dQ^T through the writer warp, for dense
-    non-causal problems without a window; everything else is refused with the reason."""
+    problems without a window, causal or not; everything else is refused with the reason."""
     from benchmarks.fa3_bwd_variants import variant
 
     bf16 = torch.bfloat16
@@ -276,9 +276,10 @@ def test_bwd_tile_m80_limits() -> None:
     assert bwd_can_implement(pipe80, 128, bf16) == (True, "")
     # 226 KiB: Q, dO 2 x 2 x 20 + K, V 2 x 32 + sdS 2 x 20 + sdQ 40 + 2 (96-float LSE / D stages)
     assert bwd_smem_bytes(pipe80, 128) == 226 * 1024 <= SMEM_CAPACITY
-    for flag, what in (("causal", "causal"), ("local", "a sliding window"), ("varlen", "varlen")):
+    assert bwd_can_implement(pipe80, 128, bf16, causal=True) == (True, "")
+    for flag, what in (("local", "a sliding window"), ("varlen", "varlen")):
         ok, reason = bwd_can_implement(pipe80, 128, bf16, **{flag: True})
-        assert not ok and f"tile_m 80 is built for dense non-causal problems, not {what}" in reason
+        assert not ok and f"built for dense problems without a window, not {what}" in reason
     ok, reason = bwd_can_implement(replace(pipe80, deterministic=True), 128, bf16)
     assert not ok and "tile_m 80 needs deterministic False" in reason
     ok, reason = bwd_can_implement(pipe80, 64, bf16)
@@ -291,9 +292,9 @@ def test_bwd_tile_m80_limits() -> None:
     assert not ok and "not 'sdp_t', 80 and 'atomic'" in reason
 
 
-def test_bwd_tile_m80_refused_for_causal_problems() -> None:
-    """interface._bwd_key and the kernel's constructor refuse the 80-row tile where its build is
-    not checked: causal, windowed and packed problems."""
+def test_bwd_tile_m80_refused_for_windowed_and_packed_problems() -> None:
+    """interface._bwd_key and the kernel's constructor refuse the 80-row tile where it is not
+    built: windowed and packed problems (causal ones take it)."""
     import cutlass
 
     from benchmarks.fa3_bwd_variants import variant
@@ -304,15 +305,15 @@ def test_bwd_tile_m80_refused_for_causal_problems() -> None:
     pipe80 = variant("pipe80")
     q = torch.empty(1, 160, 2, 128, dtype=torch.bfloat16)
     assert _bwd_key(check_inputs(q, q, q), pipe80, varlen=False).cfg == pipe80
-    with pytest.raises(ValueError, match=r"cannot run: .*not causal"):
-        _bwd_key(check_inputs(q, q, q, causal=True), pipe80, varlen=False)
+    assert _bwd_key(check_inputs(q, q, q, causal=True), pipe80, varlen=False).cfg == pipe80
     with pytest.raises(ValueError, match=r"cannot run: .*not a sliding window"):
         _bwd_key(check_inputs(q, q, q, window_size=(64, 64)), pipe80, varlen=False)
     with pytest.raises(ValueError, match=r"cannot run: .*not varlen"):
         _bwd_key(check_inputs(q, q, q), pipe80, varlen=True)
-    for causal, local, varlen in ((True, False, False), (False, True, False), (False, False, True)):
+    for causal, local, varlen in ((True, True, False), (False, True, False), (False, False, True)):
         with pytest.raises(ValueError, match="tile_m 80 needs dq_split 'dt' and a dense"):
             Fa3Backward(cutlass.BFloat16, 128, pipe80, causal, local=local, varlen=varlen)
+    Fa3Backward(cutlass.BFloat16, 128, pipe80, True)  # causal: built
 
 
 def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
