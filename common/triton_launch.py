@@ -26,31 +26,32 @@ import torch
 from flashsuite.common.arch import triton_interpreter
 
 # (kernel, specialisation) -> (compiled kernel, the names of the parameters given by keyword,
-# in signature order). Bounded: a workload with many distinct shapes starts over rather than
-# grow.
-_compiled: dict[tuple, tuple[Any, tuple[str, ...]]] = {}
+# in signature order, and their values where a plan fixes them). Bounded: a workload with many
+# distinct shapes starts over rather than grow.
+_compiled: dict[tuple, tuple[Any, tuple[str, ...], tuple | None]] = {}
 _MAX_ENTRIES = 4096
 _PLAIN = frozenset((int, float, bool, str, type(None)))
 _Tensor = torch.Tensor
 
 
-def _spec(fn, args: tuple, kwargs: dict) -> tuple | None:
+def _spec(fn, args: tuple, kwargs: dict, plan) -> tuple | None:
     """What Triton's choice of binary depends on, for this call (see the module docstring), or
     None where the first positional argument is not a tensor (Triton's path). One
     comprehension: this runs on every launch. Whether the other arguments are plain values
-    is checked once, before a key is stored (`_plain`)."""
+    is checked once, before a key is stored (`_plain`). With `plan`, the keyword arguments
+    are the plan's and the plan object stands for them."""
     first = args[0] if args else None
     if not isinstance(first, _Tensor):
         return None
     vals = [
         (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a
-        for a in (*args, *kwargs.values())
+        for a in (args if plan is not None else (*args, *kwargs.values()))
     ]
     # Triton launches on the current device (its driver's), whatever the tensors' device.
     device = first.get_device()
     if device >= 0:
         device = torch.cuda.current_device()
-    return (fn, device, tuple(kwargs), *vals)
+    return (fn, device, plan if plan is not None else tuple(kwargs), *vals)
 
 
 def _plain(key: tuple) -> bool:
@@ -91,14 +92,19 @@ def _hooks_idle(runtime) -> bool:
     return True
 
 
-def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
+def launch(fn, grid: tuple, args: tuple, kwargs: dict, plan=None) -> None:
     """`fn[grid](*args, **kwargs)` for a Triton `JITFunction` fn whose positional arguments come
-    first in its signature and whose remaining parameters are all given by keyword."""
+    first in its signature and whose remaining parameters are all given by keyword.
+
+    `plan`: an object that the caller passes with these same keyword arguments every time (a
+    launch plan's own token, e.g. `object()` made with the plan): the key then holds the
+    object instead of the keyword values, which are not read again on a hit. The memo keeps
+    the object alive, so another plan's token can never compare equal to it."""
     global _runtime, _runtime_known
     if triton_interpreter():
         fn[grid](*args, **kwargs)
         return
-    key = _spec(fn, args, kwargs)
+    key = _spec(fn, args, kwargs, plan)
     try:
         hit = None if key is None else _compiled.get(key)
     except TypeError:  # an unhashable argument (a tensor descriptor)
@@ -107,8 +113,9 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
         fn[grid](*args, **kwargs)
         return
     if hit is not None:
-        compiled, names = hit
-        tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
+        compiled, names, tail = hit
+        if tail is None:
+            tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
         g = (*grid, 1, 1)
         if not _runtime_known:
             _runtime, _runtime_known = _direct_launcher(), True
@@ -125,6 +132,11 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict) -> None:
     names = tuple(fn.arg_names[len(args) :])
     if compiled is None or any(n not in kwargs for n in names) or not _plain(key):
         return  # a parameter left to its default, or another kind of argument: Triton's path
+    tail = None
+    if plan is not None:
+        if not all(v.__class__ in _PLAIN for v in kwargs.values()):
+            return
+        tail = tuple(kwargs[n] for n in names)
     if len(_compiled) >= _MAX_ENTRIES:
         _compiled.clear()
-    _compiled[key] = (compiled, names)
+    _compiled[key] = (compiled, names, tail)

@@ -136,18 +136,20 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    grid, kwargs = _fwd_plan(p, config, _arch(q))
+    grid, kwargs, token = _fwd_plan(p, config, _arch(q))
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
-    launch(kernels._attn_fwd, grid, (q, k, v, out, lse, *strides, *lse.stride()[:2]), kwargs)
+    args = (q, k, v, out, lse, *strides, *lse.stride()[:2])
+    launch(kernels._attn_fwd, grid, args, kwargs, plan=token)
     return out, lse
 
 
-# (problem, config override, arch, interpreter) -> (grid, scalar and constexpr kwargs): the
-# config lookup, padding and scalar arithmetic of the forward, once per static problem.
+# (problem, config override, arch, interpreter) -> (grid, scalar and constexpr kwargs, the
+# plan's token for common.triton_launch): the config lookup, padding and scalar arithmetic of
+# the forward, once per static problem.
 _fwd_plans: dict[tuple, tuple] = {}
 
 
-def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict]:
+def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict, object]:
     key = (p, config, arch, triton_interpreter())
     plan = _fwd_plans.get(key)
     if plan is None:
@@ -164,7 +166,7 @@ def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict]:
         )
         if len(_fwd_plans) >= 4096:  # many distinct shapes: start over rather than grow
             _fwd_plans.clear()
-        _fwd_plans[key] = plan = (grid, kwargs)
+        _fwd_plans[key] = plan = (grid, kwargs, object())
     return plan
 
 

@@ -262,8 +262,9 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialisati
     call's tensors, a 3-d grid): through its C launcher on torch's current stream, or where a
     launch hook is installed or the Triton version is another, through `compiled[grid]`. A
     different int, a misaligned pointer, another dtype or keyword value is a new
-    specialisation; a parameter left to its default, an argument
-    that is neither a tensor nor a plain value, and the interpreter keep Triton's path."""
+    specialisation; a plan's token stands for its keyword arguments; a parameter left to its
+    default, an argument that is neither a tensor nor a plain value, and the interpreter keep
+    Triton's path."""
     from flashsuite.common import triton_launch
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -303,6 +304,22 @@ def test_triton_launch_reuses_the_compiled_kernel_only_for_the_same_specialisati
     desc = type("Descriptor", (), {"__hash__": None})()  # unhashable, as TensorDescriptor is
     assert via((x, desc), kw)[0] == via((x, desc), kw)[0] == "triton"
     assert via((5, x), kw)[0] == via((5, x), kw)[0] == "triton"  # no leading tensor
+    # A plan's token stands for its keyword arguments: a hit takes the plan's stored values;
+    # another plan is another key; a plan with a tensor among them is not memoised.
+    plan_kw, plan = dict(y=7, BLOCK=16, num_warps=4), object()
+
+    def planned(token, kwargs=plan_kw):
+        calls.clear()
+        triton_launch.launch(fn, (2,), (x, 5), kwargs, plan=token)
+        (call,) = calls
+        return call
+
+    assert planned(plan)[0] == "triton"
+    kind, _, args = planned(plan)
+    assert kind == "compiled" and args == (x, 5, 7, 16)
+    assert planned(object())[0] == "triton"
+    tensor_plan = object()
+    assert planned(tensor_plan, kw)[0] == planned(tensor_plan, kw)[0] == "triton"
     # Triton 3.6 with no hook installed: its C launcher, on torch's current stream.
     monkeypatch.setattr(triton_launch, "_runtime", _Hooks([]))
     monkeypatch.setattr(triton_launch, "_stream", lambda device: 1234)
