@@ -65,7 +65,7 @@ def real_arch(device: torch.device | str | int | None = None) -> int | None:
             return None
         if not torch.cuda.is_available():
             return None
-        index = dev.index if dev is not None and dev.index is not None else None
+        index = dev.index if dev is not None else None
         if index is None:
             index = torch.cuda.current_device()
     arch = _real_archs.get(index)

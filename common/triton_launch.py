@@ -65,7 +65,8 @@ def _plain(key: tuple) -> bool:
 
 
 def _direct_launcher():
-    """(run, hooks) of Triton 3.6's launch path, or None where this Triton is another version."""
+    """Triton 3.6's `knobs.runtime` (its launch hooks), or None where this Triton is another
+    version, whose launcher may take other arguments."""
     import triton
 
     if not triton.__version__.startswith("3.6."):
