@@ -61,7 +61,7 @@ def _cases(variants: bool) -> list[tuple]:
             out.append(("softcap", d, bf16, c, False, True, bwd_config_for(d, bf16, c, True)))
     for d in (64, 128, 256):
         for c in (False, True):
-            out.append(("local", d, bf16, c, True, False, bwd_config_for(d, bf16, c)))
+            out.append(("local", d, bf16, c, True, False, bwd_config_for(d, bf16, c, local=True)))
     for d in (64, 128):
         for c in (False, True):
             out.append(("deterministic", d, bf16, c, False, False, _deterministic(d, bf16, c)))

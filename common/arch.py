@@ -19,6 +19,22 @@ import torch
 _UNSET = object()
 _override: object = _UNSET
 
+# os.environ.get costs about a microsecond per missing name (an encode and a KeyError); the
+# dict os.environ writes through to (CPython on POSIX: bytes keys and values) answers in a few
+# ns. `env_table` and `env_key` read it on the launch paths; elsewhere os.environ is the same.
+_ENV_BYTES = os.name == "posix" and isinstance(getattr(os.environ, "_data", None), dict)
+env_table: dict = os.environ._data if _ENV_BYTES else os.environ  # type: ignore[attr-defined]
+
+
+def env_key(name: str) -> bytes | str:
+    """`name` as `env_table` keys it."""
+    return name.encode() if _ENV_BYTES else name
+
+
+_ARCH_KEY = env_key("FLASHSUITE_ARCH")
+_INTERPRET_KEY = env_key("TRITON_INTERPRET")
+_INTERPRET_OFF = (None, *(env_key(v) for v in ("", "0")))
+
 
 def parse_arch(text: str) -> int | None:
     """'sm90', 'sm_90a', '90', '9.0' -> 90; 'cpu' or 'none' -> None."""
@@ -79,9 +95,8 @@ def device_arch(device: torch.device | str | None = None) -> int | None:
     """The architecture dispatch should plan for: override, then env, then the real device."""
     if _override is not _UNSET:
         return _override  # type: ignore[return-value]
-    env = os.environ.get("FLASHSUITE_ARCH")
-    if env is not None:
-        return parse_arch(env)
+    if env_table.get(_ARCH_KEY) is not None:
+        return parse_arch(os.environ["FLASHSUITE_ARCH"])
     return real_arch(device)
 
 
@@ -92,12 +107,12 @@ def override_state() -> object:
 
 
 def is_overridden() -> bool:
-    return _override is not _UNSET or os.environ.get("FLASHSUITE_ARCH") is not None
+    return _override is not _UNSET or env_table.get(_ARCH_KEY) is not None
 
 
 def triton_interpreter() -> bool:
     """True when Triton kernels run on the CPU through `TRITON_INTERPRET=1`."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env_table.get(_INTERPRET_KEY) not in _INTERPRET_OFF
 
 
 def triton_available(version: str) -> tuple[bool, str]:

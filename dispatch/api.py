@@ -226,7 +226,8 @@ class Plan:
     whether the inputs need a gradient, whether the version's forward may be called directly
     (`_run`), its forward op with the op's option arguments, the version's forward, and the
     op pair's eager autograd path for inputs that need a gradient (op, forward and autograd
-    are None for PyTorch's SDPA, `fallback.NAME`)."""
+    are None for PyTorch's SDPA, `fallback.NAME`), and the version's `bind_forward(params)`
+    where it has one and the plan is direct (a function of (q, k, v) alone)."""
 
     version: str
     params: AttnParams
@@ -236,6 +237,7 @@ class Plan:
     op_args: tuple
     forward: object
     autograd: object = None
+    bound: object = None
 
 
 # The eager fast path of `attention`: key of one call (`_lookup`) -> Plan. One validation and one
@@ -251,12 +253,9 @@ _SELECTION_ENV = (
     "TRITON_INTERPRET",
     *(f"FLASHSUITE_{name.upper()}_BWD" for name in registry.VERSIONS),
 )
-# os.environ.get costs about a microsecond per missing name (an encode and a KeyError); the
-# dict os.environ writes through to (CPython, POSIX: bytes keys) answers in a few ns.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEYS = tuple(name.encode() for name in _SELECTION_ENV)
-if os.name != "posix" or not isinstance(_ENV_DATA, dict):  # pragma: no cover
-    _ENV_DATA, _ENV_KEYS = os.environ, _SELECTION_ENV
+# Read through arch_mod.env_table (a few ns per name, not os.environ.get's microsecond).
+_ENV_DATA = arch_mod.env_table
+_ENV_KEYS = tuple(map(arch_mod.env_key, _SELECTION_ENV))
 
 
 def _lookup(
@@ -297,9 +296,11 @@ def _lookup(
             # The forward itself runs only on real devices (the op's fake answers for meta).
             real = p.device.type in ("cpu", "cuda")
             direct = not needs_grad and real
-            forward = registry.module(name).forward
+            module = registry.module(name)
             autograd = pair.eager_autograd if needs_grad and real and not p.is_fp8 else None
-            plan = Plan(name, p, needs_grad, direct, pair.fwd, p.to_op_args(), forward, autograd)
+            bind = getattr(module, "bind_forward", None) if direct else None
+            plan = Plan(name, p, needs_grad, direct, pair.fwd, p.to_op_args(), module.forward,
+                        autograd, bind(p) if bind is not None else None)  # fmt: skip
         remember(_plans, key, plan)
     return plan
 
@@ -339,6 +340,8 @@ def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
         return plan.op(q, k, v, *plan.op_args, None, None, None)
     if plan.autograd is not None:
         return plan.autograd(q, k, v, plan.params)
+    if plan.bound is not None:
+        return plan.bound(q, k, v)  # out and lse contiguous, new tensors
     out, lse = plan.forward(q, k, v, plan.params, None, None, None)
     return out.contiguous(), lse.contiguous()
 

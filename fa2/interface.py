@@ -143,6 +143,38 @@ def forward(
     return out, lse
 
 
+def bind_forward(p: AttnParams):
+    """`forward(q, k, v, p)` as a function of (q, k, v) alone, for callers that run one problem
+    many times (dispatch's memoised plans): the launch plan (grid, keyword arguments, token) is
+    found on the first call and kept. None for empty problems, which `forward` fills itself."""
+    from flashsuite.fa2 import kernels
+
+    if p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim_v):
+        return None
+    kernel, dtype, f32 = kernels._attn_fwd, p.out_dtype, torch.float32
+    out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim_v)  # (B, Nq, Hq, Dv)
+    lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)
+    # Both outputs are new contiguous tensors: their strides follow from the shapes.
+    out_strides = (out_shape[1] * out_shape[2] * out_shape[3], out_shape[2] * out_shape[3],
+                   out_shape[3], lse_shape[1] * lse_shape[2], lse_shape[2])  # fmt: skip
+    plan = None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        nonlocal plan
+        if plan is None:
+            plan = _fwd_plan(p, None, _arch(q))
+        grid, kwargs, token = plan
+        q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+        out = torch.empty(out_shape, dtype=dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=f32, device=q.device)
+        args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+                *out_strides)  # fmt: skip
+        launch(kernel, grid, args, kwargs, plan=token)
+        return out, lse
+
+    return run
+
+
 # (problem, config override, arch, interpreter) -> (grid, scalar and constexpr kwargs, the
 # plan's token for common.triton_launch): the config lookup, padding and scalar arithmetic of
 # the forward, once per static problem.

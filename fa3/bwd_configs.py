@@ -8,7 +8,7 @@ to it; H200 numbers are noted where an entry was measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -310,11 +310,23 @@ def bwd_config_for(
     causal: bool,
     softcap: bool = False,
     sdq: bool = False,
+    *,
+    local: bool = False,
+    varlen: bool = False,
 ) -> BwdConfig:
     """The backward config for (head_dim, dtype, causal, softcap); fp16 and bf16 share it.
     `sdq`: at D = 256 the 64 x 48 tile whose dQ goes through the writer warp's sdQ, not the
     80-key tile with dQ by the MMA threads' reductions; the deterministic build starts from it
-    (bwd_interface._bwd_config orders its dQ).
+    (bwd_interface._bwd_config orders its dQ). `local` (a sliding window) and `varlen` (packed
+    sequences) describe the problem: D = 128's 80-row tile is for dense problems without either.
+
+    D = 128 without causal masking, window, packed sequences or softcap takes FA4's 80-row tile
+    (dQ computed as dQ^T = K^T dS^T, wgmma operands sliced per warpgroup; variant
+    pipe80_wgs_tma): interleaved A/B on the H200 (`python3 -m benchmarks.fa3_bwd_ab --variant
+    pipe80_wgs_tma --variant pipe80_tma --variant pipe_stm_tma --head-dim 128 --repeats 3`,
+    2026-12-04, commit 3243fe2, medians of 3; docs/results.md), N = 4k / 16k: 553 / 584 against
+    539 / 575 for the 64-row tile; causal 477 / 572 against 480 / 562, so causal problems keep
+    64 rows (FA4's choice too).
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -365,13 +377,13 @@ def bwd_config_for(
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
     """
-    del dtype, causal
+    del dtype
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     if head_dim > 128:
         return _bwd_wide_config(head_dim, softcap, sdq)
     wide_m = head_dim == 64 and not softcap
-    return BwdConfig(
+    cfg = BwdConfig(
         tile_m=128 if wide_m else 64,
         dq_split="m" if wide_m else "d",
         tile_n=128,
@@ -382,6 +394,9 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
+    if head_dim == 128 and not (causal or softcap or local or varlen):
+        cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True)
+    return cfg
 
 
 def _bwd_wide_config(head_dim: int, softcap: bool, sdq: bool = False) -> BwdConfig:
@@ -620,10 +635,12 @@ def _dkvt_tiles_ok(cfg: BwdConfig, head_dim: int) -> tuple[bool, str]:
     return True, ""
 
 
-def bwd_shipped_configs() -> list[tuple[int, torch.dtype, bool, BwdConfig]]:
-    """Every (head_dim, dtype, causal, config) bwd_config_for returns."""
+def bwd_shipped_configs(local: bool = False) -> list[tuple[int, torch.dtype, bool, BwdConfig]]:
+    """Every (head_dim, dtype, causal, config) bwd_config_for returns for dense problems without
+    softcap, or with `local` for those with a sliding window (the configs packed sequences take
+    too: 64-row tiles at D = 128)."""
     return [
-        (d, dt, c, bwd_config_for(d, dt, c))
+        (d, dt, c, bwd_config_for(d, dt, c, local=local))
         for d in BWD_HEAD_DIMS
         for dt in DTYPES
         for c in (False, True)

@@ -103,7 +103,9 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
     the deterministic build that has run on the H200 (at D = 64 / 128)."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg is None:
-        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0, sdq=deterministic)
+        cfg = bwd_config_for(
+            p.head_dim, p.dtype, p.causal, p.softcap > 0, sdq=deterministic, local=p.is_local
+        )
     if deterministic and not cfg.deterministic:
         cfg = replace(
             cfg,
@@ -214,8 +216,12 @@ def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, 
         return False, "fa3 varlen backward: no deterministic build (fa2's varlen backward is)"
     if p.heads_kv > _MAX_GRID_YZ:
         return False, f"fa3 varlen backward: heads_kv {p.heads_kv} must be <= {_MAX_GRID_YZ}"
-    cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
-    ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
+    cfg = bwd_config_for(
+        p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
+    )
+    ok, reason = bwd_can_implement(
+        cfg, p.head_dim, p.dtype, causal=p.causal, local=p.is_local, varlen=True
+    )
     if not ok:
         return False, reason
     return True, (
@@ -257,7 +263,9 @@ def varlen_backward(
     from flashsuite.fa3.interface import _tma_ready
 
     if cfg is None:
-        cfg = bwd_config_for(p.head_dim, p.dtype, p.causal, p.softcap > 0)
+        cfg = bwd_config_for(
+            p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
+        )
     key = _bwd_key(p, cfg, varlen=True)
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()  # any view of the incoming gradient (e.g. expanded: strides 0)

@@ -249,6 +249,34 @@ def forward(
     return out, lse
 
 
+def bind_forward(p: AttnParams):
+    """`forward(q, k, v, p)` as a function of (q, k, v) alone, for callers that run one problem
+    many times (dispatch's memoised plans): the launch plan is found on the first call and
+    kept, so a repeat call only allocates the outputs, checks TMA alignment and launches.
+    None where `forward` does more than that (fp8: descales and V's layout; empty problems)."""
+    if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
+        return None
+    out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)
+    lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)
+    dtype, f32 = p.out_dtype, torch.float32
+    plan = None
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        nonlocal plan
+        device = q.device
+        if plan is None:
+            fn, scalars, _ = _launch_plan(p, None, device)
+            plan = fn, scalars
+        fn, scalars = plan
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+        lse = torch.empty(lse_shape, dtype=f32, device=device)
+        fn(_tma_ready(q), _tma_ready(k), _tma_ready(v), out, lse, None, None, None, None, None,
+           *scalars)  # fmt: skip
+        return out, lse
+
+    return run
+
+
 # (problem fields that pick the binary and its scalars, cfg, device) -> (binary, scalars).
 # Saves the config lookup, CompileKey hashing and scalar arithmetic on every repeated call.
 _plans: dict[tuple, tuple] = {}

@@ -170,6 +170,75 @@ def test_fast_path_gives_the_op_path_result() -> None:
     assert any("flashsuite::torch_fwd" in e.name for e in prof.events())
 
 
+def _views(dtype=BF16):
+    """q, k, v of one problem (2 sequences, GQA 4 / 2) as a contiguous batch, as (B, H, N, D)
+    tensors transposed to (B, N, H, D) (outer strides of another order), and as a slice of
+    wider rows."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 96, h, 64, generator=gen).to(dtype) for h in (4, 2, 2))
+    yield "contiguous", (q, k, v)
+    yield "transposed", tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    yield "sliced", tuple(torch.cat([t, t], dim=-1)[..., :64] for t in (q, k, v))
+
+
+@pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (8, 3)}])
+def test_bound_forward_is_the_version_forward(options) -> None:
+    """fa2's bound forward (dispatch's plan for a call without a gradient: the launch plan
+    kept, the output strides precomputed) gives its forward's out and lse bit for bit on every
+    layout of the same problem, through the Triton interpreter, and every later call of the
+    memoised plan goes through it."""
+    from flashsuite.fa2 import interface as fa2
+
+    for layout, (q, k, v) in _views():
+        api._plans.clear()
+        plan = api._plan(q, k, v, version="fa2", **options)
+        assert plan is not None and plan.version == "fa2" and plan.bound is not None, layout
+        ref = fa2.forward(q, k, v, plan.params)
+        for got in plan.bound(q, k, v), dispatch.attention(q, k, v, return_lse=True,
+                                                            version="fa2", **options):  # fmt: skip
+            for a, b in zip(got, ref, strict=True):
+                assert a.is_contiguous()
+                torch.testing.assert_close(a, b, atol=0, rtol=0, msg=layout)
+
+
+def test_fa3_bound_forward_launches_what_forward_launches(monkeypatch) -> None:
+    """fa3's bound forward passes its compiled binary the arguments `forward` passes (the
+    tensors' shapes, strides, dtypes, alignment and every scalar), on CPU with the binary
+    recorded instead of run; fp8 and empty problems have no bound forward (their `forward`
+    does more: descales and V's layout; zero-filled outputs)."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3 import interface as fa3
+
+    calls = []
+    monkeypatch.setattr(fa3_compile, "get_forward", lambda key: lambda *a: calls.append(a))
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+
+    def described(args):
+        """Each tensor's shape, strides and dtype, and its address (q, k, v: the inputs, not
+        copied when aligned) or alignment (the new outputs); every other argument as is."""
+        return [
+            (a.shape, a.stride(), a.dtype, a.data_ptr() if i < 3 else a.data_ptr() % 16)
+            if isinstance(a, torch.Tensor)
+            else a
+            for i, a in enumerate(args)
+        ]
+
+    with override_arch(90):
+        for layout, (q, k, v) in _views():
+            for opts in ({}, {"causal": True, "softcap": 5.0}, {"window_size": (8, 3)}):
+                p = check_inputs(q, k, v, **opts)
+                fa3._plans.clear()
+                fa3.forward(q, k, v, p)
+                fa3.bind_forward(p)(q, k, v)
+                assert described(calls[-1]) == described(calls[-2]), (layout, opts)
+        q, k, v = next(_views())[1]
+        f8 = tuple(t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        assert fa3.bind_forward(check_inputs(*f8)) is None
+        assert fa3.bind_forward(check_inputs(q, k[:, :0], v[:, :0])) is None
+
+
 @pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (8, 3), "softcap": 5.0}])
 def test_eager_autograd_gives_the_op_path_gradients(options) -> None:
     """With a gradient, the eager call runs the version's forward and backward from a
