@@ -170,26 +170,26 @@ def test_fast_path_gives_the_op_path_result() -> None:
     assert any("flashsuite::torch_fwd" in e.name for e in prof.events())
 
 
-def _views(dtype=BF16):
+def _views(device="cpu", dtype=BF16):
     """q, k, v of one problem (2 sequences, GQA 4 / 2) as a contiguous batch, as (B, H, N, D)
     tensors transposed to (B, N, H, D) (outer strides of another order), and as a slice of
     wider rows."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 96, h, 64, generator=gen).to(dtype) for h in (4, 2, 2))
+    q, k, v = (torch.randn(2, 96, h, 64, generator=gen).to(device, dtype) for h in (4, 2, 2))
     yield "contiguous", (q, k, v)
     yield "transposed", tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     yield "sliced", tuple(torch.cat([t, t], dim=-1)[..., :64] for t in (q, k, v))
 
 
 @pytest.mark.parametrize("options", [{}, {"causal": True}, {"window_size": (8, 3)}])
-def test_bound_forward_is_the_version_forward(options) -> None:
+def test_bound_forward_is_the_version_forward(options, device) -> None:
     """fa2's bound forward (dispatch's plan for a call without a gradient: the launch plan
     kept, the output strides precomputed) gives its forward's out and lse bit for bit on every
-    layout of the same problem, through the Triton interpreter, and every later call of the
-    memoised plan goes through it."""
+    layout of the same problem (through the Triton interpreter on a CPU, the memoised compiled
+    launches on a GPU), and every later call of the memoised plan goes through it."""
     from flashsuite.fa2 import interface as fa2
 
-    for layout, (q, k, v) in _views():
+    for layout, (q, k, v) in _views(device):
         api._plans.clear()
         plan = api._plan(q, k, v, version="fa2", **options)
         assert plan is not None and plan.version == "fa2" and plan.bound is not None, layout
