@@ -206,6 +206,23 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, **_PIPE),
         "pipe80_tma with the wgmma fragments sliced per warpgroup (uniform descriptors)",
     ),
+    "pipe80_wgs_ng_tma": (
+        BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),
+        "pipe80_wgs_tma without the kernel's -inf LSE guard (the preprocess writes +inf)",
+    ),
+    "pipe80_wgs_sout_ng_tma": (
+        BwdConfig(
+            tile_m=80,
+            dq_split="dt",
+            dkv_tma=True,
+            wg_slice=True,
+            lse_guard=False,
+            scale_out=True,
+            **_PIPE,
+        ),
+        "pipe80_wgs_ng_tma with the softmax scale out of dS (on dK's epilogue and dQ's "
+        "conversion): FA4's elementwise work per score",
+    ),
     "det_pipe": (
         BwdConfig(
             dq_mode="warp", overlap=True, ds_stages=2, ds_store="stmatrix", deterministic=True
@@ -328,6 +345,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe80_wgs": (128,),
     "pipe80_tma": (128,),
     "pipe80_wgs_tma": (128,),
+    "pipe80_wgs_ng_tma": (128,),
+    "pipe80_wgs_sout_ng_tma": (128,),
     "pipe_wgs": (96, 128),
     "pipe_wgs_sout": (128,),
     "pipe_wgs_sout_ng": (128,),
@@ -365,7 +384,7 @@ def variant_head_dims(name: str) -> tuple[int, ...]:
 
 # Variants built and timed for non-causal problems only (the 80-row tile's first two, measured
 # that way): their probes, hashes and timings skip the causal builds.
-NON_CAUSAL = ("pipe80", "pipe80_wgs")
+NON_CAUSAL = ("pipe80", "pipe80_wgs", "pipe80_wgs_ng_tma", "pipe80_wgs_sout_ng_tma")
 
 
 def variant_causal(name: str) -> tuple[bool, ...]:
