@@ -72,7 +72,7 @@ def stubbed_kernels() -> Iterator[None]:
         (fa2_kernels, "_attn_fwd", _NoKernel(fa2_kernels._attn_fwd)),
         (fa3_compile, "get_forward", lambda key: lambda *args: None),
         (bwd_host, "get_backward", lambda key: lambda *args: None),
-        (bwd_host, "bwd_preprocess", _stats_only),
+        (bwd_host, "preprocess", _stats_only),
         (bwd_postprocess, "_dq_postprocess", _NoKernel(bwd_postprocess._dq_postprocess)),
         (triton_launch, "_stream", lambda device: 0),
         (torch.cuda, "get_device_properties", lambda device=None: sm),
@@ -104,10 +104,13 @@ def _step(out: torch.Tensor) -> None:
     out.sum().backward()
 
 
-def _stats_only(out, dout, lse, rows):
-    """The fa3 backward preprocess's outputs (D and LSE, (B, Hq, rows) fp32), uninitialised."""
-    b, _, hq, _ = out.shape
-    return torch.empty(b, hq, rows), torch.empty(b, hq, rows)
+def _stats_only(dout, out, lse, tile_m, dq_d=0):
+    """The fa3 backward preprocess's outputs, uninitialised: LSE and D (B, Hq, Nq_pad) fp32 and
+    the dQ accumulator (B, Hq, Nq_pad, dq_d) fp32 when dq_d > 0 (bwd_host.preprocess)."""
+    b, nq, hq, _ = out.shape
+    rows = -(-nq // tile_m) * tile_m
+    acc = torch.empty(b, hq, rows, dq_d) if dq_d else None
+    return torch.empty(b, hq, rows), torch.empty(b, hq, rows), acc
 
 
 def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:

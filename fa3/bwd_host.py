@@ -5,14 +5,16 @@ softcap, varlen, tile config, arch); batch, sequence lengths, head counts and st
 symbolic in the fake tensors the kernel is compiled from, so new shapes never recompile. The
 binary is built with `--enable-tvm-ffi` and takes torch tensors on torch's current stream.
 
-Pre- and postprocess are memory-bound Triton kernels shared through common/: the preprocess
-(common/bwd_preprocess.py) writes D = rowsum(dO * O) and LSE * log2(e) in float32, padded to
-whole row blocks (+inf LSE and 0 on padding rows: the kernel reads them as P = 0), and zeroes
-the tile-ordered float32 dQ accumulator in the same launch (the "atomic" route's is zeroed by
-torch); the postprocess (common/bwd_postprocess.py) turns the tile-ordered
-accumulator of dq_mode "warp" or "red" into dQ in the input dtype in one pass, writing the real
-rows only (the softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out
-applied there).
+Pre- and postprocess are memory-bound kernels: the preprocess writes D = rowsum(dO * O) and
+LSE * log2(e) in float32, padded to whole row blocks (+inf LSE and 0 on padding rows: the kernel
+reads them as P = 0), and zeroes the tile-ordered float32 dQ accumulator in the same launch (the
+"atomic" route's is zeroed by torch); the postprocess turns the tile-ordered accumulator of
+dq_mode "warp" or "red" into dQ in the input dtype in one pass, writing the real rows only (the
+softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied there).
+Dense problems take the CuTe DSL pair of fa3/bwd_prepost.py (`CUTE_PREPOST`), cached like the
+main kernel, so a dense backward launches no Triton kernel and a fresh process imports no
+Triton; packed sequences take the Triton pair shared through common/ (bwd_preprocess.py,
+bwd_postprocess.py), imported when first used.
 
 Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the tile-ordered dQ
 accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`);
@@ -26,21 +28,14 @@ first imported (set `CUTE_DSL_ARCH=sm_90a` before the first compile on a machine
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flashsuite.common.bwd_postprocess import dq_postprocess
-from flashsuite.common.bwd_preprocess import (
-    BLOCK_M,
-    bwd_preprocess,
-    varlen_bwd_preprocess,
-    varlen_pad_rows,
-)
-from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tile_modes, dq_tiled
+from flashsuite.fa3 import bwd_prepost
+from flashsuite.fa3.bwd_configs import BwdConfig, bwd_smem_bytes, dq_tiled
 from flashsuite.fa3.compile import (
     cached,
     check_storage,
@@ -50,6 +45,9 @@ from flashsuite.fa3.compile import (
 )
 
 LOG2E = math.log2(math.e)
+# The dense backward's pre- and postprocess on a GPU: the CuTe DSL kernels of bwd_prepost (True)
+# or the shared Triton ones (False).
+CUTE_PREPOST = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +206,8 @@ def preprocess(
     reads any infinite LSE as P = 0); dsum = rowsum(dout * out), 0 on padding rows. dout, out
     (B, Nq, Hq, D) with unit last stride; lse (B, Hq, Nq) float32, natural log.
     """
+    from flashsuite.common.bwd_preprocess import BLOCK_M, bwd_preprocess
+
     b, nq, hq, _ = out.shape
     step = math.lcm(tile_m, BLOCK_M)
     nq_pad = -(-nq // step) * step
@@ -273,7 +273,12 @@ def run_backward(
     check_key(key, softcap, window)
     b, nq, hq, d = q.shape
     tiled = dq_tiled(key.cfg)  # row blocks in dq_tile_layout order, zeroed by the preprocess
-    lse_log2, dsum, dq_acc = preprocess(dout, out, lse, key.cfg.tile_m, d if tiled else 0)
+    # The CuTe DSL pair runs on the GPU; CPU tensors (tests, through Triton's interpreter) take
+    # the Triton pair.
+    cute_pair = CUTE_PREPOST and q.is_cuda
+    pre = bwd_prepost.preprocess if cute_pair else preprocess
+    post = bwd_prepost.dq_from_tiles if cute_pair else dq_from_tiles
+    lse_log2, dsum, dq_acc = pre(dout, out, lse, key.cfg.tile_m, d if tiled else 0)
     if not tiled:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
@@ -288,30 +293,15 @@ def run_backward(
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if dq_tiled(cfg):
-        dq = dq_from_tiles(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
+        dq = post(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
         return dq, dk, dv
     if dq_scale is None:
         return dq_acc.to(q.dtype), dk, dv
     return torch.mul(dq_acc, dq_scale, out=torch.empty_like(dq_acc, dtype=q.dtype)), dk, dv
 
 
-@functools.cache
-def _dq_offsets(
-    tile_m: int, head_dim: int, num_wgs: int, split: str, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row_off (TILE_M,), col_off (D,)) int32 on `device`: where element (r, c) of a TILE_M x D
-    block of the tile-ordered accumulator sits (row_off[r] + col_off[c]), from
-    dq_tile_modes' (shape, stride) by CuTe's colexicographic decomposition of r and c."""
-    (rows, cols), (row_strides, col_strides) = dq_tile_modes(tile_m, head_dim, num_wgs, split)
-
-    def offsets(shape: tuple, stride: tuple, n: int) -> torch.Tensor:
-        idx, off = torch.arange(n), torch.zeros(n, dtype=torch.int32)
-        for size, st in zip(shape, stride, strict=True):
-            off += (idx % size).to(torch.int32) * st
-            idx = idx // size
-        return off.to(device)
-
-    return offsets(rows, row_strides, tile_m), offsets(cols, col_strides, head_dim)
+# (row_off, col_off) of the tile-ordered accumulator's blocks, shared with the CuTe DSL pair.
+_dq_offsets = bwd_prepost.dq_offsets
 
 
 def dq_from_tiles(
@@ -338,6 +328,8 @@ def dq_from_tiles(
             raise ValueError("dq_from_tiles: packed sequences write into `out`; got out=None")
         b, hq = dq_acc.shape[:2]
         out = torch.empty(b, nq, hq, d, dtype=dtype, device=dq_acc.device)
+    from flashsuite.common.bwd_postprocess import dq_postprocess
+
     row_off, col_off = _dq_offsets(tile_m, d, num_wgs, split, dq_acc.device)
     return dq_postprocess(dq_acc, row_off, col_off, out, scale, cu_seqlens_q)
 
@@ -366,6 +358,8 @@ def run_varlen_backward(
     if not key.varlen:
         raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
     check_key(key, softcap, window)
+    from flashsuite.common.bwd_preprocess import varlen_bwd_preprocess, varlen_pad_rows
+
     total_q, hq, d = q.shape
     tile_m = key.cfg.tile_m
     tiled = dq_tiled(key.cfg)  # (Hq, rows_pad, D) in dq_tile_layout order, zeroed by the preprocess
