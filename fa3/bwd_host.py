@@ -11,10 +11,11 @@ reads them as P = 0), and zeroes the tile-ordered float32 dQ accumulator in the 
 "atomic" route's is zeroed by torch); the postprocess turns the tile-ordered accumulator of
 dq_mode "warp" or "red" into dQ in the input dtype in one pass, writing the real rows only (the
 softmax scale is folded into dS inside the kernel, or with BwdConfig.scale_out applied there).
-Dense problems take the CuTe DSL pair of fa3/bwd_prepost.py (`CUTE_PREPOST`), cached like the
-main kernel, so a dense backward launches no Triton kernel and a fresh process imports no
-Triton; packed sequences take the Triton pair shared through common/ (bwd_preprocess.py,
-bwd_postprocess.py), imported when first used.
+Dense problems on a GPU take the CuTe DSL pair of fa3/bwd_prepost.py (`CUTE_PREPOST`), cached
+like the main kernel, so a dense backward launches no Triton kernel (a fresh process's first
+backward pays neither Triton's per-process cache key nor its compiler's imports); packed
+sequences take the Triton pair shared through common/ (bwd_preprocess.py, bwd_postprocess.py),
+imported when first used.
 
 Packed sequences (`run_varlen_backward`, fa3/bwd_varlen.py): LSE, D and the tile-ordered dQ
 accumulator in the padded row layout of common/bwd_preprocess.py (`varlen_bwd_preprocess`);
