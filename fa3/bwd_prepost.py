@@ -1,7 +1,7 @@
 """The fa3 dense backward's preprocess and dQ postprocess as CuTe DSL kernels, compiled and
 cached like the other fa3 binaries (`compile.cached`: in memory, then on disk), so that a dense
-backward launches no Triton kernel: a fresh process pays neither Triton's imports nor its
-per-process cache key.
+backward launches no Triton kernel: a fresh process pays neither Triton's per-process cache
+key nor its compiler's imports.
 
 `Fa3BwdPreprocess` computes, per row of O and dO (B, Nq, Hq, Dv): delta = rowsum(dO * O) and
 lse2 = LSE * log2(e) in float32, into (B, Hq, Nq_pad) rows padded to whole row blocks, with
