@@ -475,21 +475,13 @@ def dq_from_tiles(
     split: str = "d",
     scale: float | None = None,
     out: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """dQ in `dtype` from the accumulator of dq_mode "warp" or "red", whose TILE_M x D blocks
-    hold dQ in bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale`
-    in fp32 when given: dq_acc (B, Hq, Nq_pad, D) float32 contiguous, Nq_pad a multiple of
-    tile_m -> (B, Nq, Hq, D), written into `out` when given (unit last stride, 16-byte-aligned
-    rows) and returned; the Nq real rows only, by one CuTe DSL launch. Packed sequences
-    (`cu_seqlens_q`) take common.bwd_postprocess's Triton kernel, as bwd_host does."""
-    if cu_seqlens_q is not None:
-        from flashsuite.common.bwd_postprocess import dq_postprocess
-
-        if out is None:
-            raise ValueError("dq_from_tiles: packed sequences write into `out`; got out=None")
-        row_off, col_off = dq_offsets(tile_m, dq_acc.shape[-1], num_wgs, split, dq_acc.device)
-        return dq_postprocess(dq_acc, row_off, col_off, out, scale, cu_seqlens_q)
+    """bwd_host.dq_from_tiles for dense problems, by one CuTe DSL launch: dQ in `dtype` from
+    the accumulator of dq_mode "warp" or "red", whose TILE_M x D blocks hold dQ in
+    bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale` in fp32
+    when given: dq_acc (B, Hq, Nq_pad, D) float32 contiguous, Nq_pad a multiple of tile_m ->
+    (B, Nq, Hq, D), written into `out` when given (unit last stride, 16-byte-aligned rows) and
+    returned; the Nq real rows only. (Packed sequences take bwd_host's Triton path.)"""
     if dq_acc.dtype != torch.float32 or dq_acc.dim() != 4:
         raise ValueError(
             f"dq_from_tiles: dq_acc expected float32 (B, Hq, Nq_pad, D), got "

@@ -374,7 +374,7 @@ FA3_VARLEN_BWD = "fa3/bwd_varlen.py"  # packed sequences in the backward
 VARLEN_BWD_TESTS = ("tests/test_fa3_varlen_bwd.py",)
 FA3_DECODE = "fa3/decode.py"  # KV-cache decode: page bounds, GQA packing, split ranges
 KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
-FA3_BWD_HOST = "fa3/bwd_host.py"
+FA3_BWD_PREPOST = "fa3/bwd_prepost.py"  # the dense backward's pre- and postprocess (GPU)
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
     Mutant(
@@ -442,9 +442,16 @@ GPU_MUTANTS = [
     ),
     Mutant(
         "fa3 bwd: dq x1.01",
-        FA3_BWD_HOST,
-        "row_off, col_off, out, scale, cu_seqlens_q)",
-        "row_off, col_off, out, (scale or 1.0) * 1.01, cu_seqlens_q)",
+        FA3_BWD_PREPOST,
+        "fn(dq_acc, row_off, col_off, out, 1.0 if scale is None else float(scale))",
+        "fn(dq_acc, row_off, col_off, out, 1.01 * (1.0 if scale is None else float(scale)))",
+        f"{OWN} and float16",
+    ),
+    Mutant(
+        "fa3 bwd: D (rowsum dO*O) x1.01 in the preprocess",
+        FA3_BWD_PREPOST,
+        "mDelta[b, h, row] = delta if real else Float32(0.0)",
+        "mDelta[b, h, row] = delta * Float32(1.01) if real else Float32(0.0)",
         f"{OWN} and float16",
     ),
     Mutant(
