@@ -42,26 +42,29 @@ PTX_PATTERNS = {
 
 
 def cases() -> list[tuple]:
-    """("pre", dtype, head_dim_v, zero_d) and ("post", dtype, head_dim, tile_m, has_scale)."""
+    """("pre", dtype, head_dim_v, zero_d) and ("post", dtype, head_dim, tile_m, has_scale,
+    swizzle): the postprocess with its layout's DQ_SWIZZLE terms."""
     import torch
 
     from flashsuite.fa3.bwd_configs import BWD_HEAD_DIMS, bwd_config_for, dq_tiled
+    from flashsuite.fa3.bwd_prepost import dq_swizzle
 
     out: list[tuple] = []
     for dt in (torch.bfloat16, torch.float16):
         out += [("pre", dt, d, d) for d in BWD_HEAD_DIMS]
     out += [("pre", torch.bfloat16, d, 0) for d in BWD_HEAD_DIMS]
-    tiles = set()  # (head_dim, tile_m) of every tile-ordered config dispatch can pick
+    tiles = set()  # (head_dim, tile_m, swizzle) of every tile-ordered config dispatch can pick
     for d in BWD_HEAD_DIMS:
         for causal in (False, True):
             for softcap in (False, True):
                 for local in (False, True):
                     cfg = bwd_config_for(d, torch.bfloat16, causal, softcap, local=local)
                     if dq_tiled(cfg):
-                        tiles.add((d, cfg.tile_m))
-    for d, tile_m in sorted(tiles):
-        out += [("post", dt, d, tile_m, False) for dt in (torch.bfloat16, torch.float16)]
-        out.append(("post", torch.bfloat16, d, tile_m, True))
+                        swz = dq_swizzle(cfg.tile_m, d, cfg.num_mma_wgs, cfg.dq_split)
+                        tiles.add((d, cfg.tile_m, swz))
+    for d, tile_m, swz in sorted(tiles):
+        out += [("post", dt, d, tile_m, False, swz) for dt in (torch.bfloat16, torch.float16)]
+        out.append(("post", torch.bfloat16, d, tile_m, True, swz))
     return out
 
 
@@ -114,7 +117,7 @@ def probe_case(case: tuple) -> dict:
         key: Any = bp.PreprocessKey(dt, d, case[3], tvm_ffi=tvm)
         build = bp.compile_preprocess
     else:
-        key = bp.PostprocessKey(dt, d, case[3], case[4], tvm_ffi=tvm)
+        key = bp.PostprocessKey(dt, d, case[3], case[4], case[5], tvm_ffi=tvm)
         build = bp.compile_postprocess
     t0 = time.perf_counter()
     compiled, log = probe._capture_fd2(lambda: build(key))
@@ -131,7 +134,7 @@ def probe_case(case: tuple) -> dict:
     if kind == "pre":
         row["zero_d"] = case[3]
     else:
-        row["tile_m"], row["has_scale"] = case[3], case[4]
+        row["tile_m"], row["has_scale"], row["swizzle"] = case[3], case[4], case[5]
     if tvm:  # two shapes, contiguous and strided: the check answers only the device
         row["signatures"] = [
             _signature_error(compiled, _cpu_args(case, 1, 17, 1, False)),

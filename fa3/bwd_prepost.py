@@ -46,6 +46,40 @@ PRE_BLOCK_M = 64  # rows per preprocess CTA
 DTYPES = (torch.float16, torch.bfloat16)
 POST_TILE_MS = (64, 80, 128)  # the backward configs' tile_m (bwd_configs)
 
+# The postprocess's shared-memory swizzle per accumulator layout (tile_m, D, num_wgs, dq_split):
+# XOR terms (bits, base, shift), each flipping float-index bits [base, base + bits) by bits
+# [shift, shift + bits). The block sits in shared memory in accumulator order, and a thread
+# gathers 8 adjacent columns of one row through the offset tables: unswizzled, the 32 lanes'
+# column offsets differ only in bits above the bank bits (a column's 512- or 4096-float
+# stride), so every load of a 64-row block is a 16-way bank conflict (8-way at 80 rows) and
+# the launch spends longer in bank conflicts than in DRAM. The terms below, found by
+# `python -m benchmarks.dq_swizzle_search` (a model of the kernel's accesses), bring each
+# layout to 4 wavefronts per warp load (1 at 80 rows). base >= 2 keeps every 16-byte group of
+# 4 floats whole (cp.async writes them), and sources lie above every target, so the map is a
+# permutation of the block. Layouts not listed take no swizzle.
+DQ_SWIZZLE: dict[tuple[int, int, int, str], tuple[tuple[int, int, int], ...]] = {
+    (64, 64, 2, "d"): ((2, 2, 9),),
+    (64, 96, 2, "d"): ((3, 2, 9),),
+    (64, 128, 2, "d"): ((2, 2, 9),),
+    (64, 192, 2, "d"): ((3, 2, 9),),
+    (64, 256, 2, "d"): ((3, 2, 9),),
+    (80, 128, 2, "dt"): ((1, 2, 10), (2, 3, 7)),
+    (128, 64, 2, "m"): ((2, 2, 9),),
+}
+
+
+def dq_swizzle(tile_m: int, head_dim: int, num_wgs: int, split: str) -> tuple:
+    """The postprocess's swizzle terms for one accumulator layout (`DQ_SWIZZLE`; () if none)."""
+    return DQ_SWIZZLE.get((tile_m, head_dim, num_wgs, split), ())
+
+
+def swizzle_index(a: Any, terms: tuple) -> Any:
+    """Float index `a` of a block under swizzle `terms` (int or DSL Int32; see DQ_SWIZZLE)."""
+    for bits, base, shift in terms:
+        a = a ^ ((a >> (shift - base)) & (((1 << bits) - 1) << base))
+    return a
+
+
 # The DSL names the kernel code uses, bound by `_import_dsl` when the first kernel is traced.
 cute: Any = None
 cutlass: Any = None
@@ -190,10 +224,14 @@ class Fa3DqPostprocess:
     no registers), then each thread gathers 8 adjacent columns of a row through the offset
     tables (its 8 column offsets loaded once, by two 16-byte loads), converts them and writes
     them with one 16-byte store: ROWS_PER_PASS rows of D / 8 threads each per pass. Rows past
-    Nq are not written."""
+    Nq are not written. The block lies in shared memory under the layout's `swizzle` terms
+    (DQ_SWIZZLE), applied to the copy's destinations and to the gathers alike."""
 
-    def __init__(self, dtype: Any, head_dim: int, tile_m: int, has_scale: bool) -> None:
+    def __init__(
+        self, dtype: Any, head_dim: int, tile_m: int, has_scale: bool, swizzle: tuple = ()
+    ) -> None:
         self.dtype = dtype
+        self.SWIZZLE = swizzle
         self.HEAD_DIM = head_dim
         self.TILE_M = tile_m
         self.HAS_SCALE = has_scale
@@ -239,7 +277,8 @@ class Fa3DqPostprocess:
         # The whole block in flight at once, without registers: cp.async.cg, 16 bytes each.
         for i in cutlass.range_constexpr(self.LOADS):
             idx = tidx + i * self.THREADS
-            cute.copy(g2s, cute.local_tile(gAcc, (4,), (idx,)), cute.local_tile(sAcc, (4,), (idx,)))
+            dst = swizzle_index(idx * 4, self.SWIZZLE) >> 2  # its 16-byte group, swizzled
+            cute.copy(g2s, cute.local_tile(gAcc, (4,), (idx,)), cute.local_tile(sAcc, (4,), (dst,)))
         cute.arch.cp_async_commit_group()
 
         chunk = tidx % self.CHUNKS
@@ -259,7 +298,7 @@ class Fa3DqPostprocess:
             if row < nq:
                 vals = cute.make_rmem_tensor((self.VEC,), Float32)
                 for k in cutlass.range_constexpr(self.VEC):
-                    x = sAcc[rRow[p] + rCol[k]]
+                    x = sAcc[swizzle_index(rRow[p] + rCol[k], self.SWIZZLE)]
                     if cutlass.const_expr(self.HAS_SCALE):
                         x = x * scale
                     vals[k] = x
@@ -291,6 +330,7 @@ class PostprocessKey:
     head_dim: int
     tile_m: int
     has_scale: bool
+    swizzle: tuple = ()  # DQ_SWIZZLE terms of the accumulator layout
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -355,7 +395,7 @@ def compile_postprocess(key: PostprocessKey, extra_options: str = "") -> Any:
     row_off = cute.runtime.make_fake_compact_tensor(Int32, (key.tile_m,), assumed_align=4)
     col_off = cute.runtime.make_fake_compact_tensor(Int32, (d,), assumed_align=16)
     dq = make(dt, (b, nq, hq, d), stride=(*_stride64(3, elems_16b), 1), assumed_align=16)
-    kernel = Fa3DqPostprocess(dt, d, key.tile_m, key.has_scale)
+    kernel = Fa3DqPostprocess(dt, d, key.tile_m, key.has_scale, key.swizzle)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     return cute.compile(
         kernel, acc, row_off, col_off, dq, Float32(1.0), stream,
@@ -515,6 +555,7 @@ def dq_from_tiles(
     if out.numel() == 0:
         return out
     row_off, col_off = dq_offsets(tile_m, d, num_wgs, split, dq_acc.device)
-    fn = get_postprocess(PostprocessKey(dtype, d, tile_m, scale is not None))
+    swizzle = dq_swizzle(tile_m, d, num_wgs, split)
+    fn = get_postprocess(PostprocessKey(dtype, d, tile_m, scale is not None, swizzle))
     fn(dq_acc, row_off, col_off, out, 1.0 if scale is None else float(scale))
     return out

@@ -443,8 +443,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 bwd: dq x1.01",
         FA3_BWD_PREPOST,
-        "fn(dq_acc, row_off, col_off, out, 1.0 if scale is None else float(scale))",
-        "fn(dq_acc, row_off, col_off, out, 1.01 * (1.0 if scale is None else float(scale)))",
+        "                    vals[k] = x\n",
+        "                    vals[k] = x * Float32(1.01)\n",
         f"{OWN} and float16",
     ),
     Mutant(

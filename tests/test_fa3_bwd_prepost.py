@@ -167,6 +167,27 @@ def test_keys_name_disk_cache_entries() -> None:
     assert "PreprocessKey(dtype=torch.bfloat16, head_dim_v=128, zero_d=128" in texts[0]
 
 
+def test_swizzle_is_a_block_permutation_that_cuts_bank_conflicts() -> None:
+    """Every accumulator layout dispatch can pick has DQ_SWIZZLE terms; each maps the block
+    onto itself one to one, keeps its 16-byte groups whole and aligned (cp.async writes them),
+    and brings the postprocess's gathers to at most 4 shared-memory wavefronts per warp load
+    in the model of benchmarks.dq_swizzle_search (unswizzled: 8 to 16). The GPU tests below
+    check that the copy and the gathers agree (bit for bit against the Triton kernel)."""
+    from benchmarks.dq_swizzle_search import layouts, wavefronts
+
+    assert sorted((t, d, split) for t, d, _, split in layouts()) == sorted(POST_LAYOUTS)
+    for layout in layouts():
+        terms = bp.dq_swizzle(*layout)
+        assert terms, layout
+        block = torch.arange(layout[0] * layout[1])
+        moved = bp.swizzle_index(block, terms)
+        assert torch.equal(moved.sort().values, block), layout
+        groups = moved.view(-1, 4)
+        assert (groups[:, 0] % 4 == 0).all() and (groups - groups[:, :1] == torch.arange(4)).all()
+        ideal = len(block) // 32
+        assert wavefronts(*layout, terms) <= 4 * ideal < wavefronts(*layout), layout
+
+
 def test_binary_is_stored_and_loaded_back(tmp_path, monkeypatch) -> None:
     """get_preprocess through compile.cached: compiled and stored once, then loaded from the
     entry by a process that has not compiled it (the in-memory cache cleared)."""
