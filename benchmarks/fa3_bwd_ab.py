@@ -2,6 +2,8 @@
 
     python3 -m benchmarks.fa3_bwd_ab --variant pipe80 --variant pipe_stm --head-dim 128 \
         --repeats 3
+    python3 -m benchmarks.fa3_bwd_ab --variant pipe_sec4_tma --variant pipe_stm_tma --causal \
+        --seqlen 1024 --seqlen 4096 --seqlen 8192
 
 One variant's run after another's on the same machine drifts by several percent (clocks,
 temperature, what ran before), more than the differences being decided. This script times
@@ -9,7 +11,8 @@ every contender on every shape once per pass, passes interleaved, and prints eac
 TFLOP/s per pass and their median: variants by name (benchmarks/fa3_bwd_variants.py, through
 fa3.interface.backward with the variant's config), "fa3" (the shipped path through dispatch and
 autograd) and SDPA's cuDNN backend. Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k
-and 16k, non-causal unless --causal. Correctness is fa3_bwd_check's job: run it first.
+and 16k (or each --seqlen), non-causal unless --causal. Correctness is fa3_bwd_check's job: run
+it first.
 """
 
 from __future__ import annotations
@@ -30,16 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--seqlen", type=int, action="append", default=[], help="N (repeat; default 4096, 16384)"
+    )
     args = ap.parse_args(argv)
     unknown = [v for v in args.variant if v not in VARIANTS]
     if unknown:
         ap.error(f"--variant: expected names in benchmarks/fa3_bwd_variants.py, got {unknown}")
     if args.repeats < 1:
         ap.error(f"--repeats: expected >= 1, got {args.repeats}")
+    seqlens = args.seqlen or [4096, 16384]
+    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
+        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
     d, heads = args.head_dim, 2048 // args.head_dim
     cases = [
         Case(16384 // n, n, n, heads, heads, d, dtype=torch.bfloat16, causal=args.causal)
-        for n in (4096, 16384)
+        for n in seqlens
     ]
     contenders = [*args.variant, "fa3", "sdpa-cudnn"]
     tflops: dict[tuple[str, int], list[float]] = {}

@@ -18,8 +18,10 @@ hdim-256 tile; docs/design.md, "D = 256 with more keys per CTA"). The "_wgs" var
 partition the shared-memory operands with the warpgroup's warp-uniform slice, so their wgmma
 descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what that saves per row
 block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
-"dkv_t" layout does. (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, and the
-"dv_early" order were measured and removed: docs/results.md.)
+"dkv_t" layout does. The "_sec" variants launch the grid in sections of S (kv head, batch)
+pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
+benchmarks/bwd_order_model.py). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp
+0, and the "dv_early" order were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     "pipe128_dqm_tma": (
         BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, **_PIPE),
         "pipe128_dqm with dK and dV stored through sK / sV by TMA (dkv_tma; D = 64)",
+    ),
+    **{
+        f"pipe_sec{s}_tma": (
+            BwdConfig(dkv_tma=True, head_section=s, **_PIPE),
+            f"pipe_stm_tma with the grid in sections of {s} (kv head, batch) pairs, column "
+            "block 0 of each first (head_section)",
+        )
+        for s in (2, 4, 8, 16)
+    },
+    "pipe128_dqm_sec4_tma": (
+        BwdConfig(tile_m=128, dq_split="m", dkv_tma=True, head_section=4, **_PIPE),
+        "pipe128_dqm_tma with the grid in sections of 4 (kv head, batch) pairs (D = 64)",
     ),
     "pipe_wgs_tma": (
         BwdConfig(dkv_tma=True, wg_slice=True, **_PIPE),
@@ -332,6 +346,16 @@ VARIANTS.update(
             ),
             "wide256_red80 with the wgmma fragments sliced per warpgroup: shipped at D = 256",
         ),
+        "wide256_red80_wgs_sec8": (
+            BwdConfig(
+                **{**_WIDE256, "tile_n": 80, "dq_mode": "red"},
+                dq_slices=2,
+                overlap=True,
+                wg_slice=True,
+                head_section=8,
+            ),
+            "wide256_red80_wgs with the grid in sections of 8 (kv head, batch) pairs",
+        ),
     }
 )
 
@@ -354,6 +378,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_wgs": (64,),
     "pipe128_dqm": (64,),
     "pipe128_dqm_tma": (64,),
+    "pipe128_dqm_sec4_tma": (64,),
+    **{f"pipe_sec{s}_tma": (128,) for s in (2, 4, 8, 16)},
     "pipe_stm_tma": (96, 128),
     "pipe_wgs_tma": (96, 128),
     "pipe128_dqm_wgs_tma": (64,),

@@ -15,6 +15,19 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 
+def section_tile(bid, n_blocks, pairs, section):
+    """CTA `bid` of the sectioned grid order (BwdConfig.head_section = `section`) over
+    `n_blocks` column blocks and `pairs` (kv head, batch) pairs -> (n_block, pair): sections of
+    `section` pairs (the last may be narrower), within one column block 0 of each pair, then
+    column block 1, ... Python ints or DSL Int32 alike."""
+    per_section = section * n_blocks
+    sec = bid // per_section
+    r = bid - sec * per_section
+    width = cutlass.min(section, pairs - sec * section)  # pairs in this section
+    n_block = r // width
+    return n_block, sec * section + r - n_block * width
+
+
 class BwdBlocks:
     """Row-block ranges and mask tests of a column block. Uses the kernel's TILE_M, TILE_N,
     CAUSAL, LOCAL and HAS_RIGHT."""

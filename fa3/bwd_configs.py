@@ -119,6 +119,15 @@ class BwdConfig:
     # under causal masking (column block n sees the row blocks from n's diagonal down). On the
     # H200 True lost 2-24 % at D 64, N 4k / 16k, causal too (docs/results.md).
     lpt: bool = False
+    # Grid order, S > 0: a one-dimensional grid over the (kv head, batch) pairs in sections of
+    # S pairs; within a section column block 0 of each of its pairs, then column block 1, ...
+    # (`BwdBlocks.section_tile`). Under causal masking the longest CTAs of a section start
+    # first, as with `lpt`, while only S heads' Q and dO are in flight at once, as in the
+    # default order. A greedy-dispatch model of the 132 SMs (`python -m
+    # benchmarks.bwd_order_model`) puts the default order's tail at 5-6 % of a causal
+    # backward at N = 1k-8k and S = 4-8's at 0-4 %. 0: off. Not with lpt, deterministic or
+    # varlen.
+    head_section: int = 0
     # "sdp_t": where the softmax scale enters dS = P (dP - D) scale. False: on every dS element
     # (one multiply per score). True: dS = P (dP - D) in the loop; dK is scaled once in the
     # epilogue, before its store, and dQ by the host in its fp32 -> dtype conversion (FA4's

@@ -57,7 +57,10 @@ def _supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, "fa3 backward: the deterministic dQ order is not built for sliding windows"
     n_blocks = -(-p.seqlen_k // cfg.tile_n)
     yz = (p.batch, n_blocks) if cfg.lpt else (p.heads_kv, p.batch)  # grid dims y and z
-    if n_blocks > 2**31 - 1 or max(yz) > _MAX_GRID_YZ:
+    ctas = n_blocks * p.heads_kv * p.batch  # head_section: one grid dimension
+    if cfg.head_section and ctas > 2**31 - 1:
+        return False, f"fa3 backward: {ctas} CTAs (key blocks x kv heads x batch) must be < 2^31"
+    if not cfg.head_section and (n_blocks > 2**31 - 1 or max(yz) > _MAX_GRID_YZ):
         what = "batch and key blocks" if cfg.lpt else "kv heads and batch"
         return False, f"fa3 backward: {what} ({yz[0]}, {yz[1]}) must be <= {_MAX_GRID_YZ}"
     ok, reason = bwd_can_implement(cfg, p.head_dim, p.dtype)
@@ -117,6 +120,7 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
             ds_stages=1,
             overlap=False,
             lpt=False,
+            head_section=0,
             wg_slice=False,
             deterministic=True,
         )
@@ -125,7 +129,7 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
 
 def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     """The backward's compile key for `p` and `cfg`, or a ValueError saying why `cfg` cannot
-    run `p` (varlen: packed sequences, neither deterministic nor lpt)."""
+    run `p` (varlen: packed sequences, neither deterministic, lpt nor head_section)."""
     from flashsuite.fa3.bwd_host import BwdCompileKey
 
     ok, reason = bwd_can_implement(
@@ -135,8 +139,8 @@ def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
         ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
     if ok and p.is_local and cfg.deterministic:
         ok, reason = False, "the deterministic dQ order is not built for sliding windows"
-    if ok and varlen and (cfg.deterministic or cfg.lpt):
-        ok, reason = False, "varlen builds take neither deterministic nor lpt configs"
+    if ok and varlen and (cfg.deterministic or cfg.lpt or cfg.head_section):
+        ok, reason = False, "varlen builds take neither deterministic, lpt nor head_section configs"
     if not ok:
         what = "varlen backward" if varlen else "backward"
         raise ValueError(f"fa3 {what}: config {cfg} cannot run: {reason}")

@@ -83,7 +83,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from flashsuite.fa3.bwd_blocks import BwdBlocks
+from flashsuite.fa3.bwd_blocks import BwdBlocks, section_tile
 from flashsuite.fa3.bwd_configs import (
     BWD_REG_SPLIT,
     BwdConfig,
@@ -154,6 +154,12 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.OVERLAP = cfg.overlap
         self.DV_EARLY = cfg.dv_early  # dV issued once P^T is packed, before dP^T retires
         self.LPT = cfg.lpt
+        self.HEAD_SECTION = cfg.head_section  # sectioned grid order (bwd_blocks.section_tile)
+        if cfg.head_section < 0 or (cfg.head_section and (cfg.lpt or cfg.deterministic)):
+            raise ValueError(
+                f"Fa3Backward: head_section expected >= 0 and not with lpt or deterministic, "
+                f"got {cfg.head_section} (lpt={cfg.lpt}, deterministic={cfg.deterministic})"
+            )
         self.DS_STMATRIX = cfg.ds_store == "stmatrix"
         self.DETERMINISTIC = cfg.deterministic
         self.SCALE_OUT = cfg.scale_out  # dS without the scale; dK (and the host's dQ) take it
@@ -170,8 +176,10 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError("Fa3Backward: deterministic dQ order is not built for windows")
         # Packed sequences (bwd_varlen.py): the virtual column-block grid in launch order.
         self.VARLEN = varlen
-        if varlen and (self.DETERMINISTIC or self.LPT):
-            raise ValueError("Fa3Backward: varlen takes neither deterministic nor lpt configs")
+        if varlen and (self.DETERMINISTIC or self.LPT or self.HEAD_SECTION):
+            raise ValueError(
+                "Fa3Backward: varlen takes neither deterministic, lpt nor head_section configs"
+            )
         self.varlen_cols = VarlenColumns(cfg.tile_m, cfg.tile_n)
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):
             raise ValueError(
@@ -394,6 +402,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         grid = (n_blocks, mK.shape[2], mK.shape[3])
         if const_expr(self.LPT):
             grid = (mK.shape[2], mK.shape[3], n_blocks)
+        if const_expr(self.HEAD_SECTION):
+            grid = (n_blocks * mK.shape[2] * mK.shape[3], 1, 1)
         if const_expr(self.VARLEN):  # lengths per sequence, in the kernel
             seqlen_q, seqlen_k = 0, 0
             batch_n = mCuSeqlensQ.shape[0] - 1
@@ -466,6 +476,15 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         else:
             if const_expr(self.LPT):
                 head_kv, batch, n_block = cute.arch.block_idx()
+            elif const_expr(self.HEAD_SECTION):
+                bid, _, _ = cute.arch.block_idx()
+                heads_kv = mdK.shape[2]
+                n_blocks = (seqlen_k + self.TILE_N - 1) // self.TILE_N
+                n_block, pair = section_tile(
+                    bid, n_blocks, heads_kv * mdK.shape[3], self.HEAD_SECTION
+                )
+                batch = pair // heads_kv
+                head_kv = pair - batch * heads_kv
             else:
                 n_block, head_kv, batch = cute.arch.block_idx()
             rows = DenseRowsBwd(batch)

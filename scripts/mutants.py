@@ -357,6 +357,14 @@ MUTANTS = [
         "dense",
         ("tests/test_bwd_postprocess.py",),
     ),
+    Mutant(
+        "fa3 dQ postprocess: the shared-memory swizzle ORs instead of XORs (not a permutation)",
+        "fa3/bwd_prepost.py",
+        "a = a ^ ((a >> (shift - base)) & (((1 << bits) - 1) << base))",
+        "a = a | ((a >> (shift - base)) & (((1 << bits) - 1) << base))",
+        "swizzle",
+        ("tests/test_fa3_bwd_prepost.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of

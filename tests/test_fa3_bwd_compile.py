@@ -28,6 +28,7 @@ Without compiling: the configs' limits, the dQ tile order's round trip, and the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -314,6 +315,42 @@ def test_bwd_tile_m80_refused_for_windowed_and_packed_problems() -> None:
         with pytest.raises(ValueError, match="tile_m 80 needs dq_split 'dt' and a dense"):
             Fa3Backward(cutlass.BFloat16, 128, pipe80, causal, local=local, varlen=varlen)
     Fa3Backward(cutlass.BFloat16, 128, pipe80, True)  # causal: built
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "pairs", "section"), [(64, 32, 4), (8, 256, 16), (7, 10, 4), (5, 3, 8), (1, 1, 2)]
+)
+def test_head_section_order_visits_every_cta_once(n_blocks, pairs, section) -> None:
+    """BwdConfig.head_section's grid order (bwd_blocks.section_tile): every (column block,
+    (kv head, batch) pair) exactly once; sections one after another, and within a section the
+    column blocks in order (column block 0 of each of its pairs first), a narrower last
+    section included."""
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+    from flashsuite.fa3.bwd_blocks import section_tile
+
+    tiles = [section_tile(bid, n_blocks, pairs, section) for bid in range(n_blocks * pairs)]
+    assert sorted(tiles) == [(n, p) for n in range(n_blocks) for p in range(pairs)]
+    for (n_a, p_a), (n_b, p_b) in itertools.pairwise(tiles):
+        assert p_b // section > p_a // section or (p_b // section == p_a // section and n_b >= n_a)
+
+
+def test_head_section_is_refused_where_its_order_does_not_apply() -> None:
+    """head_section with lpt, deterministic dQ or packed sequences is refused by name."""
+    pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+    import cutlass
+
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_kernel import Fa3Backward
+
+    sec = variant("pipe_sec4_tma")
+    for bad in (replace(sec, lpt=True), replace(sec, head_section=-1)):
+        with pytest.raises(ValueError, match="head_section expected >= 0 and not with lpt"):
+            Fa3Backward(cutlass.BFloat16, 128, bad, True)
+    with pytest.raises(
+        ValueError, match="varlen takes neither deterministic, lpt nor head_section"
+    ):
+        Fa3Backward(cutlass.BFloat16, 128, sec, True, varlen=True)
+    Fa3Backward(cutlass.BFloat16, 128, sec, True)  # built
 
 
 def _expected_wgmma(d: int, cfg: dict) -> tuple[int, int]:
