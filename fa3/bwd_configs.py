@@ -121,7 +121,7 @@ class BwdConfig:
     lpt: bool = False
     # Grid order, S > 0: a one-dimensional grid over the (kv head, batch) pairs in sections of
     # S pairs; within a section column block 0 of each of its pairs, then column block 1, ...
-    # (`BwdBlocks.section_tile`). Under causal masking the longest CTAs of a section start
+    # (`bwd_blocks.section_tile`). Under causal masking the longest CTAs of a section start
     # first, as with `lpt`, while only S heads' Q and dO are in flight at once, as in the
     # default order. A greedy-dispatch model of the 132 SMs (`python -m
     # benchmarks.bwd_order_model`) puts the default order's tail at 5-6 % of a causal

@@ -51,7 +51,7 @@ POST_TILE_MS = (64, 80, 128)  # the backward configs' tile_m (bwd_configs)
 # [shift, shift + bits). The block sits in shared memory in accumulator order, and a thread
 # gathers 8 adjacent columns of one row through the offset tables: unswizzled, the 32 lanes'
 # column offsets differ only in bits above the bank bits (a column's 512- or 4096-float
-# stride), so every load of a 64-row block is a 16-way bank conflict (8-way at 80 rows) and
+# stride), so every gather is a 16- to 32-way bank conflict (8-way on the 80-row layout) and
 # the launch spends longer in bank conflicts than in DRAM. The terms below, found by
 # `python -m benchmarks.dq_swizzle_search` (a model of the kernel's accesses), bring each
 # layout to 4 wavefronts per warp load (1 at 80 rows). base >= 2 keeps every 16-byte group of
