@@ -440,6 +440,26 @@ def test_bwd_deterministic_variant_compiles(det_probes) -> None:
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
+@pytest.fixture(scope="module")
+def section_probes(tmp_path_factory) -> list[dict]:
+    """head_section's D 128 causal build (pipe_sec4_tma)."""
+    runs = [["--variant", "pipe_sec4_tma", "--shard", "1/2"]]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_section"), runs)
+
+
+def test_bwd_head_section_variant_compiles(section_probes) -> None:
+    """The sectioned grid order changes only the CTA's coordinates: the loop's 32 wgmma of
+    the shipped D 128 config, no spills, no serialisation remarks."""
+    ((r),) = section_probes
+    where = _id(r)
+    assert (r["head_dim"], r["causal"]) == (128, True) and r["config"]["head_section"] == 4
+    assert r["ptx"]["wgmma"] == 32, where
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+    _assert_fits_registers(r)
+    for code in ("C7508", "C7512", "C7515", "C7519"):
+        assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
 def test_bwd_deterministic_writer_warp_compiles(det_pipe_probes) -> None:
     """det_pipe: one acquiring spin (possibly peeled), one bulk reduce, one release, and an
     async-proxy fence on each side of the bulk copy, all in the writer warp; no atomics;
