@@ -251,7 +251,8 @@ def varlen_backward(
     """dq, dk, dv in the input dtype, contiguous, of `varlen_forward`, for what
     `supports_varlen_backward` accepts: dout, q, out (total_q, Hq, D), k, v (total_k, Hkv, D)
     last dim contiguous, lse (Hq, total_q) float32 (natural log), cu_seqlens_q/k (B + 1,) int32
-    (validated by the caller). `cfg` overrides bwd_config_for (neither deterministic nor lpt);
+    (validated by the caller). `cfg` overrides bwd_config_for (not deterministic, lpt or
+    head_section);
     `grads` (contiguous dq, dk, dv: views into larger buffers, in tests that watch the memory
     around them) are written in place instead of new tensors."""
     ok, reason = supports_varlen_backward(vp, 90)

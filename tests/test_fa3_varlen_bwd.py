@@ -99,14 +99,14 @@ def test_varlen_is_part_of_the_backward_compile_key() -> None:
 
 
 @needs_dsl
-def test_varlen_kernel_refuses_deterministic_and_lpt() -> None:
+def test_varlen_kernel_refuses_deterministic_lpt_and_head_section() -> None:
     import cutlass
 
     from benchmarks.fa3_bwd_variants import variant
     from flashsuite.fa3.bwd_kernel import Fa3Backward
 
-    for name in ("det", "pipe_lpt"):
-        with pytest.raises(ValueError, match="varlen takes neither deterministic nor lpt"):
+    for name in ("det", "pipe_lpt", "pipe_sec4_tma"):
+        with pytest.raises(ValueError, match="varlen takes neither deterministic, lpt nor head_"):
             Fa3Backward(cutlass.BFloat16, 128, variant(name), True, varlen=True)
 
 
