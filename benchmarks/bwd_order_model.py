@@ -2,6 +2,7 @@
 
     python -m benchmarks.bwd_order_model                  # the standard sweep's causal shapes
     python -m benchmarks.bwd_order_model --sms 132 --fixed 4
+    python -m benchmarks.bwd_order_model --varlen         # the causal packed forward's plain grid
 
 The backward launches one CTA per (column block, kv head, batch), one CTA per SM. Under causal
 masking column block n of a head visits the row blocks from its diagonal down: with Nq = Nk =
@@ -22,6 +23,13 @@ done and sets the tail; `lpt` removes the tail, but on the H200 it lost 2-24 % a
 head's Q and dO streamed at once: docs/results.md). A section keeps a few heads in flight, as
 the default order does. The model knows nothing of L2, clocks or the per-row-block cost of the
 diagonal's masked blocks: it says how much a better order can win, the GPU says whether it does.
+
+`--varlen` models fa3's causal packed forward on its plain grid instead (decode_bench's 64k-token
+mix: 35 sequences of mean 2k, H 16, 128-row tiles): a tile's time is its key blocks + `fixed`,
+the default order runs each head's virtual blocks in turn (each sequence's heaviest first),
+sections take S heads' blocks together; it also prints the share of executed blocks that the
+FLOP count credits (sum of L^2 / 2 per sequence), for the mix and for the dense B 32 x N 2048
+shape of the same tokens.
 """
 
 from __future__ import annotations
@@ -58,11 +66,47 @@ def efficiency(n: int, pairs: int, tile_m: int, tile_n: int, section: int, sms: 
     return sum(work) / sms / makespan(work, sms)
 
 
+def varlen_forward(sms: int, fixed: float) -> None:
+    """The causal packed forward's plain grid on decode_bench's 64k mix (see the docstring)."""
+    import torch
+
+    from benchmarks.decode_bench import _mixed_lengths
+
+    lens = _mixed_lengths(65536, 2048, torch.Generator().manual_seed(0))
+    heads, tile = 16, 128
+    blocks = [m + 1 for n in lens for m in range(-(-n // tile))]  # key blocks per virtual block
+    tiles = [b + fixed for b in reversed(blocks)]  # a head's launch order: heaviest first
+
+    def eff(section: int) -> float:
+        width = section or 1  # the default order: one head after another
+        order = [
+            t
+            for s0 in range(0, heads, width)
+            for t in tiles
+            for _ in range(s0, min(heads, s0 + width))
+        ]
+        return sum(order) / sms / makespan(order, sms)
+
+    useful = sum(n * n / 2 for n in lens) / tile**2
+    dense = 32 * 2048 * 2048 / 2 / tile**2 / (32 * sum(m + 1 for m in range(2048 // tile)))
+    print(f"packed causal forward, {len(lens)} sequences, H {heads}, {tile}-row tiles")
+    print(f"  useful / executed blocks: mix {useful / sum(blocks):.3f}, dense {dense:.3f}")
+    cells = ", ".join(f"section {s} {eff(s):.3f}" for s in (2, 4, 8, 16))
+    print(f"  order efficiency: default {eff(0):.3f}, {cells}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sms", type=int, default=132, help="SMs (H200: 132)")
-    ap.add_argument("--fixed", type=float, default=4.0, help="a CTA's fixed cost in row blocks")
+    ap.add_argument(
+        "--fixed", type=float, help="a CTA's fixed cost in row (key) blocks: 4 (--varlen: 1.5)"
+    )
+    ap.add_argument("--varlen", action="store_true", help="the causal packed forward instead")
     args = ap.parse_args(argv)
+    if args.varlen:
+        varlen_forward(args.sms, 1.5 if args.fixed is None else args.fixed)
+        return 0
+    args.fixed = 4.0 if args.fixed is None else args.fixed
     sections = (2, 4, 8, 16)
     head = " | ".join(f"section {s}" for s in sections)
     print(f"| D, tile, N, kv heads x batch | default | lpt | {head} |")
