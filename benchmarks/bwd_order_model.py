@@ -19,10 +19,12 @@ efficiency, the ideal time (total work / SMs) over the makespan, of three orders
   block 0 of each pair of a section, then column block 1, ...
 
 In the default order the last head's longest CTA starts when the other heads' work is nearly
-done and sets the tail; `lpt` removes the tail, but on the H200 it lost 2-24 % at D = 64 (every
-head's Q and dO streamed at once: docs/results.md). A section keeps a few heads in flight, as
-the default order does. The model knows nothing of L2, clocks or the per-row-block cost of the
-diagonal's masked blocks: it says how much a better order can win, the GPU says whether it does.
+done and sets the tail (without causal masking the CTAs are equal and only the last wave's
+empty SMs are lost, printed last); `lpt` removes the tail, but on the H200 it lost 2-24 % at
+D = 64 (every head's Q and dO streamed at once: docs/results.md). A section keeps a few heads in
+flight, as the default order does. The model knows nothing of L2, clocks or the per-row-block
+cost of the diagonal's masked blocks: it says how much a better order can win, the GPU says
+whether it does.
 
 `--varlen` models fa3's causal packed forward on its plain grid instead (decode_bench's 64k-token
 mix: 35 sequences of mean 2k, H 16, 128-row tiles): a tile's time is its key blocks + `fixed`,
@@ -121,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
             cells = " | ".join(f"{e:.3f}" for e in row)
             print(f"| {d}, {tile_m} x {tile_n}, {n}, {pairs} | {cells} |")
+    # Without causal masking every CTA costs the same and no order helps: what is lost is the
+    # last wave's empty SMs (the sweep's shapes launch 2048 CTAs at D = 128, 15.5 waves).
+    ctas = 2048
+    waves = ctas / args.sms
+    full = -(-ctas // args.sms)
+    print(f"non-causal, {ctas} equal CTAs: {waves:.2f} waves, efficiency {waves / full:.3f}")
     return 0
 
 
