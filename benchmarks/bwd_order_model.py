@@ -50,15 +50,14 @@ def makespan(jobs: list[float], sms: int) -> float:
 
 
 def order(pairs: int, n_blocks: int, section: int) -> list[tuple[int, int]]:
-    """(pair, n_block) in launch order: section 0 = the default order, section >= pairs = lpt."""
+    """(pair, n_block) in launch order: section 0 = the default order, section >= pairs = lpt;
+    otherwise the kernel's own map (bwd_blocks.section_tile) of each CTA index."""
     if section == 0:
         return [(p, n) for p in range(pairs) for n in range(n_blocks)]
-    return [
-        (p, n)
-        for s0 in range(0, pairs, section)
-        for n in range(n_blocks)
-        for p in range(s0, min(pairs, s0 + section))
-    ]
+    from flashsuite.fa3.bwd_blocks import section_tile
+
+    tiles = (section_tile(bid, n_blocks, pairs, section) for bid in range(n_blocks * pairs))
+    return [(p, n) for n, p in tiles]
 
 
 def efficiency(n: int, pairs: int, tile_m: int, tile_n: int, section: int, sms: int, fixed: float):
@@ -80,14 +79,8 @@ def varlen_forward(sms: int, fixed: float) -> None:
     tiles = [b + fixed for b in reversed(blocks)]  # a head's launch order: heaviest first
 
     def eff(section: int) -> float:
-        width = section or 1  # the default order: one head after another
-        order = [
-            t
-            for s0 in range(0, heads, width)
-            for t in tiles
-            for _ in range(s0, min(heads, s0 + width))
-        ]
-        return sum(order) / sms / makespan(order, sms)
+        work = [tiles[rank] for _, rank in order(heads, len(tiles), section)]
+        return sum(work) / sms / makespan(work, sms)
 
     useful = sum(n * n / 2 for n in lens) / tile**2
     dense = 32 * 2048 * 2048 / 2 / tile**2 / (32 * sum(m + 1 for m in range(2048 // tile)))

@@ -19,8 +19,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from types import SimpleNamespace
 
 import numpy as np
+
+from flashsuite.fa3.bwd_prepost import swizzle_index
 
 
 def layouts() -> list[tuple[int, int, int, str]]:
@@ -39,15 +42,16 @@ def layouts() -> list[tuple[int, int, int, str]]:
 
 
 def _addresses(tile_m: int, d: int, num_wgs: int, split: str) -> np.ndarray:
-    """(loads, 32): the unswizzled float index each lane reads, one row per warp-wide load."""
-    from flashsuite.fa3.bwd_prepost import dq_offsets
+    """(loads, 32): the unswizzled float index each lane reads, one row per warp-wide load, with
+    the kernel's own thread mapping (Fa3DqPostprocess for 16-bit dQ)."""
+    from flashsuite.fa3.bwd_prepost import Fa3DqPostprocess, dq_offsets
 
     row_off, col_off = (
         t.numpy().astype(np.int64) for t in dq_offsets(tile_m, d, num_wgs, split, "cpu")
     )
-    vec, chunks = 8, d // 8  # 16-bit dQ: 8 columns per 16-byte store
-    rows_per_pass = 16 if d <= 96 else 8
-    threads = rows_per_pass * chunks
+    kernel = Fa3DqPostprocess(SimpleNamespace(width=16), d, tile_m, False)
+    vec, chunks, rows_per_pass = kernel.VEC, kernel.CHUNKS, kernel.ROWS_PER_PASS
+    threads = kernel.THREADS
     t = np.arange(threads)
     chunk, rp = t % chunks, t // chunks
     out = []
@@ -59,13 +63,6 @@ def _addresses(tile_m: int, d: int, num_wgs: int, split: str) -> np.ndarray:
     return np.array(out)
 
 
-def swizzle(a, terms: tuple):
-    """bwd_prepost.swizzle_index on numpy arrays."""
-    for bits, base, shift in terms:
-        a = a ^ ((a >> (shift - base)) & (((1 << bits) - 1) << base))
-    return a
-
-
 def _count(a: np.ndarray) -> int:
     """Wavefronts of warp loads (loads, 32) of distinct addresses: the busiest bank's count."""
     counts = np.zeros((a.shape[0], 32), dtype=np.int64)
@@ -75,7 +72,7 @@ def _count(a: np.ndarray) -> int:
 
 def wavefronts(tile_m: int, d: int, num_wgs: int, split: str, terms: tuple = ()) -> int:
     """Shared-memory wavefronts of the gathers of one block under swizzle `terms`."""
-    return _count(swizzle(_addresses(tile_m, d, num_wgs, split), terms))
+    return _count(swizzle_index(_addresses(tile_m, d, num_wgs, split), terms))
 
 
 def candidates(top_bit: int) -> list[tuple[int, int, int]]:
@@ -103,7 +100,7 @@ def search(layout: tuple, two: bool) -> tuple[int, tuple]:
             and c2[2] >= c1[1] + c1[0]  # sources above every target
             and not set(range(c1[1], c1[1] + c1[0])) & set(range(c2[1], c2[1] + c2[0]))
         ]
-    return min((_count(swizzle(a0, t)), len(t), t) for t in tries)[::2]
+    return min((_count(swizzle_index(a0, t)), len(t), t) for t in tries)[::2]
 
 
 def main(argv: list[str] | None = None) -> int:
