@@ -145,6 +145,8 @@ def varlen_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config, bool, b
         for causal in (False, True)
     ]
     out.append(("varlen-window-softcap", 128, f16, True, varlen_config(128, f16, True), True, True))
+    plain = replace(varlen_config(128, bf, True), head_section=0)
+    out.append(("varlen-causal-plain-order", 128, bf, True, plain, False, False))
     return out
 
 

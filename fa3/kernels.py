@@ -136,6 +136,11 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.PERSISTENT = cfg.persistent
         # Packed sequences (varlen.py): one tile per CTA on the virtual-block grid; 16-bit only.
         self.VARLEN = varlen
+        if cfg.head_section and not varlen:
+            raise ValueError(
+                f"Fa3Forward: head_section {cfg.head_section} orders packed sequences' plain grid; "
+                "dense builds take 0"
+            )
         assert not (varlen and (cfg.persistent or self.FP8)), "varlen: 16-bit, plain grid only"
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
@@ -163,7 +168,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             l2_kv_rows=self.L2_KV_ROWS,
         )
         self.pingpong = PingPong(cfg.pingpong, cfg.num_consumer_wgs)
-        self.varlen_tiles = VarlenTiles(cfg.tile_m, longest_first=self.HAS_RIGHT)
+        self.varlen_tiles = VarlenTiles(
+            cfg.tile_m, longest_first=self.HAS_RIGHT, head_section=cfg.head_section
+        )
 
     # ----------------------------------------------------------------------------------------
     # host side
@@ -213,6 +220,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             grid = (cutlass.min(m_blocks * heads_q * mQ.shape[3], max_ctas), 1, 1)
         if const_expr(self.VARLEN):
             grid = (self.varlen_tiles.grid_blocks(total_q, batch_n), heads_q, 1)
+            if const_expr(self.varlen_tiles.HEAD_SECTION):
+                grid = (grid[0] * heads_q, 1, 1)
         self.kernel(
             tma_q,
             tQ,
@@ -291,7 +300,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         CTA on a sequence's spare virtual block does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.VARLEN):
-            m_block, head, valid, rows = self.varlen_tiles.tile(mCuSeqlensQ, mCuSeqlensK, batch_n)
+            m_block, head, valid, rows = self.varlen_tiles.tile(
+                mCuSeqlensQ, mCuSeqlensK, batch_n, heads_q
+            )
             sched = SimpleNamespace(
                 tile0=(m_block, head, rows.batch),
                 rows0=rows,

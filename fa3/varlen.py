@@ -29,6 +29,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from flashsuite.fa3.bwd_blocks import section_tile
+
 RAGGED_ROWS = 2**30  # R: the ragged view's row extent (larger than any sequence)
 RAGGED_LAST = 2**31 - 1  # L: the extent of the mode that carries offset + length
 
@@ -112,8 +114,9 @@ class SeqRows(_Values):
 class VarlenTiles:
     """The packed grid: (virtual m-blocks, Hq, 1), virtual block -> (sequence, m_block)."""
 
-    def __init__(self, tile_m: int, longest_first: bool) -> None:
+    def __init__(self, tile_m: int, longest_first: bool, head_section: int = 0) -> None:
         self.TILE_M = tile_m
+        self.HEAD_SECTION = head_section
         # Causal: the grid runs each head's virtual blocks from the last one down, so a
         # sequence's heavier (later) m-blocks start first, as the persistent order does.
         self.LONGEST_FIRST = longest_first
@@ -148,14 +151,25 @@ class VarlenTiles:
         return batch
 
     @cute.jit
-    def tile(self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch_n: Int32):
+    def tile(
+        self, mCuSeqlensQ: cute.Tensor, mCuSeqlensK: cute.Tensor, batch_n: Int32, heads_q=None
+    ):
         """This CTA's tile: (m_block, head, valid, SeqRows). `valid` is False for the spare
         virtual block of a sequence (its rows start at or past the sequence's end; every warp
-        of the CTA computes the same value and the CTA does nothing)."""
-        vblock, head, _ = cute.arch.block_idx()
-        if const_expr(self.LONGEST_FIRST):
-            grid_x, _, _ = cute.arch.grid_dim()
-            vblock = grid_x - 1 - vblock
+        of the CTA computes the same value and the CTA does nothing). HEAD_SECTION > 0: the
+        one-dimensional grid over P_B x `heads_q` CTAs in sections of HEAD_SECTION heads
+        (bwd_blocks.section_tile: each virtual block of the section's heads in turn)."""
+        if const_expr(self.HEAD_SECTION):
+            bid, _, _ = cute.arch.block_idx()
+            p_blocks = self._first_block(mCuSeqlensQ, batch_n)  # P_B: cu_seqlens_q[B] = total
+            vblock, head = section_tile(bid, p_blocks, heads_q, self.HEAD_SECTION)
+            if const_expr(self.LONGEST_FIRST):
+                vblock = p_blocks - 1 - vblock
+        else:
+            vblock, head, _ = cute.arch.block_idx()
+            if const_expr(self.LONGEST_FIRST):
+                grid_x, _, _ = cute.arch.grid_dim()
+                vblock = grid_x - 1 - vblock
         batch = self.find_batch(mCuSeqlensQ, batch_n, vblock)
         m_block = vblock - self._first_block(mCuSeqlensQ, batch)
         offset_q = mCuSeqlensQ[batch]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -92,6 +93,7 @@ def test_varlen_configs_are_plain_grid_and_refuse_what_the_kernel_cannot() -> No
         DTYPES,
         FP8_DTYPE,
         HEAD_DIMS,
+        VARLEN_CAUSAL_HEAD_SECTION,
         can_implement,
         can_implement_varlen,
         get_config,
@@ -116,6 +118,15 @@ def test_varlen_configs_are_plain_grid_and_refuse_what_the_kernel_cannot() -> No
     assert not ok and "plain grid" in reason
     ok, reason = can_implement_varlen(varlen_config(128, BF16, False), FP8_DTYPE)
     assert not ok and "float8_e4m3fn" in reason
+    # head_section orders the plain grid of packed sequences: not with the persistent one.
+    ok, reason = can_implement(replace(persistent, head_section=4), 128, BF16)
+    assert not ok and "head_section 4 expected >= 0, and 0 with persistent=True" in reason
+    assert can_implement(replace(varlen_config(128, BF16, True), head_section=4), 128, BF16)[0]
+    # Causal packed grids launch in sections of heads (the measured order); non-causal ones,
+    # whose tiles cost the same, keep the plain order.
+    for d in HEAD_DIMS:
+        assert varlen_config(d, BF16, True).head_section == VARLEN_CAUSAL_HEAD_SECTION > 0
+        assert varlen_config(d, BF16, False).head_section == 0
 
 
 def test_varlen_is_part_of_the_compile_key() -> None:
@@ -398,6 +409,29 @@ def test_gpu_varlen_matches_per_sequence_oracle(case) -> None:
 
 @pytest.mark.gpu
 @gpu_fa3
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_head_sections_change_the_order_not_the_bits(causal) -> None:
+    """Every section width (1, one that does not divide Hq, the shipped one, wider than Hq)
+    runs the plain grid's tiles in another order: out and lse bitwise equal to the plain
+    grid's, with the guard rows untouched."""
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import varlen_config
+
+    lens = [700, 0, 1, 129, 64, 1000, 65]
+    q, k, v, cq, ck = (t.cuda() for t in _packed(lens, lens, 12, 4, 128, BF16, seed=5))
+    vp = check_varlen_inputs(q, k, v, cq, ck, 1000, 1000, causal=causal)
+    plain = replace(varlen_config(128, BF16, causal), head_section=0)
+    ref_out, ref_lse = interface.varlen_forward(q, k, v, cq, ck, vp, cfg=plain)
+    for section in (1, 5, 8, 40):
+        cfg = replace(plain, head_section=section)
+        out, lse = interface.varlen_forward(q, k, v, cq, ck, vp, cfg=cfg)
+        assert torch.equal(out, ref_out), f"head_section {section}: out differs"
+        assert torch.equal(lse, ref_lse), f"head_section {section}: lse differs"
+    _run_guarded(q, k, v, cq, ck, vp)  # the shipped config writes inside out / lse only
+
+
+@pytest.mark.gpu
+@gpu_fa3
 def test_gpu_one_binary_for_every_batch_composition() -> None:
     """New lengths, batch sizes and totals reuse the binary of the first call."""
     from flashsuite.fa3 import compile as fa3_compile
@@ -454,3 +488,16 @@ def test_gpu_varlen_large_against_fp32_reference() -> None:
     finite = ref_lse.isfinite()
     assert torch.equal(finite, lse.isfinite())
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@needs_dsl
+def test_dense_build_refuses_a_head_section() -> None:
+    """head_section orders packed sequences' plain grid; a dense kernel would ignore it."""
+    import cutlass
+
+    from flashsuite.fa3.configs import get_config
+    from flashsuite.fa3.kernels import Fa3Forward
+
+    cfg = replace(get_config(128, BF16, False), head_section=8)
+    with pytest.raises(ValueError, match="head_section 8 orders packed sequences' plain grid"):
+        Fa3Forward(cutlass.BFloat16, 128, cfg, False, False, False)
