@@ -10,9 +10,9 @@ temperature, what ran before), more than the differences being decided. This scr
 every contender on every shape once per pass, passes interleaved, and prints each one's
 TFLOP/s per pass and their median: variants by name (benchmarks/fa3_bwd_variants.py, through
 fa3.interface.backward with the variant's config), "fa3" (the shipped path through dispatch and
-autograd) and SDPA's cuDNN backend. Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k
-and 16k (or each --seqlen), non-causal unless --causal. Correctness is fa3_bwd_check's job: run
-it first.
+autograd), SDPA's cuDNN backend and, when flash-attn-4 is importable, FA4's SM90 backward.
+Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k and 16k (or each --seqlen),
+non-causal unless --causal. Correctness is fa3_bwd_check's job: run it first.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 from benchmarks.fa3_bwd_check import time_case, time_variant
 from benchmarks.fa3_bwd_variants import VARIANTS
 from flashsuite.common.testing import Case
+from flashsuite.dispatch.bench import fa4_function
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         Case(16384 // n, n, n, heads, heads, d, dtype=torch.bfloat16, causal=args.causal)
         for n in seqlens
     ]
-    contenders = [*args.variant, "fa3", "sdpa-cudnn"]
+    fa4, _ = fa4_function()
+    contenders = [*args.variant, "fa3", "sdpa-cudnn", *(["fa4"] if fa4 is not None else [])]
     tflops: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
         for case in cases:

@@ -100,12 +100,12 @@ def varlen_cases() -> list[tuple]:
 
     bf16 = torch.bfloat16
     return [
-        (64, bf16, False, bwd_config_for(64, bf16, False), False, False),
-        (128, bf16, True, bwd_config_for(128, bf16, True), False, False),
-        (96, bf16, True, bwd_config_for(96, bf16, True, True), True, False),
+        (64, bf16, False, bwd_config_for(64, bf16, False, varlen=True), False, False),
+        (128, bf16, True, bwd_config_for(128, bf16, True, varlen=True), False, False),
+        (96, bf16, True, bwd_config_for(96, bf16, True, True, varlen=True), True, False),
         (128, bf16, False, bwd_config_for(128, bf16, False, local=True, varlen=True), False, True),
-        (192, bf16, True, bwd_config_for(192, bf16, True), False, False),
-        (256, bf16, False, bwd_config_for(256, bf16, False, True), True, True),
+        (192, bf16, True, bwd_config_for(192, bf16, True, varlen=True), False, False),
+        (256, bf16, False, bwd_config_for(256, bf16, False, True, varlen=True), True, True),
         (128, bf16, True, variant("pipe_atomic"), False, False),
     ]
 

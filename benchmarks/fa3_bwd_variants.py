@@ -144,6 +144,20 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         BwdConfig(dkv_tma=True, lse_regs=True, wg_slice=True, lse_guard=False, **_PIPE),
         "pipe_wgs_ng_tma with the LSE rows in registers, loaded before S^T's wgmma",
     ),
+    "pipe_wgdq_tma": (
+        BwdConfig(dkv_tma=True, dq_handoff="wg", **_PIPE),
+        "pipe_stm_tma with sdQ handed to the writer per warpgroup (FA4's D = 128 hand-off)",
+    ),
+    "pipe_sec4_wgdq_tma": (
+        BwdConfig(dkv_tma=True, dq_handoff="wg", head_section=4, **_PIPE),
+        "pipe_wgdq_tma with the grid in sections of 4 (kv head, batch) pairs (head_section)",
+    ),
+    "pipe_wgs_lser_ng_wgdq_tma": (
+        BwdConfig(
+            dkv_tma=True, lse_regs=True, wg_slice=True, lse_guard=False, dq_handoff="wg", **_PIPE
+        ),
+        "pipe_wgs_lser_ng_tma with sdQ handed over per warpgroup (every FA4-like choice at once)",
+    ),
     "pipe_wgdq": (
         BwdConfig(dq_handoff="wg", **_PIPE),
         "pipe_stm with sdQ handed to the writer per warpgroup (own barriers, own bulk reduce)",
@@ -392,6 +406,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe_dve_lser_tma": (96, 128),
     "pipe_dve_sreg_tma": (96, 128),
     "pipe_wgs_lser_ng_tma": (96, 128),
+    "pipe_wgdq_tma": (96, 128),
+    "pipe_sec4_wgdq_tma": (128,),
+    "pipe_wgs_lser_ng_wgdq_tma": (96, 128),
     "pipe128_wgdq": (64,),
     "pipe128_dqm_wgdq": (64,),
     "pipe128_sout": (64,),

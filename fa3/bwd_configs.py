@@ -313,6 +313,10 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
     return 2 * s + 2 * dkv + 24
 
 
+# (kv head, batch) pairs per launch section of the causal D = 128 grid (bwd_config_for).
+CAUSAL_HEAD_SECTION = 4
+
+
 def bwd_config_for(
     head_dim: int,
     dtype: torch.dtype,
@@ -382,6 +386,20 @@ def bwd_config_for(
     against 530 / 564; causal 478 / 551 against 477 / 551; D = 64 468 / 489 against 467 / 492):
     the epilogue fixed, the loop is still not issue-bound.
 
+    Causal D = 128 launches its grid in sections of CAUSAL_HEAD_SECTION (kv head, batch) pairs
+    (head_section: column block 0 of each pair first, then block 1, ...) and hands sdQ to the
+    writer warp per warpgroup (dq_handoff "wg", FA4's hand-off): variant pipe_sec4_wgdq_tma.
+    Interleaved A/B on the H200 (`python3 -m benchmarks.fa3_bwd_ab --variant pipe_stm_tma
+    --variant pipe_sec4_tma --variant pipe_wgdq_tma --variant pipe_sec4_wgdq_tma --causal
+    --seqlen 4096 --seqlen 8192 --seqlen 16384 --repeats 7`, 2026-12-04, commit 3cc3931, medians
+    of 7 passes), N = 4k / 8k / 16k: 479.7 / 516.9 / 561.0 for the 64-row tile alone, 490.8 /
+    529.2 / 555.6 with sections of 4, 478.8 / 522.6 / 558.2 with the per-warpgroup hand-off,
+    494.3 / 531.2 / 556.3 with both (FA4 497.5 / 539.1 / 587.2, cuDNN 445.5 / 480.7 / 514.9);
+    the causal training step at N = 8k (fwd + bwd TFLOP/s, 7 passes): 539.8 -> 559.1 (cuDNN
+    507.1, FA4 566.2). Sections timed +2.4 to +3.2 % at 8k in three runs and -0.2 to -1.8 % at
+    16k (the four heads of a section share 16 MB of Q and dO at 8k, 32 MB at 16k: the L2 holds
+    the former); 1k level.
+
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
@@ -405,6 +423,8 @@ def bwd_config_for(
     )
     if head_dim == 128 and not (causal or softcap or local or varlen):
         cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True)
+    if head_dim == 128 and causal and not (softcap or local or varlen):
+        cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION, dq_handoff="wg")
     return cfg
 
 

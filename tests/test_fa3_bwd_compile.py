@@ -379,9 +379,12 @@ def _assert_shipped_dq_route(ptx: dict, d: int, cfg: dict, where: str) -> None:
         assert route == (16, 0, 0, 0), f"{where}: dQ route {ptx}"
         return
     # DS_READY (two sdS buffers: no DS_FREE); DQ_EMPTY / DQ_FULL between the MMA threads and
-    # the writer warp, which adds each tile with one bulk reduce.
-    assert ptx["bar_sync"] >= 3 and ptx["bar_arrive"] >= 3, f"{where}: barriers {ptx}"
-    assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
+    # the writer warp, which adds each tile with one bulk reduce, or (dq_handoff "wg", causal
+    # D = 128) each warpgroup's chunk with its own, behind that warpgroup's barrier pair.
+    per_wg = cfg["dq_handoff"] == "wg"
+    assert ptx["bar_sync"] >= 3 + per_wg and ptx["bar_arrive"] >= 3 + 2 * per_wg, where
+    bulk = 2 if per_wg else 1
+    assert ptx["dq_bulk"] == bulk and ptx["dq_atomic"] == 0, f"{where}: dQ route {ptx}"
 
 
 def test_bwd_compiles_with_hopper_machinery(probes) -> None:
@@ -442,17 +445,18 @@ def test_bwd_deterministic_variant_compiles(det_probes) -> None:
 
 @pytest.fixture(scope="module")
 def section_probes(tmp_path_factory) -> list[dict]:
-    """head_section's D 128 causal build (pipe_sec4_tma)."""
-    runs = [["--variant", "pipe_sec4_tma", "--shard", "1/2"]]
+    """head_section's D 64 causal build (pipe128_dqm_sec4_tma; the shipped probes compile the
+    sectioned D 128 one)."""
+    runs = [["--variant", "pipe128_dqm_sec4_tma", "--shard", "1/2"]]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_section"), runs)
 
 
 def test_bwd_head_section_variant_compiles(section_probes) -> None:
     """The sectioned grid order changes only the CTA's coordinates: the loop's 32 wgmma of
-    the shipped D 128 config, no spills, no serialisation remarks."""
+    the shipped D 64 config, no spills, no serialisation remarks."""
     ((r),) = section_probes
     where = _id(r)
-    assert (r["head_dim"], r["causal"]) == (128, True) and r["config"]["head_section"] == 4
+    assert (r["head_dim"], r["causal"]) == (64, True) and r["config"]["head_section"] == 4
     assert r["ptx"]["wgmma"] == 32, where
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
     _assert_fits_registers(r)
@@ -945,6 +949,11 @@ def test_bwd_variants_can_implement() -> None:
     }
     for (d, softcap), name in shipped.items():
         assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
+    # Causal D 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's winner.
+    assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(128, torch.bfloat16, True)
+    for flags in (dict(local=True), dict(varlen=True), dict(softcap=True)):
+        plain = bwd_config_for(128, torch.bfloat16, True, **flags)
+        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), flags
     # The deterministic build starts from the tiles whose dQ goes through sdQ.
     assert bwd_config_for(256, torch.bfloat16, True, sdq=True) == variant("wide256")
     for name, (cfg, what) in VARIANTS.items():

@@ -92,7 +92,7 @@ def test_varlen_is_part_of_the_backward_compile_key() -> None:
     from flashsuite.fa3.bwd_configs import bwd_config_for
     from flashsuite.fa3.bwd_host import BwdCompileKey
 
-    cfg = bwd_config_for(128, BF16, True)
+    cfg = bwd_config_for(128, BF16, True, varlen=True)
     dense, packed = (BwdCompileKey(BF16, 128, True, cfg, varlen=v) for v in (False, True))
     assert dense != packed and hash(dense) != hash(packed)
     assert "varlen=True" in disk_cache.key_text(packed)
