@@ -3,8 +3,10 @@
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
-one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 and 128,
-"pipe128_dqm_tma" at D = 64, "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
+one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 (and at
+D = 128 for windows and packed sequences), "pipe_sec4_wgdq_tma" at causal D = 128,
+"pipe80_wgs_tma" at non-causal D = 128, "pipe128_dqm_tma" at D = 64 ("pipe128_dqm_sec4_tma"
+causal), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
 "pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
@@ -20,8 +22,9 @@ descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what th
 block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
 "dkv_t" layout does. The "_sec" variants launch the grid in sections of S (kv head, batch)
 pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
-benchmarks/bwd_order_model.py). (The "bulk" dQ mode, per-row bulk reduces issued by MMA warp
-0, and the "dv_early" order were measured and removed: docs/results.md.)
+benchmarks/bwd_order_model.py; shipped at causal D = 64 and 128). (The "bulk" dQ mode, per-row
+bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
+docs/results.md.)
 """
 
 from __future__ import annotations

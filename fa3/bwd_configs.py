@@ -313,7 +313,8 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
     return 2 * s + 2 * dkv + 24
 
 
-# (kv head, batch) pairs per launch section of the causal D = 128 grid (bwd_config_for).
+# (kv head, batch) pairs per launch section of causal grids (bwd_config_for: dense problems,
+# D = 64 and 128, without softcap or window).
 CAUSAL_HEAD_SECTION = 4
 
 
@@ -396,9 +397,14 @@ def bwd_config_for(
     529.2 / 555.6 with sections of 4, 478.8 / 522.6 / 558.2 with the per-warpgroup hand-off,
     494.3 / 531.2 / 556.3 with both (FA4 497.5 / 539.1 / 587.2, cuDNN 445.5 / 480.7 / 514.9);
     the causal training step at N = 8k (fwd + bwd TFLOP/s, 7 passes): 539.8 -> 559.1 (cuDNN
-    507.1, FA4 566.2). Sections timed +2.4 to +3.2 % at 8k in three runs and -0.2 to -1.8 % at
+    507.1, FA4 566.2). Sections timed +2.4 to +6.3 % at 8k in four runs and -0.2 to -1.8 % at
     16k (the four heads of a section share 16 MB of Q and dO at 8k, 32 MB at 16k: the L2 holds
-    the former); 1k level.
+    the former); 1k level. Causal D = 64 takes the sections too (variant pipe128_dqm_sec4_tma
+    against pipe128_dqm_tma, same command at --head-dim 64, commit d1b3569, medians of 5 passes,
+    N = 4k / 8k / 16k): 438.8 / 473.7 / 486.2 against 425.1 / 468.8 / 490.3 (an earlier run, 3
+    passes: +2.4 / +1.6 % at 4k / 16k; FA4 439.4 / 481.5 / 519.8 in this one). D = 96 (D = 128's
+    64-row tile) is not timed with them; at D = 256 sections of 8 (wide256_red80_wgs_sec8) timed
+    +2.2 / -1.9 / -2.9 % at 4k / 8k / 16k and are not shipped.
 
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
@@ -423,8 +429,10 @@ def bwd_config_for(
     )
     if head_dim == 128 and not (causal or softcap or local or varlen):
         cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True)
-    if head_dim == 128 and causal and not (softcap or local or varlen):
-        cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION, dq_handoff="wg")
+    if causal and head_dim in (64, 128) and not (softcap or local or varlen):
+        cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION)
+        if head_dim == 128:
+            cfg = replace(cfg, dq_handoff="wg")
     return cfg
 
 

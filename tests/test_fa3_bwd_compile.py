@@ -445,19 +445,19 @@ def test_bwd_deterministic_variant_compiles(det_probes) -> None:
 
 @pytest.fixture(scope="module")
 def section_probes(tmp_path_factory) -> list[dict]:
-    """head_section's D 64 causal build (pipe128_dqm_sec4_tma; the shipped probes compile the
-    sectioned D 128 one)."""
-    runs = [["--variant", "pipe128_dqm_sec4_tma", "--shard", "1/2"]]
+    """head_section's D 256 causal build (wide256_red80_wgs_sec8: the "dkv_t" loop; the
+    shipped probes compile the sectioned D 64 and D 128 ones)."""
+    runs = [["--variant", "wide256_red80_wgs_sec8", "--shard", "1/2"]]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_section"), runs)
 
 
 def test_bwd_head_section_variant_compiles(section_probes) -> None:
-    """The sectioned grid order changes only the CTA's coordinates: the loop's 32 wgmma of
-    the shipped D 64 config, no spills, no serialisation remarks."""
+    """The sectioned grid order changes only the CTA's coordinates: the loop's 58 wgmma of
+    the shipped D 256 config, no spills, no serialisation remarks."""
     ((r),) = section_probes
     where = _id(r)
-    assert (r["head_dim"], r["causal"]) == (64, True) and r["config"]["head_section"] == 4
-    assert r["ptx"]["wgmma"] == 32, where
+    assert (r["head_dim"], r["causal"]) == (256, True) and r["config"]["head_section"] == 8
+    assert r["ptx"]["wgmma"] == 58, where
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
     _assert_fits_registers(r)
     for code in ("C7508", "C7512", "C7515", "C7519"):
@@ -951,9 +951,14 @@ def test_bwd_variants_can_implement() -> None:
         assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
     # Causal D 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's winner.
     assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(128, torch.bfloat16, True)
-    for flags in (dict(local=True), dict(varlen=True), dict(softcap=True)):
-        plain = bwd_config_for(128, torch.bfloat16, True, **flags)
-        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), flags
+    assert variant("pipe128_dqm_sec4_tma") == bwd_config_for(64, torch.bfloat16, True)
+    for d, flags in itertools.product((64, 128), ({}, dict(local=True), dict(varlen=True))):
+        plain = bwd_config_for(d, torch.bfloat16, bool(flags), **flags)  # {}: non-causal
+        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, flags)
+    for d, causal in itertools.product((64, 96, 128, 192, 256), (False, True)):
+        plain = bwd_config_for(d, torch.bfloat16, causal, softcap=True)
+        assert plain.head_section == 0, (d, causal)
+    assert bwd_config_for(96, torch.bfloat16, True).head_section == 0  # not timed
     # The deterministic build starts from the tiles whose dQ goes through sdQ.
     assert bwd_config_for(256, torch.bfloat16, True, sdq=True) == variant("wide256")
     for name, (cfg, what) in VARIANTS.items():
@@ -1142,9 +1147,10 @@ from flashsuite.fa3 import bwd_host
 from flashsuite.fa3.bwd_configs import bwd_config_for
 out = {}
 for name, d, causal, flags in json.loads(sys.argv[1]):
-    cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False))
-    if flags.get("deterministic"):
-        cfg = replace(cfg, deterministic=True)
+    cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False),
+                         varlen=flags.get("varlen", False))
+    if flags.get("deterministic"):  # the ordered dQ takes the default launch order
+        cfg = replace(cfg, deterministic=True, head_section=0)
     key = bwd_host.BwdCompileKey(
         torch.bfloat16, d, causal, cfg, local=flags.get("local", False),
         softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
