@@ -365,6 +365,15 @@ MUTANTS = [
         "swizzle",
         ("tests/test_fa3_bwd_prepost.py",),
     ),
+    Mutant(
+        "fa3 sectioned grid order (causal bwd, packed causal fwd): the last section taken as wide "
+        "as the others",
+        "fa3/bwd_blocks.py",
+        "width = cutlass.min(section, pairs - sec * section)",
+        "width = section",
+        "head_section",
+        ("tests/test_fa3_bwd_compile.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
