@@ -4,6 +4,8 @@
         --repeats 3
     python3 -m benchmarks.fa3_bwd_ab --variant pipe_sec4_tma --variant pipe_stm_tma --causal \
         --seqlen 1024 --seqlen 4096 --seqlen 8192
+    python3 -m benchmarks.fa3_bwd_ab --variant pipe_sec4_wgdq_tma --causal --step \
+        --seqlen 8192 --repeats 7          # the training step: forward + backward
 
 One variant's run after another's on the same machine drifts by several percent (clocks,
 temperature, what ran before), more than the differences being decided. This script times
@@ -12,7 +14,10 @@ TFLOP/s per pass and their median: variants by name (benchmarks/fa3_bwd_variants
 fa3.interface.backward with the variant's config), "fa3" (the shipped path through dispatch and
 autograd), SDPA's cuDNN backend and, when flash-attn-4 is importable, FA4's SM90 backward.
 Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k and 16k (or each --seqlen),
-non-causal unless --causal. Correctness is fa3_bwd_check's job: run it first.
+non-causal unless --causal. With --step, the training step (forward + backward TFLOP/s): a
+variant's is fa3's forward through dispatch (no autograd) followed by its backward, the shipped
+"fa3" and the peers' a forward and torch.autograd.grad. Correctness is fa3_bwd_check's job:
+run it first.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--seqlen", type=int, action="append", default=[], help="N (repeat; default 4096, 16384)"
     )
+    ap.add_argument("--step", action="store_true", help="time forward + backward")
     args = ap.parse_args(argv)
     unknown = [v for v in args.variant if v not in VARIANTS]
     if unknown:
@@ -58,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             for name in contenders:
                 if name in VARIANTS:
-                    row = time_variant(name, VARIANTS[name][0], case)
+                    row = time_variant(name, VARIANTS[name][0], case, step=args.step)
                 else:
-                    row = time_case(name, case)
+                    row = time_case(name, case, step=args.step)
                 tflops.setdefault((name, case.seqlen_q), []).append(row["tflops"])
-    print(f"backward TFLOP/s, D {d}, {'causal' if args.causal else 'non-causal'}, bf16")
+    what = "training step (fwd + bwd)" if args.step else "backward"
+    print(f"{what} TFLOP/s, D {d}, {'causal' if args.causal else 'non-causal'}, bf16")
     for (name, n), values in tflops.items():
         passes = " ".join(f"{x:.1f}" for x in values)
         print(f"{name:>12} N {n:>5}: median {statistics.median(values):.1f} (passes {passes})")

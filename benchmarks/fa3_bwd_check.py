@@ -301,14 +301,21 @@ def check_case(case: Case) -> dict:
     }
 
 
-def _variant_backward(case: Case, cfg, q, k, v, dout):
-    """(fn, leaves): fn() runs fa3's own backward with `cfg` on the saved forward of q, k, v."""
+def _variant_backward(case: Case, cfg, q, k, v, dout, step: bool = False):
+    """(fn, leaves): fn() runs fa3's own backward with `cfg` on the saved forward of q, k, v;
+    with `step`, fn() runs that forward (dispatch, no autograd) and then the backward."""
     from flashsuite import dispatch
     from flashsuite.fa3 import interface
 
     p = _p(case, q, k, v)
-    with torch.no_grad():
-        out, lse = dispatch.attention(q, k, v, version="fa3", return_lse=True, **case.options())
+
+    def forward():
+        with torch.no_grad():
+            return dispatch.attention(q, k, v, version="fa3", return_lse=True, **case.options())
+
+    out, lse = forward()
+    if step:
+        return lambda: interface.backward(dout, q, k, v, *forward(), p, cfg=cfg), (out, lse)
     return lambda: interface.backward(dout, q, k, v, out, lse, p, cfg=cfg), (out, lse)
 
 
@@ -334,21 +341,22 @@ def check_variant_case(case: Case, cfg) -> dict:
     }
 
 
-def time_variant(name: str, cfg, case: Case) -> dict:
-    """Backward TFLOP/s of fa3's own backward with `cfg` (forward outside the timed call)."""
+def time_variant(name: str, cfg, case: Case, step: bool = False) -> dict:
+    """Backward TFLOP/s of fa3's own backward with `cfg` (forward outside the timed call); with
+    `step`, forward + backward TFLOP/s of fa3's forward followed by that backward."""
     from flashsuite.dispatch.bench import time_ms
 
-    flops = attention_flops(
-        case.batch, case.heads_q, case.seqlen_q, case.seqlen_k, case.head_dim,
-        causal=case.causal, backward=True,
-    )  # fmt: skip
-    row = {"contender": name, "case": case.id, "step": False, "n": case.seqlen_q}
+    shape = (case.batch, case.heads_q, case.seqlen_q, case.seqlen_k, case.head_dim)
+    flops = attention_flops(*shape, causal=case.causal, backward=True)
+    if step:
+        flops += attention_flops(*shape, causal=case.causal)
+    row = {"contender": name, "case": case.id, "step": step, "n": case.seqlen_q}
     row.update(d=case.head_dim, causal=case.causal)
     try:
         q, k, v = make_inputs(case, "cuda")
         dout = make_grad_out(case, "cuda")
         with hang_watchdog(_VARIANT_HANG_S):
-            run, _ = _variant_backward(case, cfg, q, k, v, dout)
+            run, _ = _variant_backward(case, cfg, q, k, v, dout, step)
             ms = time_ms(run)
         row.update(ms=ms, tflops=flops / ms / 1e9)
     except Exception as exc:

@@ -396,7 +396,8 @@ def bwd_config_for(
     of 7 passes), N = 4k / 8k / 16k: 479.7 / 516.9 / 561.0 for the 64-row tile alone, 490.8 /
     529.2 / 555.6 with sections of 4, 478.8 / 522.6 / 558.2 with the per-warpgroup hand-off,
     494.3 / 531.2 / 556.3 with both (FA4 497.5 / 539.1 / 587.2, cuDNN 445.5 / 480.7 / 514.9);
-    the causal training step at N = 8k (fwd + bwd TFLOP/s, 7 passes): 539.8 -> 559.1 (cuDNN
+    the causal training step at N = 8k (fwd + bwd TFLOP/s, 7 passes, the same command with
+    --step --seqlen 8192): 539.8 -> 559.1 (cuDNN
     507.1, FA4 566.2). Sections timed +2.4 to +6.3 % at 8k in four runs and -0.2 to -1.8 % at
     16k (the four heads of a section share 16 MB of Q and dO at 8k, 32 MB at 16k: the L2 holds
     the former); 1k level. Causal D = 64 takes the sections too (variant pipe128_dqm_sec4_tma
