@@ -388,24 +388,25 @@ def bwd_config_for(
     the epilogue fixed, the loop is still not issue-bound.
 
     Causal D = 128 launches its grid in sections of CAUSAL_HEAD_SECTION (kv head, batch) pairs
-    (head_section: column block 0 of each pair first, then block 1, ...) and hands sdQ to the
-    writer warp per warpgroup (dq_handoff "wg", FA4's hand-off): variant pipe_sec4_wgdq_tma.
-    Interleaved A/B on the H200 (`python3 -m benchmarks.fa3_bwd_ab --variant pipe_stm_tma
-    --variant pipe_sec4_tma --variant pipe_wgdq_tma --variant pipe_sec4_wgdq_tma --causal
-    --seqlen 4096 --seqlen 8192 --seqlen 16384 --repeats 7`, 2026-12-04, commit 3cc3931, medians
-    of 7 passes), N = 4k / 8k / 16k: 479.7 / 516.9 / 561.0 for the 64-row tile alone, 490.8 /
-    529.2 / 555.6 with sections of 4, 478.8 / 522.6 / 558.2 with the per-warpgroup hand-off,
-    494.3 / 531.2 / 556.3 with both (FA4 497.5 / 539.1 / 587.2, cuDNN 445.5 / 480.7 / 514.9);
-    the causal training step at N = 8k (fwd + bwd TFLOP/s, 7 passes, the same command with
-    --step --seqlen 8192): 539.8 -> 559.1 (cuDNN
-    507.1, FA4 566.2). Sections timed +2.4 to +6.3 % at 8k in four runs and -0.2 to -1.8 % at
-    16k (the four heads of a section share 16 MB of Q and dO at 8k, 32 MB at 16k: the L2 holds
-    the former); 1k level. Causal D = 64 takes the sections too (variant pipe128_dqm_sec4_tma
-    against pipe128_dqm_tma, same command at --head-dim 64, commit d1b3569, medians of 5 passes,
-    N = 4k / 8k / 16k): 438.8 / 473.7 / 486.2 against 425.1 / 468.8 / 490.3 (an earlier run, 3
-    passes: +2.4 / +1.6 % at 4k / 16k; FA4 439.4 / 481.5 / 519.8 in this one). D = 96 (D = 128's
-    64-row tile) is not timed with them; at D = 256 sections of 8 (wide256_red80_wgs_sec8) timed
-    +2.2 / -1.9 / -2.9 % at 4k / 8k / 16k and are not shipped.
+    (head_section: column block 0 of each pair first, then block 1, ...) and hands sdQ to the writer
+    warp per warpgroup (dq_handoff "wg", FA4's hand-off): variant pipe_sec4_wgdq_tma. Interleaved
+    A/B on the H200 (`python3 -m benchmarks.fa3_bwd_ab --variant pipe_stm_tma --variant
+    pipe_sec4_tma --variant pipe_wgdq_tma --variant pipe_sec4_wgdq_tma --causal --seqlen 4096
+    --seqlen 8192 --seqlen 16384 --repeats 7`, 2026-12-04, commit 3cc3931, medians of 7 passes), N =
+    4k / 8k / 16k: 479.7 / 516.9 / 561.0 for the 64-row tile alone, 490.8 / 529.2 / 555.6 with
+    sections of 4, 478.8 / 522.6 / 558.2 with the per-warpgroup hand-off, 494.3 / 531.2 / 556.3 with
+    both (FA4 497.5 / 539.1 / 587.2, cuDNN 445.5 / 480.7 / 514.9); the causal training step at N =
+    8k (fwd + bwd TFLOP/s, medians of 7 passes, `--variant pipe_stm_tma --variant pipe_sec4_wgdq_tma
+    --causal --step --seqlen 8192 --repeats 7`): 539.8 -> 559.1 (cuDNN 507.1, FA4 566.2). Sections
+    timed +2.4 to +6.3 % at 8k in four runs and -0.2 to -1.8 % at 16k, 1k level; why 16k loses is
+    not known (the four heads' Q and dO, 16 MB at 8k and 32 MB at 16k against a 50 MB L2, would
+    explain it at D = 128 but not D = 64's -0.8 % at 16k, where they take 16 MB). Causal D = 64
+    takes the sections too (variant pipe128_dqm_sec4_tma against pipe128_dqm_tma, same command at
+    --head-dim 64, commit d1b3569, medians of 5 passes, N = 4k / 8k / 16k): 438.8 / 473.7 / 486.2
+    against 425.1 / 468.8 / 490.3 (an earlier run, 3 passes: +2.4 / +1.6 % at 4k / 16k; FA4 439.4 /
+    481.5 / 519.8 in this one). D = 96 (D = 128's 64-row tile) is not timed with them; at D = 256
+    sections of 8 (wide256_red80_wgs_sec8) timed +2.2 / -1.9 / -2.9 % at 4k / 8k / 16k and are not
+    shipped.
 
     D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
