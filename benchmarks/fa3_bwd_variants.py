@@ -3,10 +3,10 @@
 `benchmarks/fa3_bwd_check.py --variant NAME` runs correctness and timing per variant through
 `fa3.interface.backward(..., cfg=...)`; `benchmarks/fa3_bwd_probe.py --variant NAME` compiles
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
-one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 (and at
-D = 128 for windows and packed sequences), "pipe_sec4_wgdq_tma" at causal D = 128,
-"pipe80_wgs_tma" at non-causal D = 128, "pipe128_dqm_tma" at D = 64 ("pipe128_dqm_sec4_tma"
-causal), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
+one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 and 128 for
+windows and packed sequences, "pipe_wgdq_tma" at non-causal D = 96, "pipe_sec4_wgdq_tma" at
+causal D = 96 and 128, "pipe80_wgs_wgdq_tma" at non-causal D = 128, "pipe128_dqm_tma" at D = 64
+("pipe128_dqm_sec4_tma" causal), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
 "pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
@@ -22,7 +22,7 @@ descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what th
 block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
 "dkv_t" layout does. The "_sec" variants launch the grid in sections of S (kv head, batch)
 pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
-benchmarks/bwd_order_model.py; shipped at causal D = 64 and 128). (The "bulk" dQ mode, per-row
+benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). (The "bulk" dQ mode, per-row
 bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
 docs/results.md.)
 """
@@ -149,7 +149,8 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     ),
     "pipe_wgdq_tma": (
         BwdConfig(dkv_tma=True, dq_handoff="wg", **_PIPE),
-        "pipe_stm_tma with sdQ handed to the writer per warpgroup (FA4's D = 128 hand-off)",
+        "pipe_stm_tma with sdQ handed to the writer per warpgroup (FA4's D = 128 hand-off; "
+        "shipped at non-causal D = 96)",
     ),
     "pipe_sec4_wgdq_tma": (
         BwdConfig(dkv_tma=True, dq_handoff="wg", head_section=4, **_PIPE),
@@ -239,7 +240,7 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     ),
     "pipe80_wgs_wgdq_tma": (
         BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, dq_handoff="wg", **_PIPE),
-        "pipe80_wgs_tma (shipped non-causal D = 128) with sdQ handed over per warpgroup",
+        "pipe80_wgs_tma with sdQ handed over per warpgroup (shipped at non-causal D = 128)",
     ),
     "pipe80_wgs_ng_tma": (
         BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),

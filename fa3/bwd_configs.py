@@ -314,7 +314,7 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
 
 
 # (kv head, batch) pairs per launch section of causal grids (bwd_config_for: dense problems,
-# D = 64 and 128, without softcap or window).
+# D = 64, 96 and 128, without softcap or window).
 CAUSAL_HEAD_SECTION = 4
 
 
@@ -335,12 +335,17 @@ def bwd_config_for(
     sequences) describe the problem: D = 128's 80-row tile is for dense problems without either.
 
     D = 128 without causal masking, window, packed sequences or softcap takes FA4's 80-row tile
-    (dQ computed as dQ^T = K^T dS^T, wgmma operands sliced per warpgroup; variant
-    pipe80_wgs_tma): interleaved A/B on the H200 (`python3 -m benchmarks.fa3_bwd_ab --variant
-    pipe80_wgs_tma --variant pipe80_tma --variant pipe_stm_tma --head-dim 128 --repeats 3`,
+    (dQ computed as dQ^T = K^T dS^T, wgmma operands sliced per warpgroup, sdQ handed to the
+    writer per warpgroup; variant pipe80_wgs_wgdq_tma). The tile: interleaved A/B on the H200
+    (`python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_tma --variant pipe80_tma --variant
+    pipe_stm_tma --head-dim 128 --repeats 3`,
     2026-12-04, commit 3243fe2, medians of 3; docs/results.md), N = 4k / 16k: 553 / 584 against
     539 / 575 for the 64-row tile; causal 477 / 572 against 480 / 562, so causal problems keep
-    64 rows (FA4's choice too).
+    64 rows (FA4's choice too). The per-warpgroup hand-off on it (`--variant pipe80_wgs_tma
+    --variant pipe80_wgs_wgdq_tma --seqlen 4096 --seqlen 8192 --seqlen 16384 --repeats 7`,
+    2026-12-04, commit 4284f4d, medians of 7 passes), N = 4k / 8k / 16k: 547.0 / 565.7 / 586.3
+    against 535.3 (the shipped path) / 565.7 / 572.3 (FA4 560.0 / 585.4 / 601.9, cuDNN 500.2 /
+    519.9 / 529.2).
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -404,11 +409,20 @@ def bwd_config_for(
     takes the sections too (variant pipe128_dqm_sec4_tma against pipe128_dqm_tma, same command at
     --head-dim 64, commit d1b3569, medians of 5 passes, N = 4k / 8k / 16k): 438.8 / 473.7 / 486.2
     against 425.1 / 468.8 / 490.3 (an earlier run, 3 passes: +2.4 / +1.6 % at 4k / 16k; FA4 439.4 /
-    481.5 / 519.8 in this one). D = 96 (D = 128's 64-row tile) is not timed with them; at D = 256
-    sections of 8 (wide256_red80_wgs_sec8) timed +2.2 / -1.9 / -2.9 % at 4k / 8k / 16k and are not
-    shipped.
+    481.5 / 519.8 in this one). Causal D = 96 (D = 128's 64-row tile) takes both, as D = 128 does
+    (`--variant pipe_stm_tma --variant pipe_sec4_tma --variant pipe_sec4_wgdq_tma --head-dim 96
+    --causal --seqlen 4096 --seqlen 8192 --seqlen 16384 --repeats 5`, commit 4284f4d, medians of
+    5): 448.6 / 482.3 / 490.2 against 429.5 (the shipped path) / 460.9 / 485.5 for the tile alone
+    and 466.2 / 486.4 at 8k / 16k for the sections alone (FA4 455.5 / 498.9 / 504.3, cuDNN 363.6 /
+    388.8 / 405.8). At D = 256 sections of 8 (wide256_red80_wgs_sec8) timed +2.2 / -1.9 / -2.9 % at
+    4k / 8k / 16k and are not shipped.
 
-    D = 96 takes D = 128's shape (64-row tiles; not yet timed): 32 + 32 fp32 for S^T and dP^T,
+    Non-causal D = 96 hands sdQ over per warpgroup as well (variant pipe_wgdq_tma against the
+    shipped path's pipe_stm_tma, `--variant pipe_wgdq_tma --head-dim 96 --seqlen 4096 --seqlen
+    8192 --seqlen 16384 --repeats 5`, commit 4284f4d, medians of 5): 489.9 / 488.3 / 509.1
+    against 479.4 / 491.4 / 490.4 (FA4 484.4 / 516.0 / 520.0, cuDNN 395.3 / 409.2 / 411.3).
+
+    D = 96 takes D = 128's shape (64-row tiles): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
     """
@@ -429,12 +443,14 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
-    if head_dim == 128 and not (causal or softcap or local or varlen):
+    if softcap or local or varlen:
+        return cfg
+    if head_dim in (96, 128):
+        cfg = replace(cfg, dq_handoff="wg")
+    if head_dim == 128 and not causal:
         cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True)
-    if causal and head_dim in (64, 128) and not (softcap or local or varlen):
+    if causal:
         cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION)
-        if head_dim == 128:
-            cfg = replace(cfg, dq_handoff="wg")
     return cfg
 
 

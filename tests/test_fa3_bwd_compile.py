@@ -949,16 +949,23 @@ def test_bwd_variants_can_implement() -> None:
     }
     for (d, softcap), name in shipped.items():
         assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
-    # Causal D 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's winner.
-    assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(128, torch.bfloat16, True)
+    # Causal D 96 / 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's
+    # winner; D 64 the sections alone. Non-causal: the hand-off at D 96, and at D 128 on the
+    # 80-row tile; D 64 neither.
+    for d in (96, 128):
+        assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(d, torch.bfloat16, True), d
     assert variant("pipe128_dqm_sec4_tma") == bwd_config_for(64, torch.bfloat16, True)
-    for d, flags in itertools.product((64, 128), ({}, dict(local=True), dict(varlen=True))):
-        plain = bwd_config_for(d, torch.bfloat16, bool(flags), **flags)  # {}: non-causal
-        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, flags)
+    assert variant("pipe80_wgs_wgdq_tma") == bwd_config_for(128, torch.bfloat16, False)
+    for d, causal, flags in itertools.product(
+        (64, 96, 128), (False, True), (dict(local=True), dict(varlen=True))
+    ):
+        plain = bwd_config_for(d, torch.bfloat16, causal, **flags)
+        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal, flags)
+    assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
+    assert variant("pipe128_dqm_tma") == bwd_config_for(64, torch.bfloat16, False)
     for d, causal in itertools.product((64, 96, 128, 192, 256), (False, True)):
         plain = bwd_config_for(d, torch.bfloat16, causal, softcap=True)
-        assert plain.head_section == 0, (d, causal)
-    assert bwd_config_for(96, torch.bfloat16, True).head_section == 0  # not timed
+        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal)
     # The deterministic build starts from the tiles whose dQ goes through sdQ.
     assert bwd_config_for(256, torch.bfloat16, True, sdq=True) == variant("wide256")
     for name, (cfg, what) in VARIANTS.items():

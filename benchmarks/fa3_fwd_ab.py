@@ -1,0 +1,132 @@
+"""Interleaved A/B timing of fa3 forward tile configs against each other and the peers (a GPU run).
+
+    python3 -m benchmarks.fa3_fwd_ab --variant t128ol:tile_n=128,intra_wg_overlap=1,o_alias_q=0
+    python3 -m benchmarks.fa3_fwd_ab --head-dim 128 --causal --seqlen 8192 --passes 7 \
+        --variant t176:tile_n=176
+
+A variant is NAME:FIELD=VALUE,... : the shipped config for the shape (configs.config_for) with
+those Fa3Config fields replaced (ints; 0 / 1 for the flags). Each variant must build
+(can_implement) and pass the oracle on three small cases (odd lengths, GQA, one long) under the
+suite's comparison rule before it is timed. Then every contender is timed once per shape per
+pass, passes interleaved (a run drifts by several percent, more than what is being decided):
+the variants through fa3.interface.forward, "fa3" (the shipped path through dispatch), SDPA's
+cuDNN backend and, when flash-attn-4 imports, FA4's SM90 forward. Shapes: the standard sweep's
+B·N = 16k, Hq·D = 2048 at each --seqlen (default 4k, 8k, 16k). Prints forward TFLOP/s per pass
+and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+import torch
+
+
+def parse_variant(spec: str):
+    """("name", {field: int}) from NAME:FIELD=VALUE,...; a clear error for a bad field."""
+    from flashsuite.fa3.configs import Fa3Config
+
+    name, _, body = spec.partition(":")
+    fields = {f.name: f.type for f in dataclasses.fields(Fa3Config)}
+    changes: dict[str, object] = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"--variant {spec!r}: field {key!r} not in Fa3Config {sorted(fields)}")
+        current = getattr(Fa3Config(), key)
+        try:
+            changes[key] = bool(int(value)) if isinstance(current, bool) else type(current)(value)
+        except ValueError:
+            kind = type(current).__name__
+            raise ValueError(f"--variant {spec!r}: {key}={value!r} is not a {kind}") from None
+    if not name:
+        raise ValueError(f"--variant {spec!r}: expected NAME:FIELD=VALUE,...")
+    return name, changes
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.dispatch.bench import prepare, time_ms
+    from flashsuite.fa3 import interface as fa3
+    from flashsuite.fa3.configs import can_implement, config_for
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE,... (repeat)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (repeat)")
+    args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes: expected >= 1, got {args.passes}")
+    seqlens = args.seqlen or [4096, 8192, 16384]
+    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
+        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
+    try:
+        variants = [parse_variant(s) for s in args.variant]
+    except ValueError as exc:
+        ap.error(str(exc))
+    d, heads = args.head_dim, 2048 // args.head_dim
+    bf16 = torch.bfloat16
+
+    def cfg_for(case: Case, changes: dict):
+        q, k, v = make_inputs(case, "cuda")
+        p = check_inputs(q, k, v, **case.options())
+        return (q, k, v, p), dataclasses.replace(config_for(p), **changes)
+
+    checks = [
+        Case(2, 1000, 1000, 4, 4, d, dtype=bf16, causal=args.causal),
+        Case(2, 170, 333, 8, 2, d, dtype=bf16, causal=args.causal),
+        Case(1, 4096, 4096, 4, 2, d, dtype=bf16, causal=args.causal),
+    ]
+    for name, changes in variants:
+        for case in checks:
+            (q, k, v, p), cfg = cfg_for(case, changes)
+            ok, why = can_implement(cfg, d, bf16)
+            if not ok:
+                print(f"{name}: cannot build {cfg}: {why}", flush=True)
+                return 1
+            out, lse = fa3.forward(q, k, v, p, cfg=cfg)
+            refs = reference_pair(q, k, v, **case.options())
+            for res in (compare("out", out, *refs["out"]), compare("lse", lse, *refs["lse"])):
+                print(f"{'ok' if res.ok else 'FAIL'} [{name}] {case.id}: {res}", flush=True)
+                if not res.ok:
+                    return 1
+
+    causal = args.causal
+    cases = [Case(16384 // n, n, n, heads, heads, d, dtype=bf16, causal=causal) for n in seqlens]
+    fns: dict[tuple[str, int], object] = {}
+    for case in cases:
+        for name, changes in variants:
+            (q, k, v, p), cfg = cfg_for(case, changes)
+            fns[name, case.seqlen_q] = lambda q=q, k=k, v=v, p=p, cfg=cfg: fa3.forward(
+                q, k, v, p, cfg=cfg
+            )
+        for peer in ("fa3", "sdpa-cudnn", "fa4"):
+            try:
+                fns[peer, case.seqlen_q] = prepare(peer, case)
+            except Exception as exc:  # FA4 not installed, a backend refusing the shape
+                print(f"{peer}: not timed ({type(exc).__name__}: {exc})"[:200], flush=True)
+    tflops: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
+    for _ in range(args.passes):
+        for case in cases:
+            flops = 4 * case.batch * heads * case.seqlen_q * case.seqlen_k * d
+            flops /= 2 if args.causal else 1
+            for (name, n), fn in fns.items():
+                if n == case.seqlen_q:
+                    with torch.no_grad():
+                        tflops[name, n].append(flops / time_ms(fn) / 1e9)
+    what = "causal" if args.causal else "non-causal"
+    print(f"forward TFLOP/s, D {d}, {what}, bf16, B*N = 16k, Hq*D = 2048", flush=True)
+    for (name, n), vals in tflops.items():
+        passes = " ".join(f"{t:.1f}" for t in vals)
+        print(f"{name:>12} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
