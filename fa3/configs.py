@@ -71,6 +71,14 @@ class Fa3Config:
     # N = 4k / 16k: 192x128 tiles 1.062 -> 1.031 / 1.016 -> 1.008; 128x112 1.056 -> 1.039;
     # 128x80 1.047 -> 1.031; 128x128 unchanged (fires only when Nk - Nq % tile_n != 0).
     skip_masked_wg: bool = False
+    # Intra-WG overlap only: the softmax writes P into registers of its own (not over S) and
+    # reduces each row's max and sum in four chains, and a loop with a runtime mask test holds
+    # one whole softmax per side of its branch. ptxas otherwise moves P·V's wait_group(0) up to
+    # the softmax's first instructions (it treats a write to the Q·Kᵀ accumulator as a hazard
+    # with the P·V still in flight, and hoists a wgmma wait to the top of a basic block after a
+    # branch's join), so the softmax runs after P·V retires, not under it (docs/design.md,
+    # "The softmax under P·V").
+    softmax_apart: bool = False
     # float8 only: who makes Vᵀ (D x keys, keys contiguous: fp8 wgmma takes its B operand
     # K-major only). "host": a transpose copy before the launch (interface.transpose_v), the
     # kernel loads Vᵀ blocks. "smem": the kernel loads V blocks as they lie (keys x D) and warps
@@ -154,6 +162,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of {mma_k} in [{mma_k}, 256]"
     if cfg.skip_masked_wg and not cfg.intra_wg_overlap:
         return False, "fa3: skip_masked_wg needs intra_wg_overlap=True"
+    if cfg.softmax_apart and not cfg.intra_wg_overlap:
+        return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):
@@ -221,11 +231,23 @@ def get_config(
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
         return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
-    return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
+    return replace(
+        _overlap(cfg),
+        skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS,
+        softmax_apart=head_dim in _SOFTMAX_APART_DIMS,
+    )
 
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
+# Causal head dims that run the softmax apart from S (softmax_apart; config_for leaves softcap
+# and windowed problems out, which no GPU run has checked with it). H200, 2026-12-04,
+# `python3 -m benchmarks.fwd_tree_ab --tree old=OLD --tree new=. --passes 3 --rest 1` with the
+# flag on for every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
+# old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
+# 631 / 614 / 634 -> 617 / 617 / 614 (-2.2 %); D = 64 508 / 525 / 515 -> 508 / 517 / 513
+# (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level).
+_SOFTMAX_APART_DIMS = (256,)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
@@ -349,8 +371,11 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
 
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
-    flag and key length)."""
-    return get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    flag and key length; softcap and windowed problems without softmax_apart)."""
+    cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    if cfg.softmax_apart and (p.softcap or p.is_local):
+        cfg = replace(cfg, softmax_apart=False)
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------

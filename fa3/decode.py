@@ -110,6 +110,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.STAGES = cfg.stages
         self.PINGPONG = False  # one consumer warpgroup
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
+        self.SOFTMAX_APART = cfg.softmax_apart
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory
         self.NUM_CONSUMER_WGS = 1
         self.PRODUCER_REGS, self.CONSUMER_REGS = DECODE_REG_SPLIT

@@ -13,7 +13,7 @@ convert and register exchange of fp8_ops.py.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from flashsuite.fa3 import fp8_ops
@@ -26,10 +26,11 @@ class ForwardMainloop:
     """Per-block steps of the consumer warpgroups (reads the kernel's static configuration)."""
 
     @cute.jit
-    def _mask(self, ctx, n_block: Int32):
-        """mask.apply_mask on ctx.acc_S with this kernel's tile and window edges."""
+    def _mask(self, ctx, n_block: Int32, scores=None):
+        """mask.apply_mask on `scores` (else ctx.acc_S) with this kernel's tile and window
+        edges."""
         apply_mask(
-            ctx.acc_S,
+            ctx.acc_S if const_expr(scores is None) else scores,
             ctx.tScS,
             n_block,
             ctx.m_block,
@@ -44,34 +45,45 @@ class ForwardMainloop:
         )
 
     @cute.jit
-    def scores_to_probs(self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None):
-        """Softcap, mask and online softmax of ctx.acc_S in place; returns the O rescale.
+    def scores_to_probs(
+        self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None, probs=None
+    ):
+        """Softcap, mask and online softmax of ctx.acc_S; returns the O rescale.
 
-        `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may.
+        `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may. With
+        `probs` (a fragment like acc_S; SOFTMAX_APART) the scores are taken out of acc_S first
+        and all the rest happens there, P included, so acc_S is only read. Without it, all of
+        it happens in acc_S.
         """
         acc_S = ctx.acc_S
+        scores = acc_S  # what the softmax reads: acc_S, or probs once written there
+        if const_expr(probs is not None and (self.SOFTCAP or mask)):
+            scores = probs
         if const_expr(self.SOFTCAP):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
-                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
+                scores[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
+        elif const_expr(probs is not None and mask):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                scores[i] = acc_S[i]
         if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
             if masked:
-                self._mask(ctx, n_block)
+                self._mask(ctx, n_block, scores)
         if const_expr(mask):
-            self._mask(ctx, n_block)
-        return online_softmax(acc_S, ctx.row_max, ctx.row_sum, ctx.scale_log2)
+            self._mask(ctx, n_block, scores)
+        return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs)
 
     @cute.jit
-    def probs_to_operand(self, ctx):
-        """P (fp32, in acc_S) -> A operand of PV (ctx.tOrP), in registers.
+    def probs_to_operand(self, ctx, probs=None):
+        """P (fp32, in `probs` or else acc_S) -> A operand of PV (ctx.tOrP), in registers.
 
         16-bit: the C fragment of S and the A fragment of P have the same per-thread element
         order (m64nNk16), so this is a per-thread convert, no data moves between threads. e4m3:
         the A fragment (m64nNk32) gives a thread other keys (`fp8_ops.probs_to_operand`).
         """
+        acc_S = ctx.acc_S if const_expr(probs is None) else probs
         if const_expr(self.FP8):
-            fp8_ops.probs_to_operand(ctx.acc_S, ctx.tOrP, self.TILE_N)
+            fp8_ops.probs_to_operand(acc_S, ctx.tOrP, self.TILE_N)
         else:
-            acc_S = ctx.acc_S
             n = cute.size(acc_S)
             p32 = cute.make_tensor(
                 cute.recast_ptr(ctx.tOrP.iterator, dtype=Int32), cute.make_layout(n // 2)
@@ -114,6 +126,10 @@ class ForwardMainloop:
         kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
         for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
             masked = i < n_masked_hi
+            if const_expr(self.SOFTMAX_APART and not (self.HAS_RIGHT or self.HAS_LEFT)):
+                # Only the newest block (first_half_block's) has masked keys, those past
+                # seqlen_k: no mask test in the loop, one softmax in it.
+                masked = None
             if const_expr(self.HAS_LEFT):
                 masked = masked | (i >= n_masked_hi + n_unmasked)
             kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
@@ -157,7 +173,14 @@ class ForwardMainloop:
 
     @cute.jit
     def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
-        """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV."""
+        """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV.
+
+        `masked`: a runtime Boolean, or None (SOFTMAX_APART: no block of the loop is masked).
+        SOFTMAX_APART: each side of its branch holds a whole `softmax_under_pv`, both waits
+        included, since ptxas moves a wgmma wait that sits in another basic block than the
+        wait_group(1) before it up to that block's first instructions: a softmax after the
+        branch's join would run with P·V already retired (docs/design.md).
+        """
         v_state = kv_state.clone()  # the previous block, whose P sits in tOrP
         kv_state.advance()
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
@@ -166,14 +189,36 @@ class ForwardMainloop:
         ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
         self.pingpong.arrive(ctx.cwg)
-        warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
-        ctx.pipe_k.consumer_release(kv_state)
-        corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S only, not tOrP/acc_O
-        warpgroup.wait_group(0)
+        if const_expr(self.SOFTMAX_APART):
+            probs = cute.make_fragment_like(ctx.acc_S)  # P apart from S (Fa3Config says why)
+            corr = cute.make_rmem_tensor((2,), Float32)
+            if const_expr(masked is None):
+                self.softmax_under_pv(ctx, kv_state, n_block, False, probs, corr)
+            else:
+                if masked:
+                    self.softmax_under_pv(ctx, kv_state, n_block, True, probs, corr)
+                else:
+                    self.softmax_under_pv(ctx, kv_state, n_block, False, probs, corr)
+        else:
+            probs = None
+            warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
+            ctx.pipe_k.consumer_release(kv_state)
+            corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S, not tOrP / acc_O
+            warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
-        self.probs_to_operand(ctx)  # tOrP and acc_O are free once PV has retired
+        self.probs_to_operand(ctx, probs)  # tOrP and acc_O are free once PV has retired
         rescale_rows(ctx.acc_O, corr)
         return kv_state
+
+    @cute.jit
+    def softmax_under_pv(self, ctx, kv_state, n_block, mask: cutlass.Constexpr[bool], probs, corr):
+        """step_overlap's middle: wait for S(n), release K, the softmax into `probs` (O's
+        rescale into `corr`) while P·V runs, then wait for P·V."""
+        warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
+        ctx.pipe_k.consumer_release(kv_state)
+        c = self.scores_to_probs(ctx, n_block, mask, None, probs)  # neither tOrP nor acc_O
+        corr[0], corr[1] = c[0], c[1]
+        warpgroup.wait_group(0)
 
     @cute.jit
     def last_half_block(self, ctx, kv_state):

@@ -1,0 +1,93 @@
+"""Where ptxas puts the fa3 forward's wgmma waits around the softmax, on the CPU (sm_90a).
+
+    python -m benchmarks.fa3_softmax_sass --head-dim 256 --causal
+    python -m benchmarks.fa3_softmax_sass --head-dim 128 --set tile_n=128 --set softmax_apart=1
+
+With intra-WG overlap a consumer warpgroup issues Q·Kᵀ(n) and P·V(n-1), waits for the first
+(`WARPGROUP.DEPBAR.LE gsb0, 0x1`), runs the softmax of block n and only then waits for P·V
+(`... 0x0`); the softmax overlaps P·V only if ptxas leaves that second wait after it. The PTX
+order does not fix this: ptxas moves the wait up (Fa3Config.softmax_apart says when). This
+compiles the config (the shipped one for --head-dim / --causal, with each --set FIELD=VALUE
+replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait of the
+consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
+between it and the next 0x0 wait, as JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f},
+...]}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before
+cutlass is imported: run it in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def overlap_windows(text: str) -> list[dict]:
+    """For each `WARPGROUP.DEPBAR.LE gsb0, 0x1` of an `nvdisasm -c` listing, the MUFU.EX2 and
+    FMNMX instructions before the next `... 0x0` wait (in listing order, so both sides of a
+    branch count towards the window they sit in)."""
+    from benchmarks.fa3_bwd_sass import parse_sass
+
+    insns, _ = parse_sass(text)
+    windows, open_window = [], None
+    for ins in insns:
+        if ins.op == "WARPGROUP.DEPBAR.LE":
+            level = ins.args.replace(" ", "").split(",")[-1]
+            if level == "0x1":
+                open_window = {"mufu": 0, "fmnmx": 0}
+                windows.append(open_window)
+            elif level == "0x0":
+                open_window = None
+        elif open_window is not None:
+            open_window["mufu"] += ins.op.startswith("MUFU.EX2")
+            open_window["fmnmx"] += ins.base == "FMNMX"
+    return windows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE (repeat)")
+    args = ap.parse_args(argv)
+
+    import os
+
+    from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
+    from benchmarks.fa3_bwd_sass import disassemble
+    from benchmarks.fa3_fwd_ab import parse_variant
+
+    os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
+    import torch
+
+    from flashsuite.fa3.compile import CompileKey, compile_forward
+    from flashsuite.fa3.configs import can_implement, get_config
+
+    try:
+        _, changes = parse_variant("set:" + ",".join(args.set))
+    except ValueError as exc:
+        ap.error(str(exc))
+    bf16 = torch.bfloat16
+    cfg = dataclasses.replace(get_config(args.head_dim, bf16, args.causal), **changes)
+    ok, why = can_implement(cfg, args.head_dim, bf16)
+    if not ok:
+        ap.error(f"--set: the config cannot be built: {why}")
+    try:
+        import tvm_ffi  # noqa: F401
+
+        tvm = True
+    except ImportError:
+        tvm = False
+    key = CompileKey(bf16, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm)
+    compiled, log = probe._capture_fd2(lambda: compile_forward(key))
+    facts = probe.parse_ptxas(log)
+    windows = overlap_windows(disassemble(compiled.__cubin__))
+    out = {"config": dataclasses.asdict(cfg), "windows": windows}
+    out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The shipped softmax_apart build keeps its softmax under P·V in the SASS (sm_90a, no GPU).
+
+ptxas decides where a wgmma wait lands, not the PTX's order: with the softmax written over S it
+moves P·V's wait_group(0) up to the softmax's first instructions, so P·V retires before the
+softmax runs (Fa3Config.softmax_apart). This compiles the shipped causal D = 256 config (the
+one head dim that ships the flag) and the same config without it
+(`python -m benchmarks.fa3_softmax_sass`, a subprocess each: the CuTe DSL reads its settings at
+import) and checks each main-loop window between the Q·Kᵀ wait and the P·V wait: the shipped
+build issues its row max and exponentials there, the build without the flag does not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _windows(*sets: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.fa3_softmax_sass", "--head-dim", "256", "--causal"]
+    for s in sets:
+        cmd += ["--set", s]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
+    with ThreadPoolExecutor(2) as pool:
+        shipped, plain = pool.map(lambda s: _windows(*s), [(), ("softmax_apart=0",)])
+    assert shipped["config"]["softmax_apart"] and not plain["config"]["softmax_apart"]
+    for r in (shipped, plain):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+    # Causal: the masked and the unmasked side of the loop's branch, a window each.
+    assert len(shipped["windows"]) == 2, shipped["windows"]
+    for w in shipped["windows"]:
+        # 80 keys per block at D = 256: a thread holds 40 scores over its two rows, so 40
+        # row-max instructions at least, and a good part of the exponentials.
+        assert w["fmnmx"] >= 40 and w["mufu"] >= 8, shipped["windows"]
+    # Without the flag ptxas waits for P·V before the first exponential.
+    assert plain["windows"] and all(w["mufu"] == 0 for w in plain["windows"]), plain["windows"]
