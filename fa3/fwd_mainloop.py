@@ -65,11 +65,13 @@ class ForwardMainloop:
         elif const_expr(probs is not None and mask):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 scores[i] = acc_S[i]
+        # The decode kernel's own _mask takes (ctx, n_block) and never runs apart.
+        where = () if const_expr(scores is acc_S) else (scores,)
         if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
             if masked:
-                self._mask(ctx, n_block, scores)
+                self._mask(ctx, n_block, *where)
         if const_expr(mask):
-            self._mask(ctx, n_block, scores)
+            self._mask(ctx, n_block, *where)
         return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs)
 
     @cute.jit
