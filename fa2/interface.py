@@ -165,8 +165,9 @@ def bind_forward(p: AttnParams):
             plan = _fwd_plan(p, None, _arch(q))
         grid, kwargs, token = plan
         q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
-        out = torch.empty(out_shape, dtype=dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=f32, device=q.device)
+        # Sizes as separate ints: torch.empty parses them faster than one tuple.
+        out = torch.empty(*out_shape, dtype=dtype, device=q.device)
+        lse = torch.empty(*lse_shape, dtype=f32, device=q.device)
         args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
                 *out_strides)  # fmt: skip
         launch(kernel, grid, args, kwargs, plan=token)

