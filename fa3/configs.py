@@ -241,9 +241,10 @@ def get_config(
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
 # Causal head dims that run the softmax apart from S (softmax_apart; config_for leaves softcap
-# and windowed problems out, which no GPU run has checked with it). H200, 2026-12-04,
-# `python3 -m benchmarks.fwd_tree_ab --tree old=OLD --tree new=. --passes 3 --rest 1` with the
-# flag on for every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
+# and windowed problems out and varlen_config packed ones, which no GPU run has checked with
+# it). H200, 2026-12-04, `python3 -m benchmarks.fwd_tree_ab --tree old=OLD --tree new=.
+# --passes 3 --rest 1` with the flag on for every causal head dim against the tree before it,
+# TFLOP/s per pass at N = 8k,
 # old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
 # 631 / 614 / 634 -> 617 / 617 / 614 (-2.2 %); D = 64 508 / 525 / 515 -> 508 / 517 / 513
 # (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level).
@@ -407,9 +408,11 @@ def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     same tokens, 1,081 us), S = 4 / 8 / 16 1,327 / 1,327 / 1,328 us (0.925x)."""
     cfg = get_config(head_dim, dtype, causal)
     section = VARLEN_CAUSAL_HEAD_SECTION if causal else 0
+    # softmax_apart is not taken: no GPU run has checked it with packed sequences.
     return replace(
-        cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section
-    )
+        cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section,
+        softmax_apart=False,
+    )  # fmt: skip
 
 
 def varlen_config_for(p: AttnParams) -> Fa3Config:

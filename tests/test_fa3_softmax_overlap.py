@@ -6,11 +6,13 @@ softmax runs (Fa3Config.softmax_apart). This compiles the shipped causal D = 256
 one head dim that ships the flag) and the same config without it
 (`python -m benchmarks.fa3_softmax_sass`, a subprocess each: the CuTe DSL reads its settings at
 import) and checks each main-loop window between the Q·Kᵀ wait and the P·V wait: the shipped
-build issues its row max and exponentials there, the build without the flag does not.
+build issues its row max and exponentials there, the build without the flag does not. And
+the flag ships only where it was measured and checked (configs._SOFTMAX_APART_DIMS).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -49,3 +51,31 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
         assert w["fmnmx"] >= 40 and w["mufu"] >= 8, shipped["windows"]
     # Without the flag ptxas waits for P·V before the first exponential.
     assert plain["windows"] and all(w["mufu"] == 0 for w in plain["windows"]), plain["windows"]
+
+
+def test_softmax_apart_ships_where_it_was_measured() -> None:
+    """Causal D = 256 takes it; softcap, windowed and packed problems, the other head dims and
+    non-causal problems do not; it needs the intra-WG overlap it serves."""
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import (
+        HEAD_DIMS,
+        can_implement,
+        config_for,
+        get_config,
+        varlen_config,
+    )
+
+    bf16 = torch.bfloat16
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            assert get_config(d, bf16, causal).softmax_apart == (d == 256 and causal), (d, causal)
+    q, k, v = (torch.zeros(1, 300, 2, 256, dtype=bf16) for _ in range(3))
+    assert config_for(check_inputs(q, k, v, causal=True)).softmax_apart
+    assert not config_for(check_inputs(q, k, v, causal=True, softcap=30.0)).softmax_apart
+    assert not config_for(check_inputs(q, k, v, causal=True, window_size=(64, 0))).softmax_apart
+    assert not varlen_config(256, bf16, True).softmax_apart
+    no_overlap = dataclasses.replace(get_config(256, bf16, True), intra_wg_overlap=False)
+    ok, why = can_implement(no_overlap, 256, bf16)
+    assert not ok and "softmax_apart needs intra_wg_overlap" in why
