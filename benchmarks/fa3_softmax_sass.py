@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 
@@ -51,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE (repeat)")
     args = ap.parse_args(argv)
-
-    import os
 
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
     from benchmarks.fa3_bwd_sass import disassemble

@@ -346,10 +346,10 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=128)
 
     @cute.jit
-    def _mask(self, ctx, n_block: Int32):
-        """mask.apply_mask with each row's query token (the packed rows' tokens)."""
+    def _mask(self, ctx, n_block: Int32, scores: cute.Tensor):
+        """mask.apply_mask on `scores` with each row's query token (the packed rows' tokens)."""
         apply_mask(
-            ctx.acc_S, ctx.tScS, n_block, ctx.m_block, ctx.seqlen_k, ctx.shift, ctx.window_left,
+            scores, ctx.tScS, n_block, ctx.m_block, ctx.seqlen_k, ctx.shift, ctx.window_left,
             ctx.window_right, self.TILE_M, self.TILE_N, self.HAS_RIGHT, self.HAS_LEFT,
             query_of=ctx.tokens,
         )  # fmt: skip

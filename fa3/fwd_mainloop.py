@@ -26,11 +26,11 @@ class ForwardMainloop:
     """Per-block steps of the consumer warpgroups (reads the kernel's static configuration)."""
 
     @cute.jit
-    def _mask(self, ctx, n_block: Int32, scores=None):
-        """mask.apply_mask on `scores` (else ctx.acc_S) with this kernel's tile and window
-        edges."""
+    def _mask(self, ctx, n_block: Int32, scores: cute.Tensor):
+        """mask.apply_mask on `scores` (ctx.acc_S, or the softmax_apart copy of it) with this
+        kernel's tile and window edges."""
         apply_mask(
-            ctx.acc_S if const_expr(scores is None) else scores,
+            scores,
             ctx.tScS,
             n_block,
             ctx.m_block,
@@ -65,13 +65,11 @@ class ForwardMainloop:
         elif const_expr(probs is not None and mask):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 scores[i] = acc_S[i]
-        # The decode kernel's own _mask takes (ctx, n_block) and never runs apart.
-        where = () if const_expr(scores is acc_S) else (scores,)
         if const_expr(masked is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
             if masked:
-                self._mask(ctx, n_block, *where)
+                self._mask(ctx, n_block, scores)
         if const_expr(mask):
-            self._mask(ctx, n_block, *where)
+            self._mask(ctx, n_block, scores)
         return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs)
 
     @cute.jit
