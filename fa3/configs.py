@@ -79,6 +79,13 @@ class Fa3Config:
     # branch's join), so the softmax runs after P·V retires, not under it (docs/design.md,
     # "The softmax under P·V").
     softmax_apart: bool = False
+    # The producer's order of the K and V loads, blocks j = 0, 1, ... in the order the consumers
+    # take them. False: K(0), V(0), K(1), V(1), ... True: K of the next block before V of this
+    # one, K(0), K(1), V(0), K(2), V(1), ..., the order in which the intra-WG-overlap consumers
+    # wait for them (Q·Kᵀ(j + 1) is issued before P·V(j)) and FA4's. With two stages K(j + 2)
+    # otherwise queues behind V(j + 1), whose stage frees when P·V(j - 1) retires at the end of
+    # iteration j; ahead of it, K(j + 2) goes as soon as Q·Kᵀ(j) has retired.
+    k_ahead: bool = False
     # float8 only: who makes Vᵀ (D x keys, keys contiguous: fp8 wgmma takes its B operand
     # K-major only). "host": a transpose copy before the launch (interface.transpose_v), the
     # kernel loads Vᵀ blocks. "smem": the kernel loads V blocks as they lie (keys x D) and warps
@@ -228,27 +235,35 @@ def get_config(
             return fp8_smem_transpose_config(head_dim, causal)
         return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
+    if cfg.intra_wg_overlap:
+        cfg = replace(
+            cfg,
+            softmax_apart=(head_dim, causal) in _SOFTMAX_APART,
+            k_ahead=(head_dim, causal) in _K_AHEAD,
+        )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
         return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
-    return replace(
-        _overlap(cfg),
-        skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS,
-        softmax_apart=head_dim in _SOFTMAX_APART_DIMS,
-    )
+    return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
 
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
-# Causal head dims that run the softmax apart from S (softmax_apart; config_for leaves softcap
-# and windowed problems out and varlen_config packed ones, which no GPU run has checked with
-# it). H200, 2026-12-04, `python3 -m benchmarks.fwd_tree_ab --tree old=OLD --tree new=.
-# --passes 3 --rest 1` with the flag on for every causal head dim against the tree before it,
-# TFLOP/s per pass at N = 8k,
+# (head_dim, causal) pairs that run the softmax apart from S (softmax_apart; config_for leaves
+# softcap and windowed problems out and varlen_config packed ones, which no GPU run has checked
+# with it). Non-causal D = 128: see _tiles. Causal, H200, 2026-12-04, `python3 -m
+# benchmarks.fwd_tree_ab --tree old=OLD --tree new=. --passes 3 --rest 1` with the flag on for
+# every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
 # old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
 # 631 / 614 / 634 -> 617 / 617 / 614 (-2.2 %); D = 64 508 / 525 / 515 -> 508 / 517 / 513
 # (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level).
-_SOFTMAX_APART_DIMS = (256,)
+_SOFTMAX_APART = ((256, True), (128, False))
+# (head_dim, causal) pairs whose producer loads K ahead of V (k_ahead). Non-causal D = 128: see
+# _tiles. Causal D = 256, H200, 2026-12-04, commit 85469e0 + k_ahead (`benchmarks/fa3_fwd_ab
+# --causal --head-dim 256 --seqlen 8192 --variant ka:k_ahead=1`, medians of 5 passes): 649.1
+# against 635.5 TFLOP/s (FA4 658.3); at causal D = 128 582.5 against 588.8 (with the softmax
+# apart 577.4) and non-causal D = 64 497.5 against 507.1, which keep the K, V order.
+_K_AHEAD = ((256, True), (128, False))
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
@@ -277,12 +292,16 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
             # Causal tiles are half masked on the diagonal: keep them square. 193 KiB (a
             # separate sO, so v2 stores O per warpgroup and releases Q early). R194.
             return Fa3Config(tile_n=128, stages=2)
-        # FA3's non-causal choice: a wider S (176) amortises the softmax over more columns.
-        # 2 stages of 44 KiB for K and V need sO on sQ: 208 KiB. R219.
-        # H200 2026-11-29 (bf16), two runs: intra-WG overlap off beats on, 627 vs 613
-        # (N=8k) and 636 vs 629 (N=16k; cuDNN 626): with ping-pong the other warpgroup's
-        # GEMMs already hide this one's softmax. tile_n 128 with sO on sQ: 627 / 633.
-        return Fa3Config(tile_n=176, stages=2, o_alias_q=True, intra_wg_overlap=False)
+        # FA4's non-causal shape (128 x 128, intra-WG overlap, sO on sQ: 160 KiB), which
+        # get_config runs with the softmax apart from S and K loaded ahead of V. H200
+        # 2026-12-04, commit 85469e0 + k_ahead (`benchmarks/fa3_fwd_ab`, bf16, medians of 5
+        # interleaved passes, N = 4k / 8k / 16k): 602.7 / 623.9 / 632.4 TFLOP/s against
+        # 580.0 / 614.0 / 622.2 for FA3's 128 x 176 without overlap (2 stages of 44 KiB, 208
+        # KiB), 598.6 / 618.7 / 625.6 with overlap and softmax apart but K not ahead, 591.4 /
+        # 627.9 / 631.6 for 128 x 176 with all three; FA4 630.1 / 631.1 / 626.0, cuDNN 581.5 /
+        # 586.6 / 592.8. Short problems, same run kind: N = 512 / 1k / 2k 422.9 / 517.7 /
+        # 563.7 against 402.2 / 503.0 / 543.2 (cuDNN 504.3 / 555.9 / 574.1). R184.
+        return Fa3Config(tile_n=128, stages=2, o_alias_q=True)
     if head_dim <= 192:
         # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
         return Fa3Config(tile_n=112, stages=2, o_alias_q=True)

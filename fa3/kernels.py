@@ -126,6 +126,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.TILE_N = cfg.tile_n
         self.STAGES = cfg.stages
         self.PINGPONG = cfg.pingpong
+        self.K_AHEAD = cfg.k_ahead
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
         self.O_ALIAS_Q = cfg.o_alias_q
@@ -519,5 +520,5 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         return load_tile(
             *load_args, q_state, kv_state, m_block, head, rows, group, n_min, n_max,
             self.TILE_M, self.TILE_N, self.HEAD_DIM, self.PERSISTENT, self.OVERLAP_TILES,
-            self._v_blocks,
+            self._v_blocks, self.K_AHEAD,
         )  # fmt: skip

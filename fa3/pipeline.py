@@ -116,6 +116,7 @@ def load_tile(
     persistent: cutlass.Constexpr[bool],
     k_first: cutlass.Constexpr[bool],
     v_blocks: Callable,
+    k_ahead: cutlass.Constexpr[bool] = False,
 ):
     """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down.
 
@@ -123,7 +124,9 @@ def load_tile(
     one with no K/V block, so that the consumers' Q wait/release (which guards sQ, and sO
     where it aliases sQ) stays in step with the producer. `k_first` (persistent tile
     overlap): the first K block before Q. `v_blocks(v_rows)`: V rows of one (sequence, kv head)
-    as (TILE_N, D, n_blocks) blocks (Vᵀ blocks for fp8).
+    as (TILE_N, D, n_blocks) blocks (Vᵀ blocks for fp8). `k_ahead` (Fa3Config.k_ahead): K of
+    the next block before V of this one, K(1st), K(2nd), V(1st), K(3rd), V(2nd), ..., V(last),
+    the order in which the intra-WG-overlap consumers wait for them.
     """
     head_kv = head // group
     gQ = cute.local_tile(rows.q_rows(tQ, head), (tile_m, head_dim), (m_block, 0))
@@ -150,7 +153,13 @@ def load_tile(
         pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
         cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state.advance()
-        if n_block_max > n_block_min:
+        if const_expr(k_ahead):
+            if n_block_max > n_block_min:
+                kv_state = _load_k_ahead(
+                    pipe_k, pipe_v, tma_k, tma_v, tKg, tKs, tVg, tVs, n_block_min, n_block_max,
+                    kv_state,
+                )  # fmt: skip
+        elif n_block_max > n_block_min:
             load_block(pipe_v, tma_v, tVg, tVs, n_block_max - 1, kv_state)
             kv_state.advance()
             for i in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
@@ -167,12 +176,38 @@ def load_tile(
             if const_expr(not persistent):
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            for i in cutlass.range(n_block_max - n_block_min, unroll=1):
-                n_block = n_block_max - 1 - i
-                load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
-                load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
-                kv_state.advance()
+            if const_expr(k_ahead):
+                load_block(pipe_k, tma_k, tKg, tKs, n_block_max - 1, kv_state)
+                kv_state = _load_k_ahead(
+                    pipe_k, pipe_v, tma_k, tma_v, tKg, tKs, tVg, tVs, n_block_min, n_block_max,
+                    kv_state,
+                )  # fmt: skip
+            else:
+                for i in cutlass.range(n_block_max - n_block_min, unroll=1):
+                    n_block = n_block_max - 1 - i
+                    load_block(pipe_k, tma_k, tKg, tKs, n_block, kv_state)
+                    load_block(pipe_v, tma_v, tVg, tVs, n_block, kv_state)
+                    kv_state.advance()
     return q_state, kv_state
+
+
+@cute.jit
+def _load_k_ahead(
+    pipe_k, pipe_v, tma_k, tma_v, tKg, tKs, tVg, tVs, n_block_min: Int32, n_block_max: Int32,
+    kv_state: pipeline.PipelineState,
+):  # fmt: skip
+    """`load_tile`'s k_ahead order once K(n_block_max - 1) is in flight at `kv_state`: K(n - 1)
+    then V(n) for n = n_block_max - 1 down, each at its own block's ring stage, then
+    V(n_block_min); returns the state past the last block."""
+    for i in cutlass.range(n_block_max - n_block_min - 1, unroll=1):
+        n_block = n_block_max - 1 - i
+        v_state = kv_state.clone()
+        kv_state.advance()
+        load_block(pipe_k, tma_k, tKg, tKs, n_block - 1, kv_state)
+        load_block(pipe_v, tma_v, tVg, tVs, n_block, v_state)
+    load_block(pipe_v, tma_v, tVg, tVs, n_block_min, kv_state)
+    kv_state.advance()
+    return kv_state
 
 
 class VtPipe:

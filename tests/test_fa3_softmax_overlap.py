@@ -2,12 +2,13 @@
 
 ptxas decides where a wgmma wait lands, not the PTX's order: with the softmax written over S it
 moves P·V's wait_group(0) up to the softmax's first instructions, so P·V retires before the
-softmax runs (Fa3Config.softmax_apart). This compiles the shipped causal D = 256 config (the
-one head dim that ships the flag) and the same config without it
+softmax runs (Fa3Config.softmax_apart). This compiles the shipped configs that take the flag
+(causal D = 256, non-causal D = 128) and causal D = 256 without it
 (`python -m benchmarks.fa3_softmax_sass`, a subprocess each: the CuTe DSL reads its settings at
 import) and checks each main-loop window between the Q·Kᵀ wait and the P·V wait: the shipped
-build issues its row max and exponentials there, the build without the flag does not. And
-the flag ships only where it was measured and checked (configs._SOFTMAX_APART_DIMS).
+builds issue their row max and exponentials there, the build without the flag does not. And
+the flag ships only where it was measured and checked (configs._SOFTMAX_APART), as does
+k_ahead (configs._K_AHEAD).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _windows(*sets: str) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.fa3_softmax_sass", "--head-dim", "256", "--causal"]
+def _windows(*sets: str, head_dim: int = 256, causal: bool = True) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.fa3_softmax_sass", "--head-dim", str(head_dim)]
+    cmd += ["--causal"] if causal else []
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
@@ -38,11 +40,23 @@ def _windows(*sets: str) -> dict:
 
 
 def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
-    with ThreadPoolExecutor(2) as pool:
-        shipped, plain = pool.map(lambda s: _windows(*s), [(), ("softmax_apart=0",)])
+    with ThreadPoolExecutor(3) as pool:
+        shipped, plain, d128 = pool.map(
+            lambda f: f(),
+            [
+                lambda: _windows(),
+                lambda: _windows("softmax_apart=0"),
+                lambda: _windows(head_dim=128, causal=False),
+            ],
+        )
     assert shipped["config"]["softmax_apart"] and not plain["config"]["softmax_apart"]
-    for r in (shipped, plain):
+    assert d128["config"]["softmax_apart"]
+    for r in (shipped, plain, d128):
         assert r["spill_stores"] == 0 and not r["remarks"], r
+    # Non-causal: no mask test in the loop, one window. 128 keys per block at D = 128: 64
+    # scores a thread over its two rows.
+    assert len(d128["windows"]) == 1, d128["windows"]
+    assert d128["windows"][0]["fmnmx"] >= 64 and d128["windows"][0]["mufu"] >= 8, d128
     # Causal: the masked and the unmasked side of the loop's branch, a window each.
     assert len(shipped["windows"]) == 2, shipped["windows"]
     for w in shipped["windows"]:
@@ -54,8 +68,8 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
 
 
 def test_softmax_apart_ships_where_it_was_measured() -> None:
-    """Causal D = 256 takes it; softcap, windowed and packed problems, the other head dims and
-    non-causal problems do not; it needs the intra-WG overlap it serves."""
+    """Causal D = 256 and non-causal D = 128 take it (and k_ahead); softcap, windowed and
+    packed problems and the other shapes do not; it needs the intra-WG overlap it serves."""
     import torch
 
     from flashsuite.common.validation import check_inputs
@@ -70,7 +84,9 @@ def test_softmax_apart_ships_where_it_was_measured() -> None:
     bf16 = torch.bfloat16
     for d in HEAD_DIMS:
         for causal in (False, True):
-            assert get_config(d, bf16, causal).softmax_apart == (d == 256 and causal), (d, causal)
+            cfg = get_config(d, bf16, causal)
+            shipped = (d, causal) in ((256, True), (128, False))
+            assert cfg.softmax_apart == shipped and cfg.k_ahead == shipped, (d, causal)
     q, k, v = (torch.zeros(1, 300, 2, 256, dtype=bf16) for _ in range(3))
     assert config_for(check_inputs(q, k, v, causal=True)).softmax_apart
     assert not config_for(check_inputs(q, k, v, causal=True, softcap=30.0)).softmax_apart
