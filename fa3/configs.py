@@ -259,11 +259,13 @@ _SKIP_MASKED_WG_DIMS = (64, 192)
 # (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level).
 _SOFTMAX_APART = ((256, True), (128, False))
 # (head_dim, causal) pairs whose producer loads K ahead of V (k_ahead). Non-causal D = 128: see
-# _tiles. Causal D = 256, H200, 2026-12-04, commit 85469e0 + k_ahead (`benchmarks/fa3_fwd_ab
-# --causal --head-dim 256 --seqlen 8192 --variant ka:k_ahead=1`, medians of 5 passes): 649.1
-# against 635.5 TFLOP/s (FA4 658.3); at causal D = 128 582.5 against 588.8 (with the softmax
-# apart 577.4) and non-causal D = 64 497.5 against 507.1, which keep the K, V order.
-_K_AHEAD = ((256, True), (128, False))
+# _tiles. The others keep the K, V order: H200, 2026-12-04 (`benchmarks/fa3_fwd_ab --variant
+# ka:k_ahead=1`, medians of 5 interleaved passes, N = 8k, TFLOP/s with / without): D = 64
+# 497.5 / 507.1, D = 96 549.8 / 544.2, causal 517.3 / 516.4, D = 192 672.0 / 672.0, causal
+# 640.2 / 637.7, D = 256 685.8 / 686.8; causal D = 128 582.5 / 588.8; causal D = 256 649.1 /
+# 635.5 at N = 8k but 602.5 / 611.2 and 657.8 / 689.7 at 4k and 16k in a second run (the
+# persistent scheduler's loads already run a tile ahead).
+_K_AHEAD = ((128, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
