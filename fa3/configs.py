@@ -133,12 +133,14 @@ def consumer_regs_estimate(
     """fp32 S and O accumulators, the P fragment (two 16-bit or four 8-bit values per register)
     and overhead, per thread.
 
-    With intra-WG overlap S(n+1) and P(n) are live together; without it, P overwrites S's role.
+    With intra-WG overlap S(n+1) and P(n) are live together; without it, P takes S's place
+    (the 192 x 128 and 192 x 144 tiles at D = 96 keep 0 spills at R157 of 160 that way, and
+    spill 144 bytes with overlap).
     """
     rows_per_wg = cfg.tile_m // cfg.num_consumer_wgs
     acc_s = rows_per_wg * cfg.tile_n // 128
     acc_o = rows_per_wg * head_dim // 128
-    p = acc_s * dtype.itemsize // 4
+    p = acc_s * dtype.itemsize // 4 if cfg.intra_wg_overlap else 0
     return acc_o + acc_s + p + _REG_OVERHEAD.get(cfg.num_consumer_wgs, 40)
 
 
@@ -256,8 +258,12 @@ _SKIP_MASKED_WG_DIMS = (64, 192)
 # every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
 # old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
 # 631 / 614 / 634 -> 617 / 617 / 614 (-2.2 %); D = 64 508 / 525 / 515 -> 508 / 517 / 513
-# (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level).
-_SOFTMAX_APART = ((256, True), (128, False))
+# (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level). Commit b6d82ef,
+# `benchmarks/fa3_fwd_ab --head-dim D [--causal] --seqlen 8192 --variant ap:softmax_apart=1`,
+# medians of 5 interleaved passes, TFLOP/s with / without: D = 192 686.1 / 650.6 (ahead in
+# every pass; FA4 679.5), causal 632.0 / 620.7 (not taken: within noise), D = 256 639.7 /
+# 679.2.
+_SOFTMAX_APART = ((256, True), (128, False), (192, False))
 # (head_dim, causal) pairs whose producer loads K ahead of V (k_ahead). Non-causal D = 128: see
 # _tiles. The others keep the K, V order: H200, 2026-12-04 (`benchmarks/fa3_fwd_ab --variant
 # ka:k_ahead=1`, medians of 5 interleaved passes, N = 8k, TFLOP/s with / without): D = 64
@@ -287,8 +293,20 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
         # and 3 WGs with 2 stages (367 / 461 / 472) lose to this shape (426 / 473 / 494).
         return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
     if head_dim <= 96:
-        # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179.
-        return Fa3Config(tile_n=128, stages=2)
+        if causal:
+            # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179. Three warpgroups (192 x 96,
+            # 3 stages / 192 x 112) measured 518.5 / 522.7 against 513.9 TFLOP/s at N = 8k
+            # (H200 2026-12-04, `benchmarks/fa3_fwd_ab`, medians of 5 passes): within noise.
+            return Fa3Config(tile_n=128, stages=2)
+        # Three consumer warpgroups (192 query rows at 160 registers, as FA4's 192 x 144 with P
+        # through smem); with P in registers 112 keys is the widest S that keeps 0 spills (128:
+        # 144 bytes). Q 36 + K/V 2 x 2 x 21 + sO 36 KiB = 156 KiB. R155. H200 2026-12-04,
+        # commit b6d82ef (`benchmarks/fa3_fwd_ab --head-dim 96`, medians of 5 interleaved
+        # passes, N = 8k / 16k): 578.4 / 589.5 TFLOP/s against 537.8 / 539.3 for 128 x 128 with
+        # two warpgroups; 192 x 96 with 3 stages 549.0 / 564.7; without intra-WG overlap
+        # 192 x 128 555.8 / 571.7, 192 x 144 566.0 / 581.8; 192 x 112 with the softmax apart
+        # 466.7 / 479.0. FA4 587.2 / 601.5, cuDNN 462.5 / 459.0.
+        return Fa3Config(tile_m=192, tile_n=112, stages=2, num_consumer_wgs=3)
     if head_dim <= 128:
         if causal:
             # Causal tiles are half masked on the diagonal: keep them square. 193 KiB (a

@@ -2,8 +2,8 @@
 
 ptxas decides where a wgmma wait lands, not the PTX's order: with the softmax written over S it
 moves P·V's wait_group(0) up to the softmax's first instructions, so P·V retires before the
-softmax runs (Fa3Config.softmax_apart). This compiles the shipped configs that take the flag
-(causal D = 256, non-causal D = 128) and causal D = 256 without it
+softmax runs (Fa3Config.softmax_apart). This compiles two of the shipped configs that take the
+flag (causal D = 256, non-causal D = 128) and causal D = 256 without it
 (`python -m benchmarks.fa3_softmax_sass`, a subprocess each: the CuTe DSL reads its settings at
 import) and checks each main-loop window between the Q·Kᵀ wait and the P·V wait: the shipped
 builds issue their row max and exponentials there, the build without the flag does not. And
@@ -68,7 +68,7 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
 
 
 def test_softmax_apart_ships_where_it_was_measured() -> None:
-    """Causal D = 256 and non-causal D = 128 take it (the latter k_ahead too); softcap,
+    """Causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead too); softcap,
     windowed and packed problems and the other shapes do not; it needs the intra-WG overlap it
     serves."""
     import torch
@@ -86,7 +86,7 @@ def test_softmax_apart_ships_where_it_was_measured() -> None:
     for d in HEAD_DIMS:
         for causal in (False, True):
             cfg = get_config(d, bf16, causal)
-            apart = (d, causal) in ((256, True), (128, False))
+            apart = (d, causal) in ((256, True), (128, False), (192, False))
             assert cfg.softmax_apart == apart, (d, causal)
             assert cfg.k_ahead == ((d, causal) == (128, False)), (d, causal)
     q, k, v = (torch.zeros(1, 300, 2, 256, dtype=bf16) for _ in range(3))
