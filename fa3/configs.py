@@ -409,10 +409,42 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
     return cfg
 
 
+# Non-causal 16-bit head dims whose three-warpgroup tile (192 query rows) gives way to a
+# 128-row tile of two warpgroups for query lengths that fill the taller tiles badly (`short_q`).
+# D = 96: 192 x 112 runs TALL_TILE_GAIN faster per computed row than 128 x 128 at N = 4k-16k;
+# at N = 1k its last row tile is a third full (6 tiles for 5.3 of work). H200, 2026-12-04,
+# commit 1d3f71b (`benchmarks/fa3_fwd_ab --head-dim 96 --seqlen 1024 --seqlen 2048 --seqlen
+# 4096 --variant old:tile_m=128,num_consumer_wgs=2,tile_n=128`, medians of 5 passes), 192 x 112
+# against 128 x 128: 408.7 / 507.9 / 558.2 against 432.6 / 498.3 / 519.7 TFLOP/s (cuDNN 426.8
+# / 449.7 / 464.1, FA4 403.7 / 507.2 / 565.9).
+_SHORT_Q_TILES = {96: Fa3Config(tile_n=128, stages=2)}
+TALL_TILE_GAIN = 1.07
+
+
+def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
+    """Whether `short`'s row tiles beat `cfg`'s taller ones for `seqlen_q` query rows: the
+    fraction of computed rows that are real, times TALL_TILE_GAIN for the taller tile."""
+
+    def filled(tile_m: int) -> float:
+        return seqlen_q / (-(-seqlen_q // tile_m) * tile_m)
+
+    return filled(cfg.tile_m) * TALL_TILE_GAIN < filled(short.tile_m)
+
+
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
-    flag and key length; softcap and windowed problems without softmax_apart)."""
+    flag and key length; `_SHORT_Q_TILES` for query lengths the taller tile fills badly;
+    softcap and windowed problems without softmax_apart)."""
     cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    short = _SHORT_Q_TILES.get(p.head_dim)
+    if (
+        short is not None
+        and not p.causal
+        and p.dtype in DTYPES
+        and p.seqlen_q > 0
+        and short_q(cfg, p.seqlen_q, short)
+    ):
+        cfg = short
     if cfg.softmax_apart and (p.softcap or p.is_local):
         cfg = replace(cfg, softmax_apart=False)
     return cfg
@@ -549,8 +581,9 @@ def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
 
 
 def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
-    """Every 16-bit config the table can return, named: "shipped" (long keys) and
-    "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs). What CI compiles
+    """Every 16-bit config the table can return, named: "shipped" (long keys),
+    "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs) and "shipped-short-q"
+    (config_for's `_SHORT_Q_TILES`). What CI compiles
     (tests/test_fa3_compile.py; the fp8 entries, `fp8_shipped_configs`, in
     tests/test_fa3_fp8_compile.py)."""
     out = [("shipped", *c) for c in shipped_configs()]
@@ -558,6 +591,8 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
         short = get_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)
         if short != cfg:
             out.append(("shipped-short", d, dt, c, short))
+        if not c and d in _SHORT_Q_TILES:
+            out.append(("shipped-short-q", d, dt, c, _SHORT_Q_TILES[d]))
     return out
 
 

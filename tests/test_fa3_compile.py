@@ -179,3 +179,28 @@ def test_short_keys_pick_their_own_config() -> None:
     for d, dt, causal, cfg in shipped_configs():
         if (d, causal) != (64, False):
             assert get_config(d, dt, causal, 512) == cfg == get_config(d, dt, causal, 16384)
+
+
+def test_short_queries_take_the_shorter_row_tile_where_measured() -> None:
+    """Non-causal D = 96 runs 192-row tiles (three warpgroups) unless the query length fills
+    them badly (N = 1k: 6 tiles for 5.3 of work), where the 128-row tile of two warpgroups
+    measured faster; causal problems, fp8 and the other head dims never switch."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
+
+    bf16 = torch.bfloat16
+
+    def cfg(nq: int, d: int = 96, causal: bool = False, dt=bf16):
+        q = torch.zeros(1, nq, 2, d, dtype=dt)
+        k = torch.zeros(1, 2048, 2, d, dtype=dt)
+        return config_for(check_inputs(q, k, k, causal=causal))
+
+    tall = get_config(96, bf16, False)
+    assert tall.tile_m == 192 and tall.num_consumer_wgs == 3
+    for nq in (1, 100, 1000, 1024):
+        assert (cfg(nq).tile_m, cfg(nq).num_consumer_wgs) == (128, 2), nq
+    for nq in (192, 1536, 2048, 4096, 8192):
+        assert cfg(nq) == tall, nq
+    assert cfg(1024, causal=True) == get_config(96, bf16, True, 2048)
+    assert cfg(1024, d=64) == get_config(64, bf16, False, 2048)
+    assert cfg(1024, dt=FP8_DTYPE) == get_config(96, FP8_DTYPE, False, 2048)
