@@ -86,6 +86,15 @@ class Fa3Config:
     # otherwise queues behind V(j + 1), whose stage frees when P·V(j - 1) retires at the end of
     # iteration j; ahead of it, K(j + 2) goes as soon as Q·Kᵀ(j) has retired.
     k_ahead: bool = False
+    # Intra-WG overlap only: where O takes the previous block's softmax correction. False:
+    # after P·V(j - 1) retires, before the next turn's Q·Kᵀ is issued (on the path between
+    # the two). True: right after Q·Kᵀ(j + 1) is issued, while it runs, just before P·V(j)
+    # (FA4's order at head dims above 128, where O is 96-128 registers a thread). Not taken:
+    # H200, 2026-12-04, commit 1208bca (`benchmarks/fa3_fwd_ab --seqlen 8192 --variant
+    # rb:rescale_before_pv=1`, medians of 5 passes, TFLOP/s with / without), D = 256 688.2 /
+    # 670.7, causal 672.4 / 653.6, D = 192 704.7 / 703.7, causal 641.3 / 631.7: the medians
+    # lead by 0-3 %, but pass for pass the two are level where neither pass is an outlier.
+    rescale_before_pv: bool = False
     # float8 only: who makes Vᵀ (D x keys, keys contiguous: fp8 wgmma takes its B operand
     # K-major only). "host": a transpose copy before the launch (interface.transpose_v), the
     # kernel loads Vᵀ blocks. "smem": the kernel loads V blocks as they lie (keys x D) and warps
@@ -173,6 +182,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: skip_masked_wg needs intra_wg_overlap=True"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
+    if cfg.rescale_before_pv and not cfg.intra_wg_overlap:
+        return False, "fa3: rescale_before_pv needs intra_wg_overlap=True"
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):

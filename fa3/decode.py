@@ -111,6 +111,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.PINGPONG = False  # one consumer warpgroup
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
+        self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory
         self.NUM_CONSUMER_WGS = 1
         self.PRODUCER_REGS, self.CONSUMER_REGS = DECODE_REG_SPLIT

@@ -87,6 +87,10 @@ class ForwardConsumer:
         row_max.fill(Float32(-math.inf))
         row_sum.fill(0.0)
         acc_O.fill(0.0)
+        corr_prev = None  # rescale_before_pv: the correction O has yet to take
+        if const_expr(self.RESCALE_BEFORE_PV):
+            corr_prev = cute.make_rmem_tensor((2,), Float32)
+            corr_prev.fill(1.0)
 
         n_blocks = n_block_max - n_block_min
         if const_expr(self.PERSISTENT):
@@ -109,6 +113,7 @@ class ForwardConsumer:
                 tOrVt=tOrVt,
                 acc_S=acc_S,
                 acc_O=acc_O,
+                corr_prev=corr_prev,
                 tOrP=tOrP,
                 tScS=tScS,
                 row_max=row_max,

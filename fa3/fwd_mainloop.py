@@ -186,6 +186,8 @@ class ForwardMainloop:
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
         self.pingpong.sync(ctx.cwg)
         gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        if const_expr(self.RESCALE_BEFORE_PV):
+            rescale_rows(ctx.acc_O, ctx.corr_prev)  # the previous block's, under Q·Kᵀ(n)
         ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
         self.pingpong.arrive(ctx.cwg)
@@ -207,7 +209,10 @@ class ForwardMainloop:
             warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
         self.probs_to_operand(ctx, probs)  # tOrP and acc_O are free once PV has retired
-        rescale_rows(ctx.acc_O, corr)
+        if const_expr(self.RESCALE_BEFORE_PV):
+            ctx.corr_prev[0], ctx.corr_prev[1] = corr[0], corr[1]  # taken before the next P·V
+        else:
+            rescale_rows(ctx.acc_O, corr)
         return kv_state
 
     @cute.jit
@@ -223,6 +228,8 @@ class ForwardMainloop:
     @cute.jit
     def last_half_block(self, ctx, kv_state):
         """Intra-WG overlap tail of the loop: PV of the last block."""
+        if const_expr(self.RESCALE_BEFORE_PV):
+            rescale_rows(ctx.acc_O, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
         warpgroup.wait_group(0)

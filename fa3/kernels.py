@@ -127,6 +127,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.STAGES = cfg.stages
         self.PINGPONG = cfg.pingpong
         self.K_AHEAD = cfg.k_ahead
+        self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
         self.O_ALIAS_Q = cfg.o_alias_q
