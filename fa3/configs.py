@@ -90,7 +90,7 @@ class Fa3Config:
     # after P·V(j - 1) retires, before the next turn's Q·Kᵀ is issued (on the path between
     # the two). True: right after Q·Kᵀ(j + 1) is issued, while it runs, just before P·V(j)
     # (FA4's order at head dims above 128, where O is 96-128 registers a thread). Not taken:
-    # H200, 2026-12-04, commit 1208bca (`benchmarks/fa3_fwd_ab --seqlen 8192 --variant
+    # H200, 2026-12-04, commit d6de5bf + this flag (`benchmarks/fa3_fwd_ab --seqlen 8192 --variant
     # rb:rescale_before_pv=1`, medians of 5 passes, TFLOP/s with / without), D = 256 688.2 /
     # 670.7, causal 672.4 / 653.6, D = 192 704.7 / 703.7, causal 641.3 / 631.7: the medians
     # lead by 0-3 %, but pass for pass the two are level where neither pass is an outlier.
