@@ -233,6 +233,29 @@ def test_fa3_bound_forward_launches_what_forward_launches(monkeypatch) -> None:
                 fa3.forward(q, k, v, p)
                 fa3.bind_forward(p)(q, k, v)
                 assert described(calls[-1]) == described(calls[-2]), (layout, opts)
+        # One bound forward called in turn with every layout, and with views TMA cannot take
+        # as they are, which both paths copy: the contiguous strides at a base 2 bytes off
+        # 16, and a row stride of 136 bytes at an aligned base: the binary gets what
+        # `forward` gives it every time, however the strides and base addresses alternate.
+        layouts = list(_views())
+        contiguous = layouts[0][1]
+        off16 = [
+            torch.empty(t.numel() + 8, dtype=t.dtype)[1 : 1 + t.numel()].view(t.shape).copy_(t)
+            for t in contiguous
+        ]
+        wide = [torch.cat([t, t[..., :4]], dim=-1)[..., :64] for t in contiguous]
+        layouts += [("base", tuple(off16)), ("stride", tuple(wide))]
+        fa3._plans.clear()
+        bound = fa3.bind_forward(check_inputs(*layouts[0][1]))
+        for layout, (q, k, v) in layouts + layouts[::-1]:
+            fa3.forward(q, k, v, check_inputs(q, k, v))
+            bound(q, k, v)
+            want, got = (
+                [(a.shape, a.stride(), a.dtype, a.data_ptr() % 16) for a in c[:5]]
+                for c in calls[-2:]
+            )
+            assert got == want and all(a[3] == 0 for a in got), layout
+            assert calls[-1][5:] == calls[-2][5:], layout
         q, k, v = next(_views())[1]
         f8 = tuple(t.to(torch.float8_e4m3fn) for t in (q, k, v))
         assert fa3.bind_forward(check_inputs(*f8)) is None
