@@ -47,11 +47,15 @@ def _spec(fn, args: tuple, kwargs: dict, plan) -> tuple | None:
         (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, _Tensor) else a
         for a in (args if plan is not None else (*args, *kwargs.values()))
     ]
-    # Triton launches on the current device (its driver's), whatever the tensors' device.
+    return (fn, launch_device(first), plan if plan is not None else tuple(kwargs), *vals)
+
+
+def launch_device(first: torch.Tensor) -> int:
+    """The device a launch whose first argument is `first` runs on, as the memo keys it:
+    Triton launches on the current device (its driver's), whatever the tensors' device; -1 on
+    a CPU tensor."""
     device = first.get_device()
-    if device >= 0:
-        device = torch.cuda.current_device()
-    return (fn, device, plan if plan is not None else tuple(kwargs), *vals)
+    return torch.cuda.current_device() if device >= 0 else device
 
 
 def _plain(key: tuple) -> bool:
@@ -93,18 +97,20 @@ def _hooks_idle(runtime) -> bool:
     return True
 
 
-def launch(fn, grid: tuple, args: tuple, kwargs: dict, plan=None) -> None:
+def launch(fn, grid: tuple, args: tuple, kwargs: dict, plan=None) -> tuple | None:
     """`fn[grid](*args, **kwargs)` for a Triton `JITFunction` fn whose positional arguments come
     first in its signature and whose remaining parameters are all given by keyword.
 
     `plan`: an object that the caller passes with these same keyword arguments every time (a
     launch plan's own token, e.g. `object()` made with the plan): the key then holds the
     object instead of the keyword values, which are not read again on a hit. The memo keeps
-    the object alive, so another plan's token can never compare equal to it."""
-    global _runtime, _runtime_known
+    the object alive, so another plan's token can never compare equal to it.
+
+    Returns the memo entry the call launched through or stored (for `run_entry`), None where
+    it went through Triton's launcher without one."""
     if triton_interpreter():
         fn[grid](*args, **kwargs)
-        return
+        return None
     key = _spec(fn, args, kwargs, plan)
     try:
         hit = None if key is None else _compiled.get(key)
@@ -112,23 +118,10 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict, plan=None) -> None:
         key = hit = None
     if key is None:
         fn[grid](*args, **kwargs)
-        return
+        return None
     if hit is not None:
-        compiled, names, tail = hit
-        if tail is None:
-            tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
-        g = (*grid, 1, 1)
-        if not _runtime_known:
-            _runtime, _runtime_known = _direct_launcher(), True
-        if _runtime is not None and _hooks_idle(_runtime):
-            stream = _stream(key[1])
-            compiled.run(
-                g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                None, None, None, *args, *tail,
-            )  # fmt: skip
-        else:
-            compiled[g[:3]](*args, *tail)
-        return
+        run_entry(hit, grid, key[1], args, kwargs)
+        return hit
     compiled = fn[grid](*args, **kwargs)  # binds, specialises, compiles if new, launches
     names = tuple(fn.arg_names[len(args) :])
     if compiled is None or any(n not in kwargs for n in names) or not _plain(key):
@@ -140,4 +133,27 @@ def launch(fn, grid: tuple, args: tuple, kwargs: dict, plan=None) -> None:
         tail = tuple(kwargs[n] for n in names)
     if len(_compiled) >= _MAX_ENTRIES:
         _compiled.clear()
-    _compiled[key] = (compiled, names, tail)
+    entry = _compiled[key] = (compiled, names, tail)
+    return entry
+
+
+def run_entry(entry: tuple, grid: tuple, device: int, args: tuple, kwargs=None) -> None:
+    """Launch memo entry `entry` (from `launch`) on `device` (`launch_device`) with these
+    positional arguments: the caller vouches that the call's key is the entry's (`launch`'s
+    hit path; a caller that repeats one call, e.g. fa2's bound forward, checks what of the
+    key can change). `kwargs`: this call's keyword values, for an entry stored without a
+    plan."""
+    global _runtime, _runtime_known
+    compiled, names, tail = entry
+    if tail is None:
+        tail = [kwargs[n] for n in names]  # this call's values (tensors among them)
+    g = (*grid, 1, 1)
+    if not _runtime_known:
+        _runtime, _runtime_known = _direct_launcher(), True
+    if _runtime is not None and _hooks_idle(_runtime):
+        compiled.run(
+            g[0], g[1], g[2], _stream(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *tail,
+        )  # fmt: skip
+    else:
+        compiled[g[:3]](*args, *tail)

@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
-from flashsuite.common.triton_launch import launch
+from flashsuite.common.triton_launch import launch, launch_device, run_entry
 from flashsuite.common.validation import AttnParams
 
 NAME = "fa2"
@@ -158,9 +158,14 @@ def bind_forward(p: AttnParams):
     out_strides = (out_shape[1] * out_shape[2] * out_shape[3], out_shape[2] * out_shape[3],
                    out_shape[3], lse_shape[1] * lse_shape[2], lse_shape[2])  # fmt: skip
     plan = None
+    # (memo entry, device, q / k / v strides) of a launch with every pointer 16-byte aligned:
+    # a call that matches it in those has the same memo key (the dtypes, the plan's keywords
+    # and the outputs' strides are the plan's), so it launches the entry without building the
+    # key (common.triton_launch.launch's per-argument pass).
+    fast = None
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-        nonlocal plan
+        nonlocal plan, fast
         if plan is None:
             plan = _fwd_plan(p, None, _arch(q))
         grid, kwargs, token = plan
@@ -168,9 +173,23 @@ def bind_forward(p: AttnParams):
         # Sizes as separate ints: torch.empty parses them faster than one tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=q.device)
         lse = torch.empty(*lse_shape, dtype=f32, device=q.device)
-        args = (q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-                *out_strides)  # fmt: skip
-        launch(kernel, grid, args, kwargs, plan=token)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        args = (q, k, v, out, lse, *qs[:3], *ks[:3], *vs[:3], *out_strides)
+        aligned = (
+            q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
+        ) & 15 == 0
+        if (
+            fast is not None
+            and aligned
+            and fast[2:] == (qs, ks, vs)
+            and fast[1] == launch_device(q)
+            and not triton_interpreter()
+        ):
+            run_entry(fast[0], grid, fast[1], args)
+        else:
+            entry = launch(kernel, grid, args, kwargs, plan=token)
+            if entry is not None and aligned:
+                fast = (entry, launch_device(q), qs, ks, vs)
         return out, lse
 
     return run

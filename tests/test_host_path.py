@@ -473,3 +473,76 @@ def test_gpu_triton_kernels_launched_again_give_the_same_results() -> None:
     torch.testing.assert_close(dec[0], dec[2], atol=0.0, rtol=0.0)
     memo = {key[0] for key in triton_launch._compiled}
     assert fa2_kernels._attn_fwd in memo and fa2_kernels._bwd_preprocess in memo
+
+
+def test_fa2_bound_forward_repeats_the_launch_forward_would_make(monkeypatch) -> None:
+    """fa2's bound forward launches its memo entry directly once a call matched it (every
+    pointer 16-byte aligned, the same strides and device), and goes through
+    common.triton_launch.launch otherwise: whatever layouts and alignments the calls of one
+    bound forward alternate, its kernel gets the arguments `forward` gives it (a misaligned
+    base and other strides are specialisations of their own), and a call that matches the
+    entry never builds the memo key (C launcher: "direct")."""
+    from flashsuite.common import triton_launch
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa2 import interface as fa2
+    from flashsuite.fa2 import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(triton_launch, "_compiled", {})
+    monkeypatch.setattr(triton_launch, "_runtime_known", True)
+    monkeypatch.setattr(triton_launch, "_runtime", _Hooks([]))
+    monkeypatch.setattr(triton_launch, "_stream", lambda device: 1234)
+    calls: list = []
+    fake = _FakeJit(kernels._attn_fwd.arg_names, calls)
+    compiles = iter(range(1000))
+
+    def compile_(grid):  # each compile its own binary: a launch names the one it runs
+        def run(*args, **kwargs):
+            compiled = fake[grid](*args, **kwargs)
+            compiled.function = f"binary {next(compiles)}"
+            return compiled
+
+        return run
+
+    jit = type("Jit", (), {"__getitem__": lambda self, grid: compile_(grid)})()
+    jit.arg_names = fake.arg_names
+    monkeypatch.setattr(kernels, "_attn_fwd", jit)
+    keys: list = []
+    spec = triton_launch._spec
+    monkeypatch.setattr(triton_launch, "_spec", lambda *a: keys.append(1) or spec(*a))
+
+    def launched():
+        """The last launch's binary (None: compiled for it) and positional kernel arguments:
+        tensors by (shape, stride, dtype, address % 16), other values as they are."""
+        call = calls[-1]
+        args = call[2] if call[0] == "triton" else call[1][9:]
+        binary = None if call[0] == "triton" else call[1][4]
+        return binary, [
+            (a.shape, a.stride(), a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a
+            for a in args
+        ][:19]
+
+    layouts = list(_views())
+    contiguous = layouts[0][1]
+    off16 = [
+        torch.empty(t.numel() + 8, dtype=t.dtype)[1 : 1 + t.numel()].view(t.shape).copy_(t)
+        for t in contiguous
+    ]
+    layouts.append(("base", tuple(off16)))
+    with override_arch(90):
+        bound = fa2.bind_forward(check_inputs(*contiguous))
+        # "base" has the contiguous strides: after "contiguous" only its alignment differs.
+        again = [layouts[0], layouts[-1], layouts[0]]
+        for layout, (q, k, v) in layouts + layouts[::-1] + again:
+            fa2.forward(q, k, v, check_inputs(q, k, v))
+            first, want = launched()
+            keys.clear()
+            bound(q, k, v)
+            binary, got = launched()
+            assert got == want, layout
+            # The binary forward's call compiled or ran: the same specialisation's.
+            assert binary is not None and binary == (first or binary), layout
+            if first is None:
+                assert binary == list(triton_launch._compiled.values())[-1][0].function
+        # The last call repeated the bound forward's entry: launched directly, no key built.
+        assert calls[-1][0] == "direct" and not keys
