@@ -169,11 +169,13 @@ def bind_forward(p: AttnParams):
         if plan is None:
             plan = _fwd_plan(p, None, _arch(q))
         grid, kwargs, token = plan
-        q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:  # _last_contig's copy, rarely needed
+            q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+            qs, ks, vs = q.stride(), k.stride(), v.stride()
         # Sizes as separate ints: torch.empty parses them faster than one tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=q.device)
         lse = torch.empty(*lse_shape, dtype=f32, device=q.device)
-        qs, ks, vs = q.stride(), k.stride(), v.stride()
         args = (q, k, v, out, lse, *qs[:3], *ks[:3], *vs[:3], *out_strides)
         aligned = (
             q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
