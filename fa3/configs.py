@@ -107,6 +107,11 @@ class Fa3Config:
     # those heads' work, instead of after it (the default (virtual blocks, Hq) grid runs one
     # head's blocks after another's). 0: off.
     head_section: int = 0
+    # Plain grid only: a one-dimensional grid whose block i runs tile `tile_coords(i)` of the
+    # persistent order without its balancing: (batch, head) pairs in L2 sections, causal
+    # tiles heaviest first (FA4's non-persistent longest-processing-time order), instead of
+    # the (m_blocks, Hq, B) grid that launches every head's first (lightest) tile first.
+    lpt_grid: bool = False
 
 
 V_TRANSPOSES = ("host", "smem")
@@ -191,6 +196,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             f"fa3: head_section {cfg.head_section} expected >= 0, and 0 with persistent=True "
             "(it orders the plain grid of packed sequences)"
         )
+    if cfg.lpt_grid and (cfg.persistent or cfg.head_section):
+        return False, "fa3: lpt_grid orders the dense plain grid (persistent=False, head_section 0)"
     if cfg.stages < 2:
         return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
     smem = smem_bytes(cfg, head_dim, dtype)

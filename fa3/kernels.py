@@ -169,6 +169,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             has_right=self.HAS_RIGHT,
             has_left=self.HAS_LEFT,
             l2_kv_rows=self.L2_KV_ROWS,
+            lpt_grid=cfg.lpt_grid and not varlen,
         )
         self.pingpong = PingPong(cfg.pingpong, cfg.num_consumer_wgs)
         self.varlen_tiles = VarlenTiles(
@@ -221,6 +222,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         grid = (m_blocks, heads_q, batch_n)
         if const_expr(self.PERSISTENT):
             grid = (cutlass.min(m_blocks * heads_q * mQ.shape[3], max_ctas), 1, 1)
+        if const_expr(self.scheduler.LPT_GRID):
+            grid = (m_blocks * heads_q * batch_n, 1, 1)
         if const_expr(self.VARLEN):
             grid = (self.varlen_tiles.grid_blocks(total_q, batch_n), heads_q, 1)
             if const_expr(self.varlen_tiles.HEAD_SECTION):

@@ -35,6 +35,7 @@ class TileScheduler:
         has_right: bool,
         has_left: bool,
         l2_kv_rows: int,
+        lpt_grid: bool = False,
     ) -> None:
         self.TILE_M = tile_m
         self.TILE_N = tile_n
@@ -43,6 +44,7 @@ class TileScheduler:
         self.HAS_RIGHT = has_right
         self.HAS_LEFT = has_left
         self.L2_KV_ROWS = l2_kv_rows
+        self.LPT_GRID = lpt_grid  # the plain grid is one-dimensional, in tile_coords order
 
     def problem(
         self,
@@ -60,6 +62,10 @@ class TileScheduler:
         m_block0, head0, batch0 = cute.arch.block_idx()
         grid_x, _, _ = cute.arch.grid_dim()
         m_blocks = (seqlen_q + self.TILE_M - 1) // self.TILE_M
+        if const_expr(self.LPT_GRID):
+            m_block0, head0, batch0 = self.tile_coords(
+                m_block0, m_blocks, heads_q, batch_n, seqlen_k
+            )
         return SimpleNamespace(
             tile0=(m_block0, head0, batch0),
             bid_x=m_block0,
