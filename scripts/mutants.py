@@ -425,8 +425,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 fwd: running-max rescale dropped (overlapped K/V step)",
         FA3_LOOP,
-        "once PV has retired\n        rescale_rows(ctx.acc_O, corr)\n",
-        "once PV has retired\n",
+        "        else:\n            rescale_rows(ctx.acc_O, corr)\n",
+        "        else:\n            pass\n",
         _fwd("fa3"),
     ),
     Mutant(
