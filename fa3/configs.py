@@ -287,8 +287,7 @@ _SOFTMAX_APART = ((256, True), (128, False), (192, False))
 # ka:k_ahead=1`, medians of 5 interleaved passes, N = 8k, TFLOP/s with / without): D = 64
 # 497.5 / 507.1, D = 96 549.8 / 544.2, causal 517.3 / 516.4, D = 192 672.0 / 672.0, causal
 # 640.2 / 637.7, D = 256 685.8 / 686.8; causal D = 128 582.5 / 588.8; causal D = 256 649.1 /
-# 635.5 at N = 8k but 602.5 / 611.2 and 657.8 / 689.7 at 4k and 16k in a second run (the
-# persistent scheduler's loads already run a tile ahead).
+# 635.5 at N = 8k but 602.5 / 611.2 and 657.8 / 689.7 at 4k and 16k in a second run.
 _K_AHEAD = ((128, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
