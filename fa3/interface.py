@@ -154,8 +154,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     Anything else misaligned (rare: an odd slice of a bigger buffer) is copied once, which is
     slower but exact; aligned inputs, the common case, are never copied.
     """
-    s0, s1, s2, _ = t.stride()
-    if t.data_ptr() % 16 == 0 and (s0 | s1 | s2) % (16 // t.element_size()) == 0:
+    if t.data_ptr() % 16 == 0 and _strides_aligned(t):
         return t  # the common case (any contiguous input: head_dim is a multiple of 8)
     esize = t.element_size()
     if t.data_ptr() % 16 != 0:
