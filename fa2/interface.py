@@ -264,10 +264,14 @@ def backward(
     delta = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     lse2 = torch.empty(b, hq, pad, dtype=torch.float32, device=q.device)  # (B, Hq, Nq_pad)
     bm = configs.PREPROCESS_BLOCK_M
+    # Every parameter given (the accumulator's zeroing off): a launch that leaves one to its
+    # default is not memoised (common.triton_launch) and pays Triton's launcher on every call.
     launch(kernels._bwd_preprocess, (pad // bm, hq, b), (
         out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
         nq, pad, hq,
-    ), dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm))  # fmt: skip
+    ), dict(
+        HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm, DqAcc=None, ZERO_D=0, ZERO_PAD=1,
+    ))  # fmt: skip
 
     dq_arg, dq_strides = dq, (dq.stride(0), dq.stride(2), dq.stride(1))  # unused w/o DQ_ATOMIC
     if cfg.dq_atomic:

@@ -546,3 +546,41 @@ def test_fa2_bound_forward_repeats_the_launch_forward_would_make(monkeypatch) ->
                 assert binary == list(triton_launch._compiled.values())[-1][0].function
         # The last call repeated the bound forward's entry: launched directly, no key built.
         assert calls[-1][0] == "direct" and not keys
+
+
+def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch) -> None:
+    """`common.triton_launch.launch` memoises a kernel only when the call names every parameter
+    after the positional ones (one left to its default goes through Triton's own launcher on
+    every call, 20-40 µs). fa2's training step, its split decode with the combine, and the
+    shared dQ postprocess each name them all."""
+    from flashsuite.common import bwd_postprocess, bwd_preprocess, split_combine, triton_launch
+    from flashsuite.fa2 import interface as fa2_interface
+
+    calls = []
+    real = triton_launch.launch
+
+    def recording(fn, grid, args, kwargs, plan=None):
+        calls.append((fn, len(args), set(kwargs)))
+        return real(fn, grid, args, kwargs, plan)
+
+    for mod in (fa2_interface, bwd_preprocess, bwd_postprocess, split_combine):
+        monkeypatch.setattr(mod, "launch", recording)
+    for causal in (False, True):
+        q, k, v = _qkv(n=48, requires_grad=True)
+        out = dispatch.attention(q, k, v, causal=causal, version="fa2")
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    gen = torch.Generator().manual_seed(1)
+    qd = torch.randn(2, 1, 4, 64, generator=gen).to(BF16)
+    kc, vc = (torch.randn(2, 256, 2, 64, generator=gen).to(BF16) for _ in range(2))
+    lens = torch.tensor([256, 37], dtype=torch.int32)
+    dispatch.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=3, version="fa2")
+    acc = torch.randn(1, 2, 64, 64, generator=gen)
+    rows, cols = torch.arange(64, dtype=torch.int32) * 64, torch.arange(64, dtype=torch.int32)
+    dq = bwd_postprocess.dq_postprocess(acc, rows, cols, torch.empty(1, 48, 2, 64, dtype=BF16))
+    assert torch.equal(dq, acc[:, :, :48].transpose(1, 2).to(BF16))
+    names = {fn.__name__ for fn, _, _ in calls}
+    assert {"_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_decode_split"} <= names
+    assert "_combine" in names and "_dq_postprocess" in names
+    for fn, n_args, given in calls:
+        missing = [p for p in fn.arg_names[n_args:] if p not in given]
+        assert not missing, f"{fn.__name__} launched with {missing} left to their defaults"
