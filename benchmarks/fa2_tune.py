@@ -147,7 +147,7 @@ def probe(
         res["fwd"] = _compile_one(
             kernels._attn_fwd,
             dtype,
-            dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n),
+            dict(flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_LSE=True),
             cfg.num_warps,
             cfg.num_stages,
         )

@@ -150,7 +150,10 @@ def run_entry(entry: tuple, grid: tuple, device: int, args: tuple, kwargs=None) 
     g = (*grid, 1, 1)
     if not _runtime_known:
         _runtime, _runtime_known = _direct_launcher(), True
-    if _runtime is not None and _hooks_idle(_runtime):
+    rt = _runtime
+    if rt is not None and (
+        (rt.launch_enter_hook is None and rt.launch_exit_hook is None) or _hooks_idle(rt)
+    ):
         compiled.run(
             g[0], g[1], g[2], _stream(device), compiled.function, compiled.packed_metadata,
             None, None, None, *args, *tail,

@@ -52,8 +52,14 @@ class Choice:
         return explain_choice(self)
 
 
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+# torch.are_deterministic_algorithms_enabled without its Python frame (a third of its cost).
+_deterministic = getattr(
+    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
+)
+
+
+def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _check(
@@ -226,8 +232,9 @@ class Plan:
     whether the inputs need a gradient, whether the version's forward may be called directly
     (`_run`), its forward op with the op's option arguments, the version's forward, and the
     op pair's eager autograd path for inputs that need a gradient (op, forward and autograd
-    are None for PyTorch's SDPA, `fallback.NAME`), and the version's `bind_forward(params)`
-    where it has one and the plan is direct (a function of (q, k, v) alone)."""
+    are None for PyTorch's SDPA, `fallback.NAME`), and the version's
+    `bind_forward(params, return_lse)` where it has one and the plan is direct (a function of
+    (q, k, v) alone, whose LSE may be None where the call does not return it)."""
 
     version: str
     params: AttnParams
@@ -274,7 +281,7 @@ def _lookup(
         needs_grad,
         return_lse,  # PyTorch's SDPA (fallback.NAME) has no LSE to return
         arch_mod.override_state(),
-        torch.are_deterministic_algorithms_enabled(),  # fa3's own backward depends on it
+        _deterministic(),  # fa3's own backward depends on it
         tuple(map(_ENV_DATA.get, _ENV_KEYS)),
     )
     plan = _plans.get(key)
@@ -300,7 +307,7 @@ def _lookup(
             autograd = pair.eager_autograd if needs_grad and real and not p.is_fp8 else None
             bind = getattr(module, "bind_forward", None) if direct else None
             plan = Plan(name, p, needs_grad, direct, pair.fwd, p.to_op_args(), module.forward,
-                        autograd, bind(p) if bind is not None else None)  # fmt: skip
+                        autograd, bind(p, return_lse) if bind is not None else None)  # fmt: skip
         remember(_plans, key, plan)
     return plan
 
@@ -341,7 +348,7 @@ def _run(plan: Plan, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
     if plan.autograd is not None:
         return plan.autograd(q, k, v, plan.params)
     if plan.bound is not None:
-        return plan.bound(q, k, v)  # out and lse contiguous, new tensors
+        return plan.bound(q, k, v)  # out (and lse, or None) contiguous, new tensors
     out, lse = plan.forward(q, k, v, plan.params, None, None, None)
     return out.contiguous(), lse.contiguous()
 

@@ -111,7 +111,7 @@ def _attn_fwd(
     K,  # (B, Nk, Hkv, D)
     V,  # (B, Nk, Hkv, Dv)
     Out,  # (B, Nq, Hq, Dv)
-    Lse,  # (B, Hq, Nq) fp32
+    Lse,  # (B, Hq, Nq) fp32; not touched without STORE_LSE
     stride_qb,
     stride_qn,
     stride_qh,
@@ -144,6 +144,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), ignored for 16-bit
+    STORE_LSE: tl.constexpr,  # False where the caller discards the LSE (no allocation for it)
 ):
     # Last Q blocks first: with bottom-right causal they are the longest, so the tail of the
     # grid is filled by short programs.
@@ -214,5 +215,6 @@ def _attn_fwd(
     o_ptrs = o_ptrs + (offs_m - start_m)[:, None] * stride_on + offs_dv[None, :]  # (M, DV_PAD)
     o_mask = m_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=o_mask)
-    l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
-    tl.store(l_ptrs, lse, mask=m_ok)  # (BLOCK_M,)
+    if STORE_LSE:
+        l_ptrs = Lse + off_b.to(tl.int64) * stride_lb + off_h.to(tl.int64) * stride_lh + offs_m
+        tl.store(l_ptrs, lse, mask=m_ok)  # (BLOCK_M,)

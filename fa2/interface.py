@@ -143,10 +143,12 @@ def forward(
     return out, lse
 
 
-def bind_forward(p: AttnParams):
+def bind_forward(p: AttnParams, need_lse: bool = True):
     """`forward(q, k, v, p)` as a function of (q, k, v) alone, for callers that run one problem
     many times (dispatch's memoised plans): the launch plan (grid, keyword arguments, token) is
-    found on the first call and kept. None for empty problems, which `forward` fills itself."""
+    found on the first call and kept. None for empty problems, which `forward` fills itself.
+    Without `need_lse` the function returns (out, None): the kernel build that stores no LSE
+    runs, and nothing is allocated for it."""
     from flashsuite.fa2 import kernels
 
     if p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim_v):
@@ -167,7 +169,7 @@ def bind_forward(p: AttnParams):
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         nonlocal plan, fast
         if plan is None:
-            plan = _fwd_plan(p, None, _arch(q))
+            plan = _fwd_plan(p, None, _arch(q), need_lse)
         grid, kwargs, token = plan
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         if qs[3] != 1 or ks[3] != 1 or vs[3] != 1:  # _last_contig's copy, rarely needed
@@ -175,11 +177,11 @@ def bind_forward(p: AttnParams):
             qs, ks, vs = q.stride(), k.stride(), v.stride()
         # Sizes as separate ints: torch.empty parses them faster than one tuple.
         out = torch.empty(*out_shape, dtype=dtype, device=q.device)
-        lse = torch.empty(*lse_shape, dtype=f32, device=q.device)
-        args = (q, k, v, out, lse, *qs[:3], *ks[:3], *vs[:3], *out_strides)
-        aligned = (
-            q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | lse.data_ptr()
-        ) & 15 == 0
+        # Without need_lse the kernel's Lse argument is `out`, never written through.
+        lse = torch.empty(*lse_shape, dtype=f32, device=q.device) if need_lse else None
+        args = (q, k, v, out, out if lse is None else lse, *qs[:3], *ks[:3], *vs[:3], *out_strides)
+        ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()
+        aligned = (ptrs if lse is None else ptrs | lse.data_ptr()) & 15 == 0
         if (
             fast is not None
             and aligned
@@ -197,14 +199,16 @@ def bind_forward(p: AttnParams):
     return run
 
 
-# (problem, config override, arch, interpreter) -> (grid, scalar and constexpr kwargs, the
-# plan's token for common.triton_launch): the config lookup, padding and scalar arithmetic of
-# the forward, once per static problem.
+# (problem, config override, arch, interpreter, LSE stored) -> (grid, scalar and constexpr
+# kwargs, the plan's token for common.triton_launch): the config lookup, padding and scalar
+# arithmetic of the forward, once per static problem.
 _fwd_plans: dict[tuple, tuple] = {}
 
 
-def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict, object]:
-    key = (p, config, arch, triton_interpreter())
+def _fwd_plan(
+    p: AttnParams, config, arch: int | None, store_lse: bool = True
+) -> tuple[tuple, dict, object]:
+    key = (p, config, arch, triton_interpreter(), store_lse)
     plan = _fwd_plans.get(key)
     if plan is None:
         from flashsuite.fa2 import configs
@@ -217,6 +221,7 @@ def _fwd_plan(p: AttnParams, config, arch: int | None) -> tuple[tuple, dict, obj
             BLOCK_N=cfg.block_n,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+            STORE_LSE=store_lse,
         )
         if len(_fwd_plans) >= 4096:  # many distinct shapes: start over rather than grow
             _fwd_plans.clear()

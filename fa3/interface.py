@@ -255,11 +255,13 @@ def forward(
     return out, lse
 
 
-def bind_forward(p: AttnParams):
+def bind_forward(p: AttnParams, need_lse: bool = True):
     """`forward(q, k, v, p)` as a function of (q, k, v) alone, for callers that run one problem
     many times (dispatch's memoised plans): the launch plan is found on the first call and
     kept, so a repeat call only allocates the outputs, checks TMA alignment and launches.
-    None where `forward` does more than that (fp8: descales and V's layout; empty problems)."""
+    None where `forward` does more than that (fp8: descales and V's layout; empty problems).
+    The kernel always writes the LSE (`need_lse`, which fa2's build uses, changes nothing
+    here: a second compiled kernel would cost a cold start more than the allocation saves)."""
     if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
         return None
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)

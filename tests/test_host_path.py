@@ -186,12 +186,14 @@ def test_bound_forward_is_the_version_forward(options, device) -> None:
     """fa2's bound forward (dispatch's plan for a call without a gradient: the launch plan
     kept, the output strides precomputed) gives its forward's out and lse bit for bit on every
     layout of the same problem (through the Triton interpreter on a CPU, the memoised compiled
-    launches on a GPU), and every later call of the memoised plan goes through it."""
+    launches on a GPU), and every later call of the memoised plan goes through it. A call
+    that does not return the LSE runs the kernel build that stores none: the same out, and
+    the bound forward's LSE is None."""
     from flashsuite.fa2 import interface as fa2
 
     for layout, (q, k, v) in _views(device):
         api._plans.clear()
-        plan = api._plan(q, k, v, version="fa2", **options)
+        plan = api._plan(q, k, v, version="fa2", return_lse=True, **options)
         assert plan is not None and plan.version == "fa2" and plan.bound is not None, layout
         ref = fa2.forward(q, k, v, plan.params)
         for got in plan.bound(q, k, v), dispatch.attention(q, k, v, return_lse=True,
@@ -199,6 +201,12 @@ def test_bound_forward_is_the_version_forward(options, device) -> None:
             for a, b in zip(got, ref, strict=True):
                 assert a.is_contiguous()
                 torch.testing.assert_close(a, b, atol=0, rtol=0, msg=layout)
+        plan = api._plan(q, k, v, version="fa2", **options)
+        out, lse = plan.bound(q, k, v)
+        assert lse is None and out.is_contiguous(), layout
+        torch.testing.assert_close(out, ref[0], atol=0, rtol=0, msg=layout)
+        got = dispatch.attention(q, k, v, version="fa2", **options)
+        torch.testing.assert_close(got, ref[0], atol=0, rtol=0, msg=layout)
 
 
 def test_fa3_bound_forward_launches_what_forward_launches(monkeypatch) -> None:
