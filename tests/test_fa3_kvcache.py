@@ -284,6 +284,30 @@ def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch
     assert torch.equal(flat[5], kn[0, 0]), "the new token was not appended at cache_seqlens"
 
 
+def test_captured_calls_get_disjoint_zeroed_counters(monkeypatch) -> None:
+    """Calls captured into CUDA graphs take their split counters from a pool zeroed outside any
+    capture: disjoint slices, one per call, so no graph needs a memset node and graphs on
+    different streams never share a counter; without a pool, or once it is spent, a call
+    gets a fresh zeroed buffer (which a graph zeroes itself)."""
+    from flashsuite.fa3 import decode_host
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode_host, "_capture_pool", {})
+    monkeypatch.setattr(decode_host, "CAPTURE_POOL_COUNTERS", 100)
+    fresh = decode_host._captured_counters(8, cpu)  # no eager call yet: no pool
+    assert fresh.numel() == 8 and not fresh.any() and decode_host._capture_pool == {}
+    decode_host._ensure_capture_pool(cpu)
+    pool = decode_host._capture_pool[cpu][0]
+    got = [decode_host._captured_counters(n, cpu) for n in (40, 1, 59)]
+    for t, (lo, n) in zip(got, ((0, 40), (40, 1), (41, 59)), strict=True):
+        assert t.numel() == n and t.data_ptr() == pool[lo:].data_ptr() and not t.any()
+    spent = decode_host._captured_counters(1, cpu)  # 100 handed out: a buffer of its own
+    assert spent.numel() == 1 and not spent.any()
+    assert not (pool.data_ptr() <= spent.data_ptr() < pool.data_ptr() + 4 * pool.numel())
+    decode_host._ensure_capture_pool(cpu)  # a second eager call keeps the pool and its count
+    assert decode_host._capture_pool[cpu][0] is pool and decode_host._capture_pool[cpu][1] == 100
+
+
 def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
     """Auto selection takes fa3's decode on sm90 (configs.KVCACHE_AUTO) and fa2's when the
     switch is off, saying why; version="fa3" runs it either way; float32 is refused by name."""
@@ -464,3 +488,45 @@ def test_gpu_dispatch_fa3_at_serving_size() -> None:
     ok = lens > 0
     assert (out.float() - ref)[ok].abs().max().item() <= 2e-2 * ref.abs().max().item()
     assert (lse - ref_lse)[ok].abs().max().item() < 1e-3
+
+
+@gpu_fa3
+def test_gpu_split_decode_replays_in_cuda_graphs(monkeypatch) -> None:
+    """fa3's split decode (fused combine) captured into two CUDA graphs, replayed alternately:
+    every replay gives the eager call's out and lse bit for bit (the counters of each graph
+    come back to zero after every replay), and the captured calls drew their counters from
+    the capture pool (no memset node in either graph)."""
+    from flashsuite.fa3 import configs, decode_host
+
+    assert configs.DECODE_FUSED_COMBINE
+    monkeypatch.setenv("FLASHSUITE_CHECK_METADATA", "0")  # a capture copies nothing to the host
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    q = _rand(gen, 2, 1, 32, 128, dtype=BF16)
+    k, v = (_rand(gen, 2, 8192, 8, 128, dtype=BF16) for _ in range(2))
+    lens = torch.tensor([8192, 3000], dtype=torch.int32, device=DEV)
+
+    def call():
+        return dispatch.attention_with_kvcache(
+            q, k, v, cache_seqlens=lens, num_splits=4, return_lse=True, version="fa3"
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ref = call()  # eager: compiles, and makes the capture pool
+    torch.cuda.current_stream().wait_stream(side)
+    handed = decode_host._capture_pool[q.device][1]
+    graphs, outs = [], []
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(call())
+        graphs.append(g)
+    assert decode_host._capture_pool[q.device][1] == handed + 2 * 2 * 8  # B x Hkv tiles each
+    for _ in range(3):
+        for g, (out, lse) in zip(graphs, outs, strict=True):
+            out.zero_()
+            lse.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])

@@ -556,7 +556,7 @@ def test_fa2_bound_forward_repeats_the_launch_forward_would_make(monkeypatch) ->
         assert calls[-1][0] == "direct" and not keys
 
 
-def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch) -> None:
+def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, device) -> None:
     """`common.triton_launch.launch` memoises a kernel only when the call names every parameter
     after the positional ones (one left to its default goes through Triton's own launcher on
     every call, 20-40 µs). fa2's training step, its split decode with the combine, and the
@@ -574,17 +574,18 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch) -> N
     for mod in (fa2_interface, bwd_preprocess, bwd_postprocess, split_combine):
         monkeypatch.setattr(mod, "launch", recording)
     for causal in (False, True):
-        q, k, v = _qkv(n=48, requires_grad=True)
+        q, k, v = (t.to(device).requires_grad_() for t in _qkv(n=48))
         out = dispatch.attention(q, k, v, causal=causal, version="fa2")
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     gen = torch.Generator().manual_seed(1)
-    qd = torch.randn(2, 1, 4, 64, generator=gen).to(BF16)
-    kc, vc = (torch.randn(2, 256, 2, 64, generator=gen).to(BF16) for _ in range(2))
-    lens = torch.tensor([256, 37], dtype=torch.int32)
+    qd = torch.randn(2, 1, 4, 64, generator=gen).to(device, BF16)
+    kc, vc = (torch.randn(2, 256, 2, 64, generator=gen).to(device, BF16) for _ in range(2))
+    lens = torch.tensor([256, 37], dtype=torch.int32, device=device)
     dispatch.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=3, version="fa2")
-    acc = torch.randn(1, 2, 64, 64, generator=gen)
-    rows, cols = torch.arange(64, dtype=torch.int32) * 64, torch.arange(64, dtype=torch.int32)
-    dq = bwd_postprocess.dq_postprocess(acc, rows, cols, torch.empty(1, 48, 2, 64, dtype=BF16))
+    acc = torch.randn(1, 2, 64, 64, generator=gen).to(device)
+    cols = torch.arange(64, dtype=torch.int32, device=device)
+    dq = torch.empty(1, 48, 2, 64, dtype=BF16, device=device)
+    dq = bwd_postprocess.dq_postprocess(acc, cols * 64, cols, dq)
     assert torch.equal(dq, acc[:, :, :48].transpose(1, 2).to(BF16))
     names = {fn.__name__ for fn, _, _ in calls}
     assert {"_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_decode_split"} <= names
