@@ -50,21 +50,24 @@ def case_name(case: tuple) -> str:
     return "-".join([f"D{d}", cache, out, *flags])
 
 
-def probe(case: tuple) -> dict:
-    """Compile one decode build; its PTX and ptxas facts."""
+def probe(case: tuple, ctas_per_sm: int = 1) -> dict:
+    """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build); its PTX and
+    ptxas facts."""
     import torch
 
     from flashsuite.fa3.compile import DecodeKey, compile_decode
     from flashsuite.fa3.configs import decode_config
 
     d, causal, local, softcap, page, split, fused = case
-    cfg = decode_config(d, page)
-    key = DecodeKey(torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused)
+    cfg = decode_config(d, page, ctas_per_sm)
+    key = DecodeKey(
+        torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm
+    )
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_decode(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     return {
-        "name": case_name(case),
+        "name": case_name(case) + ("-2cta" if ctas_per_sm == 2 else ""),
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": ptx_counts(ptx),
@@ -81,8 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--all", action="store_true", help="every head dim, layout and output")
+    ap.add_argument(
+        "--two-ctas", action="store_true",
+        help="the builds two CTAs of which share an SM (D <= 128; configs.decode_config)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
-    results = [probe(c) for c in (all_cases() if args.all else CI_CASES)]
+    cases = all_cases() if args.all else CI_CASES
+    if args.two_ctas:
+        cases = [c for c in cases if c[0] <= 128]
+    results = [probe(c, 2 if args.two_ctas else 1) for c in cases]
     for r in results:
         print(
             f"{r['name']:40s} regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']} "

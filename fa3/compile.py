@@ -262,6 +262,7 @@ class DecodeKey:
     # With split: the last split of each warp's rows merges the partials itself (no second
     # launch; decode.Fa3Decode.combine_if_last), else common.split_combine's Triton kernel.
     fused_combine: bool = False
+    ctas_per_sm: int = 1  # 2: the build two CTAs of which share an SM (configs.decode_config)
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -325,7 +326,7 @@ def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
         raise ValueError(f"fa3: cannot build {key}: {reason}")
     kernel = Fa3Decode(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
-        key.paged, key.split, key.fused_combine,
+        key.paged, key.split, key.fused_combine, key.ctas_per_sm,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     compiled = cute.compile(

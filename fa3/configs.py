@@ -530,6 +530,11 @@ KVCACHE_AUTO = True
 # (producer, consumer) setmaxnreg of the decode kernel: one producer and one consumer
 # warpgroup at one CTA per SM (FA3's split for a single MMA warpgroup).
 DECODE_REG_SPLIT = (56, 256)
+# The same at two CTAs per SM (ptxas entry count 128 a thread): 128 x 40 + 128 x 216 = 32,768.
+DECODE_REG_SPLIT_2CTA = (40, 216)
+# Shared memory one CTA may use when two share an SM: the SM's 233,472 bytes less the 1 KiB
+# each resident CTA reserves, halved.
+SMEM_PER_CTA_2 = (233_472 - 2 * 1024) // 2
 DECODE_TILE_M = 64  # packed (token, head-in-group) rows: one consumer warpgroup
 DECODE_MAX_STAGES = 4  # per 128-key tile; smaller page-sized tiles get up to 8 (same bytes)
 # Split-KV: CTAs in flight per SM (one fits: its K/V rings fill shared memory), the fewest key
@@ -548,14 +553,26 @@ DECODE_MAX_SPLITS = 128
 # 140 us at 4k / 32k / 128k keys (cuDNN 16.5 / 49.0 / 140); at B >= 8 (1-2 splits) both
 # combines time within 1 %.
 DECODE_FUSED_COMBINE = True
+# One-split calls with at least this many tiles (B x Hkv x m_blocks) run the decode build two
+# CTAs of which share an SM (decode_config(ctas_per_sm=2)): a CTA's start (Q gather, the first
+# TMA round trip) then overlaps the other's streaming. None: never.
+DECODE_TWO_CTAS_MIN_TILES = None
+DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 
 
-def decode_config(head_dim: int, page_size: int = 0) -> Fa3Config:
+def decode_config(head_dim: int, page_size: int = 0, ctas_per_sm: int = 1) -> Fa3Config | None:
     """The decode kernel's tiles: 64 packed rows x tile_n keys, as many K/V stages as shared
     memory holds (up to DECODE_MAX_STAGES). tile_n is 128 keys (64 at D = 256: S, O and P of a
     128-key tile would need ~280 registers a thread), or for a paged cache the largest multiple
-    of 16 up to that which divides page_size, so each key tile lies in one page."""
+    of 16 up to that which divides page_size, so each key tile lies in one page.
+
+    ctas_per_sm = 2: the build two CTAs of which share an SM: K/V tiles of at most 8192 / D keys
+    (a multiple of 16: 128 at D = 64, 64 at D = 128), as many stages as half the SM's shared
+    memory holds (3 at D = 64 / 128), None where not even two fit."""
     tile_n = 64 if head_dim > 192 else 128
+    capacity = SMEM_CAPACITY
+    if ctas_per_sm == 2:
+        tile_n, capacity = min(tile_n, 8192 // head_dim // 16 * 16), SMEM_PER_CTA_2
     if page_size:
         tile_n = next(n for n in range(tile_n, 0, -16) if page_size % n == 0)
     cfg = Fa3Config(
@@ -568,8 +585,10 @@ def decode_config(head_dim: int, page_size: int = 0) -> Fa3Config:
         num_consumer_wgs=1,
     )
     stages = min(8, DECODE_MAX_STAGES * 128 // tile_n)
-    while stages > 2 and smem_bytes(replace(cfg, stages=stages), head_dim) > SMEM_CAPACITY:
+    while stages > 2 and smem_bytes(replace(cfg, stages=stages), head_dim) > capacity:
         stages -= 1
+    if smem_bytes(replace(cfg, stages=stages), head_dim) > capacity:
+        return None
     return replace(cfg, stages=stages)
 
 

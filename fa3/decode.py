@@ -41,7 +41,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from flashsuite.fa3.configs import DECODE_REG_SPLIT, Fa3Config
+from flashsuite.fa3.configs import DECODE_REG_SPLIT, DECODE_REG_SPLIT_2CTA, Fa3Config
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 from flashsuite.fa3.fwd_mainloop import ForwardMainloop
 from flashsuite.fa3.mask import apply_mask
@@ -95,6 +95,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         paged: bool,
         split: bool,
         fused_combine: bool = False,
+        ctas_per_sm: int = 1,
     ) -> None:
         assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
         assert split or not fused_combine, "the fused combine merges splits"
@@ -114,7 +115,11 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory
         self.NUM_CONSUMER_WGS = 1
-        self.PRODUCER_REGS, self.CONSUMER_REGS = DECODE_REG_SPLIT
+        # Two CTAs per SM: ptxas gets 128 registers a thread at entry, setmaxnreg shares them.
+        assert ctas_per_sm in (1, 2)
+        self.CTAS_PER_SM = ctas_per_sm
+        split_regs = DECODE_REG_SPLIT if ctas_per_sm == 1 else DECODE_REG_SPLIT_2CTA
+        self.PRODUCER_REGS, self.CONSUMER_REGS = split_regs
         self.CONSUMER_THREADS = 128
         self.NUM_THREADS = 256
         self.PERSISTENT = False
@@ -174,7 +179,10 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
             grid=(num_splits, heads_kv * m_blocks, batch_n),
             block=[self.NUM_THREADS, 1, 1],
             stream=stream,
-            min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+            min_blocks_per_mp=self.CTAS_PER_SM,  # ptxas' entry register count for setmaxnreg
+            # Two CTAs need the SM's whole shared memory (an explicit carve-out: the DSL would
+            # otherwise query the device while compiling).
+            preferred_smem_carveout=100 if self.CTAS_PER_SM == 2 else None,
         )  # fmt: skip
 
     # ----------------------------------------------------------------------------------------

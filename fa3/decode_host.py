@@ -49,9 +49,12 @@ def num_splits_heuristic(tiles: int, key_blocks: int, num_sms: int) -> int:
 
 
 def plan(kp: KVCacheParams, num_sms: int) -> tuple:
-    """(config, m_blocks, splits) of problem `kp` on a GPU with num_sms SMs: num_splits = 0
-    takes the heuristic, whose key-block count comes from the cache capacity (no
-    device-to-host copy of the lengths; each row divides its own length among the splits)."""
+    """(config, m_blocks, splits, CTAs per SM) of problem `kp` on a GPU with num_sms SMs:
+    num_splits = 0 takes the heuristic, whose key-block count comes from the cache capacity
+    (no device-to-host copy of the lengths; each row divides its own length among the
+    splits). A call of one split with at least configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a
+    head dim of configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an
+    SM."""
     p = kp.attn
     cfg = decode_config(p.head_dim, kp.page_size)
     m_blocks = math.ceil(p.seqlen_q * p.group_size / DECODE_TILE_M)
@@ -59,7 +62,18 @@ def plan(kp: KVCacheParams, num_sms: int) -> tuple:
     splits = kp.num_splits or num_splits_heuristic(
         tiles, math.ceil(p.seqlen_k / cfg.tile_n), num_sms
     )
-    return cfg, m_blocks, max(1, min(splits, DECODE_MAX_SPLITS))
+    splits = max(1, min(splits, DECODE_MAX_SPLITS))
+    least = configs.DECODE_TWO_CTAS_MIN_TILES
+    if (
+        splits == 1
+        and least is not None
+        and tiles >= least
+        and p.head_dim in configs.DECODE_TWO_CTAS_HEAD_DIMS
+    ):
+        two = decode_config(p.head_dim, kp.page_size, ctas_per_sm=2)
+        if two is not None:
+            return two, m_blocks, 1, 2
+    return cfg, m_blocks, splits, 1
 
 
 def supports(kp: KVCacheParams) -> tuple[bool, str]:
@@ -70,7 +84,7 @@ def supports(kp: KVCacheParams) -> tuple[bool, str]:
     if p.seqlen_k >= 2**29:
         # The ragged K/V views address a page's tokens below 2^30 (decode.kv_view).
         return False, f"fa3 kvcache: cache capacity {p.seqlen_k} must be < 2^29 tokens per row"
-    cfg, m_blocks, _ = plan(kp, H100_SMS)
+    cfg, m_blocks, _, _ = plan(kp, H100_SMS)
     if p.heads_kv * m_blocks > _MAX_GRID_YZ:
         return False, f"fa3 kvcache: Hkv x m_blocks = {p.heads_kv * m_blocks} > {_MAX_GRID_YZ}"
     rows = p.batch * p.seqlen_q * p.heads_q
@@ -179,11 +193,11 @@ def kvcache_forward(
     sms = H100_SMS
     if q.is_cuda:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg, m_blocks, splits = plan(kp, sms)
+    cfg, m_blocks, splits, ctas_per_sm = plan(kp, sms)
     fused = splits > 1 and configs.DECODE_FUSED_COMBINE
     key = DecodeKey(
         dtype=p.dtype, head_dim=d, causal=p.causal, local=p.is_local, softcap=p.softcap > 0,
-        paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
+        paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused, ctas_per_sm=ctas_per_sm,
     )  # fmt: skip
     fn = get_decode(key)
     scalars = kernel_scalars(

@@ -171,10 +171,34 @@ def test_split_heuristic() -> None:
     mid = num_splits_heuristic(8 * 8, 256, sms)  # B = 8, 32k
     assert 1 < mid < one
     params = _params(b=1, nq=1, hq=32, hkv=8, cap=131072, page=0, splits=0)
-    cfg, m_blocks, splits = plan(params, sms)
-    assert (cfg.tile_n, m_blocks, splits) == (128, 1, one)
+    cfg, m_blocks, splits, ctas = plan(params, sms)
+    assert (cfg.tile_n, m_blocks, splits, ctas) == (128, 1, one, 1)
     assert plan(_params(1, 1, 32, 8, 131072, 0, 3), sms)[2] == 3  # explicit count kept
     assert plan(_params(1, 40, 32, 8, 4096, 0, 1), sms)[1] == 3  # 40 tokens x 4 heads / 64
+
+
+def test_two_ctas_per_sm_plan(monkeypatch) -> None:
+    """One-split calls of at least DECODE_TWO_CTAS_MIN_TILES tiles take the build two CTAs of
+    which share an SM (half the shared memory: 64-key tiles at D 128, 3 stages; 128 registers a
+    thread at entry) at the head dims it is measured at; split calls keep one CTA per SM."""
+    from flashsuite.fa3 import configs
+    from flashsuite.fa3.configs import SMEM_PER_CTA_2, decode_config, smem_bytes
+    from flashsuite.fa3.decode_host import H100_SMS as sms
+    from flashsuite.fa3.decode_host import plan
+
+    for d, tile_n in ((64, 128), (96, 80), (128, 64), (192, 32), (256, 32)):
+        cfg = decode_config(d, 0, ctas_per_sm=2)
+        assert cfg.tile_n == tile_n and smem_bytes(cfg, d) <= SMEM_PER_CTA_2 and cfg.stages >= 2
+    assert decode_config(128, 0, 2).stages == 3 and decode_config(128, 32, 2).tile_n == 32
+    big = _params(32, 1, 32, 8, 4096, 0, 0)  # 256 tiles: one split
+    assert plan(big, sms)[3] == 1  # off by default
+    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 256)
+    cfg, _, splits, ctas = plan(big, sms)
+    assert (cfg.tile_n, cfg.stages, splits, ctas) == (64, 3, 1, 2)
+    assert plan(_params(16, 1, 32, 8, 4096, 0, 0), sms)[3] == 1  # 128 tiles: under the bound
+    assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:] == (2, 1)  # split: one CTA per SM
+    assert plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)[3] == 1  # the heuristic splits
+    assert plan(_params(32, 1, 32, 8, 4096, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
 
 
 # ------------------------------------------------------------------------------------------
@@ -398,18 +422,28 @@ def _case_id(c) -> str:
 
 
 @gpu_fa3
-@pytest.mark.parametrize("fused", [False, True], ids=["triton-combine", "fused-combine"])
+@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
-def test_gpu_decode_matches_per_row_oracle(case, fused, monkeypatch) -> None:
+def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
     only) the call runs twice: the second must give the same bits, so the kernel left its
-    per-tile counters at 0 for the next launch."""
+    per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
+    build two CTAs of which share an SM (configs.DECODE_TWO_CTAS_MIN_TILES), where its head
+    dim has one."""
     from flashsuite.fa3 import configs
-    from flashsuite.fa3.decode_host import kvcache_forward
+    from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
     b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
+    fused = build == "fused-combine"
     if fused and splits == 1:
         pytest.skip("one split: nothing to combine")
+    if build == "two-ctas":
+        if d not in configs.DECODE_TWO_CTAS_HEAD_DIMS:
+            pytest.skip(f"no two-CTA build at D {d}")
+        monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 0)
+        splits = 1
+    else:
+        monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
     monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
@@ -437,6 +471,7 @@ def test_gpu_decode_matches_per_row_oracle(case, fused, monkeypatch) -> None:
     lse_buf = torch.full((b * hq * nq + 2 * guard,), math.nan, device=DEV)
     out = out_buf[guard:-guard].view(b, nq, hq, d)
     lse = lse_buf[guard:-guard].view(b, hq, nq)
+    assert plan(kp, H100_SMS)[3] == (2 if build == "two-ctas" else 1)
     kvcache_forward(q, k_cache, v_cache, k_new, v_new, seqlens, table, kp, out=out, lse=lse)
     torch.cuda.synchronize()
     for buf in (out_buf, lse_buf):
