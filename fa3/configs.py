@@ -555,8 +555,12 @@ DECODE_MAX_SPLITS = 128
 DECODE_FUSED_COMBINE = True
 # One-split calls with at least this many tiles (B x Hkv x m_blocks) run the decode build two
 # CTAs of which share an SM (decode_config(ctas_per_sm=2)): a CTA's start (Q gather, the first
-# TMA round trip) then overlaps the other's streaming. None: never.
-DECODE_TWO_CTAS_MIN_TILES = None
+# TMA round trip) then overlaps the other's streaming. None: never. On the H200 (GQA 32/8,
+# D = 128, one split, CUDA-graph replay, 3 interleaved passes, commit a21b558 with the switch
+# set per pass; docs/inference.md): B 16 / 32 / 128 at 4k keys 77.5 / 139.5 / 503.9 -> 76.4 /
+# 136.3 / 500.4 us, at 32k 491.1 / 974.5 / 3970.9 -> 488.6 / 971.1 / 3905.2, B 32 at 128k
+# level (3850.0 / 3856.7).
+DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 
 

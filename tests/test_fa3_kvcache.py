@@ -191,7 +191,9 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
         assert cfg.tile_n == tile_n and smem_bytes(cfg, d) <= SMEM_PER_CTA_2 and cfg.stages >= 2
     assert decode_config(128, 0, 2).stages == 3 and decode_config(128, 32, 2).tile_n == 32
     big = _params(32, 1, 32, 8, 4096, 0, 0)  # 256 tiles: one split
-    assert plan(big, sms)[3] == 1  # off by default
+    assert plan(big, sms)[3] == (2 if configs.DECODE_TWO_CTAS_MIN_TILES is not None else 1)
+    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    assert plan(big, sms)[3] == 1  # switched off
     monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 256)
     cfg, _, splits, ctas = plan(big, sms)
     assert (cfg.tile_n, cfg.stages, splits, ctas) == (64, 3, 1, 2)
