@@ -28,9 +28,13 @@ from flashsuite.common.validation import (
     KVCacheParams,
     VarlenParams,
     check_kvcache_inputs,
+    check_kvcache_metadata,
     check_varlen_inputs,
+    metadata_checks_enabled,
+    remember,
+    signature,
 )
-from flashsuite.dispatch import fallback, registry
+from flashsuite.dispatch import api, fallback, registry
 from flashsuite.dispatch.api import Choice, Unsupported, auto_order, explain_choice
 
 _ENTRY = {"varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
@@ -277,6 +281,67 @@ def attention_varlen_backward(
     return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
 
 
+# The eager fast path of attention_with_kvcache: key of one call (`_kv_lookup`) -> (version,
+# problem, the version's kvcache_forward). One validation and one selection per static
+# signature, as `attention` memoises its plans: a decode loop repeats one signature every step
+# (its lengths are values, checked per call by check_kvcache_metadata where enabled).
+_kv_plans: dict[tuple, tuple] = {}
+
+
+def _kv_lookup(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
+    softcap, num_splits, version,
+) -> tuple | None:  # fmt: skip
+    """The memoised (version, KVCacheParams, kvcache_forward) of one call, validated and
+    selected on a miss (which raises what is wrong); None when an argument is not of a
+    memoisable type (the caller then takes the op path, which raises the error)."""
+    sig = signature(q, k_cache, v_cache, causal, softmax_scale, window_size, softcap)
+    if sig is None or type(num_splits) is not int or type(version) is not str:
+        return None
+    try:
+        new = None
+        if k is not None or v is not None:
+            new = (k.shape, k.dtype, k.device, k.stride(), v.shape, v.dtype, v.device, v.stride())
+        # Lengths are values, checked per call (an int here, a tensor's by
+        # check_kvcache_metadata): a decode loop's growing length keeps its plan.
+        lens = (
+            int
+            if type(cache_seqlens) is int
+            else (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
+        )
+        table = None
+        if block_table is not None:
+            table = (block_table.shape, block_table.dtype, block_table.device)
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    key = (
+        sig, new, lens, table, num_splits, version, arch_mod.override_state(),
+        tuple(map(api._ENV_DATA.get, api._ENV_KEYS)),
+    )  # fmt: skip
+    plan = _kv_plans.get(key)
+    if plan is None:
+        kp = check_kvcache_inputs(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            softcap=softcap, num_splits=num_splits,
+        )  # fmt: skip
+        name = _resolve("kvcache", version, kp.attn.to_key(), _extra(kp), False)
+        plan = (name, kp, registry.module(name).kvcache_forward)
+        remember(_kv_plans, key, plan)
+    return plan
+
+
+def _direct(*tensors) -> bool:
+    """Whether a version's function may run without its custom op: plain tensors, and no
+    dispatch or function mode and no profiler that must see the op (as `api._run` decides)."""
+    return (
+        all(t is None or type(t) is torch.Tensor for t in tensors)
+        and not torch._C._len_torch_dispatch_stack()
+        and not torch._C._is_torch_function_mode_enabled()
+        and not torch.autograd._profiler_enabled()
+    )
+
+
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -305,6 +370,31 @@ def attention_with_kvcache(
     Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
     neither carrying a gradient.
     """
+    if not api._compiling():
+        plan = _kv_lookup(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+            window_size, softcap, num_splits, version,
+        )  # fmt: skip
+        if plan is not None and type(cache_seqlens) is int:
+            capacity, new = plan[1].attn.seqlen_k, plan[1].seqlen_new
+            if not 0 <= cache_seqlens <= capacity - new:
+                plan = None  # the op path's validation says what is wrong
+        if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table):
+            name, kp, forward = plan
+            if type(cache_seqlens) is int:
+                cache_seqlens = torch.full(
+                    (q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device
+                )
+            if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
+                if metadata_checks_enabled():
+                    check_kvcache_metadata(cache_seqlens, block_table, kp)
+                # What the op's implementation runs (common.ops_inference), without its layers.
+                with torch.no_grad():
+                    out, lse = forward(
+                        q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp
+                    )  # fmt: skip
+                out, lse = out.contiguous(), lse.contiguous()
+                return (out, lse) if return_lse else out
     kp = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,

@@ -10,6 +10,7 @@ FA3's published choices); H200 numbers are noted where an entry was measured.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -564,6 +565,7 @@ DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 
 
+@functools.cache  # a frozen config per (head_dim, page_size, ctas_per_sm): every decode call asks
 def decode_config(head_dim: int, page_size: int = 0, ctas_per_sm: int = 1) -> Fa3Config | None:
     """The decode kernel's tiles: 64 packed rows x tile_n keys, as many K/V stages as shared
     memory holds (up to DECODE_MAX_STAGES). tile_n is 128 keys (64 at D = 256: S, O and P of a

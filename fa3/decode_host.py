@@ -169,6 +169,44 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+# (problem, device, the switches plan() reads) -> the launch plan of `launch_plan`.
+_launch_plans: dict[tuple, tuple] = {}
+
+
+def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
+    """(binary, m_blocks, splits, fused combine, kernel scalars) of problem `kp` on `device`:
+    the split plan, the compile key, the binary and the scalars, decided once per problem
+    (a decode loop repeats the same one every step)."""
+    key = (
+        kp, device, configs.DECODE_FUSED_COMBINE, configs.DECODE_TWO_CTAS_MIN_TILES,
+        configs.DECODE_TWO_CTAS_HEAD_DIMS,
+    )  # fmt: skip
+    hit = _launch_plans.get(key)
+    if hit is not None:
+        return hit
+    from flashsuite.fa3.compile import DecodeKey, get_decode, kernel_scalars
+
+    p = kp.attn
+    sms = H100_SMS
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    cfg, m_blocks, splits, ctas_per_sm = plan(kp, sms)
+    fused = splits > 1 and configs.DECODE_FUSED_COMBINE
+    dkey = DecodeKey(
+        dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, local=p.is_local,
+        softcap=p.softcap > 0, paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
+        ctas_per_sm=ctas_per_sm,
+    )  # fmt: skip
+    scalars = kernel_scalars(
+        p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
+    )
+    hit = (get_decode(dkey), m_blocks, splits, fused, scalars)
+    if len(_launch_plans) >= 1024:  # many distinct problems: start over rather than grow
+        _launch_plans.clear()
+    _launch_plans[key] = hit
+    return hit
+
+
 def kvcache_forward(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, out=None,
     lse=None,
@@ -177,8 +215,6 @@ def kvcache_forward(
     writing k, v (B, Nnew, Hkv, D) into the cache in place. Returns out (B, Nq, Hq, D) in q's
     dtype and lse (B, Hq, Nq) float32, contiguous. `out` and `lse` (contiguous views into
     larger buffers, in tests that watch the memory around them) are written in place."""
-    from flashsuite.fa3.compile import DecodeKey, get_decode, kernel_scalars
-
     p = kp.attn
     if k is not None:
         append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -190,19 +226,7 @@ def kvcache_forward(
     assert out.is_contiguous() and lse.is_contiguous(), "out and lse must be contiguous"
     if out.numel() == 0:
         return out, lse
-    sms = H100_SMS
-    if q.is_cuda:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    cfg, m_blocks, splits, ctas_per_sm = plan(kp, sms)
-    fused = splits > 1 and configs.DECODE_FUSED_COMBINE
-    key = DecodeKey(
-        dtype=p.dtype, head_dim=d, causal=p.causal, local=p.is_local, softcap=p.softcap > 0,
-        paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused, ctas_per_sm=ctas_per_sm,
-    )  # fmt: skip
-    fn = get_decode(key)
-    scalars = kernel_scalars(
-        p.scale, p.softcap, (p.window_left, p.window_right), p.causal, nq, p.seqlen_k
-    )
+    fn, m_blocks, splits, fused, scalars = launch_plan(kp, q.device)
     q, k_cache, v_cache = _aligned(q), _aligned(k_cache), _aligned(v_cache)
     table = block_table.contiguous() if kp.paged else None
     seqlens = cache_seqlens.contiguous()

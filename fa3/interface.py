@@ -17,6 +17,7 @@ KV-cache attention (`supports_kvcache` / `kvcache_forward`) runs the split-KV de
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -70,18 +71,27 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def available() -> tuple[bool, str]:
-    """The CuTe DSL installed, TVM-FFI importable, and a real sm90 GPU (sm_90a kernels only).
-
-    The DSL is looked up, not imported: importing it takes longer than loading a binary from
-    the on-disk cache (compile.py), which needs TVM-FFI alone; it is imported to compile.
-    """
+@functools.cache  # a module search on every call costs more than a decode step's launch
+def _toolchain() -> tuple[bool, str]:
+    """The CuTe DSL installed and TVM-FFI importable (what a process has does not change)."""
     if importlib.util.find_spec("cutlass") is None:
         return False, "fa3: nvidia-cutlass-dsl not installed (no module cutlass)"
     try:
         import tvm_ffi  # noqa: F401
     except ImportError as e:
         return False, f"fa3: apache-tvm-ffi not importable ({e}); the launcher needs it"
+    return True, ""
+
+
+def available() -> tuple[bool, str]:
+    """The CuTe DSL installed, TVM-FFI importable, and a real sm90 GPU (sm_90a kernels only).
+
+    The DSL is looked up, not imported: importing it takes longer than loading a binary from
+    the on-disk cache (compile.py), which needs TVM-FFI alone; it is imported to compile.
+    """
+    ok, reason = _toolchain()
+    if not ok:
+        return False, reason
     if is_overridden():
         # Planning for another machine (tests of the dispatch table): the toolchain suffices.
         return True, f"fa3: CuTe DSL (planning for {arch_name(device_arch())})"

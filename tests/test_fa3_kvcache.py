@@ -260,8 +260,10 @@ def _no_combine(*args) -> None:
 @pytest.fixture
 def stand_in(monkeypatch) -> list:
     from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3 import decode_host
 
     made = []
+    monkeypatch.setattr(decode_host, "_launch_plans", {})  # plans hold the binary they took
 
     def get_decode(key):
         made.append(StandIn(key))

@@ -5,6 +5,8 @@ sequence / cache row on that sequence's own lengths."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -323,6 +325,19 @@ KVCACHE_ERRORS = [
         ValueError,
         "got block_table[1, 0] = -1",
     ),
+    (  # every row on two pages: the same check over the whole used width
+        dict(
+            cache_seqlens=torch.tensor([20, 17], dtype=I32),
+            block_table=torch.tensor([[0, 8], [5, 7]], dtype=I32),
+        ),
+        ValueError,
+        "got block_table[0, 1] = 8",
+    ),
+    (
+        dict(cache_seqlens=torch.tensor([3, -1], dtype=I32)),
+        ValueError,
+        "expected 0 <= cache_seqlens[1] + Nnew <= 32 (the cache capacity), got -1 + 0",
+    ),
     (
         dict(block_table=torch.tensor([[0, 3]], dtype=I32)),
         ValueError,
@@ -375,6 +390,20 @@ def test_kvcache_bad_input_is_a_clear_error(change, exc, message) -> None:
     with pytest.raises(exc) as info:
         dispatch.attention_with_kvcache(**_bad_kvcache(**change), version="torch")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "lens, table",
+    [([5, 20], [[0, -1], [5, 7]]), ([5, 5], [[0, 99], [5, -7]]), ([0, 0], [[-3, 99], [8, 9]])],
+)
+def test_kvcache_unused_block_table_entries_may_hold_anything(lens, table) -> None:
+    """Only the entries a row's keys occupy (ceil((cache_seqlens + Nnew) / page_size)) are
+    checked: padding such as -1 beyond them is what serving engines leave there."""
+    args = _bad_kvcache(
+        cache_seqlens=torch.tensor(lens, dtype=I32), block_table=torch.tensor(table, dtype=I32)
+    )
+    out = dispatch.attention_with_kvcache(**args, version="torch")
+    assert out.shape == (2, 1, 4, 32) and out.isfinite().all()
 
 
 def test_explain_on_sm90_picks_fa3_varlen_and_kvcache() -> None:
@@ -507,3 +536,76 @@ def test_gpu_varlen_large() -> None:
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results.values(), strict=True):
         err = (a.float() - b.float()).abs().max().item()
         assert err < 5e-2 * max(1.0, b.float().abs().max().item()), (name, err)
+
+
+class _NoOpMode(torch.overrides.TorchFunctionMode):
+    """A function mode that changes nothing: with it active, attention_with_kvcache takes its
+    custom op, as under a tensor subclass or a tracing mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("version", ["torch", "fa2"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_eager_path_is_the_op_path(version, paged) -> None:
+    """attention_with_kvcache's eager path (one validation and selection per static signature,
+    the version's function called without its custom op) gives the op path's out, lse and
+    cache, appends included; a repeat call is served from the memo; bad metadata values still
+    raise on a memoised signature (they are checked per call)."""
+    from flashsuite.dispatch import inference
+
+    if version == "fa2":
+        pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(4)
+    b, page = 2, 16
+    q = torch.randn(b, 2, 4, 32, generator=gen).to(BF16)
+    kn, vn = (torch.randn(b, 2, 2, 32, generator=gen).to(BF16) for _ in range(2))
+    lens = torch.tensor([5, 20], dtype=I32)
+    if paged:
+        kc = torch.randn(8, page, 2, 32, generator=gen).to(BF16)
+        table = torch.tensor([[3, 0], [5, 7]], dtype=I32)
+    else:
+        kc, table = torch.randn(b, 32, 2, 32, generator=gen).to(BF16), None
+    vc = torch.randn(kc.shape, generator=gen).to(BF16)
+    results = []
+    for mode in (None, _NoOpMode()):
+        k_cache, v_cache = kc.clone(), vc.clone()
+        inference._kv_plans.clear()
+        with mode or contextlib.nullcontext():
+            got = [
+                dispatch.attention_with_kvcache(
+                    q, k_cache, v_cache, kn, vn, cache_seqlens=lens + 2 * i, block_table=table,
+                    causal=True, return_lse=True, version=version,
+                )
+                for i in range(2)
+            ]  # fmt: skip
+        results.append((got, k_cache, v_cache))
+        assert len(inference._kv_plans) == 1  # two calls of one signature: one plan
+    (eager, ke, ve), (op, ko, vo) = results
+    for a, b_ in zip([*eager[0], *eager[1], ke, ve], [*op[0], *op[1], ko, vo], strict=True):
+        torch.testing.assert_close(a, b_, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] \+ Nnew <= 32"):
+        dispatch.attention_with_kvcache(
+            q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=torch.tensor([5, 31], dtype=I32),
+            block_table=table, causal=True, version=version,
+        )  # fmt: skip
+
+
+def test_kvcache_int_lengths_keep_one_plan() -> None:
+    """A decode loop that passes its growing length as an int (transformers' decode step)
+    keeps one memoised plan; the value is still checked on every call."""
+    from flashsuite.dispatch import inference
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 4, 32, generator=gen).to(BF16)
+    kc, vc = (torch.randn(1, 32, 2, 32, generator=gen).to(BF16) for _ in range(2))
+    inference._kv_plans.clear()
+    for n in (3, 4, 5, 32):
+        got = dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=n, version="torch")
+        ref = dispatch.attention(q, kc[:, :n], vc[:, :n], causal=True, version="torch")
+        torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)
+    assert len(inference._kv_plans) == 1
+    for bad, exc in ((33, ValueError), (-1, ValueError)):
+        with pytest.raises(exc, match="cache_seqlens"):
+            dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=bad, version="torch")
