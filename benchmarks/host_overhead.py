@@ -4,6 +4,7 @@
     python -m benchmarks.host_overhead --backward # CPU: also fa3's training step
     python -m benchmarks.host_overhead --gpu      # GPU: wall time minus the kernel's time
     python -m benchmarks.host_overhead --sdpa     # CPU: dispatch.sdpa vs F.sdpa, whole calls
+    python -m benchmarks.host_overhead --kvcache [--gpu]  # decode steps, attention_with_kvcache
 
 CPU mode plans for sm90 (`override_arch(90)`) on tiny CPU tensors and replaces each version's
 kernel launch (fa3's compiled binary, the Triton kernels of fa2 and fa1) by a no-op, so what
@@ -60,10 +61,11 @@ class _NoKernel:
 def stubbed_kernels() -> Iterator[None]:
     """Replace the kernel launches of fa1, fa2 and fa3 and the portable version's compute by
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
-    from flashsuite.common import bwd_postprocess, triton_launch
+    from flashsuite.common import bwd_postprocess, split_combine, triton_launch
     from flashsuite.fa1 import kernels as fa1_kernels
+    from flashsuite.fa2 import decode as fa2_decode
     from flashsuite.fa2 import kernels as fa2_kernels
-    from flashsuite.fa3 import bwd_host
+    from flashsuite.fa3 import bwd_host, decode_host
     from flashsuite.fa3 import compile as fa3_compile  # imports the CuTe DSL only to compile
 
     sm = type("Props", (), {"multi_processor_count": 132})
@@ -71,6 +73,11 @@ def stubbed_kernels() -> Iterator[None]:
         (fa1_kernels, "fa1_fwd_kernel", _NoKernel(fa1_kernels.fa1_fwd_kernel)),
         (fa2_kernels, "_attn_fwd", _NoKernel(fa2_kernels._attn_fwd)),
         (fa3_compile, "get_forward", lambda key: lambda *args: None),
+        (fa3_compile, "get_decode", lambda key: lambda *args: None),
+        (decode_host, "_launch_plans", {}),  # plans made here hold the stand-in binary
+        (fa2_decode, "_decode_split", _NoKernel(fa2_decode._decode_split)),
+        (split_combine, "_combine", _NoKernel(split_combine._combine)),
+        (fa2_decode, "_combine", _NoKernel(split_combine._combine)),  # the name fa2 launches
         (bwd_host, "get_backward", lambda key: lambda *args: None),
         (bwd_host, "preprocess", _stats_only),
         (bwd_postprocess, "_dq_postprocess", _NoKernel(bwd_postprocess._dq_postprocess)),
@@ -180,6 +187,57 @@ def cpu_table(
     return rows
 
 
+def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], object]]]:
+    """Decode steps through `dispatch.attention_with_kvcache` (GQA 32/8, D 128, bf16): B 1 on
+    4k keys with a tensor length, with the append of one new token, with an int length (what
+    transformers' decode step passes), and B 32 on 64-token pages with a shuffled table."""
+    from flashsuite import dispatch
+
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)
+
+    q, kn = rand(1, 1, 32, 128), rand(1, 1, 8, 128)
+    kc, vc = rand(1, 4096, 8, 128), rand(1, 4096, 8, 128)
+    lens = torch.tensor([4000], dtype=torch.int32, device=device)
+    q32, pages = rand(32, 1, 32, 128), rand(32 * 64, 64, 8, 128)
+    table = torch.randperm(32 * 64, generator=gen).to(device, torch.int32).view(32, 64)
+    lens32 = torch.randint(1, 4000, (32,), generator=gen).to(device, torch.int32)
+    call = dispatch.attention_with_kvcache
+    return [
+        ("B1 4k", lambda: call(q, kc, vc, cache_seqlens=lens, version=version)),
+        ("B1 4k +append", lambda: call(q, kc, vc, kn, kn, cache_seqlens=lens, version=version)),
+        ("B1 4k int len", lambda: call(q, kc, vc, cache_seqlens=4000, version=version)),
+        ("B32 paged", lambda: call(q32, pages, pages, cache_seqlens=lens32, block_table=table,
+                                   version=version)),
+    ]  # fmt: skip
+
+
+def kvcache_table(versions: tuple[str, ...], calls: int, gpu: bool) -> list[tuple]:
+    """(call, µs per call) of `_kvcache_calls` for each version, the metadata value checks on
+    (the default) and off: on a CPU with the kernels stubbed (planning for sm90), or on the
+    GPU pipelined (back to back, then one synchronize)."""
+    import os
+
+    rows = []
+    ctx = contextlib.nullcontext() if gpu else stubbed_kernels()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    with override_arch(None if gpu else 90), ctx:
+        for check in ("1", "0"):
+            os.environ["FLASHSUITE_CHECK_METADATA"] = check
+            for name in versions:
+                for label, fn in _kvcache_calls("cuda" if gpu else "cpu", name):
+                    try:
+                        fn()
+                    except Exception as exc:
+                        print(f"{name} {label}: skipped ({type(exc).__name__}: {exc})")
+                        continue
+                    rows.append((f"{name} {label}", check == "1", per_call_us(fn, calls, sync)))
+    os.environ.pop("FLASHSUITE_CHECK_METADATA", None)
+    return rows
+
+
 def gpu_table(versions: tuple[str, ...], calls: int, backward: bool) -> list[tuple]:
     """(name, pipelined, synced, kernel, host) µs per forward call on the GPU, SDPA first:
     wall time per call of back-to-back calls (host-bound for tiny calls: the GPU waits), of
@@ -248,6 +306,9 @@ def main(argv: list[str] | None = None) -> None:
         "--backward", action="store_true", help="also time forward + backward (CPU: fa3 only)"
     )
     ap.add_argument("--sdpa", action="store_true", help="CPU: dispatch.sdpa against F.sdpa")
+    ap.add_argument(
+        "--kvcache", action="store_true", help="decode steps through attention_with_kvcache"
+    )
     ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
@@ -258,6 +319,16 @@ def main(argv: list[str] | None = None) -> None:
         for shape, dtype, causal, ref, ours in sdpa_cpu_table():
             dt = str(dtype).removeprefix("torch.")
             print(f"{shape!s:<20}{dt:<10}{causal!s:<8}{ref:>10.1f}{ours:>10.1f}  {ours / ref:.2f}x")
+        return
+    if args.kvcache:
+        where = "GPU, pipelined" if args.gpu else "CPU, kernels stubbed, planning for sm90"
+        print(f"attention_with_kvcache host path ({where}), us per call")
+        print(f"{'call':<28}{'checks on':>10}{'checks off':>11}")
+        rows = kvcache_table(versions, args.calls, args.gpu)
+        off = {name: us for name, on, us in rows if not on}
+        for name, on, us in rows:
+            if on:
+                print(f"{name:<28}{us:>10.1f}{off.get(name, float('nan')):>11.1f}")
         return
     print(f"torch {torch.__version__}, shape (B, N, H, D) = {SHAPE}, bf16")
     if args.gpu:

@@ -9,6 +9,8 @@ has lse_s = -inf and weight 0, and a row without any key gives out 0, lse -inf.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -81,6 +83,7 @@ def combine_splits(
     )  # fmt: skip
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a decode loop asks the same question every step
 def split_count(
     tiles: int, key_blocks: int, target: int, min_blocks_per_split: int, max_splits: int
 ) -> int:
