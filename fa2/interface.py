@@ -351,14 +351,14 @@ def _num_sms(t: torch.Tensor) -> int:
 
 def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
     """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
-    writing k, v (B, Nnew, Hkv, D) into the cache in place (common.kvcache.append_kv).
+    writing k, v (B, Nnew, Hkv, D) into the cache in place (common.append_kernel.append).
     Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32, contiguous."""
-    from flashsuite.common.kvcache import append_kv
+    from flashsuite.common.append_kernel import append
     from flashsuite.fa2 import decode
 
     p = kp.attn
     if k is not None:
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     q = _last_contig(q)
     b, nq, hq, _ = q.shape
     out = torch.empty(b, nq, hq, p.head_dim_v, dtype=q.dtype, device=q.device)  # (B,Nq,Hq,Dv)

@@ -1,8 +1,8 @@
 """Host side of fa3's KV-cache decode (decode.Fa3Decode): what it takes, the split count, the
 launch and the combine.
 
-The new k, v are appended into the cache first (common.kvcache.append_kv, shared by every
-version); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
+The new k, v are appended into the cache first (common.append_kernel.append, shared with
+fa2); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
 it writes out and lse itself; with more, each split writes its fp32 partial O and LSE, merged
 into out and lse by the last split of each tile inside the kernel (configs.DECODE_FUSED_COMBINE,
 on) or else by the shared Triton combine (common.split_combine).
@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from flashsuite.common.kvcache import append_kv
+from flashsuite.common.append_kernel import append
 from flashsuite.common.split_combine import combine_splits, split_count
 from flashsuite.common.validation import KVCacheParams
 from flashsuite.fa3 import configs
@@ -217,7 +217,7 @@ def kvcache_forward(
     larger buffers, in tests that watch the memory around them) are written in place."""
     p = kp.attn
     if k is not None:
-        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+        append(k_cache, v_cache, k, v, cache_seqlens, block_table)
     b, nq, hq, d = q.shape
     if out is None:
         out = torch.empty(b, nq, hq, d, dtype=q.dtype, device=q.device)  # (B, Nq, Hq, D)
