@@ -613,36 +613,41 @@ def test_kvcache_int_lengths_keep_one_plan() -> None:
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("n_new", [1, 5])
-def test_append_kernel_is_the_torch_append(paged, n_new) -> None:
-    """common.append_kernel.append (one Triton launch; the interpreter here) writes exactly the
-    slots common.kvcache.append_kv's indexing writes, GQA heads and Dv != D included, through
-    strided k / v views; a length past the capacity or a page index out of range (what the
-    value checks refuse, FLASHSUITE_CHECK_METADATA=0) writes nothing rather than elsewhere."""
+def test_append_kernel_is_the_torch_append(paged, n_new, device) -> None:
+    """common.append_kernel.append (one Triton launch: compiled on a GPU, the interpreter on a
+    CPU) writes exactly the slots common.kvcache.append_kv's indexing writes, GQA heads and
+    Dv != D included, through strided k / v views; a negative length, a position past the
+    capacity or a page index out of range (what the value checks refuse; they are off with
+    FLASHSUITE_CHECK_METADATA=0) writes nothing rather than elsewhere."""
     pytest.importorskip("triton")
     from flashsuite.common import append_kernel, kvcache
 
     gen = torch.Generator().manual_seed(6)
     b, hkv, d, dv, page = 3, 2, 24, 40, 16
     # k / v as views of wider rows: outer strides of their own, unit last stride.
-    k = torch.randn(b, n_new, hkv, d + 8, generator=gen).to(BF16)[..., :d]
-    v = torch.randn(b, n_new, hkv, dv, generator=gen).to(BF16)
-    lens = torch.tensor([0, 17, 40], dtype=I32)
+    k = torch.randn(b, n_new, hkv, d + 8, generator=gen).to(device, BF16)[..., :d]
+    v = torch.randn(b, n_new, hkv, dv, generator=gen).to(device, BF16)
+    lens = torch.tensor([0, 17, 40], dtype=I32, device=device)
     if paged:
-        kc = torch.randn(9, page, hkv, d, generator=gen).to(BF16)
-        table = torch.tensor([[4, 0, 8, 2], [1, 7, 3, 6], [5, 6, 0, 1]], dtype=I32)
+        kc = torch.randn(9, page, hkv, d, generator=gen).to(device, BF16)
+        table = torch.tensor([[4, 0, 8, 2], [1, 7, 3, 6], [5, 6, 0, 1]], dtype=I32, device=device)
     else:
-        kc, table = torch.randn(b, 64, hkv, d, generator=gen).to(BF16), None
-    vc = torch.randn(*kc.shape[:3], dv, generator=gen).to(BF16)
+        kc, table = torch.randn(b, 64, hkv, d, generator=gen).to(device, BF16), None
+    vc = torch.randn(*kc.shape[:3], dv, generator=gen).to(device, BF16)
     ref_k, ref_v = kc.clone(), vc.clone()
     kvcache.append_kv(ref_k, ref_v, k, v, lens, table)
     got_k, got_v = kc.clone(), vc.clone()
     append_kernel.append(got_k, got_v, k, v, lens, table)
     assert torch.equal(got_k, ref_k) and torch.equal(got_v, ref_v)
     assert not torch.equal(got_k, kc)  # something was written
-    bad_lens = torch.tensor([-1, 64, 60], dtype=I32)  # row 2: some tokens fit, some do not
+    if device == "cuda":  # the compiled kernel ran, not the fallback
+        from flashsuite.common import triton_launch
+
+        assert append_kernel._append_kv in {key[0] for key in triton_launch._compiled}
+    bad_lens = torch.tensor([-1, 64, 60], dtype=I32, device=device)  # row 2: partly fits
     bad_table = None
     if paged:
-        bad_table = torch.tensor([[0] * 4, [0] * 4, [0, 0, 0, 99]], dtype=I32)
+        bad_table = torch.tensor([[0] * 4, [0] * 4, [0, 0, 0, 99]], dtype=I32, device=device)
     got_k, got_v = kc.clone(), vc.clone()
     append_kernel.append(got_k, got_v, k, v, bad_lens, bad_table)
     if paged:  # row 2, positions 60..: page 99 does not exist
