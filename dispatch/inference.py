@@ -381,12 +381,17 @@ def attention_with_kvcache(
                 plan = None  # the op path's validation says what is wrong
         if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table):
             name, kp, forward = plan
+            # An int length is checked above, on the host: only a block table is left to
+            # check, so a contiguous decode step copies nothing to the host.
+            check = metadata_checks_enabled() and (
+                block_table is not None or type(cache_seqlens) is not int
+            )
             if type(cache_seqlens) is int:
                 cache_seqlens = torch.full(
                     (q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device
                 )
             if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
-                if metadata_checks_enabled():
+                if check:
                     check_kvcache_metadata(cache_seqlens, block_table, kp)
                 # What the op's implementation runs (common.ops_inference), without its layers.
                 with torch.no_grad():

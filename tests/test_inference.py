@@ -592,10 +592,17 @@ def test_kvcache_eager_path_is_the_op_path(version, paged) -> None:
         )  # fmt: skip
 
 
-def test_kvcache_int_lengths_keep_one_plan() -> None:
+def test_kvcache_int_lengths_keep_one_plan(monkeypatch) -> None:
     """A decode loop that passes its growing length as an int (transformers' decode step)
-    keeps one memoised plan; the value is still checked on every call."""
+    keeps one memoised plan; the value is still checked on every call, on the host: a
+    contiguous cache's step runs no device-to-host value check."""
     from flashsuite.dispatch import inference
+
+    checked = []
+    real_check = inference.check_kvcache_metadata
+    monkeypatch.setattr(
+        inference, "check_kvcache_metadata", lambda *a: (checked.append(1), real_check(*a))
+    )
 
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 1, 4, 32, generator=gen).to(BF16)
@@ -605,7 +612,10 @@ def test_kvcache_int_lengths_keep_one_plan() -> None:
         got = dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=n, version="torch")
         ref = dispatch.attention(q, kc[:, :n], vc[:, :n], causal=True, version="torch")
         torch.testing.assert_close(got, ref, atol=1e-2, rtol=0)
-    assert len(inference._kv_plans) == 1
+    assert len(inference._kv_plans) == 1 and not checked
+    lens = torch.tensor([5], dtype=I32)
+    dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, version="torch")
+    assert checked  # a tensor's values are checked
     for bad, exc in ((33, ValueError), (-1, ValueError)):
         with pytest.raises(exc, match="cache_seqlens"):
             dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=bad, version="torch")
