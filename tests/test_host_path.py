@@ -559,9 +559,15 @@ def test_fa2_bound_forward_repeats_the_launch_forward_would_make(monkeypatch) ->
 def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, device) -> None:
     """`common.triton_launch.launch` memoises a kernel only when the call names every parameter
     after the positional ones (one left to its default goes through Triton's own launcher on
-    every call, 20-40 µs). fa2's training step, its split decode with the combine, and the
-    shared dQ postprocess each name them all."""
-    from flashsuite.common import bwd_postprocess, bwd_preprocess, split_combine, triton_launch
+    every call, 20-40 µs). fa2's training step, its split decode with the append and the
+    combine, and the shared dQ postprocess each name them all."""
+    from flashsuite.common import (
+        append_kernel,
+        bwd_postprocess,
+        bwd_preprocess,
+        split_combine,
+        triton_launch,
+    )
     from flashsuite.fa2 import interface as fa2_interface
 
     calls = []
@@ -571,7 +577,7 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
         calls.append((fn, len(args), set(kwargs)))
         return real(fn, grid, args, kwargs, plan)
 
-    for mod in (fa2_interface, bwd_preprocess, bwd_postprocess, split_combine):
+    for mod in (fa2_interface, bwd_preprocess, bwd_postprocess, split_combine, append_kernel):
         monkeypatch.setattr(mod, "launch", recording)
     for causal in (False, True):
         q, k, v = (t.to(device).requires_grad_() for t in _qkv(n=48))
@@ -581,7 +587,10 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     qd = torch.randn(2, 1, 4, 64, generator=gen).to(device, BF16)
     kc, vc = (torch.randn(2, 256, 2, 64, generator=gen).to(device, BF16) for _ in range(2))
     lens = torch.tensor([256, 37], dtype=torch.int32, device=device)
-    dispatch.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens, num_splits=3, version="fa2")
+    kn = torch.randn(2, 1, 2, 64, generator=gen).to(device, BF16)  # appended, then attended
+    dispatch.attention_with_kvcache(
+        qd, kc, vc, kn, kn, cache_seqlens=lens - 1, num_splits=3, version="fa2"
+    )  # fmt: skip
     acc = torch.randn(1, 2, 64, 64, generator=gen).to(device)
     cols = torch.arange(64, dtype=torch.int32, device=device)
     dq = torch.empty(1, 48, 2, 64, dtype=BF16, device=device)
@@ -589,7 +598,7 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     assert torch.equal(dq, acc[:, :, :48].transpose(1, 2).to(BF16))
     names = {fn.__name__ for fn, _, _ in calls}
     assert {"_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_decode_split"} <= names
-    assert "_combine" in names and "_dq_postprocess" in names
+    assert {"_combine", "_dq_postprocess", "_append_kv"} <= names
     for fn, n_args, given in calls:
         missing = [p for p in fn.arg_names[n_args:] if p not in given]
         assert not missing, f"{fn.__name__} launched with {missing} left to their defaults"
