@@ -50,24 +50,29 @@ def case_name(case: tuple) -> str:
     return "-".join([f"D{d}", cache, out, *flags])
 
 
-def probe(case: tuple, ctas_per_sm: int = 1) -> dict:
-    """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build); its PTX and
-    ptxas facts."""
+def probe(case: tuple, ctas_per_sm: int = 1, paged_boxes: bool = False) -> dict:
+    """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build; `paged_boxes`: a
+    paged build on the contiguous tiles, one TMA box per page, decode_host.plan's choice under
+    configs.DECODE_PAGED_BOXES); its PTX and ptxas facts."""
     import torch
 
+    from flashsuite.fa3 import configs
     from flashsuite.fa3.compile import DecodeKey, compile_decode
-    from flashsuite.fa3.configs import decode_config
+    from flashsuite.fa3.decode_host import _tiles
 
     d, causal, local, softcap, page, split, fused = case
-    cfg = decode_config(d, page, ctas_per_sm)
+    configs.DECODE_PAGED_BOXES = paged_boxes
+    cfg, box = _tiles(d, page, ctas_per_sm)
     key = DecodeKey(
-        torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm
+        torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm, box
     )
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_decode(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     return {
-        "name": case_name(case) + ("-2cta" if ctas_per_sm == 2 else ""),
+        "name": case_name(case)
+        + ("-2cta" if ctas_per_sm == 2 else "")
+        + (f"-box{box}" if box else ""),
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": ptx_counts(ptx),
@@ -88,11 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         "--two-ctas", action="store_true",
         help="the builds two CTAs of which share an SM (D <= 128; configs.decode_config)",
     )  # fmt: skip
+    ap.add_argument(
+        "--paged-boxes", action="store_true",
+        help="paged builds on the contiguous tiles, one TMA box per page (DECODE_PAGED_BOXES)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     cases = all_cases() if args.all else CI_CASES
     if args.two_ctas:
         cases = [c for c in cases if c[0] <= 128]
-    results = [probe(c, 2 if args.two_ctas else 1) for c in cases]
+    if args.paged_boxes:
+        cases = [c for c in cases if c[4]]
+    results = [probe(c, 2 if args.two_ctas else 1, args.paged_boxes) for c in cases]
     for r in results:
         print(
             f"{r['name']:40s} regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']} "

@@ -263,6 +263,7 @@ class DecodeKey:
     # launch; decode.Fa3Decode.combine_if_last), else common.split_combine's Triton kernel.
     fused_combine: bool = False
     ctas_per_sm: int = 1  # 2: the build two CTAs of which share an SM (configs.decode_config)
+    page_box: int = 0  # paged: keys per TMA box when a stage spans pages (0: one box a stage)
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -326,7 +327,7 @@ def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
         raise ValueError(f"fa3: cannot build {key}: {reason}")
     kernel = Fa3Decode(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
-        key.paged, key.split, key.fused_combine, key.ctas_per_sm,
+        key.paged, key.split, key.fused_combine, key.ctas_per_sm, key.page_box,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     compiled = cute.compile(

@@ -563,6 +563,12 @@ DECODE_FUSED_COMBINE = True
 # level (3850.0 / 3856.7).
 DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
+# Paged caches on the contiguous cache's key tiles, a stage loaded as one TMA box per page
+# (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
+# run 64-key tiles otherwise (5-6 % slower than contiguous at B <= 8 on the H200, commit
+# efc1579), 16-token pages 16-key tiles. Off: compiled for sm_90a with 0 spills (pages of 16,
+# 32 and 64 tokens), not yet run on a GPU.
+DECODE_PAGED_BOXES = False
 
 
 @functools.cache  # a frozen config per (head_dim, page_size, ctas_per_sm): every decode call asks

@@ -96,6 +96,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         split: bool,
         fused_combine: bool = False,
         ctas_per_sm: int = 1,
+        page_box: int = 0,
     ) -> None:
         assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
         assert split or not fused_combine, "the fused combine merges splits"
@@ -109,6 +110,11 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.TILE_M = cfg.tile_m
         self.TILE_N = cfg.tile_n
         self.STAGES = cfg.stages
+        # Paged: keys per TMA box, a page's share of a stage (0: one box per stage). A stage of
+        # TILE_N keys then spans TILE_N / BOX_N pages, one TMA load each.
+        self.BOX_N = page_box or cfg.tile_n
+        assert cfg.tile_n % self.BOX_N == 0 and (paged or cfg.tile_n == self.BOX_N)
+        self.BOXES = cfg.tile_n // self.BOX_N
         self.PINGPONG = False  # one consumer warpgroup
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
@@ -162,10 +168,14 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         mma_qk, mma_pv = self._make_mmas()
         self.storage = self._storage(sQ_l, sK_l, sK_l, sQ_l)
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        box = (self.TILE_N, self.HEAD_DIM)
-        stage_l = cute.select(sK_l, mode=[0, 1])
-        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, kv_view(mK), stage_l, box)
-        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, kv_view(mV), stage_l, box)
+        box = (self.BOX_N, self.HEAD_DIM)
+        box_l = cute.select(sK_l, mode=[0, 1])  # (TILE_N, D): one stage
+        if const_expr(self.BOXES > 1):  # a stage's first BOX_N rows, as the stage lays them out
+            box_l = cute.composition(
+                box_l, cute.make_layout((self.BOX_N, self.HEAD_DIM), stride=(1, self.TILE_N))
+            )
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, kv_view(mK), box_l, box)
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, kv_view(mV), box_l, box)
         batch_n, seqlen_q, heads_q, _ = mQ.shape
         heads_kv = mK.shape[2]
         group = heads_q // heads_kv
@@ -284,38 +294,53 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
     # producer
     # ----------------------------------------------------------------------------------------
     @cute.jit
-    def kv_tile(self, tX: cute.Tensor, mBlockTable, tile, n_block: Int32) -> cute.Tensor:
-        """TMA coordinates of key block n_block of the tile's row and kv head: (TILE_N, D, 1),
-        in bounds only for the row's keys (`kv_view`)."""
-        first = n_block * self.TILE_N  # the block's first key
+    def kv_tile(self, tX: cute.Tensor, mBlockTable, tile, first: Int32) -> cute.Tensor:
+        """TMA coordinates of the BOX_N keys from key `first` of the tile's row and kv head:
+        (BOX_N, D, 1), in bounds only for the row's keys (`kv_view`)."""
         page = tile.batch
         start = first
         # Tokens of the page that belong to the row: a contiguous row holds at most N_max, so
         # even a cache_seqlens past the capacity (unchecked metadata) reads no other row.
         valid = cutlass.min(tile.seqlen_k, tile.page_size)
         if const_expr(self.PAGED):
-            index = first // tile.page_size
+            key = first
+            if const_expr(self.BOXES > 1):
+                # A stage's later boxes may start past the row's last key: look up the last
+                # page instead (its block_table entry is the row's; a later one may not
+                # exist), whose rows from `start` on are then all out of the box bounds.
+                key = cutlass.min(first, cutlass.max(tile.seqlen_k - 1, 0))
+            index = key // tile.page_size
             page = mBlockTable[tile.batch, index]
             start = first - index * tile.page_size
             valid = cutlass.min(tile.page_size, tile.seqlen_k - index * tile.page_size)
         rows = cute.domain_offset(
             (RAGGED_ROWS - valid + start, 0), tX[None, None, tile.head_kv, valid, page]
-        )  # (R, D): row 0 is the block's first key
-        return cute.local_tile(rows, (self.TILE_N, self.HEAD_DIM), (None, 0))
+        )  # (R, D): row 0 is key `first`
+        return cute.local_tile(rows, (self.BOX_N, self.HEAD_DIM), (None, 0))
 
     @cute.jit
     def load_block(self, tma, tX, sX, pipe, mBlockTable, tile, n_block: Int32, kv_state):
-        """Wait for ring stage kv_state to be free, then TMA-load K or V block n_block."""
-        gX = self.kv_tile(tX, mBlockTable, tile, n_block)
-        tXs, tXg = cpasync.tma_partition(
-            tma, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2)
-        )  # (TMA, STAGES), (TMA, 1)
+        """Wait for ring stage kv_state to be free, then TMA-load K or V block n_block: one
+        box, or BOXES boxes of BOX_N keys (a page each) into the stage's row ranges, every
+        page looked up before the wait."""
+        boxes = []
+        for i in cutlass.range_constexpr(self.BOXES):
+            gX = self.kv_tile(tX, mBlockTable, tile, n_block * self.TILE_N + i * self.BOX_N)
+            sXi = sX
+            if const_expr(self.BOXES > 1):
+                sXi = cute.local_tile(sX, (self.BOX_N, self.HEAD_DIM, self.STAGES), (i, 0, 0))
+            boxes.append(
+                cpasync.tma_partition(
+                    tma, 0, cute.make_layout(1), cute.group_modes(sXi, 0, 2),
+                    cute.group_modes(gX, 0, 2),
+                )  # (TMA, STAGES), (TMA, 1)
+            )  # fmt: skip
         pipe.producer_acquire(kv_state)
-        cute.copy(
-            tma, tXg[None, 0], tXs[None, kv_state.index], tma_bar_ptr=pipe.producer_get_barrier(
-                kv_state
-            ),
-        )  # fmt: skip
+        for tXs, tXg in boxes:
+            cute.copy(
+                tma, tXg[None, 0], tXs[None, kv_state.index],
+                tma_bar_ptr=pipe.producer_get_barrier(kv_state),
+            )  # fmt: skip
 
     @cute.jit
     def load(self, tma_k, tK, tma_v, tV, sK, sV, pipe_k, pipe_v, mBlockTable, tile,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +26,7 @@ from flashsuite.fa3.configs import (
     DECODE_MIN_BLOCKS_PER_SPLIT,
     DECODE_TILE_M,
     DTYPES,
+    Fa3Config,
     decode_can_implement,
     decode_config,
 )
@@ -48,15 +50,38 @@ def num_splits_heuristic(tiles: int, key_blocks: int, num_sms: int) -> int:
     )  # fmt: skip
 
 
-def plan(kp: KVCacheParams, num_sms: int) -> tuple:
-    """(config, m_blocks, splits, CTAs per SM) of problem `kp` on a GPU with num_sms SMs:
-    num_splits = 0 takes the heuristic, whose key-block count comes from the cache capacity
-    (no device-to-host copy of the lengths; each row divides its own length among the
-    splits). A call of one split with at least configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a
-    head dim of configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an
-    SM."""
+class DecodePlan(NamedTuple):
+    cfg: Fa3Config  # the tiles and stages
+    m_blocks: int  # 64-row tiles of packed (token, head) rows per (batch, kv head)
+    splits: int
+    ctas_per_sm: int  # 2: the two-CTA build
+    page_box: int  # paged: keys per TMA box when a stage spans pages (0: one box a stage)
+
+
+def _tiles(head_dim: int, page_size: int, ctas_per_sm: int) -> tuple[Fa3Config | None, int]:
+    """(config, page_box) for a cache of page_size-token pages (0: contiguous). With
+    configs.DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles, each stage
+    loaded as tile_n / page_box boxes of page_box keys (the largest multiple of 16 dividing
+    both); otherwise its tiles are cut to a size that divides the page."""
+    if page_size and configs.DECODE_PAGED_BOXES:
+        cfg = decode_config(head_dim, 0, ctas_per_sm)
+        if cfg is None:
+            return None, 0
+        box = next(
+            n for n in range(cfg.tile_n, 0, -16) if page_size % n == 0 and cfg.tile_n % n == 0
+        )
+        return cfg, (0 if box == cfg.tile_n else box)
+    return decode_config(head_dim, page_size, ctas_per_sm), 0
+
+
+def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
+    """The DecodePlan of problem `kp` on a GPU with num_sms SMs: num_splits = 0 takes the
+    heuristic, whose key-block count comes from the cache capacity (no device-to-host copy of
+    the lengths; each row divides its own length among the splits). A call of one split with
+    at least configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a head dim of
+    configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an SM."""
     p = kp.attn
-    cfg = decode_config(p.head_dim, kp.page_size)
+    cfg, box = _tiles(p.head_dim, kp.page_size, 1)
     m_blocks = math.ceil(p.seqlen_q * p.group_size / DECODE_TILE_M)
     tiles = p.batch * p.heads_kv * m_blocks
     splits = kp.num_splits or num_splits_heuristic(
@@ -70,10 +95,10 @@ def plan(kp: KVCacheParams, num_sms: int) -> tuple:
         and tiles >= least
         and p.head_dim in configs.DECODE_TWO_CTAS_HEAD_DIMS
     ):
-        two = decode_config(p.head_dim, kp.page_size, ctas_per_sm=2)
+        two, two_box = _tiles(p.head_dim, kp.page_size, 2)
         if two is not None:
-            return two, m_blocks, 1, 2
-    return cfg, m_blocks, splits, 1
+            return DecodePlan(two, m_blocks, 1, 2, two_box)
+    return DecodePlan(cfg, m_blocks, splits, 1, box)
 
 
 def supports(kp: KVCacheParams) -> tuple[bool, str]:
@@ -84,7 +109,7 @@ def supports(kp: KVCacheParams) -> tuple[bool, str]:
     if p.seqlen_k >= 2**29:
         # The ragged K/V views address a page's tokens below 2^30 (decode.kv_view).
         return False, f"fa3 kvcache: cache capacity {p.seqlen_k} must be < 2^29 tokens per row"
-    cfg, m_blocks, _, _ = plan(kp, H100_SMS)
+    cfg, m_blocks = plan(kp, H100_SMS)[:2]
     if p.heads_kv * m_blocks > _MAX_GRID_YZ:
         return False, f"fa3 kvcache: Hkv x m_blocks = {p.heads_kv * m_blocks} > {_MAX_GRID_YZ}"
     rows = p.batch * p.seqlen_q * p.heads_q
@@ -179,7 +204,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     (a decode loop repeats the same one every step)."""
     key = (
         kp, device, configs.DECODE_FUSED_COMBINE, configs.DECODE_TWO_CTAS_MIN_TILES,
-        configs.DECODE_TWO_CTAS_HEAD_DIMS,
+        configs.DECODE_TWO_CTAS_HEAD_DIMS, configs.DECODE_PAGED_BOXES,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:
@@ -190,12 +215,12 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     sms = H100_SMS
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-    cfg, m_blocks, splits, ctas_per_sm = plan(kp, sms)
+    cfg, m_blocks, splits, ctas_per_sm, page_box = plan(kp, sms)
     fused = splits > 1 and configs.DECODE_FUSED_COMBINE
     dkey = DecodeKey(
         dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, local=p.is_local,
         softcap=p.softcap > 0, paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
-        ctas_per_sm=ctas_per_sm,
+        ctas_per_sm=ctas_per_sm, page_box=page_box,
     )  # fmt: skip
     scalars = kernel_scalars(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k

@@ -86,6 +86,31 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
 
 
 @needs_dsl
+@pytest.mark.parametrize("mode", ["--two-ctas", "--paged-boxes"])
+def test_decode_variant_builds_compile(mode, tmp_path) -> None:
+    """The two-CTA builds (setmaxnreg 40 / 216 from 128 registers at entry) and the paged builds
+    on the contiguous tiles (one TMA box per page: a 64-key box at D 128 is 2 x 2 five-D loads
+    of K and V per stage, a 16-key box at D 64 8 x 1) compile for sm_90a with 0 spills."""
+    path = tmp_path / "probe.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "benchmarks.fa3_decode_probe", mode, "--json", str(path)]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"decode probe failed:\n{proc.stdout}\n{proc.stderr}"
+    results = json.loads(path.read_text())
+    assert results, "no build probed"
+    for r in results:
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (r["name"], r["ptxas_lines"])
+        if mode == "--two-ctas":
+            assert r["setmaxnreg"] == [["dec", "40"], ["inc", "216"]], r["setmaxnreg"]
+            assert r["registers"] == 128, r["ptxas_lines"]
+        else:
+            boxes = {"D128-paged64": 8, "D64-paged16": 16}
+            want = next(n for prefix, n in boxes.items() if r["name"].startswith(prefix))
+            assert "-box" in r["name"] and r["tma_5d"] == want, (r["name"], r["tma_5d"])
+
+
+@needs_dsl
 @pytest.mark.parametrize("page", [0, 16])
 def test_kv_view_addresses_each_rows_own_tokens(page) -> None:
     """The 5-D ragged view's arithmetic (decode.kv_view_layout) against torch's own element
@@ -171,10 +196,30 @@ def test_split_heuristic() -> None:
     mid = num_splits_heuristic(8 * 8, 256, sms)  # B = 8, 32k
     assert 1 < mid < one
     params = _params(b=1, nq=1, hq=32, hkv=8, cap=131072, page=0, splits=0)
-    cfg, m_blocks, splits, ctas = plan(params, sms)
+    cfg, m_blocks, splits, ctas, _ = plan(params, sms)
     assert (cfg.tile_n, m_blocks, splits, ctas) == (128, 1, one, 1)
     assert plan(_params(1, 1, 32, 8, 131072, 0, 3), sms)[2] == 3  # explicit count kept
     assert plan(_params(1, 40, 32, 8, 4096, 0, 1), sms)[1] == 3  # 40 tokens x 4 heads / 64
+
+
+def test_paged_boxes_plan(monkeypatch) -> None:
+    """With DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles and loads a
+    stage as one box per page: the largest multiple of 16 that divides both the page and the
+    tile (0: one box a stage); without it the tiles shrink to the page."""
+    from flashsuite.fa3 import configs
+    from flashsuite.fa3.decode_host import H100_SMS as sms
+    from flashsuite.fa3.decode_host import plan
+
+    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    assert plan(_params(1, 1, 32, 8, 4096, 64, 0), sms).cfg.tile_n == 64  # off by default
+    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", True)
+    for page, box in ((16, 16), (32, 32), (48, 16), (64, 64), (96, 32), (128, 0), (256, 0)):
+        got = plan(_params(1, 1, 32, 8, 768 if page == 96 else 4096, page, 0), sms)
+        assert (got.cfg.tile_n, got.page_box) == (128, box), (page, got)
+    assert plan(_params(1, 1, 32, 8, 4096, 0, 0), sms).page_box == 0  # contiguous: one box
+    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 0)  # 64-key tiles
+    got = plan(_params(32, 1, 32, 8, 4096, 16, 1), sms)
+    assert (got.ctas_per_sm, got.cfg.tile_n, got.page_box) == (2, 64, 16)
 
 
 def test_two_ctas_per_sm_plan(monkeypatch) -> None:
@@ -195,10 +240,10 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
     assert plan(big, sms)[3] == 1  # switched off
     monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 256)
-    cfg, _, splits, ctas = plan(big, sms)
+    cfg, _, splits, ctas, _ = plan(big, sms)
     assert (cfg.tile_n, cfg.stages, splits, ctas) == (64, 3, 1, 2)
     assert plan(_params(16, 1, 32, 8, 4096, 0, 0), sms)[3] == 1  # 128 tiles: under the bound
-    assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:] == (2, 1)  # split: one CTA per SM
+    assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:4] == (2, 1)  # split: one CTA per SM
     assert plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)[3] == 1  # the heuristic splits
     assert plan(_params(32, 1, 32, 8, 4096, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
 
@@ -426,14 +471,15 @@ def _case_id(c) -> str:
 
 
 @gpu_fa3
-@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas"])
+@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas", "paged-boxes"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
     only) the call runs twice: the second must give the same bits, so the kernel left its
     per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
     build two CTAs of which share an SM (configs.DECODE_TWO_CTAS_MIN_TILES), where its head
-    dim has one."""
+    dim has one. "paged-boxes": the paged cases on the contiguous key tiles, one TMA box per
+    page (configs.DECODE_PAGED_BOXES)."""
     from flashsuite.fa3 import configs
     from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
@@ -448,6 +494,9 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
         splits = 1
     else:
         monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    if build == "paged-boxes" and (not page or page % 128 == 0):
+        pytest.skip("a contiguous cache, or pages as large as the key tile: one box")
+    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build == "paged-boxes")
     monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
