@@ -623,16 +623,18 @@ def check_kvcache_metadata(
         )
     if block_table is None or not lens:
         return
-    table = block_table.cpu()  # (B, max_pages)
     used = [-(-(n + new) // kp.page_size) for n in lens]  # pages each row's keys occupy
-    if min(used) == max(used):  # every row uses its first `used` entries
-        lo, hi = torch.aminmax(table[:, : used[0]]) if used[0] else (0, 0)
-    else:
-        in_use = torch.arange(table.shape[1]) < torch.tensor(used)[:, None]
-        lo, hi = torch.aminmax(torch.where(in_use, table, 0))
+    width = max(used)
+    if width == 0:
+        return
+    table = block_table[:, :width].cpu()  # (B, width): every entry a row can use
+    # None when every row uses all `width` entries; else which ones each row uses.
+    in_use = None if min(used) == width else torch.arange(width) < torch.tensor(used)[:, None]
+    lo, hi = torch.aminmax(table if in_use is None else torch.where(in_use, table, 0))
     if int(lo) < 0 or int(hi) >= kp.num_pages:
-        in_use = torch.arange(table.shape[1]) < torch.tensor(used)[:, None]
-        bad = in_use & ((table < 0) | (table >= kp.num_pages))
+        bad = (table < 0) | (table >= kp.num_pages)
+        if in_use is not None:
+            bad &= in_use
         b, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(
             f"block_table: expected entries in [0, {kp.num_pages}) (k_cache.shape[0]), got "

@@ -380,7 +380,7 @@ def attention_with_kvcache(
             if not 0 <= cache_seqlens <= capacity - new:
                 plan = None  # the op path's validation says what is wrong
         if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table):
-            name, kp, forward = plan
+            _, kp, forward = plan
             # An int length is checked above, on the host: only a block table is left to
             # check, so a contiguous decode step copies nothing to the host.
             check = metadata_checks_enabled() and (
