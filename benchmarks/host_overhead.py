@@ -5,6 +5,7 @@
     python -m benchmarks.host_overhead --gpu      # GPU: wall time minus the kernel's time
     python -m benchmarks.host_overhead --sdpa     # CPU: dispatch.sdpa vs F.sdpa, whole calls
     python -m benchmarks.host_overhead --kvcache [--gpu]  # decode steps, attention_with_kvcache
+    python -m benchmarks.host_overhead --varlen [--gpu]   # packed sequences, attention_varlen
 
 CPU mode plans for sm90 (`override_arch(90)`) on tiny CPU tensors and replaces each version's
 kernel launch (fa3's compiled binary, the Triton kernels of fa2 and fa1) by a no-op, so what
@@ -61,10 +62,11 @@ class _NoKernel:
 def stubbed_kernels() -> Iterator[None]:
     """Replace the kernel launches of fa1, fa2 and fa3 and the portable version's compute by
     no-ops (CPU timing of the host path); fa3's SM count becomes a constant (no device here)."""
-    from flashsuite.common import bwd_postprocess, split_combine, triton_launch
+    from flashsuite.common import bwd_postprocess, bwd_preprocess, split_combine, triton_launch
     from flashsuite.fa1 import kernels as fa1_kernels
     from flashsuite.fa2 import decode as fa2_decode
     from flashsuite.fa2 import kernels as fa2_kernels
+    from flashsuite.fa2 import varlen as fa2_varlen
     from flashsuite.fa3 import bwd_host, decode_host
     from flashsuite.fa3 import compile as fa3_compile  # imports the CuTe DSL only to compile
 
@@ -81,6 +83,16 @@ def stubbed_kernels() -> Iterator[None]:
         (bwd_host, "get_backward", lambda key: lambda *args: None),
         (bwd_host, "preprocess", _stats_only),
         (bwd_postprocess, "_dq_postprocess", _NoKernel(bwd_postprocess._dq_postprocess)),
+        (bwd_preprocess, "varlen_bwd_preprocess", _varlen_stats_only),
+        *(
+            (fa2_varlen, name, _NoKernel(getattr(fa2_varlen, name)))
+            for name in (
+                "_varlen_fwd",
+                "_varlen_bwd_preprocess",
+                "_varlen_bwd_dkdv",
+                "_varlen_bwd_dq",
+            )
+        ),
         (triton_launch, "_stream", lambda device: 0),
         (torch.cuda, "get_device_properties", lambda device=None: sm),
     ]
@@ -118,6 +130,15 @@ def _stats_only(dout, out, lse, tile_m, dq_d=0):
     rows = -(-nq // tile_m) * tile_m
     acc = torch.empty(b, hq, rows, dq_d) if dq_d else None
     return torch.empty(b, hq, rows), torch.empty(b, hq, rows), acc
+
+
+def _varlen_stats_only(out, dout, lse, cu_seqlens_q, tile_m, dq_acc=None):
+    """The fa3 varlen backward preprocess's outputs, uninitialised: delta and LSE (Hq,
+    rows_pad) fp32 (common.bwd_preprocess.varlen_bwd_preprocess)."""
+    from flashsuite.common.bwd_preprocess import varlen_pad_rows
+
+    rows = varlen_pad_rows(out.shape[0], cu_seqlens_q.shape[0] - 1, tile_m)
+    return torch.empty(out.shape[1], rows), torch.empty(out.shape[1], rows)
 
 
 def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -214,12 +235,14 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
     ]  # fmt: skip
 
 
-def kvcache_table(versions: tuple[str, ...], calls: int, gpu: bool) -> list[tuple]:
-    """(call, µs per call) of `_kvcache_calls` for each version, the metadata value checks on
-    (the default) and off: on a CPU with the kernels stubbed (planning for sm90), or on the
-    GPU pipelined (back to back, then one synchronize)."""
+def entry_table(entry: str, versions: tuple[str, ...], calls: int, gpu: bool) -> list[tuple]:
+    """(call, checks on, µs per call) of `_kvcache_calls` (entry "kvcache") or `_varlen_calls`
+    ("varlen") for each version, the metadata value checks on (the default) and off: on a CPU
+    with the kernels stubbed (planning for sm90), or on the GPU pipelined (back to back, then
+    one synchronize)."""
     import os
 
+    make_calls = {"kvcache": _kvcache_calls, "varlen": _varlen_calls}[entry]
     rows = []
     ctx = contextlib.nullcontext() if gpu else stubbed_kernels()
     sync = torch.cuda.synchronize if gpu else (lambda: None)
@@ -227,7 +250,7 @@ def kvcache_table(versions: tuple[str, ...], calls: int, gpu: bool) -> list[tupl
         for check in ("1", "0"):
             os.environ["FLASHSUITE_CHECK_METADATA"] = check
             for name in versions:
-                for label, fn in _kvcache_calls("cuda" if gpu else "cpu", name):
+                for label, fn in make_calls("cuda" if gpu else "cpu", name):
                     try:
                         fn()
                     except Exception as exc:
@@ -236,6 +259,31 @@ def kvcache_table(versions: tuple[str, ...], calls: int, gpu: bool) -> list[tupl
                     rows.append((f"{name} {label}", check == "1", per_call_us(fn, calls, sync)))
     os.environ.pop("FLASHSUITE_CHECK_METADATA", None)
     return rows
+
+
+def _varlen_calls(device: str, version: str) -> list[tuple[str, Callable[[], object]]]:
+    """Packed sequences through `dispatch.attention_varlen` (4 sequences of 32 tokens, GQA 4/2,
+    D 64, bf16, causal): the forward without a gradient, with one, and a training step
+    (forward, then backward of out.sum()); one cu_seqlens tensor for every call, as a model's
+    layers share theirs."""
+    from flashsuite import dispatch
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(128, h, 64, generator=gen).to(device=device, dtype=torch.bfloat16)
+        for h in (4, 2, 2)
+    )
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    cu = torch.tensor([0, 32, 64, 96, 128], dtype=torch.int32, device=device)
+
+    def call(q, k, v):
+        return dispatch.attention_varlen(q, k, v, cu, cu, 32, 32, causal=True, version=version)
+
+    return [
+        ("fwd", lambda: _no_grad(lambda: call(q, k, v))),
+        ("fwd, grad", lambda: call(qg, kg, vg)),
+        ("fwd+bwd", lambda: _step(call(qg, kg, vg))),
+    ]
 
 
 def gpu_table(versions: tuple[str, ...], calls: int, backward: bool) -> list[tuple]:
@@ -309,6 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--kvcache", action="store_true", help="decode steps through attention_with_kvcache"
     )
+    ap.add_argument(
+        "--varlen", action="store_true", help="packed sequences through attention_varlen"
+    )
     ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
@@ -320,11 +371,12 @@ def main(argv: list[str] | None = None) -> None:
             dt = str(dtype).removeprefix("torch.")
             print(f"{shape!s:<20}{dt:<10}{causal!s:<8}{ref:>10.1f}{ours:>10.1f}  {ours / ref:.2f}x")
         return
-    if args.kvcache:
+    if args.kvcache or args.varlen:
         where = "GPU, pipelined" if args.gpu else "CPU, kernels stubbed, planning for sm90"
-        print(f"attention_with_kvcache host path ({where}), us per call")
+        entry = "attention_with_kvcache" if args.kvcache else "attention_varlen"
+        print(f"{entry} host path ({where}), us per call")
         print(f"{'call':<28}{'checks on':>10}{'checks off':>11}")
-        rows = kvcache_table(versions, args.calls, args.gpu)
+        rows = entry_table("kvcache" if args.kvcache else "varlen", versions, args.calls, args.gpu)
         off = {name: us for name, on, us in rows if not on}
         for name, on, us in rows:
             if on:

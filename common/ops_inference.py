@@ -11,8 +11,9 @@
 
 Fake implementations give torch.compile(fullgraph=True) the output shapes; the varlen forward's
 autograd formula calls the varlen backward on the saved (q, k, v, out, lse) and cu_seqlens.
-The metadata value checks (a device-to-host copy) run inside the ops, where the graph does not
-see them. (No `from __future__ import annotations`: custom_op reads the annotations.)
+The metadata value checks (a device-to-host copy; for cu_seqlens once per tensor pair and
+version, `check_varlen_metadata_once`) run inside the ops, where the graph does not see them.
+(No `from __future__ import annotations`: custom_op reads the annotations.)
 """
 
 from types import ModuleType
@@ -25,7 +26,7 @@ from flashsuite.common.validation import (
     check_kvcache_inputs,
     check_kvcache_metadata,
     check_varlen_inputs,
-    check_varlen_metadata,
+    check_varlen_metadata_once,
     metadata_checks_enabled,
 )
 
@@ -91,7 +92,7 @@ def _define_varlen_forward(name: str, mod: ModuleType):
             causal, scale, window_left, window_right, softcap,
         )  # fmt: skip
         if metadata_checks_enabled():
-            check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp)
+            check_varlen_metadata_once(cu_seqlens_q, cu_seqlens_k, vp)
         out, lse = mod.varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp)
         return out.contiguous(), lse.contiguous()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -643,7 +644,48 @@ def check_kvcache_metadata(
 
 
 def metadata_checks_enabled() -> bool:
-    """Value checks of cu_seqlens / cache_seqlens / block_table copy them to the host once per
-    call. FLASHSUITE_CHECK_METADATA=0 turns that off (CUDA graphs, timing, hot decode loops);
-    the kernels then trust the metadata, as flash-attn's do."""
-    return os.environ.get("FLASHSUITE_CHECK_METADATA", "1") not in ("0", "")
+    """Value checks of cu_seqlens / cache_seqlens / block_table copy them to the host.
+    FLASHSUITE_CHECK_METADATA=0 turns them off (timing, hot decode loops); the kernels then
+    trust the metadata, as flash-attn's do. They are skipped while the current stream captures
+    a CUDA graph: a copy to the host cannot be captured, and a replay's values are not known
+    at capture time."""
+    if os.environ.get("FLASHSUITE_CHECK_METADATA", "1") in ("0", ""):
+        return False
+    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+
+
+# cu_seqlens pairs that passed check_varlen_metadata: (id, id) -> (weak references to the two
+# tensors, what the check saw of them and of the problem). A model's layers pass one pair to
+# every layer of a step; the first layer's call checks it and the others find it here.
+_varlen_checked: dict[tuple, tuple] = {}
+
+
+def check_varlen_metadata_once(
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, vp: VarlenParams
+) -> None:
+    """`check_varlen_metadata`, skipped for a pair of tensors that passed it before for the same
+    totals and max_seqlen and that PyTorch has not seen written since (the same tensor objects
+    at the same addresses, their version counters unchanged: every in-place op, copy_ and out=
+    write advances them). A write PyTorch does not see (a kernel of one's own on the raw memory)
+    is not noticed: call `check_varlen_metadata` after one. Tensors without a version counter
+    (made under torch.inference_mode) are checked on every call."""
+    try:
+        state = (
+            cu_seqlens_q._version, cu_seqlens_k._version,
+            cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+            vp.total_q, vp.total_k, vp.attn.seqlen_q, vp.attn.seqlen_k,
+        )  # fmt: skip
+    except RuntimeError:  # an inference tensor: no version counter
+        check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp)
+        return
+    key = (id(cu_seqlens_q), id(cu_seqlens_k))
+    seen = _varlen_checked.get(key)
+    if (
+        seen is not None
+        and seen[0]() is cu_seqlens_q
+        and seen[1]() is cu_seqlens_k
+        and seen[2] == state
+    ):
+        return
+    check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp)
+    remember(_varlen_checked, key, (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), state))

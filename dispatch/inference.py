@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +31,7 @@ from flashsuite.common.validation import (
     check_kvcache_inputs,
     check_kvcache_metadata,
     check_varlen_inputs,
+    check_varlen_metadata_once,
     metadata_checks_enabled,
     remember,
     signature,
@@ -234,6 +236,22 @@ def attention_varlen(
     an upper bound of the lengths (it may be loose). Returns out (total_q, Hq, Dv) and, with
     `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v.
     """
+    if not api._compiling():
+        plan = _varlen_lookup(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+            softmax_scale, window_size, softcap, version,
+        )  # fmt: skip
+        direct = plan is not None and plan.forward is not None
+        if direct and _direct(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            vp = plan.params
+            if metadata_checks_enabled():
+                check_varlen_metadata_once(cu_seqlens_q, cu_seqlens_k, vp)
+            if plan.needs_grad:
+                out, lse = _EagerVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, plan)
+            else:
+                out, lse = plan.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp)
+                out, lse = out.contiguous(), lse.contiguous()
+            return (out, lse) if return_lse else out
     vp = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
@@ -243,6 +261,99 @@ def attention_varlen(
     fwd = getattr(torch.ops.flashsuite, f"{name}_varlen_fwd")
     out, lse = fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """What `attention_varlen` decided for one static signature (`_varlen_lookup`): the
+    version, the validated problem, whether the inputs need a gradient, the version's varlen
+    forward (None where the op must run it: meta tensors) and the varlen backward that
+    differentiates it on this problem (`_varlen_backward_source`'s; None without a gradient,
+    or where no version has one)."""
+
+    version: str
+    params: VarlenParams
+    needs_grad: bool
+    forward: object
+    backward: object
+
+
+# The eager fast path of attention_varlen: key of one call (`_varlen_lookup`) -> VarlenPlan. One
+# validation and one selection per static signature: shapes, dtypes, devices and strides of q,
+# k, v, the shapes of cu_seqlens, max_seqlen, the options, the version, the gradient and the
+# selection state (deterministic algorithms included: they choose the backward). The values of
+# cu_seqlens are checked per call (`check_varlen_metadata_once`).
+_varlen_plans: dict[tuple, VarlenPlan] = {}
+
+
+def _varlen_lookup(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+    window_size, softcap, version,
+) -> VarlenPlan | None:  # fmt: skip
+    """The memoised plan of one call, validated and selected on a miss (which raises what is
+    wrong); None when an argument is not of a memoisable type (the caller then takes the op
+    path, which raises the error)."""
+    sig = signature(q, k, v, causal, softmax_scale, window_size, softcap)
+    if (
+        sig is None
+        or type(max_seqlen_q) is not int
+        or type(max_seqlen_k) is not int
+        or type(version) is not str
+    ):
+        return None
+    try:
+        cu = (
+            cu_seqlens_q.shape, cu_seqlens_q.dtype, cu_seqlens_q.device,
+            cu_seqlens_k.shape, cu_seqlens_k.dtype, cu_seqlens_k.device,
+        )  # fmt: skip
+    except AttributeError:
+        return None
+    needs_grad = _needs_grad(q, k, v)
+    key = (
+        sig, cu, max_seqlen_q, max_seqlen_k, version, needs_grad, arch_mod.override_state(),
+        api._deterministic(), tuple(map(api._ENV_DATA.get, api._ENV_KEYS)),
+    )  # fmt: skip
+    plan = _varlen_plans.get(key)
+    if plan is None:
+        vp = check_varlen_inputs(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+        )  # fmt: skip
+        name = _resolve("varlen", version, vp.attn.to_key(), _extra(vp), needs_grad)
+        real = vp.attn.device.type in ("cpu", "cuda")
+        backward = None
+        if needs_grad:
+            source = _varlen_backward_source(name, vp, arch_mod.device_arch(vp.attn.device))
+            backward = registry.module(source).varlen_backward if source is not None else None
+        forward = registry.module(name).varlen_forward if real else None
+        plan = VarlenPlan(name, vp, needs_grad, forward, backward)
+        remember(_varlen_plans, key, plan)
+    return plan
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """The varlen op pair's autograd formula without the ops (attention_varlen's eager path):
+    the same saved tensors (q, k, v, out, lse, cu_seqlens) and the plan's backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, plan: VarlenPlan):
+        out, lse = plan.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.params)
+        out, lse = out.contiguous(), lse.contiguous()
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+        ctx.plan = plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        plan = ctx.plan
+        if plan.backward is None:
+            raise RuntimeError(
+                f"{plan.version}: no varlen backward can take {plan.params.describe()}"
+            )
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = plan.backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.params)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None
 
 
 def _varlen_op_args(vp: VarlenParams) -> tuple:

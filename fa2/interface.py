@@ -421,12 +421,13 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
     common = _common(p)
     for key in ("seqlen_q", "seqlen_k", "shift"):
         del common[key]
-    varlen._varlen_fwd[(math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch)](
+    launch(varlen._varlen_fwd, (math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch), (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], lse.stride(0),
+    ), dict(
         **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    ))  # fmt: skip
     return out, lse
 
 
@@ -454,24 +455,26 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, con
     delta = torch.zeros(p.heads_q, rows, dtype=torch.float32, device=q.device)  # (Hq, rows)
     lse2 = torch.full((p.heads_q, rows), float("inf"), dtype=torch.float32, device=q.device)
     bm = configs.PREPROCESS_BLOCK_M
-    varlen._varlen_bwd_preprocess[(math.ceil(p.seqlen_q / bm), p.heads_q, p.batch)](
+    launch(varlen._varlen_bwd_preprocess, (math.ceil(p.seqlen_q / bm), p.heads_q, p.batch), (
         out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
-        lse.stride(0), delta.stride(0), row_pad, HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad,
-        BLOCK_M=bm,
-    )  # fmt: skip
+        lse.stride(0), delta.stride(0), row_pad,
+    ), dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm))  # fmt: skip
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2])
     for _, want_dk, want_dv in configs.dkdv_launches(cfg):
-        varlen._varlen_bwd_dkdv[(math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch)](
+        grid = (math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch)
+        launch(varlen._varlen_bwd_dkdv, grid, (
             q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
             *strides, *dk.stride()[:2], *dv.stride()[:2], delta.stride(0), row_pad,
+        ), dict(
             **common, scale=p.scale, TAIL_STAGES=None if cfg.tail_pipelined else 1,
             BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-    varlen._varlen_bwd_dq[(math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch)](
+        ))  # fmt: skip
+    launch(varlen._varlen_bwd_dq, (math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch), (
         q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
-        *strides, *dq.stride()[:2], delta.stride(0), row_pad, **common, scale=p.scale,
-        BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+        *strides, *dq.stride()[:2], delta.stride(0), row_pad,
+    ), dict(
+        **common, scale=p.scale, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
         num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
-    )  # fmt: skip
+    ))  # fmt: skip
     return dq, dk, dv

@@ -24,8 +24,10 @@ from flashsuite.fa3.bwd_configs import (
     bwd_config_for,
 )
 
-# (p, arch, deterministic algorithms on) -> supports_backward's answer; (p, deterministic)
-# -> the backward's compile key of the table's config. Both are asked on every backward call.
+# (p or vp, arch, deterministic algorithms on) -> supports_backward's or
+# supports_varlen_backward's answer; (p, deterministic) or vp -> the backward's compile key of
+# the table's config (a varlen one is never deterministic). Both are asked on every backward
+# call.
 _bwd_support: dict[tuple, tuple[bool, str]] = {}
 _bwd_keys: dict[tuple, object] = {}
 
@@ -33,10 +35,16 @@ _bwd_keys: dict[tuple, object] = {}
 def supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     """Whether fa3's own backward kernel takes problem `p` on `arch` (else fa2's runs);
     memoised per problem, architecture and deterministic-algorithms setting."""
-    mkey = (p, arch, torch.are_deterministic_algorithms_enabled())
+    return _memoised_support(_supports_backward, p, arch)
+
+
+def _memoised_support(check, params, arch: int | None) -> tuple[bool, str]:
+    """`check(params, arch)`, memoised in _bwd_support per problem, architecture and
+    deterministic-algorithms setting."""
+    mkey = (params, arch, torch.are_deterministic_algorithms_enabled())
     answer = _bwd_support.get(mkey)
     if answer is None:
-        answer = _supports_backward(p, arch)
+        answer = check(params, arch)
         remember(_bwd_support, mkey, answer)
     return answer
 
@@ -206,7 +214,12 @@ def backward(
 def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
     """Whether fa3's own backward (bwd_varlen.py) takes packed sequences `vp` on `arch`: the
     varlen forward's limits, the dense backward's head dims and configs, not deterministic
-    (fa2's varlen backward, the partner, is), kv heads within grid dim y."""
+    (fa2's varlen backward, the partner, is), kv heads within grid dim y. Memoised per
+    problem, architecture and deterministic-algorithms setting."""
+    return _memoised_support(_supports_varlen_backward, vp, arch)
+
+
+def _supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
     from flashsuite.fa3.interface import _MAX_GRID_YZ, supports_varlen
 
     ok, reason = supports_varlen(vp, arch)
@@ -265,16 +278,21 @@ def varlen_backward(
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         return tuple(g.zero_() for g in grads)
     from flashsuite.fa3.bwd_host import run_varlen_backward
-    from flashsuite.fa3.interface import _tma_ready
+    from flashsuite.fa3.interface import _tma_ready_packed
 
     if cfg is None:
-        cfg = bwd_config_for(
-            p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
-        )
-    key = _bwd_key(p, cfg, varlen=True)
+        key = _bwd_keys.get(vp)
+        if key is None:
+            cfg = bwd_config_for(
+                p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
+            )
+            key = _bwd_key(p, cfg, varlen=True)
+            remember(_bwd_keys, vp, key)
+    else:
+        key = _bwd_key(p, cfg, varlen=True)
     if dout.stride(-1) != 1 or 0 in dout.stride():
         dout = dout.contiguous()  # any view of the incoming gradient (e.g. expanded: strides 0)
-    q, k, v, dout = (_tma_ready(t[None])[0] for t in (q, k, v, dout))
+    q, k, v, dout = (_tma_ready_packed(t) for t in (q, k, v, dout))
     out = out if out.stride(-1) == 1 else out.contiguous()
     lse, cu_seqlens_q, cu_seqlens_k = (t.contiguous() for t in (lse, cu_seqlens_q, cu_seqlens_k))
     window = (p.window_left, p.window_right) if p.is_local else (-1, -1)

@@ -157,6 +157,15 @@ def _strides_aligned(t: torch.Tensor) -> bool:
     return (s0 | s1 | s2) % (16 // t.element_size()) == 0
 
 
+def _tma_ready_packed(t: torch.Tensor) -> torch.Tensor:
+    """`_tma_ready` for a packed (total, H, D) tensor: the tensor itself where its base and
+    outer strides are already aligned (no view made), else `_tma_ready` of its 4-D view."""
+    s0, s1, _ = t.stride()
+    if t.data_ptr() % 16 == 0 and (s0 | s1) % (16 // t.element_size()) == 0:
+        return t
+    return _tma_ready(t[None])[0]
+
+
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """A view of `t` whose base and outer strides are 16-byte aligned, as TMA requires.
 
@@ -423,7 +432,7 @@ def varlen_forward(
         out.zero_()
         lse.fill_(float("-inf"))
         return out, lse
-    q, k, v = (_tma_ready(t[None])[0] for t in (q, k, v))
+    q, k, v = _tma_ready_packed(q), _tma_ready_packed(k), _tma_ready_packed(v)
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     fn, scalars, _ = _launch_plan(p, cfg, q.device, vp)
     fn(q, k, v, out, lse, None, None, None, cu_seqlens_q, cu_seqlens_k, *scalars)

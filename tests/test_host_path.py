@@ -560,7 +560,8 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     """`common.triton_launch.launch` memoises a kernel only when the call names every parameter
     after the positional ones (one left to its default goes through Triton's own launcher on
     every call, 20-40 µs). fa2's training step, its split decode with the append and the
-    combine, and the shared dQ postprocess each name them all."""
+    combine, its varlen forward and backward, and the shared dQ postprocess each name them
+    all."""
     from flashsuite.common import (
         append_kernel,
         bwd_postprocess,
@@ -591,6 +592,12 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     dispatch.attention_with_kvcache(
         qd, kc, vc, kn, kn, cache_seqlens=lens - 1, num_splits=3, version="fa2"
     )  # fmt: skip
+    qv, kv, vv = (
+        torch.randn(40, h, 64, generator=gen).to(device, BF16).requires_grad_() for h in (4, 2, 2)
+    )
+    cu = torch.tensor([0, 7, 40], dtype=torch.int32, device=device)
+    out = dispatch.attention_varlen(qv, kv, vv, cu, cu, 33, 33, causal=True, version="fa2")
+    torch.autograd.grad(out, (qv, kv, vv), torch.ones_like(out))
     acc = torch.randn(1, 2, 64, 64, generator=gen).to(device)
     cols = torch.arange(64, dtype=torch.int32, device=device)
     dq = torch.empty(1, 48, 2, 64, dtype=BF16, device=device)
@@ -599,6 +606,7 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     names = {fn.__name__ for fn, _, _ in calls}
     assert {"_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_decode_split"} <= names
     assert {"_combine", "_dq_postprocess", "_append_kv"} <= names
+    assert {"_varlen_fwd", "_varlen_bwd_preprocess", "_varlen_bwd_dkdv", "_varlen_bwd_dq"} <= names
     for fn, n_args, given in calls:
         missing = [p for p in fn.arg_names[n_args:] if p not in given]
         assert not missing, f"{fn.__name__} launched with {missing} left to their defaults"

@@ -557,17 +557,17 @@ def test_kvcache_eager_path_is_the_op_path(version, paged) -> None:
 
     if version == "fa2":
         pytest.importorskip("triton")
-    gen = torch.Generator().manual_seed(4)
+    gen = torch.Generator(device=DEV).manual_seed(4)
     b, page = 2, 16
-    q = torch.randn(b, 2, 4, 32, generator=gen).to(BF16)
-    kn, vn = (torch.randn(b, 2, 2, 32, generator=gen).to(BF16) for _ in range(2))
-    lens = torch.tensor([5, 20], dtype=I32)
+    q = _rand(gen, b, 2, 4, 32, dtype=BF16)
+    kn, vn = (_rand(gen, b, 2, 2, 32, dtype=BF16) for _ in range(2))
+    lens = torch.tensor([5, 20], dtype=I32, device=DEV)
     if paged:
-        kc = torch.randn(8, page, 2, 32, generator=gen).to(BF16)
-        table = torch.tensor([[3, 0], [5, 7]], dtype=I32)
+        kc = _rand(gen, 8, page, 2, 32, dtype=BF16)
+        table = torch.tensor([[3, 0], [5, 7]], dtype=I32, device=DEV)
     else:
-        kc, table = torch.randn(b, 32, 2, 32, generator=gen).to(BF16), None
-    vc = torch.randn(kc.shape, generator=gen).to(BF16)
+        kc, table = _rand(gen, b, 32, 2, 32, dtype=BF16), None
+    vc = _rand(gen, *kc.shape, dtype=BF16)
     results = []
     for mode in (None, _NoOpMode()):
         k_cache, v_cache = kc.clone(), vc.clone()
@@ -587,9 +587,107 @@ def test_kvcache_eager_path_is_the_op_path(version, paged) -> None:
         torch.testing.assert_close(a, b_, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] \+ Nnew <= 32"):
         dispatch.attention_with_kvcache(
-            q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=torch.tensor([5, 31], dtype=I32),
-            block_table=table, causal=True, version=version,
+            q, kc.clone(), vc.clone(), kn, vn,
+            cache_seqlens=torch.tensor([5, 31], dtype=I32, device=DEV), block_table=table,
+            causal=True, version=version,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["torch", "fa2"])
+def test_varlen_eager_path_is_the_op_path(version) -> None:
+    """attention_varlen's eager path (one validation and selection per static signature, the
+    version's varlen forward and backward called from an autograd.Function without the ops)
+    gives the op path's out, lse and gradients bit for bit; a repeat call is served from the
+    memo."""
+    from flashsuite.dispatch import inference
+
+    if version == "fa2":
+        pytest.importorskip("triton")
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    lens = [9, 0, 23]
+    cu = _cu(lens)
+    q = _rand(gen, sum(lens), 4, 32, dtype=BF16)
+    k, v = (_rand(gen, sum(lens), 2, 32, dtype=BF16) for _ in range(2))
+    do = _rand(gen, sum(lens), 4, 32, dtype=BF16)
+    results = []
+    for mode in (None, _NoOpMode()):
+        inference._varlen_plans.clear()
+        with mode or contextlib.nullcontext():
+            got = []
+            for _ in range(2):
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                out, lse = dispatch.attention_varlen(
+                    *leaves, cu, cu, 23, 23, causal=True, return_lse=True, version=version
+                )
+                got += [out, lse, *torch.autograd.grad(out, leaves, do)]
+            with torch.no_grad():
+                got.append(dispatch.attention_varlen(q, k, v, cu, cu, 23, 23, version=version))
+        results.append(got)
+        assert len(inference._varlen_plans) == 2  # one per signature: with, without a gradient
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_varlen_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
+    """A cu_seqlens pair that passed the value check is not copied to the host again while the
+    same tensors are passed unchanged (a model's layers share theirs); an in-place write, other
+    tensors or another max_seqlen check again, and bad values still raise."""
+    from flashsuite.common import validation
+
+    checks = []
+    real = validation.check_varlen_metadata
+    monkeypatch.setattr(
+        validation, "check_varlen_metadata", lambda *a: (checks.append(1), real(*a))
+    )
+    validation._varlen_checked.clear()
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, k, v = (_rand(gen, 30, 2, 32, dtype=F32) for _ in range(3))
+    cu = _cu([10, 20])
+
+    def call(cu_q, cu_k, max_len=20):
+        return dispatch.attention_varlen(q, k, v, cu_q, cu_k, max_len, max_len, version="torch")
+
+    for _ in range(3):
+        call(cu, cu)
+    assert len(checks) == 1
+    call(cu, cu, max_len=25)
+    call(cu.clone(), cu)
+    assert len(checks) == 3
+    cu[1] = 25  # a length of 25 > max_seqlen 20: seen through the version counter
+    with pytest.raises(ValueError, match="max_seqlen_q: expected >= the longest sequence"):
+        call(cu, cu)
+    cu[1] = 10
+    call(cu, cu)
+    assert len(checks) == 5
+    monkeypatch.setenv("FLASHSUITE_CHECK_METADATA", "0")
+    cu[1] = 25
+    call(cu, cu)  # checks off: trusted, as flash-attn trusts it
+    assert len(checks) == 5
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_captures_in_a_cuda_graph_with_checks_on(monkeypatch) -> None:
+    """With the metadata value checks on (the default), a varlen forward is captured in a CUDA
+    graph (no host copy is captured: the checks skip while the stream captures) and the replay
+    matches the eager call."""
+    monkeypatch.setenv("FLASHSUITE_CHECK_METADATA", "1")
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    lens = [100, 3, 250]
+    cu = _cu(lens)
+    q, k, v = (_rand(gen, sum(lens), 4, 128, dtype=BF16) for _ in range(3))
+    with torch.no_grad():
+        want = dispatch.attention_varlen(q, k, v, cu, cu, 250, 250, causal=True)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dispatch.attention_varlen(q, k, v, cu, cu, 250, 250, causal=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = dispatch.attention_varlen(q, k, v, cu, cu, 250, 250, causal=True)
+        graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
 def test_kvcache_int_lengths_keep_one_plan(monkeypatch) -> None:
