@@ -494,8 +494,13 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
         splits = 1
     else:
         monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
-    if build == "paged-boxes" and (not page or page % 128 == 0):
-        pytest.skip("a contiguous cache, or pages as large as the key tile: one box")
+    if build == "paged-boxes":
+        if not page or page % 128 == 0:
+            pytest.skip("a contiguous cache, or pages as large as the key tile: one box")
+        # Off (configs.DECODE_PAGED_BOXES False): on the H200 this build faults (compute-
+        # sanitizer: "Warp illegal address" in the producer warp, B 1 x 3000 keys on 64-token
+        # pages, 3 splits), which would poison the CUDA context of every test after it.
+        pytest.skip("the boxed paged build faults on the H200 (docs/inference.md); it is off")
     monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build == "paged-boxes")
     monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
     gen = torch.Generator(device=DEV).manual_seed(0)
