@@ -50,33 +50,42 @@ def case_name(case: tuple) -> str:
     return "-".join([f"D{d}", cache, out, *flags])
 
 
-def probe(case: tuple, ctas_per_sm: int = 1, paged_boxes: bool = False) -> dict:
+def probe(
+    case: tuple, ctas_per_sm: int = 1, paged_boxes: bool = False, evict_first: bool = False
+) -> dict:
     """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build; `paged_boxes`: a
     paged build on the contiguous tiles, one TMA box per page, decode_host.plan's choice under
-    configs.DECODE_PAGED_BOXES); its PTX and ptxas facts."""
+    configs.DECODE_PAGED_BOXES; `evict_first`: K and V loads with the L2 evict-first hint,
+    configs.DECODE_KV_EVICT_FIRST); its PTX and ptxas facts."""
     import torch
 
     from flashsuite.fa3 import configs
     from flashsuite.fa3.compile import DecodeKey, compile_decode
+    from flashsuite.fa3.decode import L2_EVICT_FIRST
     from flashsuite.fa3.decode_host import _tiles
 
     d, causal, local, softcap, page, split, fused = case
     configs.DECODE_PAGED_BOXES = paged_boxes
     cfg, box = _tiles(d, page, ctas_per_sm)
     key = DecodeKey(
-        torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm, box
-    )
+        torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm, box,
+        evict_first,
+    )  # fmt: skip
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_decode(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     return {
         "name": case_name(case)
         + ("-2cta" if ctas_per_sm == 2 else "")
-        + (f"-box{box}" if box else ""),
+        + (f"-box{box}" if box else "")
+        + ("-evict1st" if evict_first else ""),
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": ptx_counts(ptx),
         "tma_5d": len(re.findall(r"cp\.async\.bulk\.tensor\.5d", ptx)),
+        # The .L2::cache_hint operand is always there (0 without a policy); the evict-first
+        # builds load CUTLASS's EVICT_FIRST policy into it.
+        "evict_first_policies": ptx.count(f"{L2_EVICT_FIRST};"),
         "q_loads_v4": len(re.findall(r"ld\.global\.v4", ptx)),
         "merge_loads": len(re.findall(r"ld\.global\.cg\.v4\.f32", ptx)),
         "counter_atoms": len(re.findall(r"atom\.acq_rel\.gpu\.global\.add\.s32", ptx)),
@@ -97,17 +106,24 @@ def main(argv: list[str] | None = None) -> int:
         "--paged-boxes", action="store_true",
         help="paged builds on the contiguous tiles, one TMA box per page (DECODE_PAGED_BOXES)",
     )  # fmt: skip
+    ap.add_argument(
+        "--evict-first", action="store_true",
+        help="K and V loads with the L2 evict-first hint (DECODE_KV_EVICT_FIRST)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     cases = all_cases() if args.all else CI_CASES
     if args.two_ctas:
         cases = [c for c in cases if c[0] <= 128]
     if args.paged_boxes:
         cases = [c for c in cases if c[4]]
-    results = [probe(c, 2 if args.two_ctas else 1, args.paged_boxes) for c in cases]
+    results = [
+        probe(c, 2 if args.two_ctas else 1, args.paged_boxes, args.evict_first) for c in cases
+    ]
     for r in results:
         print(
             f"{r['name']:40s} regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']} "
-            f"remarks={r['remarks']} tma5d={r['tma_5d']} {r['compile_s']}s"
+            f"remarks={r['remarks']} tma5d={r['tma_5d']} evict1st={r['evict_first_policies']} "
+            f"{r['compile_s']}s"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -93,9 +93,10 @@ def _zero_rows(Acc, row, ZERO_D: tl.constexpr, ZERO_PAD: tl.constexpr, BLOCK_M: 
 
 def _check_acc(acc: torch.Tensor | None, rows: tuple[int, ...], what: str) -> dict:
     """The zeroing arguments of a preprocess launch for accumulator `acc` (rows..., D) float32
-    contiguous on the rows of delta (none without one); a clear error for any other."""
+    contiguous on the rows of delta (their defaults, named, without one: a launch that names
+    every parameter is memoised); a clear error for any other."""
     if acc is None:
-        return {}
+        return {"DqAcc": None, "ZERO_D": 0, "ZERO_PAD": 1}
     if acc.dtype != torch.float32 or acc.dim() != len(rows) + 1 or tuple(acc.shape[:-1]) != rows:
         raise ValueError(
             f"{what}: dq_acc expected float32 of shape {(*rows, 'D')}, got "
@@ -251,9 +252,10 @@ def varlen_bwd_preprocess(
     lse2 = torch.empty(hq, rows_pad, dtype=torch.float32, device=out.device)
     if hq * rows_pad == 0:
         return delta, lse2
-    _varlen_bwd_preprocess[(rows_pad // BLOCK_M, hq)](
+    launch(_varlen_bwd_preprocess, (rows_pad // BLOCK_M, hq), (
         out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
-        lse.stride(0), batch, rows_pad, HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv),
-        BLOCK_M=BLOCK_M, TILE_M=tile_m, **zero,
-    )  # fmt: skip
+        lse.stride(0), batch, rows_pad,
+    ), dict(
+        HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M, TILE_M=tile_m, **zero,
+    ))  # fmt: skip
     return delta, lse2

@@ -264,6 +264,7 @@ class DecodeKey:
     fused_combine: bool = False
     ctas_per_sm: int = 1  # 2: the build two CTAs of which share an SM (configs.decode_config)
     page_box: int = 0  # paged: keys per TMA box when a stage spans pages (0: one box a stage)
+    kv_evict_first: bool = False  # K and V loads carry an L2 evict-first hint
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -328,6 +329,7 @@ def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
     kernel = Fa3Decode(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
         key.paged, key.split, key.fused_combine, key.ctas_per_sm, key.page_box,
+        key.kv_evict_first,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     compiled = cute.compile(

@@ -567,8 +567,12 @@ DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 # (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
 # run 64-key tiles otherwise (5-6 % slower than contiguous at B <= 8 on the H200, commit
 # efc1579), 16-token pages 16-key tiles. Off: compiled for sm_90a with 0 spills (pages of 16,
-# 32 and 64 tokens), not yet run on a GPU.
+# 32 and 64 tokens); on the H200 it faults (docs/inference.md), so it stays off.
 DECODE_PAGED_BOXES = False
+# K and V loaded with an L2 evict-first hint (cp.async.bulk.tensor's .L2::cache_hint with
+# CUTLASS's EVICT_FIRST policy): a decode call reads each cache block once, so its lines need
+# not displace what stays in L2 (Q, the partials, the counters). Off until timed.
+DECODE_KV_EVICT_FIRST = False
 
 
 @functools.cache  # a frozen config per (head_dim, page_size, ctas_per_sm): every decode call asks

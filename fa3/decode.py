@@ -81,6 +81,10 @@ def kv_view(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(base, cute.make_layout(shape, stride=stride))
 
 
+# The L2 cache-policy operand of CUTLASS's TMA::CacheHintSm90::EVICT_FIRST.
+L2_EVICT_FIRST = 0x12F0000000000000
+
+
 class Fa3Decode(ForwardLayouts, ForwardMainloop):
     """Static configuration of one compiled decode kernel; `__call__` is the host launcher."""
 
@@ -97,6 +101,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         fused_combine: bool = False,
         ctas_per_sm: int = 1,
         page_box: int = 0,
+        kv_evict_first: bool = False,
     ) -> None:
         assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
         assert split or not fused_combine, "the fused combine merges splits"
@@ -115,6 +120,8 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.BOX_N = page_box or cfg.tile_n
         assert cfg.tile_n % self.BOX_N == 0 and (paged or cfg.tile_n == self.BOX_N)
         self.BOXES = cfg.tile_n // self.BOX_N
+        # K and V with CUTLASS's L2 EVICT_FIRST policy (each block is read once per call).
+        self.KV_EVICT_FIRST = kv_evict_first
         self.PINGPONG = False  # one consumer warpgroup
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
@@ -335,11 +342,14 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
                     cute.group_modes(gX, 0, 2),
                 )  # (TMA, STAGES), (TMA, 1)
             )  # fmt: skip
+        hint = {}
+        if const_expr(self.KV_EVICT_FIRST):
+            hint["cache_policy"] = cutlass.Int64(cutlass.Int64(L2_EVICT_FIRST).ir_value())
         pipe.producer_acquire(kv_state)
         for tXs, tXg in boxes:
             cute.copy(
                 tma, tXg[None, 0], tXs[None, kv_state.index],
-                tma_bar_ptr=pipe.producer_get_barrier(kv_state),
+                tma_bar_ptr=pipe.producer_get_barrier(kv_state), **hint,
             )  # fmt: skip
 
     @cute.jit

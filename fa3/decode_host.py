@@ -205,6 +205,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     key = (
         kp, device, configs.DECODE_FUSED_COMBINE, configs.DECODE_TWO_CTAS_MIN_TILES,
         configs.DECODE_TWO_CTAS_HEAD_DIMS, configs.DECODE_PAGED_BOXES,
+        configs.DECODE_KV_EVICT_FIRST,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:
@@ -221,6 +222,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
         dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, local=p.is_local,
         softcap=p.softcap > 0, paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
         ctas_per_sm=ctas_per_sm, page_box=page_box,
+        kv_evict_first=configs.DECODE_KV_EVICT_FIRST,
     )  # fmt: skip
     scalars = kernel_scalars(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k

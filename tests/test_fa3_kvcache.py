@@ -72,6 +72,7 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
     assert r["tma_5d"] >= 2, "K and V are not loaded through the 5-D ragged TMA views"
     assert ptx["tma_store"] == 0, "O leaves registers straight to global memory"
     assert r["q_loads_v4"] > 0, "Q is not gathered with 16-byte loads"
+    assert r["evict_first_policies"] == 0, "an L2 policy on K / V with DECODE_KV_EVICT_FIRST off"
     assert r["setmaxnreg"] == [["dec", "56"], ["inc", "256"]], r["setmaxnreg"]
     assert r["registers"] is not None, "no ptxas report captured"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
@@ -86,11 +87,12 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
 
 
 @needs_dsl
-@pytest.mark.parametrize("mode", ["--two-ctas", "--paged-boxes"])
+@pytest.mark.parametrize("mode", ["--two-ctas", "--paged-boxes", "--evict-first"])
 def test_decode_variant_builds_compile(mode, tmp_path) -> None:
-    """The two-CTA builds (setmaxnreg 40 / 216 from 128 registers at entry) and the paged builds
+    """The two-CTA builds (setmaxnreg 40 / 216 from 128 registers at entry), the paged builds
     on the contiguous tiles (one TMA box per page: a 64-key box at D 128 is 2 x 2 five-D loads
-    of K and V per stage, a 16-key box at D 64 8 x 1) compile for sm_90a with 0 spills."""
+    of K and V per stage, a 16-key box at D 64 8 x 1) and the builds whose K and V loads carry
+    the L2 evict-first policy compile for sm_90a with 0 spills."""
     path = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
     root = Path(__file__).resolve().parents[1]
@@ -104,6 +106,8 @@ def test_decode_variant_builds_compile(mode, tmp_path) -> None:
         if mode == "--two-ctas":
             assert r["setmaxnreg"] == [["dec", "40"], ["inc", "216"]], r["setmaxnreg"]
             assert r["registers"] == 128, r["ptxas_lines"]
+        elif mode == "--evict-first":
+            assert r["evict_first_policies"] > 0, r["name"]
         else:
             boxes = {"D128-paged64": 8, "D64-paged16": 16}
             want = next(n for prefix, n in boxes.items() if r["name"].startswith(prefix))

@@ -560,8 +560,8 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     """`common.triton_launch.launch` memoises a kernel only when the call names every parameter
     after the positional ones (one left to its default goes through Triton's own launcher on
     every call, 20-40 µs). fa2's training step, its split decode with the append and the
-    combine, its varlen forward and backward, and the shared dQ postprocess each name them
-    all."""
+    combine, its varlen forward and backward, fa3's varlen preprocess, and the shared dQ
+    postprocess each name them all."""
     from flashsuite.common import (
         append_kernel,
         bwd_postprocess,
@@ -598,6 +598,11 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     cu = torch.tensor([0, 7, 40], dtype=torch.int32, device=device)
     out = dispatch.attention_varlen(qv, kv, vv, cu, cu, 33, 33, causal=True, version="fa2")
     torch.autograd.grad(out, (qv, kv, vv), torch.ones_like(out))
+    rows = bwd_preprocess.varlen_pad_rows(40, 2, 64)
+    bwd_preprocess.varlen_bwd_preprocess(  # fa3's varlen backward preprocess, with the dQ zeroing
+        out.detach(), out.detach(), torch.zeros(4, 40, device=device), cu, 64,
+        torch.empty(4, rows, 64, device=device),
+    )  # fmt: skip
     acc = torch.randn(1, 2, 64, 64, generator=gen).to(device)
     cols = torch.arange(64, dtype=torch.int32, device=device)
     dq = torch.empty(1, 48, 2, 64, dtype=BF16, device=device)
@@ -607,6 +612,7 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     assert {"_attn_fwd", "_bwd_preprocess", "_bwd_dkdv", "_bwd_dq", "_decode_split"} <= names
     assert {"_combine", "_dq_postprocess", "_append_kv"} <= names
     assert {"_varlen_fwd", "_varlen_bwd_preprocess", "_varlen_bwd_dkdv", "_varlen_bwd_dq"} <= names
+    assert bwd_preprocess._varlen_bwd_preprocess in {fn for fn, _, _ in calls}
     for fn, n_args, given in calls:
         missing = [p for p in fn.arg_names[n_args:] if p not in given]
         assert not missing, f"{fn.__name__} launched with {missing} left to their defaults"
