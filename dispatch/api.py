@@ -259,6 +259,7 @@ _SELECTION_ENV = (
     "FLASHSUITE_ARCH",
     "TRITON_INTERPRET",
     *(f"FLASHSUITE_{name.upper()}_BWD" for name in registry.VERSIONS),
+    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),
 )
 # Read through arch_mod.env_table (a few ns per name, not os.environ.get's microsecond).
 _ENV_DATA = arch_mod.env_table

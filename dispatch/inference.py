@@ -267,15 +267,15 @@ def attention_varlen(
 class VarlenPlan:
     """What `attention_varlen` decided for one static signature (`_varlen_lookup`): the
     version, the validated problem, whether the inputs need a gradient, the version's varlen
-    forward (None where the op must run it: meta tensors) and the varlen backward that
+    forward (None where the op must run it: meta tensors) and the version whose varlen backward
     differentiates it on this problem (`_varlen_backward_source`'s; None without a gradient,
-    or where no version has one)."""
+    or where no version has one), its function looked up when the backward runs."""
 
     version: str
     params: VarlenParams
     needs_grad: bool
     forward: object
-    backward: object
+    backward: str | None
 
 
 # The eager fast path of attention_varlen: key of one call (`_varlen_lookup`) -> VarlenPlan. One
@@ -323,8 +323,7 @@ def _varlen_lookup(
         real = vp.attn.device.type in ("cpu", "cuda")
         backward = None
         if needs_grad:
-            source = _varlen_backward_source(name, vp, arch_mod.device_arch(vp.attn.device))
-            backward = registry.module(source).varlen_backward if source is not None else None
+            backward = _varlen_backward_source(name, vp, arch_mod.device_arch(vp.attn.device))
         forward = registry.module(name).varlen_forward if real else None
         plan = VarlenPlan(name, vp, needs_grad, forward, backward)
         remember(_varlen_plans, key, plan)
@@ -352,7 +351,8 @@ class _EagerVarlen(torch.autograd.Function):
                 f"{plan.version}: no varlen backward can take {plan.params.describe()}"
             )
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = plan.backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.params)
+        backward = registry.module(plan.backward).varlen_backward
+        dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.params)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None
 
 

@@ -628,6 +628,33 @@ def test_varlen_eager_path_is_the_op_path(version) -> None:
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_varlen_plan_follows_the_backward_switches(monkeypatch) -> None:
+    """The memoised varlen plan is decided afresh when a switch that chooses the backward
+    changes (FLASHSUITE_<VERSION>_VARLEN_BWD, deterministic algorithms)."""
+    from flashsuite.dispatch import inference
+
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    q, k, v = (_rand(gen, 30, 2, 32, dtype=F32).requires_grad_() for _ in range(3))
+    cu = _cu([10, 20])
+    inference._varlen_plans.clear()
+    dispatch.attention_varlen(q, k, v, cu, cu, 20, 20, version="torch")
+    monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "0")
+    dispatch.attention_varlen(q, k, v, cu, cu, 20, 20, version="torch")
+    assert len(inference._varlen_plans) == 2
+    with _deterministic_algorithms():
+        dispatch.attention_varlen(q, k, v, cu, cu, 20, 20, version="torch")
+    assert len(inference._varlen_plans) == 3
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_varlen_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
     """A cu_seqlens pair that passed the value check is not copied to the host again while the
     same tensors are passed unchanged (a model's layers share theirs); an in-place write, other
