@@ -1,0 +1,71 @@
+"""fa3's decode with one `fa3/configs.py` switch off and on, next to SDPA's flash and cuDNN
+backends, at the decode sweep's points (GQA 32/8, D 128, bf16, Nq 1, contiguous cache).
+
+    python -m benchmarks.decode_switch_ab --switch DECODE_KV_EVICT_FIRST [--passes 5]
+
+µs per CUDA-graph replay (decode_bench._graph_ms), medians of interleaved passes (the switch set
+before each of its timings); the two builds' outputs compared bit for bit; the faster SDPA
+backend's time over each build's (>= 1.0: fa3 as fast or faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+POINTS = [(1, 4096), (1, 32768), (1, 131072), (8, 32768), (32, 4096), (32, 32768),
+          (32, 131072), (128, 4096), (128, 32768)]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.nn.attention import SDPBackend
+
+    from benchmarks import decode_bench as db
+    from flashsuite.fa3 import configs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", required=True, help="a boolean in fa3/configs.py")
+    ap.add_argument("--passes", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not isinstance(getattr(configs, args.switch, None), bool):
+        raise SystemExit(f"--switch: expected a boolean of fa3/configs.py, got {args.switch!r}")
+    saved = getattr(configs, args.switch)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for b, n in POINTS:
+        q = torch.randn(b, 1, db.HQ, db.D, device="cuda", generator=gen).to(db.DTYPE)
+        k, v = (
+            torch.randn(b, n, db.HKV, db.D, device="cuda", generator=gen).to(db.DTYPE)
+            for _ in range(2)
+        )
+        lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        res: dict[str, list[float]] = {}
+        outs = {}
+        try:
+            for _ in range(args.passes):
+                for name, flag in (("off", False), ("on", True)):
+                    setattr(configs, args.switch, flag)
+                    call = db._decode("fa3", q, k, v, lens, None)
+                    res.setdefault(name, []).append(db._graph_ms(call) * 1e3)
+                    outs[name] = call()
+                setattr(configs, args.switch, saved)
+                for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
+                    res.setdefault(name, []).append(db._sdpa_ms(q, k, v, backend) * 1e3)
+        finally:
+            setattr(configs, args.switch, saved)
+        med = {name: statistics.median(t) for name, t in res.items()}
+        best = min(med["flash"], med["cudnn"])
+        print(
+            f"B {b:3d} Nk {n:6d}: "
+            + "  ".join(f"{name} {t:.1f}" for name, t in med.items())
+            + f"  | best SDPA / off {best / med['off']:.3f}, / on {best / med['on']:.3f}"
+            + f"  bitwise equal {torch.equal(outs['off'], outs['on'])}",
+            flush=True,
+        )
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()
