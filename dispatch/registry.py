@@ -12,9 +12,11 @@ import importlib
 import os
 from types import ModuleType
 
-from flashsuite.common.arch import device_arch
+import torch
+
+from flashsuite.common.arch import device_arch, env_key, env_table
 from flashsuite.common.ops import AttentionOp, BackwardFn
-from flashsuite.common.validation import AttnParams
+from flashsuite.common.validation import AttnParams, remember
 
 VERSIONS = ("fa3", "fa2", "fa1", "torch")
 
@@ -145,12 +147,29 @@ def backward_source(name: str, p: AttnParams | None = None, arch: int | None = N
     return None
 
 
+# (version, problem, arch, deterministic algorithms on, FLASHSUITE_<NAME>_BWD) -> the version
+# whose backward runs (`backward_source`): what a partial own backward decides on every call,
+# from facts that do not change between the calls of one training loop.
+_sources: dict[tuple, str | None] = {}
+_deterministic = getattr(
+    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
+)
+
+
 def _choosing_backward(name: str) -> BackwardFn:
     """A backward that runs `name`'s own kernel where `own_backward` says yes, else the
-    partner's; decided per call, on the problem being differentiated."""
+    partner's; decided per call, on the problem being differentiated (memoised per problem,
+    architecture, deterministic setting and FLASHSUITE_<NAME>_BWD)."""
+    switch = env_key(f"FLASHSUITE_{name.upper()}_BWD")
 
     def backward(dout, q, k, v, out, lse, p: AttnParams):
-        source = backward_source(name, p, device_arch(p.device))
+        arch = device_arch(p.device)
+        mkey = (name, p, arch, _deterministic(), env_table.get(switch))
+        if mkey in _sources:
+            source = _sources[mkey]
+        else:
+            source = backward_source(name, p, arch)
+            remember(_sources, mkey, source)
         if source is None:
             raise RuntimeError(f"{name}: no backward can take {p.describe()}")
         return module(source).backward(dout, q, k, v, out, lse, p)

@@ -310,7 +310,9 @@ def test_materialising_baseline_is_exact_attention(nq: int, nk: int, causal: boo
 
 
 def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
-    """The op's backward asks supports_backward (and FLASHSUITE_FA3_BWD) on every call."""
+    """The op's backward decides on every call (memoised per problem, architecture,
+    deterministic setting and FLASHSUITE_FA3_BWD), so a change of a switch, or a switch set
+    back, takes effect on the next call."""
     from flashsuite.common.validation import check_inputs
 
     with override_arch(90):
@@ -338,8 +340,10 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
             torch.use_deterministic_algorithms(was)
         monkeypatch.delenv("FLASHSUITE_FA3_BWD")  # the default: bwd_configs.BWD_DEFAULT_ON
         backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
+        monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")  # a setting seen before: its answer
+        backward(q, q, k, v, q, None, check_inputs(q, k, v, causal=True))
     default = "fa3" if registry.module("fa3").OWN_BACKWARD_DEFAULT else "fa2"
-    assert calls == ["fa3", "fa3", "fa2", "fa3", default]
+    assert calls == ["fa3", "fa3", "fa2", "fa3", default, "fa2"]
 
 
 def test_fa3_backward_answers_follow_the_deterministic_switch(monkeypatch) -> None:
