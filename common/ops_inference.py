@@ -11,8 +11,9 @@
 
 Fake implementations give torch.compile(fullgraph=True) the output shapes; the varlen forward's
 autograd formula calls the varlen backward on the saved (q, k, v, out, lse) and cu_seqlens.
-The metadata value checks (a device-to-host copy; for cu_seqlens once per tensor pair and
-version, `check_varlen_metadata_once`) run inside the ops, where the graph does not see them.
+The metadata value checks (a device-to-host copy, once per set of metadata tensors and
+their versions: `check_varlen_metadata_once`, `check_kvcache_metadata_once`) run inside the
+ops, where the graph does not see them.
 (No `from __future__ import annotations`: custom_op reads the annotations.)
 """
 
@@ -24,7 +25,7 @@ import torch
 from flashsuite.common.validation import (
     KVCacheParams,
     check_kvcache_inputs,
-    check_kvcache_metadata,
+    check_kvcache_metadata_once,
     check_varlen_inputs,
     check_varlen_metadata_once,
     metadata_checks_enabled,
@@ -181,7 +182,7 @@ def define_kvcache_op(name: str, mod: ModuleType):
             causal, scale, window_left, window_right, softcap, num_splits,
         )  # fmt: skip
         if metadata_checks_enabled():
-            check_kvcache_metadata(cache_seqlens, block_table, kp)
+            check_kvcache_metadata_once(cache_seqlens, block_table, kp)
         out, lse = mod.kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
         return out.contiguous(), lse.contiguous()
 

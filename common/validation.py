@@ -654,10 +654,11 @@ def metadata_checks_enabled() -> bool:
     return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
 
 
-# cu_seqlens pairs that passed check_varlen_metadata: (id, id) -> (weak references to the two
-# tensors, what the check saw of them and of the problem). A model's layers pass one pair to
-# every layer of a step; the first layer's call checks it and the others find it here.
-_varlen_checked: dict[tuple, tuple] = {}
+# Metadata tensors that passed their value check (`_once`): the tensors' ids -> (weak
+# references to them, what the check saw of them and of the problem). A model's layers pass
+# one set to every layer of a step; the first layer's call checks it and the others find it
+# here.
+_checked: dict[tuple, tuple] = {}
 
 
 def check_varlen_metadata_once(
@@ -669,23 +670,55 @@ def check_varlen_metadata_once(
     write advances them). A write PyTorch does not see (a kernel of one's own on the raw memory)
     is not noticed: call `check_varlen_metadata` after one. Tensors without a version counter
     (made under torch.inference_mode) are checked on every call."""
+    problem = (vp.total_q, vp.total_k, vp.attn.seqlen_q, vp.attn.seqlen_k)
+    _once(
+        _checked, (cu_seqlens_q, cu_seqlens_k), problem,
+        lambda: check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp),
+    )  # fmt: skip
+
+
+def check_kvcache_metadata_once(
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    kp: KVCacheParams,
+    length: int | None = None,
+) -> None:
+    """`check_kvcache_metadata`, skipped as `check_varlen_metadata_once` skips: for
+    cache_seqlens and block_table (the tensors given) that passed it before for the same
+    capacity, Nnew, page size and page count, unchanged since. A decode step passes one pair to
+    every layer, so the first layer's call checks it. `length`: the int every row's
+    cache_seqlens was made from, checked on the host by the caller; the block table alone is
+    then remembered, with that length."""
+    problem = (kp.attn.seqlen_k, kp.seqlen_new, kp.page_size, kp.num_pages, length)
+    tensors = (cache_seqlens,) if length is None else ()
+    if block_table is not None:
+        tensors = (*tensors, block_table)
+    _once(
+        _checked, tensors, problem, lambda: check_kvcache_metadata(cache_seqlens, block_table, kp)
+    )
+
+
+def _once(memo: dict, tensors: tuple, problem: tuple, check) -> None:
+    """Run `check()` unless `tensors` (the same objects at the same addresses, their version
+    counters unchanged) passed it before for `problem`; remember them when it passes. Tensors
+    without a version counter (made under torch.inference_mode) are checked every time."""
+    if not tensors:
+        check()
+        return
     try:
         state = (
-            cu_seqlens_q._version, cu_seqlens_k._version,
-            cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
-            vp.total_q, vp.total_k, vp.attn.seqlen_q, vp.attn.seqlen_k,
+            *(t._version for t in tensors), *(t.data_ptr() for t in tensors), *problem
         )  # fmt: skip
     except RuntimeError:  # an inference tensor: no version counter
-        check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp)
+        check()
         return
-    key = (id(cu_seqlens_q), id(cu_seqlens_k))
-    seen = _varlen_checked.get(key)
+    key = tuple(id(t) for t in tensors)
+    seen = memo.get(key)
     if (
         seen is not None
-        and seen[0]() is cu_seqlens_q
-        and seen[1]() is cu_seqlens_k
-        and seen[2] == state
+        and all(ref() is t for ref, t in zip(seen[0], tensors, strict=True))
+        and seen[1] == state
     ):
         return
-    check_varlen_metadata(cu_seqlens_q, cu_seqlens_k, vp)
-    remember(_varlen_checked, key, (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), state))
+    check()
+    remember(memo, key, (tuple(weakref.ref(t) for t in tensors), state))

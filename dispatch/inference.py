@@ -29,7 +29,7 @@ from flashsuite.common.validation import (
     KVCacheParams,
     VarlenParams,
     check_kvcache_inputs,
-    check_kvcache_metadata,
+    check_kvcache_metadata_once,
     check_varlen_inputs,
     check_varlen_metadata_once,
     metadata_checks_enabled,
@@ -395,7 +395,7 @@ def attention_varlen_backward(
 # The eager fast path of attention_with_kvcache: key of one call (`_kv_lookup`) -> (version,
 # problem, the version's kvcache_forward). One validation and one selection per static
 # signature, as `attention` memoises its plans: a decode loop repeats one signature every step
-# (its lengths are values, checked per call by check_kvcache_metadata where enabled).
+# (its lengths are values, checked per call by check_kvcache_metadata_once where enabled).
 _kv_plans: dict[tuple, tuple] = {}
 
 
@@ -414,7 +414,7 @@ def _kv_lookup(
         if k is not None or v is not None:
             new = (k.shape, k.dtype, k.device, k.stride(), v.shape, v.dtype, v.device, v.stride())
         # Lengths are values, checked per call (an int here, a tensor's by
-        # check_kvcache_metadata): a decode loop's growing length keeps its plan.
+        # check_kvcache_metadata_once): a decode loop's growing length keeps its plan.
         lens = (
             int
             if type(cache_seqlens) is int
@@ -497,13 +497,15 @@ def attention_with_kvcache(
             check = metadata_checks_enabled() and (
                 block_table is not None or type(cache_seqlens) is not int
             )
+            length = None
             if type(cache_seqlens) is int:
+                length = cache_seqlens
                 cache_seqlens = torch.full(
                     (q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device
                 )
             if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
                 if check:
-                    check_kvcache_metadata(cache_seqlens, block_table, kp)
+                    check_kvcache_metadata_once(cache_seqlens, block_table, kp, length)
                 # What the op's implementation runs (common.ops_inference), without its layers.
                 with torch.no_grad():
                     out, lse = forward(

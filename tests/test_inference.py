@@ -666,7 +666,7 @@ def test_varlen_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
     monkeypatch.setattr(
         validation, "check_varlen_metadata", lambda *a: (checks.append(1), real(*a))
     )
-    validation._varlen_checked.clear()
+    validation._checked.clear()
     gen = torch.Generator(device=DEV).manual_seed(6)
     q, k, v = (_rand(gen, 30, 2, 32, dtype=F32) for _ in range(3))
     cu = _cu([10, 20])
@@ -690,6 +690,46 @@ def test_varlen_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
     cu[1] = 25
     call(cu, cu)  # checks off: trusted, as flash-attn trusts it
     assert len(checks) == 5
+
+
+def test_kvcache_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
+    """A decode step passes one cache_seqlens and block_table to every layer: the pair is
+    copied to the host once while unchanged; an in-place update (the next step) checks again,
+    bad values still raise, and an int length with a block table is remembered with the
+    table."""
+    from flashsuite.common import validation
+
+    checks = []
+    real = validation.check_kvcache_metadata
+    monkeypatch.setattr(
+        validation, "check_kvcache_metadata", lambda *a: (checks.append(1), real(*a))
+    )
+    validation._checked.clear()
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    q = _rand(gen, 2, 1, 4, 32, dtype=BF16)
+    pages = _rand(gen, 8, 16, 2, 32, dtype=BF16)
+    table = torch.tensor([[3, 0], [5, 7]], dtype=I32, device=DEV)
+    lens = torch.tensor([5, 20], dtype=I32, device=DEV)
+
+    def layer(lengths, tbl=table):
+        return dispatch.attention_with_kvcache(
+            q, pages, pages, cache_seqlens=lengths, block_table=tbl, version="torch"
+        )
+
+    for _ in range(4):  # four layers of one step
+        layer(lens)
+    assert len(checks) == 1
+    lens += 1  # the next step
+    layer(lens)
+    layer(lens)
+    assert len(checks) == 2
+    table[1, 1] = 8  # page 8 of 8 pages: out of range, for a row that uses it
+    with pytest.raises(ValueError, match=r"block_table: expected entries in \[0, 8\)"):
+        layer(lens)
+    table[1, 1] = 7
+    for _ in range(3):
+        layer(12)  # an int length: checked on the host, the table once
+    assert len(checks) == 4
 
 
 @pytest.mark.gpu
@@ -721,12 +761,13 @@ def test_kvcache_int_lengths_keep_one_plan(monkeypatch) -> None:
     """A decode loop that passes its growing length as an int (transformers' decode step)
     keeps one memoised plan; the value is still checked on every call, on the host: a
     contiguous cache's step runs no device-to-host value check."""
+    from flashsuite.common import validation
     from flashsuite.dispatch import inference
 
     checked = []
-    real_check = inference.check_kvcache_metadata
+    real_check = validation.check_kvcache_metadata
     monkeypatch.setattr(
-        inference, "check_kvcache_metadata", lambda *a: (checked.append(1), real_check(*a))
+        validation, "check_kvcache_metadata", lambda *a: (checked.append(1), real_check(*a))
     )
 
     gen = torch.Generator().manual_seed(5)
