@@ -655,18 +655,23 @@ def _deterministic_algorithms():
         torch.use_deterministic_algorithms(False)
 
 
+def _counted_checks(monkeypatch, name: str) -> list:
+    """A list that grows by one on every call of common.validation's value check `name`, the
+    memo of checked metadata emptied first."""
+    from flashsuite.common import validation
+
+    checks = []
+    real = getattr(validation, name)
+    monkeypatch.setattr(validation, name, lambda *a: (checks.append(1), real(*a)))
+    validation._checked.clear()
+    return checks
+
+
 def test_varlen_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
     """A cu_seqlens pair that passed the value check is not copied to the host again while the
     same tensors are passed unchanged (a model's layers share theirs); an in-place write, other
     tensors or another max_seqlen check again, and bad values still raise."""
-    from flashsuite.common import validation
-
-    checks = []
-    real = validation.check_varlen_metadata
-    monkeypatch.setattr(
-        validation, "check_varlen_metadata", lambda *a: (checks.append(1), real(*a))
-    )
-    validation._checked.clear()
+    checks = _counted_checks(monkeypatch, "check_varlen_metadata")
     gen = torch.Generator(device=DEV).manual_seed(6)
     q, k, v = (_rand(gen, 30, 2, 32, dtype=F32) for _ in range(3))
     cu = _cu([10, 20])
@@ -697,14 +702,7 @@ def test_kvcache_metadata_checked_once_per_tensor_version(monkeypatch) -> None:
     copied to the host once while unchanged; an in-place update (the next step) checks again,
     bad values still raise, and an int length with a block table is remembered with the
     table."""
-    from flashsuite.common import validation
-
-    checks = []
-    real = validation.check_kvcache_metadata
-    monkeypatch.setattr(
-        validation, "check_kvcache_metadata", lambda *a: (checks.append(1), real(*a))
-    )
-    validation._checked.clear()
+    checks = _counted_checks(monkeypatch, "check_kvcache_metadata")
     gen = torch.Generator(device=DEV).manual_seed(9)
     q = _rand(gen, 2, 1, 4, 32, dtype=BF16)
     pages = _rand(gen, 8, 16, 2, 32, dtype=BF16)
