@@ -16,7 +16,7 @@ import torch
 
 from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
 from flashsuite.common.triton_launch import launch, launch_device, run_entry
-from flashsuite.common.validation import AttnParams
+from flashsuite.common.validation import AttnParams, remember
 
 NAME = "fa2"
 HAS_BACKWARD = True
@@ -409,7 +409,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
 def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
     """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) packed by cu_seqlens.
     Returns out (total_q, Hq, Dv) in q's dtype and lse (Hq, total_q) fp32, contiguous."""
-    from flashsuite.fa2 import configs, varlen
+    from flashsuite.fa2 import varlen
 
     p = vp.attn
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
@@ -417,25 +417,72 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp):
     lse = torch.full((p.heads_q, vp.total_q), float("-inf"), dtype=torch.float32, device=q.device)
     if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0:
         return out, lse
-    cfg = configs.varlen_fwd_config(max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q))
-    common = _common(p)
-    for key in ("seqlen_q", "seqlen_k", "shift"):
-        del common[key]
-    launch(varlen._varlen_fwd, (math.ceil(p.seqlen_q / cfg.block_m), p.heads_q, p.batch), (
+    grid, kwargs, token = _varlen_plan(vp, _arch(q), None)["fwd"]
+    launch(varlen._varlen_fwd, grid, (
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2], lse.stride(0),
-    ), dict(
-        **common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    ))  # fmt: skip
+    ), kwargs, plan=token)  # fmt: skip
     return out, lse
+
+
+# (packed problem, arch, interpreter, backward config) -> the varlen launches' (grid, keyword
+# arguments, plan token): what a model's layers repeat within a step (common.triton_launch
+# then keys each launch on its positional arguments and the token).
+_varlen_plans: dict[tuple, dict] = {}
+
+
+def _varlen_plan(vp, arch: int | None, config) -> dict:
+    """The launch plans of `varlen_forward` ("fwd") and `varlen_backward` ("pre", "dkdv": one
+    per dkdv launch, "dq"), with the backward's config ("cfg") and padded rows ("row_pad")."""
+    key = (vp, arch, triton_interpreter(), config)
+    plan = _varlen_plans.get(key)
+    if plan is not None:
+        return plan
+    from flashsuite.fa2 import configs
+
+    p = vp.attn
+    d = max(p.head_dim, p.head_dim_v)
+    common = _common(p)
+    for name in ("seqlen_q", "seqlen_k", "shift"):
+        del common[name]
+    f = configs.varlen_fwd_config(d, p.dtype, p.causal, arch)
+    plan = {"fwd": (
+        (math.ceil(p.seqlen_q / f.block_m), p.heads_q, p.batch),
+        dict(**common, BLOCK_M=f.block_m, BLOCK_N=f.block_n, num_warps=f.num_warps,
+             num_stages=f.num_stages),
+        object(),
+    )}  # fmt: skip
+    if p.seqlen_k > 0:
+        cfg = config or configs.varlen_bwd_config(d, p.dtype, p.causal, arch)
+        bm = configs.PREPROCESS_BLOCK_M
+        plan["cfg"], plan["row_pad"] = cfg, configs.ROW_PAD
+        plan["pre"] = (
+            (math.ceil(p.seqlen_q / bm), p.heads_q, p.batch),
+            dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=common["DV_PAD"], BLOCK_M=bm),
+            object(),
+        )
+        plan["dkdv"] = [(
+            (math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch),
+            dict(**common, scale=p.scale, TAIL_STAGES=None if cfg.tail_pipelined else 1,
+                 BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            object(),
+        ) for _, want_dk, want_dv in configs.dkdv_launches(cfg)]  # fmt: skip
+        plan["dq"] = (
+            (math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch),
+            dict(**common, scale=p.scale, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
+                 num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq),
+            object(),
+        )  # fmt: skip
+    remember(_varlen_plans, key, plan)
+    return plan
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, config=None):
     """Recompute backward over packed sequences: dq, dk, dv like q, k, v (contiguous), dk/dv
     summed over each GQA group; deterministic (no atomics). `config` overrides the table
     (tuning and tests only)."""
-    from flashsuite.fa2 import configs, varlen
+    from flashsuite.fa2 import varlen
 
     p = vp.attn
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
@@ -443,38 +490,25 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, con
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if vp.total_q == 0 or vp.total_k == 0 or p.seqlen_q == 0 or p.seqlen_k == 0:
         return dq, dk, dv
-    cfg = config or configs.varlen_bwd_config(
-        max(p.head_dim, p.head_dim_v), p.dtype, p.causal, _arch(q)
-    )
-    common = _common(p)
-    for key in ("seqlen_q", "seqlen_k", "shift"):
-        del common[key]
-    dv_pad = common["DV_PAD"]
-    row_pad = configs.ROW_PAD
+    plan = _varlen_plan(vp, _arch(q), config)
+    row_pad = plan["row_pad"]
     rows = vp.total_q + p.batch * row_pad
     delta = torch.zeros(p.heads_q, rows, dtype=torch.float32, device=q.device)  # (Hq, rows)
     lse2 = torch.full((p.heads_q, rows), float("inf"), dtype=torch.float32, device=q.device)
-    bm = configs.PREPROCESS_BLOCK_M
-    launch(varlen._varlen_bwd_preprocess, (math.ceil(p.seqlen_q / bm), p.heads_q, p.batch), (
+    grid, kwargs, token = plan["pre"]
+    launch(varlen._varlen_bwd_preprocess, grid, (
         out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
         lse.stride(0), delta.stride(0), row_pad,
-    ), dict(HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm))  # fmt: skip
+    ), kwargs, plan=token)  # fmt: skip
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2])
-    for _, want_dk, want_dv in configs.dkdv_launches(cfg):
-        grid = (math.ceil(p.seqlen_k / cfg.block_n1), p.heads_kv, p.batch)
+    for grid, kwargs, token in plan["dkdv"]:
         launch(varlen._varlen_bwd_dkdv, grid, (
             q, k, v, dout, lse2, delta, dk, dv, cu_seqlens_q, cu_seqlens_k,
             *strides, *dk.stride()[:2], *dv.stride()[:2], delta.stride(0), row_pad,
-        ), dict(
-            **common, scale=p.scale, TAIL_STAGES=None if cfg.tail_pipelined else 1,
-            BLOCK_M=cfg.block_m1, BLOCK_N=cfg.block_n1, WANT_DK=want_dk, WANT_DV=want_dv,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ))  # fmt: skip
-    launch(varlen._varlen_bwd_dq, (math.ceil(p.seqlen_q / cfg.block_m2), p.heads_q, p.batch), (
+        ), kwargs, plan=token)  # fmt: skip
+    grid, kwargs, token = plan["dq"]
+    launch(varlen._varlen_bwd_dq, grid, (
         q, k, v, dout, lse2, delta, dq, cu_seqlens_q, cu_seqlens_k,
         *strides, *dq.stride()[:2], delta.stride(0), row_pad,
-    ), dict(
-        **common, scale=p.scale, BLOCK_M=cfg.block_m2, BLOCK_N=cfg.block_n2,
-        num_warps=cfg.num_warps_dq, num_stages=cfg.num_stages_dq,
-    ))  # fmt: skip
+    ), kwargs, plan=token)  # fmt: skip
     return dq, dk, dv
