@@ -374,6 +374,31 @@ MUTANTS = [
         "head_section",
         ("tests/test_fa3_bwd_compile.py",),
     ),
+    # --- host-path memos: a remembered answer must follow what it depends on ---------------
+    Mutant(
+        "metadata checked once: version counters ignored (an in-place write not re-checked)",
+        "common/validation.py",
+        "*(t._version for t in tensors), *(t.data_ptr() for t in tensors), *problem",
+        "*(t.data_ptr() for t in tensors), *problem",
+        "checked_once",
+        ("tests/test_inference.py",),
+    ),
+    Mutant(
+        "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
+        "dispatch/api.py",
+        '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',
+        "",
+        "backward_switches",
+        ("tests/test_inference.py",),
+    ),
+    Mutant(
+        "own-backward choice memo: FLASHSUITE_<V>_BWD left out of its key",
+        "dispatch/registry.py",
+        "mkey = (name, p, arch, _deterministic(), env_table.get(switch))",
+        "mkey = (name, p, arch, _deterministic())",
+        "chosen_per_call",
+        ("tests/test_dispatch.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
