@@ -208,10 +208,31 @@ def cpu_table(
     return rows
 
 
+LAYERS = 32  # the layers of one decode step: the metadata changes once per step
+
+
+def _per_step(fn: Callable[[], object], *metadata: torch.Tensor) -> Callable[[], object]:
+    """`fn` as one layer's call of a decode step of LAYERS layers: before every LAYERS-th call
+    the metadata tensors are written in place (their values kept), as a serving loop advances
+    its lengths once per step, so the value checks run once per step, not once per call."""
+    count = 0
+
+    def call():
+        nonlocal count
+        if count % LAYERS == 0:
+            for t in metadata:
+                t.add_(0)  # an in-place write: a new version, the same values
+        count += 1
+        return fn()
+
+    return call
+
+
 def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], object]]]:
     """Decode steps through `dispatch.attention_with_kvcache` (GQA 32/8, D 128, bf16): B 1 on
     4k keys with a tensor length, with the append of one new token, with an int length (what
-    transformers' decode step passes), and B 32 on 64-token pages with a shuffled table."""
+    transformers' decode step passes), and B 32 on 64-token pages with a shuffled table. Each
+    call is one layer of a LAYERS-layer step (`_per_step`)."""
     from flashsuite import dispatch
 
     gen = torch.Generator().manual_seed(0)
@@ -227,11 +248,12 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
     lens32 = torch.randint(1, 4000, (32,), generator=gen).to(device, torch.int32)
     call = dispatch.attention_with_kvcache
     return [
-        ("B1 4k", lambda: call(q, kc, vc, cache_seqlens=lens, version=version)),
-        ("B1 4k +append", lambda: call(q, kc, vc, kn, kn, cache_seqlens=lens, version=version)),
+        ("B1 4k", _per_step(lambda: call(q, kc, vc, cache_seqlens=lens, version=version), lens)),
+        ("B1 4k +append", _per_step(
+            lambda: call(q, kc, vc, kn, kn, cache_seqlens=lens, version=version), lens)),
         ("B1 4k int len", lambda: call(q, kc, vc, cache_seqlens=4000, version=version)),
-        ("B32 paged", lambda: call(q32, pages, pages, cache_seqlens=lens32, block_table=table,
-                                   version=version)),
+        ("B32 paged", _per_step(lambda: call(q32, pages, pages, cache_seqlens=lens32,
+                                             block_table=table, version=version), lens32, table)),
     ]  # fmt: skip
 
 
@@ -267,7 +289,7 @@ def _varlen_calls(device: str, version: str) -> list[tuple[str, Callable[[], obj
     """Packed sequences through `dispatch.attention_varlen` (4 sequences of 32 tokens, GQA 4/2,
     D 64, bf16, causal): the forward without a gradient, with one, and a training step
     (forward, then backward of out.sum()); one cu_seqlens tensor for every call, as a model's
-    layers share theirs."""
+    layers share theirs, written in place once per LAYERS calls (`_per_step`)."""
     from flashsuite import dispatch
 
     gen = torch.Generator().manual_seed(0)
@@ -282,9 +304,9 @@ def _varlen_calls(device: str, version: str) -> list[tuple[str, Callable[[], obj
         return dispatch.attention_varlen(q, k, v, cu, cu, 32, 32, causal=True, version=version)
 
     return [
-        ("fwd", lambda: _no_grad(lambda: call(q, k, v))),
-        ("fwd, grad", lambda: call(qg, kg, vg)),
-        ("fwd+bwd", lambda: _step(call(qg, kg, vg))),
+        ("fwd", _per_step(lambda: _no_grad(lambda: call(q, k, v)), cu)),
+        ("fwd, grad", _per_step(lambda: call(qg, kg, vg), cu)),
+        ("fwd+bwd", _per_step(lambda: _step(call(qg, kg, vg)), cu)),
     ]
 
 
