@@ -31,6 +31,12 @@ def env_key(name: str) -> bytes | str:
     return name.encode() if _ENV_BYTES else name
 
 
+# torch.are_deterministic_algorithms_enabled without its Python frame (a third of its cost):
+# the memoised plans and choices that depend on the switch read it on every call.
+deterministic_algorithms = getattr(
+    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
+)
+
 _ARCH_KEY = env_key("FLASHSUITE_ARCH")
 _INTERPRET_KEY = env_key("TRITON_INTERPRET")
 _INTERPRET_OFF = (None, *(env_key(v) for v in ("", "0")))

@@ -52,10 +52,7 @@ class Choice:
         return explain_choice(self)
 
 
-# torch.are_deterministic_algorithms_enabled without its Python frame (a third of its cost).
-_deterministic = getattr(
-    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
-)
+_deterministic = arch_mod.deterministic_algorithms
 
 
 def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

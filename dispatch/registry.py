@@ -12,8 +12,7 @@ import importlib
 import os
 from types import ModuleType
 
-import torch
-
+from flashsuite.common.arch import deterministic_algorithms as _deterministic
 from flashsuite.common.arch import device_arch, env_key, env_table
 from flashsuite.common.ops import AttentionOp, BackwardFn
 from flashsuite.common.validation import AttnParams, remember
@@ -151,9 +150,6 @@ def backward_source(name: str, p: AttnParams | None = None, arch: int | None = N
 # whose backward runs (`backward_source`): what a partial own backward decides on every call,
 # from facts that do not change between the calls of one training loop.
 _sources: dict[tuple, str | None] = {}
-_deterministic = getattr(
-    torch._C, "_get_deterministic_algorithms", torch.are_deterministic_algorithms_enabled
-)
 
 
 def _choosing_backward(name: str) -> BackwardFn:

@@ -571,7 +571,10 @@ DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 DECODE_PAGED_BOXES = False
 # K and V loaded with an L2 evict-first hint (cp.async.bulk.tensor's .L2::cache_hint with
 # CUTLASS's EVICT_FIRST policy): a decode call reads each cache block once, so its lines need
-# not displace what stays in L2 (Q, the partials, the counters). Off until timed.
+# not displace what stays in L2 (Q, the partials, the counters). Off: on the H200 (commit
+# 545b933, `benchmarks/decode_switch_ab.py`, medians of 5 interleaved passes) it was slower at 7
+# of 9 decode-sweep points (B 1 x 128k 136.3 -> 142.6 us, B 8 x 32k 252.1 -> 264.0, B 128 x 4k
+# 489.9 -> 504.7) and faster only at B 1 x 32k (48.8 -> 46.5); docs/inference.md.
 DECODE_KV_EVICT_FIRST = False
 
 
