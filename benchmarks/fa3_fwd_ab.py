@@ -13,6 +13,12 @@ the variants through fa3.interface.forward, "fa3" (the shipped path through disp
 cuDNN backend and, when flash-attn-4 imports, FA4's SM90 forward. Shapes: the standard sweep's
 B·N = 16k, Hq·D = 2048 at each --seqlen (default 4k, 8k, 16k). Prints forward TFLOP/s per pass
 and the medians.
+
+With --fp8 the inputs are e4m3 with per-(batch, kv head) descales: each variant passes
+benchmarks.fa3_fp8_check's three small cases (against the float64 oracle and the e4m3-rounding
+emulation), and the contenders are the variants and the shipped fp8 config through
+fa3.interface.forward (Vᵀ made as the config says: every user-visible step timed), fa3's bf16
+forward and SDPA's cuDNN backend in bf16 on the same shapes.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (repeat)")
+    ap.add_argument("--fp8", action="store_true", help="e4m3 inputs (see above)")
     args = ap.parse_args(argv)
     if args.passes < 1:
         ap.error(f"--passes: expected >= 1, got {args.passes}")
@@ -72,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(exc))
     d, heads = args.head_dim, 2048 // args.head_dim
     bf16 = torch.bfloat16
+    if args.fp8:
+        return _fp8_main(args, variants, seqlens)
 
     def cfg_for(case: Case, changes: dict):
         q, k, v = make_inputs(case, "cuda")
@@ -125,6 +134,59 @@ def main(argv: list[str] | None = None) -> int:
     for (name, n), vals in tflops.items():
         passes = " ".join(f"{t:.1f}" for t in vals)
         print(f"{name:>12} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
+    return 0
+
+
+def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
+    """--fp8: the e4m3 forward's variants against the shipped fp8 config (see the docstring)."""
+    from benchmarks.fa3_fp8_check import _inputs, _small_cases, check_case
+    from flashsuite.common.testing import Case
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.dispatch.bench import prepare, time_ms
+    from flashsuite.fa3 import interface as fa3
+    from flashsuite.fa3.configs import FP8_DTYPE, can_implement, config_for
+
+    d, heads, causal = args.head_dim, 2048 // args.head_dim, args.causal
+    for name, changes in variants:
+        for c in _small_cases(d):
+            c = {**c, "causal": c.get("causal", False) or causal}
+            q, k, v, _ = _inputs(c)
+            p = check_inputs(q, k, v, causal=c["causal"])
+            cfg = dataclasses.replace(config_for(p), **changes)
+            ok, why = can_implement(cfg, d, FP8_DTYPE)
+            if not ok:
+                print(f"{name}: cannot build {cfg}: {why}", flush=True)
+                return 1
+            res = check_case(c, cfg=cfg)
+            print(f"{res['status']} [{name}] {c}: {res}"[:400], flush=True)
+            if res["status"] != "PASS":
+                return 1
+    fns: dict[tuple[str, int], object] = {}
+    for n in seqlens:
+        b = 16384 // n
+        q, k, v, ds = _inputs(dict(b=b, nq=n, nk=n, hq=heads, hkv=heads, d=d, descale=True))
+        p = check_inputs(q, k, v, causal=causal)
+        for name, changes in [("fa3-fp8", {}), *variants]:
+            cfg = dataclasses.replace(config_for(p), **changes)
+            fns[name, n] = lambda q=q, k=k, v=v, p=p, ds=ds, cfg=cfg: fa3.forward(
+                q, k, v, p, *ds, cfg=cfg
+            )
+        case = Case(b, n, n, heads, heads, d, dtype=torch.bfloat16, causal=causal)
+        for peer in ("fa3", "sdpa-cudnn"):
+            fns[f"{peer}-bf16", n] = prepare(peer, case)
+    tflops: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
+    for _ in range(args.passes):
+        for n in seqlens:
+            flops = 4 * (16384 // n) * heads * n * n * d / (2 if causal else 1)
+            for (name, m), fn in fns.items():
+                if m == n:
+                    with torch.no_grad():
+                        tflops[name, n].append(flops / time_ms(fn) / 1e9)
+    what = "causal" if causal else "non-causal"
+    print(f"forward TFLOP/s, D {d}, {what}, e4m3 (bf16 peers), B*N = 16k, Hq*D = 2048", flush=True)
+    for (name, n), vals in tflops.items():
+        passes = " ".join(f"{t:.1f}" for t in vals)
+        print(f"{name:>16} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
     return 0
 
 

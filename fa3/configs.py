@@ -113,6 +113,12 @@ class Fa3Config:
     # tiles heaviest first (FA4's non-persistent longest-processing-time order), instead of
     # the (m_blocks, Hq, B) grid that launches every head's first (lightest) tile first.
     lpt_grid: bool = False
+    # Every ex2_emu-th probability of a thread's row (softmax.emulated) by softmax.exp2_poly on
+    # the FMA pipe rather than by MUFU.EX2; 0: all by MUFU. The MUFU unit takes 16
+    # exponentials per clock and SM, and the tensor cores consume scores at that rate at D = 64
+    # (16-bit) and D = 128 (e4m3): there the softmax is as long as the GEMMs and the two
+    # cannot fully overlap. Nine FMA/ALU instructions replace each exponential moved.
+    ex2_emu: int = 0
 
 
 V_TRANSPOSES = ("host", "smem")
@@ -186,6 +192,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of {mma_k} in [{mma_k}, 256]"
     if cfg.skip_masked_wg and not cfg.intra_wg_overlap:
         return False, "fa3: skip_masked_wg needs intra_wg_overlap=True"
+    if cfg.ex2_emu < 0:
+        return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if cfg.rescale_before_pv and not cfg.intra_wg_overlap:

@@ -70,7 +70,7 @@ class ForwardMainloop:
                 self._mask(ctx, n_block, scores)
         if const_expr(mask):
             self._mask(ctx, n_block, scores)
-        return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs)
+        return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs, self.EX2_EMU)
 
     @cute.jit
     def probs_to_operand(self, ctx, probs=None):

@@ -4,6 +4,11 @@ A thread holds two rows of an m64nNk16 C fragment: element i = 4j + 2r + c sits 
 two rows and column 8j + c of the block; a row's four owners are one quad of lanes. Scores are
 raw (unscaled): `scale_log2` = log2(e) x softmax scale is folded into one FMA per element. Row
 statistics: `row_max` (raw-score max) and `row_sum` (this thread's partial sum of P), two each.
+
+`exp2_poly` computes 2^x on the FMA pipe (a cubic for the fraction, the integer part added to
+the exponent bits), so a share of a block's exponentials can leave the MUFU unit (16 per clock
+and SM, which at D = 64 in 16 bits and D = 128 in e4m3 is exactly the rate at which the tensor
+cores consume scores): `Fa3Config.ex2_emu` picks the share.
 """
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
@@ -13,13 +18,103 @@ from collections.abc import Callable
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flashsuite.fa3.utils import LN2
+from flashsuite.fa3.utils import LN2, ptx
+
+# 2^f ~ 1 + f (C1 + f (C2 + f C3)) on f in [-1/2, 1/2]: fp32 coefficients fitted to the
+# relative error (max 1.02e-4 after fp32 rounding, tests/test_fa3_softmax_poly.py), with the
+# constant term exactly 1 so that 2^-127 comes out as +0 (`exp2_poly`).
+EXP2_POLY = (0.6932829022407532, 0.24221037328243256, 0.05500858649611473)
+# exp2_poly's input floor: -inf (a masked score) and anything below give +0 exactly.
+EXP2_POLY_FLOOR = -127.0
+_ROUND_MAGIC = 12582912.0  # 1.5 x 2^23: x + it rounds x to an integer in the low mantissa bits
+
+
+def _f32_hex(x: float) -> str:
+    """PTX's exact spelling of an fp32 constant (0fXXXXXXXX)."""
+    import struct
+
+    (bits,) = struct.unpack("<I", struct.pack("<f", x))
+    return f"0f{bits:08X}"
+
+
+@dsl_user_op
+def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2^x on the FMA and integer pipes, no MUFU: x clamped to >= -127, split as n + f with n =
+    round(x) by the 1.5 x 2^23 trick (n lands in the low mantissa bits of x + 1.5 x 2^23) and
+    f in [-1/2, 1/2], the cubic EXP2_POLY for 2^f, and n << 23 added to its bits (the
+    exponent). At x = -127 (and -inf) n = -127 and f = 0, so 1.0's bits minus 127 << 23 are
+    +0 exactly: a masked score gives P = 0, and a fully masked row's sum stays 0. Between
+    -127 and -126 the result is a subnormal below 2^-126 (f >= 0 there, so the bits never
+    wrap). Nine instructions (FMNMX, 3 FADD, 3 FFMA, SHL, IADD) against one MUFU.EX2; relative
+    error <= 1.02e-4 for x in [-126, 0]."""
+    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
+    magic, floor, one = _f32_hex(_ROUND_MAGIC), _f32_hex(EXP2_POLY_FLOOR), _f32_hex(1.0)
+    return Float32(
+        ptx(
+            T.f32(),
+            [Float32(x).ir_value(loc=loc, ip=ip)],
+            "{ .reg .f32 xc, t, r, f, p;\n"
+            ".reg .b32 n, b;\n"
+            f"max.f32 xc, $1, {floor};\n"
+            f"add.rn.f32 t, xc, {magic};\n"
+            f"sub.rn.f32 r, t, {magic};\n"
+            "sub.rn.f32 f, xc, r;\n"
+            f"fma.rn.f32 p, f, {c3}, {c2};\n"
+            f"fma.rn.f32 p, p, f, {c1};\n"
+            f"fma.rn.f32 p, p, f, {one};\n"
+            "mov.b32 n, t;\n"
+            "shl.b32 n, n, 23;\n"
+            "mov.b32 b, p;\n"
+            "add.s32 b, b, n;\n"
+            "mov.b32 $0, b; }",
+            "=f,f",
+            side_effects=False,
+        )
+    )
+
+
+def exp2_poly_model(x):
+    """`exp2_poly` on the CPU (numpy float32, the same operations in the same order): the
+    tests' model of the device function."""
+    import numpy as np
+
+    f32 = np.float32
+    xc = np.maximum(np.asarray(x, dtype=f32), f32(EXP2_POLY_FLOOR))
+    t = (xc + f32(_ROUND_MAGIC)).astype(f32)
+    f = (xc - (t - f32(_ROUND_MAGIC)).astype(f32)).astype(f32)
+    c1, c2, c3 = (f32(c) for c in EXP2_POLY)
+
+    def fma(a, b, c):  # one rounding, as fma.rn (the fp32 product is exact in float64)
+        return (a.astype(np.float64) * np.float64(b) + np.float64(c)).astype(f32)
+
+    p = fma(f, c3, c2)
+    p = fma(p, f, c1)
+    p = fma(p, f, 1.0)
+    n = (t.view(np.uint32) << np.uint32(23)).astype(np.uint32)
+    return (p.view(np.uint32) + n).astype(np.uint32).view(f32)
+
+
+def emulated(k: int, every: int) -> bool:
+    """Whether element k of a thread's row takes `exp2_poly` under Fa3Config.ex2_emu = every:
+    the last of each run of `every` (k = every - 1, 2 every - 1, ...); 0: none."""
+    return every > 0 and k % every == every - 1
 
 
 @cute.jit
-def online_softmax(acc_S: cute.Tensor, row_max, row_sum, scale_log2: Float32, probs=None):
+def online_softmax(
+    acc_S: cute.Tensor,
+    row_max,
+    row_sum,
+    scale_log2: Float32,
+    probs=None,
+    ex2_emu: cutlass.Constexpr[int] = 0,
+):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
+
+    `ex2_emu` (Fa3Config.ex2_emu): every ex2_emu-th P of a row by `exp2_poly` (`emulated`),
+    the rest by MUFU.EX2; 0: all by MUFU.
 
     Without `probs`: in place (P over S), each row's max and sum one dependency chain. With
     `probs` (a fragment like acc_S): P goes there, acc_S is only read, and the max and sum run
@@ -46,7 +141,11 @@ def online_softmax(acc_S: cute.Tensor, row_max, row_sum, scale_log2: Float32, pr
         ps = []
         for k in cutlass.range_constexpr(cols):
             # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-            p = cute.math.exp2(acc_S[_col(k, r)] * scale_log2 - m_scaled, fastmath=True)
+            x = acc_S[_col(k, r)] * scale_log2 - m_scaled
+            if const_expr(emulated(k, ex2_emu)):
+                p = exp2_poly(x)
+            else:
+                p = cute.math.exp2(x, fastmath=True)
             if const_expr(probs is None):
                 acc_S[_col(k, r)] = p
                 s += p
