@@ -119,8 +119,15 @@ class Fa3Config:
     # (16-bit) and D = 128 (e4m3): there the softmax is as long as the GEMMs and the two
     # cannot fully overlap. Nine FMA/ALU instructions replace each exponential moved.
     ex2_emu: int = 0
+    # t > 0: a row keeps its running max while a block's max exceeds it by at most t (log2
+    # units, after the softmax scale), so P <= 2^t and the row's O rescale is exactly 1; a
+    # warp rescales its O (tile_n-independent: D / 2 FMULs per thread at 64 rows) only when one
+    # of its rows' max grew by more (softmax.online_softmax). 0: every block rescales.
+    # At most RESCALE_THRESHOLD_MAX: 2^t must fit P's type (e4m3 448, fp16 65504).
+    rescale_threshold: int = 0
 
 
+RESCALE_THRESHOLD_MAX = 8
 V_TRANSPOSES = ("host", "smem")
 # Producer-WG warps that transpose V with v_transpose="smem" (warp 0 keeps the TMA loads).
 TRANSPOSE_WARPS = 3
@@ -192,6 +199,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, f"fa3: tile_n {cfg.tile_n} must be a multiple of {mma_k} in [{mma_k}, 256]"
     if cfg.skip_masked_wg and not cfg.intra_wg_overlap:
         return False, "fa3: skip_masked_wg needs intra_wg_overlap=True"
+    if not 0 <= cfg.rescale_threshold <= RESCALE_THRESHOLD_MAX:
+        return False, (
+            f"fa3: rescale_threshold expected in [0, {RESCALE_THRESHOLD_MAX}] (P <= 2^t must fit "
+            f"e4m3), got {cfg.rescale_threshold}"
+        )
     if cfg.ex2_emu < 0:
         return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flashsuite.fa3 import fp8_ops
 from flashsuite.fa3.mask import apply_mask
-from flashsuite.fa3.softmax import online_softmax, rescale_rows
+from flashsuite.fa3.softmax import needs_rescale, online_softmax, rescale_rows
 from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk
 
 
@@ -70,7 +70,25 @@ class ForwardMainloop:
                 self._mask(ctx, n_block, scores)
         if const_expr(mask):
             self._mask(ctx, n_block, scores)
-        return online_softmax(scores, ctx.row_max, ctx.row_sum, ctx.scale_log2, probs, self.EX2_EMU)
+        return online_softmax(
+            scores,
+            ctx.row_max,
+            ctx.row_sum,
+            ctx.scale_log2,
+            probs,
+            self.EX2_EMU,
+            self.RESCALE_THRESHOLD,
+        )
+
+    @cute.jit
+    def rescale_o(self, ctx, corr):
+        """O times each row's rescale; with RESCALE_THRESHOLD only when some row of the warp
+        has one other than 1.0 (after the first blocks, rarely)."""
+        if const_expr(self.RESCALE_THRESHOLD > 0):
+            if needs_rescale(corr):
+                rescale_rows(ctx.acc_O, corr)
+        else:
+            rescale_rows(ctx.acc_O, corr)
 
     @cute.jit
     def probs_to_operand(self, ctx, probs=None):
@@ -102,7 +120,7 @@ class ForwardMainloop:
         ctx.pipe_k.consumer_release(kv_state)
         corr = self.scores_to_probs(ctx, n_block, mask)
         self.probs_to_operand(ctx)
-        rescale_rows(ctx.acc_O, corr)
+        self.rescale_o(ctx, corr)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
         self.pingpong.sync(ctx.cwg)  # our turn: PV(n) now, QK(n+1) right after
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
@@ -187,7 +205,7 @@ class ForwardMainloop:
         self.pingpong.sync(ctx.cwg)
         gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
         if const_expr(self.RESCALE_BEFORE_PV):
-            rescale_rows(ctx.acc_O, ctx.corr_prev)  # the previous block's, under Q·Kᵀ(n)
+            self.rescale_o(ctx, ctx.corr_prev)  # the previous block's, under Q·Kᵀ(n)
         ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
         self.pingpong.arrive(ctx.cwg)
@@ -212,7 +230,7 @@ class ForwardMainloop:
         if const_expr(self.RESCALE_BEFORE_PV):
             ctx.corr_prev[0], ctx.corr_prev[1] = corr[0], corr[1]  # taken before the next P·V
         else:
-            rescale_rows(ctx.acc_O, corr)
+            self.rescale_o(ctx, corr)
         return kv_state
 
     @cute.jit
@@ -229,7 +247,7 @@ class ForwardMainloop:
     def last_half_block(self, ctx, kv_state):
         """Intra-WG overlap tail of the loop: PV of the last block."""
         if const_expr(self.RESCALE_BEFORE_PV):
-            rescale_rows(ctx.acc_O, ctx.corr_prev)
+            self.rescale_o(ctx, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
         warpgroup.wait_group(0)

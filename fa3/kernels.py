@@ -131,6 +131,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.INTRA_WG_OVERLAP = cfg.intra_wg_overlap
         self.SOFTMAX_APART = cfg.softmax_apart
         self.EX2_EMU = cfg.ex2_emu
+        self.RESCALE_THRESHOLD = cfg.rescale_threshold
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT

@@ -110,8 +110,15 @@ def online_softmax(
     scale_log2: Float32,
     probs=None,
     ex2_emu: cutlass.Constexpr[int] = 0,
+    rescale_threshold: cutlass.Constexpr[int] = 0,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
+
+    `rescale_threshold` t > 0 (Fa3Config.rescale_threshold): a row keeps its running max while
+    the block's max exceeds it by at most t in log2 units (P then stays <= 2^t), and its
+    rescale is exactly 1.0, so O needs no rescale (`needs_rescale`) unless some row's max grew
+    by more. The row sum and the LSE use the max actually subtracted, so the result is the
+    same up to rounding.
 
     `ex2_emu` (Fa3Config.ex2_emu): every ex2_emu-th P of a row by `exp2_poly` (`emulated`),
     the rest by MUFU.EX2; 0: all by MUFU.
@@ -132,10 +139,17 @@ def online_softmax(
             row = [acc_S[_col(k, r)] for k in range(cols)]
             m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_blk)
         m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
+        kept = False
+        if const_expr(rescale_threshold > 0):
+            # False where the old max is -inf (growth +inf, or NaN when both are -inf).
+            kept = (m_new - row_max[r]) * scale_log2 <= Float32(rescale_threshold)
+            m_new = row_max[r] if kept else m_new
         # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
         m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
         m_scaled = m_safe * scale_log2
         corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+        if const_expr(rescale_threshold > 0):
+            corr[r] = Float32(1.0) if kept else corr[r]
         row_max[r] = m_new
         s = Float32(0.0)
         ps = []
@@ -173,6 +187,13 @@ def _chains(values: list, op: Callable):
         lanes = [op(*lanes[k : k + 2]) if k + 1 < len(lanes) else lanes[k]
                  for k in range(0, len(lanes), 2)]  # fmt: skip
     return lanes[0]
+
+
+@cute.jit
+def needs_rescale(corr: cute.Tensor):
+    """Whether any row of the warp has a rescale other than 1.0 (a warp-uniform Boolean, so a
+    branch on it does not diverge)."""
+    return cute.arch.vote_any_sync((corr[0] != Float32(1.0)) | (corr[1] != Float32(1.0)))
 
 
 @cute.jit
