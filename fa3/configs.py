@@ -372,9 +372,29 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
 # ------------------------------------------------------------------------------------------------
 # float8 e4m3 inputs
 # ------------------------------------------------------------------------------------------------
-def _fp8(tile_n: int, stages: int = 2) -> Fa3Config:
+def _fp8(tile_n: int, stages: int = 2, rescale_threshold: int = 0) -> Fa3Config:
     # 2 consumer WGs, non-persistent; sO is bf16 (2 bytes) and cannot live on the fp8 sQ.
-    return Fa3Config(tile_m=128, tile_n=tile_n, stages=stages, o_alias_q=False, persistent=False)
+    return Fa3Config(
+        tile_m=128,
+        tile_n=tile_n,
+        stages=stages,
+        o_alias_q=False,
+        persistent=False,
+        rescale_threshold=rescale_threshold,
+    )
+
+
+# fp8 head dims whose O is rescaled only when a row's max grows by more than 2^8
+# (Fa3Config.rescale_threshold = 8): O is 64 (D = 128) and 128 (D = 256) fp32 registers a
+# thread, one FMUL each per K/V block otherwise. H200, 2026-12-04, commit 3d77f51
+# (`benchmarks/fa3_fwd_ab --fp8 --head-dim D [--causal] --variant rt8:rescale_threshold=8
+# --seqlen 4096 --seqlen 16384 --passes 3`, the whole call, medians of 3 interleaved passes,
+# TFLOP/s at N = 4k / 16k, rt8 against the table's config without it):
+#     D = 128  743.6 / 828.5 against 730.7 / 808.0, causal 667.0 / 731.8 against 639.6 / 720.7
+#     D = 256  878.8 / 1006.1 against 796.5 / 972.8, causal 750.9 / 880.0 against 688.1 / 840.8
+#     D = 64   492.0 / 537.1 against 491.6 / 536.0, causal 434.3 / 511.5 against 445.0 / 527.5
+# (O is 32 registers at D = 64: not taken there).
+FP8_RESCALE_THRESHOLD = 8
 
 
 # head_dim -> fp8 tile config (non-causal and causal unless FP8_CAUSAL_CONFIGS says otherwise).
@@ -390,12 +410,12 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     96: _fp8(128),
     # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
     # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24.
-    128: _fp8(192),
+    128: _fp8(192, rescale_threshold=FP8_RESCALE_THRESHOLD),
     # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
     192: _fp8(128),
     # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
     # 3 stages 886 / 680, no ping-pong 851 / 684). Q 32 + K/V 2 x 2 x 24 + sO 64 KiB = 192 KiB.
-    256: _fp8(96),
+    256: _fp8(96, rescale_threshold=FP8_RESCALE_THRESHOLD),
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s).
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {64: _fp8(256)}
