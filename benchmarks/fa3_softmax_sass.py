@@ -10,9 +10,10 @@ order does not fix this: ptxas moves the wait up (Fa3Config.softmax_apart says w
 compiles the config (the shipped one for --head-dim / --causal, with each --set FIELD=VALUE
 replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait of the
 consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
-between it and the next 0x0 wait, as JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f},
-...]}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before
-cutlass is imported: run it in its own process.
+between it and the next 0x0 wait, and the kernel's counts of the instructions the softmax options
+change (`op_counts`), as JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f}, ...],
+"counts": {...}}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables
+before cutlass is imported: run it in its own process.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ def overlap_windows(text: str) -> list[dict]:
             open_window["mufu"] += ins.op.startswith("MUFU.EX2")
             open_window["fmnmx"] += ins.base == "FMNMX"
     return windows
+
+
+def op_counts(text: str) -> dict[str, int]:
+    """Instructions of the whole kernel that the softmax's options change: exponentials
+    (MUFU.EX2; Fa3Config.ex2_emu moves some to the FMA pipe), warp votes (VOTE; the
+    rescale_threshold build votes on O's rescale) and FMULs (O's rescale among them)."""
+    from benchmarks.fa3_bwd_sass import parse_sass
+
+    insns, _ = parse_sass(text)
+    return {
+        "mufu_ex2": sum(i.op.startswith("MUFU.EX2") for i in insns),
+        "vote": sum(i.base == "VOTE" for i in insns),
+        "fmul": sum(i.base == "FMUL" for i in insns),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     key = CompileKey(bf16, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm)
     compiled, log = probe._capture_fd2(lambda: compile_forward(key))
     facts = probe.parse_ptxas(log)
-    windows = overlap_windows(disassemble(compiled.__cubin__))
-    out = {"config": dataclasses.asdict(cfg), "windows": windows}
+    listing = disassemble(compiled.__cubin__)
+    windows = overlap_windows(listing)
+    out = {"config": dataclasses.asdict(cfg), "windows": windows, "counts": op_counts(listing)}
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0

@@ -8,12 +8,15 @@ flag (causal D = 256, non-causal D = 128) and causal D = 256 without it
 import) and checks each main-loop window between the Q·Kᵀ wait and the P·V wait: the shipped
 builds issue their row max and exponentials there, the build without the flag does not. And
 the flag ships only where it was measured and checked (configs._SOFTMAX_APART), as does
-k_ahead (configs._K_AHEAD).
+k_ahead (configs._K_AHEAD). And the two softmax options that change instruction counts:
+rescale_threshold's warp vote on O's rescale (shipped at D = 256) and ex2_emu's exponentials
+moved off MUFU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -28,6 +31,7 @@ pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@functools.cache
 def _windows(*sets: str, head_dim: int = 256, causal: bool = True) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.fa3_softmax_sass", "--head-dim", str(head_dim)]
     cmd += ["--causal"] if causal else []
@@ -97,3 +101,28 @@ def test_softmax_apart_ships_where_it_was_measured() -> None:
     no_overlap = dataclasses.replace(get_config(256, bf16, True), intra_wg_overlap=False)
     ok, why = can_implement(no_overlap, 256, bf16)
     assert not ok and "softmax_apart needs intra_wg_overlap" in why
+
+
+def test_rescale_vote_and_moved_exponentials_in_the_sass() -> None:
+    """Causal D = 256 ships rescale_threshold 8: its kernel votes once per block on whether O
+    needs its rescale (VOTE), the same build without the threshold does not. ex2_emu = 4 at
+    D = 64 (192 x 128 tiles: 64 scores a thread per block) takes a quarter of each loop copy's
+    exponentials off MUFU. Both spill-free, the wgmma pipeline intact."""
+    with ThreadPoolExecutor(4) as pool:
+        shipped, no_threshold, d64, d64_emu = pool.map(
+            lambda f: f(),
+            [
+                lambda: _windows(),
+                lambda: _windows("rescale_threshold=0"),
+                lambda: _windows(head_dim=64, causal=False),
+                lambda: _windows("ex2_emu=4", head_dim=64, causal=False),
+            ],
+        )
+    assert shipped["config"]["rescale_threshold"] == 8
+    assert shipped["counts"]["vote"] >= 1 and no_threshold["counts"]["vote"] == 0
+    assert d64_emu["config"]["ex2_emu"] == 4 and d64["config"]["ex2_emu"] == 0
+    # Two copies of the loop's softmax (first block and loop), 16 of 64 exponentials each.
+    moved = d64["counts"]["mufu_ex2"] - d64_emu["counts"]["mufu_ex2"]
+    assert moved >= 2 * 16, (d64["counts"], d64_emu["counts"])
+    for r in (shipped, no_threshold, d64, d64_emu):
+        assert r["spill_stores"] == 0 and not r["remarks"], r

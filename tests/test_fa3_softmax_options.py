@@ -1,0 +1,95 @@
+"""softmax.exp2_poly, the exponential on the FMA pipe (Fa3Config.ex2_emu), through its CPU model
+(`exp2_poly_model`: the same float32 operations in the same order, fma with one rounding), and
+the range checks of the softmax options in can_implement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cutlass.cute", reason="nvidia-cutlass-dsl not installed")
+
+
+def test_exp2_poly_is_within_its_stated_error_on_the_softmax_range() -> None:
+    from flashsuite.fa3.softmax import exp2_poly_model
+
+    x = np.linspace(-126.0, 0.0, 1_000_003).astype(np.float32)
+    rel = np.abs(exp2_poly_model(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() <= 1.02e-4, rel.max()
+    assert exp2_poly_model(np.float32(0.0)) == np.float32(1.0)
+    # Round-to-nearest ties and the integer points: exact powers of two.
+    ints = np.arange(-126, 1, dtype=np.float32)
+    assert np.array_equal(exp2_poly_model(ints), np.exp2(ints))
+
+
+def test_exp2_poly_gives_zero_for_masked_scores_and_never_wraps() -> None:
+    """-inf (a masked score) and anything at or below the floor give +0 exactly, so a fully
+    masked row's sum stays 0; between the floor and -126 the result is a tiny non-negative
+    subnormal; the function is monotone (no wrap of the exponent bits)."""
+    from flashsuite.fa3.softmax import EXP2_POLY_FLOOR, exp2_poly_model
+
+    low = np.array([-np.inf, -1e30, -300.0, -128.0, EXP2_POLY_FLOOR], dtype=np.float32)
+    out = exp2_poly_model(low)
+    assert np.array_equal(out.view(np.uint32), np.zeros(len(low), dtype=np.uint32)), out
+    x = np.linspace(EXP2_POLY_FLOOR, 0.0, 400_001).astype(np.float32)
+    y = exp2_poly_model(x)
+    assert (y >= 0).all() and (np.diff(y) >= 0).all()
+    assert (y[x < -126] < np.float32(2.0**-126)).all()
+
+
+def test_emulated_share() -> None:
+    from flashsuite.fa3.softmax import emulated
+
+    assert [k for k in range(12) if emulated(k, 4)] == [3, 7, 11]
+    assert not any(emulated(k, 0) for k in range(64))
+
+
+@pytest.mark.parametrize(("field", "value"), [("rescale_threshold", 9), ("rescale_threshold", -1),
+                                              ("ex2_emu", -1)])  # fmt: skip
+def test_softmax_options_out_of_range_are_refused(field: str, value: int) -> None:
+    import torch
+
+    from flashsuite.fa3.configs import can_implement, get_config
+
+    cfg = dataclasses.replace(get_config(128, torch.bfloat16, False), **{field: value})
+    ok, why = can_implement(cfg, 128, torch.bfloat16)
+    assert not ok and field in why and str(value) in why, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("growth", [0.05, 3.0, 12.0], ids=lambda g: f"grow{g}")
+def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
+    growth: float, causal: bool
+) -> None:
+    """The shipped D = 256 build (rescale_threshold 8) on scores whose row max grows by about
+    `growth` bits from one 80-key block to the next: 0.05 keeps the first block's max for the
+    whole row (P climbs towards 2^8 and the row sum with it), 3 keeps it for a few blocks and
+    then rescales, 12 rescales every block. Out and LSE against the float64 oracle under the
+    suite's rule."""
+    import torch
+
+    from flashsuite import dispatch
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import config_for
+
+    b, nq, nk, h, d, bf16 = 1, 300, 1000, 2, 256, torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    u = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=gen), dim=0)
+    amp = 4.0  # q's component along u
+    # Key j's component along u rises so that the scores (scale 1/16, log2 e) grow by
+    # `growth` bits per 80 keys.
+    per_key = growth / (80 * amp * d**-0.5 * 1.4426950408889634)
+    ramp = per_key * torch.arange(nk, device="cuda", dtype=torch.float32)
+    q = torch.randn(b, nq, h, d, device="cuda", generator=gen) + amp * u
+    k = torch.randn(b, nk, h, d, device="cuda", generator=gen) + ramp[None, :, None, None] * u
+    v = torch.randn(b, nk, h, d, device="cuda", generator=gen)
+    q, k, v = (t.to(bf16) for t in (q, k, v))
+    assert config_for(check_inputs(q, k, v, causal=causal)).rescale_threshold == 8
+    out, lse = dispatch.attention(q, k, v, causal=causal, return_lse=True, version="fa3")
+    ref = reference_pair(q, k, v, causal=causal)
+    for res in (compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])):
+        assert res.ok, res
