@@ -377,8 +377,8 @@ def bench_one(d: int, n: int, causal: bool, cfg: Any = None, peers: bool = True)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt_, is_causal=causal)
 
-    vt = interface.transpose_v(v)
     cfg = cfg if cfg is not None else get_config(d, FP8_DTYPE, causal)
+    vt = interface.transpose_v(v, cfg.permute_v_keys)
     kern = get_forward(CompileKey(FP8_DTYPE, d, causal, False, False, cfg))
     out = torch.empty((b, n, h, d), dtype=torch.bfloat16, device=DEV)
     lse = torch.empty((b, h, n), dtype=torch.float32, device=DEV)

@@ -50,13 +50,15 @@ def overlap_windows(text: str) -> list[dict]:
 def op_counts(text: str) -> dict[str, int]:
     """Instructions of the whole kernel that the softmax's options change: exponentials
     (MUFU.EX2; Fa3Config.ex2_emu moves some to the FMA pipe), warp votes (VOTE; the
-    rescale_threshold build votes on O's rescale) and FMULs (O's rescale among them)."""
+    rescale_threshold build votes on O's rescale), shuffles (SHFL: the row max and sum, and
+    fp8's quad exchange unless permute_v_keys) and FMULs (O's rescale among them)."""
     from benchmarks.fa3_bwd_sass import parse_sass
 
     insns, _ = parse_sass(text)
     return {
         "mufu_ex2": sum(i.op.startswith("MUFU.EX2") for i in insns),
         "vote": sum(i.base == "VOTE" for i in insns),
+        "shfl": sum(i.base == "SHFL" for i in insns),
         "fmul": sum(i.base == "FMUL" for i in insns),
     }
 
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE (repeat)")
+    ap.add_argument("--fp8", action="store_true", help="the e4m3 table's config and build")
     args = ap.parse_args(argv)
 
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
@@ -82,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         _, changes = parse_variant("set:" + ",".join(args.set))
     except ValueError as exc:
         ap.error(str(exc))
-    bf16 = torch.bfloat16
-    cfg = dataclasses.replace(get_config(args.head_dim, bf16, args.causal), **changes)
-    ok, why = can_implement(cfg, args.head_dim, bf16)
+    from flashsuite.fa3.configs import FP8_DTYPE
+
+    dtype = FP8_DTYPE if args.fp8 else torch.bfloat16
+    cfg = dataclasses.replace(get_config(args.head_dim, dtype, args.causal), **changes)
+    ok, why = can_implement(cfg, args.head_dim, dtype)
     if not ok:
         ap.error(f"--set: the config cannot be built: {why}")
     try:
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         tvm = True
     except ImportError:
         tvm = False
-    key = CompileKey(bf16, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm)
+    key = CompileKey(dtype, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm)
     compiled, log = probe._capture_fd2(lambda: compile_forward(key))
     facts = probe.parse_ptxas(log)
     listing = disassemble(compiled.__cubin__)

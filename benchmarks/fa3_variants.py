@@ -237,6 +237,10 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         # V transposed in shared memory by the producer WG instead of the host's Vᵀ copy
         # (`fp8_check --vt` times the user's whole call of both builds).
         cands["vt_smem"] = fp8_smem_transpose_config(d, False)
+        # V's keys in slot order, so P needs no quad exchange (Fa3Config.permute_v_keys), with
+        # V transposed on the host and in shared memory.
+        cands["permuted_keys"] = replace(cfg, permute_v_keys=True)
+        cands["vt_smem_permuted_keys"] = replace(cands["vt_smem"], permute_v_keys=True)
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if can_implement(c, d, FP8_DTYPE)[0]]
     return out

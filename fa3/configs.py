@@ -125,6 +125,12 @@ class Fa3Config:
     # of its rows' max grew by more (softmax.online_softmax). 0: every block rescales.
     # At most RESCALE_THRESHOLD_MAX: 2^t must fit P's type (e4m3 448, fp16 65504).
     rescale_threshold: int = 0
+    # float8 only: V's keys in fp8_ops.slot_key order within each 32-key block (the host's Vᵀ
+    # copy, `interface.transpose_v`, or the smem transpose puts them there), so P goes from
+    # S's C fragment to P·V's A fragment inside each thread: no quad exchange (two shfl.sync
+    # and two prmt per 8 scores a thread). The order of the products of P·V changes, not
+    # the products.
+    permute_v_keys: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -204,6 +210,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             f"fa3: rescale_threshold expected in [0, {RESCALE_THRESHOLD_MAX}] (P <= 2^t must fit "
             f"e4m3), got {cfg.rescale_threshold}"
         )
+    if cfg.permute_v_keys and dtype != FP8_DTYPE:
+        return False, f"fa3: permute_v_keys is for float8 inputs (P·V's A fragment), not {dtype}"
     if cfg.ex2_emu < 0:
         return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:

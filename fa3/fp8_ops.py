@@ -85,12 +85,35 @@ def byte_perm(a: Int32, b: Int32, sel: Int32, *, loc=None, ip=None) -> Int32:
     )
 
 
+def slot_key(s):
+    """The key (0..31 within its 32-key block) that A-operand slot `s` of P·V holds when V's
+    keys are permuted (Fa3Config.permute_v_keys).
+
+    Lane t of a quad owns the C-fragment columns {8j + 2t + c} of S and the A-fragment slots
+    {16h + 4t + i} of P (i < 4). Giving slot 16h + 4t + 2a + c the key 16h + 8a + 2t + c (a, c
+    in {0, 1}) makes the lane's own four columns of key half h its four slots there: P goes
+    from the C fragment to the A fragment inside each thread, and V's rows (Vᵀ's columns) are
+    put in the same slot order, so P·V sums the same products. In key-index bits the map
+    swaps the fields (t, a) of s = (h, t, a, c) into (h, a, t, c): a transpose of two axes
+    (`interface.transpose_v` copies V through that view). Plain integer arithmetic (kernel
+    Int32, tests int)."""
+    h, t, a, c = s // 16, (s // 4) % 4, (s // 2) % 2, s % 2
+    return 16 * h + 8 * a + 2 * t + c
+
+
 @cute.jit
-def probs_to_operand(acc_S: cute.Tensor, tOrP: cute.Tensor, tile_n: cutlass.Constexpr[int]):
+def probs_to_operand(
+    acc_S: cute.Tensor,
+    tOrP: cute.Tensor,
+    tile_n: cutlass.Constexpr[int],
+    keys_permuted: cutlass.Constexpr[bool] = False,
+):
     """P (fp32 C fragment in acc_S) -> e4m3 A fragment of PV (tOrP), see `quad_exchange`.
 
     acc_S element 4j + 2r + c is (row half r, column 8j + 2t + c); tOrP's 32-bit word
     4kb + r + 2h holds row half r, keys 32kb + 16h + 4t' .. + 3 (m64nNk32 A layout).
+    `keys_permuted` (V's keys in `slot_key` order): word 4kb + r + 2h is the lane's own
+    columns 8(2h) + 2t + (0, 1) and 8(2h + 1) + 2t + (0, 1), packed in place: no shuffle.
     """
     # ((4, 2, 2), 1, TILE_N / 32) bytes: (byte, row half, k half) x k-blocks.
     assert cute.size(tOrP) == cute.size(acc_S)
@@ -98,6 +121,15 @@ def probs_to_operand(acc_S: cute.Tensor, tOrP: cute.Tensor, tile_n: cutlass.Cons
     words = cute.make_tensor(
         cute.recast_ptr(tOrP.iterator, dtype=Int32), cute.make_layout(cute.size(tOrP) // 4)
     )  # (TILE_N / 8,) 32-bit view of P's registers
+    if const_expr(keys_permuted):
+        for kb in cutlass.range_constexpr(tile_n // MMA_K_FP8):
+            for r in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    i0 = 4 * (4 * kb + 2 * h) + 2 * r  # column group j = 2h, then 2h + 1
+                    words[4 * kb + r + 2 * h] = cvt_pack_e4m3x4(
+                        acc_S[i0], acc_S[i0 + 1], acc_S[i0 + 4], acc_S[i0 + 5]
+                    )
+        return
     lane = cute.arch.lane_idx()
     t = lane % 4
     src1, src2, sel_lo, sel_hi = quad_exchange(t)
@@ -132,7 +164,7 @@ VT_SEL_EVEN = 0x6420
 VT_SEL_ODD = 0x7531
 
 
-def vt_load_row(lane):
+def vt_load_row(lane, keys_permuted: bool = False):
     """The sV row (key within the unit; D offset 0) whose 16 bytes lane `lane` addresses for
     ldmatrix.x4.trans.
 
@@ -142,10 +174,13 @@ def vt_load_row(lane):
     2q + 1 are keys 16g + 4q + 2h + (0, 1), and the registers of matrices 2g and 2g + 1 hold
     the four consecutive keys 16g + 4q .. 16g + 4q + 3 at D bytes 2p and 2p + 1.
     Plain integer arithmetic: the kernel (Int32) and its CPU model in the tests (int).
+    `keys_permuted`: the lane reads the key `slot_key` puts in that place instead, so sVt
+    holds V's keys in slot order (Fa3Config.permute_v_keys).
     """
     m = lane // 8
     r = lane % 8
-    return 16 * (m // 2) + 4 * (r // 2) + 2 * (m % 2) + r % 2
+    slot = 16 * (m // 2) + 4 * (r // 2) + 2 * (m % 2) + r % 2
+    return slot_key(slot) if keys_permuted else slot
 
 
 def vt_store_row(lane):
@@ -202,13 +237,15 @@ def transpose_block(
     num_warps: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
+    keys_permuted: cutlass.Constexpr[bool] = False,
 ):
     """sVt[:, :, vt_stage] = sV[:, :, v_stage]ᵀ by `num_warps` warps, unit u = warp,
     warp + num_warps, ... (units: keys 32 kb, D bytes 16 db, kb fastest). Byte offsets come
     from the swizzled layouts (the 16-byte segments every lane addresses stay contiguous under
-    the 16-byte-granular swizzles)."""
+    the 16-byte-granular swizzles). `keys_permuted`: each 32-key unit's keys in `slot_key`
+    order."""
     lane = cute.arch.lane_idx()
-    key_ld = vt_load_row(lane)
+    key_ld = vt_load_row(lane, keys_permuted)
     d_st, key_st = vt_store_row(lane)
     kbs = tile_n // VT_UNIT_KEYS
     units = kbs * (head_dim // VT_UNIT_D)

@@ -100,7 +100,7 @@ class ForwardMainloop:
         """
         acc_S = ctx.acc_S if const_expr(probs is None) else probs
         if const_expr(self.FP8):
-            fp8_ops.probs_to_operand(acc_S, ctx.tOrP, self.TILE_N)
+            fp8_ops.probs_to_operand(acc_S, ctx.tOrP, self.TILE_N, self.PERMUTE_V_KEYS)
         else:
             n = cute.size(acc_S)
             p32 = cute.make_tensor(

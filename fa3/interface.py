@@ -191,7 +191,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def transpose_v(v: torch.Tensor) -> torch.Tensor:
+def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     """fp8 V (B, Nk, Hkv, D) -> Vᵀ (B, Hkv, D, Nk) with the keys contiguous: PV's B operand
     must be K-major for fp8 wgmma (it takes no MN-major operand), so the kernel loads Vᵀ blocks.
 
@@ -200,12 +200,34 @@ def transpose_v(v: torch.Tensor) -> torch.Tensor:
     docs/results/fa3-fp8-ablation-8867277.json `bench`). The key stride is padded to 16 bytes
     (TMA); the view stops at Nk, so TMA zero-fills the tail block and the padding is never
     read. Copied through uint8 views (a byte permutation).
+
+    `permute_keys` (Fa3Config.permute_v_keys): within each 32-key block the keys go in
+    `fp8_ops.slot_key` order, which swaps two bit fields of the key index, so the copy is still
+    one strided pass. Vᵀ then runs to Nk rounded up to 32, the keys past Nk zero (a permuted
+    block mixes them with real ones, so TMA's zero fill past Nk cannot stand in for them;
+    the kernel masks those keys by K's length). A ragged Nk costs one more copy of V, padded.
     """
+    if permute_keys:
+        return _transpose_v_permuted(v)
     b, nk, hkv, d = v.shape
     nk_pad = (nk + 15) // 16 * 16
     vt = torch.empty((b, hkv, d, nk_pad), dtype=torch.uint8, device=v.device)  # (B, Hkv, D, Nk')
     vt = vt[..., :nk]  # (B, Hkv, D, Nk)
     vt.copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
+    return vt.view(v.dtype)
+
+
+def _transpose_v_permuted(v: torch.Tensor) -> torch.Tensor:
+    """`transpose_v` with permute_keys: (B, Nk, Hkv, D) -> (B, Hkv, D, Nk rounded up to 32)."""
+    b, nk, hkv, d = v.shape
+    nk32 = (nk + 31) // 32 * 32
+    src = v.view(torch.uint8)
+    if nk32 != nk:
+        src = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, nk32 - nk))  # zero keys past Nk
+    # key = 32 blk + 16 h + 8 a + 2 t + c  ->  slot = 32 blk + 16 h + 4 t + 2 a + c
+    keys = src.view(b, nk32 // 32, 2, 2, 4, 2, hkv, d)  # (B, blk, h, a, t, c, Hkv, D)
+    vt = torch.empty((b, hkv, d, nk32), dtype=torch.uint8, device=v.device)
+    vt.view(b, hkv, d, nk32 // 32, 2, 4, 2, 2).copy_(keys.permute(0, 6, 7, 1, 2, 4, 3, 5))
     return vt.view(v.dtype)
 
 
@@ -264,7 +286,7 @@ def forward(
     fn, scalars, cfg = _launch_plan(p, cfg, q.device)
     if p.is_fp8:
         if cfg.v_transpose == "host":
-            v = transpose_v(v)  # (B, Hkv, D, Nk), keys contiguous
+            v = transpose_v(v, cfg.permute_v_keys)  # (B, Hkv, D, Nk), keys contiguous
         else:
             v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
         descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)

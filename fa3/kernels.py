@@ -132,6 +132,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.SOFTMAX_APART = cfg.softmax_apart
         self.EX2_EMU = cfg.ex2_emu
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
+        self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT
@@ -459,7 +460,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         pipeline.make_pipeline_state(Consumer, self.STAGES),
                         pipeline.make_pipeline_state(Producer, self.STAGES),
                         n_block_max - n_block_min, warp - 1, TRANSPOSE_WARPS, self.TILE_N,
-                        self.HEAD_DIM,
+                        self.HEAD_DIM, self.PERMUTE_V_KEYS,
                     )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)

@@ -242,6 +242,7 @@ def transpose_blocks(
     num_warps: cutlass.Constexpr[int],
     tile_n: cutlass.Constexpr[int],
     head_dim: cutlass.Constexpr[int],
+    keys_permuted: cutlass.Constexpr[bool] = False,
 ):
     """Transposing warps: V block i (the producer's i-th V load of the tile) -> Vᵀ stage, for
     i < n_blocks; returns the advanced (v_state, vt_state).
@@ -259,7 +260,7 @@ def transpose_blocks(
         pipe_vt.producer_acquire(vt_state)
         transpose_block(
             sV_base, sVt_base, sV_l, sVt_l, v_state.index, vt_state.index, warp, num_warps,
-            tile_n, head_dim,
+            tile_n, head_dim, keys_permuted,
         )  # fmt: skip
         cute.arch.fence_proxy("async.shared", space="cta")  # stmatrix writes -> wgmma reads
         cute.arch.sync_warp()

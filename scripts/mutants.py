@@ -443,16 +443,24 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 fwd: running-max rescale dropped (serial K/V step)",
         FA3_LOOP,
-        "        self.probs_to_operand(ctx)\n        rescale_rows(ctx.acc_O, corr)\n",
+        "        self.probs_to_operand(ctx)\n        self.rescale_o(ctx, corr)\n",
         "        self.probs_to_operand(ctx)\n",
         _fwd("fa3"),
     ),
     Mutant(
         "fa3 fwd: running-max rescale dropped (overlapped K/V step)",
         FA3_LOOP,
-        "        else:\n            rescale_rows(ctx.acc_O, corr)\n",
+        "        else:\n            self.rescale_o(ctx, corr)\n",
         "        else:\n            pass\n",
         _fwd("fa3"),
+    ),
+    Mutant(
+        "fa3 fwd: O not rescaled when a row's max grew past the threshold (D = 256)",
+        FA3_LOOP,
+        "            if needs_rescale(corr):\n",
+        "            if not needs_rescale(corr):\n",
+        "test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows",
+        ("tests/test_fa3_softmax_options.py",),
     ),
     Mutant(
         "fa3 fwd: causal top-left (mask)",

@@ -220,6 +220,44 @@ def test_quad_exchange_builds_the_fp8_a_fragment() -> None:
                     assert words[t][4 * kb + r + 2 * h] == want, (kb, t, r, h)
 
 
+def test_permuted_keys_give_the_a_fragment_in_place() -> None:
+    """probs_to_operand with keys_permuted (V's keys in slot_key order): each lane packs its own
+    four C-fragment columns per key half into one word, and that word's bytes are the A
+    fragment's slots 16h + 4t + 0..3, which hold keys slot_key(...) of V: P·V pairs every P
+    with the V row of its own key. slot_key is a permutation of each 32-key block."""
+    assert sorted(fp8_ops.slot_key(s) for s in range(32)) == list(range(32))
+    for kb in range(6):  # 32-key blocks of a 192-wide S tile
+        for t in range(4):
+            acc = {
+                4 * j + 2 * r + c: (r, 8 * j + 2 * t + c)
+                for j in range(24)
+                for r in (0, 1)
+                for c in (0, 1)
+            }
+            for r in (0, 1):
+                for h in (0, 1):
+                    i0 = 4 * (4 * kb + 2 * h) + 2 * r  # the kernel's indices
+                    word = [acc[i0], acc[i0 + 1], acc[i0 + 4], acc[i0 + 5]]
+                    slots = [16 * h + 4 * t + b for b in range(4)]
+                    want = [(r, 32 * kb + fp8_ops.slot_key(s)) for s in slots]
+                    assert word == want, (kb, t, r, h)
+
+
+def test_transpose_v_with_permuted_keys() -> None:
+    """interface.transpose_v(permute_keys=True): Vᵀ's column 32 blk + s is V's key 32 blk +
+    slot_key(s), zero past Nk, to Nk rounded up to 32 (ragged and whole blocks)."""
+    for nk in (37, 64, 100):
+        v = (torch.randn(2, nk, 3, 64) * 3).to(torch.float8_e4m3fn)  # (B, Nk, Hkv, D)
+        vt = interface.transpose_v(v, permute_keys=True)
+        nk32 = (nk + 31) // 32 * 32
+        assert vt.shape == (2, 3, 64, nk32) and vt.dtype == v.dtype and vt.stride(-1) == 1
+        u, vu = vt.view(torch.uint8), v.view(torch.uint8)
+        for s in range(nk32):
+            key = s // 32 * 32 + fp8_ops.slot_key(s % 32)
+            want = vu[:, key] if key < nk else torch.zeros_like(vu[:, 0])  # (B, Hkv, D)
+            assert torch.equal(u[..., s], want), (nk, s)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_fp8_table_entries_can_be_implemented(d: int, causal: bool) -> None:
@@ -372,11 +410,13 @@ def _stmatrix(regs: list[list]) -> list[list]:
     return [[b for q in range(4) for b in regs[4 * (L % 8) + q][L // 8]] for L in range(32)]
 
 
+@pytest.mark.parametrize("permuted", [False, True], ids=["keys", "slots"])
 @pytest.mark.parametrize(("tile_n", "d"), [(32, 16), (64, 64), (96, 256), (192, 128)])
-def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int) -> None:
+def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int, permuted: bool) -> None:
     """fp8_ops.transpose_block's lanes, instruction by instruction: ldmatrix.trans at the rows
     vt_load_row names, the two prmt per register pair, stmatrix at the rows vt_store_row names,
-    over every unit and warp: sVt[d, key] ends up V[key, d] for every byte, each written once."""
+    over every unit and warp: sVt[d, key] ends up V[key, d] for every byte, each written once
+    (`permuted`, Fa3Config.permute_v_keys: sVt[d, 32 blk + s] = V[32 blk + slot_key(s), d])."""
     sv = {(k, c): ("v", k, c) for k in range(tile_n) for c in range(d)}  # (key, D byte)
     svt: dict[tuple, tuple] = {}
     kbs = tile_n // fp8_ops.VT_UNIT_KEYS
@@ -385,7 +425,7 @@ def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int) -> N
         k0, d0 = (u % kbs) * fp8_ops.VT_UNIT_KEYS, (u // kbs) * fp8_ops.VT_UNIT_D
         rows = []
         for lane in range(32):
-            key = k0 + fp8_ops.vt_load_row(lane)
+            key = k0 + fp8_ops.vt_load_row(lane, permuted)
             rows.append([sv[(key, d0 + c)] for c in range(16)])
         regs = _ldmatrix_trans(rows)
         words = [
@@ -403,7 +443,11 @@ def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int) -> N
                 assert at not in svt, f"sVt{at} written twice"
                 svt[at] = seg[c]
     assert len(svt) == tile_n * d
-    assert all(svt[(c, k)] == ("v", k, c) for k in range(tile_n) for c in range(d))
+
+    def key_at(s: int) -> int:
+        return s // 32 * 32 + fp8_ops.slot_key(s % 32) if permuted else s
+
+    assert all(svt[(c, s)] == ("v", key_at(s), c) for s in range(tile_n) for c in range(d))
 
 
 def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:

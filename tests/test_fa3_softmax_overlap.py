@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @functools.cache
-def _windows(*sets: str, head_dim: int = 256, causal: bool = True) -> dict:
+def _windows(*sets: str, head_dim: int = 256, causal: bool = True, fp8: bool = False) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.fa3_softmax_sass", "--head-dim", str(head_dim)]
     cmd += ["--causal"] if causal else []
+    cmd += ["--fp8"] if fp8 else []
     for s in sets:
         cmd += ["--set", s]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
@@ -125,4 +126,25 @@ def test_rescale_vote_and_moved_exponentials_in_the_sass() -> None:
     moved = d64["counts"]["mufu_ex2"] - d64_emu["counts"]["mufu_ex2"]
     assert moved >= 2 * 16, (d64["counts"], d64_emu["counts"])
     for r in (shipped, no_threshold, d64, d64_emu):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+
+
+def test_permuted_v_keys_drop_the_fp8_quad_exchange() -> None:
+    """fp8 D = 128 (192-key blocks: 6 k-blocks x 2 row halves x 2 shuffles, in the loop's two
+    softmax copies) with permute_v_keys, V transposed on the host or in shared memory: the
+    quad exchange's 48 shuffles are gone, the row max and sum keep theirs; spill-free."""
+    with ThreadPoolExecutor(3) as pool:
+        table, host, smem = pool.map(
+            lambda f: f(),
+            [
+                lambda: _windows(head_dim=128, causal=False, fp8=True),
+                lambda: _windows("permute_v_keys=1", head_dim=128, causal=False, fp8=True),
+                lambda: _windows(
+                    "permute_v_keys=1,v_transpose=smem", head_dim=128, causal=False, fp8=True
+                ),
+            ],
+        )
+    assert host["config"]["permute_v_keys"] and smem["config"]["v_transpose"] == "smem"
+    for r in (host, smem):
+        assert table["counts"]["shfl"] - r["counts"]["shfl"] == 48, (table["counts"], r)
         assert r["spill_stores"] == 0 and not r["remarks"], r

@@ -175,12 +175,16 @@ def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: boo
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("build", ["smem", "host_pk", "smem_pk"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}-{c[6]}")
-def test_fa3_fp8_smem_transpose_build(case: tuple) -> None:
-    """fa3's fp8 build that transposes V in shared memory (Fa3Config.v_transpose="smem", the
-    table's pick up to FP8_SMEM_VT_MAX_SEQLEN_K keys; launched through fa3.interface with its
-    config): within the e4m3 baseline, and bit for bit the host-Vᵀ build's output where both
-    use the same tiles (the transpose moves bytes; the arithmetic is the same)."""
+def test_fa3_fp8_v_routes(case: tuple, build: str) -> None:
+    """fa3's fp8 builds other than the host-Vᵀ one, launched through fa3.interface with their
+    config, each within the e4m3 baseline. "smem": V transposed in shared memory
+    (Fa3Config.v_transpose, the table's pick up to FP8_SMEM_VT_MAX_SEQLEN_K keys), and bit for
+    bit the host-Vᵀ build's output where both use the same tiles (the transpose moves bytes;
+    the arithmetic is the same). "host_pk" / "smem_pk": V's keys in fp8_ops.slot_key order
+    (Fa3Config.permute_v_keys: P stays in its thread, no quad exchange); the products of P·V
+    are the same, their order within a 32-key block is not, so the bits may differ."""
     if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
     from flashsuite.common.validation import check_inputs
@@ -191,11 +195,12 @@ def test_fa3_fp8_smem_transpose_build(case: tuple) -> None:
     q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, DEVICE)
     kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     p = check_inputs(q8, k8, v8, causal=causal, **kwargs)
-    cfg = fp8_smem_transpose_config(d, causal)
+    host = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
+    cfg = fp8_smem_transpose_config(d, causal) if build.startswith("smem") else host
+    cfg = replace(cfg, permute_v_keys=build.endswith("_pk"))
     out, lse = interface.forward(q8, k8, v8, p, *ds, cfg=cfg)
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=True)
-    host = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
-    if host.tile_n == cfg.tile_n:
+    if build == "smem" and host.tile_n == cfg.tile_n:
         out_h, lse_h = interface.forward(q8, k8, v8, p, *ds, cfg=host)
         assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
 
