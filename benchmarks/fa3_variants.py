@@ -241,6 +241,8 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         # V transposed on the host and in shared memory.
         cands["permuted_keys"] = replace(cfg, permute_v_keys=True)
         cands["vt_smem_permuted_keys"] = replace(cands["vt_smem"], permute_v_keys=True)
+        # O's rescale skipped where no row of the warp moved its max (bit for bit the table's).
+        cands["skip_unit_rescale"] = replace(cfg, skip_unit_rescale=True)
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if can_implement(c, d, FP8_DTYPE)[0]]
     return out

@@ -125,6 +125,12 @@ class Fa3Config:
     # of its rows' max grew by more (softmax.online_softmax). 0: every block rescales.
     # At most RESCALE_THRESHOLD_MAX: 2^t must fit P's type (e4m3 448, fp16 65504).
     rescale_threshold: int = 0
+    # With rescale_threshold 0: a warp skips O's rescale when no row of it moved its max in
+    # the block (every rescale exactly 1.0: the result is bit for bit the same). How often
+    # that happens grows with the key length (a row's max moves in block j with probability
+    # about 1 / j on exchangeable scores, so all 16 rows of a warp stay put in most blocks
+    # past the first few dozen).
+    skip_unit_rescale: bool = False
     # float8 only: V's keys in fp8_ops.slot_key order within each 32-key block (the host's Vᵀ
     # copy, `interface.transpose_v`, or the smem transpose puts them there), so P goes from
     # S's C fragment to P·V's A fragment inside each thread: no quad exchange (two shfl.sync

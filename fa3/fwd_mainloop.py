@@ -78,13 +78,14 @@ class ForwardMainloop:
             probs,
             self.EX2_EMU,
             self.RESCALE_THRESHOLD,
+            self.SKIP_UNIT_RESCALE,
         )
 
     @cute.jit
     def rescale_o(self, ctx, corr):
-        """O times each row's rescale; with RESCALE_THRESHOLD only when some row of the warp
-        has one other than 1.0 (after the first blocks, rarely)."""
-        if const_expr(self.RESCALE_THRESHOLD > 0):
+        """O times each row's rescale; with RESCALE_THRESHOLD or SKIP_UNIT_RESCALE only when
+        some row of the warp has one other than 1.0."""
+        if const_expr(self.RESCALE_THRESHOLD > 0 or self.SKIP_UNIT_RESCALE):
             if needs_rescale(corr):
                 rescale_rows(ctx.acc_O, corr)
         else:

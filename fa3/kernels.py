@@ -132,6 +132,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.SOFTMAX_APART = cfg.softmax_apart
         self.EX2_EMU = cfg.ex2_emu
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
+        self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs

@@ -111,6 +111,7 @@ def online_softmax(
     probs=None,
     ex2_emu: cutlass.Constexpr[int] = 0,
     rescale_threshold: cutlass.Constexpr[int] = 0,
+    skip_unit_rescale: cutlass.Constexpr[bool] = False,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
 
@@ -118,7 +119,9 @@ def online_softmax(
     the block's max exceeds it by at most t in log2 units (P then stays <= 2^t), and its
     rescale is exactly 1.0, so O needs no rescale (`needs_rescale`) unless some row's max grew
     by more. The row sum and the LSE use the max actually subtracted, so the result is the
-    same up to rounding.
+    same up to rounding. `skip_unit_rescale` (Fa3Config.skip_unit_rescale, threshold 0): a
+    row whose max did not move gets a rescale of exactly 1.0 by a select rather than exp2(0),
+    so `needs_rescale` can skip O's rescale bit for bit.
 
     `ex2_emu` (Fa3Config.ex2_emu): every ex2_emu-th P of a row by `exp2_poly` (`emulated`),
     the rest by MUFU.EX2; 0: all by MUFU.
@@ -150,6 +153,9 @@ def online_softmax(
         corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
         if const_expr(rescale_threshold > 0):
             corr[r] = Float32(1.0) if kept else corr[r]
+        elif const_expr(skip_unit_rescale):
+            # Both -inf (no key seen yet) counts as unmoved: O and the row sum are 0 there.
+            corr[r] = Float32(1.0) if m_new == row_max[r] else corr[r]
         row_max[r] = m_new
         s = Float32(0.0)
         ps = []

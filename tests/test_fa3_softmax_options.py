@@ -93,3 +93,36 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
     ref = reference_pair(q, k, v, causal=causal)
     for res in (compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])):
         assert res.ok, res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d", "fp8", "causal"),
+    [(64, False, False), (128, False, False), (128, False, True), (128, True, False),
+     (256, True, True)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_gpu_skip_unit_rescale_is_bit_for_bit(d: int, fp8: bool, causal: bool) -> None:
+    """Fa3Config.skip_unit_rescale skips O's rescale only where every row of the warp has a
+    rescale of exactly 1.0, so out and LSE equal the table build's bit for bit (16-bit and
+    e4m3, causal, GQA, ragged lengths over enough key blocks for the skip to fire)."""
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    b, nq, nk, hq, hkv = 2, 700, 3001, 4, 2
+
+    def rnd(n: int, h: int) -> torch.Tensor:
+        t = torch.randn(b, n, h, d, device="cuda", generator=gen)
+        return t.to(torch.float8_e4m3fn) if fp8 else t.to(torch.bfloat16)
+
+    q, k, v = rnd(nq, hq), rnd(nk, hkv), rnd(nk, hkv)
+    p = check_inputs(q, k, v, causal=causal)
+    table = config_for(p)
+    skip = dataclasses.replace(table, rescale_threshold=0, skip_unit_rescale=True)
+    out, lse = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, rescale_threshold=0))
+    out_s, lse_s = interface.forward(q, k, v, p, cfg=skip)
+    assert torch.equal(out, out_s) and torch.equal(lse, lse_s)

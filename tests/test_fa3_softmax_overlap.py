@@ -106,26 +106,29 @@ def test_softmax_apart_ships_where_it_was_measured() -> None:
 
 def test_rescale_vote_and_moved_exponentials_in_the_sass() -> None:
     """Causal D = 256 ships rescale_threshold 8: its kernel votes once per block on whether O
-    needs its rescale (VOTE), the same build without the threshold does not. ex2_emu = 4 at
-    D = 64 (192 x 128 tiles: 64 scores a thread per block) takes a quarter of each loop copy's
-    exponentials off MUFU. Both spill-free, the wgmma pipeline intact."""
-    with ThreadPoolExecutor(4) as pool:
-        shipped, no_threshold, d64, d64_emu = pool.map(
+    needs its rescale (VOTE), the same build without the threshold does not, and with
+    skip_unit_rescale instead it votes again. ex2_emu = 4 at D = 64 (192 x 128 tiles: 64
+    scores a thread per block) takes a quarter of each loop copy's exponentials off MUFU. All
+    spill-free, the wgmma pipeline intact."""
+    with ThreadPoolExecutor(5) as pool:
+        shipped, no_threshold, skip_unit, d64, d64_emu = pool.map(
             lambda f: f(),
             [
                 lambda: _windows(),
                 lambda: _windows("rescale_threshold=0"),
+                lambda: _windows("rescale_threshold=0,skip_unit_rescale=1"),
                 lambda: _windows(head_dim=64, causal=False),
                 lambda: _windows("ex2_emu=4", head_dim=64, causal=False),
             ],
         )
     assert shipped["config"]["rescale_threshold"] == 8
     assert shipped["counts"]["vote"] >= 1 and no_threshold["counts"]["vote"] == 0
+    assert skip_unit["counts"]["vote"] >= 1
     assert d64_emu["config"]["ex2_emu"] == 4 and d64["config"]["ex2_emu"] == 0
     # Two copies of the loop's softmax (first block and loop), 16 of 64 exponentials each.
     moved = d64["counts"]["mufu_ex2"] - d64_emu["counts"]["mufu_ex2"]
     assert moved >= 2 * 16, (d64["counts"], d64_emu["counts"])
-    for r in (shipped, no_threshold, d64, d64_emu):
+    for r in (shipped, no_threshold, skip_unit, d64, d64_emu):
         assert r["spill_stores"] == 0 and not r["remarks"], r
 
 
