@@ -23,7 +23,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from flashsuite.fa3.utils import LN2, ptx
 
 # 2^f ~ 1 + f (C1 + f (C2 + f C3)) on f in [-1/2, 1/2]: fp32 coefficients fitted to the
-# relative error (max 1.02e-4 after fp32 rounding, tests/test_fa3_softmax_poly.py), with the
+# relative error (max 1.02e-4 after fp32 rounding, tests/test_fa3_softmax_options.py), with the
 # constant term exactly 1 so that 2^-127 comes out as +0 (`exp2_poly`).
 EXP2_POLY = (0.6932829022407532, 0.24221037328243256, 0.05500858649611473)
 # exp2_poly's input floor: -inf (a masked score) and anything below give +0 exactly.
@@ -47,8 +47,9 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
     exponent). At x = -127 (and -inf) n = -127 and f = 0, so 1.0's bits minus 127 << 23 are
     +0 exactly: a masked score gives P = 0, and a fully masked row's sum stays 0. Between
     -127 and -126 the result is a subnormal below 2^-126 (f >= 0 there, so the bits never
-    wrap). Nine instructions (FMNMX, 3 FADD, 3 FFMA, SHL, IADD) against one MUFU.EX2; relative
-    error <= 1.02e-4 for x in [-126, 0]."""
+    wrap). Nine PTX instructions (max, 3 add / sub, 3 fma, shl, add; ptxas fuses the last two
+    into one IMAD: 8 in SASS) against one MUFU.EX2; relative error <= 1.02e-4 for x in
+    [-126, 0]."""
     c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
     magic, floor, one = _f32_hex(_ROUND_MAGIC), _f32_hex(EXP2_POLY_FLOOR), _f32_hex(1.0)
     return Float32(

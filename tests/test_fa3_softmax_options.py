@@ -126,3 +126,27 @@ def test_gpu_skip_unit_rescale_is_bit_for_bit(d: int, fp8: bool, causal: bool) -
     out, lse = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, rescale_threshold=0))
     out_s, lse_s = interface.forward(q, k, v, p, cfg=skip)
     assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
+
+
+def test_rescale_options_ship_where_they_were_measured() -> None:
+    """rescale_threshold 8 ships for 16-bit D = 256 alone (its measurement and GPU oracle cases,
+    configs._tiles); the fp8 table rescales every block (with the threshold its oracle rule
+    failed 6 of 142 cases) and takes none of the options not yet run on a GPU."""
+    import torch
+
+    from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config, varlen_config
+
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            for dtype in (torch.bfloat16, torch.float16):
+                cfg = get_config(d, dtype, causal)
+                assert cfg.rescale_threshold == (8 if d == 256 else 0), (d, causal, dtype)
+                assert varlen_config(d, dtype, causal).rescale_threshold == cfg.rescale_threshold
+                assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
+            for n in (1024, 4096, 16384):
+                try:
+                    cfg = get_config(d, FP8_DTYPE, causal, n)
+                except ValueError:  # a head dim without an fp8 entry
+                    continue
+                assert cfg.rescale_threshold == 0, (d, causal, n)
+                assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
