@@ -330,12 +330,22 @@ def _case_name(c: dict) -> str:
     return f"B={c['b']} Nq={c['nq']} Nk={c['nk']} Hq={c['hq']}/{c['hkv']} D={c['d']}{extra}"
 
 
-def run_correctness(smoke: bool) -> list[dict]:
+def run_correctness(smoke: bool, changes: dict | None = None) -> list[dict]:
+    """The oracle cases through the table's config for each, with `changes` (Fa3Config fields,
+    --set) applied to it when given."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import config_for
+
     rows = []
     for c in correctness_cases(smoke):
         with hang_watchdog(_HANG_S):  # a barrier bug hangs
             try:
-                r = check_case(c)
+                cfg = None
+                if changes:
+                    q, k, v, _ = _inputs(c)
+                    p = check_inputs(q, k, v, causal=c.get("causal", False))
+                    cfg = replace(config_for(p), **changes)
+                r = check_case(c, cfg=cfg)
             except Exception as e:
                 r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}
                 traceback.print_exc()
@@ -520,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="GPU run: output folder")
     ap.add_argument("--smoke", action="store_true", help="GPU run: 3 small cases only")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="FIELD=VALUE: the correctness cases with this Fa3Config field changed (repeat)",
+    )
     args = ap.parse_args(argv)
     if args.probe:
         return run_probe(args.head_dim, args.json, args.variants)
@@ -540,7 +556,14 @@ def main(argv: list[str] | None = None) -> int:
         res["ablation"] = run_ablation(head_dims=args.head_dim)
         save()
         return 0
-    res["correctness"] = run_correctness(args.smoke)
+    from benchmarks.fa3_fwd_ab import parse_variant
+
+    try:
+        _, changes = parse_variant("set:" + ",".join(args.set))
+    except ValueError as exc:
+        ap.error(str(exc))
+    res["changes"] = changes
+    res["correctness"] = run_correctness(args.smoke, changes)
     save()
     n_pass = sum(r["status"] == "PASS" for r in res["correctness"])
     _log(f"[correctness] {n_pass}/{len(res['correctness'])} PASS")

@@ -1,6 +1,6 @@
 """fa3's fp8 forward emulated in PyTorch on the CPU, measured against the e4m3 baseline.
 
-    python -m benchmarks.fp8_emulation [--acc-bits 23 13]
+    python -m benchmarks.fp8_emulation [--acc-bits 23 13] [--rescale-threshold 8]
 
 The emulation follows the kernel's fp8 branch (fa3/kernels.py, fa3/softmax.py,
 fa3/fwd_mainloop.py, fa3/fp8_ops.py): raw scores q8·k8 (products of e4m3 values, exact in
@@ -12,7 +12,9 @@ O * descale_v / l at the end and delivered in bf16; LSE = (m * scale_log2 + log2
 
 `acc_bits` models the wgmma accumulator: 23 is float32; fewer bits truncate the accumulator's
 mantissa after every k = 32 step of both products (QKᵀ over the head dim, P·V over the keys),
-the reduced-precision accumulation reported for Hopper's fp8 tensor cores.
+the reduced-precision accumulation reported for Hopper's fp8 tensor cores. `rescale_threshold`
+t > 0 models Fa3Config.rescale_threshold: a row keeps its running max while a block's max
+exceeds it by at most t in log2 units (P up to 2^t, rounded to e4m3 there).
 
 Each case of tests/test_fp8.py is checked with the suite's rule (common.testing.compare): out
 against common.testing.fp8_baseline at FP8_FACTOR, the LSE against PyTorch's float32 LSE.
@@ -37,7 +39,10 @@ from flashsuite.common.testing import (
 from flashsuite.common.testing import mma_truncated as _mma
 
 
-def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 23):
+def emulate(
+    q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 23,
+    rescale_threshold: int = 0,
+):  # fmt: skip
     """(out (B, Nq, Hq, Dv) bf16, lse (B, Hq, Nq) fp32) as the fa3 fp8 kernel computes them."""
     b, nq, hq, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
@@ -57,6 +62,8 @@ def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 
     for start in reversed(range(0, nk, tile_n)):
         s = s_raw[..., start : start + tile_n]
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        if rescale_threshold > 0:  # NaN (both -inf) and +inf growth compare False: a new max
+            m_new = torch.where((m_new - m) * scale_log2 <= rescale_threshold, m, m_new)
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         corr = torch.exp2(m * scale_log2 - m_safe * scale_log2)
         p = torch.exp2(s * scale_log2 - m_safe * scale_log2)
@@ -71,7 +78,9 @@ def emulate(q8, k8, v8, descales, *, causal: bool, tile_n: int, acc_bits: int = 
     return out.transpose(1, 2).to(torch.bfloat16), lse[..., 0]
 
 
-def check_case(case, acc_bits: int = 23) -> tuple[Comparison, Comparison]:
+def check_case(
+    case, acc_bits: int = 23, rescale_threshold: int = 0
+) -> tuple[Comparison, Comparison]:
     """(out, lse) comparisons of the emulation on one tests/test_fp8.py case, the test's rule."""
     from flashsuite.fa3.configs import FP8_DTYPE, get_config
     from tests.test_fp8 import _fp8_inputs
@@ -82,7 +91,10 @@ def check_case(case, acc_bits: int = 23) -> tuple[Comparison, Comparison]:
     ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
     base = fp8_baseline(q8, k8, v8, ds, causal=causal)
     cfg = get_config(d, FP8_DTYPE, causal)
-    out, lse = emulate(q8, k8, v8, ds, causal=causal, tile_n=cfg.tile_n, acc_bits=acc_bits)
+    out, lse = emulate(
+        q8, k8, v8, ds, causal=causal, tile_n=cfg.tile_n, acc_bits=acc_bits,
+        rescale_threshold=rescale_threshold,
+    )  # fmt: skip
     return (
         compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),
         compare("lse", lse, *ref["lse"]),
@@ -94,11 +106,12 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--acc-bits", type=int, nargs="+", default=[23, 13])
+    parser.add_argument("--rescale-threshold", type=int, default=0)
     args = parser.parse_args()
     for case in FP8_CASES:
         for bits in args.acc_bits:
-            print(f"{case[:7]} acc_bits={bits}")
-            for result in check_case(case, bits):
+            print(f"{case[:7]} acc_bits={bits} rescale_threshold={args.rescale_threshold}")
+            for result in check_case(case, bits, args.rescale_threshold):
                 print(f"    {result}")
 
 
