@@ -333,18 +333,16 @@ def _case_name(c: dict) -> str:
 def run_correctness(smoke: bool, changes: dict | None = None) -> list[dict]:
     """The oracle cases through the table's config for each, with `changes` (Fa3Config fields,
     --set) applied to it when given."""
-    from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3.configs import config_for
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config
 
     rows = []
     for c in correctness_cases(smoke):
         with hang_watchdog(_HANG_S):  # a barrier bug hangs
             try:
                 cfg = None
-                if changes:
-                    q, k, v, _ = _inputs(c)
-                    p = check_inputs(q, k, v, causal=c.get("causal", False))
-                    cfg = replace(config_for(p), **changes)
+                if changes:  # the table's entry for the case (fp8: head dim, causal, Nk)
+                    table = get_config(c["d"], FP8_DTYPE, c.get("causal", False), c["nk"])
+                    cfg = replace(table, **changes)
                 r = check_case(c, cfg=cfg)
             except Exception as e:
                 r = {"status": "ERROR", "error": f"{type(e).__name__}: {e}"}

@@ -56,7 +56,7 @@ def parse_variant(spec: str):
 def main(argv: list[str] | None = None) -> int:
     from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
     from flashsuite.common.validation import check_inputs
-    from flashsuite.dispatch.bench import prepare, time_ms
+    from flashsuite.dispatch.bench import prepare
     from flashsuite.fa3 import interface as fa3
     from flashsuite.fa3.configs import can_implement, config_for
 
@@ -120,21 +120,29 @@ def main(argv: list[str] | None = None) -> int:
                 fns[peer, case.seqlen_q] = prepare(peer, case)
             except Exception as exc:  # FA4 not installed, a backend refusing the shape
                 print(f"{peer}: not timed ({type(exc).__name__}: {exc})"[:200], flush=True)
+    _time_and_report(fns, seqlens, args, "bf16", width=12)
+    return 0
+
+
+def _time_and_report(fns: dict, seqlens: list[int], args, dtype: str, width: int) -> None:
+    """Time every contender of `fns` ((name, N) -> callable) once per N per pass, passes
+    interleaved, and print forward TFLOP/s per pass and the medians (B·N = 16k, Hq·D = 2048)."""
+    from flashsuite.dispatch.bench import time_ms
+
+    d = args.head_dim
     tflops: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
     for _ in range(args.passes):
-        for case in cases:
-            flops = 4 * case.batch * heads * case.seqlen_q * case.seqlen_k * d
-            flops /= 2 if args.causal else 1
-            for (name, n), fn in fns.items():
-                if n == case.seqlen_q:
+        for n in seqlens:
+            flops = 4 * (16384 // n) * (2048 // d) * n * n * d / (2 if args.causal else 1)
+            for (name, m), fn in fns.items():
+                if m == n:
                     with torch.no_grad():
                         tflops[name, n].append(flops / time_ms(fn) / 1e9)
     what = "causal" if args.causal else "non-causal"
-    print(f"forward TFLOP/s, D {d}, {what}, bf16, B*N = 16k, Hq*D = 2048", flush=True)
+    print(f"forward TFLOP/s, D {d}, {what}, {dtype}, B*N = 16k, Hq*D = 2048", flush=True)
     for (name, n), vals in tflops.items():
         passes = " ".join(f"{t:.1f}" for t in vals)
-        print(f"{name:>12} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
-    return 0
+        print(f"{name:>{width}} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
 
 
 def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
@@ -142,7 +150,7 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
     from benchmarks.fa3_fp8_check import _inputs, _small_cases, check_case
     from flashsuite.common.testing import Case
     from flashsuite.common.validation import check_inputs
-    from flashsuite.dispatch.bench import prepare, time_ms
+    from flashsuite.dispatch.bench import prepare
     from flashsuite.fa3 import interface as fa3
     from flashsuite.fa3.configs import FP8_DTYPE, can_implement, config_for
 
@@ -174,19 +182,7 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
         case = Case(b, n, n, heads, heads, d, dtype=torch.bfloat16, causal=causal)
         for peer in ("fa3", "sdpa-cudnn"):
             fns[f"{peer}-bf16", n] = prepare(peer, case)
-    tflops: dict[tuple[str, int], list[float]] = {key: [] for key in fns}
-    for _ in range(args.passes):
-        for n in seqlens:
-            flops = 4 * (16384 // n) * heads * n * n * d / (2 if causal else 1)
-            for (name, m), fn in fns.items():
-                if m == n:
-                    with torch.no_grad():
-                        tflops[name, n].append(flops / time_ms(fn) / 1e9)
-    what = "causal" if causal else "non-causal"
-    print(f"forward TFLOP/s, D {d}, {what}, e4m3 (bf16 peers), B*N = 16k, Hq*D = 2048", flush=True)
-    for (name, n), vals in tflops.items():
-        passes = " ".join(f"{t:.1f}" for t in vals)
-        print(f"{name:>16} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
+    _time_and_report(fns, seqlens, args, "e4m3 (bf16 peers)", width=16)
     return 0
 
 

@@ -382,11 +382,12 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ (under v2: the K-first
     # producer order and the balanced order, no per-warpgroup sO). R212.
     # O is rescaled only when a row's max grows by more than 2^8 (rescale_threshold; its 128
-    # FMULs a thread per block otherwise). H200, 2026-12-04, commit 3d77f51
+    # FMULs a thread per block otherwise). H200, 2026-12-04, commit b4d6c83
     # (`benchmarks/fa3_fwd_ab --head-dim 256 [--causal] --variant rt8:rescale_threshold=8
     # --seqlen 4096 --seqlen 16384 --passes 3`, medians, TFLOP/s at N = 4k / 16k, with / without):
     # 691.9 / 695.0 against 637.7 / 683.8, causal 613.0 / 671.3 against 577.2 / 661.0 (FA4
-    # 679.9 / 730.6, causal 626.0 / 696.5). D = 192 (96 registers of O) timed level at 16k.
+    # 679.9 / 730.6, causal 626.0 / 696.5); confirmed at commit d87a0ac (docs/results.md,
+    # "The softmax's instruction count"). D = 192 (96 registers of O) timed level at 16k.
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True, rescale_threshold=8)
 
 

@@ -1,6 +1,8 @@
-"""softmax.exp2_poly, the exponential on the FMA pipe (Fa3Config.ex2_emu), through its CPU model
-(`exp2_poly_model`: the same float32 operations in the same order, fma with one rounding), and
-the range checks of the softmax options in can_implement."""
+"""The softmax options of the fa3 forward: softmax.exp2_poly, the exponential on the FMA pipe
+(Fa3Config.ex2_emu), through its CPU model (`exp2_poly_model`: the same float32 operations in
+the same order, fma with one rounding); the options' range checks in can_implement and where
+they ship; on a GPU, rescale_threshold against the oracle while a row's max keeps growing and
+skip_unit_rescale bit for bit against the table build."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ def test_exp2_poly_is_within_its_stated_error_on_the_softmax_range() -> None:
     rel = np.abs(exp2_poly_model(x).astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
     assert rel.max() <= 1.02e-4, rel.max()
     assert exp2_poly_model(np.float32(0.0)) == np.float32(1.0)
-    # Round-to-nearest ties and the integer points: exact powers of two.
+    # At the integer points f = 0, so the result is a power of two exactly.
     ints = np.arange(-126, 1, dtype=np.float32)
     assert np.array_equal(exp2_poly_model(ints), np.exp2(ints))
 
