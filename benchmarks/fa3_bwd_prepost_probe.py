@@ -38,12 +38,15 @@ PTX_PATTERNS = {
     "s64_index": r"\b(?:mul|mad)\.lo\.s64\b",
     "wide_index": r"\bmul\.wide\.[su]32\b",
     "bar_sync": r"\bbar\.sync\b",
+    "griddep_wait": r"\bgriddepcontrol\.wait\b",
+    "griddep_launch": r"\bgriddepcontrol\.launch_dependents\b",
 }
 
 
 def cases() -> list[tuple]:
-    """("pre", dtype, head_dim_v, zero_d) and ("post", dtype, head_dim, tile_m, has_scale,
-    swizzle): the postprocess with its layout's DQ_SWIZZLE terms."""
+    """("pre", dtype, head_dim_v, zero_d[, pdl]) and ("post", dtype, head_dim, tile_m,
+    has_scale, swizzle[, pdl]): the postprocess with its layout's DQ_SWIZZLE terms; one of each
+    launched as a programmatic dependent (BwdConfig.pdl)."""
     import torch
 
     from flashsuite.fa3.bwd_configs import BWD_HEAD_DIMS, bwd_config_for, dq_tiled
@@ -65,6 +68,8 @@ def cases() -> list[tuple]:
     for d, tile_m, swz in sorted(tiles):
         out += [("post", dt, d, tile_m, False, swz) for dt in (torch.bfloat16, torch.float16)]
         out.append(("post", torch.bfloat16, d, tile_m, True, swz))
+    out.append(("pre", torch.bfloat16, 128, 128, True))
+    out.append(("post", torch.bfloat16, 128, 80, False, dq_swizzle(80, 128, 2, "dt"), True))
     return out
 
 
@@ -114,10 +119,11 @@ def probe_case(case: tuple) -> dict:
         tvm = False
     kind, dt, d = case[:3]
     if kind == "pre":
-        key: Any = bp.PreprocessKey(dt, d, case[3], tvm_ffi=tvm)
+        key: Any = bp.PreprocessKey(dt, d, case[3], pdl=case[4:5] == (True,), tvm_ffi=tvm)
         build = bp.compile_preprocess
     else:
-        key = bp.PostprocessKey(dt, d, case[3], case[4], case[5], tvm_ffi=tvm)
+        pdl = case[6:7] == (True,)
+        key = bp.PostprocessKey(dt, d, case[3], case[4], case[5], pdl=pdl, tvm_ffi=tvm)
         build = bp.compile_postprocess
     t0 = time.perf_counter()
     compiled, log = probe._capture_fd2(lambda: build(key))
@@ -131,6 +137,7 @@ def probe_case(case: tuple) -> dict:
         "ptx": {name: len(re.findall(pat, ptx)) for name, pat in PTX_PATTERNS.items()},
         **probe.parse_ptxas(log),
     }
+    row["pdl"] = key.pdl
     if kind == "pre":
         row["zero_d"] = case[3]
     else:

@@ -176,6 +176,8 @@ def probe_backward(
     counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
     counts["fence_async_global"] = len(re.findall(r"fence\.proxy\.async\.global", ptx))
     counts["tanh"] = len(re.findall(TANH, ptx))
+    counts["griddep_wait"] = len(re.findall(r"\bgriddepcontrol\.wait\b", ptx))
+    counts["griddep_launch"] = len(re.findall(r"\bgriddepcontrol\.launch_dependents\b", ptx))
     counts["mul_f32"] = len(re.findall(MUL_F32, ptx))
     counts["lds_under_gemm"] = lds_under_gemm(ptx)
     counts["wgmma_shapes"] = wgmma_shapes(ptx)

@@ -22,12 +22,16 @@ descriptors stay in uniform registers (benchmarks/fa3_bwd_sass.py counts what th
 block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tma), as the
 "dkv_t" layout does. The "_sec" variants launch the grid in sections of S (kv head, batch)
 pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
-benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). (The "bulk" dQ mode, per-row
+benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). The "_pdl" variants are
+shipped configs whose three launches (preprocess, kernel, dQ postprocess) are programmatic
+dependents of the one before (BwdConfig.pdl). (The "bulk" dQ mode, per-row
 bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
 docs/results.md.)
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from flashsuite.fa3.bwd_configs import BwdConfig
 
@@ -266,6 +270,13 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
         "pipe_stm with dQ added in column-block order by the writer warp: deterministic",
     ),
 }
+# Programmatic dependent launch on the shipped configs (BwdConfig.pdl).
+VARIANTS.update(
+    {
+        f"{name}_pdl": (replace(VARIANTS[name][0], pdl=True), f"{name} with pdl")
+        for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
+    }
+)
 
 # The "dkv_t" layout (D = 192 and 256; bwd_configs._bwd_wide_config): S not transposed, P and dS
 # through smem, dK^T / dV^T with D on wgmma's M, a 2-stage Q ring and a 1-stage dO ring.
@@ -392,6 +403,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe80_tma": (128,),
     "pipe80_wgs_tma": (128,),
     "pipe80_wgs_wgdq_tma": (128,),
+    "pipe80_wgs_wgdq_tma_pdl": (128,),
+    "pipe_sec4_wgdq_tma_pdl": (96, 128),
+    "pipe128_dqm_tma_pdl": (64,),
     "pipe80_wgs_ng_tma": (128,),
     "pipe80_wgs_sout_ng_tma": (128,),
     "pipe_wgs": (96, 128),
@@ -441,6 +455,7 @@ NON_CAUSAL = (
     "pipe80",
     "pipe80_wgs",
     "pipe80_wgs_wgdq_tma",
+    "pipe80_wgs_wgdq_tma_pdl",
     "pipe80_wgs_ng_tma",
     "pipe80_wgs_sout_ng_tma",
 )

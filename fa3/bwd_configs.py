@@ -172,6 +172,16 @@ class BwdConfig:
     # wait for dP^T (without one, ptxas sinks most of them past that wait: the S^T / dP^T
     # overlap then holds a few instructions, benchmarks/fa3_bwd_sass.py --listing mma).
     dv_early: bool = False
+    # Programmatic dependent launch (PDL) through the backward's three launches (preprocess,
+    # this kernel, the dQ postprocess of the tiled dq_modes): each is launched with
+    # programmatic stream serialisation and waits (griddepcontrol.wait) for the launch before it
+    # to complete before it touches memory that launch may write, so its launch, shared-memory
+    # set-up and barrier init overlap the previous grid's last wave. Here the producer warp
+    # issues the K / V tile loads (inputs no earlier launch of the backward writes) before its
+    # wait; every other warp waits first. The preprocess signals its dependents
+    # (griddepcontrol.launch_dependents) once its own wait has returned, so this kernel's
+    # early K / V loads never run ahead of whatever produced them.
+    pdl: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")

@@ -279,7 +279,8 @@ def run_backward(
     cute_pair = CUTE_PREPOST and q.is_cuda
     pre = bwd_prepost.preprocess if cute_pair else preprocess
     post = bwd_prepost.dq_from_tiles if cute_pair else dq_from_tiles
-    lse_log2, dsum, dq_acc = pre(dout, out, lse, key.cfg.tile_m, d if tiled else 0)
+    pdl = {"pdl": True} if cute_pair and key.cfg.pdl else {}  # the Triton pair has no PDL
+    lse_log2, dsum, dq_acc = pre(dout, out, lse, key.cfg.tile_m, d if tiled else 0, **pdl)
     if not tiled:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
@@ -294,7 +295,7 @@ def run_backward(
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if dq_tiled(cfg):
-        dq = post(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale)
+        dq = post(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale, **pdl)
         return dq, dk, dv
     if dq_scale is None:
         return dq_acc.to(q.dtype), dk, dv

@@ -154,6 +154,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.OVERLAP = cfg.overlap
         self.DV_EARLY = cfg.dv_early  # dV issued once P^T is packed, before dP^T retires
         self.LPT = cfg.lpt
+        self.PDL = cfg.pdl  # programmatic dependent launch: wait for the preprocess in-kernel
         self.HEAD_SECTION = cfg.head_section  # sectioned grid order (bwd_blocks.section_tile)
         if cfg.head_section < 0 or (cfg.head_section and (cfg.lpt or cfg.deterministic)):
             raise ValueError(
@@ -433,6 +434,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             block=[self.NUM_THREADS, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,  # gives ptxas the entry register count setmaxnreg needs
+            use_pdl=self.PDL,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -538,6 +540,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
         pipeline.pipeline_init_wait()
+        if const_expr(self.PDL):
+            # The launch before (the preprocess) writes LSE, D and the zeroed dQ accumulator:
+            # every warp but the loader waits for it here; the loader issues K and V first
+            # (`load`). The dQ postprocess may launch once every CTA got this far.
+            if warp != 0:
+                cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         if wg == WarpRole.PRODUCER:
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)

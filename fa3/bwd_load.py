@@ -94,6 +94,8 @@ class BwdLoad:
             bar = pipe_kv.producer_get_barrier(kv_state)
             cute.copy(tma_k, tKg, tKs, tma_bar_ptr=bar)
             cute.copy(tma_v, tVg, tVs, tma_bar_ptr=bar)
+            if const_expr(self.PDL):  # K and V are in flight; LSE and D come from the preprocess
+                cute.arch.griddepcontrol_wait()
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.STAGES)
             do_state = state

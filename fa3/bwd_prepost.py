@@ -133,10 +133,11 @@ class Fa3BwdPreprocess:
     Every load of the CTA is issued before the first sum (rows past Nq read row Nq - 1, their
     delta then set to 0), so the loads have no branches between them."""
 
-    def __init__(self, dtype: Any, head_dim_v: int, zero_d: int = 0) -> None:
+    def __init__(self, dtype: Any, head_dim_v: int, zero_d: int = 0, pdl: bool = False) -> None:
         self.dtype = dtype
         self.DV = head_dim_v
         self.ZERO_D = zero_d
+        self.PDL = pdl  # programmatic dependent launch (BwdConfig.pdl)
         self.VEC = 128 // dtype.width  # elements per 16-byte load
         chunks = head_dim_v // self.VEC
         self.ROW_THREADS = math.gcd(chunks, 8)  # lanes per row: 8, or 4 at Dv = 96
@@ -156,13 +157,18 @@ class Fa3BwdPreprocess:
         nq_pad = mDelta.shape[2]
         grid = [(nq_pad + PRE_BLOCK_M - 1) // PRE_BLOCK_M, hq, b]
         self.kernel(mO, mdO, mLSE, mDelta, mLse2, mAcc).launch(
-            grid=grid, block=[self.THREADS, 1, 1], stream=stream
+            grid=grid, block=[self.THREADS, 1, 1], stream=stream, use_pdl=self.PDL
         )
 
     @_dsl.kernel
     def kernel(self, mO, mdO, mLSE, mDelta, mLse2, mAcc):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.PDL):
+            # O, dO and LSE come from earlier launches: wait for them, and only then let the
+            # main kernel launch (it loads K and V before its own wait).
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         nq = mO.shape[1]
         nq_pad = mDelta.shape[2]
         lane = tidx % self.ROW_THREADS  # lane within the row's group
@@ -228,9 +234,16 @@ class Fa3DqPostprocess:
     (DQ_SWIZZLE), applied to the copy's destinations and to the gathers alike."""
 
     def __init__(
-        self, dtype: Any, head_dim: int, tile_m: int, has_scale: bool, swizzle: tuple = ()
+        self,
+        dtype: Any,
+        head_dim: int,
+        tile_m: int,
+        has_scale: bool,
+        swizzle: tuple = (),
+        pdl: bool = False,
     ) -> None:
         self.dtype = dtype
+        self.PDL = pdl  # programmatic dependent launch (BwdConfig.pdl)
         self.SWIZZLE = swizzle
         self.HEAD_DIM = head_dim
         self.TILE_M = tile_m
@@ -251,13 +264,18 @@ class Fa3DqPostprocess:
         mColOff (D,) int32; mdQ (B, Nq, Hq, D); scale fp32 (unused unless HAS_SCALE)."""
         b, hq, nq_pad, _ = mAcc.shape
         self.kernel(mAcc, mRowOff, mColOff, mdQ, scale).launch(
-            grid=[nq_pad // self.TILE_M, hq, b], block=[self.THREADS, 1, 1], stream=stream
+            grid=[nq_pad // self.TILE_M, hq, b],
+            block=[self.THREADS, 1, 1],
+            stream=stream,
+            use_pdl=self.PDL,
         )
 
     @_dsl.kernel
     def kernel(self, mAcc, mRowOff, mColOff, mdQ, scale):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, h, b = cute.arch.block_idx()
+        if cutlass.const_expr(self.PDL):  # the main kernel's dQ adds complete first
+            cute.arch.griddepcontrol_wait()
         nq = mdQ.shape[1]
         block = self.TILE_M * self.HEAD_DIM
         sAcc = SmemAllocator().allocate_tensor(
@@ -318,6 +336,7 @@ class PreprocessKey:
     dtype: torch.dtype  # of out and dout: float16 or bfloat16
     head_dim_v: int
     zero_d: int = 0  # D of the dQ accumulator zeroed in the same launch; 0: none
+    pdl: bool = False  # launched as a programmatic dependent (BwdConfig.pdl)
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -331,6 +350,7 @@ class PostprocessKey:
     tile_m: int
     has_scale: bool
     swizzle: tuple = ()  # DQ_SWIZZLE terms of the accumulator layout
+    pdl: bool = False  # launched as a programmatic dependent (BwdConfig.pdl)
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -371,7 +391,7 @@ def compile_preprocess(key: PreprocessKey, extra_options: str = "") -> Any:
             stride=(*_stride64(2, 4), key.zero_d, 1),
             assumed_align=16,
         )
-    kernel = Fa3BwdPreprocess(dt, key.head_dim_v, key.zero_d)
+    kernel = Fa3BwdPreprocess(dt, key.head_dim_v, key.zero_d, key.pdl)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     return cute.compile(
         kernel, o, do, lse, delta, lse2, acc, stream,
@@ -395,7 +415,7 @@ def compile_postprocess(key: PostprocessKey, extra_options: str = "") -> Any:
     row_off = cute.runtime.make_fake_compact_tensor(Int32, (key.tile_m,), assumed_align=4)
     col_off = cute.runtime.make_fake_compact_tensor(Int32, (d,), assumed_align=16)
     dq = make(dt, (b, nq, hq, d), stride=(*_stride64(3, elems_16b), 1), assumed_align=16)
-    kernel = Fa3DqPostprocess(dt, d, key.tile_m, key.has_scale, key.swizzle)
+    kernel = Fa3DqPostprocess(dt, d, key.tile_m, key.has_scale, key.swizzle, key.pdl)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     return cute.compile(
         kernel, acc, row_off, col_off, dq, Float32(1.0), stream,
@@ -433,7 +453,12 @@ def _check_rows16(what: str, t: torch.Tensor) -> None:
 
 
 def preprocess(
-    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, tile_m: int, dq_d: int = 0
+    dout: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tile_m: int,
+    dq_d: int = 0,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(lse_log2, dsum, dq_acc) for fa3's dense backward, by one CuTe DSL launch: lse_log2 and
     dsum (B, Hq, Nq_pad) float32 contiguous with Nq_pad the first multiple of lcm(tile_m, 64)
@@ -443,7 +468,8 @@ def preprocess(
     lse_log2 = lse * log2(e), +inf for rows that see no key and on the padding rows; dsum =
     rowsum(dout * out) in float32, 0 on the padding rows. dout, out (B, Nq, Hq, Dv) float16 /
     bfloat16 with unit last stride and 16-byte-aligned rows; lse (B, Hq, Nq) float32, natural
-    log, any strides. A ValueError names the argument that does not fit."""
+    log, any strides. `pdl`: launched as a programmatic dependent (BwdConfig.pdl). A ValueError
+    names the argument that does not fit."""
     if out.dim() != 4:
         raise ValueError(f"preprocess: out expected (B, Nq, Hq, Dv), got shape {tuple(out.shape)}")
     b, nq, hq, dv = out.shape
@@ -482,7 +508,7 @@ def preprocess(
         dq_acc = torch.empty(b, hq, nq_pad, dq_d, dtype=torch.float32, device=dev)
     if b * hq * nq == 0:
         return lse_log2, dsum, dq_acc
-    fn = get_preprocess(PreprocessKey(out.dtype, dv, dq_d))
+    fn = get_preprocess(PreprocessKey(out.dtype, dv, dq_d, pdl))
     fn(out, dout, lse, dsum, lse_log2, dq_acc)
     return lse_log2, dsum, dq_acc
 
@@ -515,13 +541,15 @@ def dq_from_tiles(
     split: str = "d",
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """bwd_host.dq_from_tiles for dense problems, by one CuTe DSL launch: dQ in `dtype` from
     the accumulator of dq_mode "warp" or "red", whose TILE_M x D blocks hold dQ in
     bwd_configs.dq_tile_modes order (`split`: the config's dq_split), times `scale` in fp32
     when given: dq_acc (B, Hq, Nq_pad, D) float32 contiguous, Nq_pad a multiple of tile_m ->
     (B, Nq, Hq, D), written into `out` when given (unit last stride, 16-byte-aligned rows) and
-    returned; the Nq real rows only. (Packed sequences take bwd_host's Triton path.)"""
+    returned; the Nq real rows only; `pdl`: launched as a programmatic dependent
+    (BwdConfig.pdl). (Packed sequences take bwd_host's Triton path.)"""
     if dq_acc.dtype != torch.float32 or dq_acc.dim() != 4:
         raise ValueError(
             f"dq_from_tiles: dq_acc expected float32 (B, Hq, Nq_pad, D), got "
@@ -556,6 +584,6 @@ def dq_from_tiles(
         return out
     row_off, col_off = dq_offsets(tile_m, d, num_wgs, split, dq_acc.device)
     swizzle = dq_swizzle(tile_m, d, num_wgs, split)
-    fn = get_postprocess(PostprocessKey(dtype, d, tile_m, scale is not None, swizzle))
+    fn = get_postprocess(PostprocessKey(dtype, d, tile_m, scale is not None, swizzle, pdl))
     fn(dq_acc, row_off, col_off, out, 1.0 if scale is None else float(scale))
     return out

@@ -127,6 +127,14 @@ def pipe80_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def pdl_probes(tmp_path_factory) -> list[dict]:
+    """pipe80_wgs_wgdq_tma_pdl's one build (D 128, full): the shipped non-causal D = 128
+    config launched as a programmatic dependent of the preprocess."""
+    runs = [["--variant", "pipe80_wgs_wgdq_tma_pdl"]]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_pdl"), runs)
+
+
+@pytest.fixture(scope="module")
 def wide256_dq_probes(tmp_path_factory) -> list[dict]:
     """D = 256's dQ routes beside the shipped one (wide256_red80_wgs, compiled with the shipped
     builds): wide256_n64_turn (full), 64 keys; wide256_red80, 80 keys, causal with a window."""
@@ -517,6 +525,23 @@ def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
     _assert_fits_registers(r)
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+@pytest.mark.lab
+def test_bwd_pdl_waits_for_the_preprocess(pdl_probes, probes) -> None:
+    """BwdConfig.pdl: griddepcontrol.wait twice (every warp but the loader at the CTA's start;
+    the loader after its K / V loads, before the first LSE / D load) and one
+    launch_dependents; the same wgmmas, 0 spills. Builds without it carry neither."""
+    ((r),) = pdl_probes
+    ptx, where = r["ptx"], _id(r)
+    assert r["config"]["pdl"], where
+    assert (ptx["griddep_wait"], ptx["griddep_launch"]) == (2, 1), f"{where}: {ptx}"
+    assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(128, r["config"]), where
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
+    _assert_fits_registers(r)
+    for p in probes:
+        if not p["config"]["pdl"]:
+            assert p["ptx"]["griddep_wait"] == p["ptx"]["griddep_launch"] == 0, _id(p)
 
 
 @pytest.mark.lab

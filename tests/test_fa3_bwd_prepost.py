@@ -74,6 +74,22 @@ def test_every_shipped_combination_compiles(probes) -> None:
         } <= post
 
 
+def test_pdl_builds_wait_before_touching_memory(probes) -> None:
+    """BwdConfig.pdl's builds: the preprocess waits for the launch before it (O, dO and LSE)
+    and only then signals its dependents; the postprocess waits for the main kernel's dQ adds.
+    The other builds carry neither instruction (a plain launch)."""
+    pdl = [r for r in probes if r["pdl"]]
+    assert {r["kind"] for r in pdl} == {"pre", "post"}
+    for r in probes:
+        waits, launches = r["ptx"]["griddep_wait"], r["ptx"]["griddep_launch"]
+        if not r["pdl"]:
+            assert waits == launches == 0, r["key"]
+        elif r["kind"] == "pre":
+            assert waits == 1 and launches == 1, r["key"]
+        else:
+            assert waits == 1 and launches == 0, r["key"]
+
+
 def test_no_spills_no_local_memory_64bit_offsets(probes) -> None:
     for r in probes:
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["key"]
