@@ -67,10 +67,11 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
     growth: float, causal: bool
 ) -> None:
     """The shipped D = 256 build (rescale_threshold 8) on scores whose row max grows by about
-    `growth` bits from one 80-key block to the next: 0.05 keeps the first block's max for the
-    whole row (P climbs towards 2^8 and the row sum with it), 3 keeps it for a few blocks and
-    then rescales, 12 rescales every block. Out and LSE against the float64 oracle under the
-    suite's rule."""
+    `growth` bits from one 80-key block to the next in the order the kernel visits them (the
+    newest block first, down to key 0, so the scores rise towards key 0): 0.05 keeps the first
+    block's max for the whole row (P climbs towards 2^8 and the row sum with it), 3 keeps it
+    for a few blocks and then rescales, 12 rescales every block. Out and LSE against the
+    float64 oracle under the suite's rule."""
     import torch
 
     from flashsuite import dispatch
@@ -82,10 +83,11 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
     gen = torch.Generator(device="cuda").manual_seed(0)
     u = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=gen), dim=0)
     amp = 4.0  # q's component along u
-    # Key j's component along u rises so that the scores (scale 1/16, log2 e) grow by
-    # `growth` bits per 80 keys.
+    # Key j's component along u falls with j so that the scores (scale 1/16, log2 e) grow by
+    # `growth` bits per 80 keys from the last key to the first: the order of the kernel's
+    # K / V blocks.
     per_key = growth / (80 * amp * d**-0.5 * 1.4426950408889634)
-    ramp = per_key * torch.arange(nk, device="cuda", dtype=torch.float32)
+    ramp = per_key * torch.arange(nk - 1, -1, -1, device="cuda", dtype=torch.float32)
     q = torch.randn(b, nq, h, d, device="cuda", generator=gen) + amp * u
     k = torch.randn(b, nk, h, d, device="cuda", generator=gen) + ramp[None, :, None, None] * u
     v = torch.randn(b, nk, h, d, device="cuda", generator=gen)
@@ -104,10 +106,14 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
      (256, True, True)],
     ids=lambda x: str(x),
 )  # fmt: skip
-def test_gpu_skip_unit_rescale_is_bit_for_bit(d: int, fp8: bool, causal: bool) -> None:
-    """Fa3Config.skip_unit_rescale skips O's rescale only where every row of the warp has a
-    rescale of exactly 1.0, so out and LSE equal the table build's bit for bit (16-bit and
-    e4m3, causal, GQA, ragged lengths over enough key blocks for the skip to fire)."""
+def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal: bool) -> None:
+    """Fa3Config.skip_unit_rescale skips O's rescale only where every row of the warp kept its
+    max, whose rescale is exactly 1.0; the table build multiplies O there by exp2 of the
+    rounding residual of max * scale_log2 - max * scale_log2 (ptxas contracts the pair into an
+    FFMA), a factor within a few float32 ulps of 1. So out and LSE agree with the table
+    build's to within rounding (out: 2 bf16 ulps of each element, LSE: 1e-5 relative; a
+    skipped rescale that was needed moves them by the size of O itself), here on 16-bit and
+    e4m3, causal, GQA, ragged lengths over enough key blocks for the skip to fire."""
     import torch
 
     from flashsuite.common.validation import check_inputs
@@ -127,7 +133,10 @@ def test_gpu_skip_unit_rescale_is_bit_for_bit(d: int, fp8: bool, causal: bool) -
     skip = dataclasses.replace(table, rescale_threshold=0, skip_unit_rescale=True)
     out, lse = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, rescale_threshold=0))
     out_s, lse_s = interface.forward(q, k, v, p, cfg=skip)
-    assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
+    o, o_s = out.float(), out_s.float()
+    assert ((o_s - o).abs() <= 2**-7 * o.abs() + 2**-14).all(), (o_s - o).abs().max()
+    lse_ok = (lse_s - lse).abs() <= 1e-5 * (lse.abs() + 1)
+    assert (lse_ok | (lse.isinf() & (lse_s == lse))).all(), (lse_s - lse).abs().max()
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:
