@@ -110,6 +110,33 @@ def fragment_layouts() -> dict[str, str]:
     return out
 
 
+def _cpu_call_error(compiled: Any, head_dim: int, causal: bool, cfg: Any) -> str:
+    """The binary called with CPU tensors of a ragged problem (Nq 17, Nk 41, GQA 2/1), V as
+    fa3.interface hands it over (Vᵀ from `transpose_v`, keys rounded up to 32 when permuted):
+    the error it raises. Arguments the binary accepts leave only its device check to fail."""
+    import torch
+
+    from flashsuite.fa3.compile import kernel_scalars
+    from flashsuite.fa3.configs import FP8_DTYPE
+    from flashsuite.fa3.interface import transpose_v
+
+    nq, nk, d = 17, 41, head_dim
+    q = torch.zeros(1, nq, 2, d, dtype=FP8_DTYPE)
+    k = torch.zeros(1, nk, 1, d, dtype=FP8_DTYPE)
+    v = torch.zeros(1, nk, 1, d, dtype=FP8_DTYPE)
+    if cfg.v_transpose == "host":
+        v = transpose_v(v, cfg.permute_v_keys)
+    out = torch.zeros(1, nq, 2, d, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, nq)
+    descales = [torch.ones(1, 1) for _ in range(3)]
+    scalars = kernel_scalars(d**-0.5, 0.0, (-1, -1), causal, nq, nk)
+    try:
+        compiled(q, k, v, out, lse, *descales, None, None, *scalars, 132)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def probe_one(
     head_dim: int, causal: bool, cfg: Any = None, local: bool = False, softcap: bool = False
 ) -> dict:
@@ -132,7 +159,9 @@ def probe_one(
     ptx = getattr(compiled, "__ptx__", None) or ""
     counts = ptx_counts(ptx)
     counts.update({k: len(re.findall(p, ptx)) for k, p in FP8_PTX_PATTERNS.items()})
+    signature = _cpu_call_error(compiled, head_dim, causal, cfg) if tvm else None
     return {
+        "signature": signature,
         "head_dim": head_dim,
         "causal": causal,
         "local": local,
@@ -164,6 +193,9 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
         ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)
     ]
     cases.append(("vt_window_softcap", 128, False, fp8_smem_transpose_config(128, False)))
+    # V's keys permuted on the host (Fa3Config.permute_v_keys, off): Vᵀ runs past Nk.
+    host64 = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
+    cases.append(("host_permuted_keys", 64, False, replace(host64, permute_v_keys=True)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [

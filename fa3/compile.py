@@ -134,7 +134,8 @@ def _fake_varlen_inputs(key: CompileKey) -> tuple:
 def _fake_inputs(key: CompileKey) -> tuple:
     """Fake q, k, v, out, lse, the three descales (None for 16-bit inputs) and the two
     cu_seqlens (None: dense), with symbolic sizes and 16-byte-aligned symbolic strides. fp8: v
-    is Vᵀ (B, Hkv, D, Nk) with v_transpose="host" (else V as for 16 bits), out is bf16 and the
+    is Vᵀ (B, Hkv, D, Nk) with v_transpose="host" (Nk rounded up to 32 with permute_v_keys;
+    else V as for 16 bits), out is bf16 and the
     descales are (B, Hkv) fp32. varlen: packed tensors (`_fake_varlen_inputs`)."""
     if key.varlen:
         return _fake_varlen_inputs(key)
@@ -153,7 +154,10 @@ def _fake_inputs(key: CompileKey) -> tuple:
 
     q, k = strided((b, nq, hq, d)), strided((b, nk, hkv, d))
     vt_host = fp8 and key.cfg.v_transpose == "host"
-    v = strided((b, hkv, d, nk) if vt_host else (b, nk, hkv, d))
+    # Vᵀ's key extent is K's, but with permute_v_keys it runs to Nk rounded up to 32
+    # (interface.transpose_v): its own symbol, or the call's shape check refuses a ragged Nk.
+    nk_vt = cute.sym_int() if vt_host and key.cfg.permute_v_keys else nk
+    v = strided((b, hkv, d, nk_vt) if vt_host else (b, nk, hkv, d))
     # out is allocated by us, contiguous: (B, Nq, Hq, D).
     o = cute.runtime.make_fake_compact_tensor(
         cutlass.BFloat16 if fp8 else dt, (b, nq, hq, d), stride_order=(3, 2, 1, 0), assumed_align=16

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,7 @@ CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with 
 # build up to configs.FP8_SMEM_VT_MAX_SEQLEN_K keys).
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
 CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
+CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys (off), host Vᵀ
 
 # The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
 # index = m + 64 k): the probe reads CuTe's own and must find exactly these.
@@ -89,6 +91,28 @@ def test_fp8_compiles_with_hopper_machinery(name: str, d: int, causal: bool, pro
     _check_fp8_machinery(probes["configs"][(name, d, causal)])
 
 
+def test_host_vt_key_extent_in_the_binary_signature(probes) -> None:
+    """The binary's argument check binds each symbolic size once: Vᵀ's key extent is K's
+    length in the host-Vᵀ builds, and its own symbol with permute_v_keys, whose Vᵀ runs to Nk
+    rounded up to 32 (interface.transpose_v); were it K's, every ragged Nk would be refused at
+    the call. The probe calls each binary with CPU tensors as fa3.interface hands them over, so
+    only the device check may fail."""
+    rows = [r for r in probes["configs"].values() if r.get("signature")]
+    if not rows:
+        pytest.skip("apache-tvm-ffi not installed")
+    seen = set()
+    for r in rows:
+        sig, cfg = r["signature"], r["config"]
+        assert "expected device_type=cuda" in sig, sig
+        nk = re.search(r"mK: Tensor\(\[n0, (n\d+), ", sig).group(1)
+        if cfg["v_transpose"] != "host":
+            continue
+        vt = re.search(r"mV: Tensor\(\[n0, n\d+, \d+, (n\d+)\]", sig).group(1)
+        assert (vt != nk) == cfg["permute_v_keys"], (r["name"], sig)
+        seen.add(cfg["permute_v_keys"])
+    assert seen == {False, True}
+
+
 @pytest.mark.lab
 def test_fp8_variants_compile_with_hopper_machinery(tmp_path) -> None:
     """The fp8 ablation candidates no config ships (benchmarks/fa3_variants.fp8_variants: the
@@ -117,8 +141,11 @@ def _check_fp8_machinery(r: dict) -> None:
     assert ptx["stmatrix"] > 0
     if cfg.pingpong:
         assert ptx["bar_arrive"] > 0, "ping-pong named-barrier arrives missing"
-    # Two shuffles and two prmt per 32-bit word pair of P, per k-block and row half.
-    assert ptx["shfl_idx"] > 0 and ptx["prmt"] > 0 and ptx["cvt_e4m3x2"] > 0
+    assert ptx["cvt_e4m3x2"] > 0
+    if cfg.permute_v_keys:  # P packed where it lies: no exchange between the quad's lanes
+        assert ptx["prmt"] == 0, "permute_v_keys: the quad exchange is still there"
+    else:  # two shuffles and two prmt per 32-bit word pair of P, per k-block and row half
+        assert ptx["shfl_idx"] > 0 and ptx["prmt"] > 0
     assert r["registers"] is not None, "no ptxas report captured"
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r["ptxas_lines"]
     for code in ("C7508", "C7512", "C7515", "C7519"):
