@@ -182,6 +182,17 @@ class BwdConfig:
     # (griddepcontrol.launch_dependents) once its own wait has returned, so this kernel's
     # early K / V loads never run ahead of whatever produced them.
     pdl: bool = False
+    # dQ converted in the kernel, without the postprocess launch: the writer warp counts, per
+    # (batch, query head, row block), the column blocks whose dQ adds have completed (an int32
+    # counter, atom.acq_rel.gpu after its bulk reduce is complete); the CTA that brings a row
+    # block's count to the number of column blocks that visit it has every add in, and its MMA
+    # warpgroups read that block of the float32 accumulator back from L2 (ld.global.cg),
+    # convert it and store dQ in the input dtype: inside the loop while dK's wgmma runs (a
+    # row block reported two row blocks earlier), the last two after dK and dV are stored.
+    # "sdp_t" with dq_mode "warp", dq_handoff "wg" and overlap; dense problems without a
+    # window or deterministic order, and causal ones only when Nq <= Nk (every row block is
+    # visited; the host takes the postprocess otherwise).
+    dq_convert: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")
@@ -288,6 +299,7 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
+    mbar += 8 if cfg.dq_convert else 0  # two int32 slots: the row blocks to convert
     rows = stats_stage_rows(cfg.tile_m)
     stats = _align(rows * cfg.stages * 4, 128) + _align(rows * do_stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
@@ -557,6 +569,19 @@ def bwd_can_implement(
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
         return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
+    if cfg.dq_convert and not (
+        cfg.layout == "sdp_t"
+        and cfg.dq_mode == "warp"
+        and cfg.dq_handoff == "wg"
+        and cfg.overlap
+        and not cfg.deterministic
+        and not local
+        and not varlen
+    ):
+        return False, (
+            "fa3 backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'wg', "
+            "overlap, no deterministic order and a dense problem without a window"
+        )
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

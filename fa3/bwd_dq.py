@@ -13,8 +13,10 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from flashsuite.fa3.bwd_configs import dq_tile_modes
 from flashsuite.fa3.utils import (
+    atom_add_acq_rel_gpu_s32,
     bulk_reduce_add_f32,
     ld_acquire_gpu_s32,
+    ld_cg_v4_f32,
     red_release_gpu_add_s32,
     turn_pass,
     turn_wait,
@@ -33,6 +35,8 @@ class Barrier(enum.IntEnum):
     # dq_handoff "wg": DQ_FULL and DQ_EMPTY per MMA warpgroup g (ids + g), 128 + 32 threads.
     DQ_FULL_WG = 9
     DQ_EMPTY_WG = 11
+    # dq_convert: the writer has reported the last row block (MMA threads wait, writer arrives).
+    DQ_REPORTED = 13
 
 
 def dq_tile_layout(
@@ -173,6 +177,7 @@ class BwdDq:
         seqlen_q: Int32,
         seqlen_k: Int32,
         win: tuple | None,
+        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots)
     ):
         """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
         threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
@@ -190,7 +195,12 @@ class BwdDq:
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
         if const_expr(self.DQ_HANDOFF_WG):
-            self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
+            counts = None  # dq_convert: what `report_dq` needs to count a row block's adds
+            if const_expr(self.DQ_CONVERT):
+                counts = (dq_conv, (seqlen_k + self.TILE_N - 1) // self.TILE_N, seqlen_k - seqlen_q)
+            self.write_dq_chunks(
+                sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group, counts
+            )
         elif const_expr(self.DQ_HANDOFF_TURN):
             self.write_dq_turns(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif n_iter > 0:
@@ -227,7 +237,7 @@ class BwdDq:
     @cute.jit
     def write_dq_chunks(
         self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32, rows,
-        group: Int32,
+        group: Int32, counts: tuple | None = None,
     ):  # fmt: skip
         """`write_dq` with dq_handoff "wg": per row block, for each MMA warpgroup g in turn,
         wait for its chunk (DQ_FULL_WG + g) and add it (TILE_M x D / G floats, contiguous in
@@ -236,7 +246,11 @@ class BwdDq:
         complete in order: wait_group G - 1 - g), given at the top of the next row block. The
         first arrivals come before the loop and none after the last row block, so every
         arrive meets one wait of its warpgroup. `blocks`: `row_blocks`' (m_block_min, n_m,
-        n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd)."""
+        n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd).
+
+        dq_convert (`counts` = ((mdQ, mDqCount, slots), n_blocks, shift)): once row block i's
+        chunks are issued, row block i - 1's adds are waited for and counted (`report_dq`);
+        after the loop the last one's, then DQ_REPORTED."""
         n, num_wgs = 128 + 32, self.NUM_MMA_WGS
         chunk = self.TILE_M * self.HEAD_DIM // num_wgs
         lane = cute.arch.lane_idx()
@@ -263,8 +277,18 @@ class BwdDq:
                         bulk_reduce_add_f32(gdq + g * chunk, sdQ.iterator + g * chunk, chunk * 4)
                         cute.arch.cp_async_bulk_commit_group()
                     cute.arch.sync_warp()
+                if const_expr(counts is not None):  # noqa: SIM102 (trace time, then runtime)
+                    if i > 0:  # row block i - 1's groups: all but this row block's num_wgs
+                        self.report_dq(counts, i - 1, num_wgs, blocks, head_kv, rows, group)
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if const_expr(counts is not None):
+                # n_m * group - 1 (= n_iter - 1) from values the loop keeps: in the writer's 24
+                # registers n_iter itself would be spilled across the loop.
+                self.report_dq(counts, n_m * group - 1, -1, blocks, head_kv, rows, group)
+                cute.arch.barrier_arrive(
+                    barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
+                )
 
     @cute.jit
     def write_dq_turns(
@@ -299,6 +323,91 @@ class BwdDq:
                 cute.arch.sync_warp()
         if lane == 0:  # the last adds complete before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=False)
+
+    @cute.jit
+    def report_dq(
+        self, counts: tuple, j: Int32, pending: cutlass.Constexpr[int], blocks: tuple,
+        head_kv: Int32, rows, group: Int32,
+    ):  # fmt: skip
+        """dq_convert, writer warp: once row block j's bulk adds are complete (wait_group
+        `pending`, not only read; -1: already waited for), count them into the (batch, head,
+        row block) counter (atom.acq_rel.gpu, after a proxy fence for the async-proxy writes)
+        and write slot j % 2: j if that made every column block that visits the row block
+        (`dq_adds`) done, so this CTA converts it, else -1. The MMA threads read the slot after
+        the writer's next barrier arrive."""
+        (_, mCount, slots), n_blocks, shift = counts
+        m_block_min, n_m, _ = blocks
+        if cute.arch.lane_idx() == 0:
+            if const_expr(pending >= 0):
+                cute.arch.cp_async_bulk_wait_group(pending, read=False)
+            cute.arch.fence_proxy("async.global")
+            head, m_block = self.row_block(j, m_block_min, n_m, head_kv, group)
+            ptr = mCount.iterator + cute.crd2idx((rows.batch, head, m_block), mCount.layout)
+            old = atom_add_acq_rel_gpu_s32(ptr, Int32(1))
+            last = old == self.dq_adds(m_block, n_blocks, shift) - 1
+            slots[j % 2] = j if last else Int32(-1)
+        cute.arch.sync_warp()
+
+    @cute.jit
+    def dq_adds(self, m_block: Int32, n_blocks: Int32, shift: Int32) -> Int32:
+        """How many column blocks add into row block m_block of a head: all of them, or
+        (causal, shift = Nk - Nq >= 0) those n with n TILE_N - shift < (m_block + 1) TILE_M,
+        the blocks whose first visible row (`row_blocks`) is in or before it."""
+        adds = n_blocks
+        if const_expr(self.CAUSAL):
+            reach = (m_block + 1) * self.TILE_M + shift
+            adds = cutlass.min(n_blocks, (reach + self.TILE_N - 1) // self.TILE_N)
+        return adds
+
+    @cute.jit
+    def convert_reported(
+        self, thr_dq, dq_conv: tuple, j: Int32, blocks: tuple, mdQacc: cute.Tensor,
+        head_kv: Int32, rows, group: Int32, seqlen_q: Int32, scale: Float32,
+    ):  # fmt: skip
+        """dq_convert, MMA threads: if the writer reported row block j as this CTA's to convert
+        (slot j % 2 holds j), convert it (`convert_dq`)."""
+        _, _, slots = dq_conv
+        if slots[j % 2] == j:
+            m_block_min, n_m, _ = blocks
+            head, m_block = self.row_block(j, m_block_min, n_m, head_kv, group)
+            self.convert_dq(thr_dq, dq_conv[0], mdQacc, head, rows, m_block, seqlen_q, scale)
+
+    @cute.jit
+    def convert_dq(
+        self, thr_dq, mdQ: cute.Tensor, mdQacc: cute.Tensor, head: Int32, rows, m_block: Int32,
+        seqlen_q: Int32, scale: Float32,
+    ):  # fmt: skip
+        """One row block of the float32 accumulator, every column block's adds complete, to dQ
+        (B, Nq, Hq, D) in the input dtype (times the softmax scale with SCALE_OUT): each MMA
+        thread reads the places of its own dQ fragment in the tile (dq_tile_layout, 16 bytes
+        per 4 registers, through L2: other SMs added them) and stores each value to its (row,
+        column), rows past seqlen_q skipped."""
+        tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
+        gdq = rows.dq_tile(mdQacc, head, m_block * self.TILE_M)
+        if const_expr(self.DQ_SPLIT == "dt"):  # the fragment holds dQ^T: (column, row) pairs
+            crd = thr_dq.partition_C(cute.make_identity_tensor((self.HEAD_DIM, self.TILE_M)))
+        else:
+            crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
+        # One 16-byte group at a time (a runtime loop): the dK / dV accumulators and dK's
+        # register operand are live around it, and ptxas would otherwise issue every load first.
+        for q in cutlass.range(cute.size(crd) // 4, unroll=1):
+            vals = []
+            for k in cutlass.range_constexpr(4):
+                if const_expr(self.DQ_SPLIT == "dt"):
+                    col, row = crd[4 * q + k]
+                else:
+                    row, col = crd[4 * q + k]
+                vals.append((row, col))
+            r0, c0 = vals[0]
+            x = ld_cg_v4_f32(gdq + cute.crd2idx((r0, c0), tile))
+            for k in cutlass.range_constexpr(4):
+                row, col = vals[k]
+                v = x[k]
+                if const_expr(self.SCALE_OUT):
+                    v = v * scale
+                row_g = m_block * self.TILE_M + row
+                if row_g < seqlen_q:
+                    rows.q_out(mdQ, head)[row_g, col] = self.dtype(v)
 
     @cute.jit
     def add_dq_in_order(

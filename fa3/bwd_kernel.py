@@ -202,6 +202,19 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError(
                 "Fa3Backward: tile_m 80 needs dq_split 'dt' and a dense problem without a window"
             )
+        # dQ converted in the kernel (BwdConfig.dq_convert; bwd_dq.BwdDq.report_dq, convert_dq).
+        self.DQ_CONVERT = cfg.dq_convert
+        if cfg.dq_convert and not (
+            not self.DKV_T
+            and self.DQ_WARP
+            and self.DQ_HANDOFF_WG
+            and self.OVERLAP
+            and not (self.DETERMINISTIC or local or varlen)
+        ):
+            raise ValueError(
+                "Fa3Backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'wg', "
+                "overlap and a dense problem without a window or deterministic order"
+            )
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(
                 f"Fa3Backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
@@ -303,6 +316,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         class Storage:
             mbar_kv: mrange[cutlass.Int64, 2]
             mbar_qdo: mrange[cutlass.Int64, 2 * st]
+            dq_slots: mrange[Int32, 2]  # dq_convert: the row blocks to convert (bwd_dq)
             sLSE: align[mrange[Float32, n_lse], 128]
             sD: align[mrange[Float32, n_lse], 128]
             sQ: align[mrange[dt, n_q], 1024]
@@ -349,6 +363,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         window_right: Int32 | None = None,  # local builds: >= 0, 0 when causal
         mCuSeqlensQ: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
         mCuSeqlensK: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
+        mdQ: cute.Tensor | None = None,  # (B, Nq, Hq, D) input dtype: dq_convert builds
+        mDqCount: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: the same
     ):
         """Varlen builds take the packed tensors of the module docstring in the same places."""
         if const_expr(self.VARLEN):
@@ -370,6 +386,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             )
             if const_expr(not self.DQ_TILED):
                 mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
+            if const_expr(self.DQ_CONVERT):
+                mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=to_ndhb))
             mLSE, mDsum = (
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                 for t in (mLSE, mDsum)
@@ -429,6 +447,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             (window_left, window_right) if const_expr(self.LOCAL) else None,
             mCuSeqlensQ,
             mCuSeqlensK,
+            (mdQ, mDqCount) if const_expr(self.DQ_CONVERT) else None,
         ).launch(
             grid=grid,
             block=[self.NUM_THREADS, 1, 1],
@@ -462,12 +481,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         win: tuple | None,  # (window_left, window_right) Int32: local builds
         mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32: varlen builds
         mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32: varlen builds
+        dq_conv: tuple | None,  # dq_convert: (mdQ (B, Nq, Hq, D), mDqCount (B, Hq, row blocks))
     ):
         """The CTA's column block and sequence, then `cta`. Varlen: a virtual block past its
         sequence's keys does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
         args = (tmas, dkv_tmas, mdQacc, mdK, mdV, mma_sdp, mma_dkv, mma_dq, layouts)
-        scalars = (group, scale_log2, scale, mSem, softcap_pre, win)
+        scalars = (group, scale_log2, scale, mSem, softcap_pre, win, dq_conv)
         if const_expr(self.VARLEN):
             batch_n = mCuSeqlensQ.shape[0] - 1
             n_block, head_kv, valid, rows = self.varlen_cols.tile(mCuSeqlensQ, mCuSeqlensK, batch_n)
@@ -516,6 +536,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
+        dq_conv: tuple | None,  # dq_convert: (mdQ, mDqCount)
     ):
         """One column block of one kv head: shared memory, pipelines, the role split."""
         sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = layouts
@@ -539,6 +560,9 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         if const_expr(self.DKV_T):
             sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
+        dq_conv_s = None  # dq_convert: (mdQ, mDqCount, the two report slots)
+        if const_expr(self.DQ_CONVERT):
+            dq_conv_s = (*dq_conv, st.dq_slots.get_tensor(cute.make_layout(2)))
         pipeline.pipeline_init_wait()
         if const_expr(self.PDL):
             # The launch before (the preprocess) writes LSE, D and the zeroed dQ accumulator:
@@ -566,8 +590,9 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 if warp == 1:
                     self.write_dq(
-                        sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win
-                    )
+                        sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win,
+                        dq_conv_s,
+                    )  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
             # dK and dV leave by TMA stores through sK / sV (DKV_TMA) or from registers.
@@ -596,4 +621,4 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             if const_expr(self.DKV_T):
                 self.mma_t(*args)
             else:
-                self.mma(*args)
+                self.mma(*args, dq_conv_s)

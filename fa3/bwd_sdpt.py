@@ -40,11 +40,15 @@ class BwdSdpT:
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
+        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots)
     ):
-        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
+        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV.
+        dq_convert: the row blocks the writer reported as this CTA's converted to dQ, each two
+        row blocks after it (under dK's wgmma), the last two after dK and dV are stored."""
         sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
         pipe_kv, pipe_qdo, _ = pipes
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
+        blocks = (m_block_min, n_m, n_iter)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
         thr_dkv = mma_dkv.get_slice(mtid)
@@ -181,6 +185,13 @@ class BwdSdpT:
                     warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
+                    if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
+                        # Past DQ_EMPTY (in dq_out): the writer's report of row block i - 2.
+                        if i >= 2:
+                            self.convert_reported(
+                                thr_dq, dq_conv, i - 2, blocks, mdQacc, head_kv, rows, group,
+                                seqlen_q, scale,
+                            )  # fmt: skip
                     warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
                     pipe_qdo.consumer_release(state)
                 else:
@@ -204,3 +215,13 @@ class BwdSdpT:
             self.store_dkv(
                 thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k, scale
             )
+        if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
+            if n_iter > 0:  # the writer's reports of the last two row blocks
+                cute.arch.barrier(
+                    barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
+                )
+                if n_iter >= 2:
+                    self.convert_reported(thr_dq, dq_conv, n_iter - 2, blocks, mdQacc, head_kv,
+                                          rows, group, seqlen_q, scale)  # fmt: skip
+                self.convert_reported(thr_dq, dq_conv, n_iter - 1, blocks, mdQacc, head_kv, rows,
+                                      group, seqlen_q, scale)  # fmt: skip

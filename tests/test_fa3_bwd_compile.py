@@ -135,6 +135,17 @@ def pdl_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def dqc_probes(tmp_path_factory) -> list[dict]:
+    """The dq_convert variants: pipe80_wgs_wgdq_tma_dqc (D 128, full) and
+    pipe_sec4_wgdq_tma_dqc's causal builds (D 96 and 128)."""
+    runs = [
+        ["--variant", "pipe80_wgs_wgdq_tma_dqc"],
+        ["--variant", "pipe_sec4_wgdq_tma_dqc", "--shard", "1/2"],
+    ]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_dqc"), runs)
+
+
+@pytest.fixture(scope="module")
 def wide256_dq_probes(tmp_path_factory) -> list[dict]:
     """D = 256's dQ routes beside the shipped one (wide256_red80_wgs, compiled with the shipped
     builds): wide256_n64_turn (full), 64 keys; wide256_red80, 80 keys, causal with a window."""
@@ -525,6 +536,33 @@ def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
     _assert_fits_registers(r)
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+@pytest.mark.lab
+def test_bwd_dq_convert_counts_and_converts(dqc_probes) -> None:
+    """BwdConfig.dq_convert: the writer counts each row block's completed adds with one
+    atom.acq_rel.gpu add (two call sites: in the loop and for the last row block), behind a
+    proxy fence for its bulk reduces (two), and the MMA threads read a reported block back
+    through L2 with ld.global.cg.v4 (three call sites: in the loop, and the last two row blocks
+    after it); the wgmmas and
+    the bulk reduces as without it. 0 spills in the MMA warpgroups; the 80-row build's writer
+    warp (24 registers) keeps one 4-byte value in local memory."""
+    assert {(r["head_dim"], r["causal"], r["config"]["tile_m"]) for r in dqc_probes} == {
+        (128, False, 80),
+        (96, True, 64),
+        (128, True, 64),
+    }
+    for r in dqc_probes:
+        ptx, cfg, where = r["ptx"], r["config"], _id(r)
+        assert cfg["dq_convert"], where
+        assert ptx["count_atom"] == 2 and ptx["fence_async_global"] == 2, f"{where}: {ptx}"
+        assert ptx["ld_cg_v4"] == 3, f"{where}: {ptx}"
+        assert ptx["dq_bulk"] == 2 and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+        assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(r["head_dim"], cfg), where
+        assert r["spill_stores"] <= (4 if cfg["tile_m"] == 80 else 0), (where, r["ptxas_lines"])
+        _assert_fits_registers(r)
+        for code in ("C7508", "C7512", "C7515", "C7519"):
+            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
 @pytest.mark.lab
@@ -1231,7 +1269,8 @@ def test_binary_takes_launch_args(name, d, causal, flags, signatures) -> None:
     names = [n for n, _ in found]
     assert len(found) == len(result["none"]), (names, len(result["none"]))
     assert names[9:] == ["scale_log2", "scale", "mSem", "softcap_pre", "window_left",
-                         "window_right", "mCuSeqlensQ", "mCuSeqlensK"], names  # fmt: skip
+                         "window_right", "mCuSeqlensQ", "mCuSeqlensK", "mdQ",
+                         "mDqCount"], names  # fmt: skip
     kinds_none = [kind == "None" for _, kind in found]
     assert kinds_none == result["none"], list(zip(names, kinds_none, result["none"], strict=True))
 
@@ -1258,15 +1297,17 @@ def _kernel_contract(key, causal: bool):
     """A stand-in for the compiled backward that keeps its argument contract, in float64 torch:
     it reads only what the host hands it (lse_log2 with +inf rows, dsum, the scales) and writes
     dQ into the accumulator in the config's layout ("warp": TILE_M x D blocks in dq_tile_modes
-    order), dK and dV summed over each GQA group."""
+    order), or (dq_convert) dQ itself into its output, its add counters zeroed; dK and dV
+    summed over each GQA group."""
     from flashsuite.common.reference import visibility_mask
     from flashsuite.fa3.bwd_configs import dq_tile_modes, dq_tiled
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
-            window_left, window_right, cu_seqlens_q, cu_seqlens_k):  # fmt: skip
+            window_left, window_right, cu_seqlens_q, cu_seqlens_k, mdq, dq_count):  # fmt: skip
         assert softcap_pre is None and (sem is None) == (not key.cfg.deterministic)
         assert window_left is None and window_right is None
         assert cu_seqlens_q is None and cu_seqlens_k is None
+        assert (mdq is None) == (dq_count is None) == (not key.cfg.dq_convert)
         b, nq, hq, d = q.shape
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -1283,6 +1324,12 @@ def _kernel_contract(key, causal: bool):
         dk_ = (ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2)
         dk.copy_(dk_ * dk_scale)
         dv.copy_((p.transpose(-1, -2) @ doh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
+        if key.cfg.dq_convert:  # one zeroed counter per (batch, head, row block)
+            assert dq_count.dtype == torch.int32 and not dq_count.any()
+            assert tuple(dq_count.shape) == (b, hq, dq_acc.shape[2] // key.cfg.tile_m)
+            assert mdq.dtype == q.dtype and mdq.shape == q.shape and mdq.is_contiguous()
+            mdq.copy_(dq.transpose(1, 2) * (scale if key.cfg.scale_out else 1.0))
+            return
         if not dq_tiled(key.cfg):
             dq_acc.copy_(dq.transpose(1, 2))
             return
@@ -1320,6 +1367,9 @@ def _kernel_contract(key, causal: bool):
         (64, "warp+sout", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic+sout", True, True, (2, 90, 120, 4, 4, 64)),
         (80, "warp-dt", False, False, (2, 170, 130, 4, 2, 128)),  # dQ^T: 80-row blocks
+        (80, "warp-dt+dqc", False, False, (2, 170, 130, 4, 2, 128)),  # dQ from the kernel
+        (64, "warp+dqc", False, True, (1, 70, 100, 4, 2, 128)),  # causal, Nq <= Nk
+        (64, "warp+dqc", False, True, (2, 100, 70, 4, 2, 128)),  # Nq > Nk: the postprocess
     ],
 )
 def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, deterministic, causal, shape):
@@ -1331,10 +1381,12 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
     from flashsuite.fa3 import bwd_host
 
     b, nq, nk, hq, hkv, d = shape
-    dq_mode, _, sout = dq_mode.partition("+")  # "+sout": scale_out
+    dq_mode, _, extra = dq_mode.partition("+")  # "+sout": scale_out, "+dqc": dq_convert
     dq_mode, _, split = dq_mode.partition("-")  # "warp-m": dq_split "m"
     cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, dq_split=split or "d",
-                    deterministic=deterministic, scale_out=sout == "sout")  # fmt: skip
+                    deterministic=deterministic, scale_out=extra == "sout")  # fmt: skip
+    if extra == "dqc":
+        cfg = replace(cfg, dq_handoff="wg", overlap=True, dq_convert=True)
     if d > 128:
         cfg = replace(bwd_config_for(d, torch.bfloat16, causal), deterministic=deterministic)
         if dq_mode == "red":  # wide256_red80: 80 keys, dQ in two slices

@@ -166,9 +166,10 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
     from flashsuite.fa3.bwd_host import dq_from_tiles
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
-            window_left, window_right, cu_q, cu_k):  # fmt: skip
+            window_left, window_right, cu_q, cu_k, mdq, dq_count):  # fmt: skip
         seen.append((window_left, window_right))
         assert sem is None and softcap_pre is None
+        assert mdq is None and dq_count is None  # dq_convert is a dense build
         assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous()
         tm, (_, hq, d), hkv = key.cfg.tile_m, q.shape, k.shape[1]
         g = hq // hkv
