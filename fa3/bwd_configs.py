@@ -299,7 +299,7 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
-    mbar += 8 if cfg.dq_convert else 0  # two int32 slots: the row blocks to convert
+    mbar += 48 if cfg.dq_convert else 0  # two int32 report slots and five 64-bit addresses
     rows = stats_stage_rows(cfg.tile_m)
     stats = _align(rows * cfg.stages * 4, 128) + _align(rows * do_stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages

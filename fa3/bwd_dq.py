@@ -7,7 +7,7 @@ import enum
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -16,8 +16,10 @@ from flashsuite.fa3.utils import (
     atom_add_acq_rel_gpu_s32,
     bulk_reduce_add_f32,
     ld_acquire_gpu_s32,
-    ld_cg_v4_f32,
+    ld_cg_v4_f32_at,
+    opaque_tid_x,
     red_release_gpu_add_s32,
+    st_global_16_at,
     turn_pass,
     turn_wait,
 )
@@ -177,7 +179,7 @@ class BwdDq:
         seqlen_q: Int32,
         seqlen_k: Int32,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots)
+        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots, addresses)
     ):
         """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
         threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
@@ -248,7 +250,7 @@ class BwdDq:
         arrive meets one wait of its warpgroup. `blocks`: `row_blocks`' (m_block_min, n_m,
         n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd).
 
-        dq_convert (`counts` = ((mdQ, mDqCount, slots), n_blocks, shift)): once row block i's
+        dq_convert (`counts` = (dq_conv, n_blocks, shift)): once row block i's
         chunks are issued, row block i - 1's adds are waited for and counted (`report_dq`);
         after the loop the last one's, then DQ_REPORTED."""
         n, num_wgs = 128 + 32, self.NUM_MMA_WGS
@@ -335,7 +337,7 @@ class BwdDq:
         and write slot j % 2: j if that made every column block that visits the row block
         (`dq_adds`) done, so this CTA converts it, else -1. The MMA threads read the slot after
         the writer's next barrier arrive."""
-        (_, mCount, slots), n_blocks, shift = counts
+        (_, mCount, slots, _), n_blocks, shift = counts
         m_block_min, n_m, _ = blocks
         if cute.arch.lane_idx() == 0:
             if const_expr(pending >= 0):
@@ -360,54 +362,80 @@ class BwdDq:
         return adds
 
     @cute.jit
+    def dq_addresses(self, dq_conv: tuple, mdQacc: cute.Tensor, rows):
+        """dq_convert, one MMA thread before the row-block loop: what `convert_dq` addresses
+        by, as 64-bit byte values in shared memory (the dq_addr words): dQ[batch, 0, 0, 0], its
+        row and head strides, the accumulator's [batch, 0, 0, 0] and its head stride. Read
+        back where a conversion runs, so the loop keeps none of them in registers."""
+        mdQ, _, _, addr = dq_conv
+        b = rows.batch
+        esize = self.dtype.width // 8
+        q0 = cute.crd2idx((0, 0, 0, b), mdQ.layout)  # mdQ is (Nq, D, Hq, B)
+        addr[0] = (mdQ.iterator + q0).toint()
+        addr[1] = Int64(cute.crd2idx((1, 0, 0, b), mdQ.layout) - q0) * esize
+        addr[2] = Int64(cute.crd2idx((0, 0, 1, b), mdQ.layout) - q0) * esize
+        a0 = cute.crd2idx((b, 0, 0, 0), mdQacc.layout)  # (B, Hq, Nq_pad, D)
+        addr[3] = (mdQacc.iterator + a0).toint()
+        addr[4] = Int64(cute.crd2idx((b, 1, 0, 0), mdQacc.layout) - a0) * 4
+
+    @cute.jit
     def convert_reported(
-        self, thr_dq, dq_conv: tuple, j: Int32, blocks: tuple, mdQacc: cute.Tensor,
-        head_kv: Int32, rows, group: Int32, seqlen_q: Int32, scale: Float32,
+        self, mma_dq: cute.TiledMma, dq_conv: tuple, j: Int32, blocks: tuple, head_kv: Int32,
+        group: Int32, seqlen_q: Int32, scale: Float32,
     ):  # fmt: skip
         """dq_convert, MMA threads: if the writer reported row block j as this CTA's to convert
         (slot j % 2 holds j), convert it (`convert_dq`)."""
-        _, _, slots = dq_conv
+        slots = dq_conv[2]
         if slots[j % 2] == j:
             m_block_min, n_m, _ = blocks
             head, m_block = self.row_block(j, m_block_min, n_m, head_kv, group)
-            self.convert_dq(thr_dq, dq_conv[0], mdQacc, head, rows, m_block, seqlen_q, scale)
+            self.convert_dq(mma_dq, dq_conv[3], head, m_block, seqlen_q, scale)
 
     @cute.jit
     def convert_dq(
-        self, thr_dq, mdQ: cute.Tensor, mdQacc: cute.Tensor, head: Int32, rows, m_block: Int32,
+        self, mma_dq: cute.TiledMma, addr: cute.Tensor, head: Int32, m_block: Int32,
         seqlen_q: Int32, scale: Float32,
     ):  # fmt: skip
         """One row block of the float32 accumulator, every column block's adds complete, to dQ
         (B, Nq, Hq, D) in the input dtype (times the softmax scale with SCALE_OUT): each MMA
-        thread reads the places of its own dQ fragment in the tile (dq_tile_layout, 16 bytes
-        per 4 registers, through L2: other SMs added them) and stores each value to its (row,
-        column), rows past seqlen_q skipped."""
+        thread reads back the places its own dQ fragment was added to (dq_tile_layout: 16
+        contiguous bytes per 4 registers, through L2, since other SMs added them), CONVERT_TRIPS
+        batches of loads each issued before its first store, and stores each value to its
+        (row, column) with one 16-bit store, rows past seqlen_q skipped. Addresses come from
+        `dq_addresses`' words and the thread index is read afresh (`opaque_tid_x`), so the
+        row-block loop around this rarely taken branch keeps none of it in registers."""
+        thr_dq = mma_dq.get_slice(opaque_tid_x() - 128)  # the MMA threads are 128 and up
         tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
-        gdq = rows.dq_tile(mdQacc, head, m_block * self.TILE_M)
         if const_expr(self.DQ_SPLIT == "dt"):  # the fragment holds dQ^T: (column, row) pairs
             crd = thr_dq.partition_C(cute.make_identity_tensor((self.HEAD_DIM, self.TILE_M)))
         else:
             crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
-        # One 16-byte group at a time (a runtime loop): the dK / dV accumulators and dK's
-        # register operand are live around it, and ptxas would otherwise issue every load first.
-        for q in cutlass.range(cute.size(crd) // 4, unroll=1):
-            vals = []
-            for k in cutlass.range_constexpr(4):
-                if const_expr(self.DQ_SPLIT == "dt"):
-                    col, row = crd[4 * q + k]
-                else:
-                    row, col = crd[4 * q + k]
-                vals.append((row, col))
-            r0, c0 = vals[0]
-            x = ld_cg_v4_f32(gdq + cute.crd2idx((r0, c0), tile))
-            for k in cutlass.range_constexpr(4):
-                row, col = vals[k]
-                v = x[k]
-                if const_expr(self.SCALE_OUT):
-                    v = v * scale
-                row_g = m_block * self.TILE_M + row
-                if row_g < seqlen_q:
-                    rows.q_out(mdQ, head)[row_g, col] = self.dtype(v)
+        dq_row = addr[1]
+        row0 = m_block * self.TILE_M
+        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
+        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
+        esize = self.dtype.width // 8
+        bf16 = self.dtype is cutlass.BFloat16
+        per_trip = cute.size(crd) // 4 // self.CONVERT_TRIPS
+        for t in cutlass.range_constexpr(self.CONVERT_TRIPS):
+            coords = []  # per 16-byte group, the (row, column) of its four values
+            loaded = []
+            for q in cutlass.range_constexpr(t * per_trip, (t + 1) * per_trip):
+                quad = []
+                for k in cutlass.range_constexpr(4):
+                    a, b = crd[4 * q + k]
+                    quad.append((b, a) if const_expr(self.DQ_SPLIT == "dt") else (a, b))
+                coords.append(quad)
+                offset = cute.crd2idx(quad[0], tile) * 4
+                loaded.append(ld_cg_v4_f32_at(tile_base + offset))
+            for q in cutlass.range_constexpr(per_trip):
+                for k in cutlass.range_constexpr(4):
+                    row, col = coords[q][k]
+                    v = loaded[q][k]
+                    if const_expr(self.SCALE_OUT):
+                        v = v * scale
+                    if row0 + row < seqlen_q:
+                        st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
 
     @cute.jit
     def add_dq_in_order(

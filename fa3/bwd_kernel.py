@@ -204,6 +204,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             )
         # dQ converted in the kernel (BwdConfig.dq_convert; bwd_dq.BwdDq.report_dq, convert_dq).
         self.DQ_CONVERT = cfg.dq_convert
+        self.CONVERT_TRIPS = 2 if cfg.tile_m == 80 else 1  # bwd_dq.BwdDq.convert_dq
         if cfg.dq_convert and not (
             not self.DKV_T
             and self.DQ_WARP
@@ -317,6 +318,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             mbar_kv: mrange[cutlass.Int64, 2]
             mbar_qdo: mrange[cutlass.Int64, 2 * st]
             dq_slots: mrange[Int32, 2]  # dq_convert: the row blocks to convert (bwd_dq)
+            dq_addr: mrange[cutlass.Int64, 5]  # dq_convert: BwdDq.dq_addresses' words
             sLSE: align[mrange[Float32, n_lse], 128]
             sD: align[mrange[Float32, n_lse], 128]
             sQ: align[mrange[dt, n_q], 1024]
@@ -560,9 +562,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         if const_expr(self.DKV_T):
             sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
-        dq_conv_s = None  # dq_convert: (mdQ, mDqCount, the two report slots)
+        dq_conv_s = None  # dq_convert: (mdQ, mDqCount, the two report slots, the addresses)
         if const_expr(self.DQ_CONVERT):
-            dq_conv_s = (*dq_conv, st.dq_slots.get_tensor(cute.make_layout(2)))
+            dq_conv_s = (
+                *dq_conv,
+                st.dq_slots.get_tensor(cute.make_layout(2)),
+                st.dq_addr.get_tensor(cute.make_layout(5)),
+            )
         pipeline.pipeline_init_wait()
         if const_expr(self.PDL):
             # The launch before (the preprocess) writes LSE, D and the zeroed dQ accumulator:

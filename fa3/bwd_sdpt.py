@@ -40,7 +40,7 @@ class BwdSdpT:
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots)
+        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots, addresses)
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV.
         dq_convert: the row blocks the writer reported as this CTA's converted to dQ, each two
@@ -118,6 +118,9 @@ class BwdSdpT:
             tSrdS = rdS
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
+        if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
+            if mtid == 0:  # read by the MMA threads past iteration 0's DS_READY barrier
+                self.dq_addresses(dq_conv, mdQacc, rows)
 
         if n_iter > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -185,15 +188,16 @@ class BwdSdpT:
                     warpgroup.wait_group(1)  # dV and dQ retired; dK runs on
                     self.dq_out(thr_dq, acc_dQ, sdQ, mdQacc, mSem, mtid, n_block, head, rows,
                                 m_block, seqlen_q)  # fmt: skip
-                    if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
-                        # Past DQ_EMPTY (in dq_out): the writer's report of row block i - 2.
-                        if i >= 2:
-                            self.convert_reported(
-                                thr_dq, dq_conv, i - 2, blocks, mdQacc, head_kv, rows, group,
-                                seqlen_q, scale,
-                            )  # fmt: skip
                     warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
                     pipe_qdo.consumer_release(state)
+                    if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
+                        # Past DQ_EMPTY (in dq_out): the writer's report of row block i - 2.
+                        # After dK retires: its register operand and S^T / dP^T are dead, so
+                        # every load of the conversion fits beside dK and dV.
+                        if i >= 2:
+                            self.convert_reported(
+                                mma_dq, dq_conv, i - 2, blocks, head_kv, group, seqlen_q, scale
+                            )
                 else:
                     self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])
@@ -221,7 +225,9 @@ class BwdSdpT:
                     barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
                 )
                 if n_iter >= 2:
-                    self.convert_reported(thr_dq, dq_conv, n_iter - 2, blocks, mdQacc, head_kv,
-                                          rows, group, seqlen_q, scale)  # fmt: skip
-                self.convert_reported(thr_dq, dq_conv, n_iter - 1, blocks, mdQacc, head_kv, rows,
-                                      group, seqlen_q, scale)  # fmt: skip
+                    self.convert_reported(
+                        mma_dq, dq_conv, n_iter - 2, blocks, head_kv, group, seqlen_q, scale
+                    )
+                self.convert_reported(
+                    mma_dq, dq_conv, n_iter - 1, blocks, head_kv, group, seqlen_q, scale
+                )
