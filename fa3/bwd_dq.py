@@ -15,11 +15,14 @@ from flashsuite.fa3.bwd_configs import dq_tile_modes
 from flashsuite.fa3.utils import (
     atom_add_acq_rel_gpu_s32,
     bulk_reduce_add_f32,
+    ld_acquire_cta_shared_s32,
     ld_acquire_gpu_s32,
     ld_cg_v4_f32_at,
+    nanosleep,
     opaque_tid_x,
     red_release_gpu_add_s32,
     st_global_16_at,
+    st_release_cta_shared_s32,
     turn_pass,
     turn_wait,
 )
@@ -39,6 +42,14 @@ class Barrier(enum.IntEnum):
     DQ_EMPTY_WG = 11
     # dq_convert: the writer has reported the last row block (MMA threads wait, writer arrives).
     DQ_REPORTED = 13
+    DQ_CONVERTERS = 14  # dq_convert: producer warps 2 and 3 are done with a queued row block
+
+
+# dq_convert: the row blocks the writer queues for the converter warps (shared-memory ring).
+DQ_RING = 4
+# The queue's words after the ring: how many row blocks were queued, how many converted, and
+# whether the writer is done queueing.
+QUEUED, CONVERTED, DONE = 0, 1, 2
 
 
 def dq_tile_layout(
@@ -288,6 +299,8 @@ class BwdDq:
                 # n_m * group - 1 (= n_iter - 1) from values the loop keeps: in the writer's 24
                 # registers n_iter itself would be spilled across the loop.
                 self.report_dq(counts, n_m * group - 1, -1, blocks, head_kv, rows, group)
+                if lane == 0:  # nothing more for the converter warps
+                    st_release_cta_shared_s32(counts[0][5].iterator + DONE, Int32(1))
                 cute.arch.barrier_arrive(
                     barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
                 )
@@ -337,7 +350,7 @@ class BwdDq:
         and write slot j % 2: j if that made every column block that visits the row block
         (`dq_adds`) done, so this CTA converts it, else -1. The MMA threads read the slot after
         the writer's next barrier arrive."""
-        (_, mCount, slots, _), n_blocks, shift = counts
+        (_, mCount, slots, _, ring, queue), n_blocks, shift = counts
         m_block_min, n_m, _ = blocks
         if cute.arch.lane_idx() == 0:
             if const_expr(pending >= 0):
@@ -347,7 +360,15 @@ class BwdDq:
             ptr = mCount.iterator + cute.crd2idx((rows.batch, head, m_block), mCount.layout)
             old = atom_add_acq_rel_gpu_s32(ptr, Int32(1))
             last = old == self.dq_adds(m_block, n_blocks, shift) - 1
-            slots[j % 2] = j if last else Int32(-1)
+            if j < n_m * group - 2:  # to the converter warps, through the ring
+                if last:
+                    queued = ld_acquire_cta_shared_s32(queue.iterator + QUEUED)
+                    while queued - ld_acquire_cta_shared_s32(queue.iterator + CONVERTED) >= DQ_RING:
+                        nanosleep(128)  # the ring is full: its oldest row block is not done
+                    ring[queued % DQ_RING] = head * 65536 + m_block  # both below 2^15 here
+                    st_release_cta_shared_s32(queue.iterator + QUEUED, queued + 1)
+            else:  # the last two: to the MMA threads after their loop
+                slots[j % 2] = j if last else Int32(-1)
         cute.arch.sync_warp()
 
     @cute.jit
@@ -367,7 +388,7 @@ class BwdDq:
         by, as 64-bit byte values in shared memory (the dq_addr words): dQ[batch, 0, 0, 0], its
         row and head strides, the accumulator's [batch, 0, 0, 0] and its head stride. Read
         back where a conversion runs, so the loop keeps none of them in registers."""
-        mdQ, _, _, addr = dq_conv
+        mdQ, addr = dq_conv[0], dq_conv[3]
         b = rows.batch
         esize = self.dtype.width // 8
         q0 = cute.crd2idx((0, 0, 0, b), mdQ.layout)  # mdQ is (Nq, D, Hq, B)
@@ -377,6 +398,67 @@ class BwdDq:
         a0 = cute.crd2idx((b, 0, 0, 0), mdQacc.layout)  # (B, Hq, Nq_pad, D)
         addr[3] = (mdQacc.iterator + a0).toint()
         addr[4] = Int64(cute.crd2idx((b, 1, 0, 0), mdQacc.layout) - a0) * 4
+
+    @cute.jit
+    def convert_queue(
+        self, dq_conv: tuple, n_block: Int32, head_kv: Int32, rows, group: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, win: tuple | None, scale: Float32,
+    ):  # fmt: skip
+        """dq_convert, producer warps 2 and 3 (otherwise idle): convert the row blocks the
+        writer queues (`report_dq`: every row block but the last two, whose count this CTA
+        completed), in queue order, while the MMA warpgroups run on. Poll the queue (acquire
+        at CTA scope, nanosleep between polls), convert the next row block with the 64 threads
+        (`convert_rows`), meet at DQ_CONVERTERS, count it converted (release); stop once the
+        writer is done and nothing is left."""
+        _, _, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
+        _, _, _, addr, ring, queue = dq_conv
+        tid = cute.arch.thread_idx()[0] - 64  # 0 .. 63
+        if n_iter > 2:  # the last two row blocks never go through the queue
+            k = Int32(0)
+            go = cutlass.Boolean(True)
+            while go:
+                done = ld_acquire_cta_shared_s32(queue.iterator + DONE)  # before QUEUED: then
+                queued = ld_acquire_cta_shared_s32(queue.iterator + QUEUED)  # QUEUED is final
+                if queued > k:
+                    entry = ring[k % DQ_RING]  # head * 2^16 + m_block
+                    self.convert_rows(addr, entry >> 16, entry & 0xFFFF, seqlen_q, scale, tid, 64)
+                    cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTERS), number_of_threads=64)
+                    k = k + 1
+                    if tid == 0:
+                        st_release_cta_shared_s32(queue.iterator + CONVERTED, k)
+                elif done == 1:
+                    go = cutlass.Boolean(False)
+                else:
+                    nanosleep(256)
+
+    @cute.jit
+    def convert_rows(
+        self, addr: cute.Tensor, head: Int32, m_block: Int32, seqlen_q: Int32, scale: Float32,
+        tid: Int32, threads: cutlass.Constexpr[int],
+    ):  # fmt: skip
+        """`convert_dq` for threads that hold no dQ fragment: the row block's TILE_M * D floats
+        in 16-byte chunks, chunk c to thread c % threads (a warp reads 512 contiguous bytes), each
+        float's (row, column) from the tile layout's inverse (row + TILE_M * column), one
+        chunk in flight at a time (the producer warpgroup's 24 registers)."""
+        tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
+        inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
+        dq_row = addr[1]
+        row0 = m_block * self.TILE_M
+        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
+        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
+        esize = self.dtype.width // 8
+        bf16 = self.dtype is cutlass.BFloat16
+        for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads, unroll=1):
+            c = tid + i * threads
+            x = ld_cg_v4_f32_at(tile_base + Int64(c) * 16)
+            for e in cutlass.range_constexpr(4):
+                idx = cute.crd2idx(4 * c + e, inv)
+                row, col = idx % self.TILE_M, idx // self.TILE_M
+                v = x[e]
+                if const_expr(self.SCALE_OUT):
+                    v = v * scale
+                if row0 + row < seqlen_q:
+                    st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
 
     @cute.jit
     def convert_reported(

@@ -92,7 +92,7 @@ from flashsuite.fa3.bwd_configs import (
     stats_stage_rows,
 )
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
-from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
+from flashsuite.fa3.bwd_dq import DQ_RING, BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
 from flashsuite.fa3.bwd_sdpt import BwdSdpT
@@ -319,6 +319,8 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             mbar_qdo: mrange[cutlass.Int64, 2 * st]
             dq_slots: mrange[Int32, 2]  # dq_convert: the row blocks to convert (bwd_dq)
             dq_addr: mrange[cutlass.Int64, 5]  # dq_convert: BwdDq.dq_addresses' words
+            dq_ring: mrange[Int32, DQ_RING]  # dq_convert: row blocks queued for conversion
+            dq_queue: mrange[Int32, 3]  # dq_convert: queued, converted, done (bwd_dq)
             sLSE: align[mrange[Float32, n_lse], 128]
             sD: align[mrange[Float32, n_lse], 128]
             sQ: align[mrange[dt, n_q], 1024]
@@ -562,13 +564,20 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         if const_expr(self.DKV_T):
             sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
-        dq_conv_s = None  # dq_convert: (mdQ, mDqCount, the two report slots, the addresses)
+        # dq_convert: (mdQ, mDqCount, the two report slots, the addresses, the queue's ring and
+        # its counters).
+        dq_conv_s = None
         if const_expr(self.DQ_CONVERT):
             dq_conv_s = (
                 *dq_conv,
                 st.dq_slots.get_tensor(cute.make_layout(2)),
                 st.dq_addr.get_tensor(cute.make_layout(5)),
+                st.dq_ring.get_tensor(cute.make_layout(DQ_RING)),
+                st.dq_queue.get_tensor(cute.make_layout(3)),
             )
+            if tidx == 0:  # the queue starts empty (visible past pipeline_init_wait)
+                for w in cutlass.range_constexpr(3):
+                    dq_conv_s[5][w] = Int32(0)
         pipeline.pipeline_init_wait()
         if const_expr(self.PDL):
             # The launch before (the preprocess) writes LSE, D and the zeroed dQ accumulator:
@@ -599,6 +608,11 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
                         sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win,
                         dq_conv_s,
                     )  # fmt: skip
+            if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (a trace-time test, then a runtime one)
+                if warp >= 2:
+                    self.convert_queue(
+                        dq_conv_s, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win, scale
+                    )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
             # dK and dV leave by TMA stores through sK / sV (DKV_TMA) or from registers.

@@ -43,8 +43,9 @@ class BwdSdpT:
         dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots, addresses)
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV.
-        dq_convert: the row blocks the writer reported as this CTA's converted to dQ, each two
-        row blocks after it (under dK's wgmma), the last two after dK and dV are stored."""
+        dq_convert: of the row blocks the writer reports as this CTA's to convert, the last
+        two (reported at the end of the loop) converted here after dK and dV are stored; the
+        producer's warps 2 and 3 convert the others while the loop runs (BwdDq.convert_queue)."""
         sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
         pipe_kv, pipe_qdo, _ = pipes
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
@@ -190,14 +191,6 @@ class BwdSdpT:
                                 m_block, seqlen_q)  # fmt: skip
                     warpgroup.wait_group(0)  # dK retired: the sQ / sdO stage is read
                     pipe_qdo.consumer_release(state)
-                    if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
-                        # Past DQ_EMPTY (in dq_out): the writer's report of row block i - 2.
-                        # After dK retires: its register operand and S^T / dP^T are dead, so
-                        # every load of the conversion fits beside dK and dV.
-                        if i >= 2:
-                            self.convert_reported(
-                                mma_dq, dq_conv, i - 2, blocks, head_kv, group, seqlen_q, scale
-                            )
                 else:
                     self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     self.gemm_rs(mma_dkv, acc_dK, tdKrdS, tdKrQ[None, None, None, s])

@@ -121,6 +121,36 @@ def ld_cg_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
+def ld_acquire_cta_shared_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
+    """An int32 of shared memory, acquire at CTA scope (ld.acquire.cta.shared::cta)."""
+    return Int32(
+        ptx(
+            T.i32(),
+            [ptr.toint(loc=loc, ip=ip).ir_value()],
+            "ld.acquire.cta.shared::cta.b32 $0, [$1];",
+            "=r,r",
+        )
+    )
+
+
+@dsl_user_op
+def st_release_cta_shared_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """An int32 to shared memory, release at CTA scope (st.release.cta.shared::cta)."""
+    ptx(
+        None,
+        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.release.cta.shared::cta.b32 [$0], $1;",
+        "r,r",
+    )
+
+
+@dsl_user_op
+def nanosleep(ns: int, *, loc=None, ip=None) -> None:
+    """nanosleep.u32: let the warp's issue slots go to the others while it polls."""
+    ptx(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r")
+
+
+@dsl_user_op
 def opaque_tid_x(*, loc=None, ip=None) -> Int32:
     """%tid.x through an inline asm with side effects: LLVM cannot hoist it, nor what is
     computed from it, out of a rarely taken branch of a loop into registers live across
