@@ -432,6 +432,17 @@ class BwdDq:
                     nanosleep(256)
 
     @cute.jit
+    def conversion_bases(self, addr: cute.Tensor, head: Int32, m_block: Int32) -> tuple:
+        """(row0, dQ's byte address of (row0, column 0), dQ's row stride in bytes, the
+        accumulator tile's byte address) of row block m_block of `head`, from `dq_addresses`'
+        words; row0 = m_block * TILE_M."""
+        dq_row = addr[1]
+        row0 = m_block * self.TILE_M
+        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
+        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
+        return row0, dq_base, dq_row, tile_base
+
+    @cute.jit
     def convert_rows(
         self, addr: cute.Tensor, head: Int32, m_block: Int32, seqlen_q: Int32, scale: Float32,
         tid: Int32, threads: cutlass.Constexpr[int],
@@ -442,10 +453,7 @@ class BwdDq:
         chunk in flight at a time (the producer warpgroup's 24 registers)."""
         tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
         inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
-        dq_row = addr[1]
-        row0 = m_block * self.TILE_M
-        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
-        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
+        row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
         esize = self.dtype.width // 8
         bf16 = self.dtype is cutlass.BFloat16
         for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads, unroll=1):
@@ -492,10 +500,7 @@ class BwdDq:
             crd = thr_dq.partition_C(cute.make_identity_tensor((self.HEAD_DIM, self.TILE_M)))
         else:
             crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
-        dq_row = addr[1]
-        row0 = m_block * self.TILE_M
-        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
-        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
+        row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
         esize = self.dtype.width // 8
         bf16 = self.dtype is cutlass.BFloat16
         per_trip = cute.size(crd) // 4 // self.CONVERT_TRIPS
