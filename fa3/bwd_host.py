@@ -287,8 +287,11 @@ def run_backward(
         raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
     check_key(key, softcap, window)
     b, nq, hq, d = q.shape
-    if key.cfg.dq_convert and key.causal and nq > k.shape[1]:
-        # Rows past Nk's diagonal see no key and no column block would convert them.
+    if key.cfg.dq_convert and (
+        (key.causal and nq > k.shape[1]) or hq >= 2**15 or -(-nq // key.cfg.tile_m) >= 2**16
+    ):
+        # Causal Nq > Nk: rows before the diagonal see no key and no column block would convert
+        # them. The converter's queue packs (head, row block) into 15 + 16 bits.
         key = dataclasses.replace(key, cfg=dataclasses.replace(key.cfg, dq_convert=False))
     tiled = dq_tiled(key.cfg)  # row blocks in dq_tile_layout order, zeroed by the preprocess
     # The CuTe DSL pair runs on the GPU; CPU tensors (tests, through Triton's interpreter) take
