@@ -1455,3 +1455,36 @@ def test_sass_loop_counts() -> None:
     }, c["always"]
     assert c["conditional"] == {"ISETP/FSETP/SEL/FSEL": 1}, c["conditional"]
     assert loop_counts(_SASS, "UTMALDG") is None
+
+
+def test_dq_convert_counts_every_column_block_that_visits_a_row_block() -> None:
+    """BwdDq.dq_adds (the adds a row block waits for before it is converted) against the
+    column blocks whose row-block range (BwdBlocks.row_blocks, transcribed) holds it, dense and
+    causal with Nq <= Nk (the host takes the postprocess otherwise), at the tiles that build
+    dq_convert: a count one short leaves a row block unconverted, one over converts it early."""
+
+    def row_range(n: int, nq: int, nk: int, tm: int, tn: int, causal: bool) -> range:
+        m_max = -(-nq // tm)
+        m_min = min(max(n * tn - (nk - nq), 0) // tm, m_max) if causal else 0
+        return range(m_min, m_max)
+
+    def dq_adds(m: int, nq: int, nk: int, tm: int, tn: int, causal: bool) -> int:
+        n_blocks = -(-nk // tn)
+        if not causal:
+            return n_blocks
+        reach = (m + 1) * tm + nk - nq
+        return min(n_blocks, -(-reach // tn))
+
+    for tm, tn in ((80, 128), (64, 128)):
+        for nq in (1, 63, 64, 65, 80, 130, 200, 1000, 1024):
+            for nk in (1, 100, 128, 129, 700, 1000, 1024, 3000):
+                for causal in (False, True):
+                    if causal and nq > nk:
+                        continue
+                    visits = [0] * -(-nq // tm)
+                    for n in range(-(-nk // tn)):
+                        for m in row_range(n, nq, nk, tm, tn, causal):
+                            visits[m] += 1
+                    want = [dq_adds(m, nq, nk, tm, tn, causal) for m in range(len(visits))]
+                    assert visits == want, (tm, tn, nq, nk, causal)
+                    assert min(visits) >= 1, (tm, tn, nq, nk, causal)  # every row block converts
