@@ -1,6 +1,7 @@
 """How the fa3 backward's dQ reaches the float32 accumulator in global memory (the
 `BwdConfig.dq_mode`, `dq_handoff` and `deterministic` mechanisms of `bwd_kernel.Fa3Backward`,
-which mixes `BwdDq` in), and the named barriers of the backward's MMA warpgroups."""
+which mixes `BwdDq` in), how `dq_convert` turns the accumulator into dQ inside the kernel, and
+the named barriers of the backward's warps."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import enum
@@ -190,7 +191,7 @@ class BwdDq:
         seqlen_q: Int32,
         seqlen_k: Int32,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots, addresses)
+        dq_conv: tuple | None = None,  # dq_convert: cta's dq_conv_s (bwd_kernel)
     ):
         """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
         threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
@@ -346,10 +347,12 @@ class BwdDq:
     ):  # fmt: skip
         """dq_convert, writer warp: once row block j's bulk adds are complete (wait_group
         `pending`, not only read; -1: already waited for), count them into the (batch, head,
-        row block) counter (atom.acq_rel.gpu, after a proxy fence for the async-proxy writes)
-        and write slot j % 2: j if that made every column block that visits the row block
-        (`dq_adds`) done, so this CTA converts it, else -1. The MMA threads read the slot after
-        the writer's next barrier arrive."""
+        row block) counter (atom.acq_rel.gpu, after a proxy fence for the async-proxy writes).
+        If that made every column block that visits the row block (`dq_adds`) done, this CTA
+        converts it: all but the last two row blocks go into the converter warps' ring (head
+        and row block packed in one word; the writer waits while the ring is full) and are
+        published by a release of the queued count; the last two go to slot j % 2 (j, or -1
+        when another CTA converts), which the MMA threads read after DQ_REPORTED."""
         (_, mCount, slots, _, ring, queue), n_blocks, shift = counts
         m_block_min, n_m, _ = blocks
         if cute.arch.lane_idx() == 0:
@@ -365,7 +368,8 @@ class BwdDq:
                     queued = ld_acquire_cta_shared_s32(queue.iterator + QUEUED)
                     while queued - ld_acquire_cta_shared_s32(queue.iterator + CONVERTED) >= DQ_RING:
                         nanosleep(128)  # the ring is full: its oldest row block is not done
-                    ring[queued % DQ_RING] = head * 65536 + m_block  # both below 2^15 here
+                    # head < 2^15 and m_block < 2^16: the host's limits for dq_convert
+                    ring[queued % DQ_RING] = head * 65536 + m_block
                     st_release_cta_shared_s32(queue.iterator + QUEUED, queued + 1)
             else:  # the last two: to the MMA threads after their loop
                 slots[j % 2] = j if last else Int32(-1)
