@@ -453,24 +453,30 @@ class BwdDq:
     ):  # fmt: skip
         """`convert_dq` for threads that hold no dQ fragment: the row block's TILE_M * D floats
         in 16-byte chunks, chunk c to thread c % threads (a warp reads 512 contiguous bytes), each
-        float's (row, column) from the tile layout's inverse (row + TILE_M * column), one
-        chunk in flight at a time (the producer warpgroup's 24 registers)."""
+        float's (row, column) from the tile layout's inverse (row + TILE_M * column), two
+        chunks in flight at a time (the producer warpgroup's 24 registers hold two without
+        spilling; four spill 92-188 bytes)."""
         tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
         inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
         row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
         esize = self.dtype.width // 8
         bf16 = self.dtype is cutlass.BFloat16
-        for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads, unroll=1):
-            c = tid + i * threads
-            x = ld_cg_v4_f32_at(tile_base + Int64(c) * 16)
-            for e in cutlass.range_constexpr(4):
-                idx = cute.crd2idx(4 * c + e, inv)
-                row, col = idx % self.TILE_M, idx // self.TILE_M
-                v = x[e]
-                if const_expr(self.SCALE_OUT):
-                    v = v * scale
-                if row0 + row < seqlen_q:
-                    st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
+        inflight = 2  # chunks loaded before the first of their stores (24 registers: 2 fit)
+        for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads // inflight, unroll=1):
+            xs = [
+                ld_cg_v4_f32_at(tile_base + Int64(tid + (inflight * i + u) * threads) * 16)
+                for u in range(inflight)
+            ]
+            for u in cutlass.range_constexpr(inflight):
+                c = tid + (inflight * i + u) * threads
+                for e in cutlass.range_constexpr(4):
+                    idx = cute.crd2idx(4 * c + e, inv)
+                    row, col = idx % self.TILE_M, idx // self.TILE_M
+                    v = xs[u][e]
+                    if const_expr(self.SCALE_OUT):
+                        v = v * scale
+                    if row0 + row < seqlen_q:
+                        st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
 
     @cute.jit
     def convert_reported(
