@@ -278,11 +278,11 @@ VARIANTS.update(
         for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
     }
 )
-# dQ converted in the kernel, no postprocess launch (BwdConfig.dq_convert), D = 96 / 128.
+# dQ converted in the kernel, no postprocess launch (BwdConfig.dq_convert), D = 64 / 96 / 128.
 VARIANTS.update(
     {
         f"{name}_dqc": (replace(VARIANTS[name][0], dq_convert=True), f"{name} with dq_convert")
-        for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma")
+        for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
     }
 )
 
@@ -416,6 +416,7 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_tma_pdl": (64,),
     "pipe80_wgs_wgdq_tma_dqc": (128,),
     "pipe_sec4_wgdq_tma_dqc": (96, 128),
+    "pipe128_dqm_tma_dqc": (64,),
     "pipe80_wgs_ng_tma": (128,),
     "pipe80_wgs_sout_ng_tma": (128,),
     "pipe_wgs": (96, 128),

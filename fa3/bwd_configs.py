@@ -189,7 +189,7 @@ class BwdConfig:
     # warpgroups read that block of the float32 accumulator back from L2 (ld.global.cg),
     # convert it and store dQ in the input dtype: inside the loop while dK's wgmma runs (a
     # row block reported two row blocks earlier), the last two after dK and dV are stored.
-    # "sdp_t" with dq_mode "warp", dq_handoff "wg" and overlap; dense problems without a
+    # "sdp_t" with dq_mode "warp", dq_handoff "cta" or "wg" and overlap; dense problems without a
     # window or deterministic order, and causal ones only when Nq <= Nk (every row block is
     # visited; the host takes the postprocess otherwise).
     dq_convert: bool = False
@@ -572,15 +572,15 @@ def bwd_can_implement(
     if cfg.dq_convert and not (
         cfg.layout == "sdp_t"
         and cfg.dq_mode == "warp"
-        and cfg.dq_handoff == "wg"
+        and cfg.dq_handoff in ("cta", "wg")
         and cfg.overlap
         and not cfg.deterministic
         and not local
         and not varlen
     ):
         return False, (
-            "fa3 backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'wg', "
-            "overlap, no deterministic order and a dense problem without a window"
+            "fa3 backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'cta' or "
+            "'wg', overlap, no deterministic order and a dense problem without a window"
         )
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without

@@ -208,13 +208,12 @@ class BwdDq:
         n = self.MMA_THREADS + 32
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
+        blocks = (m_block_min, n_m, n_iter)
+        counts = None  # dq_convert: what `report_dq` needs to count a row block's adds
+        if const_expr(self.DQ_CONVERT):
+            counts = (dq_conv, (seqlen_k + self.TILE_N - 1) // self.TILE_N, seqlen_k - seqlen_q)
         if const_expr(self.DQ_HANDOFF_WG):
-            counts = None  # dq_convert: what `report_dq` needs to count a row block's adds
-            if const_expr(self.DQ_CONVERT):
-                counts = (dq_conv, (seqlen_k + self.TILE_N - 1) // self.TILE_N, seqlen_k - seqlen_q)
-            self.write_dq_chunks(
-                sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group, counts
-            )
+            self.write_dq_chunks(sdQ, mdQacc, blocks, head_kv, rows, group, counts)
         elif const_expr(self.DQ_HANDOFF_TURN):
             self.write_dq_turns(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif n_iter > 0:
@@ -245,8 +244,13 @@ class BwdDq:
                 cute.arch.sync_warp()
                 if i < n_iter - 1:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
+                if const_expr(counts is not None):  # noqa: SIM102 (trace time, then runtime)
+                    if i > 0:  # row block i - 1's group: all but this row block's one
+                        self.report_dq(counts, i - 1, 1, blocks, head_kv, rows, group)
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if const_expr(counts is not None):
+                self.finish_reports(counts, blocks, head_kv, rows, group)
 
     @cute.jit
     def write_dq_chunks(
@@ -297,14 +301,22 @@ class BwdDq:
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
             if const_expr(counts is not None):
-                # n_m * group - 1 (= n_iter - 1) from values the loop keeps: in the writer's 24
-                # registers n_iter itself would be spilled across the loop.
-                self.report_dq(counts, n_m * group - 1, -1, blocks, head_kv, rows, group)
-                if lane == 0:  # nothing more for the converter warps
-                    st_release_cta_shared_s32(counts[0][5].iterator + DONE, Int32(1))
-                cute.arch.barrier_arrive(
-                    barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
-                )
+                self.finish_reports(counts, blocks, head_kv, rows, group)
+
+    @cute.jit
+    def finish_reports(self, counts: tuple, blocks: tuple, head_kv: Int32, rows, group: Int32):
+        """dq_convert, writer warp after its loop (every add complete): report the last row
+        block, tell the converter warps that nothing more comes (DONE) and the MMA threads
+        that both slots are written (DQ_REPORTED)."""
+        _, n_m, _ = blocks
+        # n_m * group - 1 (= n_iter - 1) from values the loop keeps: in the writer's 24
+        # registers n_iter itself would be spilled across the loop.
+        self.report_dq(counts, n_m * group - 1, -1, blocks, head_kv, rows, group)
+        if cute.arch.lane_idx() == 0:
+            st_release_cta_shared_s32(counts[0][5].iterator + DONE, Int32(1))
+        cute.arch.barrier_arrive(
+            barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
+        )
 
     @cute.jit
     def write_dq_turns(
@@ -453,15 +465,16 @@ class BwdDq:
     ):  # fmt: skip
         """`convert_dq` for threads that hold no dQ fragment: the row block's TILE_M * D floats
         in 16-byte chunks, chunk c to thread c % threads (a warp reads 512 contiguous bytes), each
-        float's (row, column) from the tile layout's inverse (row + TILE_M * column), two
-        chunks in flight at a time (the producer warpgroup's 24 registers hold two without
-        spilling; four spill 92-188 bytes)."""
+        float's (row, column) from the tile layout's inverse (row + TILE_M * column),
+        CONVERT_INFLIGHT chunks in flight at a time (what the producer warpgroup's 24 registers
+        hold without spilling: two at 64 and 80 rows, where four spill 92-188 bytes; one at
+        128 rows)."""
         tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
         inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
         row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
         esize = self.dtype.width // 8
         bf16 = self.dtype is cutlass.BFloat16
-        inflight = 2  # chunks loaded before the first of their stores (24 registers: 2 fit)
+        inflight = self.CONVERT_INFLIGHT  # chunks loaded before the first of their stores
         for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads // inflight, unroll=1):
             xs = [
                 ld_cg_v4_f32_at(tile_base + Int64(tid + (inflight * i + u) * threads) * 16)

@@ -205,16 +205,17 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         # dQ converted in the kernel (BwdConfig.dq_convert; bwd_dq.BwdDq.report_dq, convert_dq).
         self.DQ_CONVERT = cfg.dq_convert
         self.CONVERT_TRIPS = 2 if cfg.tile_m == 80 else 1  # bwd_dq.BwdDq.convert_dq
+        self.CONVERT_INFLIGHT = 1 if cfg.tile_m == 128 else 2  # bwd_dq.BwdDq.convert_rows
         if cfg.dq_convert and not (
             not self.DKV_T
             and self.DQ_WARP
-            and self.DQ_HANDOFF_WG
+            and cfg.dq_handoff in ("cta", "wg")
             and self.OVERLAP
             and not (self.DETERMINISTIC or local or varlen)
         ):
             raise ValueError(
-                "Fa3Backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'wg', "
-                "overlap and a dense problem without a window or deterministic order"
+                "Fa3Backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'cta' "
+                "or 'wg', overlap and a dense problem without a window or deterministic order"
             )
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(

@@ -136,11 +136,13 @@ def pdl_probes(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def dqc_probes(tmp_path_factory) -> list[dict]:
-    """The dq_convert variants: pipe80_wgs_wgdq_tma_dqc (D 128, full) and
-    pipe_sec4_wgdq_tma_dqc's causal builds (D 96 and 128)."""
+    """The dq_convert variants: pipe80_wgs_wgdq_tma_dqc (D 128, full),
+    pipe_sec4_wgdq_tma_dqc's causal builds (D 96 and 128) and pipe128_dqm_tma_dqc's full one
+    (D 64: dq_handoff "cta", 128-row tiles)."""
     runs = [
         ["--variant", "pipe80_wgs_wgdq_tma_dqc"],
         ["--variant", "pipe_sec4_wgdq_tma_dqc", "--shard", "1/2"],
+        ["--variant", "pipe128_dqm_tma_dqc", "--shard", "0/2"],
     ]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_dqc"), runs)
 
@@ -543,22 +545,25 @@ def test_bwd_dq_convert_counts_and_converts(dqc_probes) -> None:
     """BwdConfig.dq_convert: the writer counts each row block's completed adds with one
     atom.acq_rel.gpu add (two call sites: in the loop and for the last row block), behind a
     proxy fence for its bulk reduces (two); the producer's warps 2 and 3 read queued row
-    blocks back through L2 (ld.global.cg.v4, two 16-byte chunks per step of a runtime loop)
-    and the MMA threads the last two (one per 4 fragment registers, two call sites); the
-    wgmmas and the bulk reduces as without it; 0 spills, the converter warps' 24 registers
-    included."""
+    blocks back through L2 (ld.global.cg.v4, two 16-byte chunks per step of a runtime loop,
+    one at 128-row tiles) and the MMA threads the last two (one per 4 fragment registers, two
+    call sites); the wgmmas and the bulk reduces as without it; 0 spills, the converter
+    warps' 24 registers included."""
     assert {(r["head_dim"], r["causal"], r["config"]["tile_m"]) for r in dqc_probes} == {
         (128, False, 80),
         (96, True, 64),
         (128, True, 64),
+        (64, False, 128),
     }
     for r in dqc_probes:
         ptx, cfg, where = r["ptx"], r["config"], _id(r)
         assert cfg["dq_convert"], where
         assert ptx["count_atom"] == 2 and ptx["fence_async_global"] == 2, f"{where}: {ptx}"
         loads = cfg["tile_m"] * r["head_dim"] // 4 // 256  # 16-byte groups of a fragment
-        assert ptx["ld_cg_v4"] == 2 * loads + 2, f"{where}: {ptx}"
-        assert ptx["dq_bulk"] == 2 and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+        inflight = 1 if cfg["tile_m"] == 128 else 2
+        assert ptx["ld_cg_v4"] == 2 * loads + inflight, f"{where}: {ptx}"
+        bulk = 2 if cfg["dq_handoff"] == "wg" else 1  # one bulk reduce per chunk or per tile
+        assert ptx["dq_bulk"] == bulk and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
         assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(r["head_dim"], cfg), where
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         _assert_fits_registers(r)
