@@ -126,7 +126,8 @@ class Fa3Config:
     # At most RESCALE_THRESHOLD_MAX: 2^t must fit P's type (e4m3 448, fp16 65504).
     rescale_threshold: int = 0
     # With rescale_threshold 0: a warp skips O's rescale when no row of it moved its max in
-    # the block (every rescale exactly 1.0: the result is bit for bit the same). How often
+    # the block (every rescale exactly 1.0; the table build multiplies by exp2 of an FFMA's
+    # rounding residual there, a few ulps from 1, so the two agree to rounding). How often
     # that happens grows with the key length: a row's max moves in block j with probability
     # about 1 / j on exchangeable scores; a numpy model of i.i.d. scores in 128-key blocks has
     # a warp's 16 rows all stay put in 6 / 33 / 69 % of the blocks after the first at

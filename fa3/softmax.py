@@ -121,8 +121,9 @@ def online_softmax(
     rescale is exactly 1.0, so O needs no rescale (`needs_rescale`) unless some row's max grew
     by more. The row sum and the LSE use the max actually subtracted, so the result is the
     same up to rounding. `skip_unit_rescale` (Fa3Config.skip_unit_rescale, threshold 0): a
-    row whose max did not move gets a rescale of exactly 1.0 by a select rather than exp2(0),
-    so `needs_rescale` can skip O's rescale bit for bit.
+    row whose max did not move gets a rescale of exactly 1.0 by a select rather than exp2 of
+    max * scale_log2 - max * scale_log2 (which ptxas contracts into an FFMA whose rounding
+    residual is not 0), so `needs_rescale` can skip O's rescale.
 
     `ex2_emu` (Fa3Config.ex2_emu): every ex2_emu-th P of a row by `exp2_poly` (`emulated`),
     the rest by MUFU.EX2; 0: all by MUFU.
