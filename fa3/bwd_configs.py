@@ -185,10 +185,10 @@ class BwdConfig:
     # dQ converted in the kernel, without the postprocess launch: the writer warp counts, per
     # (batch, query head, row block), the column blocks whose dQ adds have completed (an int32
     # counter, atom.acq_rel.gpu after its bulk reduce is complete); the CTA that brings a row
-    # block's count to the number of column blocks that visit it has every add in, and its MMA
-    # warpgroups read that block of the float32 accumulator back from L2 (ld.global.cg),
-    # convert it and store dQ in the input dtype: inside the loop while dK's wgmma runs (a
-    # row block reported two row blocks earlier), the last two after dK and dV are stored.
+    # block's count to the number of column blocks that visit it has every add in and converts
+    # that block of the float32 accumulator (read back from L2, stored as dQ in the input
+    # dtype): the producer warpgroup's idle warps 2 and 3 while the loop runs, through a
+    # shared-memory queue, and the MMA warpgroups a CTA's last two row blocks after it (bwd_dq).
     # "sdp_t" with dq_mode "warp", dq_handoff "cta" or "wg" and overlap; dense problems without a
     # window or deterministic order, and causal ones only when Nq <= Nk (every row block is
     # visited; the host takes the postprocess otherwise).
