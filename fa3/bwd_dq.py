@@ -459,6 +459,20 @@ class BwdDq:
         return row0, dq_base, dq_row, tile_base
 
     @cute.jit
+    def store_dq(
+        self, v: Float32, row: Int32, col: Int32, base: tuple, seqlen_q: Int32, scale: Float32
+    ):
+        """One dQ value of a converted row block to dQ[row0 + row, col] in the input dtype
+        (times the softmax scale with SCALE_OUT), unless that row is past seqlen_q; `base`:
+        `conversion_bases`' (row0, dQ address, row stride)."""
+        row0, dq_base, dq_row = base
+        if const_expr(self.SCALE_OUT):
+            v = v * scale
+        if row0 + row < seqlen_q:
+            addr = dq_base + Int64(row) * dq_row + col * (self.dtype.width // 8)
+            st_global_16_at(addr, v, self.dtype is cutlass.BFloat16)
+
+    @cute.jit
     def convert_rows(
         self, addr: cute.Tensor, head: Int32, m_block: Int32, seqlen_q: Int32, scale: Float32,
         tid: Int32, threads: cutlass.Constexpr[int],
@@ -472,8 +486,6 @@ class BwdDq:
         tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
         inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
         row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
-        esize = self.dtype.width // 8
-        bf16 = self.dtype is cutlass.BFloat16
         inflight = self.CONVERT_INFLIGHT  # chunks loaded before the first of their stores
         for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads // inflight, unroll=1):
             xs = [
@@ -485,11 +497,7 @@ class BwdDq:
                 for e in cutlass.range_constexpr(4):
                     idx = cute.crd2idx(4 * c + e, inv)
                     row, col = idx % self.TILE_M, idx // self.TILE_M
-                    v = xs[u][e]
-                    if const_expr(self.SCALE_OUT):
-                        v = v * scale
-                    if row0 + row < seqlen_q:
-                        st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
+                    self.store_dq(xs[u][e], row, col, (row0, dq_base, dq_row), seqlen_q, scale)
 
     @cute.jit
     def convert_reported(
@@ -524,8 +532,6 @@ class BwdDq:
         else:
             crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
         row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
-        esize = self.dtype.width // 8
-        bf16 = self.dtype is cutlass.BFloat16
         per_trip = cute.size(crd) // 4 // self.CONVERT_TRIPS
         for t in cutlass.range_constexpr(self.CONVERT_TRIPS):
             coords = []  # per 16-byte group, the (row, column) of its four values
@@ -541,11 +547,7 @@ class BwdDq:
             for q in cutlass.range_constexpr(per_trip):
                 for k in cutlass.range_constexpr(4):
                     row, col = coords[q][k]
-                    v = loaded[q][k]
-                    if const_expr(self.SCALE_OUT):
-                        v = v * scale
-                    if row0 + row < seqlen_q:
-                        st_global_16_at(dq_base + Int64(row) * dq_row + col * esize, v, bf16)
+                    self.store_dq(loaded[q][k], row, col, (row0, dq_base, dq_row), seqlen_q, scale)
 
     @cute.jit
     def add_dq_in_order(

@@ -40,7 +40,7 @@ class BwdSdpT:
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: (mdQ, mDqCount, report slots, addresses)
+        dq_conv: tuple | None = None,  # dq_convert: cta's dq_conv_s (bwd_kernel)
     ):
         """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV.
         dq_convert: of the row blocks the writer reports as this CTA's to convert, the last
