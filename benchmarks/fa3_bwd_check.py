@@ -366,9 +366,12 @@ def time_variant(name: str, cfg, case: Case, step: bool = False) -> dict:
     return row
 
 
-def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
-    """With `bench`, cuDNN and FA4 first; then per variant its correctness set and (bench) its
-    TFLOP/s, so that a hang in one variant leaves the results of those before it."""
+def run_variants(
+    names: list[str], bench: bool, out_dir: Path, match: list[str] | None = None
+) -> int:
+    """With `bench`, cuDNN and FA4 first; then per variant its correctness set (only the cases
+    whose id holds one of `match`, when given) and (bench) its TFLOP/s, so that a hang in one
+    variant leaves the results of those before it."""
     from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_causal, variant_head_dims
 
     cfgs = {n: variant(n) for n in names}  # unknown names fail here, before any GPU work
@@ -406,7 +409,8 @@ def run_variants(names: list[str], bench: bool, out_dir: Path) -> int:
         report["variants"][name] = {"config": cfg.__dict__, "what": VARIANTS[name][1]}
         report["variants"][name]["cases"] = rows
         dims = variant_head_dims(name)
-        for case in (c for c in variant_cases() if c.head_dim in dims):
+        cases = [c for c in variant_cases() if c.head_dim in dims]
+        for case in (c for c in cases if not match or any(m in c.id for m in match)):
             save(running=f"{name} {case.id}")
             try:
                 r = check_variant_case(case, cfg)
@@ -577,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.variant:
-        rc = run_variants(args.variant, args.bench, out_dir)
+        rc = run_variants(args.variant, args.bench, out_dir, args.match)
         return max(rc, run_stability(out_dir)) if args.stability else rc
     path = out_dir / "fa3_bwd.json"
     report: dict = {"device": torch.cuda.get_device_name(), "cases": [], "bench": []}
