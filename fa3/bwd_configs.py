@@ -299,7 +299,10 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
-    mbar += 48 if cfg.dq_convert else 0  # two int32 report slots and five 64-bit addresses
+    # dq_convert's words (bwd_kernel's storage: two report slots, five 64-bit addresses, the
+    # 4-entry queue and its three counters). Every build's struct holds them, in the padding
+    # before sLSE (stages <= 2) or before the 1 KiB-aligned sQ, so only these builds count them.
+    mbar += 76 if cfg.dq_convert else 0
     rows = stats_stage_rows(cfg.tile_m)
     stats = _align(rows * cfg.stages * 4, 128) + _align(rows * do_stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
