@@ -2,10 +2,15 @@
 backends, at the decode sweep's points (GQA 32/8, D 128, bf16, Nq 1, contiguous cache).
 
     python -m benchmarks.decode_switch_ab --switch DECODE_KV_EVICT_FIRST [--passes 5]
+    python -m benchmarks.decode_switch_ab --switch DECODE_PAGED_BOXES --page 64
 
 µs per CUDA-graph replay (decode_bench._graph_ms), medians of interleaved passes (the switch set
 before each of its timings); the two builds' outputs compared bit for bit; the faster SDPA
-backend's time over each build's (>= 1.0: fa3 as fast or faster).
+backend's time over each build's (>= 1.0: fa3 as fast or faster). With `--page N` the two
+builds read the same tokens on shuffled N-token pages (decode_bench's paged copy), the
+contiguous cache through the shipped build is timed beside them ("contig"), and the outputs
+are compared by their largest difference (the builds' key tiles may differ, and with them
+the order of the sums).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--switch", required=True, help="a boolean in fa3/configs.py")
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--page", type=int, default=0, help="page size of a paged cache (0: none)")
     args = ap.parse_args(argv)
     if not isinstance(getattr(configs, args.switch, None), bool):
         raise SystemExit(f"--switch: expected a boolean of fa3/configs.py, got {args.switch!r}")
@@ -40,16 +46,22 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(2)
         )
         lens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        cache = (k, v, None)
+        if args.page:
+            cache = _paged(k, v, args.page, gen)
         res: dict[str, list[float]] = {}
         outs = {}
         try:
             for _ in range(args.passes):
                 for name, flag in (("off", False), ("on", True)):
                     setattr(configs, args.switch, flag)
-                    call = db._decode("fa3", q, k, v, lens, None)
+                    call = db._decode("fa3", q, *cache[:2], lens, cache[2])
                     res.setdefault(name, []).append(db._graph_ms(call) * 1e3)
                     outs[name] = call()
                 setattr(configs, args.switch, saved)
+                if args.page:
+                    call = db._decode("fa3", q, k, v, lens, None)
+                    res.setdefault("contig", []).append(db._graph_ms(call) * 1e3)
                 for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                                       ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
                     res.setdefault(name, []).append(db._sdpa_ms(q, k, v, backend) * 1e3)
@@ -61,10 +73,31 @@ def main(argv: list[str] | None = None) -> None:
             f"B {b:3d} Nk {n:6d}: "
             + "  ".join(f"{name} {t:.1f}" for name, t in med.items())
             + f"  | best SDPA / off {best / med['off']:.3f}, / on {best / med['on']:.3f}"
-            + f"  bitwise equal {torch.equal(outs['off'], outs['on'])}",
+            + (
+                f"  max |off - on| {(outs['off'].float() - outs['on'].float()).abs().max():.2e}"
+                if args.page
+                else f"  bitwise equal {torch.equal(outs['off'], outs['on'])}"
+            ),
             flush=True,
         )
-        del q, k, v
+        del q, k, v, cache
+
+
+def _paged(k, v, page: int, gen) -> tuple:
+    """(k_pages, v_pages, block_table): the tokens of contiguous caches k, v (B, N, Hkv, D) on
+    shuffled page-token pages, N a multiple of page."""
+    b, n, hkv, d = k.shape
+    if n % page:
+        raise SystemExit(f"--page: expected a divisor of every point's cache length, got {page}")
+    pages = b * n // page
+    table = torch.randperm(pages, device=k.device, generator=gen).to(torch.int32)
+    table = table.reshape(b, n // page)
+    out = []
+    for t in (k, v):
+        t_pages = torch.empty(pages, page, hkv, d, dtype=t.dtype, device=t.device)
+        t_pages[table.long()] = t.view(b, n // page, page, hkv, d)
+        out.append(t_pages)
+    return (*out, table)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,27 @@ def kv_view_layout(shape: tuple, stride: tuple) -> tuple[tuple, tuple]:
     return (RAGGED_ROWS, shape[3], shape[2], RAGGED_LAST, shape[0]), (s_n, 1, s_h, s_n, s_p)
 
 
+def page_box(first, seqlen_k, page_size: int, past_end: bool, lookup) -> tuple:
+    """(page, start, valid) of the TMA box holding key `first` of a row of seqlen_k keys on
+    page_size-token pages: the page `lookup` gives for the row's page index (its block_table
+    column), the box's first token on that page, and the row's tokens on the page; the box's
+    view row is R - valid + start.
+
+    `past_end`: the box may start past the row's last key (a stage of several page boxes).
+    Such a box starts at the row's last key instead: its page's block_table entry is the row's
+    (a later one may not exist), its first row lies inside the view and the rest outside it
+    (zeros), and its rows stand for keys past the row's end, which the mask removes. No box
+    starts outside the view's extent: the H200 reported a fault at such a load
+    (docs/inference.md, "Paged caches on full key tiles"). Integer arithmetic only, for the
+    kernel's Int32 values and the CPU tests' ints alike."""
+    key = first
+    if past_end:
+        key = cutlass.min(first, cutlass.max(seqlen_k - 1, 0))
+    index = key // page_size
+    page = lookup(index)
+    return page, key - index * page_size, cutlass.min(page_size, seqlen_k - index * page_size)
+
+
 def kv_view(t: cute.Tensor) -> cute.Tensor:
     """A cache (P, S, Hkv, D) as the 5-D ragged TMA view (R, D, Hkv, L, P) (host side)."""
     rows = cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2]))  # (S, D, Hkv)
@@ -314,19 +335,13 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         # even a cache_seqlens past the capacity (unchecked metadata) reads no other row.
         valid = cutlass.min(tile.seqlen_k, tile.page_size)
         if const_expr(self.PAGED):
-            key = first
-            if const_expr(self.BOXES > 1):
-                # A stage's later boxes may start past the row's last key: look up the last
-                # page instead (its block_table entry is the row's; a later one may not
-                # exist), whose rows from `start` on are then all out of the box bounds.
-                key = cutlass.min(first, cutlass.max(tile.seqlen_k - 1, 0))
-            index = key // tile.page_size
-            page = mBlockTable[tile.batch, index]
-            start = first - index * tile.page_size
-            valid = cutlass.min(tile.page_size, tile.seqlen_k - index * tile.page_size)
+            page, start, valid = page_box(
+                first, tile.seqlen_k, tile.page_size, self.BOXES > 1,
+                lambda index: mBlockTable[tile.batch, index],
+            )  # fmt: skip
         rows = cute.domain_offset(
             (RAGGED_ROWS - valid + start, 0), tX[None, None, tile.head_kv, valid, page]
-        )  # (R, D): row 0 is key `first`
+        )  # (R, D): row 0 is key `first` (a box past the row's end: its last key)
         return cute.local_tile(rows, (self.BOX_N, self.HEAD_DIM), (None, 0))
 
     @cute.jit
