@@ -22,10 +22,14 @@ BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # (interface.backward_opt_in), fa2's otherwise. Empty: on the H200 (commit e4c4cc5) D 96 and 192
 # passed every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
 # included), D 256 the variant set; at commit 8d3abdf the deterministic builds at D 192 and 256
-# passed the variant set (7 cases each; windows are refused by design) and those at D 96, 192
+# passed the variant set (7 cases each, none with a window) and those at D 96, 192
 # and 256 were bitwise stable over 10 runs and correct (causal GQA); at commit 63c3300 D 256
 # passed its 9 dispatch cases, softcap 30 (700 x 513, causal) and a 128/64 window among them.
-BWD_UNVERIFIED: tuple[tuple[int, str], ...] = ()
+# Not yet run: the deterministic builds under a sliding window (their turn counters start at
+# each row block's first column block, bwd_host.turn_counters), at every head dim.
+BWD_UNVERIFIED: tuple[tuple[int, str], ...] = tuple(
+    (d, "deterministic order and a window") for d in BWD_HEAD_DIMS
+)
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
 # (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at

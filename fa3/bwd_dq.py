@@ -565,8 +565,9 @@ class BwdDq:
     ):
         """`add_dq` in n_block order (docs/design.md, "Deterministic dQ"): wait until the
         (batch, head, m_block) counter reads n_block, add, then increment it. The column blocks
-        that see a row block are a prefix of the n_blocks, and a CTA only waits on lower
-        n_blocks of its own (kv head, batch), which the grid launches before it."""
+        that see a row block are consecutive n_blocks from the one the host starts its counter
+        at (`bwd_host.turn_counters`), and a CTA only waits on lower n_blocks of its own (kv
+        head, batch), which the grid launches before it."""
         sem = mSem.iterator + cute.crd2idx((rows.batch, head, m_block), mSem.layout)
         turn_wait(sem, n_block, mtid, int(Barrier.DQ_TURN), self.MMA_THREADS)
         self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)

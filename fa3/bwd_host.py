@@ -268,6 +268,32 @@ def launch_args(
     return (*tensors, scale_log2, scale, sem, softcap_pre, *win, *cu, *(dq_conv or (None, None)))
 
 
+def turn_counters(
+    key: BwdCompileKey,
+    stats_shape: tuple,
+    nq: int,
+    nk: int,
+    window: tuple[int, int],
+    device: torch.device | str,
+) -> torch.Tensor:
+    """The deterministic build's dQ turn counters, (B, Hq, row blocks) int32 for stats of
+    `stats_shape` (B, Hq, Nq_pad): each row block's counter starts at the first column block
+    that visits it, whose add therefore goes first (docs/design.md, "Deterministic dQ").
+    That is column block 0 without a left window edge (causal or not, a row block's column
+    blocks run from 0); with one, row block m's first row sees keys from m * tile_m + (Nk -
+    Nq) - left on, so its column blocks start at max(that, 0) // tile_n (the kernel's
+    `row_blocks` ranges agree: tests/test_fa3_bwd_compile.py). A row block that no column
+    block visits keeps an unread counter."""
+    b, hq, nq_pad = stats_shape
+    n_m = nq_pad // key.cfg.tile_m
+    if not key.local:
+        return torch.zeros(b, hq, n_m, dtype=torch.int32, device=device)
+    _, _, left, _ = kernel_scalars(1.0, 0.0, window, key.causal, nq, nk)
+    rows = torch.arange(n_m, dtype=torch.int64, device=device) * key.cfg.tile_m
+    first = (rows + (nk - nq) - left).clamp_min(0) // key.cfg.tile_n
+    return first.to(torch.int32).expand(b, hq, n_m).contiguous()
+
+
 def run_backward(
     key: BwdCompileKey,
     dout: torch.Tensor,
@@ -307,9 +333,8 @@ def run_backward(
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # (B, Nk, Hkv, D)
     fn = get_backward(key)
     sem = None  # the trailing optional parameters, passed (as None where unused) every time
-    if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block), from 0
-        b, hq, nq_pad = lse_log2.shape
-        sem = torch.zeros(b, hq, nq_pad // key.cfg.tile_m, dtype=torch.int32, device=q.device)
+    if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block)
+        sem = turn_counters(key, lse_log2.shape, nq, k.shape[1], window, q.device)
     tensors = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv)
     dq_conv = None
     if key.cfg.dq_convert:  # dQ written by the kernel; one add counter per row block, from 0

@@ -61,8 +61,6 @@ def _supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 backward: head_dim {p.head_dim} not in {{{dims}}} yet"
     cfg = _bwd_config(p, None)
-    if p.is_local and cfg.deterministic:
-        return False, "fa3 backward: the deterministic dQ order is not built for sliding windows"
     n_blocks = -(-p.seqlen_k // cfg.tile_n)
     yz = (p.batch, n_blocks) if cfg.lpt else (p.heads_kv, p.batch)  # grid dims y and z
     ctas = n_blocks * p.heads_kv * p.batch  # head_section: one grid dimension
@@ -98,6 +96,8 @@ def backward_opt_in(p: AttnParams) -> str:
         features.append("softcap")
     if torch.are_deterministic_algorithms_enabled():
         features.append("deterministic")
+        if p.is_local:
+            features.append("deterministic order and a window")
     for feature in features:
         if (p.head_dim, feature) in BWD_UNVERIFIED:
             return (
@@ -145,8 +145,6 @@ def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     )
     if ok and p.softcap > 0 and cfg.overlap:
         ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
-    if ok and p.is_local and cfg.deterministic:
-        ok, reason = False, "the deterministic dQ order is not built for sliding windows"
     if ok and varlen and (cfg.deterministic or cfg.lpt or cfg.head_section):
         ok, reason = False, "varlen builds take neither deterministic, lpt nor head_section configs"
     if not ok:

@@ -50,7 +50,8 @@ buffer DS_FREE before the write (every WG has retired the previous block's dQ wg
 goes to sdS before the dK wgmma is issued (a wgmma's register operands may not be read until
 it has retired). DQ_FULL / DQ_EMPTY (MMA threads + the writer warp) hand sdQ over in the "warp"
 dq_mode. With BwdConfig.deterministic a per-(batch, head, row block) int32 counter in global
-memory makes the column blocks add in n_block order, so dQ is bitwise reproducible: the writer
+memory, which the host starts at the row block's first column block (`bwd_host.turn_counters`),
+makes the column blocks add in n_block order, so dQ is bitwise reproducible: the writer
 warp waits for its turn in the "warp" dq_mode; in the "atomic" one DQ_TURN and DQ_ADDED
 bracket the MMA threads' adds (`add_dq_in_order`).
 
@@ -171,10 +172,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
         if softcap and cfg.overlap:
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")
-        if local and self.DETERMINISTIC:
-            # The turn counters start each row block at column block 0; under a left window
-            # its first column block is later, and the adds would wait forever.
-            raise ValueError("Fa3Backward: deterministic dQ order is not built for windows")
         # Packed sequences (bwd_varlen.py): the virtual column-block grid in launch order.
         self.VARLEN = varlen
         if varlen and (self.DETERMINISTIC or self.LPT or self.HEAD_SECTION):

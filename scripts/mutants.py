@@ -374,6 +374,23 @@ MUTANTS = [
         "head_section",
         ("tests/test_fa3_bwd_compile.py",),
     ),
+    Mutant(
+        "deterministic dQ under a window: every row block's turns start at column block 0 "
+        "(the adds would wait forever)",
+        "fa3/bwd_host.py",
+        "first = (rows + (nk - nq) - left).clamp_min(0) // key.cfg.tile_n",
+        "first = rows * 0",
+        "turn_counters",
+        ("tests/test_fa3_bwd_compile.py",),
+    ),
+    Mutant(
+        "boxed paged decode: a box past the row's end starts outside the view (the H200 faulted)",
+        "fa3/decode.py",
+        "return page, key - index * page_size, cutlass",
+        "return page, first - index * page_size, cutlass",
+        "page_boxes_start",
+        ("tests/test_fa3_kvcache.py",),
+    ),
     # --- host-path memos: a remembered answer must follow what it depends on ---------------
     Mutant(
         "metadata checked once: version counters ignored (an in-place write not re-checked)",
@@ -593,8 +610,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 decode: a page's TMA bound one token past the row's keys (reads a NaN slot)",
         FA3_DECODE,
-        "valid = cutlass.min(tile.page_size, tile.seqlen_k - index * tile.page_size)",
-        "valid = cutlass.min(tile.page_size, tile.seqlen_k + 1 - index * tile.page_size)",
+        "cutlass.min(page_size, seqlen_k - index * page_size)",
+        "cutlass.min(page_size, seqlen_k + 1 - index * page_size)",
         "gpu_decode_matches",
         KVCACHE_TESTS,
     ),

@@ -17,6 +17,7 @@ from flashsuite import dispatch
 from flashsuite.common.testing import (
     Case,
     compare,
+    hang_watchdog,
     make_grad_out,
     make_inputs,
     reference_pair,
@@ -449,3 +450,50 @@ def test_backward_is_deterministic(version: str, device: str) -> None:
     for i, grads in enumerate(runs[1:], start=1):
         for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
             assert torch.equal(a, b), f"{name} of run {i} differs from run 0"
+
+
+WINDOW_DET_CASES = [
+    # A left edge (rows' first column blocks move right), Nq < Nk, GQA; both edges, Nq > Nk
+    # (rows that see no key); D 256 on its own layout.
+    Case(batch=2, seqlen_q=700, seqlen_k=1300, heads_q=4, heads_kv=2, head_dim=64,
+         window_size=(200, 0)),
+    Case(batch=1, seqlen_q=1000, seqlen_k=600, heads_q=2, heads_kv=2, head_dim=128,
+         window_size=(130, 70)),
+    Case(batch=1, seqlen_q=500, seqlen_k=500, heads_q=2, heads_kv=1, head_dim=256,
+         window_size=(64, 0)),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_SCHEDULING)
+@pytest.mark.parametrize("case", WINDOW_DET_CASES, ids=lambda c: c.id)
+def test_fa3_deterministic_window_backward(case: Case, device: str, monkeypatch) -> None:
+    """fa3's own backward under torch.use_deterministic_algorithms with a sliding window (each
+    row block's dQ turns start at its first column block, bwd_host.turn_counters): five runs
+    bitwise equal and the gradients against the oracle. A counter started past a row block's
+    first column block hangs the kernel: the watchdog then ends the process with every
+    thread's traceback (a hung GPU cannot be interrupted from Python)."""
+    if "fa3" not in runnable_names():
+        pytest.skip("fa3 not runnable here")
+    monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")  # taken by default once it has run on a GPU
+    q, k, v = make_inputs(case, device, requires_grad=True)
+    _require("fa3", case, q, k, v)
+    dout = make_grad_out(case, device)
+    runs = []
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        choice = dispatch.select(q, k, v, **case.options(), version="fa3")
+        assert choice.backward == "fa3", choice
+        with hang_watchdog(240):  # first calls compile
+            for _ in range(5):
+                out = dispatch.attention(q, k, v, **case.options(), version="fa3")
+                runs.append(torch.autograd.grad(out, (q, k, v), dout))
+                torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for i, grads in enumerate(runs[1:], start=1):
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
+            assert torch.equal(a, b), f"{name} of run {i} differs from run 0"
+    ref = _oracle(case, q, k, v, dout)
+    got = dict(zip(("dq", "dk", "dv"), runs[0], strict=True))
+    _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])

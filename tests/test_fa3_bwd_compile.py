@@ -90,6 +90,14 @@ def det_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
+def det_local_probes(tmp_path_factory) -> list[dict]:
+    """The same builds with a sliding window (what torch.use_deterministic_algorithms takes
+    for a windowed problem)."""
+    runs = [["--variant", "det", "--local", "--shard", shard] for shard in ("0/4", "3/4")]
+    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_det_local"), runs)
+
+
+@pytest.fixture(scope="module")
 def wide_probes(tmp_path_factory) -> list[dict]:
     """The "dkv_t" layout's deterministic builds (wide192_det, wide256_det: D 192 and 256,
     causal) and softcap builds (wide192_serial, wide256_serial with --softcap: full)."""
@@ -445,7 +453,11 @@ def _assert_fits_registers(r: dict) -> None:
     assert r["max_reg"] < 240, f"{_id(r)}: R{r['max_reg']} past the 240 registers of setmaxnreg"
 
 
-def test_bwd_deterministic_variant_compiles(det_probes) -> None:
+@pytest.mark.parametrize("which", ["det_probes", "det_local_probes"])
+def test_bwd_deterministic_variant_compiles(which, request) -> None:
+    """The ordered-dQ builds, without and with a window: the loop's wgmma, one f32 atomic per
+    dQ fragment element between the turn's acquiring spin and its release, spill-free."""
+    det_probes = request.getfixturevalue(which)
     assert {(r["head_dim"], r["causal"]) for r in det_probes} == {(64, False), (128, True)}
     for r in det_probes:
         ptx, d, where, cfg = r["ptx"], r["head_dim"], _id(r), r["config"]
@@ -952,22 +964,78 @@ def test_bwd_local_compiles(local_probes) -> None:
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
-def test_bwd_local_refuses_deterministic() -> None:
-    """A window under the deterministic flag goes to fa2's backward, with the reason: the turn
-    counters start every row block at column block 0."""
+def test_bwd_local_deterministic_is_taken_when_asked(monkeypatch) -> None:
+    """A window under the deterministic flag: fa3's backward can take it (the ordered build,
+    its turn counters started at each row block's first column block), but until that build
+    has run on a GPU (bwd_configs.BWD_UNVERIFIED) dispatch pairs fa3's forward with fa2's
+    backward unless FLASHSUITE_FA3_BWD=1 asks, and says why."""
+    from flashsuite import dispatch
+    from flashsuite.common.arch import override_arch
     from flashsuite.common.validation import check_inputs
+    from flashsuite.dispatch import registry
     from flashsuite.fa3 import interface
 
-    q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16)
+    q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     p = check_inputs(q, q, q, window_size=(32, 0))
-    assert interface.supports_backward(p, 90)[0], interface.supports_backward(p, 90)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         ok, reason = interface.supports_backward(p, 90)
+        assert ok and "column-block order (deterministic)" in reason, reason
+        assert interface._bwd_config(p, None).deterministic
+        opt_in = interface.backward_opt_in(p)
+        assert "deterministic order and a window compiled but not yet run" in opt_in, opt_in
+        with override_arch(90):
+            if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+                pytest.skip("needs fa3 and fa2 importable")
+            monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+            assert dispatch.select(q, q, q, window_size=(32, 0)).backward == "fa2"
+            monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
+            assert dispatch.select(q, q, q, window_size=(32, 0)).backward == "fa3"
     finally:
         torch.use_deterministic_algorithms(was)
-    assert not ok and "sliding window" in reason, reason
+    assert interface.backward_opt_in(p) == ""  # not deterministic: the verified window build
+
+
+def test_turn_counters_start_at_each_row_blocks_first_column_block() -> None:
+    """bwd_host.turn_counters against the kernel's own row-block ranges (BwdBlocks.row_blocks,
+    called with integers): for every row block some column block visits, the visiting column
+    blocks are consecutive and the first of them is where its counter starts, so the turns
+    run start, start + 1, ... with none missing; windows (one or both edges, causal), no
+    window, Nq above and below Nk, both tile shapes the ordered builds use."""
+    from types import SimpleNamespace
+
+    from flashsuite.fa3.bwd_blocks import BwdBlocks
+    from flashsuite.fa3.bwd_configs import BwdConfig
+    from flashsuite.fa3.bwd_host import turn_counters
+    from flashsuite.fa3.compile import kernel_scalars
+
+    row_blocks = BwdBlocks.row_blocks.__wrapped__
+    for tm, tn in ((64, 128), (64, 96), (64, 48)):
+        for nq, nk in ((1, 1), (64, 1000), (700, 1300), (1000, 600), (1000, 1000), (257, 129)):
+            for window, causal in (
+                ((-1, -1), False), ((-1, -1), True), ((200, 0), True), ((130, 70), False),
+                ((0, 0), False), ((64, -1), False), ((5000, 3), False),
+            ):  # fmt: skip
+                local = window != (-1, -1)
+                blocks = SimpleNamespace(TILE_M=tm, TILE_N=tn, LOCAL=local, CAUSAL=causal)
+                win = kernel_scalars(1.0, 0.0, window, causal, nq, nk)[2:] if local else None
+                n_m = -(-nq // tm)
+                visits: list[list[int]] = [[] for _ in range(n_m)]
+                for n in range(-(-nk // tn)):
+                    m_min, count, _ = row_blocks(blocks, n, nq, nk, 1, win)
+                    for m in range(m_min, m_min + count):
+                        visits[m].append(n)
+                key = SimpleNamespace(cfg=BwdConfig(tile_m=tm, tile_n=tn), local=local,
+                                      causal=causal)  # fmt: skip
+                start = turn_counters(key, (2, 3, n_m * tm), nq, nk, window, "cpu")
+                assert start.shape == (2, 3, n_m) and start.dtype == torch.int32
+                assert (start == start[0, 0]).all()  # the same for every batch and head
+                where = (tm, tn, nq, nk, window, causal)
+                for m, ns in enumerate(visits):
+                    if ns:
+                        assert ns == list(range(ns[0], ns[0] + len(ns))), (where, m, ns)
+                        assert int(start[0, 0, m]) == ns[0], (where, m, ns, start[0, 0])
 
 
 def test_bwd_deterministic_config_follows_torch_flag() -> None:
