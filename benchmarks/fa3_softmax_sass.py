@@ -10,10 +10,11 @@ order does not fix this: ptxas moves the wait up (Fa3Config.softmax_apart says w
 compiles the config (the shipped one for --head-dim / --causal, with each --set FIELD=VALUE
 replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait of the
 consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
-between it and the next 0x0 wait, and the kernel's counts of the instructions the softmax options
-change (`op_counts`), as JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f}, ...],
-"counts": {...}}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables
-before cutlass is imported: run it in its own process.
+between it and the next 0x0 wait, the kernel's counts of the instructions the softmax options
+change (`op_counts`) and its longest row-max and row-sum dependency chains (`chain_depths`), as
+JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f}, ...], "counts": {...}, "chains":
+{"fmnmx": n, "fadd": n}}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_*
+variables before cutlass is imported: run it in its own process.
 """
 
 from __future__ import annotations
@@ -63,6 +64,29 @@ def op_counts(text: str) -> dict[str, int]:
     }
 
 
+def chain_depths(text: str) -> dict[str, int]:
+    """The longest dependency chain of FMNMX feeding FMNMX and of FADD feeding FADD in the
+    listing (in listing order, through the registers each writes and reads): what a row's max
+    and sum cost in latency when one warp per scheduler runs its softmax. In place, a row is
+    one chain (tile_n / 4 - 1 deep plus the joins); Fa3Config.row_chains and softmax_apart
+    split each into four. A guarded instruction extends a chain like any other."""
+    from benchmarks.fa3_bwd_sass import parse_sass
+
+    insns, _ = parse_sass(text)
+    depth: dict[str, dict[str, int]] = {"FMNMX": {}, "FADD": {}}
+    longest = dict.fromkeys(depth, 0)
+    for ins in insns:
+        regs = [r.strip() for r in ins.args.split(",")]
+        dest, srcs = regs[0], [r.lstrip("-|").rstrip("|") for r in regs[1:]]
+        for op, seen in depth.items():
+            if ins.base == op:
+                seen[dest] = 1 + max((seen.get(r, 0) for r in srcs), default=0)
+                longest[op] = max(longest[op], seen[dest])
+            else:
+                seen.pop(dest, None)  # the register now holds something else
+    return {"fmnmx": longest["FMNMX"], "fadd": longest["FADD"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=256)
@@ -104,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     listing = disassemble(compiled.__cubin__)
     windows = overlap_windows(listing)
     out = {"config": dataclasses.asdict(cfg), "windows": windows, "counts": op_counts(listing)}
+    out["chains"] = chain_depths(listing)
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0

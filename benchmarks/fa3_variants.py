@@ -243,6 +243,8 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
         cands["vt_smem_permuted_keys"] = replace(cands["vt_smem"], permute_v_keys=True)
         # O's rescale skipped where no row of the warp moved its max (bit for bit the table's).
         cands["skip_unit_rescale"] = replace(cfg, skip_unit_rescale=True)
+        # The in-place softmax's row max and sum in four dependency chains (Fa3Config.row_chains).
+        cands["row_chains"] = replace(cfg, row_chains=True)
         if d in (64, 128, 256):
             out += [(n, d, c) for n, c in cands.items() if can_implement(c, d, FP8_DTYPE)[0]]
     return out

@@ -133,6 +133,12 @@ class Fa3Config:
     # a warp's 16 rows all stay put in 6 / 33 / 69 % of the blocks after the first at
     # N = 1k / 4k / 16k.
     skip_unit_rescale: bool = False
+    # The in-place softmax's row max and row sum as four interleaved dependency chains each
+    # (softmax._chains, as softmax_apart's), not one: under ping-pong a consumer warpgroup has
+    # one warp per scheduler while it runs its softmax, so a 96-long FMNMX or FADD chain (a
+    # row of a 192-key tile) is issued at its latency, not the pipe's rate. The max is exact
+    # in any order; the sum changes its rounding order.
+    row_chains: bool = False
     # float8 only: V's keys in fp8_ops.slot_key order within each 32-key block (the host's Vᵀ
     # copy, `interface.transpose_v`, or the smem transpose puts them there), so P goes from
     # S's C fragment to P·V's A fragment inside each thread: no quad exchange (two shfl.sync

@@ -149,6 +149,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.EX2_EMU = cfg.ex2_emu
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
+        self.ROW_CHAINS = cfg.row_chains
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory

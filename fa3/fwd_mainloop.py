@@ -79,6 +79,7 @@ class ForwardMainloop:
             self.EX2_EMU,
             self.RESCALE_THRESHOLD,
             self.SKIP_UNIT_RESCALE,
+            self.ROW_CHAINS,
         )
 
     @cute.jit

@@ -133,6 +133,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.EX2_EMU = cfg.ex2_emu
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
+        self.ROW_CHAINS = cfg.row_chains
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs

@@ -113,6 +113,7 @@ def online_softmax(
     ex2_emu: cutlass.Constexpr[int] = 0,
     rescale_threshold: cutlass.Constexpr[int] = 0,
     skip_unit_rescale: cutlass.Constexpr[bool] = False,
+    chains: cutlass.Constexpr[bool] = False,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
 
@@ -128,16 +129,17 @@ def online_softmax(
     `ex2_emu` (Fa3Config.ex2_emu): every ex2_emu-th P of a row by `exp2_poly` (`emulated`),
     the rest by MUFU.EX2; 0: all by MUFU.
 
-    Without `probs`: in place (P over S), each row's max and sum one dependency chain. With
-    `probs` (a fragment like acc_S): P goes there, acc_S is only read, and the max and sum run
-    as four chains (`Fa3Config.softmax_apart`: ptxas treats a write to the Q·Kᵀ accumulator as
-    a hazard with the P·V wgmma still in flight and waits for it first).
+    Without `probs`: in place (P over S), each row's max and sum one dependency chain, or four
+    with `chains` (Fa3Config.row_chains). With `probs` (a fragment like acc_S): P goes there,
+    acc_S is only read, and the max and sum run as four chains (`Fa3Config.softmax_apart`:
+    ptxas treats a write to the Q·Kᵀ accumulator as a hazard with the P·V wgmma still in
+    flight and waits for it first).
     """
     corr = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2  # this thread's elements of one row
     for r in cutlass.range_constexpr(2):
         m_blk = row_max[r]
-        if const_expr(probs is None):
+        if const_expr(probs is None and not chains):
             for k in cutlass.range_constexpr(cols):
                 m_blk = cute.arch.fmax(m_blk, acc_S[_col(k, r)])
         else:
@@ -170,11 +172,14 @@ def online_softmax(
                 p = cute.math.exp2(x, fastmath=True)
             if const_expr(probs is None):
                 acc_S[_col(k, r)] = p
-                s += p
+                if const_expr(chains):
+                    ps.append(p)
+                else:
+                    s += p
             else:
                 probs[_col(k, r)] = p
                 ps.append(p)
-        if const_expr(probs is not None):
+        if const_expr(probs is not None or chains):
             s = _chains(ps, lambda a, b: a + b)
         row_sum[r] = row_sum[r] * corr[r] + s
     return corr

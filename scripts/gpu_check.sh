@@ -5,6 +5,7 @@
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache kvcache-boxes
 #                                                bwd-candidates bwd-candidates-ab
+#                                                fwd-candidates
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -193,6 +194,21 @@ for part in $parts; do
       python3 -m benchmarks.fa3_bwd_ab --step --variant pipe80_wgs_wgdq_tma \
         --variant pipe80_wgs_wgdq_tma_dqc --seqlen 8192 --repeats 5 2>&1 \
         | grep -v Warning | tail -8 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
+    fwd-candidates)
+      # The fa3 forward's softmax options built but off: their GPU tests (row_chains and
+      # skip_unit_rescale within rounding of the table build, rescale_threshold's growing-max
+      # oracle cases, the fp8 V routes), then row_chains timed against the shipped build,
+      # passes interleaved (each variant passes its oracle cases first): e4m3 D 128 / 256,
+      # 16-bit D 64 and causal D 128 (builds that softmax in place).
+      python3 -m pytest tests/test_fa3_softmax_options.py tests/test_fp8.py -v -rfEs \
+        -p no:cacheprovider -k "gpu and (row_chains or skip_unit or grow or v_routes)" \
+        2>&1 | tail -30 | tee "$out/fwd-candidates.log" || status=1
+      for row in "128 --fp8" "256 --fp8" "64" "128 --causal"; do
+        read -r d flags <<< "$row"
+        python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 --head-dim "$d" ${flags:-} \
+          --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -12 \
+          | tee -a "$out/fwd-candidates-ab.log" || status=1
+      done ;;
     varlen)
       # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
       # for every batch composition, autograd through fa2's backward; timed beside fa2's

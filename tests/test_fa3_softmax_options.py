@@ -1,8 +1,8 @@
 """The softmax options of the fa3 forward: softmax.exp2_poly, the exponential on the FMA pipe
 (Fa3Config.ex2_emu), through its CPU model (`exp2_poly_model`: the same float32 operations in
 the same order, fma with one rounding); the options' range checks in can_implement and where
-they ship; on a GPU, rescale_threshold against the oracle while a row's max keeps growing and
-skip_unit_rescale bit for bit against the table build."""
+they ship; on a GPU, rescale_threshold against the oracle while a row's max keeps growing,
+skip_unit_rescale and row_chains against the table build within rounding."""
 
 from __future__ import annotations
 
@@ -139,6 +139,42 @@ def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal
     assert (lse_ok | (lse.isinf() & (lse_s == lse))).all(), (lse_s - lse).abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d", "fp8", "causal"),
+    [(64, False, False), (128, False, True), (128, True, False), (256, True, True)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -> None:
+    """Fa3Config.row_chains takes the in-place softmax's row max and row sum in four chains:
+    the max is the same in any order, so P is bit for bit the table build's, and only the
+    row sum's rounding order differs. out and LSE therefore agree with the table build's to
+    within rounding (the bounds of the skip_unit_rescale test above; a chain left out of the
+    max or the sum moves them by far more), on 16-bit and e4m3, causal, GQA, ragged lengths."""
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, nq, nk, hq, hkv = 2, 700, 3001, 4, 2
+
+    def rnd(n: int, h: int) -> torch.Tensor:
+        t = torch.randn(b, n, h, d, device="cuda", generator=gen)
+        return t.to(torch.float8_e4m3fn) if fp8 else t.to(torch.bfloat16)
+
+    q, k, v = rnd(nq, hq), rnd(nk, hkv), rnd(nk, hkv)
+    p = check_inputs(q, k, v, causal=causal)
+    table = dataclasses.replace(config_for(p), softmax_apart=False)  # the in-place softmax
+    out, lse = interface.forward(q, k, v, p, cfg=table)
+    out_c, lse_c = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, row_chains=True))
+    o, o_c = out.float(), out_c.float()
+    assert ((o_c - o).abs() <= 2**-7 * o.abs() + 2**-14).all(), (o_c - o).abs().max()
+    lse_ok = (lse_c - lse).abs() <= 1e-5 * (lse.abs() + 1)
+    assert (lse_ok | (lse.isinf() & (lse_c == lse))).all(), (lse_c - lse).abs().max()
+
+
 def test_rescale_options_ship_where_they_were_measured() -> None:
     """rescale_threshold 8 ships for 16-bit D = 256 alone (its measurement and GPU oracle cases,
     configs._tiles); the fp8 table rescales every block (with the threshold its oracle rule
@@ -154,6 +190,7 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
                 assert cfg.rescale_threshold == (8 if d == 256 else 0), (d, causal, dtype)
                 assert varlen_config(d, dtype, causal).rescale_threshold == cfg.rescale_threshold
                 assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
+                assert not cfg.row_chains, (d, causal, dtype)
             for n in (1024, 4096, 16384):
                 try:
                     cfg = get_config(d, FP8_DTYPE, causal, n)
@@ -161,3 +198,4 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
                     continue
                 assert cfg.rescale_threshold == 0, (d, causal, n)
                 assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
+                assert not cfg.row_chains, (d, causal, n)
