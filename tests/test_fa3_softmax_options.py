@@ -99,21 +99,12 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
         assert res.ok, res
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("d", "fp8", "causal"),
-    [(64, False, False), (128, False, False), (128, False, True), (128, True, False),
-     (256, True, True)],
-    ids=lambda x: str(x),
-)  # fmt: skip
-def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal: bool) -> None:
-    """Fa3Config.skip_unit_rescale skips O's rescale only where every row of the warp kept its
-    max, whose rescale is exactly 1.0; the table build multiplies O there by exp2 of the
-    rounding residual of max * scale_log2 - max * scale_log2 (ptxas contracts the pair into an
-    FFMA), a factor within a few float32 ulps of 1. So out and LSE agree with the table
-    build's to within rounding (out: 2 bf16 ulps of each element, LSE: 1e-5 relative; a
-    skipped rescale that was needed moves them by the size of O itself), here on 16-bit and
-    e4m3, causal, GQA, ragged lengths over enough key blocks for the skip to fire."""
+def _agree_with_the_table_build(d: int, fp8: bool, causal: bool, base: dict, option: dict):
+    """The table's config for a 700 x 3001 problem (16-bit or e4m3, causal or not, GQA 4 / 2,
+    ragged lengths over enough key blocks for the options to matter) with `base`'s fields
+    replaced, against the same with `option`'s on top: out and LSE within rounding of each
+    other (out: 2 bf16 ulps of each element, LSE: 1e-5 relative; an option that drops a
+    needed rescale or a chain of the row sum moves them by the size of O itself)."""
     import torch
 
     from flashsuite.common.validation import check_inputs
@@ -129,14 +120,31 @@ def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal
 
     q, k, v = rnd(nq, hq), rnd(nk, hkv), rnd(nk, hkv)
     p = check_inputs(q, k, v, causal=causal)
-    table = config_for(p)
-    skip = dataclasses.replace(table, rescale_threshold=0, skip_unit_rescale=True)
-    out, lse = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, rescale_threshold=0))
-    out_s, lse_s = interface.forward(q, k, v, p, cfg=skip)
-    o, o_s = out.float(), out_s.float()
-    assert ((o_s - o).abs() <= 2**-7 * o.abs() + 2**-14).all(), (o_s - o).abs().max()
-    lse_ok = (lse_s - lse).abs() <= 1e-5 * (lse.abs() + 1)
-    assert (lse_ok | (lse.isinf() & (lse_s == lse))).all(), (lse_s - lse).abs().max()
+    table = dataclasses.replace(config_for(p), **base)
+    out, lse = interface.forward(q, k, v, p, cfg=table)
+    out_o, lse_o = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, **option))
+    o, o_o = out.float(), out_o.float()
+    assert ((o_o - o).abs() <= 2**-7 * o.abs() + 2**-14).all(), (o_o - o).abs().max()
+    lse_ok = (lse_o - lse).abs() <= 1e-5 * (lse.abs() + 1)
+    assert (lse_ok | (lse.isinf() & (lse_o == lse))).all(), (lse_o - lse).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d", "fp8", "causal"),
+    [(64, False, False), (128, False, False), (128, False, True), (128, True, False),
+     (256, True, True)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal: bool) -> None:
+    """Fa3Config.skip_unit_rescale skips O's rescale only where every row of the warp kept its
+    max, whose rescale is exactly 1.0; the table build multiplies O there by exp2 of the
+    rounding residual of max * scale_log2 - max * scale_log2 (ptxas contracts the pair into an
+    FFMA), a factor within a few float32 ulps of 1. So out and LSE agree with the table
+    build's (without its rescale threshold) to within rounding."""
+    _agree_with_the_table_build(
+        d, fp8, causal, {"rescale_threshold": 0}, {"skip_unit_rescale": True}
+    )
 
 
 @pytest.mark.gpu
@@ -148,31 +156,9 @@ def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal
 def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -> None:
     """Fa3Config.row_chains takes the in-place softmax's row max and row sum in four chains:
     the max is the same in any order, so P is bit for bit the table build's, and only the
-    row sum's rounding order differs. out and LSE therefore agree with the table build's to
-    within rounding (the bounds of the skip_unit_rescale test above; a chain left out of the
-    max or the sum moves them by far more), on 16-bit and e4m3, causal, GQA, ragged lengths."""
-    import torch
-
-    from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import config_for
-
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    b, nq, nk, hq, hkv = 2, 700, 3001, 4, 2
-
-    def rnd(n: int, h: int) -> torch.Tensor:
-        t = torch.randn(b, n, h, d, device="cuda", generator=gen)
-        return t.to(torch.float8_e4m3fn) if fp8 else t.to(torch.bfloat16)
-
-    q, k, v = rnd(nq, hq), rnd(nk, hkv), rnd(nk, hkv)
-    p = check_inputs(q, k, v, causal=causal)
-    table = dataclasses.replace(config_for(p), softmax_apart=False)  # the in-place softmax
-    out, lse = interface.forward(q, k, v, p, cfg=table)
-    out_c, lse_c = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, row_chains=True))
-    o, o_c = out.float(), out_c.float()
-    assert ((o_c - o).abs() <= 2**-7 * o.abs() + 2**-14).all(), (o_c - o).abs().max()
-    lse_ok = (lse_c - lse).abs() <= 1e-5 * (lse.abs() + 1)
-    assert (lse_ok | (lse.isinf() & (lse_c == lse))).all(), (lse_c - lse).abs().max()
+    row sum's rounding order differs: out and LSE agree with the in-place table build's to
+    within rounding."""
+    _agree_with_the_table_build(d, fp8, causal, {"softmax_apart": False}, {"row_chains": True})
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:
