@@ -10,7 +10,8 @@
 One variant's run after another's on the same machine drifts by several percent (clocks,
 temperature, what ran before), more than the differences being decided. This script times
 every contender on every shape once per pass, passes interleaved, and prints each one's
-TFLOP/s per pass and their median: variants by name (benchmarks/fa3_bwd_variants.py, through
+TFLOP/s per pass and their median, then each contender's per-pass ratio to SDPA's cuDNN
+backend and FA4 (`paired_ratios`): variants by name (benchmarks/fa3_bwd_variants.py, through
 fa3.interface.backward with the variant's config), "fa3" (the shipped path through dispatch and
 autograd), SDPA's cuDNN backend and, when flash-attn-4 is importable, FA4's SM90 backward.
 Shapes: the standard sweep's B·N = 16k, Hq·D = 2048 at N 4k and 16k (or each --seqlen),
@@ -27,6 +28,7 @@ import statistics
 
 import torch
 
+from benchmarks.ab_stats import paired_ratios
 from benchmarks.fa3_bwd_check import time_case, time_variant
 from benchmarks.fa3_bwd_variants import VARIANTS
 from flashsuite.common.testing import Case
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     for (name, n), values in tflops.items():
         passes = " ".join(f"{x:.1f}" for x in values)
         print(f"{name:>12} N {n:>5}: median {statistics.median(values):.1f} (passes {passes})")
+    peers = [c for c in contenders if c in ("sdpa-cudnn", "fa4")]
+    for line in paired_ratios(tflops, peers):
+        print(line)
     return 0
 
 

@@ -120,13 +120,17 @@ def main(argv: list[str] | None = None) -> int:
                 fns[peer, case.seqlen_q] = prepare(peer, case)
             except Exception as exc:  # FA4 not installed, a backend refusing the shape
                 print(f"{peer}: not timed ({type(exc).__name__}: {exc})"[:200], flush=True)
-    _time_and_report(fns, seqlens, args, "bf16", width=12)
+    _time_and_report(fns, seqlens, args, "bf16", 12, ("sdpa-cudnn", "fa4", "fa3"))
     return 0
 
 
-def _time_and_report(fns: dict, seqlens: list[int], args, dtype: str, width: int) -> None:
+def _time_and_report(
+    fns: dict, seqlens: list[int], args, dtype: str, width: int, bases: tuple[str, ...]
+) -> None:
     """Time every contender of `fns` ((name, N) -> callable) once per N per pass, passes
-    interleaved, and print forward TFLOP/s per pass and the medians (B·N = 16k, Hq·D = 2048)."""
+    interleaved, and print forward TFLOP/s per pass and the medians (B·N = 16k, Hq·D = 2048),
+    then every contender's per-pass ratio to each of `bases` (`ab_stats.paired_ratios`)."""
+    from benchmarks.ab_stats import paired_ratios
     from flashsuite.dispatch.bench import time_ms
 
     d = args.head_dim
@@ -143,6 +147,8 @@ def _time_and_report(fns: dict, seqlens: list[int], args, dtype: str, width: int
     for (name, n), vals in tflops.items():
         passes = " ".join(f"{t:.1f}" for t in vals)
         print(f"{name:>{width}} N {n:5d}: median {statistics.median(vals):.1f} (passes {passes})")
+    for line in paired_ratios(tflops, [b for b in bases if any(k[0] == b for k in tflops)]):
+        print(line)
 
 
 def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
@@ -182,7 +188,7 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
         case = Case(b, n, n, heads, heads, d, dtype=torch.bfloat16, causal=causal)
         for peer in ("fa3", "sdpa-cudnn"):
             fns[f"{peer}-bf16", n] = prepare(peer, case)
-    _time_and_report(fns, seqlens, args, "e4m3 (bf16 peers)", width=16)
+    _time_and_report(fns, seqlens, args, "e4m3 (bf16 peers)", 16, ("sdpa-cudnn-bf16", "fa3-fp8"))
     return 0
 
 
