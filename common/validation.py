@@ -228,6 +228,13 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def check_flag(name: str, value: object) -> None:
+    """A TypeError naming `name` unless `value` is a bool (a truthy string or tensor would
+    otherwise pass for True)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
 def check_window(window_size: object) -> tuple[int, int]:
     if (
         not isinstance(window_size, (tuple, list))

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from flashsuite.common import arch as arch_mod
-from flashsuite.common.validation import AttnParams, check_inputs, remember, signature
+from flashsuite.common.validation import (
+    AttnParams,
+    check_flag,
+    check_inputs,
+    remember,
+    signature,
+)
 from flashsuite.dispatch import fallback, registry
 
 
@@ -193,6 +199,7 @@ def attention(
     `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
     """
     descales = (descale_q, descale_k, descale_v)
+    check_flag("return_lse", return_lse)
     if _compiling():
         name, p, op_args = _trace_select(q, k, v, causal, softmax_scale, window_size, softcap,
                                          descales, return_lse, version)  # fmt: skip

@@ -18,13 +18,16 @@ an empty tensor there too, flash-attn filling it only when dropout_p > 0.
 own (the default partner of fa3's forward on sm90) adds dQ in arrival order, as flash-attn's
 does, and in a fixed order under torch.use_deterministic_algorithms(True), so
 deterministic=True with fa3's backward is refused unless that flag is on (or
-FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead).
+FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead). The same holds for the varlen call, whose
+fa3 backward has no ordered build: under the flag its problems take fa2's varlen backward.
+`deterministic` and `return_attn_probs` must be bools.
 """
 
 from __future__ import annotations
 
 import torch
 
+from flashsuite.common.validation import check_flag
 from flashsuite.dispatch import api, inference
 
 
@@ -50,16 +53,18 @@ def _empty_probs(q: torch.Tensor) -> torch.Tensor:
     return torch.empty((0,), dtype=q.dtype, device=q.device)
 
 
-def _check_deterministic(deterministic: bool, q, k, v, **options) -> None:
-    """deterministic=True with a backward that adds dQ in run-to-run order: refuse."""
+def _check_deterministic(deterministic: bool, q, k, v, select=None, **options) -> None:
+    """deterministic=True with a backward that adds dQ in run-to-run order: refuse. `select`
+    gives the dispatch Choice (default: dense `api.select` on q, k, v and `options`)."""
+    check_flag("deterministic", deterministic)
     if not deterministic or not api._needs_grad(q, k, v):
         return
-    backward = api.select(q, k, v, **options).backward
+    backward = (select or (lambda: api.select(q, k, v, **options)))().backward
     if backward == "fa3" and not torch.are_deterministic_algorithms_enabled():
         raise ValueError(
-            "deterministic: expected torch.use_deterministic_algorithms(True) with fa3's own "
-            "backward (it adds dQ in a fixed order only then), got the flag off; turn it on, "
-            "or set FLASHSUITE_FA3_BWD=0 for fa2's deterministic backward"
+            "deterministic: expected torch.use_deterministic_algorithms(True) where fa3's own "
+            "backward would run (without the flag it adds dQ in arrival order), got the flag "
+            "off; turn it on, or set FLASHSUITE_FA3_BWD=0 for fa2's deterministic backward"
         )
 
 
@@ -85,6 +90,7 @@ def flash_attn_func(
         softcap=softcap,
     )  # fmt: skip
     _check_deterministic(deterministic, q, k, v, **options)
+    check_flag("return_attn_probs", return_attn_probs)
     if return_attn_probs:
         out, lse = api.attention(q, k, v, return_lse=True, **options)
         return out, lse, _empty_probs(q)
@@ -112,14 +118,19 @@ def flash_attn_varlen_func(
     """flash-attn's `flash_attn_varlen_func`: packed q (total_q, Hq, D), k (total_k, Hkv, D),
     v (total_k, Hkv, Dv), cu_seqlens int32 (B + 1,); each sequence bottom-right on its own
     lengths. Returns out (total_q, Hq, Dv), or with return_attn_probs=True (out, softmax_lse
-    (Hq, total_q) float32, empty S_dmask). Its backward (fa2's or the portable one) is
-    deterministic, so `deterministic` asks for nothing more."""
+    (Hq, total_q) float32, empty S_dmask). `deterministic` as flash_attn_func's: fa2's and the
+    portable varlen backwards are deterministic; fa3's own adds dQ in arrival order and has no
+    ordered build, so torch.use_deterministic_algorithms(True) hands its problems to fa2's, and
+    deterministic=True without that flag is refused where fa3's would run."""
     _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
-    result = inference.attention_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        softmax_scale=softmax_scale, window_size=_window(window_size), softcap=softcap,
-        return_lse=bool(return_attn_probs),
+    options = dict(
+        causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
+        softcap=softcap,
     )  # fmt: skip
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check_deterministic(deterministic, q, k, v, lambda: inference.select_varlen(*args, **options))
+    check_flag("return_attn_probs", return_attn_probs)
+    result = inference.attention_varlen(*args, **options, return_lse=return_attn_probs)
     return (*result, _empty_probs(q)) if return_attn_probs else result
 
 

@@ -28,6 +28,7 @@ from flashsuite.common.validation import (
     AttnParams,
     KVCacheParams,
     VarlenParams,
+    check_flag,
     check_kvcache_inputs,
     check_kvcache_metadata_once,
     check_varlen_inputs,
@@ -236,6 +237,7 @@ def attention_varlen(
     an upper bound of the lengths (it may be loose). Returns out (total_q, Hq, Dv) and, with
     `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v.
     """
+    check_flag("return_lse", return_lse)
     if not api._compiling():
         plan = _varlen_lookup(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -481,6 +483,7 @@ def attention_with_kvcache(
     Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
     neither carrying a gradient.
     """
+    check_flag("return_lse", return_lse)
     if not api._compiling():
         plan = _kv_lookup(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,

@@ -226,3 +226,43 @@ def test_deterministic_refuses_fa3s_own_unordered_backward(monkeypatch) -> None:
             torch.use_deterministic_algorithms(False)
         monkeypatch.setenv("FLASHSUITE_FA3_BWD", "0")
         flash_attn._check_deterministic(True, q, k, v, causal=True)  # fa2's: deterministic
+
+
+def test_varlen_deterministic_refuses_fa3s_own_unordered_backward() -> None:
+    """flash_attn_varlen_func(deterministic=True) where fa3's own varlen backward would run
+    (its default pairing on sm90; it adds dQ in arrival order and has no ordered build):
+    refused with the way out, as the dense call; under torch.use_deterministic_algorithms its
+    problems go to fa2's varlen backward and the check passes. Planned for sm90 on a CPU."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, cu_q, cu_k, mq, mk = _packed(gen, [5, 17, 9], [11, 17, 4])
+    args = (q, k, v, cu_q, cu_k, mq, mk)
+    with override_arch(90):
+        if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
+            pytest.skip("needs fa3 and fa2 importable")
+        if dispatch.select_varlen(*args).backward != "fa3":
+            pytest.skip("fa3's own varlen backward is not the default pairing here")
+        with pytest.raises(ValueError, match=r"^deterministic: .*use_deterministic_algorithms"):
+            dispatch.flash_attn_varlen_func(*args, deterministic=True)
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert dispatch.select_varlen(*args).backward == "fa2"
+            select = lambda: dispatch.select_varlen(*args)
+            flash_attn._check_deterministic(True, q, k, v, select)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    dispatch.flash_attn_varlen_func(*args, deterministic=True)  # off sm90: fa2's or torch's
+
+
+@pytest.mark.parametrize("name", ["deterministic", "return_attn_probs"])
+def test_flags_must_be_bools(name) -> None:
+    """A string where a flag goes (truthy, so it would pass for True) is a TypeError naming
+    the argument, in the dense and the varlen call, as return_lse is in dispatch's."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen, nq=40, nk=40)
+    with pytest.raises(TypeError, match=f"^{name}: expected a bool, got str"):
+        dispatch.flash_attn_func(q, k, v, **{name: "no"})
+    packed = _packed(gen, [5, 7], [5, 7])
+    with pytest.raises(TypeError, match=f"^{name}: expected a bool, got str"):
+        dispatch.flash_attn_varlen_func(*packed, **{name: "no"})
+    with pytest.raises(TypeError, match=r"^return_lse: expected a bool, got str"):
+        dispatch.attention(q, k, v, return_lse="no")
