@@ -6,11 +6,12 @@ backends, at the decode sweep's points (GQA 32/8, D 128, bf16, Nq 1, contiguous 
 
 µs per CUDA-graph replay (decode_bench._graph_ms), medians of interleaved passes (the switch set
 before each of its timings); the two builds' outputs compared bit for bit; the faster SDPA
-backend's time over each build's (>= 1.0: fa3 as fast or faster). With `--page N` the two
-builds read the same tokens on shuffled N-token pages (decode_bench's paged copy), the
-contiguous cache through the shipped build is timed beside them ("contig"), and the outputs
-are compared by their largest difference (the builds' key tiles may differ, and with them
-the order of the sums).
+backend's time over each build's (>= 1.0: fa3 as fast or faster), from the medians and pass
+by pass (`ab_stats.paired_ratios`: each pass's faster SDPA time over the build's). With
+`--page N` the two builds read the same tokens on shuffled N-token pages (decode_bench's
+paged copy), the contiguous cache through the shipped build is timed beside them ("contig"),
+and the outputs are compared by their largest difference (the builds' key tiles may differ,
+and with them the order of the sums).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     from torch.nn.attention import SDPBackend
 
     from benchmarks import decode_bench as db
+    from benchmarks.ab_stats import paired_ratios
     from flashsuite.fa3 import configs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -80,6 +82,14 @@ def main(argv: list[str] | None = None) -> None:
             ),
             flush=True,
         )
+        # Per pass: the faster SDPA backend's time of that pass over each build's (passes
+        # interleave, so a pass's pair shares the machine's state).
+        best_pass = [min(a, c) for a, c in zip(res["flash"], res["cudnn"], strict=True)]
+        rates = {name: [1.0 / t for t in times] for name, times in res.items()}
+        rates["best SDPA"] = [1.0 / t for t in best_pass]
+        for line in paired_ratios({(k, n): v for k, v in rates.items()}, ["best SDPA"]):
+            if line.split("/")[0].strip() in ("off", "on", "contig"):
+                print("   " + line.strip(), flush=True)
         del q, k, v, cache
 
 
