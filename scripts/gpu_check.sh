@@ -203,10 +203,16 @@ for part in $parts; do
       python3 -m pytest tests/test_fa3_softmax_options.py tests/test_fp8.py -v -rfEs \
         -p no:cacheprovider -k "gpu and (row_chains or skip_unit or grow or v_routes)" \
         2>&1 | tail -30 | tee "$out/fwd-candidates.log" || status=1
+      # e4m3 also with the two other instruction cuts on top (permute_v_keys: no quad
+      # exchange; skip_unit_rescale: O's rescale skipped where exactly 1).
       for row in "128 --fp8" "256 --fp8" "64" "128 --causal"; do
         read -r d flags <<< "$row"
-        python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 --head-dim "$d" ${flags:-} \
-          --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -12 \
+        more=()
+        if [ "${flags:-}" = "--fp8" ]; then
+          more=(--variant rcpksu:row_chains=1,permute_v_keys=1,skip_unit_rescale=1)
+        fi
+        python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 "${more[@]}" --head-dim "$d" \
+          ${flags:-} --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
           | tee -a "$out/fwd-candidates-ab.log" || status=1
       done ;;
     varlen)
