@@ -39,9 +39,11 @@
    dispatch STABILITY_RUNS times and dq, dk, dv must be bitwise equal to the first run's and
    within the oracle bound. The same case without the flag runs as often and whether its dq
    varied is recorded (the atomics' order is free there). DIR/fa3_bwd_stability.json.
+   --match filters these cases too.
 
     python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --variant base --variant det --bench \
         --stability
+    python3 -m benchmarks.fa3_bwd_check --out $OUT/bwd --match window --stability
 """
 
 from __future__ import annotations
@@ -235,13 +237,14 @@ def check_stability(case: Case) -> dict:
     }
 
 
-def run_stability(out_dir: Path) -> int:
-    """Every stability case; DIR/fa3_bwd_stability.json rewritten before each."""
+def run_stability(out_dir: Path, match: list[str] | None = None) -> int:
+    """Every stability case (whose id holds one of `match`, when given);
+    DIR/fa3_bwd_stability.json rewritten before each."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, if used
     path = out_dir / "fa3_bwd_stability.json"
     report: dict = {"device": torch.cuda.get_device_name(), "cases": []}
     failed = 0
-    for case in stability_cases():
+    for case in (c for c in stability_cases() if not match or any(m in c.id for m in match)):
         report["running"] = case.id
         path.write_text(json.dumps(report, indent=1))
         try:
@@ -587,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.variant:
         rc = run_variants(args.variant, args.bench, out_dir, args.match)
-        return max(rc, run_stability(out_dir)) if args.stability else rc
+        return max(rc, run_stability(out_dir, args.match)) if args.stability else rc
     path = out_dir / "fa3_bwd.json"
     report: dict = {"device": torch.cuda.get_device_name(), "cases": [], "bench": []}
 
@@ -646,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         _log(_summary(report["bench"], contenders))
     rc = 1 if failures else 0
-    return max(rc, run_stability(out_dir)) if args.stability else rc
+    return max(rc, run_stability(out_dir, args.match)) if args.stability else rc
 
 
 if __name__ == "__main__":
