@@ -231,6 +231,10 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
             cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
         if d == 128:
             cands["tile_n_256"] = replace(cfg, tile_n=256)
+            # Three consumer WGs (160 registers each: S 48 + O 64 + P 12 at tile_n 96), so
+            # two softmaxes run beside one warpgroup's GEMMs: the ping-pong softmax of one
+            # warp per scheduler is bound by latency (docs/design.md, Fa3Config.row_chains).
+            cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
         if d == 256:
             cands["tile_n_64"] = replace(cfg, tile_n=64)
             cands["tile_n_112"] = replace(cfg, tile_n=112)

@@ -204,12 +204,18 @@ for part in $parts; do
         -p no:cacheprovider -k "gpu and (row_chains or skip_unit or grow or v_routes)" \
         2>&1 | tail -30 | tee "$out/fwd-candidates.log" || status=1
       # e4m3 also with the two other instruction cuts on top (permute_v_keys: no quad
-      # exchange; skip_unit_rescale: O's rescale skipped where exactly 1).
+      # exchange; skip_unit_rescale: O's rescale skipped where exactly 1), and at D 128 three
+      # consumer warpgroups of 64 x 96 (two softmaxes at a time beside one warpgroup's GEMMs;
+      # spill-free within 160 registers).
       for row in "128 --fp8" "256 --fp8" "64" "128 --causal"; do
         read -r d flags <<< "$row"
         more=()
         if [ "${flags:-}" = "--fp8" ]; then
           more=(--variant rcpksu:row_chains=1,permute_v_keys=1,skip_unit_rescale=1)
+        fi
+        if [ "$row" = "128 --fp8" ]; then
+          more+=(--variant wg3n96:num_consumer_wgs=3,tile_m=192,tile_n=96
+                 --variant wg3n96rc:num_consumer_wgs=3,tile_m=192,tile_n=96,row_chains=1)
         fi
         python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 "${more[@]}" --head-dim "$d" \
           ${flags:-} --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
