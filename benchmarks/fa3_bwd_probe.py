@@ -92,13 +92,20 @@ def variant_cases(names: list[str]) -> list[tuple]:
 def varlen_cases() -> list[tuple]:
     """(head_dim, bf16, causal, cfg, softcap, local) of the packed-sequence builds CI compiles:
     both loops ("sdp_t" at D 64 / 96 / 128, "dkv_t" at D 192 / 256), 128-row tiles (D 64),
-    causal, a window and softcap, and the per-element-atomic dQ variant."""
+    causal, a window and softcap, the per-element-atomic dQ variant, and the deterministic
+    builds (ordered atomics, turn counters per padded row block) at D 96 causal, 128 with a
+    window and 256."""
     import torch
 
     from benchmarks.fa3_bwd_variants import variant
     from flashsuite.fa3.bwd_configs import bwd_config_for
+    from flashsuite.fa3.bwd_interface import ordered_config
 
     bf16 = torch.bfloat16
+
+    def ordered(d: int, causal: bool, local: bool = False):
+        return ordered_config(bwd_config_for(d, bf16, causal, sdq=True, local=local, varlen=True))
+
     return [
         (64, bf16, False, bwd_config_for(64, bf16, False, varlen=True), False, False),
         (128, bf16, True, bwd_config_for(128, bf16, True, varlen=True), False, False),
@@ -107,6 +114,9 @@ def varlen_cases() -> list[tuple]:
         (192, bf16, True, bwd_config_for(192, bf16, True, varlen=True), False, False),
         (256, bf16, False, bwd_config_for(256, bf16, False, True, varlen=True), True, True),
         (128, bf16, True, variant("pipe_atomic"), False, False),
+        (96, bf16, True, ordered(96, True), False, False),
+        (128, bf16, False, ordered(128, False, local=True), False, True),
+        (256, bf16, False, ordered(256, False), False, False),
     ]
 
 

@@ -346,6 +346,29 @@ def hang_watchdog(seconds: float) -> Iterator[None]:
         faulthandler.cancel_dump_traceback_later()
 
 
+def ordered_backward_runs(select, forward, inputs: tuple, dout, runs: int = 5) -> tuple:
+    """`runs` forward + backward passes (`forward()` returns the output; gradients of `inputs`
+    for `dout`) under torch.use_deterministic_algorithms(True) (restored after) and a hang
+    watchdog (a turn counter that never reaches its value hangs the kernel); asserts the runs'
+    gradients are bitwise equal and returns (`select()`'s dispatch Choice taken under the
+    flag, the first run's gradients)."""
+    results = []
+    was = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        choice = select()
+        with hang_watchdog(240):  # the first calls compile
+            for _ in range(runs):
+                results.append(torch.autograd.grad(forward(), inputs, dout))
+                torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for i, grads in enumerate(results[1:], start=1):
+        for j, (a, b) in enumerate(zip(results[0], grads, strict=True)):
+            assert torch.equal(a, b), f"gradient {j} of run {i} differs from run 0"
+    return choice, results[0]
+
+
 # Hopper's fp8 wgmma keeps fewer accumulator bits than float32 (about 14 significant bits are
 # reported for FP8 GEMMs on H800, DeepSeek-V3 technical report, section 3.3.2): the LSE of fa3's
 # fp8 path (from the fp8 Q K^T accumulation) is measured against an emulation that cuts the

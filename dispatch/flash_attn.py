@@ -18,9 +18,10 @@ an empty tensor there too, flash-attn filling it only when dropout_p > 0.
 own (the default partner of fa3's forward on sm90) adds dQ in arrival order, as flash-attn's
 does, and in a fixed order under torch.use_deterministic_algorithms(True), so
 deterministic=True with fa3's backward is refused unless that flag is on (or
-FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead). The same holds for the varlen call, whose
-fa3 backward has no ordered build: under the flag its problems take fa2's varlen backward.
-`deterministic` and `return_attn_probs` must be bools.
+FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead). The same holds for the varlen call: under
+the flag fa3's ordered varlen backward runs where asked (FLASHSUITE_FA3_VARLEN_BWD=1, until it
+has run on a GPU) and fa2's deterministic one otherwise. `deterministic` and
+`return_attn_probs` must be bools.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def flash_attn_varlen_func(
     v (total_k, Hkv, Dv), cu_seqlens int32 (B + 1,); each sequence bottom-right on its own
     lengths. Returns out (total_q, Hq, Dv), or with return_attn_probs=True (out, softmax_lse
     (Hq, total_q) float32, empty S_dmask). `deterministic` as flash_attn_func's: fa2's and the
-    portable varlen backwards are deterministic; fa3's own adds dQ in arrival order and has no
-    ordered build, so torch.use_deterministic_algorithms(True) hands its problems to fa2's, and
-    deterministic=True without that flag is refused where fa3's would run."""
+    portable varlen backwards are deterministic; fa3's own adds dQ in arrival order unless
+    torch.use_deterministic_algorithms(True) is on, so deterministic=True without that flag is
+    refused where fa3's would run."""
     _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
     options = dict(
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),

@@ -80,8 +80,9 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
     the version ships it on by default (`OWN_BACKWARD_DEFAULT`, chosen by measurement) or
     `FLASHSUITE_<NAME>_BWD=1` (e.g. FLASHSUITE_FA3_BWD=1) asks for it; `=0` turns it off, so
     the partner's backward runs without a code change. Problems for which the version's
-    optional `backward_opt_in(p)` gives a reason (fa3: builds not yet run on a GPU) take
-    the own backward only when asked for.
+    optional `backward_opt_in(params)` gives a reason (fa3: builds not yet run on a GPU; it
+    gets the AttnParams here, the VarlenParams in `own_varlen_backward`) take the own backward
+    only when asked for.
     """
     mod = module(name)
     if mod.HAS_BACKWARD:
@@ -91,7 +92,7 @@ def own_backward(name: str, p: AttnParams, arch: int | None) -> tuple[bool, str]
         return False, f"{name}: no backward of its own"
     default = getattr(mod, "OWN_BACKWARD_DEFAULT", True)
     off = "slower than the partner's where measured"
-    return _own(name, "own backward", "BWD", default, off, p, p, check, arch)
+    return _own(name, "own backward", "BWD", default, off, p, check, arch)
 
 
 def own_varlen_backward(name: str, vp, arch: int | None) -> tuple[bool, str]:
@@ -111,10 +112,10 @@ def own_varlen_backward(name: str, vp, arch: int | None) -> tuple[bool, str]:
         return False, f"{name}: own backward turned off ({switch}=0)"
     default = getattr(mod, "OWN_VARLEN_BACKWARD_DEFAULT", True)
     off = "not yet run on a GPU"
-    return _own(name, "own varlen backward", "VARLEN_BWD", default, off, vp, vp.attn, check, arch)
+    return _own(name, "own varlen backward", "VARLEN_BWD", default, off, vp, check, arch)
 
 
-def _own(name, what, suffix, default, off, params, p, check, arch) -> tuple[bool, str]:
+def _own(name, what, suffix, default, off, params, check, arch) -> tuple[bool, str]:
     """The switch (FLASHSUITE_<NAME>_<suffix>), the default and the opt-in list of an own
     backward `what` that `check(params, arch)` says can take the problem."""
     switch = f"FLASHSUITE_{name.upper()}_{suffix}"
@@ -124,7 +125,7 @@ def _own(name, what, suffix, default, off, params, p, check, arch) -> tuple[bool
     if setting != "1" and not default:
         return False, f"{name}: {what} off by default ({off}; {switch}=1 turns it on)"
     opt_in = getattr(module(name), "backward_opt_in", None)  # problems taken only when asked
-    why = opt_in(p) if setting != "1" and opt_in is not None else ""
+    why = opt_in(params) if setting != "1" and opt_in is not None else ""
     if why:
         return False, f"{name}: {why} ({switch}=1 turns it on)"
     return check(params, arch)

@@ -26,9 +26,12 @@ BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # and 256 were bitwise stable over 10 runs and correct (causal GQA); at commit 63c3300 D 256
 # passed its 9 dispatch cases, softcap 30 (700 x 513, causal) and a 128/64 window among them.
 # Not yet run: the deterministic builds under a sliding window (their turn counters start at
-# each row block's first column block, bwd_host.turn_counters), at every head dim.
+# each row block's first column block, bwd_host.turn_counters) and on packed sequences (the
+# varlen kernel's ordered atomics, counters per sequence), at every head dim.
 BWD_UNVERIFIED: tuple[tuple[int, str], ...] = tuple(
-    (d, "deterministic order and a window") for d in BWD_HEAD_DIMS
+    (d, feature)
+    for d in BWD_HEAD_DIMS
+    for feature in ("deterministic order and a window", "deterministic order on packed sequences")
 )
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked

@@ -559,7 +559,7 @@ class BwdDq:
         mtid: Int32,
         n_block: Int32,
         head: Int32,
-        rows,  # bwd_varlen.DenseRowsBwd (deterministic builds are dense)
+        rows,  # bwd_varlen.DenseRowsBwd / SeqRowsBwd
         m_block: Int32,
         seqlen_q: Int32,
     ):
@@ -568,7 +568,7 @@ class BwdDq:
         that see a row block are consecutive n_blocks from the one the host starts its counter
         at (`bwd_host.turn_counters`), and a CTA only waits on lower n_blocks of its own (kv
         head, batch), which the grid launches before it."""
-        sem = mSem.iterator + cute.crd2idx((rows.batch, head, m_block), mSem.layout)
+        sem = rows.turn_counter(mSem, head, m_block, self.TILE_M)
         turn_wait(sem, n_block, mtid, int(Barrier.DQ_TURN), self.MMA_THREADS)
         self.add_dq(thr_dq, acc_dQ, mdQacc, head, rows, m_block, seqlen_q)
         turn_pass(sem, mtid, int(Barrier.DQ_ADDED), self.MMA_THREADS)

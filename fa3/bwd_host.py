@@ -119,9 +119,10 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
 
 
 def _fake_varlen_inputs(key: BwdCompileKey) -> tuple:
-    """Fake packed q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv and cu_seqlens_q/k: symbolic
-    totals, batch and heads, 16-byte-aligned 64-bit strides (the ragged views move the base
-    pointer back 2^30 rows; the accumulator and dK / dV offsets may pass 2^31 elements)."""
+    """Fake packed q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, the dQ turn counters (Hq,
+    rows_pad / TILE_M) int32 when the config is deterministic (else None), and cu_seqlens_q/k:
+    symbolic totals, batch and heads, 16-byte-aligned 64-bit strides (the ragged views move the
+    base pointer back 2^30 rows; the accumulator and dK / dV offsets may pass 2^31 elements)."""
     import cutlass
     import cutlass.cute as cute
 
@@ -149,7 +150,12 @@ def _fake_varlen_inputs(key: BwdCompileKey) -> tuple:
         cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b1,), assumed_align=4)
         for _ in range(2)
     )  # (B + 1,) each
-    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, cu_q, cu_k
+    sem = None  # deterministic: turn counters (Hq, rows_pad / TILE_M), one per padded row block
+    if key.cfg.deterministic:
+        sem = cute.runtime.make_fake_compact_tensor(
+            cutlass.Int32, (hq, cute.sym_int()), stride_order=(1, 0), assumed_align=4
+        )
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem, cu_q, cu_k
 
 
 def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
@@ -171,8 +177,7 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     dq_conv = None
     if key.varlen:
-        *tensors, cu_q, cu_k = _fake_varlen_inputs(key)
-        sem = None
+        *tensors, sem, cu_q, cu_k = _fake_varlen_inputs(key)
     else:
         *tensors, sem, dq_conv = _fake_inputs(key)
     # Trailing optional parameters: the turn counters, softcap_pre (softcap builds), then
@@ -292,6 +297,39 @@ def turn_counters(
     rows = torch.arange(n_m, dtype=torch.int64, device=device) * key.cfg.tile_m
     first = (rows + (nk - nq) - left).clamp_min(0) // key.cfg.tile_n
     return first.to(torch.int32).expand(b, hq, n_m).contiguous()
+
+
+def varlen_turn_counters(
+    key: BwdCompileKey,
+    heads_q: int,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    window: tuple[int, int],
+    total_q: int,
+    total_k: int,
+) -> torch.Tensor:
+    """`turn_counters` for packed sequences: (Hq, rows_pad / tile_m) int32, one counter per
+    padded row block (bwd_varlen.py's layout: sequence b's row block m is block Q_b + m, Q_b =
+    (cu_seqlens_q[b] + b tile_m) // tile_m), each at the first column block of its sequence
+    that visits it, from the sequence's own lengths, computed on the device (no copy to the
+    host). A block of padding keeps a counter no column block reads."""
+    from flashsuite.common.bwd_preprocess import varlen_pad_rows
+
+    tm, tn = key.cfg.tile_m, key.cfg.tile_n
+    batch = cu_seqlens_q.shape[0] - 1
+    n_blocks = varlen_pad_rows(total_q, batch, tm) // tm
+    dev = cu_seqlens_q.device
+    if not key.local:
+        return torch.zeros(heads_q, n_blocks, dtype=torch.int32, device=dev)
+    _, _, left, _ = kernel_scalars(1.0, 0.0, window, key.causal, total_q, total_k)
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
+    first_block = (cu_q[:-1] + torch.arange(batch, device=dev) * tm) // tm  # Q_b, increasing
+    blocks = torch.arange(n_blocks, device=dev)
+    seq = (torch.searchsorted(first_block, blocks, right=True) - 1).clamp_min(0)
+    m = blocks - first_block[seq]
+    shift = (cu_k[1:] - cu_k[:-1] - cu_q[1:] + cu_q[:-1])[seq]  # Nk_b - Nq_b
+    first = (m * tm + shift - left).clamp_min(0) // tn
+    return first.to(torch.int32).expand(heads_q, n_blocks).contiguous()
 
 
 def run_backward(
@@ -432,7 +470,10 @@ def run_varlen_backward(
     fn = get_backward(key)
     tensors = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv)
     cu = (cu_seqlens_q, cu_seqlens_k)
-    fn(*launch_args(key, tensors, scale, softcap, window, total_q, k.shape[0], None, cu))
+    sem = None
+    if key.cfg.deterministic:  # one dQ turn counter per (head, padded row block)
+        sem = varlen_turn_counters(key, hq, cu_seqlens_q, cu_seqlens_k, window, total_q, k.shape[0])
+    fn(*launch_args(key, tensors, scale, softcap, window, total_q, k.shape[0], sem, cu))
     cfg = key.cfg
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if not tiled:

@@ -25,9 +25,8 @@ from flashsuite.fa3.bwd_configs import (
 )
 
 # (p or vp, arch, deterministic algorithms on) -> supports_backward's or
-# supports_varlen_backward's answer; (p, deterministic) or vp -> the backward's compile key of
-# the table's config (a varlen one is never deterministic). Both are asked on every backward
-# call.
+# supports_varlen_backward's answer; (p or vp, deterministic) -> the backward's compile key of
+# the table's config. Both are asked on every backward call.
 _bwd_support: dict[tuple, tuple[bool, str]] = {}
 _bwd_keys: dict[tuple, object] = {}
 
@@ -87,10 +86,13 @@ def _supports_backward(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     )
 
 
-def backward_opt_in(p: AttnParams) -> str:
-    """Why dispatch takes fa3's own backward for `p` only when FLASHSUITE_FA3_BWD=1 asks, or ""
-    when it takes it by default: builds that compile and pass the CPU checks but have not yet
-    run on a GPU (bwd_configs.BWD_UNVERIFIED; empty while every build has run)."""
+def backward_opt_in(params: AttnParams | VarlenParams) -> str:
+    """Why dispatch takes fa3's own backward (its varlen one for VarlenParams) for a problem
+    only when FLASHSUITE_FA3_BWD=1 (FLASHSUITE_FA3_VARLEN_BWD=1) asks, or "" when it takes it
+    by default: builds that compile and pass the CPU checks but have not yet run on a GPU
+    (bwd_configs.BWD_UNVERIFIED)."""
+    varlen = isinstance(params, VarlenParams)
+    p = params.attn if varlen else params
     features = []
     if p.softcap > 0:
         features.append("softcap")
@@ -98,6 +100,8 @@ def backward_opt_in(p: AttnParams) -> str:
         features.append("deterministic")
         if p.is_local:
             features.append("deterministic order and a window")
+        if varlen:
+            features.append("deterministic order on packed sequences")
     for feature in features:
         if (p.head_dim, feature) in BWD_UNVERIFIED:
             return (
@@ -107,37 +111,47 @@ def backward_opt_in(p: AttnParams) -> str:
     return ""
 
 
-def _bwd_config(p: AttnParams, cfg: BwdConfig | None) -> BwdConfig:
-    """`cfg` or the tile table's config for `p`. Under torch.use_deterministic_algorithms the
-    dQ adds are ordered (BwdConfig.deterministic, docs/design.md): 64-row Q tiles, the same
-    tiles, layout and rings, per-element atomics, one sdS buffer and the serial issue order,
-    the deterministic build that has run on the H200 (at D = 64 / 128)."""
+def _bwd_config(p: AttnParams, cfg: BwdConfig | None, varlen: bool = False) -> BwdConfig:
+    """`cfg` or the tile table's config for `p` (`varlen`: packed sequences). Under
+    torch.use_deterministic_algorithms the dQ adds are ordered (BwdConfig.deterministic,
+    docs/design.md): 64-row Q tiles, the same tiles, layout and rings, per-element atomics, one
+    sdS buffer and the serial issue order, the deterministic build that has run on the H200
+    (at D = 64 / 128)."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     if cfg is None:
         cfg = bwd_config_for(
-            p.head_dim, p.dtype, p.causal, p.softcap > 0, sdq=deterministic, local=p.is_local
-        )
+            p.head_dim, p.dtype, p.causal, p.softcap > 0, sdq=deterministic, local=p.is_local,
+            varlen=varlen,
+        )  # fmt: skip
     if deterministic and not cfg.deterministic:
-        cfg = replace(
-            cfg,
-            tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
-            dq_mode="atomic",
-            dq_split="d",
-            dq_handoff="cta",
-            ds_store="scalar",
-            ds_stages=1,
-            overlap=False,
-            lpt=False,
-            head_section=0,
-            wg_slice=False,
-            deterministic=True,
-        )
+        cfg = ordered_config(cfg)
     return cfg
+
+
+def ordered_config(cfg: BwdConfig) -> BwdConfig:
+    """`cfg` with its dQ adds ordered (the deterministic build): 64-row Q tiles, per-element
+    atomics between the turn counter's wait and its release, one sdS buffer, the serial issue
+    order, the default grid order."""
+    return replace(
+        cfg,
+        tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
+        dq_mode="atomic",
+        dq_split="d",
+        dq_handoff="cta",
+        ds_store="scalar",
+        ds_stages=1,
+        overlap=False,
+        lpt=False,
+        head_section=0,
+        wg_slice=False,
+        deterministic=True,
+    )
 
 
 def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     """The backward's compile key for `p` and `cfg`, or a ValueError saying why `cfg` cannot
-    run `p` (varlen: packed sequences, neither deterministic, lpt nor head_section)."""
+    run `p` (varlen: packed sequences, neither lpt nor head_section; a deterministic build
+    orders its dQ by the MMA threads' atomics)."""
     from flashsuite.fa3.bwd_host import BwdCompileKey
 
     ok, reason = bwd_can_implement(
@@ -145,8 +159,10 @@ def _bwd_key(p: AttnParams, cfg: BwdConfig, varlen: bool):
     )
     if ok and p.softcap > 0 and cfg.overlap:
         ok, reason = False, "softcap needs overlap False (dS takes tanh' in P's loop)"
-    if ok and varlen and (cfg.deterministic or cfg.lpt or cfg.head_section):
-        ok, reason = False, "varlen builds take neither deterministic, lpt nor head_section configs"
+    if ok and varlen and (cfg.lpt or cfg.head_section):
+        ok, reason = False, "varlen builds take neither lpt nor head_section configs"
+    if ok and varlen and cfg.deterministic and cfg.dq_mode != "atomic":
+        ok, reason = False, "varlen deterministic builds need dq_mode 'atomic'"
     if not ok:
         what = "varlen backward" if varlen else "backward"
         raise ValueError(f"fa3 {what}: config {cfg} cannot run: {reason}")
@@ -211,9 +227,10 @@ def backward(
 
 def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
     """Whether fa3's own backward (bwd_varlen.py) takes packed sequences `vp` on `arch`: the
-    varlen forward's limits, the dense backward's head dims and configs, not deterministic
-    (fa2's varlen backward, the partner, is), kv heads within grid dim y. Memoised per
-    problem, architecture and deterministic-algorithms setting."""
+    varlen forward's limits, the dense backward's head dims and configs (under
+    torch.use_deterministic_algorithms the ordered build, its turn counters per sequence), kv
+    heads within grid dim y. Memoised per problem, architecture and deterministic-algorithms
+    setting."""
     return _memoised_support(_supports_varlen_backward, vp, arch)
 
 
@@ -227,21 +244,18 @@ def _supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool,
     if p.head_dim not in BWD_HEAD_DIMS:
         dims = ", ".join(map(str, BWD_HEAD_DIMS))
         return False, f"fa3 varlen backward: head_dim {p.head_dim} not in {{{dims}}}"
-    if torch.are_deterministic_algorithms_enabled():
-        return False, "fa3 varlen backward: no deterministic build (fa2's varlen backward is)"
     if p.heads_kv > _MAX_GRID_YZ:
         return False, f"fa3 varlen backward: heads_kv {p.heads_kv} must be <= {_MAX_GRID_YZ}"
-    cfg = bwd_config_for(
-        p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
-    )
+    cfg = _bwd_config(p, None, varlen=True)
     ok, reason = bwd_can_implement(
         cfg, p.head_dim, p.dtype, causal=p.causal, local=p.is_local, varlen=True
     )
     if not ok:
         return False, reason
+    order = ", dQ in column-block order (deterministic)" if cfg.deterministic else ""
     return True, (
         f"fa3 varlen backward: {cfg.tile_m}x{cfg.tile_n} tiles on a virtual column-block grid "
-        "(per-sequence TMA bounds)"
+        f"(per-sequence TMA bounds){order}"
     )
 
 
@@ -262,7 +276,7 @@ def varlen_backward(
     """dq, dk, dv in the input dtype, contiguous, of `varlen_forward`, for what
     `supports_varlen_backward` accepts: dout, q, out (total_q, Hq, D), k, v (total_k, Hkv, D)
     last dim contiguous, lse (Hq, total_q) float32 (natural log), cu_seqlens_q/k (B + 1,) int32
-    (validated by the caller). `cfg` overrides bwd_config_for (not deterministic, lpt or
+    (validated by the caller). `cfg` overrides the table's config (neither lpt nor
     head_section);
     `grads` (contiguous dq, dk, dv: views into larger buffers, in tests that watch the memory
     around them) are written in place instead of new tensors."""
@@ -279,13 +293,11 @@ def varlen_backward(
     from flashsuite.fa3.interface import _tma_ready_packed
 
     if cfg is None:
-        key = _bwd_keys.get(vp)
+        mkey = (vp, torch.are_deterministic_algorithms_enabled())
+        key = _bwd_keys.get(mkey)
         if key is None:
-            cfg = bwd_config_for(
-                p.head_dim, p.dtype, p.causal, p.softcap > 0, local=p.is_local, varlen=True
-            )
-            key = _bwd_key(p, cfg, varlen=True)
-            remember(_bwd_keys, vp, key)
+            key = _bwd_key(p, _bwd_config(p, None, varlen=True), varlen=True)
+            remember(_bwd_keys, mkey, key)
     else:
         key = _bwd_key(p, cfg, varlen=True)
     if dout.stride(-1) != 1 or 0 in dout.stride():

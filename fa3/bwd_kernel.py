@@ -174,9 +174,13 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError("Fa3Backward: softcap needs overlap False (dS uses tanh' in place)")
         # Packed sequences (bwd_varlen.py): the virtual column-block grid in launch order.
         self.VARLEN = varlen
-        if varlen and (self.DETERMINISTIC or self.LPT or self.HEAD_SECTION):
+        if varlen and (self.LPT or self.HEAD_SECTION):
+            raise ValueError("Fa3Backward: varlen takes neither lpt nor head_section configs")
+        if varlen and self.DETERMINISTIC and cfg.dq_mode != "atomic":
+            # The MMA threads' ordered atomics index the turn counters by (sequence, head,
+            # row block); the writer warp's ordered bulk adds are built for dense rows only.
             raise ValueError(
-                "Fa3Backward: varlen takes neither deterministic, lpt nor head_section configs"
+                f"Fa3Backward: varlen deterministic needs dq_mode 'atomic', not {cfg.dq_mode!r}"
             )
         self.varlen_cols = VarlenColumns(cfg.tile_m, cfg.tile_n)
         if self.DETERMINISTIC and cfg.dq_mode not in ("atomic", "warp"):

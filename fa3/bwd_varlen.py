@@ -12,9 +12,10 @@ Where a sequence's rows are, per tensor (`SeqRowsBwd`; `DenseRowsBwd` is the den
   varlen.py, bounded by the sequence's own length (tails zero-filled on load, dropped on store).
 - dK, dV of the "sdp_t" layout (stores from registers, bounds tested per key row) and the
   "atomic" dQ accumulator (total_q, Hq, D): plain views moved to the sequence's first row.
-- LSE (base 2), D = rowsum(dO·O) and the "warp" dQ accumulator: a padded row layout shared by
-  the three, sequence b from row Q_b·TILE_M on with Q_b = (cu_seqlens_q[b] + b·TILE_M) //
-  TILE_M (the varlen forward's first virtual query block). Row block m of sequence b is block
+- LSE (base 2), D = rowsum(dO·O), the "warp" dQ accumulator and the deterministic build's dQ
+  turn counters (one per row block): a padded row layout shared by them, sequence b from row
+  Q_b·TILE_M on with Q_b = (cu_seqlens_q[b] + b·TILE_M) // TILE_M (the varlen forward's
+  first virtual query block). Row block m of sequence b is block
   Q_b + m of (Hq, rows_pad) with rows_pad = Q_B·TILE_M, whole TILE_M blocks that no other
   sequence touches (Q_b+1 - Q_b >= ceil(L_b / TILE_M)), so the TMA loads of LSE and D need no
   bound (the preprocess writes +inf and 0 on the padding rows), and every TILE_M x D block of
@@ -46,6 +47,11 @@ class DenseRowsBwd(DenseRows):
     def dq_tile(self, t: cute.Tensor, head: Int32, row: Int32):
         """The "warp" dQ accumulator (B, Hq, Nq_pad, D) at (head, row): a pointer."""
         return t.iterator + cute.crd2idx((self.batch, head, row, 0), t.layout)
+
+    def turn_counter(self, t: cute.Tensor, head: Int32, m_block: Int32, tile_m: int):
+        """The deterministic build's dQ turn counter of row block m_block of `head`, in the
+        (B, Hq, row blocks) int32 counters: a pointer."""
+        return t.iterator + cute.crd2idx((self.batch, head, m_block), t.layout)
 
 
 class SeqRowsBwd(SeqRows):
@@ -81,6 +87,15 @@ class SeqRowsBwd(SeqRows):
     def dq_tile(self, t: cute.Tensor, head: Int32, row: Int32):
         """The "warp" dQ accumulator (Hq, rows_pad, D) at (head, row of this sequence)."""
         return t.iterator + cute.crd2idx((head, self.pad_row + row, 0), t.layout)
+
+    def turn_counter(self, t: cute.Tensor, head: Int32, m_block: Int32, tile_m: int):
+        """The deterministic build's dQ turn counter of this sequence's row block m_block of
+        `head`, in the (Hq, rows_pad / TILE_M) int32 counters, one per padded row block (the
+        padded rows' layout above: a sequence's row blocks are whole and its own): a pointer.
+        Q_b is offset_q // TILE_M + batch, from values the MMA threads hold anyway (pad_row
+        kept live through their loop for this spilled 4 bytes at D = 96)."""
+        block = self.offset_q // tile_m + self.batch + m_block  # Q_b + m_block
+        return t.iterator + cute.crd2idx((head, block), t.layout)
 
 
 class VarlenColumns:

@@ -384,6 +384,15 @@ MUTANTS = [
         ("tests/test_fa3_bwd_compile.py",),
     ),
     Mutant(
+        "deterministic varlen dQ under a window: turns started from the totals' alignment, not "
+        "each sequence's own lengths",
+        "fa3/bwd_host.py",
+        "first = (m * tm + shift - left).clamp_min(0) // tn",
+        "first = (m * tm + (total_k - total_q) - left).clamp_min(0) // tn",
+        "varlen_turn_counters",
+        ("tests/test_fa3_varlen_bwd.py",),
+    ),
+    Mutant(
         "boxed paged decode: a box past the row's end starts outside the view (the H200 faulted)",
         "fa3/decode.py",
         "return page, key - index * page_size, cutlass",

@@ -17,9 +17,9 @@ from flashsuite import dispatch
 from flashsuite.common.testing import (
     Case,
     compare,
-    hang_watchdog,
     make_grad_out,
     make_inputs,
+    ordered_backward_runs,
     reference_pair,
 )
 from tests.conftest import GPU_MEMORY, HAS_CUDA, must_run, runnable_names, runnable_versions
@@ -478,22 +478,13 @@ def test_fa3_deterministic_window_backward(case: Case, device: str, monkeypatch)
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require("fa3", case, q, k, v)
     dout = make_grad_out(case, device)
-    runs = []
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        choice = dispatch.select(q, k, v, **case.options(), version="fa3")
-        assert choice.backward == "fa3", choice
-        with hang_watchdog(240):  # first calls compile
-            for _ in range(5):
-                out = dispatch.attention(q, k, v, **case.options(), version="fa3")
-                runs.append(torch.autograd.grad(out, (q, k, v), dout))
-                torch.cuda.synchronize()
-    finally:
-        torch.use_deterministic_algorithms(was)
-    for i, grads in enumerate(runs[1:], start=1):
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
-            assert torch.equal(a, b), f"{name} of run {i} differs from run 0"
+    choice, grads = ordered_backward_runs(
+        lambda: dispatch.select(q, k, v, **case.options(), version="fa3"),
+        lambda: dispatch.attention(q, k, v, **case.options(), version="fa3"),
+        (q, k, v),
+        dout,
+    )
+    assert choice.backward == "fa3", choice
     ref = _oracle(case, q, k, v, dout)
-    got = dict(zip(("dq", "dk", "dv"), runs[0], strict=True))
+    got = dict(zip(("dq", "dk", "dv"), grads, strict=True))
     _assert_ok([compare(name, t, *ref[name]) for name, t in got.items()])

@@ -7,8 +7,9 @@ preprocess writes every padded row (LSE in base 2, D = rowsum(dO·O), +inf / 0 o
 host path around a stand-in kernel that keeps the compiled one's argument contract (the padded
 LSE / D / dQ rows, cu_seqlens, window scalars of the totals); and dispatch's wiring: fa3's
 own varlen backward by default (bwd_configs.VARLEN_BWD_AUTO), fa2's with that default off
-unless FLASHSUITE_FA3_VARLEN_BWD=1, refused under FLASHSUITE_FA3_BWD=0 and deterministic
-algorithms.
+unless FLASHSUITE_FA3_VARLEN_BWD=1, refused under FLASHSUITE_FA3_BWD=0; under deterministic
+algorithms the ordered build (turn counters per padded row block, started at each sequence's
+first visiting column block) only when asked.
 On an sm90 GPU: dq, dk, dv against the per-sequence float64 oracle (common.testing.compare),
 written into views of NaN-filled buffers whose guard rows must stay NaN, inputs read from views
 with NaN guard rows; lengths 0 to 1000, Lq != Lk, GQA / MQA, causal, windows, softcap, every
@@ -80,11 +81,54 @@ def test_varlen_bwd_compiles_with_hopper_machinery(varlen_probes) -> None:
         else:
             assert ptx["tma_store"] == 0, f"{where}: {ptx}"
         assert (ptx["tanh"] > 0) == r["softcap"], f"{where}: {ptx}"
-        assert ptx["sem_acquire"] == ptx["sem_release"] == 0, f"{where}: {ptx}"
+        if cfg["deterministic"]:  # the turn's acquiring spin (maybe peeled) and its release
+            assert ptx["sem_acquire"] >= 1 and ptx["sem_release"] == 1, f"{where}: {ptx}"
+        else:
+            assert ptx["sem_acquire"] == ptx["sem_release"] == 0, f"{where}: {ptx}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
         _assert_fits_registers(r)
         for code in ("C7508", "C7512", "C7515", "C7519"):
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
+
+
+@needs_dsl
+@pytest.mark.parametrize(
+    ("causal", "window"), [(False, (-1, -1)), (True, (-1, -1)), (True, (100, 0)), (False, (70, 30))]
+)
+def test_varlen_turn_counters_start_at_each_sequences_first_column_block(causal, window) -> None:
+    """bwd_host.varlen_turn_counters against the kernel's own row-block ranges
+    (BwdBlocks.row_blocks, called with each sequence's lengths): every row block some column
+    block of its sequence visits has its counter, at padded block Q_b + m, start at the first
+    of those column blocks, and they are consecutive; empty sequences, Lq above and below Lk,
+    one counter row per query head."""
+    from types import SimpleNamespace
+
+    from flashsuite.fa3.bwd_blocks import BwdBlocks
+    from flashsuite.fa3.bwd_host import varlen_turn_counters
+    from flashsuite.fa3.compile import kernel_scalars
+
+    lens_q, lens_k = [70, 0, 300, 1, 129, 64], [64, 5, 100, 0, 700, 200]
+    cq, ck = (torch.tensor([0, *torch.tensor(ls).cumsum(0).tolist()], dtype=torch.int32)
+              for ls in (lens_q, lens_k))  # fmt: skip
+    tm, tn = 64, 128
+    key = SimpleNamespace(cfg=SimpleNamespace(tile_m=tm, tile_n=tn), local=window != (-1, -1),
+                          causal=causal)  # fmt: skip
+    total_q, total_k = int(cq[-1]), int(ck[-1])
+    sem = varlen_turn_counters(key, 3, cq, ck, window, total_q, total_k)
+    assert sem.dtype == torch.int32 and sem.shape[0] == 3 and bool((sem == sem[0]).all())
+    blocks = SimpleNamespace(TILE_M=tm, TILE_N=tn, LOCAL=key.local, CAUSAL=causal)
+    win = kernel_scalars(1.0, 0.0, window, causal, total_q, total_k)[2:] if key.local else None
+    row_blocks = BwdBlocks.row_blocks.__wrapped__
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        first_block = (int(cq[b]) + b * tm) // tm  # Q_b: the padded rows' layout
+        visits: dict[int, list[int]] = {}
+        for n in range(-(-nk // tn)):
+            m_min, count, _ = row_blocks(blocks, n, nq, nk, 1, win)
+            for m in range(m_min, m_min + count):
+                visits.setdefault(m, []).append(n)
+        for m, ns in visits.items():
+            assert ns == list(range(ns[0], ns[0] + len(ns))), (b, m, ns)
+            assert int(sem[0, first_block + m]) == ns[0], (b, m, ns, sem[0])
 
 
 def test_varlen_is_part_of_the_backward_compile_key() -> None:
@@ -99,15 +143,21 @@ def test_varlen_is_part_of_the_backward_compile_key() -> None:
 
 
 @needs_dsl
-def test_varlen_kernel_refuses_deterministic_lpt_and_head_section() -> None:
+def test_varlen_kernel_refuses_lpt_head_section_and_ordered_bulk_adds() -> None:
+    """lpt and head_section order a dense grid; the deterministic build's ordered dQ takes the
+    MMA threads' atomics ("det") on packed sequences, not the writer warp's bulk adds
+    ("det_pipe")."""
     import cutlass
 
     from benchmarks.fa3_bwd_variants import variant
     from flashsuite.fa3.bwd_kernel import Fa3Backward
 
-    for name in ("det", "pipe_lpt", "pipe_sec4_tma"):
-        with pytest.raises(ValueError, match="varlen takes neither deterministic, lpt nor head_"):
+    for name in ("pipe_lpt", "pipe_sec4_tma"):
+        with pytest.raises(ValueError, match="varlen takes neither lpt nor head_section"):
             Fa3Backward(cutlass.BFloat16, 128, variant(name), True, varlen=True)
+    with pytest.raises(ValueError, match="varlen deterministic needs dq_mode 'atomic'"):
+        Fa3Backward(cutlass.BFloat16, 128, variant("det_pipe"), True, varlen=True)
+    Fa3Backward(cutlass.BFloat16, 128, variant("det"), True, varlen=True)  # built
 
 
 # ------------------------------------------------------------------------------------------
@@ -168,7 +218,13 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
             window_left, window_right, cu_q, cu_k, mdq, dq_count):  # fmt: skip
         seen.append((window_left, window_right))
-        assert sem is None and softcap_pre is None
+        assert softcap_pre is None
+        if key.cfg.deterministic:  # a turn counter per padded row block (window-free: from 0)
+            n_pad = lse_log2.shape[1] // key.cfg.tile_m
+            assert sem.dtype == torch.int32 and tuple(sem.shape) == (q.shape[1], n_pad)
+            assert window != (-1, -1) or not bool(sem.any())
+        else:
+            assert sem is None
         assert mdq is None and dq_count is None  # dq_convert is a dense build
         assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous()
         tm, (_, hq, d), hkv = key.cfg.tile_m, q.shape, k.shape[1]
@@ -298,7 +354,8 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
     """version="fa3" with a gradient: fa3's own varlen backward by default (VARLEN_BWD_AUTO),
     fa2's with the default off (explain says why) unless FLASHSUITE_FA3_VARLEN_BWD=1 asks (then
     fa3's, through autograd, against the oracle), fa2's again under FLASHSUITE_FA3_BWD=0 and
-    under deterministic algorithms."""
+    under deterministic algorithms (the ordered build has not run on a GPU: BWD_UNVERIFIED),
+    whose ordered build FLASHSUITE_FA3_VARLEN_BWD=1 takes (its turn counters passed)."""
     from flashsuite.fa3 import interface
 
     options = dict(causal=True)
@@ -331,12 +388,24 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
     c = choice()
     assert c.backward == "fa2" and "FLASHSUITE_FA3_BWD=0" in str(c), str(c)
     monkeypatch.delenv("FLASHSUITE_FA3_BWD")
+    monkeypatch.delenv("FLASHSUITE_FA3_VARLEN_BWD")
+    monkeypatch.setattr(interface, "OWN_VARLEN_BACKWARD_DEFAULT", True)
     torch.use_deterministic_algorithms(True)
     try:
         c = choice()
+        assert c.backward == "fa2", str(c)
+        assert "deterministic order on packed sequences compiled but not yet run" in str(c)
+        monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")  # the ordered build, when asked
+        c = choice()
+        assert c.backward == "fa3" and "column-block order (deterministic)" in str(c), str(c)
+        used.clear()
+        with override_arch(90):
+            out = dispatch.attention_varlen(q, k, v, cq, ck, 70, 66, version="fa3", **options)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+        assert used and len(seen) == 2, "fa3's ordered varlen backward did not run"
+        _check(dict(dq=dq, dk=dk, dv=dv), oracle, F16)
     finally:
         torch.use_deterministic_algorithms(False)
-    assert c.backward == "fa2" and "no deterministic build" in str(c), str(c)
 
 
 @needs_dsl
@@ -485,6 +554,38 @@ def test_gpu_varlen_autograd_through_fa3s_own_backward(monkeypatch) -> None:
     assert used, "fa3's own varlen backward did not run"
     oracle = _oracle_pieces(q, k, v, cq, ck, do, causal=True)
     _check(dict(dq=dq, dk=dk, dv=dv), oracle, BF16)
+
+
+@pytest.mark.gpu
+@gpu_fa3
+@pytest.mark.parametrize(
+    ("d", "options"),
+    [(64, {"causal": True}), (128, {"window_size": (100, 30)}), (256, {"causal": True})],
+    ids=["D64-causal", "D128-window", "D256-causal"],
+)
+def test_gpu_varlen_deterministic_backward(monkeypatch, d: int, options: dict) -> None:
+    """Under torch.use_deterministic_algorithms with FLASHSUITE_FA3_VARLEN_BWD=1 (until the
+    build has run on a GPU, bwd_configs.BWD_UNVERIFIED): fa3's ordered varlen backward
+    (asserted), five runs through dispatch bitwise equal, against the per-sequence oracle;
+    empty and one-row sequences, GQA. A counter started past a row block's first column block
+    hangs the kernel: the watchdog ends the process with every thread's traceback."""
+    from flashsuite.common.testing import ordered_backward_runs
+
+    monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")
+    lens_q, lens_k = [65, 1, 0, 200, 129, 300], [100, 1, 7, 64, 300, 129]
+    q, k, v, cq, ck = (t.cuda() for t in _packed(lens_q, lens_k, 8, 2, d, BF16))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(BF16).cuda()
+    args = (q, k, v, cq, ck, 300, 300)
+    choice, grads = ordered_backward_runs(
+        lambda: dispatch.select_varlen(*args, version="fa3", **options),
+        lambda: dispatch.attention_varlen(*args, version="fa3", **options),
+        (q, k, v),
+        do,
+    )
+    assert choice.backward == "fa3" and "(deterministic)" in str(choice), str(choice)
+    oracle = _oracle_pieces(q, k, v, cq, ck, do, **options)
+    _check(dict(zip(("dq", "dk", "dv"), grads, strict=True)), oracle, BF16)
 
 
 @pytest.mark.gpu
