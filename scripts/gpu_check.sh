@@ -220,7 +220,14 @@ for part in $parts; do
         python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 "${more[@]}" --head-dim "$d" \
           ${flags:-} --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
           | tee -a "$out/fwd-candidates-ab.log" || status=1
-      done ;;
+      done
+      # e4m3 causal on the persistent scheduler (every causal 16-bit entry ships it; +8 % in
+      # the e4m3 D 128 kernel at N = 8k in one run, docs/results.md), with and without chains.
+      python3 -m benchmarks.fa3_fwd_ab --fp8 --causal --head-dim 128 \
+        --variant pv2:persistent=1,overlap_tiles=1,balanced_order=1 \
+        --variant pv2rc:persistent=1,overlap_tiles=1,balanced_order=1,row_chains=1 \
+        --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
+        | tee -a "$out/fwd-candidates-ab.log" || status=1 ;;
     varlen)
       # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
       # for every batch composition, autograd through fa2's backward; timed beside fa2's
