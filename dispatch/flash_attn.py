@@ -20,8 +20,8 @@ does, and in a fixed order under torch.use_deterministic_algorithms(True), so
 deterministic=True with fa3's backward is refused unless that flag is on (or
 FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead). The same holds for the varlen call: under
 the flag fa3's ordered varlen backward runs where asked (FLASHSUITE_FA3_VARLEN_BWD=1, until it
-has run on a GPU) and fa2's deterministic one otherwise. `deterministic` and
-`return_attn_probs` must be bools.
+has run on a GPU) and fa2's deterministic one otherwise. `deterministic`,
+`return_attn_probs` and `return_softmax_lse` must be bools.
 """
 
 from __future__ import annotations
@@ -182,8 +182,16 @@ def flash_attn_with_kvcache(
     return inference.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
-        softcap=softcap, num_splits=num_splits, return_lse=bool(return_softmax_lse),
+        softcap=softcap, num_splits=num_splits, return_lse=_flag(
+            "return_softmax_lse", return_softmax_lse
+        ),
     )  # fmt: skip
+
+
+def _flag(name: str, value: object) -> bool:
+    """`value` after check_flag under flash-attn's argument name."""
+    check_flag(name, value)
+    return value
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

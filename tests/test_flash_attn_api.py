@@ -266,3 +266,6 @@ def test_flags_must_be_bools(name) -> None:
         dispatch.flash_attn_varlen_func(*packed, **{name: "no"})
     with pytest.raises(TypeError, match=r"^return_lse: expected a bool, got str"):
         dispatch.attention(q, k, v, return_lse="no")
+    cache = torch.zeros(2, 64, 2, 64, dtype=q.dtype)
+    with pytest.raises(TypeError, match=r"^return_softmax_lse: expected a bool, got str"):
+        dispatch.flash_attn_with_kvcache(q[:, :1], cache, cache, return_softmax_lse="no")
