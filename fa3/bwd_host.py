@@ -295,8 +295,15 @@ def turn_counters(
         return torch.zeros(b, hq, n_m, dtype=torch.int32, device=device)
     _, _, left, _ = kernel_scalars(1.0, 0.0, window, key.causal, nq, nk)
     rows = torch.arange(n_m, dtype=torch.int64, device=device) * key.cfg.tile_m
-    first = (rows + (nk - nq) - left).clamp_min(0) // key.cfg.tile_n
+    first = _first_column_block(rows, nk - nq, left, key.cfg.tile_n)
     return first.to(torch.int32).expand(b, hq, n_m).contiguous()
+
+
+def _first_column_block(first_row, shift, left: int, tile_n: int):
+    """The column block holding the first key a row block's first row `first_row` sees under
+    a left window edge `left` (shift = Nk - Nq, per row block or one for all): max(first_row +
+    shift - left, 0) // tile_n, elementwise on int64 tensors."""
+    return (first_row + shift - left).clamp_min(0) // tile_n
 
 
 def varlen_turn_counters(
@@ -328,7 +335,7 @@ def varlen_turn_counters(
     seq = (torch.searchsorted(first_block, blocks, right=True) - 1).clamp_min(0)
     m = blocks - first_block[seq]
     shift = (cu_k[1:] - cu_k[:-1] - cu_q[1:] + cu_q[:-1])[seq]  # Nk_b - Nq_b
-    first = (m * tm + shift - left).clamp_min(0) // tn
+    first = _first_column_block(m * tm, shift, left, tn)
     return first.to(torch.int32).expand(heads_q, n_blocks).contiguous()
 
 

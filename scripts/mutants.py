@@ -378,7 +378,7 @@ MUTANTS = [
         "deterministic dQ under a window: every row block's turns start at column block 0 "
         "(the adds would wait forever)",
         "fa3/bwd_host.py",
-        "first = (rows + (nk - nq) - left).clamp_min(0) // key.cfg.tile_n",
+        "first = _first_column_block(rows, nk - nq, left, key.cfg.tile_n)",
         "first = rows * 0",
         "turn_counters",
         ("tests/test_fa3_bwd_compile.py",),
@@ -387,8 +387,8 @@ MUTANTS = [
         "deterministic varlen dQ under a window: turns started from the totals' alignment, not "
         "each sequence's own lengths",
         "fa3/bwd_host.py",
-        "first = (m * tm + shift - left).clamp_min(0) // tn",
-        "first = (m * tm + (total_k - total_q) - left).clamp_min(0) // tn",
+        "first = _first_column_block(m * tm, shift, left, tn)",
+        "first = _first_column_block(m * tm, total_k - total_q, left, tn)",
         "varlen_turn_counters",
         ("tests/test_fa3_varlen_bwd.py",),
     ),
