@@ -348,7 +348,8 @@ def hang_watchdog(seconds: float) -> Iterator[None]:
 
 def ordered_backward_runs(select, forward, inputs: tuple, dout, runs: int = 5) -> tuple:
     """`runs` forward + backward passes (`forward()` returns the output; gradients of `inputs`
-    for `dout`) under torch.use_deterministic_algorithms(True) (restored after) and a hang
+    for `dout`) under torch.use_deterministic_algorithms(True, warn_only=True) (restored
+    after; warn_only lets cuBLAS run without CUBLAS_WORKSPACE_CONFIG) and a hang
     watchdog (a turn counter that never reaches its value hangs the kernel); asserts the runs'
     gradients are bitwise equal and returns (`select()`'s dispatch Choice taken under the
     flag, the first run's gradients)."""

@@ -228,11 +228,12 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def check_flag(name: str, value: object) -> None:
-    """A TypeError naming `name` unless `value` is a bool (a truthy string or tensor would
-    otherwise pass for True)."""
+def check_flag(name: str, value: object) -> bool:
+    """`value`, or a TypeError naming `name` unless it is a bool (a truthy string or tensor
+    would otherwise pass for True)."""
     if type(value) is not bool:
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
 
 
 def check_window(window_size: object) -> tuple[int, int]:

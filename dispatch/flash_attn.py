@@ -182,16 +182,9 @@ def flash_attn_with_kvcache(
     return inference.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
-        softcap=softcap, num_splits=num_splits, return_lse=_flag(
-            "return_softmax_lse", return_softmax_lse
-        ),
+        softcap=softcap, num_splits=num_splits,
+        return_lse=check_flag("return_softmax_lse", return_softmax_lse),
     )  # fmt: skip
-
-
-def _flag(name: str, value: object) -> bool:
-    """`value` after check_flag under flash-attn's argument name."""
-    check_flag(name, value)
-    return value
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]

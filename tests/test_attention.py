@@ -436,20 +436,12 @@ def test_backward_is_deterministic(version: str, device: str) -> None:
     q, k, v = make_inputs(case, device, requires_grad=True)
     _require(version, case, q, k, v)
     dout = make_grad_out(case, device)
-    runs = []
-    was = torch.are_deterministic_algorithms_enabled()
-    try:
-        # warn_only: cuBLAS (the torch version's matmuls) would otherwise need
-        # CUBLAS_WORKSPACE_CONFIG; the flag is what fa3 reads.
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        for _ in range(5):
-            out = dispatch.attention(q, k, v, causal=True, version=version)
-            runs.append(torch.autograd.grad(out, (q, k, v), dout))
-    finally:
-        torch.use_deterministic_algorithms(was)
-    for i, grads in enumerate(runs[1:], start=1):
-        for name, a, b in zip(("dq", "dk", "dv"), runs[0], grads, strict=True):
-            assert torch.equal(a, b), f"{name} of run {i} differs from run 0"
+    ordered_backward_runs(
+        lambda: None,
+        lambda: dispatch.attention(q, k, v, causal=True, version=version),
+        (q, k, v),
+        dout,
+    )
 
 
 WINDOW_DET_CASES = [
