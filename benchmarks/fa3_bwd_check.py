@@ -167,7 +167,7 @@ STABILITY_RUNS = 10
 def stability_cases() -> list[Case]:
     """Deterministic-mode cases: D 64 and 128 causal or not, GQA, MQA, tails, empty rows, a
     long causal one (64 column blocks queue on each row block's counter), a causal GQA case
-    at each of D 96, 192 and 256, and sliding windows at D 64, 128 and 256."""
+    at each of D 96, 192 and 256, and sliding windows at every head dim."""
     c = []
     for d in (64, 128):
         for causal in (False, True):
@@ -180,10 +180,13 @@ def stability_cases() -> list[Case]:
     for d in (96, 192, 256):
         c.append(Case(2, 1000, 700, 4, 2, d, dtype=BF16, causal=True, tags=("gqa",)))
     # Sliding windows: each row block's turns start at its first column block
-    # (bwd_host.turn_counters); a left edge at D 64 and 256, both edges with Nq > Nk at D 128.
+    # (bwd_host.turn_counters); a left edge at D 64, 192 and 256, both edges with Nq > Nk at
+    # D 128, both edges with Nq < Nk at D 96.
     c.append(Case(2, 700, 1300, 4, 2, 64, dtype=BF16, window_size=(200, 0), tags=("window",)))
     c.append(Case(1, 1000, 600, 2, 2, 128, dtype=BF16, window_size=(130, 70), tags=("window",)))
     c.append(Case(1, 2048, 2048, 2, 1, 256, dtype=BF16, window_size=(256, 0), tags=("window",)))
+    c.append(Case(1, 600, 900, 4, 2, 96, dtype=BF16, window_size=(90, 150), tags=("window",)))
+    c.append(Case(2, 800, 800, 2, 2, 192, dtype=BF16, window_size=(300, 0), tags=("window",)))
     return c
 
 
