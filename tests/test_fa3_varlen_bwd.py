@@ -560,8 +560,13 @@ def test_gpu_varlen_autograd_through_fa3s_own_backward(monkeypatch) -> None:
 @gpu_fa3
 @pytest.mark.parametrize(
     ("d", "options"),
-    [(64, {"causal": True}), (96, {"window_size": (60, 0)}), (128, {"window_size": (100, 30)}),
-     (192, {"causal": True}), (256, {"causal": True})],
+    [
+        (64, {"causal": True}),
+        (96, {"window_size": (60, 0)}),
+        (128, {"window_size": (100, 30)}),
+        (192, {"causal": True}),
+        (256, {"causal": True}),
+    ],
     ids=["D64-causal", "D96-window", "D128-window", "D192-causal", "D256-causal"],
 )
 def test_gpu_varlen_deterministic_backward(monkeypatch, d: int, options: dict) -> None:
