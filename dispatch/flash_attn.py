@@ -19,8 +19,8 @@ own (the default partner of fa3's forward on sm90) adds dQ in arrival order, as 
 does, and in a fixed order under torch.use_deterministic_algorithms(True), so
 deterministic=True with fa3's backward is refused unless that flag is on (or
 FLASHSUITE_FA3_BWD=0 pairs fa2's backward instead). The same holds for the varlen call: under
-the flag fa3's ordered varlen backward runs where asked (FLASHSUITE_FA3_VARLEN_BWD=1, until it
-has run on a GPU) and fa2's deterministic one otherwise. `deterministic`,
+the flag fa3's ordered varlen backward runs (fa2's deterministic one where fa3's backward is
+off). `deterministic`,
 `return_attn_probs` and `return_softmax_lse` must be bools.
 """
 

@@ -962,31 +962,37 @@ def test_bwd_local_compiles(local_probes) -> None:
             assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
-def test_bwd_local_deterministic_is_taken_when_asked(monkeypatch) -> None:
-    """A window under the deterministic flag: fa3's backward can take it (the ordered build,
-    its turn counters started at each row block's first column block), but until that build
-    has run on a GPU (bwd_configs.BWD_UNVERIFIED) dispatch pairs fa3's forward with fa2's
-    backward unless FLASHSUITE_FA3_BWD=1 asks, and says why."""
+def test_bwd_local_deterministic_is_taken(monkeypatch) -> None:
+    """A window under the deterministic flag: fa3's backward takes it (the ordered build, its
+    turn counters started at each row block's first column block), by default at a head dim
+    where that build has run on a GPU (D 64); where it has not (bwd_configs.BWD_UNVERIFIED,
+    patched here to list D 64) dispatch pairs fa3's forward with fa2's backward unless
+    FLASHSUITE_FA3_BWD=1 asks, and says why."""
     from flashsuite import dispatch
     from flashsuite.common.arch import override_arch
     from flashsuite.common.validation import check_inputs
     from flashsuite.dispatch import registry
-    from flashsuite.fa3 import interface
+    from flashsuite.fa3 import bwd_interface, interface
 
     q = torch.empty(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     p = check_inputs(q, q, q, window_size=(32, 0))
+    feature = "deterministic order and a window"
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
+    monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
     try:
         ok, reason = interface.supports_backward(p, 90)
         assert ok and "column-block order (deterministic)" in reason, reason
         assert interface._bwd_config(p, None).deterministic
-        opt_in = interface.backward_opt_in(p)
-        assert "deterministic order and a window compiled but not yet run" in opt_in, opt_in
+        assert (64, feature) not in bwd_interface.BWD_UNVERIFIED
+        assert interface.backward_opt_in(p) == ""
         with override_arch(90):
             if not (registry.available("fa3")[0] and registry.available("fa2")[0]):
                 pytest.skip("needs fa3 and fa2 importable")
-            monkeypatch.delenv("FLASHSUITE_FA3_BWD", raising=False)
+            assert dispatch.select(q, q, q, window_size=(32, 0)).backward == "fa3"
+            monkeypatch.setattr(bwd_interface, "BWD_UNVERIFIED", ((64, feature),))
+            opt_in = interface.backward_opt_in(p)
+            assert f"{feature} compiled but not yet run" in opt_in, opt_in
             assert dispatch.select(q, q, q, window_size=(32, 0)).backward == "fa2"
             monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
             assert dispatch.select(q, q, q, window_size=(32, 0)).backward == "fa3"

@@ -9,7 +9,7 @@ LSE / D / dQ rows, cu_seqlens, window scalars of the totals); and dispatch's wir
 own varlen backward by default (bwd_configs.VARLEN_BWD_AUTO), fa2's with that default off
 unless FLASHSUITE_FA3_VARLEN_BWD=1, refused under FLASHSUITE_FA3_BWD=0; under deterministic
 algorithms the ordered build (turn counters per padded row block, started at each sequence's
-first visiting column block) only when asked.
+first visiting column block).
 On an sm90 GPU: dq, dk, dv against the per-sequence float64 oracle (common.testing.compare),
 written into views of NaN-filled buffers whose guard rows must stay NaN, inputs read from views
 with NaN guard rows; lengths 0 to 1000, Lq != Lk, GQA / MQA, causal, windows, softcap, every
@@ -354,9 +354,10 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
     """version="fa3" with a gradient: fa3's own varlen backward by default (VARLEN_BWD_AUTO),
     fa2's with the default off (explain says why) unless FLASHSUITE_FA3_VARLEN_BWD=1 asks (then
     fa3's, through autograd, against the oracle), fa2's again under FLASHSUITE_FA3_BWD=0 and
-    under deterministic algorithms (the ordered build has not run on a GPU: BWD_UNVERIFIED),
-    whose ordered build FLASHSUITE_FA3_VARLEN_BWD=1 takes (its turn counters passed)."""
-    from flashsuite.fa3 import interface
+    under deterministic algorithms the ordered build, unless bwd_configs.BWD_UNVERIFIED (patched
+    here) lists it: then fa2's, unless FLASHSUITE_FA3_VARLEN_BWD=1 asks (its turn counters
+    pass the oracle)."""
+    from flashsuite.fa3 import bwd_interface, interface
 
     options = dict(causal=True)
     seen = stand_ins(options)
@@ -392,9 +393,13 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
     monkeypatch.setattr(interface, "OWN_VARLEN_BACKWARD_DEFAULT", True)
     torch.use_deterministic_algorithms(True)
     try:
+        c = choice()  # the ordered build, by default where it has run on a GPU
+        assert c.backward == "fa3" and "column-block order (deterministic)" in str(c), str(c)
+        feature = "deterministic order on packed sequences"
+        monkeypatch.setattr(bwd_interface, "BWD_UNVERIFIED", ((64, feature),))
         c = choice()
         assert c.backward == "fa2", str(c)
-        assert "deterministic order on packed sequences compiled but not yet run" in str(c)
+        assert f"{feature} compiled but not yet run" in str(c), str(c)
         monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")  # the ordered build, when asked
         c = choice()
         assert c.backward == "fa3" and "column-block order (deterministic)" in str(c), str(c)
@@ -570,14 +575,13 @@ def test_gpu_varlen_autograd_through_fa3s_own_backward(monkeypatch) -> None:
     ids=["D64-causal", "D96-window", "D128-window", "D192-causal", "D256-causal"],
 )
 def test_gpu_varlen_deterministic_backward(monkeypatch, d: int, options: dict) -> None:
-    """Under torch.use_deterministic_algorithms with FLASHSUITE_FA3_VARLEN_BWD=1 (until the
-    build has run on a GPU, bwd_configs.BWD_UNVERIFIED): fa3's ordered varlen backward
+    """Under torch.use_deterministic_algorithms: fa3's ordered varlen backward
     (asserted), five runs through dispatch bitwise equal, against the per-sequence oracle;
     empty and one-row sequences, GQA. A counter started past a row block's first column block
     hangs the kernel: the watchdog ends the process with every thread's traceback."""
     from flashsuite.common.testing import ordered_backward_runs
 
-    monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")
+    monkeypatch.delenv("FLASHSUITE_FA3_VARLEN_BWD", raising=False)
     lens_q, lens_k = [65, 1, 0, 200, 129, 300], [100, 1, 7, 64, 300, 129]
     q, k, v, cq, ck = (t.cuda() for t in _packed(lens_q, lens_k, 8, 2, d, BF16))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
