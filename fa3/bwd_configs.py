@@ -19,7 +19,8 @@ BWD_REG_SPLIT = {2: (24, 240)}
 BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # Builds (head_dim, feature) that compile spill-free and pass the CPU checks but have not yet run
 # on a GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
-# (interface.backward_opt_in), fa2's otherwise. On the H200 (commit e4c4cc5) D 96 and 192
+# (interface.backward_opt_in), fa2's otherwise. A new build's features go here until its GPU
+# tests pass. On the H200 (commit e4c4cc5) D 96 and 192
 # passed every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
 # included), D 256 the variant set; at commit 8d3abdf the deterministic builds at D 192 and 256
 # passed the variant set (7 cases each, none with a window) and those at D 96, 192
@@ -29,11 +30,10 @@ BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # each row block's first column block, bwd_host.turn_counters) at D 64, 128 and 256 were bitwise
 # equal over 5 runs and matched the oracle (tests/test_attention.py deterministic_window), and
 # the deterministic varlen builds (counters per sequence) at every head dim
-# (tests/test_fa3_varlen_bwd.py varlen_deterministic). Not yet run: the deterministic builds
-# under a window at D 96 and 192.
-BWD_UNVERIFIED: tuple[tuple[int, str], ...] = tuple(
-    (d, "deterministic order and a window") for d in (96, 192)
-)
+# (tests/test_fa3_varlen_bwd.py varlen_deterministic); at commit edeb6c2 those under a window
+# at D 96 (both edges, Nq < Nk) and 192 (a left edge) were bitwise stable over 10 runs and
+# correct (benchmarks/fa3_bwd_check.py --stability --match window). Empty.
+BWD_UNVERIFIED: tuple[tuple[int, str], ...] = ()
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
 # (FLASHSUITE_FA3_BWD=1 asks, =0 refuses). On: with bwd_config_for's config (64-row tiles at
