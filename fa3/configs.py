@@ -630,9 +630,12 @@ DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 # Paged caches on the contiguous cache's key tiles, a stage loaded as one TMA box per page
 # (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
 # run 64-key tiles otherwise (5-6 % slower than contiguous at B <= 8 on the H200, commit
-# efc1579), 16-token pages 16-key tiles. Off: compiled for sm_90a with 0 spills (pages of 16,
-# 32 and 64 tokens); on the H200 it faults (docs/inference.md), so it stays off.
-DECODE_PAGED_BOXES = False
+# efc1579), 16-token pages 16-key tiles. On: its GPU oracle cases passed on the H200, also
+# under compute-sanitizer memcheck (commit d8b8dd0), and on the decode sweep (GQA 32/8, D 128,
+# medians of 3 interleaved passes, commit edeb6c2, docs/inference.md) it took 16-token pages
+# from 0.70-1.01x the faster SDPA backend (contiguous) to 0.92-1.01x and 64-token pages from
+# 0.94-1.04x to 0.95-1.01x (B 1 x 128k 144.3 -> 141.9 us; contiguous 136.1).
+DECODE_PAGED_BOXES = True
 # K and V loaded with an L2 evict-first hint (cp.async.bulk.tensor's .L2::cache_hint with
 # CUTLASS's EVICT_FIRST policy): a decode call reads each cache block once, so its lines need
 # not displace what stays in L2 (Q, the partials, the counters). Off: on the H200 (commit

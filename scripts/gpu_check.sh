@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
-#                                                varlen-bwd kvcache kvcache-boxes
+#                                                varlen-bwd kvcache
 #                                                bwd-candidates bwd-candidates-ab
 #                                                fwd-candidates
 #                                                (default: check tests bench)
@@ -244,26 +244,6 @@ for part in $parts; do
       # fa3's split-KV decode: per-row oracle, NaN in unused cache slots and spare pages, NaN
       # guard rows around out and lse; the decode sweep beside fa2 and SDPA.
       tests_memcheck_bench kvcache tests/test_fa3_kvcache.py "gpu_decode" --decode ;;
-    kvcache-boxes)
-      # The boxed paged decode build (configs.DECODE_PAGED_BOXES, off): its oracle cases alone
-      # (a fault must not take later tests' CUDA context with it), then under memcheck, then
-      # the A/B against the shipped paged build on 64- and 16-token pages.
-      FLASHSUITE_TEST_PAGED_BOXES=1 python3 -m pytest tests/test_fa3_kvcache.py -v -rfEs \
-        -p no:cacheprovider -k "gpu_decode and paged-boxes" --junitxml "$out/kvcache-boxes.xml" \
-        2>&1 | tee "$out/kvcache-boxes.log"
-      if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-        status=1
-      else
-        FLASHSUITE_TEST_PAGED_BOXES=1 FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} \
-          timeout "${SANITIZE_TIMEOUT:-540}" "${sanitizer[@]}" --tool memcheck \
-          python3 -m pytest tests/test_fa3_kvcache.py -q -p no:cacheprovider \
-          -k "gpu_decode and paged-boxes" 2>&1 | tee "$out/kvcache-boxes-memcheck.log" \
-          || status=1
-        for page in 64 16; do
-          python3 -m benchmarks.decode_switch_ab --switch DECODE_PAGED_BOXES --page "$page" \
-            --passes 3 2>&1 | tee "$out/kvcache-boxes-ab-page$page.log" || status=1
-        done
-      fi ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \

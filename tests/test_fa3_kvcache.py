@@ -246,15 +246,17 @@ def test_split_heuristic() -> None:
 
 
 def test_paged_boxes_plan(monkeypatch) -> None:
-    """With DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles and loads a
-    stage as one box per page: the largest multiple of 16 that divides both the page and the
-    tile (0: one box a stage); without it the tiles shrink to the page."""
+    """With DECODE_PAGED_BOXES (shipped) a paged cache keeps the contiguous cache's key tiles
+    and loads a stage as one box per page: the largest multiple of 16 that divides both the
+    page and the tile (0: one box a stage); without it the tiles shrink to the page."""
     from flashsuite.fa3 import configs
     from flashsuite.fa3.decode_host import H100_SMS as sms
     from flashsuite.fa3.decode_host import plan
 
     monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
-    assert plan(_params(1, 1, 32, 8, 4096, 64, 0), sms).cfg.tile_n == 64  # off by default
+    assert configs.DECODE_PAGED_BOXES
+    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", False)
+    assert plan(_params(1, 1, 32, 8, 4096, 64, 0), sms).cfg.tile_n == 64  # tiles cut to the page
     monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", True)
     for page, box in ((16, 16), (32, 32), (48, 16), (64, 64), (96, 32), (128, 0), (256, 0)):
         got = plan(_params(1, 1, 32, 8, 768 if page == 96 else 4096, page, 0), sms)
@@ -514,15 +516,16 @@ def _case_id(c) -> str:
 
 
 @gpu_fa3
-@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas", "paged-boxes"])
+@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas", "paged-tiles"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
     only) the call runs twice: the second must give the same bits, so the kernel left its
     per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
     build two CTAs of which share an SM (configs.DECODE_TWO_CTAS_MIN_TILES), where its head
-    dim has one. "paged-boxes": the paged cases on the contiguous key tiles, one TMA box per
-    page (configs.DECODE_PAGED_BOXES)."""
+    dim has one. Paged cases run on the contiguous key tiles, one TMA box per page
+    (configs.DECODE_PAGED_BOXES, shipped); "paged-tiles": on key tiles cut to the page (the
+    switch off)."""
     from flashsuite.fa3 import configs
     from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
@@ -537,16 +540,9 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
         splits = 1
     else:
         monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
-    if build == "paged-boxes":
-        if not page or page % 128 == 0:
-            pytest.skip("a contiguous cache, or pages as large as the key tile: one box")
-        # Off (configs.DECODE_PAGED_BOXES False) until it passes on a GPU. A fault (the H200
-        # reported one at boxes that started outside the view, docs/inference.md) poisons the
-        # CUDA context of every test after it: scripts/gpu_check.sh kvcache-boxes runs these
-        # cases in a process of their own.
-        if os.environ.get("FLASHSUITE_TEST_PAGED_BOXES") != "1":
-            pytest.skip("the boxed paged build runs alone: FLASHSUITE_TEST_PAGED_BOXES=1")
-    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build == "paged-boxes")
+    if build == "paged-tiles" and (not page or page % 128 == 0):
+        pytest.skip("a contiguous cache, or pages as large as the key tile: no cut tiles")
+    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build != "paged-tiles")
     monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
