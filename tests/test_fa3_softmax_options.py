@@ -129,11 +129,23 @@ def _agree_with_the_table_build(d: int, fp8: bool, causal: bool, base: dict, opt
     assert (lse_ok | (lse.isinf() & (lse_o == lse))).all(), (lse_o - lse).abs().max()
 
 
+# e4m3 at D = 256: on the H200 the causal case below fails (commit d836f76: max difference
+# 1.0e-3), and the same problem non-causal (commit edeb6c2) has 786 of 1.4M outputs more than
+# 2 bf16 ulps of their own value from the table build's, at most 9.8e-4 where the row's
+# largest |out| is 0.14 (one ulp of it); the LSE agrees to 4e-6. P·V's fp8 wgmma adds into O
+# with fewer bits than float32 (common.testing's FP8_ACC_BITS), so O's rounding follows its
+# scale, not each element's, and a factor a few ulps from 1 moves it by more than the
+# element's own rounding. 16-bit and e4m3 D = 128 pass.
+_SKIP_UNIT_FP8_D256 = pytest.mark.xfail(
+    strict=True, reason="e4m3 D 256: fp8 wgmma's coarse accumulation of O (see above)"
+)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("d", "fp8", "causal"),
     [(64, False, False), (128, False, False), (128, False, True), (128, True, False),
-     (256, True, True)],
+     pytest.param(256, True, True, marks=_SKIP_UNIT_FP8_D256)],
     ids=lambda x: str(x),
 )  # fmt: skip
 def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal: bool) -> None:
@@ -141,7 +153,7 @@ def test_gpu_skip_unit_rescale_matches_the_table_build(d: int, fp8: bool, causal
     max, whose rescale is exactly 1.0; the table build multiplies O there by exp2 of the
     rounding residual of max * scale_log2 - max * scale_log2 (ptxas contracts the pair into an
     FFMA), a factor within a few float32 ulps of 1. So out and LSE agree with the table
-    build's (without its rescale threshold) to within rounding."""
+    build's (without its rescale threshold) to within rounding, except in e4m3 at D = 256."""
     _agree_with_the_table_build(
         d, fp8, causal, {"rescale_threshold": 0}, {"skip_unit_rescale": True}
     )
@@ -158,13 +170,16 @@ def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -
     the max is the same in any order, so P is bit for bit the table build's, and only the
     row sum's rounding order differs: out and LSE agree with the in-place table build's to
     within rounding."""
-    _agree_with_the_table_build(d, fp8, causal, {"softmax_apart": False}, {"row_chains": True})
+    base = {"softmax_apart": False, "row_chains": False}
+    _agree_with_the_table_build(d, fp8, causal, base, {"row_chains": True})
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:
     """rescale_threshold 8 ships for 16-bit D = 256 alone (its measurement and GPU oracle cases,
-    configs._tiles); the fp8 table rescales every block (with the threshold its oracle rule
-    failed 6 of 142 cases) and takes none of the options not yet run on a GPU."""
+    configs._tiles); the fp8 table rescales O when a row's max grows by more than 1 bit, with
+    the row max and sum in four chains, at non-causal D = 128 and 256 (configs._FP8_SOFTMAX:
+    its 142 oracle cases and its timing; 8 bits failed 6 of them), every block elsewhere, and
+    takes none of the other options."""
     import torch
 
     from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config, varlen_config
@@ -182,6 +197,7 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
                     cfg = get_config(d, FP8_DTYPE, causal, n)
                 except ValueError:  # a head dim without an fp8 entry
                     continue
-                assert cfg.rescale_threshold == 0, (d, causal, n)
+                fp8_softmax = d in (128, 256) and not causal
+                assert cfg.rescale_threshold == (1 if fp8_softmax else 0), (d, causal, n)
                 assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
-                assert not cfg.row_chains, (d, causal, n)
+                assert cfg.row_chains == fp8_softmax, (d, causal, n)

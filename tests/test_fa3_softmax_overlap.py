@@ -155,20 +155,22 @@ def test_permuted_v_keys_drop_the_fp8_quad_exchange() -> None:
 
 def test_row_chains_split_the_in_place_row_max_and_sum() -> None:
     """fp8 D = 128 (192-key blocks: 48 scores of each of a thread's two rows) softmaxes in
-    place, each row's max one chain of 48 FMNMX (plus the two after the quad's shuffles) and
-    its sum one of 48 FADD; with row_chains four chains each, a quarter as deep, and the same
-    exponentials, shuffles and multiplies; spill-free."""
+    place; without row_chains each row's max is one chain of 48 FMNMX (plus the two after the
+    quad's shuffles) and its sum one of 49 FADD (the running sum's, with the table's
+    rescale_threshold 1); with them (shipped, configs._FP8_SOFTMAX)
+    four chains each, a quarter as deep, and the same exponentials, shuffles and multiplies;
+    spill-free."""
     with ThreadPoolExecutor(2) as pool:
         table, chains = pool.map(
             lambda f: f(),
             [
+                lambda: _windows("row_chains=0", head_dim=128, causal=False, fp8=True),
                 lambda: _windows(head_dim=128, causal=False, fp8=True),
-                lambda: _windows("row_chains=1", head_dim=128, causal=False, fp8=True),
             ],
         )
     assert not table["config"]["row_chains"] and chains["config"]["row_chains"]
-    assert table["chains"] == {"fmnmx": 50, "fadd": 48}, table["chains"]
-    assert chains["chains"]["fmnmx"] <= 16 and chains["chains"]["fadd"] <= 13, chains["chains"]
+    assert table["chains"] == {"fmnmx": 50, "fadd": 49}, table["chains"]
+    assert chains["chains"]["fmnmx"] <= 16 and chains["chains"]["fadd"] <= 14, chains["chains"]
     assert chains["counts"] == table["counts"], (chains["counts"], table["counts"])
     for r in (table, chains):
         assert r["spill_stores"] == 0 and not r["remarks"], r

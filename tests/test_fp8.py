@@ -205,6 +205,43 @@ def test_fa3_fp8_v_routes(case: tuple, build: str) -> None:
         assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("growth", [0.05, 0.7, 3.0], ids=lambda g: f"grow{g}")
+@pytest.mark.parametrize("d", [128, 256])
+def test_fa3_fp8_threshold_while_the_max_grows(d: int, growth: float) -> None:
+    """The fp8 table at non-causal D = 128 / 256 keeps a row's max while a block raises it by at
+    most 1 bit (rescale_threshold 1): scores whose row max grows by about `growth` bits per
+    key block in the order the kernel visits them (the last block first, rising towards key
+    0). 0.05 keeps the first block's max for the whole row (P climbs towards 2), 0.7 keeps it
+    for a block and then rescales, 3 rescales every block. Out and LSE within the e4m3
+    baseline's rule."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
+
+    b, nq, nk, hq, hkv = 1, 300, 1500, 4, 2
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    u = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=gen), dim=0)
+    amp = 4.0  # q's component along u
+    q = torch.randn(b, nq, hq, d, device="cuda", generator=gen) + amp * u
+    tile_n = get_config(d, FP8_DTYPE, False, nk).tile_n
+    # Key j's component along u falls with j: the scores (scale D^-1/2, log2 e) grow by
+    # `growth` bits per tile_n keys from the last key to the first.
+    per_key = growth / (tile_n * amp * d**-0.5 * 1.4426950408889634)
+    ramp = per_key * torch.arange(nk - 1, -1, -1, device="cuda", dtype=torch.float32)
+    k = torch.randn(b, nk, hkv, d, device="cuda", generator=gen) + ramp[None, :, None, None] * u
+    v = torch.randn(b, nk, hkv, d, device="cuda", generator=gen)
+    (q8, ds_q), (k8, ds_k), (v8, ds_v) = (
+        quantize_e4m3(q, group=hq // hkv), quantize_e4m3(k), quantize_e4m3(v)
+    )  # fmt: skip
+    ds = (ds_q, ds_k, ds_v)
+    cfg = config_for(check_inputs(q8, k8, v8))
+    assert (cfg.rescale_threshold, cfg.row_chains) == (1, True), cfg
+    kwargs = dict(descale_q=ds_q, descale_k=ds_k, descale_v=ds_v)
+    out, lse = dispatch.attention(q8, k8, v8, return_lse=True, version="fa3", **kwargs)
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, False, fa3=True)
+
+
 @pytest.mark.parametrize("case", [c for c in FP8_CASES if not c[-1]], ids=lambda c: f"d{c[5]}")
 def test_running_max_emulation_is_within_the_baseline(case: tuple) -> None:
     """fa3's fp8 numerics emulated in PyTorch (benchmarks/fp8_emulation.py: P rounded to e4m3
