@@ -230,9 +230,9 @@ def test_deterministic_refuses_fa3s_own_unordered_backward(monkeypatch) -> None:
 
 def test_varlen_deterministic_refuses_fa3s_own_unordered_backward() -> None:
     """flash_attn_varlen_func(deterministic=True) where fa3's own varlen backward would run
-    (its default pairing on sm90; it adds dQ in arrival order and has no ordered build):
-    refused with the way out, as the dense call; under torch.use_deterministic_algorithms its
-    problems go to fa2's varlen backward and the check passes. Planned for sm90 on a CPU."""
+    (its default pairing on sm90; it adds dQ in arrival order): refused with the way out, as
+    the dense call; under torch.use_deterministic_algorithms its problems go to fa3's ordered
+    varlen build and the check passes. Planned for sm90 on a CPU."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, cu_q, cu_k, mq, mk = _packed(gen, [5, 17, 9], [11, 17, 4])
     args = (q, k, v, cu_q, cu_k, mq, mk)
@@ -245,7 +245,8 @@ def test_varlen_deterministic_refuses_fa3s_own_unordered_backward() -> None:
             dispatch.flash_attn_varlen_func(*args, deterministic=True)
         torch.use_deterministic_algorithms(True)
         try:
-            assert dispatch.select_varlen(*args).backward == "fa2"
+            choice = dispatch.select_varlen(*args)
+            assert choice.backward == "fa3" and "(deterministic)" in str(choice), str(choice)
             select = lambda: dispatch.select_varlen(*args)
             flash_attn._check_deterministic(True, q, k, v, select)
         finally:
