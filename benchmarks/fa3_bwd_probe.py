@@ -186,8 +186,6 @@ def probe_backward(
     counts["sem_release"] = len(re.findall(SEM_RELEASE, ptx))
     counts["fence_async_global"] = len(re.findall(r"fence\.proxy\.async\.global", ptx))
     counts["tanh"] = len(re.findall(TANH, ptx))
-    counts["count_atom"] = len(re.findall(r"\batom\.acq_rel\.gpu\.global\.add\.s32\b", ptx))
-    counts["ld_cg_v4"] = len(re.findall(r"\bld\.global\.cg\.v4\.f32\b", ptx))
     counts["griddep_wait"] = len(re.findall(r"\bgriddepcontrol\.wait\b", ptx))
     counts["griddep_launch"] = len(re.findall(r"\bgriddepcontrol\.launch_dependents\b", ptx))
     counts["mul_f32"] = len(re.findall(MUL_F32, ptx))

@@ -1,15 +1,12 @@
-"""Repeat fa3's backward with a launch or dQ mechanism (`--suffix`) against the shipped config
+"""Repeat fa3's backward with a launch mechanism (`--suffix`) against the shipped config
 without it, on the GPU, looking for a read that runs ahead of what it depends on.
 
     python3 -m benchmarks.fa3_bwd_stress --suffix _pdl --repeats 50   # BwdConfig.pdl
-    python3 -m benchmarks.fa3_bwd_stress --suffix _dqc --repeats 50   # BwdConfig.dq_convert
 
 `_pdl`: the main kernel may start while the preprocess still writes LSE, D and the zeroed dQ
 accumulator, and the postprocess while the main kernel still adds dQ; each waits
-(griddepcontrol.wait) before it reads them. `_dqc`: the CTA that completes a row block's count
-of bulk adds converts it, through a queue to the producer's idle warps; a count or a queue step
-in the wrong place converts a row block before every add is in, or never. Either shows as a run
-whose result differs from the plain build's: dK and dV are summed in registers in a fixed order,
+(griddepcontrol.wait) before it reads them. A wait in the wrong place shows as a run whose
+result differs from the plain build's: dK and dV are summed in registers in a fixed order,
 so they must match bit for bit in every repeat; dQ is added by bulk reductions in whatever order
 the column blocks arrive, so it must match within the spread of the plain build's own repeats
 (a race on the accumulator or a lost row block gives errors of the size of dQ itself). Small
@@ -64,7 +61,7 @@ def stress(name: str, suffix: str, case: Case, repeats: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--suffix", default="_pdl", help="variant name suffix: _pdl or _dqc")
+    ap.add_argument("--suffix", default="_pdl", help="variant name suffix: _pdl")
     ap.add_argument("--repeats", type=int, default=50)
     args = ap.parse_args(argv)
     if args.repeats < 1:

@@ -24,10 +24,9 @@ block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tm
 pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
 benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). The "_pdl" variants are
 shipped configs whose three launches (preprocess, kernel, dQ postprocess) are programmatic
-dependents of the one before (BwdConfig.pdl); the "_dqc" ones convert dQ in the kernel, without the
-postprocess launch (BwdConfig.dq_convert). (The "bulk" dQ mode, per-row
-bulk reduces issued by MMA warp 0, and the "dv_early" order were measured and removed:
-docs/results.md.)
+dependents of the one before (BwdConfig.pdl). (The "bulk" dQ mode, per-row bulk reduces issued
+by MMA warp 0, the "dv_early" order and "dq_convert", dQ converted in the kernel without the
+postprocess launch, were measured and removed: docs/results.md.)
 """
 
 from __future__ import annotations
@@ -278,13 +277,6 @@ VARIANTS.update(
         for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
     }
 )
-# dQ converted in the kernel, no postprocess launch (BwdConfig.dq_convert), D = 64 / 96 / 128.
-VARIANTS.update(
-    {
-        f"{name}_dqc": (replace(VARIANTS[name][0], dq_convert=True), f"{name} with dq_convert")
-        for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
-    }
-)
 
 # The "dkv_t" layout (D = 192 and 256; bwd_configs._bwd_wide_config): S not transposed, P and dS
 # through smem, dK^T / dV^T with D on wgmma's M, a 2-stage Q ring and a 1-stage dO ring.
@@ -414,9 +406,6 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe80_wgs_wgdq_tma_pdl": (128,),
     "pipe_sec4_wgdq_tma_pdl": (96, 128),
     "pipe128_dqm_tma_pdl": (64,),
-    "pipe80_wgs_wgdq_tma_dqc": (128,),
-    "pipe_sec4_wgdq_tma_dqc": (96, 128),
-    "pipe128_dqm_tma_dqc": (64,),
     "pipe80_wgs_ng_tma": (128,),
     "pipe80_wgs_sout_ng_tma": (128,),
     "pipe_wgs": (96, 128),
@@ -467,7 +456,6 @@ NON_CAUSAL = (
     "pipe80_wgs",
     "pipe80_wgs_wgdq_tma",
     "pipe80_wgs_wgdq_tma_pdl",
-    "pipe80_wgs_wgdq_tma_dqc",
     "pipe80_wgs_ng_tma",
     "pipe80_wgs_sout_ng_tma",
 )

@@ -190,17 +190,6 @@ class BwdConfig:
     # (griddepcontrol.launch_dependents) once its own wait has returned, so this kernel's
     # early K / V loads never run ahead of whatever produced them.
     pdl: bool = False
-    # dQ converted in the kernel, without the postprocess launch: the writer warp counts, per
-    # (batch, query head, row block), the column blocks whose dQ adds have completed (an int32
-    # counter, atom.acq_rel.gpu after its bulk reduce is complete); the CTA that brings a row
-    # block's count to the number of column blocks that visit it has every add in and converts
-    # that block of the float32 accumulator (read back from L2, stored as dQ in the input
-    # dtype): the producer warpgroup's idle warps 2 and 3 while the loop runs, through a
-    # shared-memory queue, and the MMA warpgroups a CTA's last two row blocks after it (bwd_dq).
-    # "sdp_t" with dq_mode "warp", dq_handoff "cta" or "wg" and overlap; dense problems without a
-    # window or deterministic order, and causal ones only when Nq <= Nk (every row block is
-    # visited; the host takes the postprocess otherwise).
-    dq_convert: bool = False
 
 
 BWD_DQ_MODES = ("atomic", "warp", "red")
@@ -307,10 +296,6 @@ def bwd_smem_bytes(cfg: BwdConfig, head_dim: int, elem_bytes: int = 2) -> int:
     do_stages = cfg.do_stages or cfg.stages
     dkv_t = cfg.layout == "dkv_t"
     mbar = 8 * (2 + 2 * cfg.stages + (2 * do_stages if dkv_t else 0))
-    # dq_convert's words (bwd_kernel's storage: two report slots, five 64-bit addresses, the
-    # 4-entry queue and its three counters). Every build's struct holds them, in the padding
-    # before sLSE (stages <= 2) or before the 1 KiB-aligned sQ, so only these builds count them.
-    mbar += 76 if cfg.dq_convert else 0
     rows = stats_stage_rows(cfg.tile_m)
     stats = _align(rows * cfg.stages * 4, 128) + _align(rows * do_stages * 4, 128)
     q = cfg.tile_m * head_dim * elem_bytes * cfg.stages
@@ -580,19 +565,6 @@ def bwd_can_implement(
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
         return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
-    if cfg.dq_convert and not (
-        cfg.layout == "sdp_t"
-        and cfg.dq_mode == "warp"
-        and cfg.dq_handoff in ("cta", "wg")
-        and cfg.overlap
-        and not cfg.deterministic
-        and not local
-        and not varlen
-    ):
-        return False, (
-            "fa3 backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'cta' or "
-            "'wg', overlap, no deterministic order and a dense problem without a window"
-        )
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

@@ -1,29 +1,21 @@
 """How the fa3 backward's dQ reaches the float32 accumulator in global memory (the
 `BwdConfig.dq_mode`, `dq_handoff` and `deterministic` mechanisms of `bwd_kernel.Fa3Backward`,
-which mixes `BwdDq` in), how `dq_convert` turns the accumulator into dQ inside the kernel, and
-the named barriers of the backward's warps."""
+which mixes `BwdDq` in), and the named barriers of the backward's warps."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import enum
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from flashsuite.fa3.bwd_configs import dq_tile_modes
 from flashsuite.fa3.utils import (
-    atom_add_acq_rel_gpu_s32,
     bulk_reduce_add_f32,
-    ld_acquire_cta_shared_s32,
     ld_acquire_gpu_s32,
-    ld_cg_v4_f32_at,
-    nanosleep,
-    opaque_tid_x,
     red_release_gpu_add_s32,
-    st_global_16_at,
-    st_release_cta_shared_s32,
     turn_pass,
     turn_wait,
 )
@@ -41,16 +33,6 @@ class Barrier(enum.IntEnum):
     # dq_handoff "wg": DQ_FULL and DQ_EMPTY per MMA warpgroup g (ids + g), 128 + 32 threads.
     DQ_FULL_WG = 9
     DQ_EMPTY_WG = 11
-    # dq_convert: the writer has reported the last row block (MMA threads wait, writer arrives).
-    DQ_REPORTED = 13
-    DQ_CONVERTERS = 14  # dq_convert: producer warps 2 and 3 are done with a queued row block
-
-
-# dq_convert: the row blocks the writer queues for the converter warps (shared-memory ring).
-DQ_RING = 4
-# The queue's words after the ring: how many row blocks were queued, how many converted, and
-# whether the writer is done queueing.
-QUEUED, CONVERTED, DONE = 0, 1, 2
 
 
 def dq_tile_layout(
@@ -191,7 +173,6 @@ class BwdDq:
         seqlen_q: Int32,
         seqlen_k: Int32,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: cta's dq_conv_s (bwd_kernel)
     ):
         """Warp 1 of the producer warpgroup, "warp" dq_mode: per row block, wait for the MMA
         threads' tile (DQ_FULL), add it to its TILE_M x D block of the (B, Hq, Nq_pad, D)
@@ -208,12 +189,8 @@ class BwdDq:
         n = self.MMA_THREADS + 32
         lane = cute.arch.lane_idx()
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        blocks = (m_block_min, n_m, n_iter)
-        counts = None  # dq_convert: what `report_dq` needs to count a row block's adds
-        if const_expr(self.DQ_CONVERT):
-            counts = (dq_conv, (seqlen_k + self.TILE_N - 1) // self.TILE_N, seqlen_k - seqlen_q)
         if const_expr(self.DQ_HANDOFF_WG):
-            self.write_dq_chunks(sdQ, mdQacc, blocks, head_kv, rows, group, counts)
+            self.write_dq_chunks(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif const_expr(self.DQ_HANDOFF_TURN):
             self.write_dq_turns(sdQ, mdQacc, (m_block_min, n_m, n_iter), head_kv, rows, group)
         elif n_iter > 0:
@@ -244,18 +221,13 @@ class BwdDq:
                 cute.arch.sync_warp()
                 if i < n_iter - 1:
                     cute.arch.barrier_arrive(barrier_id=int(Barrier.DQ_EMPTY), number_of_threads=n)
-                if const_expr(counts is not None):  # noqa: SIM102 (trace time, then runtime)
-                    if i > 0:  # row block i - 1's group: all but this row block's one
-                        self.report_dq(counts, i - 1, 1, blocks, head_kv, rows, group)
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-            if const_expr(counts is not None):
-                self.finish_reports(counts, blocks, head_kv, rows, group)
 
     @cute.jit
     def write_dq_chunks(
         self, sdQ: cute.Tensor, mdQacc: cute.Tensor, blocks: tuple, head_kv: Int32, rows,
-        group: Int32, counts: tuple | None = None,
+        group: Int32,
     ):  # fmt: skip
         """`write_dq` with dq_handoff "wg": per row block, for each MMA warpgroup g in turn,
         wait for its chunk (DQ_FULL_WG + g) and add it (TILE_M x D / G floats, contiguous in
@@ -264,11 +236,7 @@ class BwdDq:
         complete in order: wait_group G - 1 - g), given at the top of the next row block. The
         first arrivals come before the loop and none after the last row block, so every
         arrive meets one wait of its warpgroup. `blocks`: `row_blocks`' (m_block_min, n_m,
-        n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd).
-
-        dq_convert (`counts` = (dq_conv, n_blocks, shift)): once row block i's
-        chunks are issued, row block i - 1's adds are waited for and counted (`report_dq`);
-        after the loop the last one's, then DQ_REPORTED."""
+        n_iter); `rows`: the column block's sequence (bwd_varlen.DenseRowsBwd / SeqRowsBwd)."""
         n, num_wgs = 128 + 32, self.NUM_MMA_WGS
         chunk = self.TILE_M * self.HEAD_DIM // num_wgs
         lane = cute.arch.lane_idx()
@@ -295,28 +263,8 @@ class BwdDq:
                         bulk_reduce_add_f32(gdq + g * chunk, sdQ.iterator + g * chunk, chunk * 4)
                         cute.arch.cp_async_bulk_commit_group()
                     cute.arch.sync_warp()
-                if const_expr(counts is not None):  # noqa: SIM102 (trace time, then runtime)
-                    if i > 0:  # row block i - 1's groups: all but this row block's num_wgs
-                        self.report_dq(counts, i - 1, num_wgs, blocks, head_kv, rows, group)
             if lane == 0:  # the last adds complete before the CTA exits
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-            if const_expr(counts is not None):
-                self.finish_reports(counts, blocks, head_kv, rows, group)
-
-    @cute.jit
-    def finish_reports(self, counts: tuple, blocks: tuple, head_kv: Int32, rows, group: Int32):
-        """dq_convert, writer warp after its loop (every add complete): report the last row
-        block, tell the converter warps that nothing more comes (DONE) and the MMA threads
-        that both slots are written (DQ_REPORTED)."""
-        _, n_m, _ = blocks
-        # n_m * group - 1 (= n_iter - 1) from values the loop keeps: in the writer's 24
-        # registers n_iter itself would be spilled across the loop.
-        self.report_dq(counts, n_m * group - 1, -1, blocks, head_kv, rows, group)
-        if cute.arch.lane_idx() == 0:
-            st_release_cta_shared_s32(counts[0][5].iterator + DONE, Int32(1))
-        cute.arch.barrier_arrive(
-            barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
-        )
 
     @cute.jit
     def write_dq_turns(
@@ -351,203 +299,6 @@ class BwdDq:
                 cute.arch.sync_warp()
         if lane == 0:  # the last adds complete before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0, read=False)
-
-    @cute.jit
-    def report_dq(
-        self, counts: tuple, j: Int32, pending: cutlass.Constexpr[int], blocks: tuple,
-        head_kv: Int32, rows, group: Int32,
-    ):  # fmt: skip
-        """dq_convert, writer warp: once row block j's bulk adds are complete (wait_group
-        `pending`, not only read; -1: already waited for), count them into the (batch, head,
-        row block) counter (atom.acq_rel.gpu, after a proxy fence for the async-proxy writes).
-        If that made every column block that visits the row block (`dq_adds`) done, this CTA
-        converts it: all but the last two row blocks go into the converter warps' ring (head
-        and row block packed in one word; the writer waits while the ring is full) and are
-        published by a release of the queued count; the last two go to slot j % 2 (j, or -1
-        when another CTA converts), which the MMA threads read after DQ_REPORTED."""
-        (_, mCount, slots, _, ring, queue), n_blocks, shift = counts
-        m_block_min, n_m, _ = blocks
-        if cute.arch.lane_idx() == 0:
-            if const_expr(pending >= 0):
-                cute.arch.cp_async_bulk_wait_group(pending, read=False)
-            cute.arch.fence_proxy("async.global")
-            head, m_block = self.row_block(j, m_block_min, n_m, head_kv, group)
-            ptr = mCount.iterator + cute.crd2idx((rows.batch, head, m_block), mCount.layout)
-            old = atom_add_acq_rel_gpu_s32(ptr, Int32(1))
-            last = old == self.dq_adds(m_block, n_blocks, shift) - 1
-            if j < n_m * group - 2:  # to the converter warps, through the ring
-                if last:
-                    queued = ld_acquire_cta_shared_s32(queue.iterator + QUEUED)
-                    while queued - ld_acquire_cta_shared_s32(queue.iterator + CONVERTED) >= DQ_RING:
-                        nanosleep(128)  # the ring is full: its oldest row block is not done
-                    # head < 2^15 and m_block < 2^16: the host's limits for dq_convert
-                    ring[queued % DQ_RING] = head * 65536 + m_block
-                    st_release_cta_shared_s32(queue.iterator + QUEUED, queued + 1)
-            else:  # the last two: to the MMA threads after their loop
-                slots[j % 2] = j if last else Int32(-1)
-        cute.arch.sync_warp()
-
-    @cute.jit
-    def dq_adds(self, m_block: Int32, n_blocks: Int32, shift: Int32) -> Int32:
-        """How many column blocks add into row block m_block of a head: all of them, or
-        (causal, shift = Nk - Nq >= 0) those n with n TILE_N - shift < (m_block + 1) TILE_M,
-        the blocks whose first visible row (`row_blocks`) is in or before it."""
-        adds = n_blocks
-        if const_expr(self.CAUSAL):
-            reach = (m_block + 1) * self.TILE_M + shift
-            adds = cutlass.min(n_blocks, (reach + self.TILE_N - 1) // self.TILE_N)
-        return adds
-
-    @cute.jit
-    def dq_addresses(self, dq_conv: tuple, mdQacc: cute.Tensor, rows):
-        """dq_convert, one MMA thread before the row-block loop: what `convert_dq` addresses
-        by, as 64-bit byte values in shared memory (the dq_addr words): dQ[batch, 0, 0, 0], its
-        row and head strides, the accumulator's [batch, 0, 0, 0] and its head stride. Read
-        back where a conversion runs, so the loop keeps none of them in registers."""
-        mdQ, addr = dq_conv[0], dq_conv[3]
-        b = rows.batch
-        esize = self.dtype.width // 8
-        q0 = cute.crd2idx((0, 0, 0, b), mdQ.layout)  # mdQ is (Nq, D, Hq, B)
-        addr[0] = (mdQ.iterator + q0).toint()
-        addr[1] = Int64(cute.crd2idx((1, 0, 0, b), mdQ.layout) - q0) * esize
-        addr[2] = Int64(cute.crd2idx((0, 0, 1, b), mdQ.layout) - q0) * esize
-        a0 = cute.crd2idx((b, 0, 0, 0), mdQacc.layout)  # (B, Hq, Nq_pad, D)
-        addr[3] = (mdQacc.iterator + a0).toint()
-        addr[4] = Int64(cute.crd2idx((b, 1, 0, 0), mdQacc.layout) - a0) * 4
-
-    @cute.jit
-    def convert_queue(
-        self, dq_conv: tuple, n_block: Int32, head_kv: Int32, rows, group: Int32,
-        seqlen_q: Int32, seqlen_k: Int32, win: tuple | None, scale: Float32,
-    ):  # fmt: skip
-        """dq_convert, producer warps 2 and 3 (otherwise idle): convert the row blocks the
-        writer queues (`report_dq`: every row block but the last two, whose count this CTA
-        completed), in queue order, while the MMA warpgroups run on. Poll the queue (acquire
-        at CTA scope, nanosleep between polls), convert the next row block with the 64 threads
-        (`convert_rows`), meet at DQ_CONVERTERS, count it converted (release); stop once the
-        writer is done and nothing is left."""
-        _, _, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        _, _, _, addr, ring, queue = dq_conv
-        tid = cute.arch.thread_idx()[0] - 64  # 0 .. 63
-        if n_iter > 2:  # the last two row blocks never go through the queue
-            k = Int32(0)
-            go = cutlass.Boolean(True)
-            while go:
-                done = ld_acquire_cta_shared_s32(queue.iterator + DONE)  # before QUEUED: then
-                queued = ld_acquire_cta_shared_s32(queue.iterator + QUEUED)  # QUEUED is final
-                if queued > k:
-                    entry = ring[k % DQ_RING]  # head * 2^16 + m_block
-                    self.convert_rows(addr, entry >> 16, entry & 0xFFFF, seqlen_q, scale, tid, 64)
-                    cute.arch.barrier(barrier_id=int(Barrier.DQ_CONVERTERS), number_of_threads=64)
-                    k = k + 1
-                    if tid == 0:
-                        st_release_cta_shared_s32(queue.iterator + CONVERTED, k)
-                elif done == 1:
-                    go = cutlass.Boolean(False)
-                else:
-                    nanosleep(256)
-
-    @cute.jit
-    def conversion_bases(self, addr: cute.Tensor, head: Int32, m_block: Int32) -> tuple:
-        """(row0, dQ's byte address of (row0, column 0), dQ's row stride in bytes, the
-        accumulator tile's byte address) of row block m_block of `head`, from `dq_addresses`'
-        words; row0 = m_block * TILE_M."""
-        dq_row = addr[1]
-        row0 = m_block * self.TILE_M
-        dq_base = addr[0] + Int64(head) * addr[2] + Int64(row0) * dq_row
-        tile_base = addr[3] + Int64(head) * addr[4] + Int64(row0) * (self.HEAD_DIM * 4)
-        return row0, dq_base, dq_row, tile_base
-
-    @cute.jit
-    def store_dq(
-        self, v: Float32, row: Int32, col: Int32, base: tuple, seqlen_q: Int32, scale: Float32
-    ):
-        """One dQ value of a converted row block to dQ[row0 + row, col] in the input dtype
-        (times the softmax scale with SCALE_OUT), unless that row is past seqlen_q; `base`:
-        `conversion_bases`' (row0, dQ address, row stride)."""
-        row0, dq_base, dq_row = base
-        if const_expr(self.SCALE_OUT):
-            v = v * scale
-        if row0 + row < seqlen_q:
-            addr = dq_base + Int64(row) * dq_row + col * (self.dtype.width // 8)
-            st_global_16_at(addr, v, self.dtype is cutlass.BFloat16)
-
-    @cute.jit
-    def convert_rows(
-        self, addr: cute.Tensor, head: Int32, m_block: Int32, seqlen_q: Int32, scale: Float32,
-        tid: Int32, threads: cutlass.Constexpr[int],
-    ):  # fmt: skip
-        """`convert_dq` for threads that hold no dQ fragment: the row block's TILE_M * D floats
-        in 16-byte chunks, chunk c to thread c % threads (a warp reads 512 contiguous bytes), each
-        float's (row, column) from the tile layout's inverse (row + TILE_M * column),
-        CONVERT_INFLIGHT chunks in flight at a time (what the producer warpgroup's 24 registers
-        hold without spilling: two at 64 and 80 rows, where four spill 92-188 bytes; one at
-        128 rows)."""
-        tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
-        inv = cute.right_inverse(tile)  # tile offset -> row + TILE_M * column
-        row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
-        inflight = self.CONVERT_INFLIGHT  # chunks loaded before the first of their stores
-        for i in cutlass.range(self.TILE_M * self.HEAD_DIM // 4 // threads // inflight, unroll=1):
-            xs = [
-                ld_cg_v4_f32_at(tile_base + Int64(tid + (inflight * i + u) * threads) * 16)
-                for u in range(inflight)
-            ]
-            for u in cutlass.range_constexpr(inflight):
-                c = tid + (inflight * i + u) * threads
-                for e in cutlass.range_constexpr(4):
-                    idx = cute.crd2idx(4 * c + e, inv)
-                    row, col = idx % self.TILE_M, idx // self.TILE_M
-                    self.store_dq(xs[u][e], row, col, (row0, dq_base, dq_row), seqlen_q, scale)
-
-    @cute.jit
-    def convert_reported(
-        self, mma_dq: cute.TiledMma, dq_conv: tuple, j: Int32, blocks: tuple, head_kv: Int32,
-        group: Int32, seqlen_q: Int32, scale: Float32,
-    ):  # fmt: skip
-        """dq_convert, MMA threads: if the writer reported row block j as this CTA's to convert
-        (slot j % 2 holds j), convert it (`convert_dq`)."""
-        slots = dq_conv[2]
-        if slots[j % 2] == j:
-            m_block_min, n_m, _ = blocks
-            head, m_block = self.row_block(j, m_block_min, n_m, head_kv, group)
-            self.convert_dq(mma_dq, dq_conv[3], head, m_block, seqlen_q, scale)
-
-    @cute.jit
-    def convert_dq(
-        self, mma_dq: cute.TiledMma, addr: cute.Tensor, head: Int32, m_block: Int32,
-        seqlen_q: Int32, scale: Float32,
-    ):  # fmt: skip
-        """One row block of the float32 accumulator, every column block's adds complete, to dQ
-        (B, Nq, Hq, D) in the input dtype (times the softmax scale with SCALE_OUT): each MMA
-        thread reads back the places its own dQ fragment was added to (dq_tile_layout: 16
-        contiguous bytes per 4 registers, through L2, since other SMs added them), CONVERT_TRIPS
-        batches of loads each issued before its first store, and stores each value to its
-        (row, column) with one 16-bit store, rows past seqlen_q skipped. Addresses come from
-        `dq_addresses`' words and the thread index is read afresh (`opaque_tid_x`), so the
-        row-block loop around this rarely taken branch keeps none of it in registers."""
-        thr_dq = mma_dq.get_slice(opaque_tid_x() - 128)  # the MMA threads are 128 and up
-        tile = dq_tile_layout(self.TILE_M, self.HEAD_DIM, self.NUM_MMA_WGS, self.DQ_SPLIT)
-        if const_expr(self.DQ_SPLIT == "dt"):  # the fragment holds dQ^T: (column, row) pairs
-            crd = thr_dq.partition_C(cute.make_identity_tensor((self.HEAD_DIM, self.TILE_M)))
-        else:
-            crd = thr_dq.partition_C(cute.make_identity_tensor((self.TILE_M, self.HEAD_DIM)))
-        row0, dq_base, dq_row, tile_base = self.conversion_bases(addr, head, m_block)
-        per_trip = cute.size(crd) // 4 // self.CONVERT_TRIPS
-        for t in cutlass.range_constexpr(self.CONVERT_TRIPS):
-            coords = []  # per 16-byte group, the (row, column) of its four values
-            loaded = []
-            for q in cutlass.range_constexpr(t * per_trip, (t + 1) * per_trip):
-                quad = []
-                for k in cutlass.range_constexpr(4):
-                    a, b = crd[4 * q + k]
-                    quad.append((b, a) if const_expr(self.DQ_SPLIT == "dt") else (a, b))
-                coords.append(quad)
-                offset = cute.crd2idx(quad[0], tile) * 4
-                loaded.append(ld_cg_v4_f32_at(tile_base + offset))
-            for q in cutlass.range_constexpr(per_trip):
-                for k in cutlass.range_constexpr(4):
-                    row, col = coords[q][k]
-                    self.store_dq(loaded[q][k], row, col, (row0, dq_base, dq_row), seqlen_q, scale)
 
     @cute.jit
     def add_dq_in_order(

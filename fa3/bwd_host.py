@@ -29,7 +29,6 @@ first imported (set `CUTE_DSL_ARCH=sm_90a` before the first compile on a machine
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -109,13 +108,7 @@ def _fake_inputs(key: BwdCompileKey) -> tuple:
         sem = cute.runtime.make_fake_compact_tensor(
             cutlass.Int32, (b, hq, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
         )
-    dq_conv = None  # dq_convert: dQ (B, Nq, Hq, D) and the row blocks' add counters
-    if key.cfg.dq_convert:
-        counts = cute.runtime.make_fake_compact_tensor(
-            cutlass.Int32, (b, hq, cute.sym_int()), stride_order=(2, 1, 0), assumed_align=4
-        )
-        dq_conv = (compact(dt, nq, hq), counts)
-    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem, dq_conv
+    return q, k, v, do, stats(), stats(), dq_acc, dk, dv, sem
 
 
 def _fake_varlen_inputs(key: BwdCompileKey) -> tuple:
@@ -175,11 +168,10 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
         varlen=key.varlen,
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
-    dq_conv = None
     if key.varlen:
         *tensors, sem, cu_q, cu_k = _fake_varlen_inputs(key)
     else:
-        *tensors, sem, dq_conv = _fake_inputs(key)
+        *tensors, sem = _fake_inputs(key)
     # Trailing optional parameters: the turn counters, softcap_pre (softcap builds), then
     # window_left and window_right (local builds), then cu_seqlens_q / _k (varlen builds).
     extra = () if sem is None else (sem,)
@@ -190,9 +182,6 @@ def compile_backward(key: BwdCompileKey, extra_options: str = "") -> Any:
         extra = (*extra, *window)
     if key.varlen:
         extra = (*extra, cu_q, cu_k)
-    if dq_conv is not None:  # dQ and the counters, after every other optional parameter
-        softcap_pre = cutlass.Float32(1.0) if key.softcap else None
-        extra = (sem, softcap_pre, None, None, None, None, *dq_conv)
     compiled = cute.compile(
         kernel,
         *tensors,
@@ -253,13 +242,11 @@ def launch_args(
     nk: int,
     sem: torch.Tensor | None = None,
     cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
-    dq_conv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple:
     """Every parameter of a backward binary in its order (compile_backward's signature: the
     trailing optional ones are parameters of every build, passed as None where unused):
     `tensors` = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv), scale_log2, scale, the dQ turn
-    counters, softcap_pre, window_left, window_right, cu_seqlens_q, cu_seqlens_k, then (dq_convert
-    builds) dQ in the input dtype and the row blocks' add counters (`dq_conv`). An unbounded
+    counters, softcap_pre, window_left, window_right, cu_seqlens_q, cu_seqlens_k. An unbounded
     window side becomes a bound no row reaches (nq + nk + 1: the totals of packed sequences);
     causal is right = 0. `check_key` has vetted softcap and window against the key."""
     scale_log2, softcap_pre = scale * LOG2E, None
@@ -269,8 +256,7 @@ def launch_args(
     if key.local:
         _, _, left, right = kernel_scalars(scale, 0.0, window, key.causal, nq, nk)
         win = (left, right)
-    cu = cu_seqlens or (None, None)
-    return (*tensors, scale_log2, scale, sem, softcap_pre, *win, *cu, *(dq_conv or (None, None)))
+    return (*tensors, scale_log2, scale, sem, softcap_pre, *win, *(cu_seqlens or (None, None)))
 
 
 def turn_counters(
@@ -357,13 +343,7 @@ def run_backward(
     if key.varlen:
         raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
     check_key(key, softcap, window)
-    b, nq, hq, d = q.shape
-    if key.cfg.dq_convert and (
-        (key.causal and nq > k.shape[1]) or hq >= 2**15 or -(-nq // key.cfg.tile_m) >= 2**16
-    ):
-        # Causal Nq > Nk: rows before the diagonal see no key and no column block would convert
-        # them. The converter's queue packs (head, row block) into 15 + 16 bits.
-        key = dataclasses.replace(key, cfg=dataclasses.replace(key.cfg, dq_convert=False))
+    _, nq, _, d = q.shape
     tiled = dq_tiled(key.cfg)  # row blocks in dq_tile_layout order, zeroed by the preprocess
     # The CuTe DSL pair runs on the GPU; CPU tensors (tests, through Triton's interpreter) take
     # the Triton pair.
@@ -381,16 +361,8 @@ def run_backward(
     if key.cfg.deterministic:  # one dQ turn counter per (batch, head, row block)
         sem = turn_counters(key, lse_log2.shape, nq, k.shape[1], window, q.device)
     tensors = (q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv)
-    dq_conv = None
-    if key.cfg.dq_convert:  # dQ written by the kernel; one add counter per row block, from 0
-        counts = torch.zeros(b, hq, lse_log2.shape[2] // key.cfg.tile_m, dtype=torch.int32,
-                             device=q.device)  # fmt: skip
-        dq_conv = (torch.empty(q.shape, dtype=q.dtype, device=q.device), counts)
-    nk = k.shape[1]
-    fn(*launch_args(key, tensors, scale, softcap, window, nq, nk, sem, dq_conv=dq_conv))
+    fn(*launch_args(key, tensors, scale, softcap, window, nq, k.shape[1], sem))
     cfg = key.cfg
-    if dq_conv is not None:
-        return dq_conv[0], dk, dv
     dq_scale = scale if cfg.scale_out else None  # dS carried no scale: dQ takes it here
     if dq_tiled(cfg):
         dq = post(dq_acc, nq, cfg.tile_m, cfg.num_mma_wgs, q.dtype, cfg.dq_split, dq_scale, **pdl)

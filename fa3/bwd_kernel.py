@@ -93,7 +93,7 @@ from flashsuite.fa3.bwd_configs import (
     stats_stage_rows,
 )
 from flashsuite.fa3.bwd_dkvt import BwdDkvT
-from flashsuite.fa3.bwd_dq import DQ_RING, BwdDq, dq_tile_layout
+from flashsuite.fa3.bwd_dq import BwdDq, dq_tile_layout
 from flashsuite.fa3.bwd_load import BwdLoad
 from flashsuite.fa3.bwd_pointwise import BwdSteps
 from flashsuite.fa3.bwd_sdpt import BwdSdpT
@@ -203,21 +203,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError(
                 "Fa3Backward: tile_m 80 needs dq_split 'dt' and a dense problem without a window"
             )
-        # dQ converted in the kernel (BwdConfig.dq_convert; bwd_dq.BwdDq.report_dq, convert_dq).
-        self.DQ_CONVERT = cfg.dq_convert
-        self.CONVERT_TRIPS = 2 if cfg.tile_m == 80 else 1  # bwd_dq.BwdDq.convert_dq
-        self.CONVERT_INFLIGHT = 1 if cfg.tile_m == 128 else 2  # bwd_dq.BwdDq.convert_rows
-        if cfg.dq_convert and not (
-            not self.DKV_T
-            and self.DQ_WARP
-            and cfg.dq_handoff in ("cta", "wg")
-            and self.OVERLAP
-            and not (self.DETERMINISTIC or local or varlen)
-        ):
-            raise ValueError(
-                "Fa3Backward: dq_convert needs layout 'sdp_t', dq_mode 'warp', dq_handoff 'cta' "
-                "or 'wg', overlap and a dense problem without a window or deterministic order"
-            )
         if cfg.dq_split == "m" and (self.DKV_T or cfg.tile_m != 64 * cfg.num_mma_wgs):
             raise ValueError(
                 f"Fa3Backward: dq_split 'm' needs layout 'sdp_t' and tile_m "
@@ -319,10 +304,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         class Storage:
             mbar_kv: mrange[cutlass.Int64, 2]
             mbar_qdo: mrange[cutlass.Int64, 2 * st]
-            dq_slots: mrange[Int32, 2]  # dq_convert: the row blocks to convert (bwd_dq)
-            dq_addr: mrange[cutlass.Int64, 5]  # dq_convert: BwdDq.dq_addresses' words
-            dq_ring: mrange[Int32, DQ_RING]  # dq_convert: row blocks queued for conversion
-            dq_queue: mrange[Int32, 3]  # dq_convert: queued, converted, done (bwd_dq)
             sLSE: align[mrange[Float32, n_lse], 128]
             sD: align[mrange[Float32, n_lse], 128]
             sQ: align[mrange[dt, n_q], 1024]
@@ -369,8 +350,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         window_right: Int32 | None = None,  # local builds: >= 0, 0 when causal
         mCuSeqlensQ: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
         mCuSeqlensK: cute.Tensor | None = None,  # (B + 1,) int32: varlen builds
-        mdQ: cute.Tensor | None = None,  # (B, Nq, Hq, D) input dtype: dq_convert builds
-        mDqCount: cute.Tensor | None = None,  # (B, Hq, ceil(Nq / TILE_M)) int32, zeroed: the same
     ):
         """Varlen builds take the packed tensors of the module docstring in the same places."""
         if const_expr(self.VARLEN):
@@ -392,8 +371,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             )
             if const_expr(not self.DQ_TILED):
                 mdQacc = cute.make_tensor(mdQacc.iterator, cute.select(mdQacc.layout, mode=to_ndhb))
-            if const_expr(self.DQ_CONVERT):
-                mdQ = cute.make_tensor(mdQ.iterator, cute.select(mdQ.layout, mode=to_ndhb))
             mLSE, mDsum = (
                 cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
                 for t in (mLSE, mDsum)
@@ -453,7 +430,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             (window_left, window_right) if const_expr(self.LOCAL) else None,
             mCuSeqlensQ,
             mCuSeqlensK,
-            (mdQ, mDqCount) if const_expr(self.DQ_CONVERT) else None,
         ).launch(
             grid=grid,
             block=[self.NUM_THREADS, 1, 1],
@@ -487,13 +463,12 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         win: tuple | None,  # (window_left, window_right) Int32: local builds
         mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32: varlen builds
         mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32: varlen builds
-        dq_conv: tuple | None,  # dq_convert: (mdQ (B, Nq, Hq, D), mDqCount (B, Hq, row blocks))
     ):
         """The CTA's column block and sequence, then `cta`. Varlen: a virtual block past its
         sequence's keys does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
         args = (tmas, dkv_tmas, mdQacc, mdK, mdV, mma_sdp, mma_dkv, mma_dq, layouts)
-        scalars = (group, scale_log2, scale, mSem, softcap_pre, win, dq_conv)
+        scalars = (group, scale_log2, scale, mSem, softcap_pre, win)
         if const_expr(self.VARLEN):
             batch_n = mCuSeqlensQ.shape[0] - 1
             n_block, head_kv, valid, rows = self.varlen_cols.tile(mCuSeqlensQ, mCuSeqlensK, batch_n)
@@ -542,7 +517,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
-        dq_conv: tuple | None,  # dq_convert: (mdQ, mDqCount)
     ):
         """One column block of one kv head: shared memory, pipelines, the role split."""
         sQ_l, sdO_l, sK_l, sdS_l, sLSE_l, sD_l = layouts
@@ -566,20 +540,6 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         if const_expr(self.DKV_T):
             sP = st.sP.get_tensor(sdS_l.outer, swizzle=sdS_l.inner)  # (TILE_M, TILE_N, DS_ST)
         sdQ = st.sdQ.get_tensor(self._sdq_layout())  # (TILE_M, D) fp32; one word if "atomic"
-        # dq_convert: (mdQ, mDqCount, the two report slots, the addresses, the queue's ring and
-        # its counters).
-        dq_conv_s = None
-        if const_expr(self.DQ_CONVERT):
-            dq_conv_s = (
-                *dq_conv,
-                st.dq_slots.get_tensor(cute.make_layout(2)),
-                st.dq_addr.get_tensor(cute.make_layout(5)),
-                st.dq_ring.get_tensor(cute.make_layout(DQ_RING)),
-                st.dq_queue.get_tensor(cute.make_layout(3)),
-            )
-            if tidx == 0:  # the queue starts empty (visible past pipeline_init_wait)
-                for w in cutlass.range_constexpr(3):
-                    dq_conv_s[5][w] = Int32(0)
         pipeline.pipeline_init_wait()
         if const_expr(self.PDL):
             # The launch before (the preprocess) writes LSE, D and the zeroed dQ accumulator:
@@ -607,13 +567,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             if const_expr(self.DQ_WARP):  # noqa: SIM102 (a trace-time test, then a runtime one)
                 if warp == 1:
                     self.write_dq(
-                        sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win,
-                        dq_conv_s,
-                    )  # fmt: skip
-            if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (a trace-time test, then a runtime one)
-                if warp >= 2:
-                    self.convert_queue(
-                        dq_conv_s, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win, scale
+                        sdQ, mdQacc, mSem, n_block, head_kv, rows, group, seqlen_q, seqlen_k, win
                     )
         else:
             cute.arch.setmaxregister_increase(self.MMA_REGS)
@@ -643,4 +597,4 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             if const_expr(self.DKV_T):
                 self.mma_t(*args)
             else:
-                self.mma(*args, dq_conv_s)
+                self.mma(*args)

@@ -40,16 +40,11 @@ class BwdSdpT:
         mSem: cute.Tensor | None,
         softcap_pre: Float32 | None,
         win: tuple | None,
-        dq_conv: tuple | None = None,  # dq_convert: cta's dq_conv_s (bwd_kernel)
     ):
-        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV.
-        dq_convert: of the row blocks the writer reports as this CTA's to convert, the last
-        two (reported at the end of the loop) converted here after dK and dV are stored; the
-        producer's warps 2 and 3 convert the others while the loop runs (BwdDq.convert_queue)."""
+        """MMA warpgroups: the five GEMMs of every row block, dQ added to gmem, then dK, dV."""
         sQ, sdO, sK, sV, _, sdS, sLSE, sD, sdQ = smem  # no sP in "sdp_t"
         pipe_kv, pipe_qdo, _ = pipes
         m_block_min, n_m, n_iter = self.row_blocks(n_block, seqlen_q, seqlen_k, group, win)
-        blocks = (m_block_min, n_m, n_iter)
         D, TM, TN, ST = self.HEAD_DIM, self.TILE_M, self.TILE_N, self.STAGES
         thr_sdp = mma_sdp.get_slice(mtid)
         thr_dkv = mma_dkv.get_slice(mtid)
@@ -119,9 +114,6 @@ class BwdSdpT:
             tSrdS = rdS
         acc_dV.fill(0.0)
         acc_dK.fill(0.0)
-        if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
-            if mtid == 0:  # read by the MMA threads past iteration 0's DS_READY barrier
-                self.dq_addresses(dq_conv, mdQacc, rows)
 
         if n_iter > 0:
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -212,15 +204,3 @@ class BwdSdpT:
             self.store_dkv(
                 thr_dkv, acc_dK, acc_dV, mdK, mdV, n_block, head_kv, rows, seqlen_k, scale
             )
-        if const_expr(self.DQ_CONVERT):  # noqa: SIM102 (trace time, then runtime)
-            if n_iter > 0:  # the writer's reports of the last two row blocks
-                cute.arch.barrier(
-                    barrier_id=int(Barrier.DQ_REPORTED), number_of_threads=self.MMA_THREADS + 32
-                )
-                if n_iter >= 2:
-                    self.convert_reported(
-                        mma_dq, dq_conv, n_iter - 2, blocks, head_kv, group, seqlen_q, scale
-                    )
-                self.convert_reported(
-                    mma_dq, dq_conv, n_iter - 1, blocks, head_kv, group, seqlen_q, scale
-                )

@@ -7,7 +7,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -118,69 +118,6 @@ def ld_cg_v4_f32(ptr: cute.Pointer, *, loc=None, ip=None) -> tuple:
         "=f,=f,=f,=f,l",
     )
     return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def ld_acquire_cta_shared_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
-    """An int32 of shared memory, acquire at CTA scope (ld.acquire.cta.shared::cta)."""
-    return Int32(
-        ptx(
-            T.i32(),
-            [ptr.toint(loc=loc, ip=ip).ir_value()],
-            "ld.acquire.cta.shared::cta.b32 $0, [$1];",
-            "=r,r",
-        )
-    )
-
-
-@dsl_user_op
-def st_release_cta_shared_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
-    """An int32 to shared memory, release at CTA scope (st.release.cta.shared::cta)."""
-    ptx(
-        None,
-        [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
-        "st.release.cta.shared::cta.b32 [$0], $1;",
-        "r,r",
-    )
-
-
-@dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    """nanosleep.u32: let the warp's issue slots go to the others while it polls."""
-    ptx(None, [Int32(ns).ir_value(loc=loc, ip=ip)], "nanosleep.u32 $0;", "r")
-
-
-@dsl_user_op
-def opaque_tid_x(*, loc=None, ip=None) -> Int32:
-    """%tid.x through an inline asm with side effects: LLVM cannot hoist it, nor what is
-    computed from it, out of a rarely taken branch of a loop into registers live across
-    the whole loop (the compiler's speculative hoisting of pure arithmetic)."""
-    return Int32(ptx(T.i32(), [], "mov.u32 $0, %tid.x;", "=r"))
-
-
-@dsl_user_op
-def ld_cg_v4_f32_at(addr: Int64, *, loc=None, ip=None) -> tuple:
-    """`ld_cg_v4_f32` at a 64-bit global byte address held as an integer."""
-    res = ptx(
-        llvm.StructType.get_literal([T.f32()] * 4),
-        [Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.cg.v4.f32 {$0, $1, $2, $3}, [$4];",
-        "=f,=f,=f,=f,l",
-    )
-    return tuple(Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4))
-
-
-@dsl_user_op
-def st_global_16_at(addr: Int64, value: Float32, bf16: bool, *, loc=None, ip=None) -> None:
-    """value rounded to bfloat16 (`bf16`) or float16 and stored at a 64-bit global byte
-    address held as an integer (cvt.rn, st.global.b16)."""
-    kind = "bf16" if bf16 else "f16"
-    ptx(
-        None,
-        [Int64(addr).ir_value(loc=loc, ip=ip), Float32(value).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b16 h; cvt.rn.{kind}.f32 h, $1; st.global.b16 [$0], h; }}",
-        "l,f",
-    )
 
 
 @dsl_user_op

@@ -4,7 +4,6 @@
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
-#                                                bwd-candidates bwd-candidates-ab
 #                                                fwd-candidates
 #                                                (default: check tests bench)
 # Environment knobs:
@@ -161,39 +160,6 @@ for part in $parts; do
           > "$out/sanitize-bwd-$tool.log" 2>&1 || status=1
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAIL" "$out/sanitize-bwd-$tool.log" | tail -8
       done ;;
-    bwd-candidates)
-      # The fa3 backward's mechanisms built but off (BwdConfig.dq_convert, pdl): each variant
-      # against the oracle, then against the shipped build repeatedly at N ~ 1k (dK / dV bit
-      # for bit, dQ within the shipped build's spread), then compute-sanitizer memcheck and
-      # racecheck on small cases of each dq_convert variant (its queue is shared memory between
-      # warps; the q170 / q250 cases give a CTA more than two row blocks, so the queue runs).
-      dqc="--variant pipe80_wgs_wgdq_tma_dqc --variant pipe_sec4_wgdq_tma_dqc --variant pipe128_dqm_tma_dqc"
-      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-candidates" $dqc 2>&1 \
-        | tail -20 | tee "$out/bwd-candidates.log" || status=1
-      python3 -m benchmarks.fa3_bwd_stress --suffix _dqc --repeats 40 2>&1 \
-        | tee "$out/bwd-candidates-stress.log" || status=1
-      for tool in memcheck racecheck; do
-        FLASHSUITE_HANG_SCALE=${FLASHSUITE_HANG_SCALE:-8} timeout "${SANITIZE_TIMEOUT:-200}" \
-          "${sanitizer[@]}" --tool "$tool" \
-          python3 -m benchmarks.fa3_bwd_check --out "$out/sanitize-dqc-$tool" $dqc \
-          --match q170-k333 --match b2-q250-k250 --match q17-k113 \
-          > "$out/sanitize-dqc-$tool.log" 2>&1 || status=1
-        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|cases pass" "$out/sanitize-dqc-$tool.log" \
-          | tail -8
-      done ;;
-    bwd-candidates-ab)
-      # The same mechanisms timed against the shipped builds, passes interleaved: backward
-      # TFLOP/s at D 128 (non-causal, causal) and 64, then the D 128 training step.
-      for row in "pipe80_wgs_wgdq_tma 128" "pipe_sec4_wgdq_tma 128 --causal" \
-                 "pipe128_dqm_tma 64"; do
-        read -r name d causal <<< "$row"
-        python3 -m benchmarks.fa3_bwd_ab --variant "$name" --variant "${name}_dqc" \
-          --head-dim "$d" ${causal:-} --seqlen 1024 --seqlen 4096 --seqlen 16384 --repeats 3 \
-          2>&1 | grep -v Warning | tail -16 | tee -a "$out/bwd-candidates-ab.log" || status=1
-      done
-      python3 -m benchmarks.fa3_bwd_ab --step --variant pipe80_wgs_wgdq_tma \
-        --variant pipe80_wgs_wgdq_tma_dqc --seqlen 8192 --repeats 5 2>&1 \
-        | grep -v Warning | tail -8 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
     fwd-candidates)
       # The fa3 forward's softmax options built but off: their GPU tests (row_chains and
       # skip_unit_rescale within rounding of the table build, rescale_threshold's growing-max

@@ -143,19 +143,6 @@ def pdl_probes(tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def dqc_probes(tmp_path_factory) -> list[dict]:
-    """The dq_convert variants: pipe80_wgs_wgdq_tma_dqc (D 128, full),
-    pipe_sec4_wgdq_tma_dqc's causal builds (D 96 and 128) and pipe128_dqm_tma_dqc's full one
-    (D 64: dq_handoff "cta", 128-row tiles)."""
-    runs = [
-        ["--variant", "pipe80_wgs_wgdq_tma_dqc"],
-        ["--variant", "pipe_sec4_wgdq_tma_dqc", "--shard", "1/2"],
-        ["--variant", "pipe128_dqm_tma_dqc", "--shard", "0/2"],
-    ]
-    return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_dqc"), runs)
-
-
-@pytest.fixture(scope="module")
 def wide256_dq_probes(tmp_path_factory) -> list[dict]:
     """D = 256's dQ routes beside the shipped one (wide256_red80_wgs, compiled with the shipped
     builds): wide256_n64_turn (full), 64 keys; wide256_red80, 80 keys, causal with a window."""
@@ -548,37 +535,6 @@ def test_bwd_tile_m80_compiles(pipe80_probes) -> None:
     _assert_fits_registers(r)
     for code in ("C7508", "C7512", "C7515", "C7519"):
         assert code not in r["remarks"], f"{where}: ptxas remark {code}"
-
-
-@pytest.mark.lab
-def test_bwd_dq_convert_counts_and_converts(dqc_probes) -> None:
-    """BwdConfig.dq_convert: the writer counts each row block's completed adds with one
-    atom.acq_rel.gpu add (two call sites: in the loop and for the last row block), behind a
-    proxy fence for its bulk reduces (two); the producer's warps 2 and 3 read queued row
-    blocks back through L2 (ld.global.cg.v4, two 16-byte chunks per step of a runtime loop,
-    one at 128-row tiles) and the MMA threads the last two (one per 4 fragment registers, two
-    call sites); the wgmmas and the bulk reduces as without it; 0 spills, the converter
-    warps' 24 registers included."""
-    assert {(r["head_dim"], r["causal"], r["config"]["tile_m"]) for r in dqc_probes} == {
-        (128, False, 80),
-        (96, True, 64),
-        (128, True, 64),
-        (64, False, 128),
-    }
-    for r in dqc_probes:
-        ptx, cfg, where = r["ptx"], r["config"], _id(r)
-        assert cfg["dq_convert"], where
-        assert ptx["count_atom"] == 2 and ptx["fence_async_global"] == 2, f"{where}: {ptx}"
-        loads = cfg["tile_m"] * r["head_dim"] // 4 // 256  # 16-byte groups of a fragment
-        inflight = 1 if cfg["tile_m"] == 128 else 2
-        assert ptx["ld_cg_v4"] == 2 * loads + inflight, f"{where}: {ptx}"
-        bulk = 2 if cfg["dq_handoff"] == "wg" else 1  # one bulk reduce per chunk or per tile
-        assert ptx["dq_bulk"] == bulk and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
-        assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(r["head_dim"], cfg), where
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (where, r["ptxas_lines"])
-        _assert_fits_registers(r)
-        for code in ("C7508", "C7512", "C7515", "C7519"):
-            assert code not in r["remarks"], f"{where}: ptxas remark {code}"
 
 
 @pytest.mark.lab
@@ -1347,8 +1303,7 @@ def test_binary_takes_launch_args(name, d, causal, flags, signatures) -> None:
     names = [n for n, _ in found]
     assert len(found) == len(result["none"]), (names, len(result["none"]))
     assert names[9:] == ["scale_log2", "scale", "mSem", "softcap_pre", "window_left",
-                         "window_right", "mCuSeqlensQ", "mCuSeqlensK", "mdQ",
-                         "mDqCount"], names  # fmt: skip
+                         "window_right", "mCuSeqlensQ", "mCuSeqlensK"], names  # fmt: skip
     kinds_none = [kind == "None" for _, kind in found]
     assert kinds_none == result["none"], list(zip(names, kinds_none, result["none"], strict=True))
 
@@ -1375,17 +1330,15 @@ def _kernel_contract(key, causal: bool):
     """A stand-in for the compiled backward that keeps its argument contract, in float64 torch:
     it reads only what the host hands it (lse_log2 with +inf rows, dsum, the scales) and writes
     dQ into the accumulator in the config's layout ("warp": TILE_M x D blocks in dq_tile_modes
-    order), or (dq_convert) dQ itself into its output, its add counters zeroed; dK and dV
-    summed over each GQA group."""
+    order); dK and dV summed over each GQA group."""
     from flashsuite.common.reference import visibility_mask
     from flashsuite.fa3.bwd_configs import dq_tile_modes, dq_tiled
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
-            window_left, window_right, cu_seqlens_q, cu_seqlens_k, mdq, dq_count):  # fmt: skip
+            window_left, window_right, cu_seqlens_q, cu_seqlens_k):  # fmt: skip
         assert softcap_pre is None and (sem is None) == (not key.cfg.deterministic)
         assert window_left is None and window_right is None
         assert cu_seqlens_q is None and cu_seqlens_k is None
-        assert (mdq is None) == (dq_count is None) == (not key.cfg.dq_convert)
         b, nq, hq, d = q.shape
         nk, hkv = k.shape[1], k.shape[2]
         g = hq // hkv
@@ -1402,12 +1355,6 @@ def _kernel_contract(key, causal: bool):
         dk_ = (ds.transpose(-1, -2) @ qh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2)
         dk.copy_(dk_ * dk_scale)
         dv.copy_((p.transpose(-1, -2) @ doh).view(b, hkv, g, nk, d).sum(2).transpose(1, 2))
-        if key.cfg.dq_convert:  # one zeroed counter per (batch, head, row block)
-            assert dq_count.dtype == torch.int32 and not dq_count.any()
-            assert tuple(dq_count.shape) == (b, hq, dq_acc.shape[2] // key.cfg.tile_m)
-            assert mdq.dtype == q.dtype and mdq.shape == q.shape and mdq.is_contiguous()
-            mdq.copy_(dq.transpose(1, 2) * (scale if key.cfg.scale_out else 1.0))
-            return
         if not dq_tiled(key.cfg):
             dq_acc.copy_(dq.transpose(1, 2))
             return
@@ -1445,9 +1392,6 @@ def _kernel_contract(key, causal: bool):
         (64, "warp+sout", False, False, (1, 64, 64, 2, 2, 128)),
         (64, "atomic+sout", True, True, (2, 90, 120, 4, 4, 64)),
         (80, "warp-dt", False, False, (2, 170, 130, 4, 2, 128)),  # dQ^T: 80-row blocks
-        (80, "warp-dt+dqc", False, False, (2, 170, 130, 4, 2, 128)),  # dQ from the kernel
-        (64, "warp+dqc", False, True, (1, 70, 100, 4, 2, 128)),  # causal, Nq <= Nk
-        (64, "warp+dqc", False, True, (2, 100, 70, 4, 2, 128)),  # Nq > Nk: the postprocess
     ],
 )
 def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, deterministic, causal, shape):
@@ -1459,12 +1403,10 @@ def test_run_backward_host_path(monkeypatch, device, tile_m, dq_mode, determinis
     from flashsuite.fa3 import bwd_host
 
     b, nq, nk, hq, hkv, d = shape
-    dq_mode, _, extra = dq_mode.partition("+")  # "+sout": scale_out, "+dqc": dq_convert
+    dq_mode, _, extra = dq_mode.partition("+")  # "+sout": scale_out
     dq_mode, _, split = dq_mode.partition("-")  # "warp-m": dq_split "m"
     cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, dq_split=split or "d",
                     deterministic=deterministic, scale_out=extra == "sout")  # fmt: skip
-    if extra == "dqc":
-        cfg = replace(cfg, dq_handoff="wg", overlap=True, dq_convert=True)
     if d > 128:
         cfg = replace(bwd_config_for(d, torch.bfloat16, causal), deterministic=deterministic)
         if dq_mode == "red":  # wide256_red80: 80 keys, dQ in two slices
@@ -1531,36 +1473,3 @@ def test_sass_loop_counts() -> None:
     }, c["always"]
     assert c["conditional"] == {"ISETP/FSETP/SEL/FSEL": 1}, c["conditional"]
     assert loop_counts(_SASS, "UTMALDG") is None
-
-
-def test_dq_convert_counts_every_column_block_that_visits_a_row_block() -> None:
-    """BwdDq.dq_adds (the adds a row block waits for before it is converted) against the
-    column blocks whose row-block range (BwdBlocks.row_blocks, transcribed) holds it, dense and
-    causal with Nq <= Nk (the host takes the postprocess otherwise), at the tiles that build
-    dq_convert: a count one short leaves a row block unconverted, one over converts it early."""
-
-    def row_range(n: int, nq: int, nk: int, tm: int, tn: int, causal: bool) -> range:
-        m_max = -(-nq // tm)
-        m_min = min(max(n * tn - (nk - nq), 0) // tm, m_max) if causal else 0
-        return range(m_min, m_max)
-
-    def dq_adds(m: int, nq: int, nk: int, tm: int, tn: int, causal: bool) -> int:
-        n_blocks = -(-nk // tn)
-        if not causal:
-            return n_blocks
-        reach = (m + 1) * tm + nk - nq
-        return min(n_blocks, -(-reach // tn))
-
-    for tm, tn in ((80, 128), (64, 128)):
-        for nq in (1, 63, 64, 65, 80, 130, 200, 1000, 1024):
-            for nk in (1, 100, 128, 129, 700, 1000, 1024, 3000):
-                for causal in (False, True):
-                    if causal and nq > nk:
-                        continue
-                    visits = [0] * -(-nq // tm)
-                    for n in range(-(-nk // tn)):
-                        for m in row_range(n, nq, nk, tm, tn, causal):
-                            visits[m] += 1
-                    want = [dq_adds(m, nq, nk, tm, tn, causal) for m in range(len(visits))]
-                    assert visits == want, (tm, tn, nq, nk, causal)
-                    assert min(visits) >= 1, (tm, tn, nq, nk, causal)  # every row block converts

@@ -216,7 +216,7 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
     from flashsuite.fa3.bwd_host import dq_from_tiles
 
     def run(q, k, v, dout, lse_log2, dsum, dq_acc, dk, dv, scale_log2, scale, sem, softcap_pre,
-            window_left, window_right, cu_q, cu_k, mdq, dq_count):  # fmt: skip
+            window_left, window_right, cu_q, cu_k):  # fmt: skip
         seen.append((window_left, window_right))
         assert softcap_pre is None
         if key.cfg.deterministic:  # a turn counter per padded row block (window-free: from 0)
@@ -225,7 +225,6 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
             assert window != (-1, -1) or not bool(sem.any())
         else:
             assert sem is None
-        assert mdq is None and dq_count is None  # dq_convert is a dense build
         assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.is_contiguous()
         tm, (_, hq, d), hkv = key.cfg.tile_m, q.shape, k.shape[1]
         g = hq // hkv
