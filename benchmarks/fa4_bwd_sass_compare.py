@@ -541,7 +541,7 @@ def loop_table(path) -> dict:
 
 
 def _event(ins, gemm_at: dict) -> str | None:
-    """The issue-order name of a synchronising instruction (None for the rest)."""
+    """The name in issue order of a synchronising instruction (None for the rest)."""
     if id(ins) in gemm_at:
         g = gemm_at[id(ins)]
         return f"issue {g['label']} x{g['n']} (acc {g['acc']})"
