@@ -57,10 +57,10 @@ import re
 import subprocess
 import sys
 import tempfile
-import types
-import zipfile
 from collections import Counter
 from pathlib import Path
+
+from benchmarks.fa4_sass_compare import fa4_setup, setmaxnreg
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WHEEL = "flash_attn_4-4.0.0b36-py3-none-any.whl"
@@ -186,38 +186,6 @@ def opclass(ins) -> str:
 
 
 # --------------------------------------------------------------------------- building
-
-
-def fa4_setup(wheel_dir: Path) -> None:
-    """Make flash_attn.cute importable (installed, else the unzipped wheels); exit with a
-    message if FA4 cannot be found."""
-    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    for wheel, dest, pkg in (
-        (QUACK_WHEEL, tmp / "quack", "quack"),
-        (FA4_WHEEL, tmp / "fa4", "flash_attn"),
-    ):
-        if importlib.util.find_spec(pkg) is not None:
-            continue
-        whl = wheel_dir / wheel
-        if whl.exists() and not (dest / pkg).exists():
-            with zipfile.ZipFile(whl) as z:
-                z.extractall(dest)
-        if (dest / pkg).exists():
-            sys.path.insert(0, str(dest))
-    if importlib.util.find_spec("einops") is None:
-        stub = types.ModuleType("einops")  # flash_attn.cute.testing's reference helpers only
-
-        def _absent(*_a, **_k):
-            raise ImportError("einops is not installed (stand-in of fa4_bwd_sass_compare)")
-
-        stub.rearrange = stub.repeat = _absent
-        sys.modules["einops"] = stub
-    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("quack") is None:
-        sys.exit(
-            "fa4_bwd_sass_compare: FA4 not found: install flash-attn-4==4.0.0b36 and "
-            f"quack-kernels==0.6.5, or put {FA4_WHEEL} and {QUACK_WHEEL} in {wheel_dir} "
-            "(--wheel-dir)"
-        )
 
 
 def _fa4_config(head_dim: int, causal: bool):
@@ -633,14 +601,6 @@ def windows(path) -> dict[str, dict]:
     for name, idx in spans.items():
         cls = Counter(opclass(live[i]) for i in idx if live[i].base != "HGMMA")
         out[name] = {"total": sum(cls.values()), **{k: cls[k] for k in MATH if cls[k]}}
-    return out
-
-
-def setmaxnreg(text: str) -> dict[str, list[int]]:
-    """USETMAXREG values: DEALLOC (producer warpgroup) and ALLOC (MMA warpgroups)."""
-    out: dict[str, list[int]] = {"dealloc": [], "alloc": []}
-    for kind, val in re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL\s+(?:UP\d+,\s*)?(0x[0-9a-f]+)", text):
-        out["dealloc" if kind == "DEALLOC" else "alloc"].append(int(val, 16))
     return out
 
 

@@ -131,7 +131,7 @@ def opclass(ins) -> str:
 # --------------------------------------------------------------------------- building
 
 
-def _fa4_setup(wheel_dir: Path) -> None:
+def fa4_setup(wheel_dir: Path) -> None:
     """Make `flash_attn.cute` importable: the unzipped wheels if present, else the installed
     package; a stand-in einops module where einops is missing. Exits with a message if FA4
     cannot be found."""
@@ -192,7 +192,7 @@ def build_fa4(head_dim: int, lse: bool, wheel_dir: Path) -> tuple:
     """(compiled, ptxas log, facts) of FA4's SM90 forward as its interface configures it."""
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
 
-    _fa4_setup(wheel_dir)
+    fa4_setup(wheel_dir)
     import cutlass
     import cutlass.cute as cute
     from flash_attn.cute.flash_fwd_sm90 import FlashAttentionForwardSm90
