@@ -60,7 +60,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.fa4_sass_compare import fa4_setup, setmaxnreg
+from benchmarks.fa4_sass_compare import fa4_setup, is_move, setmaxnreg
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WHEEL = "flash_attn_4-4.0.0b36-py3-none-any.whl"
@@ -172,11 +172,7 @@ def opclass(ins) -> str:
         return "BRA/BSSY/BSYNC"
     if base in ("ELECT", "VOTE", "VOTEU"):
         return "ELECT/VOTE"
-    if (
-        base in _MOVES
-        or op.startswith("IMAD.MOV")
-        or (op.startswith("IMAD") and re.match(r"R\d+, RZ, RZ, ", ins.args))
-    ):
+    if is_move(ins, _MOVES):
         return "MOV/UMOV/S2R/LDC"
     if base in _INT_VECTOR:
         return "int vector"

@@ -94,6 +94,16 @@ _MOVES = frozenset({"MOV", "UMOV", "CS2R", "S2R", "S2UR", "ULDC", "LDC", "MOVM"}
 _RS = re.compile(r"\bR\d+, R\d+, gdesc")  # HGMMA with its A operand in registers
 
 
+def is_move(ins, moves: frozenset) -> bool:
+    """A register move: an opcode in `moves`, IMAD.MOV, or an IMAD of RZ · RZ + a value."""
+    op, base = ins.op, ins.base
+    return (
+        base in moves
+        or op.startswith("IMAD.MOV")
+        or (op.startswith("IMAD") and re.match(r"R\d+, RZ, RZ, ", ins.args) is not None)
+    )
+
+
 def opclass(ins) -> str:
     """The class (CLASSES) of one fa3_bwd_sass.Insn."""
     op, base = ins.op, ins.base
@@ -115,11 +125,7 @@ def opclass(ins) -> str:
         return "WARPGROUP.DEPBAR" if "DEPBAR" in op else "WARPGROUP.ARRIVE"
     if base in _BRANCH_PRED:
         return "branch/predicate"
-    if (
-        base in _MOVES
-        or op.startswith("IMAD.MOV")
-        or (op.startswith("IMAD") and re.match(r"R\d+, RZ, RZ, ", ins.args))
-    ):
+    if is_move(ins, _MOVES):
         return "MOV/UMOV/S2R"
     if base in _INT_VECTOR:
         return "int/addr vector"
