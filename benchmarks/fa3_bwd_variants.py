@@ -24,7 +24,8 @@ block). The "_tma" variants store dK and dV through shared memory by TMA (dkv_tm
 pairs, column block 0 of each pair first (head_section: the causal tail of the default order,
 benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). The "_pdl" variants are
 shipped configs whose three launches (preprocess, kernel, dQ postprocess) are programmatic
-dependents of the one before (BwdConfig.pdl). (The "bulk" dQ mode, per-row bulk reduces issued
+dependents of the one before (BwdConfig.pdl); the "_dvf" variants issue dV's wgmma between
+the dS^T stores to sdS and their proxy fence (BwdConfig.dv_before_fence, FA4's order). (The "bulk" dQ mode, per-row bulk reduces issued
 by MMA warp 0, the "dv_early" order and "dq_convert", dQ converted in the kernel without the
 postprocess launch, were measured and removed: docs/results.md.)
 """
@@ -277,6 +278,22 @@ VARIANTS.update(
         for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
     }
 )
+# dV's wgmma issued before the proxy fence of the dS^T stores (BwdConfig.dv_before_fence), on
+# the shipped configs.
+VARIANTS.update(
+    {
+        f"{name}_dvf": (
+            replace(VARIANTS[name][0], dv_before_fence=True),
+            f"{name} with dV issued between the sdS stores and their fence",
+        )
+        for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
+    }
+)
+VARIANTS["pipe80_wgs_sout_ng_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe80_wgs_wgdq_tma_dvf"][0], scale_out=True, lse_guard=False),
+    "pipe80_wgs_wgdq_tma_dvf with the softmax scale out of dS and no -inf LSE guard: FA4's "
+    "elementwise work per score and its issue order around dV",
+)
 
 # The "dkv_t" layout (D = 192 and 256; bwd_configs._bwd_wide_config): S not transposed, P and dS
 # through smem, dK^T / dV^T with D on wgmma's M, a 2-stage Q ring and a 1-stage dO ring.
@@ -406,6 +423,10 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe80_wgs_wgdq_tma_pdl": (128,),
     "pipe_sec4_wgdq_tma_pdl": (96, 128),
     "pipe128_dqm_tma_pdl": (64,),
+    "pipe80_wgs_wgdq_tma_dvf": (128,),
+    "pipe80_wgs_sout_ng_wgdq_tma_dvf": (128,),
+    "pipe_sec4_wgdq_tma_dvf": (96, 128),
+    "pipe128_dqm_tma_dvf": (64,),
     "pipe80_wgs_ng_tma": (128,),
     "pipe80_wgs_sout_ng_tma": (128,),
     "pipe_wgs": (96, 128),
@@ -456,6 +477,8 @@ NON_CAUSAL = (
     "pipe80_wgs",
     "pipe80_wgs_wgdq_tma",
     "pipe80_wgs_wgdq_tma_pdl",
+    "pipe80_wgs_wgdq_tma_dvf",
+    "pipe80_wgs_sout_ng_wgdq_tma_dvf",
     "pipe80_wgs_ng_tma",
     "pipe80_wgs_sout_ng_tma",
 )

@@ -180,6 +180,10 @@ class BwdConfig:
     # wait for dP^T (without one, ptxas sinks most of them past that wait: the S^T / dP^T
     # overlap then holds a few instructions, benchmarks/fa3_bwd_sass.py --listing mma).
     dv_early: bool = False
+    # "sdp_t" with overlap: dV's wgmma (register P^T, dO from the TMA stage) issued between the
+    # dS^T stores to sdS and the proxy fence that makes them visible to dQ's wgmma (FA4's
+    # order), not after the fence: the tensor pipe gets dV while the fence drains the stores.
+    dv_before_fence: bool = False
     # Programmatic dependent launch (PDL) through the backward's three launches (preprocess,
     # this kernel, the dQ postprocess of the tiled dq_modes): each is launched with
     # programmatic stream serialisation and waits (griddepcontrol.wait) for the launch before it
@@ -565,6 +569,11 @@ def bwd_can_implement(
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
         return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
+    if cfg.dv_before_fence and not (cfg.layout == "sdp_t" and cfg.overlap and not cfg.dv_early):
+        return False, (
+            "fa3 backward: dv_before_fence needs layout 'sdp_t' and overlap without dv_early "
+            "(its loop order)"
+        )
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without
         # them) spill (136 bytes at D = 64); FA4 spreads them over 8 lanes there instead.

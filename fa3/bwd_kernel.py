@@ -154,6 +154,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.DS_STAGES = cfg.ds_stages
         self.OVERLAP = cfg.overlap
         self.DV_EARLY = cfg.dv_early  # dV issued once P^T is packed, before dP^T retires
+        self.DV_BEFORE_FENCE = cfg.dv_before_fence  # dV issued between the sdS stores and fence
         self.LPT = cfg.lpt
         self.PDL = cfg.pdl  # programmatic dependent launch: wait for the preprocess in-kernel
         self.HEAD_SECTION = cfg.head_section  # sectioned grid order (bwd_blocks.section_tile)

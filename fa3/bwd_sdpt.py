@@ -168,10 +168,12 @@ class BwdSdpT:
                     cute.copy(ds_copy, tSrdS, tSsdS[None, None, None, ds_i])
                 else:
                     cute.autovec_copy(tSrdS, tSsdS[None, None, None, ds_i])
+                if const_expr(self.DV_BEFORE_FENCE):  # dV reads no sdS: issued first
+                    self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                 # Generic-proxy smem writes must be visible to the wgmma (async proxy) reads.
                 cute.arch.fence_proxy("async.shared", space="cta")
                 if const_expr(self.OVERLAP):
-                    if const_expr(not self.DV_EARLY):
+                    if const_expr(not (self.DV_EARLY or self.DV_BEFORE_FENCE)):
                         self.gemm_rs(mma_dkv, acc_dV, tdVrP, tdVrdO[None, None, None, s])
                     cute.arch.barrier(
                         barrier_id=int(Barrier.DS_READY), number_of_threads=self.MMA_THREADS

@@ -145,6 +145,17 @@ class Fa3Config:
     # and two prmt per 8 scores a thread). The order of the products of P·V changes, not
     # the products.
     permute_v_keys: bool = False
+    # Q, K and Vᵀ's wgmma descriptors partitioned with the slice of the consumer warpgroup's
+    # first thread (its index is warp-uniform), not the thread's own: they depend on the
+    # thread only through its warpgroup, which ptxas cannot see from a vector-register thread
+    # index, so otherwise it builds them in vector registers and moves them across (R2UR).
+    wg_slice: bool = True
+    # Intra-WG overlap without causal or window masks: keep the main loop's runtime "is this
+    # block masked" test (always false there: only the newest block, peeled off before the
+    # loop, has keys past seqlen_k). Its branch splits the loop body, and ptxas then hoists
+    # P·V's wait above the softmax, which runs after P·V retires instead of under it (the
+    # default drops the test unless softmax_apart). Kept for A/B measurements.
+    loop_mask_test: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8

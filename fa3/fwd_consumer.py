@@ -63,9 +63,15 @@ class ForwardConsumer:
         )
         thr_qk = mma_qk.get_slice(ctid)
         thr_pv = mma_pv.get_slice(ctid)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, STAGES)
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, STAGES)
+        # WG_SLICE: the shared-memory operands' descriptors from the warpgroup's slice (cwg is
+        # warp-uniform), so they stay in uniform registers.
+        wg_qk, wg_pv = thr_qk, thr_pv
+        if const_expr(self.WG_SLICE):
+            wg_qk = mma_qk.get_slice(cwg * 128)
+            wg_pv = mma_pv.get_slice(cwg * 128)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, STAGES)
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, STAGES)
         acc_S = thr_qk.make_fragment_C(
             thr_qk.partition_shape_C((self.TILE_M, self.TILE_N))
         )  # ((2, 2, TILE_N/8), 1, 1) fp32: 2 rows per thread

@@ -146,9 +146,9 @@ class ForwardMainloop:
         kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
         for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
             masked = i < n_masked_hi
-            if const_expr(self.SOFTMAX_APART and not (self.HAS_RIGHT or self.HAS_LEFT)):
+            if const_expr(not (self.HAS_RIGHT or self.HAS_LEFT or self.LOOP_MASK_TEST)):
                 # Only the newest block (first_half_block's) has masked keys, those past
-                # seqlen_k: no mask test in the loop, one softmax in it.
+                # seqlen_k (n_masked_hi is 0): no mask test in the loop, one softmax in it.
                 masked = None
             if const_expr(self.HAS_LEFT):
                 masked = masked | (i >= n_masked_hi + n_unmasked)

@@ -135,6 +135,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
         self.ROW_CHAINS = cfg.row_chains
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
+        self.WG_SLICE = cfg.wg_slice
+        self.LOOP_MASK_TEST = cfg.loop_mask_test
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT

@@ -10,7 +10,8 @@ builds issue their row max and exponentials there, the build without the flag do
 the flag ships only where it was measured and checked (configs._SOFTMAX_APART), as does
 k_ahead (configs._K_AHEAD). And the two softmax options that change instruction counts:
 rescale_threshold's warp vote on O's rescale (shipped at D = 256) and ex2_emu's exponentials
-moved off MUFU.
+moved off MUFU. And a non-causal build without the flag keeps its softmax under P·V
+once the loop has no runtime mask test.
 """
 
 from __future__ import annotations
@@ -70,6 +71,28 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
         assert w["fmnmx"] >= 40 and w["mufu"] >= 8, shipped["windows"]
     # Without the flag ptxas waits for P·V before the first exponential.
     assert plain["windows"] and all(w["mufu"] == 0 for w in plain["windows"]), plain["windows"]
+
+
+def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
+    """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S: with no
+    causal or window mask the loop holds no runtime mask test (only the peeled newest block
+    has keys past seqlen_k), so its body is one basic block and the softmax stays between the
+    two waits; with the test (loop_mask_test) ptxas hoists P·V's wait above it."""
+    with ThreadPoolExecutor(2) as pool:
+        shipped, tested = pool.map(
+            lambda f: f(),
+            [
+                lambda: _windows(head_dim=64, causal=False),
+                lambda: _windows("loop_mask_test=1", head_dim=64, causal=False),
+            ],
+        )
+    assert not shipped["config"]["softmax_apart"] and not shipped["config"]["loop_mask_test"]
+    for r in (shipped, tested):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+    # 128 keys per block: 64 scores a thread over its two rows.
+    assert len(shipped["windows"]) == 1, shipped["windows"]
+    assert shipped["windows"][0]["fmnmx"] >= 64 and shipped["windows"][0]["mufu"] >= 8, shipped
+    assert tested["windows"] and all(w["mufu"] == 0 for w in tested["windows"]), tested
 
 
 def test_softmax_apart_ships_where_it_was_measured() -> None:
