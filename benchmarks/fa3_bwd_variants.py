@@ -25,9 +25,10 @@ pairs, column block 0 of each pair first (head_section: the causal tail of the d
 benchmarks/bwd_order_model.py; shipped at causal D = 64, 96 and 128). The "_pdl" variants are
 shipped configs whose three launches (preprocess, kernel, dQ postprocess) are programmatic
 dependents of the one before (BwdConfig.pdl); the "_dvf" variants issue dV's wgmma between
-the dS^T stores to sdS and their proxy fence (BwdConfig.dv_before_fence, FA4's order). (The "bulk" dQ mode, per-row bulk reduces issued
-by MMA warp 0, the "dv_early" order and "dq_convert", dQ converted in the kernel without the
-postprocess launch, were measured and removed: docs/results.md.)
+the dS^T stores to sdS and their proxy fence (BwdConfig.dv_before_fence, FA4's order). (The
+"bulk" dQ mode, per-row bulk reduces issued by MMA warp 0, the "dv_early" order and
+"dq_convert", dQ converted in the kernel without the postprocess launch, were measured and
+removed: docs/results.md.)
 """
 
 from __future__ import annotations
