@@ -77,16 +77,22 @@ def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
     """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S: with no
     causal or window mask the loop holds no runtime mask test (only the peeled newest block
     has keys past seqlen_k), so its body is one basic block and the softmax stays between the
-    two waits; with the test (loop_mask_test) ptxas hoists P·V's wait above it."""
-    with ThreadPoolExecutor(2) as pool:
-        shipped, tested = pool.map(
+    two waits; with the test (loop_mask_test) ptxas hoists P·V's wait above it. And the
+    descriptors of the shipped build come from the warpgroup's slice (wg_slice)."""
+    with ThreadPoolExecutor(3) as pool:
+        shipped, tested, unsliced = pool.map(
             lambda f: f(),
             [
                 lambda: _windows(head_dim=64, causal=False),
                 lambda: _windows("loop_mask_test=1", head_dim=64, causal=False),
+                lambda: _windows("wg_slice=0", head_dim=64, causal=False),
             ],
         )
     assert not shipped["config"]["softmax_apart"] and not shipped["config"]["loop_mask_test"]
+    # Descriptors from the warpgroup's slice: fewer vector-to-uniform moves than from the
+    # thread's own (8 a block per warp in the loop at D = 64, benchmarks/fa4_sass_compare).
+    assert shipped["config"]["wg_slice"] and not unsliced["config"]["wg_slice"]
+    assert shipped["counts"]["r2ur"] < unsliced["counts"]["r2ur"], (shipped, unsliced)
     for r in (shipped, tested):
         assert r["spill_stores"] == 0 and not r["remarks"], r
     # 128 keys per block: 64 scores a thread over its two rows.
