@@ -156,6 +156,12 @@ class Fa3Config:
     # P·V's wait above the softmax, which runs after P·V retires instead of under it (the
     # default drops the test unless softmax_apart). Kept for A/B measurements.
     loop_mask_test: bool = False
+    # Intra-WG overlap with a causal (right) mask and no left window: the main loop as two
+    # loops, the masked blocks with the mask compiled in and then the unmasked ones, neither
+    # with a runtime test, so each body is one basic block and its softmax stays under P·V
+    # (FA4's order). One loop with the test (False) keeps S, P and O in the same registers
+    # across phases, but ptxas hoists P·V's wait above the softmax on both sides of its branch.
+    split_loops: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8

@@ -144,6 +144,16 @@ class ForwardMainloop:
         wgmmas for lack of registers (C7512).
         """
         kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
+        if const_expr(self.SPLIT_LOOPS and self.HAS_RIGHT and not self.HAS_LEFT):
+            # The masked blocks, then the unmasked ones, each loop free of a mask test.
+            i_mid = cutlass.max(cutlass.min(n_masked_hi, n_blocks - 1), i_first)
+            for i in cutlass.range(i_first, i_mid, unroll=1):
+                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True)
+            for i in cutlass.range(i_mid, n_blocks - 1, unroll=1):
+                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None)
+            if const_expr(self.EARLY_Q_RELEASE):
+                pipe_q.consumer_release(q_state)
+            return self.last_half_block(ctx, kv_state)
         for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
             masked = i < n_masked_hi
             if const_expr(not (self.HAS_RIGHT or self.HAS_LEFT or self.LOOP_MASK_TEST)):
@@ -195,7 +205,8 @@ class ForwardMainloop:
     def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
         """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV.
 
-        `masked`: a runtime Boolean, or None (SOFTMAX_APART: no block of the loop is masked).
+        `masked`: a runtime Boolean, None (no block of the loop is masked) or True (every
+        block is: SPLIT_LOOPS' first loop).
         SOFTMAX_APART: each side of its branch holds a whole `softmax_under_pv`, both waits
         included, since ptxas moves a wgmma wait that sits in another basic block than the
         wait_group(1) before it up to that block's first instructions: a softmax after the
@@ -214,8 +225,8 @@ class ForwardMainloop:
         if const_expr(self.SOFTMAX_APART):
             probs = cute.make_fragment_like(ctx.acc_S)  # P apart from S (Fa3Config says why)
             corr = cute.make_rmem_tensor((2,), Float32)
-            if const_expr(masked is None):
-                self.softmax_under_pv(ctx, kv_state, n_block, False, probs, corr)
+            if const_expr(masked is None or masked is True):
+                self.softmax_under_pv(ctx, kv_state, n_block, masked is True, probs, corr)
             else:
                 if masked:
                     self.softmax_under_pv(ctx, kv_state, n_block, True, probs, corr)
@@ -225,7 +236,10 @@ class ForwardMainloop:
             probs = None
             warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
             ctx.pipe_k.consumer_release(kv_state)
-            corr = self.scores_to_probs(ctx, n_block, False, masked)  # acc_S, not tOrP / acc_O
+            always = masked is True  # SPLIT_LOOPS' masked loop: the mask at compile time
+            corr = self.scores_to_probs(
+                ctx, n_block, always, None if always else masked
+            )  # acc_S, not tOrP / acc_O
             warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
         self.probs_to_operand(ctx, probs)  # tOrP and acc_O are free once PV has retired
