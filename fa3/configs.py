@@ -149,18 +149,25 @@ class Fa3Config:
     # first thread (its index is warp-uniform), not the thread's own: they depend on the
     # thread only through its warpgroup, which ptxas cannot see from a vector-register thread
     # index, so otherwise it builds them in vector registers and moves them across (R2UR).
-    wg_slice: bool = True
-    # Intra-WG overlap without causal or window masks: keep the main loop's runtime "is this
-    # block masked" test (always false there: only the newest block, peeled off before the
-    # loop, has keys past seqlen_k). Its branch splits the loop body, and ptxas then hoists
-    # P·V's wait above the softmax, which runs after P·V retires instead of under it (the
-    # default drops the test unless softmax_apart). Kept for A/B measurements.
-    loop_mask_test: bool = False
+    # In the sm_90a SASS the non-causal D = 128 loop drops from 518 to 487 instructions per
+    # block and warp (FA4's 452) and D = 64's from 446 to 428 (415); not yet timed or run
+    # against the oracle on a GPU, so no table entry takes it.
+    wg_slice: bool = False
+    # Intra-WG overlap without causal or window masks: the main loop's runtime "is this block
+    # masked" test, always false there (only the newest block, peeled off before the loop,
+    # has keys past seqlen_k; softmax_apart builds never test). Its branch splits the loop
+    # body, and ptxas then hoists P·V's wait above an in-place softmax, which runs after P·V
+    # retires instead of under it. False drops it: with wg_slice too the D = 64 table entry's
+    # softmax (68 FMNMX, 24 MUFU.EX2) and fp8 D = 128 / 256's move between the two waits
+    # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). Not yet run on a GPU.
+    loop_mask_test: bool = True
     # Intra-WG overlap with a causal (right) mask and no left window: the main loop as two
     # loops, the masked blocks with the mask compiled in and then the unmasked ones, neither
     # with a runtime test, so each body is one basic block and its softmax stays under P·V
     # (FA4's order). One loop with the test (False) keeps S, P and O in the same registers
     # across phases, but ptxas hoists P·V's wait above the softmax on both sides of its branch.
+    # At causal D = 128 both loops hold the softmax between the waits (68 FMNMX, 23-27
+    # MUFU.EX2 each; 0 spills, no C75xx remark); not yet run on a GPU.
     split_loops: bool = False
 
 
@@ -249,6 +256,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if cfg.rescale_before_pv and not cfg.intra_wg_overlap:
         return False, "fa3: rescale_before_pv needs intra_wg_overlap=True"
+    if cfg.split_loops and not cfg.intra_wg_overlap:
+        return False, "fa3: split_loops needs intra_wg_overlap=True (the overlapped main loop)"
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):

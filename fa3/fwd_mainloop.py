@@ -156,7 +156,10 @@ class ForwardMainloop:
             return self.last_half_block(ctx, kv_state)
         for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
             masked = i < n_masked_hi
-            if const_expr(not (self.HAS_RIGHT or self.HAS_LEFT or self.LOOP_MASK_TEST)):
+            if const_expr(
+                not (self.HAS_RIGHT or self.HAS_LEFT)
+                and (self.SOFTMAX_APART or not self.LOOP_MASK_TEST)
+            ):
                 # Only the newest block (first_half_block's) has masked keys, those past
                 # seqlen_k (n_masked_hi is 0): no mask test in the loop, one softmax in it.
                 masked = None

@@ -4,12 +4,13 @@
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
-#                                                fwd-candidates
+#                                                fwd-candidates bwd-candidates
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
 #   TEST_SHARD    i/n: `tests` runs every n-th test file from the i-th (the suite in n calls)
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
+#   FWD_CANDIDATE_ROWS   `fwd-candidates`' A/B rows, ';'-separated (e.g. "64;128 --causal")
 #   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
 #                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
 # fa3 needs the CuTe DSL installed (the `cute` extra; docs/gpu.md shows an offline install).
@@ -161,39 +162,51 @@ for part in $parts; do
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Hazard|FAIL" "$out/sanitize-bwd-$tool.log" | tail -8
       done ;;
     fwd-candidates)
-      # The fa3 forward's softmax options built but off: their GPU tests (row_chains and
-      # skip_unit_rescale within rounding of the table build, rescale_threshold's growing-max
-      # oracle cases, the fp8 V routes), then row_chains timed against the shipped build,
-      # passes interleaved (each variant passes its oracle cases first): e4m3 D 128 / 256,
-      # 16-bit D 64 and causal D 128 (builds that softmax in place).
-      python3 -m pytest tests/test_fa3_softmax_options.py tests/test_fp8.py -v -rfEs \
-        -p no:cacheprovider -k "gpu and (row_chains or skip_unit or grow or v_routes)" \
-        2>&1 | tail -30 | tee "$out/fwd-candidates.log" || status=1
-      # e4m3 also with the two other instruction cuts on top (permute_v_keys: no quad
-      # exchange; skip_unit_rescale: O's rescale skipped where exactly 1), and at D 128 three
-      # consumer warpgroups of 64 x 96 (two softmaxes at a time beside one warpgroup's GEMMs;
-      # spill-free within 160 registers).
-      for row in "128 --fp8" "256 --fp8" "64" "128 --causal"; do
+      # The fa3 forward's schedule options, built but off (Fa3Config.wg_slice, loop_mask_test,
+      # split_loops; docs/design.md, "What else moves P·V's wait"): their GPU tests (out and
+      # LSE within rounding of the table build, 16-bit and e4m3, causal and not), then each
+      # timed against the shipped build, passes interleaved (each variant passes its oracle
+      # cases first). "new": descriptors from the warpgroup's slice and no mask test in the
+      # non-causal loop; "split": the causal loop in two; at D = 128 also the in-place softmax
+      # (softmax_apart off), at D = 256 also without ping-pong (FA4's D = 256 schedule).
+      python3 -m pytest tests/test_fa3_softmax_options.py -v -rfEs -p no:cacheprovider \
+        -k "gpu and schedule_options" 2>&1 | tail -40 | tee "$out/fwd-candidates.log" || status=1
+      # FWD_CANDIDATE_ROWS: the rows to time, ';'-separated (all ten take about 15 minutes;
+      # a device command gets 10).
+      new=wg_slice=1,loop_mask_test=0
+      rows=${FWD_CANDIDATE_ROWS:-64;96;128;192;256;128 --fp8;256 --fp8;64 --causal;128 --causal;256 --causal}
+      IFS=';' read -r -a rows <<< "$rows"
+      for row in "${rows[@]}"; do
         read -r d flags <<< "$row"
-        more=()
-        if [ "${flags:-}" = "--fp8" ]; then
-          more=(--variant rcpksu:row_chains=1,permute_v_keys=1,skip_unit_rescale=1)
-        fi
-        if [ "$row" = "128 --fp8" ]; then
-          more+=(--variant wg3n96:num_consumer_wgs=3,tile_m=192,tile_n=96
-                 --variant wg3n96rc:num_consumer_wgs=3,tile_m=192,tile_n=96,row_chains=1)
-        fi
-        python3 -m benchmarks.fa3_fwd_ab --variant rc:row_chains=1 "${more[@]}" --head-dim "$d" \
-          ${flags:-} --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
+        vars=(--variant "new:$new")
+        case "$row" in
+          *causal*) vars=(--variant split:split_loops=1,wg_slice=1) ;;
+          128) vars+=(--variant "newip:$new,softmax_apart=0") ;;
+          256) vars+=(--variant "newnopp:$new,pingpong=0") ;;
+        esac
+        python3 -m benchmarks.fa3_fwd_ab "${vars[@]}" --head-dim "$d" ${flags:-} \
+          --seqlen 4096 --seqlen 16384 --passes 5 2>&1 | grep -v Warning | tail -20 \
           | tee -a "$out/fwd-candidates-ab.log" || status=1
-      done
-      # e4m3 causal on the persistent scheduler (every causal 16-bit entry ships it; +8 % in
-      # the e4m3 D 128 kernel at N = 8k in one run, docs/results.md), with and without chains.
-      python3 -m benchmarks.fa3_fwd_ab --fp8 --causal --head-dim 128 \
-        --variant pv2:persistent=1,overlap_tiles=1,balanced_order=1 \
-        --variant pv2rc:persistent=1,overlap_tiles=1,balanced_order=1,row_chains=1 \
-        --seqlen 4096 --seqlen 16384 --passes 3 2>&1 | grep -v Warning | tail -20 \
-        | tee -a "$out/fwd-candidates-ab.log" || status=1 ;;
+      done ;;
+    bwd-candidates)
+      # The fa3 backward's dV issued before the sdS fence (BwdConfig.dv_before_fence, FA4's
+      # order; variants *_dvf): their oracle cases, then the D = 128 A/B against the shipped
+      # builds (non-causal 80-row tile, with FA4's elementwise work too; causal sections),
+      # passes interleaved, and the training step at N = 8k.
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-candidates" \
+        --variant pipe80_wgs_wgdq_tma_dvf --variant pipe80_wgs_sout_ng_wgdq_tma_dvf \
+        --variant pipe_sec4_wgdq_tma_dvf --variant pipe128_dqm_tma_dvf 2>&1 | tail -12 \
+        | tee "$out/bwd-candidates.log" || status=1
+      python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_wgdq_tma \
+        --variant pipe80_wgs_wgdq_tma_dvf --variant pipe80_wgs_sout_ng_wgdq_tma_dvf \
+        --head-dim 128 --repeats 5 2>&1 | grep -v Warning | tail -24 \
+        | tee -a "$out/bwd-candidates-ab.log" || status=1
+      python3 -m benchmarks.fa3_bwd_ab --variant pipe_sec4_wgdq_tma \
+        --variant pipe_sec4_wgdq_tma_dvf --head-dim 128 --causal --repeats 5 2>&1 \
+        | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1
+      python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_wgdq_tma \
+        --variant pipe80_wgs_wgdq_tma_dvf --step --seqlen 8192 --repeats 7 2>&1 \
+        | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
     varlen)
       # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
       # for every batch composition, autograd through fa2's backward; timed beside fa2's

@@ -2,7 +2,8 @@
 (Fa3Config.ex2_emu), through its CPU model (`exp2_poly_model`: the same float32 operations in
 the same order, fma with one rounding); the options' range checks in can_implement and where
 they ship; on a GPU, rescale_threshold against the oracle while a row's max keeps growing,
-skip_unit_rescale and row_chains against the table build within rounding."""
+skip_unit_rescale, row_chains and the schedule options (wg_slice, loop_mask_test,
+split_loops) against the table build within rounding."""
 
 from __future__ import annotations
 
@@ -172,6 +173,35 @@ def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -
     within rounding."""
     base = {"softmax_apart": False, "row_chains": False}
     _agree_with_the_table_build(d, fp8, causal, base, {"row_chains": True})
+
+
+# Options that change what ptxas schedules, not the arithmetic: descriptors from the
+# warpgroup's slice with no runtime mask test in the loop (non-causal), the causal loop split
+# in two, and at D = 256 the same without ping-pong (FA4's D = 256 schedule).
+_SCHEDULE_OPTIONS = {
+    "wgs_nt": {"wg_slice": True, "loop_mask_test": False},
+    "split": {"split_loops": True, "wg_slice": True},
+    "wgs_nt_nopp": {"wg_slice": True, "loop_mask_test": False, "pingpong": False},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", list(_SCHEDULE_OPTIONS))
+@pytest.mark.parametrize(
+    ("d", "fp8", "causal"),
+    [(64, False, False), (64, False, True), (96, False, False), (128, False, False),
+     (128, False, True), (192, False, False), (256, False, False), (256, False, True),
+     (128, True, False), (256, True, False)],
+    ids=lambda x: str(x),
+)  # fmt: skip
+def test_gpu_schedule_options_match_the_table_build(
+    d: int, fp8: bool, causal: bool, option: str
+) -> None:
+    """Fa3Config.wg_slice, loop_mask_test = False and split_loops change where ptxas puts the
+    wgmma waits and how it builds the descriptors, not the operations: out and LSE agree with
+    the table build's to within rounding (a dropped mask or a wrong descriptor moves them by
+    the size of O)."""
+    _agree_with_the_table_build(d, fp8, causal, {}, _SCHEDULE_OPTIONS[option])
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:

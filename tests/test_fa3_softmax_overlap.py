@@ -10,8 +10,9 @@ builds issue their row max and exponentials there, the build without the flag do
 the flag ships only where it was measured and checked (configs._SOFTMAX_APART), as does
 k_ahead (configs._K_AHEAD). And the two softmax options that change instruction counts:
 rescale_threshold's warp vote on O's rescale (shipped at D = 256) and ex2_emu's exponentials
-moved off MUFU. And a non-causal build without the flag keeps its softmax under P·V
-once the loop has no runtime mask test.
+moved off MUFU. And what else keeps an in-place softmax under P·V: no runtime mask test in
+the loop with descriptors from the warpgroup's slice (non-causal), or the causal loop split
+in two (split_loops).
 """
 
 from __future__ import annotations
@@ -74,31 +75,56 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
 
 
 def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
-    """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S: with no
-    causal or window mask the loop holds no runtime mask test (only the peeled newest block
-    has keys past seqlen_k), so its body is one basic block and the softmax stays between the
-    two waits; with the test (loop_mask_test) ptxas hoists P·V's wait above it. And the
-    descriptors of the shipped build come from the warpgroup's slice (wg_slice)."""
-    with ThreadPoolExecutor(3) as pool:
-        shipped, tested, unsliced = pool.map(
-            lambda f: f(),
-            [
-                lambda: _windows(head_dim=64, causal=False),
-                lambda: _windows("loop_mask_test=1", head_dim=64, causal=False),
-                lambda: _windows("wg_slice=0", head_dim=64, causal=False),
-            ],
+    """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S. The
+    shipped loop keeps a runtime mask test (always false there: only the peeled newest block
+    has keys past seqlen_k) and builds its descriptors per thread, and ptxas hoists P·V's wait
+    above the softmax. Without the test (loop_mask_test=0) and with the warpgroup's slice
+    (wg_slice=1) the body is one basic block with uniform descriptors, and the softmax stays
+    between the two waits; either alone is not enough."""
+    builds = {
+        "shipped": (),
+        "both": ("loop_mask_test=0", "wg_slice=1"),
+        "no_test": ("loop_mask_test=0",),
+        "sliced": ("wg_slice=1",),
+    }
+    with ThreadPoolExecutor(4) as pool:
+        got = dict(
+            zip(
+                builds,
+                pool.map(lambda sets: _windows(*sets, head_dim=64, causal=False), builds.values()),
+                strict=True,
+            )
         )
-    assert not shipped["config"]["softmax_apart"] and not shipped["config"]["loop_mask_test"]
-    # Descriptors from the warpgroup's slice: fewer vector-to-uniform moves than from the
-    # thread's own (8 a block per warp in the loop at D = 64, benchmarks/fa4_sass_compare).
-    assert shipped["config"]["wg_slice"] and not unsliced["config"]["wg_slice"]
-    assert shipped["counts"]["r2ur"] < unsliced["counts"]["r2ur"], (shipped, unsliced)
-    for r in (shipped, tested):
+    assert not got["shipped"]["config"]["softmax_apart"]
+    assert got["shipped"]["config"]["loop_mask_test"] and not got["shipped"]["config"]["wg_slice"]
+    for r in got.values():
         assert r["spill_stores"] == 0 and not r["remarks"], r
     # 128 keys per block: 64 scores a thread over its two rows.
-    assert len(shipped["windows"]) == 1, shipped["windows"]
-    assert shipped["windows"][0]["fmnmx"] >= 64 and shipped["windows"][0]["mufu"] >= 8, shipped
-    assert tested["windows"] and all(w["mufu"] == 0 for w in tested["windows"]), tested
+    both = got["both"]["windows"]
+    assert len(both) == 1 and both[0]["fmnmx"] >= 64 and both[0]["mufu"] >= 8, both
+    for name in ("shipped", "no_test", "sliced"):
+        assert got[name]["windows"] and all(w["mufu"] == 0 for w in got[name]["windows"]), got
+    # Descriptors from the warpgroup's slice: fewer vector-to-uniform moves than from the
+    # thread's own (8 a block per warp in the loop at D = 64, benchmarks/fa4_sass_compare).
+    assert got["both"]["counts"]["r2ur"] < got["no_test"]["counts"]["r2ur"], got
+
+
+def test_split_loops_keep_the_causal_softmax_under_pv() -> None:
+    """Causal D = 128 (the table's in-place softmax): one loop with a runtime mask test has
+    no softmax between the waits; split_loops (the masked blocks, then the unmasked ones, no
+    test in either) has a whole one in each loop."""
+    with ThreadPoolExecutor(2) as pool:
+        shipped, split = pool.map(
+            lambda sets: _windows(*sets, head_dim=128, causal=True),
+            [(), ("split_loops=1",)],
+        )
+    assert not shipped["config"]["split_loops"] and not shipped["config"]["softmax_apart"]
+    for r in (shipped, split):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+    assert shipped["windows"] and all(w["mufu"] == 0 for w in shipped["windows"]), shipped
+    assert len(split["windows"]) == 2, split["windows"]
+    for w in split["windows"]:
+        assert w["fmnmx"] >= 64 and w["mufu"] >= 8, split["windows"]
 
 
 def test_softmax_apart_ships_where_it_was_measured() -> None:
