@@ -681,10 +681,19 @@ DECODE_PAGED_BOXES = True
 # of 9 decode-sweep points (B 1 x 128k 136.3 -> 142.6 us, B 8 x 32k 252.1 -> 264.0, B 128 x 4k
 # 489.9 -> 504.7) and faster only at B 1 x 32k (48.8 -> 46.5); docs/inference.md.
 DECODE_KV_EVICT_FIRST = False
+# The decode main loop's runtime mask test where nothing in the loop is masked (no causal or
+# window edge: only the newest key block, peeled off before the loop, has keys past the row's
+# length). On: the shipped build. Off drops the test (Fa3Config.loop_mask_test): 2840 SASS
+# instructions in the contiguous D = 128 split build against 2960; not yet run on a GPU
+# (tests/test_fa3_kvcache.py's "no-loop-test" build, `benchmarks/decode_switch_ab.py --switch
+# DECODE_LOOP_MASK_TEST`).
+DECODE_LOOP_MASK_TEST = True
 
 
 @functools.cache  # a frozen config per (head_dim, page_size, ctas_per_sm): every decode call asks
-def decode_config(head_dim: int, page_size: int = 0, ctas_per_sm: int = 1) -> Fa3Config | None:
+def decode_config(
+    head_dim: int, page_size: int = 0, ctas_per_sm: int = 1, loop_mask_test: bool = True
+) -> Fa3Config | None:
     """The decode kernel's tiles: 64 packed rows x tile_n keys, as many K/V stages as shared
     memory holds (up to DECODE_MAX_STAGES). tile_n is 128 keys (64 at D = 256: S, O and P of a
     128-key tile would need ~280 registers a thread), or for a paged cache the largest multiple
@@ -692,7 +701,9 @@ def decode_config(head_dim: int, page_size: int = 0, ctas_per_sm: int = 1) -> Fa
 
     ctas_per_sm = 2: the build two CTAs of which share an SM: K/V tiles of at most 8192 / D keys
     (a multiple of 16: 128 at D = 64, 64 at D = 128), as many stages as half the SM's shared
-    memory holds (3 at D = 64 / 128), None where not even two fit."""
+    memory holds (3 at D = 64 / 128), None where not even two fit.
+
+    loop_mask_test: Fa3Config.loop_mask_test (decode_host passes DECODE_LOOP_MASK_TEST)."""
     tile_n = 64 if head_dim > 192 else 128
     capacity = SMEM_CAPACITY
     if ctas_per_sm == 2:
@@ -707,6 +718,7 @@ def decode_config(head_dim: int, page_size: int = 0, ctas_per_sm: int = 1) -> Fa
         intra_wg_overlap=True,
         o_alias_q=True,
         num_consumer_wgs=1,
+        loop_mask_test=loop_mask_test,
     )
     stages = min(8, DECODE_MAX_STAGES * 128 // tile_n)
     while stages > 2 and smem_bytes(replace(cfg, stages=stages), head_dim) > capacity:

@@ -59,19 +59,20 @@ class DecodePlan(NamedTuple):
 
 
 def _tiles(head_dim: int, page_size: int, ctas_per_sm: int) -> tuple[Fa3Config | None, int]:
-    """(config, page_box) for a cache of page_size-token pages (0: contiguous). With
+    """(config, page_box) for a cache of page_size-token pages (0: contiguous), with
+    configs.DECODE_LOOP_MASK_TEST's loop_mask_test. With
     configs.DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles, each stage
     loaded as tile_n / page_box boxes of page_box keys (the largest multiple of 16 dividing
     both); otherwise its tiles are cut to a size that divides the page."""
     if page_size and configs.DECODE_PAGED_BOXES:
-        cfg = decode_config(head_dim, 0, ctas_per_sm)
+        cfg = decode_config(head_dim, 0, ctas_per_sm, configs.DECODE_LOOP_MASK_TEST)
         if cfg is None:
             return None, 0
         box = next(
             n for n in range(cfg.tile_n, 0, -16) if page_size % n == 0 and cfg.tile_n % n == 0
         )
         return cfg, (0 if box == cfg.tile_n else box)
-    return decode_config(head_dim, page_size, ctas_per_sm), 0
+    return decode_config(head_dim, page_size, ctas_per_sm, configs.DECODE_LOOP_MASK_TEST), 0
 
 
 def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
@@ -205,7 +206,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     key = (
         kp, device, configs.DECODE_FUSED_COMBINE, configs.DECODE_TWO_CTAS_MIN_TILES,
         configs.DECODE_TWO_CTAS_HEAD_DIMS, configs.DECODE_PAGED_BOXES,
-        configs.DECODE_KV_EVICT_FIRST,
+        configs.DECODE_KV_EVICT_FIRST, configs.DECODE_LOOP_MASK_TEST,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:

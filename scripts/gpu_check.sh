@@ -187,7 +187,11 @@ for part in $parts; do
         python3 -m benchmarks.fa3_fwd_ab "${vars[@]}" --head-dim "$d" ${flags:-} \
           --seqlen 4096 --seqlen 16384 --passes 5 2>&1 | grep -v Warning | tail -20 \
           | tee -a "$out/fwd-candidates-ab.log" || status=1
-      done ;;
+      done
+      # The decode kernel without the loop's mask test (its oracle cases: the kvcache part's
+      # "no-loop-test" build), on the decode sweep beside SDPA.
+      python3 -m benchmarks.decode_switch_ab --switch DECODE_LOOP_MASK_TEST --passes 3 2>&1 \
+        | grep -v Warning | tail -12 | tee -a "$out/fwd-candidates-ab.log" || status=1 ;;
     bwd-candidates)
       # The fa3 backward's dV issued before the sdS fence (BwdConfig.dv_before_fence, FA4's
       # order; variants *_dvf): their oracle cases, then the D = 128 A/B against the shipped

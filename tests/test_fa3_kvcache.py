@@ -402,6 +402,21 @@ def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch
     assert torch.equal(flat[5], kn[0, 0]), "the new token was not appended at cache_seqlens"
 
 
+def test_loop_mask_test_switch_reaches_the_build(stand_in, monkeypatch) -> None:
+    """configs.DECODE_LOOP_MASK_TEST picks the decode build's Fa3Config.loop_mask_test, and
+    the launch plans are cached per switch setting (flipping it between calls, as
+    benchmarks/decode_switch_ab does, takes the other build)."""
+    from flashsuite.fa3 import configs, decode_host
+
+    q = torch.randn(1, 1, 8, 128, dtype=BF16)
+    kc = torch.zeros(1, 512, 2, 128, dtype=BF16)
+    kp = check_kvcache_inputs(q, kc, kc, cache_seqlens=300, num_splits=2)
+    for flag in (True, False, True):
+        monkeypatch.setattr(configs, "DECODE_LOOP_MASK_TEST", flag)
+        decode_host.launch_plan(kp, torch.device("cpu"))
+    assert [b.key.cfg.loop_mask_test for b in stand_in] == [True, False]
+
+
 def test_captured_calls_get_disjoint_zeroed_counters(monkeypatch) -> None:
     """Calls captured into CUDA graphs take their split counters from a pool zeroed outside any
     capture: disjoint slices, one per call, so no graph needs a memset node and graphs on
@@ -516,7 +531,9 @@ def _case_id(c) -> str:
 
 
 @gpu_fa3
-@pytest.mark.parametrize("build", ["triton-combine", "fused-combine", "two-ctas", "paged-tiles"])
+@pytest.mark.parametrize(
+    "build", ["triton-combine", "fused-combine", "two-ctas", "paged-tiles", "no-loop-test"]
+)
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
@@ -525,7 +542,8 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     build two CTAs of which share an SM (configs.DECODE_TWO_CTAS_MIN_TILES), where its head
     dim has one. Paged cases run on the contiguous key tiles, one TMA box per page
     (configs.DECODE_PAGED_BOXES, shipped); "paged-tiles": on key tiles cut to the page (the
-    switch off)."""
+    switch off). "no-loop-test": the main loop without its runtime mask test where nothing
+    in it is masked (configs.DECODE_LOOP_MASK_TEST off)."""
     from flashsuite.fa3 import configs
     from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
@@ -544,6 +562,7 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
         pytest.skip("a contiguous cache, or pages as large as the key tile: no cut tiles")
     monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build != "paged-tiles")
     monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
+    monkeypatch.setattr(configs, "DECODE_LOOP_MASK_TEST", build != "no-loop-test")
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
     k_dense, v_dense = (_rand(gen, b, cap, hkv, d, dtype=dtype) for _ in range(2))
