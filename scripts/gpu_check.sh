@@ -169,7 +169,9 @@ for part in $parts; do
       # cases first). "new": descriptors from the warpgroup's slice and no mask test in the
       # non-causal loop; "split": the causal loop in two; at D = 128 also the in-place softmax
       # (softmax_apart off), at D = 256 also without ping-pong (FA4's D = 256 schedule).
-      python3 -m pytest tests/test_fa3_softmax_options.py -v -rfEs -p no:cacheprovider \
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      # shellcheck disable=SC2086
+      python3 -m pytest tests/test_fa3_softmax_options.py -v -rfEs -p no:cacheprovider $xdist \
         -k "gpu and schedule_options" 2>&1 | tail -40 | tee "$out/fwd-candidates.log" || status=1
       # FWD_CANDIDATE_ROWS: the rows to time, ';'-separated (all ten take about 15 minutes;
       # a device command gets 10).

@@ -418,6 +418,14 @@ MUTANTS = [
         ("tests/test_inference.py",),
     ),
     Mutant(
+        "decode launch plans: DECODE_LOOP_MASK_TEST left out of their key",
+        "fa3/decode_host.py",
+        "configs.DECODE_KV_EVICT_FIRST, configs.DECODE_LOOP_MASK_TEST,",
+        "configs.DECODE_KV_EVICT_FIRST,",
+        "loop_mask_test_switch",
+        ("tests/test_fa3_kvcache.py",),
+    ),
+    Mutant(
         "own-backward choice memo: FLASHSUITE_<V>_BWD left out of its key",
         "dispatch/registry.py",
         "mkey = (name, p, arch, _deterministic(), env_table.get(switch))",
@@ -486,6 +494,14 @@ GPU_MUTANTS = [
         "            if needs_rescale(corr):\n",
         "            if not needs_rescale(corr):\n",
         "test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows",
+        ("tests/test_fa3_softmax_options.py",),
+    ),
+    Mutant(
+        "fa3 fwd: the split causal loop's masked blocks run unmasked",
+        FA3_LOOP,
+        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True)",
+        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None)",
+        "schedule_options and split",
         ("tests/test_fa3_softmax_options.py",),
     ),
     Mutant(

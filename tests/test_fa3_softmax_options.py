@@ -176,32 +176,34 @@ def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -
 
 
 # Options that change what ptxas schedules, not the arithmetic: descriptors from the
-# warpgroup's slice with no runtime mask test in the loop (non-causal), the causal loop split
-# in two, and at D = 256 the same without ping-pong (FA4's D = 256 schedule).
-_SCHEDULE_OPTIONS = {
-    "wgs_nt": {"wg_slice": True, "loop_mask_test": False},
-    "split": {"split_loops": True, "wg_slice": True},
-    "wgs_nt_nopp": {"wg_slice": True, "loop_mask_test": False, "pingpong": False},
-}
+# warpgroup's slice with no runtime mask test in the loop (non-causal; at D = 128 also with
+# the in-place softmax, at D = 256 also without ping-pong, FA4's D = 256 schedule), and the
+# causal loop split in two. The builds scripts/gpu_check.sh's fwd-candidates part times.
+_NEW = {"wg_slice": True, "loop_mask_test": False}
+_SCHEDULE_CASES = [
+    *[(d, False, False, "new", _NEW) for d in (64, 96, 128, 192, 256)],
+    *[(d, True, False, "new", _NEW) for d in (128, 256)],
+    (128, False, False, "new_inplace", {**_NEW, "softmax_apart": False}),
+    (256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
+    *[(d, False, True, "split", {"split_loops": True, "wg_slice": True}) for d in (64, 128, 256)],
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", list(_SCHEDULE_OPTIONS))
 @pytest.mark.parametrize(
-    ("d", "fp8", "causal"),
-    [(64, False, False), (64, False, True), (96, False, False), (128, False, False),
-     (128, False, True), (192, False, False), (256, False, False), (256, False, True),
-     (128, True, False), (256, True, False)],
-    ids=lambda x: str(x),
+    ("d", "fp8", "causal", "name", "option"),
+    _SCHEDULE_CASES,
+    ids=[f"{c[3]}-D{c[0]}{'-e4m3' if c[1] else ''}{'-causal' if c[2] else ''}"
+         for c in _SCHEDULE_CASES],
 )  # fmt: skip
 def test_gpu_schedule_options_match_the_table_build(
-    d: int, fp8: bool, causal: bool, option: str
+    d: int, fp8: bool, causal: bool, name: str, option: dict
 ) -> None:
     """Fa3Config.wg_slice, loop_mask_test = False and split_loops change where ptxas puts the
     wgmma waits and how it builds the descriptors, not the operations: out and LSE agree with
     the table build's to within rounding (a dropped mask or a wrong descriptor moves them by
     the size of O)."""
-    _agree_with_the_table_build(d, fp8, causal, {}, _SCHEDULE_OPTIONS[option])
+    _agree_with_the_table_build(d, fp8, causal, {}, option)
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:
