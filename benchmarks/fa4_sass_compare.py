@@ -4,12 +4,14 @@
     python -m benchmarks.fa4_sass_compare --head-dim 128 --keep /tmp/cmp --listing
     python -m benchmarks.fa4_sass_compare --from /tmp/cmp       # re-read the kept builds
     python -m benchmarks.fa4_sass_compare --json out.json
+    python -m benchmarks.fa4_sass_compare --head-dim 128 --causal --set split_loops=1
 
 For each head dim two kernels are built, each in its own process (`--build`, which sets the
 CUTE_DSL_* variables through benchmarks.fa3_probe before cutlass is imported): ours with the
-shipped config (configs.get_config(D, bf16, causal=False)), and FA4's
+shipped config (configs.get_config(D, bf16, causal)), and FA4's
 FlashAttentionForwardSm90 (flash-attn-4 4.0.0b36, pure Python) with the configuration its
-interface (flash_attn/cute/interface.py) picks on SM90 for bf16, non-causal, MHA: tile and
+interface (flash_attn/cute/interface.py) picks on SM90 for bf16 MHA, non-causal unless
+`--causal` (then both causal; the steady loop is then the unmasked one): tile and
 flags from `_tile_size_fwd_sm90`, num_stages=2, Q_in_regs=False, pack_gqa=False and no LSE
 (`flash_attn_func` allocates none unless an input requires grad or return_lse; dispatch/bench
 times the forward that way: `--fa4-lse` builds the LSE-writing kernel instead). The inputs
@@ -194,7 +196,7 @@ def _fake_inputs(head_dim: int, lse: bool) -> tuple:
     return q, k, v, o, lse_t
 
 
-def build_fa4(head_dim: int, lse: bool, wheel_dir: Path) -> tuple:
+def build_fa4(head_dim: int, lse: bool, wheel_dir: Path, causal: bool = False) -> tuple:
     """(compiled, ptxas log, facts) of FA4's SM90 forward as its interface configures it."""
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
 
@@ -205,13 +207,13 @@ def build_fa4(head_dim: int, lse: bool, wheel_dir: Path) -> tuple:
     from flash_attn.cute.interface import _tile_size_fwd_sm90
     from flash_attn.cute.utils import AuxData
 
-    cfg = _tile_size_fwd_sm90(head_dim, head_dim, False, False)
+    cfg = _tile_size_fwd_sm90(head_dim, head_dim, causal, False)
     kernel = FlashAttentionForwardSm90(
         cutlass.BFloat16,
         head_dim,
         head_dim,
         1,  # qhead_per_kvhead
-        is_causal=False,
+        is_causal=causal,
         is_local=False,
         pack_gqa=False,
         tile_m=cfg.m_block_size,
@@ -261,8 +263,8 @@ def build_fa4(head_dim: int, lse: bool, wheel_dir: Path) -> tuple:
     return compiled, log, facts
 
 
-def build_ours(head_dim: int, changes: list[str]) -> tuple:
-    """(compiled, ptxas log, facts) of our shipped bf16 non-causal forward, with each
+def build_ours(head_dim: int, changes: list[str], causal: bool = False) -> tuple:
+    """(compiled, ptxas log, facts) of our shipped bf16 forward (causal or not), with each
     FIELD=VALUE of `changes` replaced in its config."""
     import dataclasses
 
@@ -274,7 +276,7 @@ def build_ours(head_dim: int, changes: list[str]) -> tuple:
     from flashsuite.fa3.configs import get_config
 
     _, fields = parse_variant("set:" + ",".join(changes))
-    cfg = dataclasses.replace(get_config(head_dim, torch.bfloat16, False), **fields)
+    cfg = dataclasses.replace(get_config(head_dim, torch.bfloat16, causal), **fields)
     storages: list = []
     check = fa3_compile.check_storage
 
@@ -289,7 +291,7 @@ def build_ours(head_dim: int, changes: list[str]) -> tuple:
         tvm = True
     except ImportError:
         tvm = False
-    key = fa3_compile.CompileKey(torch.bfloat16, head_dim, False, False, False, cfg, tvm_ffi=tvm)
+    key = fa3_compile.CompileKey(torch.bfloat16, head_dim, causal, False, False, cfg, tvm_ffi=tvm)
     compiled, log = probe._capture_fd2(lambda: fa3_compile.compile_forward(key))
     facts = {
         "config": dataclasses.asdict(cfg),
@@ -299,20 +301,26 @@ def build_ours(head_dim: int, changes: list[str]) -> tuple:
 
 
 def build(
-    which: str, head_dim: int, out: Path, lse: bool, wheel_dir: Path, changes: list[str]
+    which: str,
+    head_dim: int,
+    out: Path,
+    lse: bool,
+    wheel_dir: Path,
+    changes: list[str],
+    causal: bool = False,
 ) -> None:
     """Compile one kernel and write out/<which>_d<D>.sass, .ptx and .json (ptxas facts)."""
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
 
     os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"  # after fa3_probe, which sets "ptx"
     if which == "fa4":
-        compiled, log, facts = build_fa4(head_dim, lse, wheel_dir)
+        compiled, log, facts = build_fa4(head_dim, lse, wheel_dir, causal)
     else:
-        compiled, log, facts = build_ours(head_dim, changes)
+        compiled, log, facts = build_ours(head_dim, changes, causal)
     from benchmarks.fa3_bwd_sass import disassemble
 
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{which}_d{head_dim}"
+    stem = out / f"{which}_d{head_dim}{'_causal' if causal else ''}"
     stem.with_suffix(".sass").write_text(disassemble(compiled.__cubin__))
     stem.with_suffix(".ptx").write_text(getattr(compiled, "__ptx__", None) or "")
     facts.update(probe.parse_ptxas(log))
@@ -555,10 +563,11 @@ def _listing(insns, labels, loop) -> str:
 # --------------------------------------------------------------------------- report
 
 
-def report(d: int, fa4: dict, ours: dict) -> str:
+def report(d: int, fa4: dict, ours: dict, causal: bool = False) -> str:
     """The side-by-side table of one head dim."""
     w = 14
-    lines = [f"=== bf16 non-causal, head_dim {d}: FA4 4.0.0b36 vs ours ===", ""]
+    kind = "causal" if causal else "non-causal"
+    lines = [f"=== bf16 {kind}, head_dim {d}: FA4 4.0.0b36 vs ours ===", ""]
 
     def row(name, a, b, diff=False):
         extra = ""
@@ -617,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         "--set", action="append", default=[], help="ours: FIELD=VALUE of Fa3Config (repeat)"
     )
     ap.add_argument("--fa4-lse", action="store_true", help="FA4 writes the LSE (training fwd)")
+    ap.add_argument("--causal", action="store_true", help="both causal (each its causal config)")
     ap.add_argument("--wheel-dir", default=str(REPO / ".gpu"), help="where the FA4 wheels are")
     ap.add_argument("--listing", action="store_true", help="also print both consumer loops")
     ap.add_argument("--json", help="write the analysis here")
@@ -626,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
     dims = args.head_dim or [64, 128]
 
     if args.build:
-        build(args.build, dims[0], Path(args.out), args.fa4_lse, Path(args.wheel_dir), args.set)
+        build(args.build, dims[0], Path(args.out), args.fa4_lse, Path(args.wheel_dir), args.set,
+              args.causal)  # fmt: skip
         return 0
 
     tmp = None
@@ -643,17 +654,18 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [sys.executable, "-m", "benchmarks.fa4_sass_compare", "--build", which]
                 cmd += ["--head-dim", str(d), "--out", str(folder), "--wheel-dir", args.wheel_dir]
                 cmd += ["--fa4-lse"] if args.fa4_lse else []
+                cmd += ["--causal"] if args.causal else []
                 cmd += [f"--set={c}" for c in args.set]
                 subprocess.run(cmd, check=True, cwd=REPO)
     results = {}
     for d in dims:
         res = {}
         for which in BUILDS:
-            stem = folder / f"{which}_d{d}"
+            stem = folder / f"{which}_d{d}{'_causal' if args.causal else ''}"
             facts = json.loads(stem.with_suffix(".json").read_text())
             res[which] = analyse(stem.with_suffix(".sass").read_text(), facts)
         results[d] = res
-        print(report(d, res["fa4"], res["ours"]))
+        print(report(d, res["fa4"], res["ours"], args.causal))
         if args.listing:
             for which in BUILDS:
                 print(f"\n--- {which} D{d}: consumer loop ('c': conditional)")
