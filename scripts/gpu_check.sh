@@ -182,7 +182,9 @@ for part in $parts; do
         read -r d flags <<< "$row"
         vars=(--variant "new:$new")
         case "$row" in
-          *causal*) vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1) ;;
+          *causal*)
+            vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1)
+            [ "$d" = 256 ] && vars+=(--variant splitnopp:split_loops=1,wg_slice=1,pingpong=0) ;;
           128) vars+=(--variant "newip:$new,softmax_apart=0") ;;
           256) vars+=(--variant "newnopp:$new,pingpong=0") ;;
         esac
