@@ -186,6 +186,7 @@ _SCHEDULE_CASES = [
     (128, False, False, "new_inplace", {**_NEW, "softmax_apart": False}),
     (256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
     *[(d, False, True, "split", {"split_loops": True, "wg_slice": True}) for d in (64, 128, 256)],
+    (256, False, True, "split_nopp", {"split_loops": True, "wg_slice": True, "pingpong": False}),
 ]
 
 
