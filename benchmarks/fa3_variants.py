@@ -92,8 +92,9 @@ def final_variants() -> list[tuple[str, int, bool, Fa3Config]]:
 
 
 def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
-    """Configs with the non-default flags (3 consumer WGs, persistent) that CI compiles too,
-    with and without ping-pong / intra-WG overlap so every barrier protocol is built."""
+    """Configs with the non-default flags (3 consumer WGs, persistent, the schedule options)
+    that CI compiles too, with and without ping-pong / intra-WG overlap so every barrier
+    protocol is built."""
     bf16 = torch.bfloat16
     d64 = get_config(64, bf16, False)
     d128c = _tiles(128, True)
@@ -124,6 +125,23 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             if cfg.overlap_tiles and cfg.balanced_order  # new_rr: the same code, old order
         ),
         ("no-skip-masked-wg", 64, torch.float16, True, _overlap(_tiles(64, True))),
+        # The schedule options (Fa3Config.wg_slice, loop_mask_test, split_loops) at D = 256,
+        # without ping-pong as FA4 runs it there; D 64 / 128 compile in
+        # tests/test_fa3_softmax_overlap.py.
+        (
+            "schedule-new-no-pingpong",
+            256,
+            bf16,
+            False,
+            replace(d256, wg_slice=True, loop_mask_test=False, pingpong=False),
+        ),
+        (
+            "schedule-split-causal",
+            256,
+            torch.float16,
+            True,
+            replace(get_config(256, bf16, True), split_loops=True, wg_slice=True),
+        ),
         (
             "persistent-new-no-iwo",
             128,
