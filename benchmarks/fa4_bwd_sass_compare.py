@@ -60,7 +60,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.fa4_sass_compare import fa4_setup, is_move, setmaxnreg
+from benchmarks.fa4_sass_compare import capture_storage, fa4_setup, is_move, setmaxnreg
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WHEEL = "flash_attn_4-4.0.0b36-py3-none-any.whl"
@@ -229,15 +229,7 @@ def build_fa4(head_dim: int, causal: bool) -> tuple:
         q_subtile_factor=1,
         dQ_single_wg=cfg.dQ_single_wg,
     )
-    storages: list = []
-    make_storage = kernel._get_shared_storage_cls
-
-    def capture():
-        cls = make_storage()
-        storages.append(cls)
-        return cls
-
-    kernel._get_shared_storage_cls = capture
+    storages = capture_storage(kernel)
     b, nq, nk, h, nq_pad, nq_acc = (cute.sym_int() for _ in range(6))
 
     def bnhd(n):

@@ -196,6 +196,21 @@ def _fake_inputs(head_dim: int, lse: bool) -> tuple:
     return q, k, v, o, lse_t
 
 
+def capture_storage(kernel) -> list:
+    """The shared-storage classes an FA4 kernel builds while it compiles (its
+    `_get_shared_storage_cls` wrapped to record them), in a list filled as it compiles."""
+    storages: list = []
+    make_storage = kernel._get_shared_storage_cls
+
+    def capture():
+        cls = make_storage()
+        storages.append(cls)
+        return cls
+
+    kernel._get_shared_storage_cls = capture
+    return storages
+
+
 def build_fa4(head_dim: int, lse: bool, wheel_dir: Path, causal: bool = False) -> tuple:
     """(compiled, ptxas log, facts) of FA4's SM90 forward as its interface configures it."""
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
@@ -229,15 +244,7 @@ def build_fa4(head_dim: int, lse: bool, wheel_dir: Path, causal: bool = False) -
         q_subtile_factor=1,
         paged_kv_non_tma=False,
     )
-    storages: list = []
-    make_storage = kernel._get_shared_storage_cls
-
-    def capture():
-        cls = make_storage()
-        storages.append(cls)
-        return cls
-
-    kernel._get_shared_storage_cls = capture
+    storages = capture_storage(kernel)
     q, k, v, o, lse_t = _fake_inputs(head_dim, lse)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     # (mQ, mK, mV, mO, mLSE, softmax_scale, cu_seqlens_q/k, seqused_q/k, page_table,
