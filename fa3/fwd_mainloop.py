@@ -141,7 +141,10 @@ class ForwardMainloop:
         One loop with a uniform runtime mask test rather than one loop per phase: S, P and O
         are carried from iteration to iteration, and with several loops ptxas gives them
         different registers in each (R227 instead of ~R180 at D=128) and then serialises the
-        wgmmas for lack of registers (C7512).
+        wgmmas for lack of registers (C7512). SPLIT_LOOPS (causal, no left window) runs the
+        masked and the unmasked blocks as two loops all the same, the mask compiled into the
+        first; the causal table entries at D = 64, 128 and 256 compile that way with 0 spills
+        and no C75xx remark (Fa3Config.split_loops).
         """
         kv_state = self.first_half_block(ctx, kv_state, n_block - i_first)
         if const_expr(self.SPLIT_LOOPS and self.HAS_RIGHT and not self.HAS_LEFT):
