@@ -56,11 +56,16 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.fa4_sass_compare import capture_storage, fa4_setup, is_move, setmaxnreg
+from benchmarks.fa4_sass_compare import (
+    capture_storage,
+    fa4_setup,
+    is_move,
+    setmaxnreg,
+    work_folder,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WHEEL = "flash_attn_4-4.0.0b36-py3-none-any.whl"
@@ -784,14 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     names = MAIN if args.no_prepost else MAIN + PREPOST
-    tmp = None
-    if args.from_dir:
-        folder = Path(args.from_dir)
-    elif args.keep:
-        folder = Path(args.keep)
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="fa4_bwd_sass_")
-        folder = Path(tmp.name)
+    folder, tmp = work_folder(args.from_dir, args.keep, "fa4_bwd_sass_")
     if not args.from_dir:
         unzipped = Path(os.environ.get("TMPDIR", "/tmp")) / "fa4" / "flash_attn"
         found = (Path(args.wheel_dir) / FA4_WHEEL).exists() or unzipped.exists()

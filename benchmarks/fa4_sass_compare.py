@@ -624,6 +624,15 @@ def report(d: int, fa4: dict, ours: dict, causal: bool = False) -> str:
     return "\n".join(lines)
 
 
+def work_folder(from_dir: str | None, keep: str | None, prefix: str) -> tuple:
+    """(folder, TemporaryDirectory or None): the builds' folder, --from's or --keep's, else a
+    temporary one the caller cleans up."""
+    if from_dir or keep:
+        return Path(from_dir or keep), None
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    return Path(tmp.name), tmp
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head-dim", type=int, action="append", help="64 and 128 by default")
@@ -647,14 +656,7 @@ def main(argv: list[str] | None = None) -> int:
               args.causal)  # fmt: skip
         return 0
 
-    tmp = None
-    if args.from_dir:
-        folder = Path(args.from_dir)
-    elif args.keep:
-        folder = Path(args.keep)
-    else:
-        tmp = tempfile.TemporaryDirectory(prefix="fa4_sass_")
-        folder = Path(tmp.name)
+    folder, tmp = work_folder(args.from_dir, args.keep, "fa4_sass_")
     if not args.from_dir:
         for d in dims:
             for which in BUILDS:
