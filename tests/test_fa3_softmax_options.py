@@ -180,25 +180,28 @@ def test_gpu_row_chains_match_the_table_build(d: int, fp8: bool, causal: bool) -
 # the in-place softmax, at D = 256 also without ping-pong, FA4's D = 256 schedule), and the
 # causal loop split in two. The builds scripts/gpu_check.sh's fwd-candidates part times.
 _NEW = {"wg_slice": True, "loop_mask_test": False}
+_SPLIT = {"split_loops": True, "wg_slice": True}
+
+
+def _case(d: int, fp8: bool, causal: bool, name: str, option: dict):
+    kind = ("-e4m3" if fp8 else "") + ("-causal" if causal else "")
+    return pytest.param(d, fp8, causal, option, id=f"{name}-D{d}{kind}")
+
+
 _SCHEDULE_CASES = [
-    *[(d, False, False, "new", _NEW) for d in (64, 96, 128, 192, 256)],
-    *[(d, True, False, "new", _NEW) for d in (128, 256)],
-    (128, False, False, "new_inplace", {**_NEW, "softmax_apart": False}),
-    (256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
-    *[(d, False, True, "split", {"split_loops": True, "wg_slice": True}) for d in (64, 128, 256)],
-    (256, False, True, "split_nopp", {"split_loops": True, "wg_slice": True, "pingpong": False}),
+    *[_case(d, False, False, "new", _NEW) for d in (64, 96, 128, 192, 256)],
+    *[_case(d, True, False, "new", _NEW) for d in (128, 256)],
+    _case(128, False, False, "new_inplace", {**_NEW, "softmax_apart": False}),
+    _case(256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
+    *[_case(d, False, True, "split", _SPLIT) for d in (64, 128, 256)],
+    _case(256, False, True, "split_nopp", {**_SPLIT, "pingpong": False}),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("d", "fp8", "causal", "name", "option"),
-    _SCHEDULE_CASES,
-    ids=[f"{c[3]}-D{c[0]}{'-e4m3' if c[1] else ''}{'-causal' if c[2] else ''}"
-         for c in _SCHEDULE_CASES],
-)  # fmt: skip
+@pytest.mark.parametrize(("d", "fp8", "causal", "option"), _SCHEDULE_CASES)
 def test_gpu_schedule_options_match_the_table_build(
-    d: int, fp8: bool, causal: bool, name: str, option: dict
+    d: int, fp8: bool, causal: bool, option: dict
 ) -> None:
     """Fa3Config.wg_slice, loop_mask_test = False and split_loops change where ptxas puts the
     wgmma waits and how it builds the descriptors, not the operations: out and LSE agree with
