@@ -98,6 +98,7 @@ def probe_one(
     local: bool = False,
     softcap: bool = False,
     varlen: bool = False,
+    fp8_blocks: bool = False,
 ) -> dict:
     """Compile one config and return its PTX counts and ptxas facts."""
     from flashsuite.fa3.compile import CompileKey, compile_forward
@@ -108,7 +109,10 @@ def probe_one(
         tvm = True
     except ImportError:
         tvm = False
-    key = CompileKey(dtype, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm, varlen=varlen)
+    key = CompileKey(
+        dtype, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm, varlen=varlen,
+        fp8_blocks=fp8_blocks,
+    )  # fmt: skip
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_forward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
@@ -119,6 +123,7 @@ def probe_one(
         "local": local,
         "softcap": softcap,
         "varlen": varlen,
+        "fp8_blocks": fp8_blocks,
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx_chars": len(ptx),

@@ -96,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--set", action="append", default=[], help="FIELD=VALUE (repeat)")
     ap.add_argument("--fp8", action="store_true", help="the e4m3 table's config and build")
+    ap.add_argument(
+        "--fp8-blocks", action="store_true", help="with --fp8: the per-block descale build"
+    )
     args = ap.parse_args(argv)
+    if args.fp8_blocks and not args.fp8:
+        ap.error("--fp8-blocks: needs --fp8")
 
     from benchmarks import fa3_probe as probe  # first: sets CUTE_DSL_* before cutlass's import
     from benchmarks.fa3_bwd_sass import disassemble
@@ -125,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         tvm = True
     except ImportError:
         tvm = False
-    key = CompileKey(dtype, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm)
+    key = CompileKey(
+        dtype, args.head_dim, args.causal, False, False, cfg, tvm_ffi=tvm,
+        fp8_blocks=args.fp8_blocks,
+    )  # fmt: skip
     compiled, log = probe._capture_fd2(lambda: compile_forward(key))
     facts = probe.parse_ptxas(log)
     listing = disassemble(compiled.__cubin__)

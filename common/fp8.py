@@ -100,6 +100,35 @@ class Fp8Tensor:
         """float32 (B, N, H, D): data times its descale."""
         return self.data.float() * self.descale_per_row()
 
+    @property
+    def kernel_descale(self) -> torch.Tensor:
+        """The descale as `dispatch.attention` takes it (descale_q / _k / _v): (B, H // group)
+        in "tensor" and "head" mode, the (B, H // group, nblocks, block) `block_view` in
+        "block" mode."""
+        if self.mode == "block":
+            return block_view(self.descale, self.block)
+        return self.descale
+
+
+def block_view(descale: torch.Tensor, block: int) -> torch.Tensor:
+    """Block descales (B, H, nblocks) -> the (B, H, nblocks, block) view the attention API
+    takes for per-block scaling: element [b, h, i, j] is the descale of row i·block + j, the
+    last dim of stride 0 (no copy), so its extent carries the block size."""
+    if not isinstance(descale, torch.Tensor) or descale.dim() != 3:
+        got = f"{descale.dim()}-d" if isinstance(descale, torch.Tensor) else type(descale)
+        raise ValueError(f"descale: expected a 3-d tensor (B, H, nblocks), got {got}")
+    _check_mode("block", block)
+    return descale.unsqueeze(-1).expand(*descale.shape, block)
+
+
+def descale_rows(descale: torch.Tensor, n: int) -> torch.Tensor:
+    """An attention API descale, (B, H) or a (B, H, nblocks, block) `block_view`, as float32
+    (B, H, N or 1): each of the n rows' descale (1 row outside block mode, for all)."""
+    if descale.dim() == 2:
+        return descale[:, :, None]  # (B, H, 1)
+    b, h, nb, block = descale.shape
+    return descale[:, :, :, :1].expand(b, h, nb, block).reshape(b, h, nb * block)[:, :, :n]
+
 
 def _check_mode(mode: str, block: int) -> None:
     if mode not in SCALING_MODES:

@@ -40,6 +40,20 @@ def visibility_mask(
     return visible
 
 
+def fp8_dequantised(x8: torch.Tensor, descale: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+    """float32 (B, N, H, D) of an fp8 operand and its attention-API descale: (B, H // group) or
+    a (B, H', nblocks, block) block view (common.fp8.block_view), None for 1. `group` is q's
+    query heads per kv head: a descale with fewer heads than x8 is shared by each group."""
+    from flashsuite.common.fp8 import descale_rows
+
+    if descale is None:
+        return x8.to(torch.float32)
+    rows = descale_rows(descale, x8.shape[1])  # (B, H', N or 1)
+    if rows.shape[1] != x8.shape[2]:
+        rows = rows.repeat_interleave(group, dim=1)  # (B, H, N or 1)
+    return x8.to(torch.float32) * rows.transpose(1, 2)[..., None]
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,18 +75,15 @@ def attention_reference(
     yardstick the tests measure kernels against. Rows that see no key give out 0, LSE -inf.
     Differentiable: autograd through it is the gradient oracle.
     """
-    b, nq, hq, d = q.shape
+    _, nq, hq, d = q.shape
     nk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dtype = compute_dtype if compute_dtype is not None else q.dtype
-    if q.dtype == torch.float8_e4m3fn:  # FP8: dequantise per (batch, kv head)
-        dq_ = descale_q if descale_q is not None else torch.ones(b, hkv, device=q.device)
-        dk_ = descale_k if descale_k is not None else torch.ones(b, hkv, device=q.device)
-        dv_ = descale_v if descale_v is not None else torch.ones(b, hkv, device=q.device)
-        q = q.to(torch.float32) * dq_.repeat_interleave(g, dim=1)[:, None, :, None]  # (B,Nq,Hq,D)
-        k = k.to(torch.float32) * dk_[:, None, :, None]  # (B, Nk, Hkv, D)
-        v = v.to(torch.float32) * dv_[:, None, :, None]  # (B, Nk, Hkv, Dv)
+    if q.dtype == torch.float8_e4m3fn:  # FP8: dequantise per (batch, kv head) or per block
+        q = fp8_dequantised(q, descale_q, g)  # (B, Nq, Hq, D)
+        k = fp8_dequantised(k, descale_k)  # (B, Nk, Hkv, D)
+        v = fp8_dequantised(v, descale_v)  # (B, Nk, Hkv, Dv)
         if compute_dtype is None:
             dtype = torch.float32
     qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Nq, D)

@@ -406,6 +406,8 @@ def fp8_lse_baseline(
     """The LSE (B, Hq, Nq) float32 of e4m3 q, k whose scores are accumulated with `acc_bits`
     mantissa bits (mma_truncated), then descaled, capped, masked and reduced in float64."""
 
+    from flashsuite.common.fp8 import descale_rows
+
     b, nq, hq, d = q8.shape
     nk, hkv = k8.shape[1], k8.shape[2]
     g = hq // hkv
@@ -415,7 +417,12 @@ def fp8_lse_baseline(
     kf = k8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, D)
     s = mma_truncated(torch.zeros(b, hq, nq, nk, device=q8.device), qf, kf.transpose(-1, -2),
                       acc_bits).double()  # fmt: skip
-    descale = (ds_q * ds_k).repeat_interleave(g, 1)[:, :, None, None].double()  # (B, Hq, 1, 1)
+    # Each row's descale of q times each key's of k (block views: per block; else per head).
+    rows_q = descale_rows(ds_q, nq)  # (B, Hq or Hkv, Nq or 1)
+    if rows_q.shape[1] != hq:
+        rows_q = rows_q.repeat_interleave(g, 1)
+    rows_k = descale_rows(ds_k, nk).repeat_interleave(g, 1)  # (B, Hq, Nk or 1)
+    descale = rows_q[..., :, None].double() * rows_k[..., None, :].double()  # (B, Hq, Nq, Nk)
     s = scores_capped_and_masked(s * descale * (options.get("softmax_scale") or d**-0.5), options)
     return torch.logsumexp(s, dim=-1).float()
 

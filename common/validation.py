@@ -47,6 +47,10 @@ class AttnParams:
     window_right: int
     softcap: float
     scale: float
+    # fp8 per-block descales: rows of q / keys of k and v per descale (0: one per (batch, kv
+    # head), the (B, Hkv) descales; `check_inputs` reads them off block views).
+    fp8_block_q: int = 0
+    fp8_block_kv: int = 0
 
     @property
     def is_local(self) -> bool:
@@ -314,6 +318,7 @@ def check_inputs(
     if not (math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap: expected a finite number >= 0 (0 = off), got {softcap}")
     is_fp8 = q.dtype in FP8_DTYPES
+    blocks = {"descale_q": 0, "descale_k": 0, "descale_v": 0}  # rows per descale; 0: per head
     for name, ds in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)):
         if ds is None:
             continue
@@ -325,10 +330,17 @@ def check_inputs(
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(ds).__name__}")
         if ds.dtype != torch.float32:
             raise TypeError(f"{name}: expected dtype float32, got {_dt(ds.dtype)}")
-        if tuple(ds.shape) != (b, hkv):
-            raise ValueError(f"{name}: expected shape (B, Hkv) = {(b, hkv)}, got {tuple(ds.shape)}")
         if ds.device != q.device:
             raise ValueError(f"{name}: expected device {q.device}, got {ds.device}")
+        blocks[name] = _check_descale_shape(name, ds, b, hq if name == "descale_q" else hkv,
+                                            hkv, nq if name == "descale_q" else nk)  # fmt: skip
+    if 0 not in (blocks["descale_k"], blocks["descale_v"]) and (
+        blocks["descale_k"] != blocks["descale_v"]
+    ):
+        raise ValueError(
+            f"descale_v: expected blocks of {blocks['descale_k']} keys (descale_k's), "
+            f"got {blocks['descale_v']}"
+        )
     return AttnParams(
         batch=b,
         seqlen_q=nq,
@@ -344,7 +356,42 @@ def check_inputs(
         window_right=right,
         softcap=float(softcap),
         scale=scale,
+        fp8_block_q=blocks["descale_q"],
+        fp8_block_kv=max(blocks["descale_k"], blocks["descale_v"]),
     )
+
+
+def _check_descale_shape(name: str, ds: torch.Tensor, b: int, heads: int, hkv: int, n: int) -> int:
+    """The rows per descale of an fp8 descale: 0 for (B, Hkv) (one per batch and kv head),
+    `block` for a (B, H, ceil(N / block), block) block view (common.fp8.block_view: the last
+    dim of stride 0). q's H may be Hq (per query head) or Hkv (its group shares one)."""
+    if ds.dim() == 2:
+        if tuple(ds.shape) != (b, hkv):
+            raise ValueError(
+                f"{name}: expected shape (B, Hkv) = {(b, hkv)} or a block view "
+                f"(B, H, nblocks, block), got {tuple(ds.shape)}"
+            )
+        return 0
+    if ds.dim() != 4:
+        raise ValueError(
+            f"{name}: expected shape (B, Hkv) or a block view (B, H, nblocks, block), "
+            f"got {ds.dim()}-d {tuple(ds.shape)}"
+        )
+    block = ds.shape[3]
+    heads_ok = (heads, hkv) if heads != hkv else (hkv,)
+    want = (b, heads_ok[0], math.ceil(n / block) if block else 0, block)
+    if block < 1 or ds.shape[0] != b or ds.shape[1] not in heads_ok or ds.shape[2] != want[2]:
+        h = " or ".join(str(x) for x in heads_ok)
+        raise ValueError(
+            f"{name}: expected a block view (B, H, ceil(N / block), block) with B = {b}, "
+            f"H = {h}, N = {n}, got {tuple(ds.shape)}"
+        )
+    if block > 1 and ds.stride(3) != 0:
+        raise ValueError(
+            f"{name}: expected a block view with stride 0 in its last dim (one descale per "
+            f"block: common.fp8.block_view), got strides {ds.stride()}"
+        )
+    return block
 
 
 # ------------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class CompileKey:
     # Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D), out (total_q, Hq, D), lse
     # (Hq, total_q) and cu_seqlens_q/k (B + 1,) int32 (16-bit inputs, plain grid).
     varlen: bool = False
+    # fp8 descales per block: (B, H, nblocks, block) fp32 views, the last mode of stride 0
+    # (its extent the block size; interface.block_descale_view), rather than (B, Hkv).
+    fp8_blocks: bool = False
 
 
 _cache: dict[Any, Any] = {}  # static key (CompileKey, bwd_host.BwdCompileKey) -> executor
@@ -166,7 +169,17 @@ def _fake_inputs(key: CompileKey) -> tuple:
         cutlass.Float32, (b, hq, nq), stride_order=(2, 1, 0), assumed_align=4
     )  # (B, Hq, Nq)
     descales: tuple = (None, None, None)
-    if fp8:
+    if key.fp8_blocks:
+        descales = tuple(
+            cute.runtime.make_fake_tensor(
+                cutlass.Float32,
+                (b, cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                stride=(cute.sym_int64(), cute.sym_int64(), 1, 0),
+                assumed_align=4,
+            )  # (B, H, nblocks, block), block's stride 0
+            for _ in range(3)
+        )
+    elif fp8:
         descales = tuple(
             cute.runtime.make_fake_compact_tensor(
                 cutlass.Float32, (b, hkv), stride_order=(1, 0), assumed_align=4
@@ -182,7 +195,8 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     The binary takes (q, k, v, out, lse, descale_q, descale_k, descale_v, cu_seqlens_q,
     cu_seqlens_k, scale_log2, softcap_pre, window_left, window_right, max_ctas): for fp8 v is
     Vᵀ (`interface.transpose_v`) unless cfg.v_transpose == "smem", and the descales are
-    (B, Hkv) fp32 tensors; for 16-bit inputs they are None. The cu_seqlens are (B + 1,) int32
+    (B, Hkv) fp32 tensors (with `key.fp8_blocks` (B, H, nblocks, block) views, the last
+    mode of stride 0); for 16-bit inputs they are None. The cu_seqlens are (B + 1,) int32
     with `key.varlen` (packed q, k, v, out and a (Hq, total_q) lse), None otherwise.
     """
     import cutlass
@@ -206,6 +220,7 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
         key.local,
         key.softcap,
         varlen=key.varlen,
+        fp8_blocks=key.fp8_blocks,
     )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     options = compile_options(key.arch, key.tvm_ffi, extra_options)

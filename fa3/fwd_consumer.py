@@ -93,6 +93,11 @@ class ForwardConsumer:
         row_max.fill(Float32(-math.inf))
         row_sum.fill(0.0)
         acc_O.fill(0.0)
+        blk = None  # fp8 block scales (FP8_BLOCKS): the tile's descales, `block_scales`
+        if const_expr(self.FP8_BLOCKS):
+            blk = self.block_scales(
+                descales, head, rows.batch, m_block, seqlen_q, tScS, scale_log2, softcap_pre
+            )
         corr_prev = None  # rescale_before_pv: the correction O has yet to take
         if const_expr(self.RESCALE_BEFORE_PV):
             corr_prev = cute.make_rmem_tensor((2,), Float32)
@@ -120,6 +125,7 @@ class ForwardConsumer:
                 acc_S=acc_S,
                 acc_O=acc_O,
                 corr_prev=corr_prev,
+                blk=blk,
                 tOrP=tOrP,
                 tScS=tScS,
                 row_max=row_max,
@@ -180,6 +186,12 @@ class ForwardConsumer:
             else:
                 # Every wgmma reading sQ has retired: the producer may load the next tile's Q.
                 pipe_q.consumer_release(q_state)
+        if const_expr(self.FP8_BLOCKS):
+            # O is in units of the last block's descale of v; row_max in log2 units, except
+            # with softcap (the kernel's constant exp2 scale, `scores_to_probs`).
+            descale_v = blk.dsv[0]
+            if const_expr(not self.SOFTCAP):
+                scale_log2 = Float32(1.0)
         self.epilogue(
             tma_o,
             tO,
@@ -220,8 +232,8 @@ class ForwardConsumer:
         fp32 score (the exp2 scale, or tanh's argument). descale_v goes to the same tile's
         epilogue: O = descale_v · P·V / l.
         """
-        if const_expr(not self.FP8):
-            return scale_log2, softcap_pre, None
+        if const_expr(not self.FP8 or self.FP8_BLOCKS):
+            return scale_log2, softcap_pre, None  # FP8_BLOCKS: `block_scales`
         m_dq, m_dk, m_dv, group = descales
         head_kv = head // group
         qk_descale = m_dq[batch, head_kv] * m_dk[batch, head_kv]
@@ -229,6 +241,51 @@ class ForwardConsumer:
         if const_expr(self.SOFTCAP):
             return scale_log2, softcap_pre * qk_descale, descale_v
         return scale_log2 * qk_descale, softcap_pre, descale_v
+
+    @cute.jit
+    def block_scales(
+        self,
+        descales,
+        head: Int32,
+        batch: Int32,
+        m_block: Int32,
+        seqlen_q: Int32,
+        tScS: cute.Tensor,
+        scale_log2: Float32,
+        softcap_pre: Float32,
+    ):
+        """FP8_BLOCKS: the tile's per-block descales (`consumer` builds it once per tile).
+
+        The descales are (B, H, nblocks, block) fp32 views whose last mode has stride 0: the
+        block size travels as its extent (interface.forward makes the views, no copy). q's H
+        is Hq or Hkv (the group's query heads share it); k's and v's block is kv_tiles x TILE_N
+        keys, so each K/V block of the loop meets one descale of each (`block_descales`).
+
+        row_pre: each of the thread's two rows' scale before k's descale: the exp2 scale (or
+        tanh's argument with softcap) times the row's descale of q (the row's query position
+        clamped to seqlen_q - 1: padding rows of the last tile read the last block, and are
+        not stored). dsv: the descale of v that O's P·V sum is in (1 before any block).
+        """
+        m_dq, m_dk, m_dv, group = descales
+        head_kv = head // group
+        head_q = head if m_dq.shape[1] != m_dk.shape[1] else head_kv
+        pre = softcap_pre if const_expr(self.SOFTCAP) else scale_log2
+        row_pre = cute.make_rmem_tensor((2,), Float32)
+        for r in cutlass.range_constexpr(2):
+            row = cutlass.min(m_block * self.TILE_M + tScS[2 * r][0], seqlen_q - 1)
+            row_pre[r] = pre * m_dq[batch, head_q, row // m_dq.shape[3], 0]
+        dsv = cute.make_rmem_tensor((1,), Float32)
+        dsv[0] = Float32(1.0)
+        return SimpleNamespace(
+            mDK=m_dk,
+            mDV=m_dv,
+            batch=batch,
+            head_kv=head_kv,
+            kv_tiles=m_dk.shape[3] // self.TILE_N,
+            row_pre=row_pre,
+            dsv=dsv,
+            cur=cute.make_rmem_tensor((2,), Float32),  # this block's (descale_k, descale_v)
+        )
 
     # ----------------------------------------------------------------------------------------
     # consumer: epilogue

@@ -59,7 +59,19 @@ class ForwardMainloop:
         scores = acc_S  # what the softmax reads: acc_S, or probs once written there
         if const_expr(probs is not None and (self.SOFTCAP or mask)):
             scores = probs
-        if const_expr(self.SOFTCAP):
+        blk = ctx.blk  # fp8 block scales (FP8_BLOCKS), else None
+        row_scale = None
+        if const_expr(blk is not None):
+            # This block's descales of k and v (`block_descales`, loaded before S's wait): k's
+            # joins each row's scale (tanh's argument with softcap, else the exp2 scale); v's
+            # ratio to the previous block's joins O's rescale below.
+            row_scale = (blk.row_pre[0] * blk.cur[0], blk.row_pre[1] * blk.cur[0])
+        if const_expr(self.SOFTCAP and blk is not None):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                pre = row_scale[(i // 2) % 2]  # element i = 4j + 2r + c sits in row r
+                scores[i] = cute.math.tanh(acc_S[i] * pre, fastmath=True)
+            row_scale = None  # the exp2 scale stays the kernel's
+        elif const_expr(self.SOFTCAP):
             for i in cutlass.range_constexpr(cute.size(acc_S)):
                 scores[i] = cute.math.tanh(acc_S[i] * ctx.softcap_pre, fastmath=True)
         elif const_expr(probs is not None and mask):
@@ -70,7 +82,7 @@ class ForwardMainloop:
                 self._mask(ctx, n_block, scores)
         if const_expr(mask):
             self._mask(ctx, n_block, scores)
-        return online_softmax(
+        corr = online_softmax(
             scores,
             ctx.row_max,
             ctx.row_sum,
@@ -80,7 +92,27 @@ class ForwardMainloop:
             self.RESCALE_THRESHOLD,
             self.SKIP_UNIT_RESCALE,
             self.ROW_CHAINS,
+            row_scale,
         )
+        if const_expr(blk is not None):
+            # O holds P·V in units of the previous block's descale of v (`dsv`): this block's
+            # P·V comes in its own, so O's rescale gains their ratio (1 before the first
+            # block, where O is 0). The row sum is of P alone and does not take it.
+            ratio = blk.dsv[0] / blk.cur[1]
+            blk.dsv[0] = blk.cur[1]
+            corr[0], corr[1] = corr[0] * ratio, corr[1] * ratio
+        return corr
+
+    @cute.jit
+    def block_descales(self, ctx, n_block: Int32):
+        """FP8_BLOCKS: K/V block `n_block`'s descales of k and v into ctx.blk.cur, loaded at the
+        top of the step so that their latency hides under the wait for S. One descale covers
+        blk.kv_tiles consecutive K/V blocks (a block size of kv_tiles x TILE_N keys)."""
+        if const_expr(ctx.blk is not None):
+            blk = ctx.blk
+            j = n_block // blk.kv_tiles
+            blk.cur[0] = blk.mDK[blk.batch, blk.head_kv, j, 0]
+            blk.cur[1] = blk.mDV[blk.batch, blk.head_kv, j, 0]
 
     @cute.jit
     def rescale_o(self, ctx, corr):
@@ -115,6 +147,7 @@ class ForwardMainloop:
     @cute.jit
     def step(self, ctx, kv_state, n_block: Int32, mask: cutlass.Constexpr[bool]):
         """One K/V block without intra-WG overlap: QK, softmax, PV, each waited for."""
+        self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
         gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
         self.pingpong.arrive(ctx.cwg)  # the other WG may run its PV(n-1) and QK(n) meanwhile
@@ -199,6 +232,7 @@ class ForwardMainloop:
     @cute.jit
     def first_half_block(self, ctx, kv_state, n_block: Int32):
         """Intra-WG overlap prologue: S and P of the first (masked) block, no PV yet."""
+        self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
         gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
         warpgroup.wait_group(0)
@@ -220,6 +254,7 @@ class ForwardMainloop:
         """
         v_state = kv_state.clone()  # the previous block, whose P sits in tOrP
         kv_state.advance()
+        self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
         self.pingpong.sync(ctx.cwg)
         gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import replace
 
 import torch
 
@@ -47,6 +48,7 @@ from flashsuite.fa3.configs import (
     can_implement,
     can_implement_varlen,
     config_for,
+    fp8_block_tiles,
     varlen_config_for,
 )
 
@@ -131,6 +133,12 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     ok, reason = can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
         return False, reason
+    if p.is_fp8 and p.fp8_block_kv % cfg.tile_n:
+        tiles = " or ".join(map(str, fp8_block_tiles(p.head_dim)))
+        return False, (
+            f"fa3: fp8 k/v descales every {p.fp8_block_kv} keys need a multiple of the key "
+            f"tile ({tiles} at head_dim {p.head_dim})"
+        )
     features = [f"{cfg.num_consumer_wgs} consumer WGs"]
     features += [
         name
@@ -234,6 +242,32 @@ def _transpose_v_permuted(v: torch.Tensor) -> torch.Tensor:
 _ones: dict[tuple, torch.Tensor] = {}
 
 
+def _fp8_blocks(p: AttnParams) -> bool:
+    """Whether `p` takes the per-block fp8 build (some descale is a block view)."""
+    return p.is_fp8 and (p.fp8_block_q > 0 or p.fp8_block_kv > 0)
+
+
+def _block_size(ds: torch.Tensor | None) -> int:
+    """Rows per descale of an fp8 descale: its block view's last extent; 0 for (B, Hkv) or
+    None."""
+    return ds.shape[3] if ds is not None and ds.dim() == 4 else 0
+
+
+# The rows of the one block that a (B, Hkv) descale becomes in the per-block build: more than
+# any sequence has (< 2^30, `supports`), so every row and K/V block of the kernel reads block 0.
+_ONE_BLOCK = 1 << 30
+
+
+def _block_descale(t: torch.Tensor | None, b: int, hkv: int, device) -> torch.Tensor:
+    """A descale as the per-block build takes it: a (B, H, nblocks, block) fp32 view with the
+    last stride 0. A block view passes as it is (its last stride set to 0, which changes
+    nothing where block is 1); (B, Hkv) and None (ones) become one block of _ONE_BLOCK rows."""
+    if t is not None and t.dim() == 4:
+        return t.as_strided(t.shape, (*t.stride()[:3], 0))
+    t = _descale(t, b, hkv, device)  # (B, Hkv)
+    return t.as_strided((b, hkv, 1, _ONE_BLOCK), (*t.stride(), 0, 0))
+
+
 def _descale(t: torch.Tensor | None, b: int, hkv: int, device: torch.device) -> torch.Tensor:
     """A (B, Hkv) contiguous fp32 descale; None -> a cached tensor of ones."""
     if t is not None:
@@ -269,6 +303,15 @@ def forward(
     descales = (descale_q, descale_k, descale_v)
     if not p.is_fp8 and (descale_q is not None or descale_k is not None or descale_v is not None):
         raise ValueError("fa3: descale factors are for fp8 inputs only")
+    if p.is_fp8 and any(t is not None and t.dim() == 4 for t in descales):
+        # Block views (common.fp8.block_view), validated by check_inputs: the rows per
+        # descale choose the build and its key tile (configs.fp8_block_config).
+        block_kv = max(_block_size(descale_k), _block_size(descale_v))
+        p = replace(p, fp8_block_q=_block_size(descale_q), fp8_block_kv=block_kv)
+        if cfg is None:
+            ok, reason = supports(p, 90)
+            if not ok:
+                raise ValueError(reason)
     out = torch.empty(
         (p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype=p.out_dtype, device=q.device
     )  # (B, Nq, Hq, D)
@@ -289,7 +332,10 @@ def forward(
             v = transpose_v(v, cfg.permute_v_keys)  # (B, Hkv, D, Nk), keys contiguous
         else:
             v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
-        descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
+        if _fp8_blocks(p):
+            descales = tuple(_block_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
+        else:
+            descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
     else:
         v = _tma_ready(v)
     fn(q, k, v, out, lse, *descales, None, None, *scalars)
@@ -368,6 +414,8 @@ def _launch_plan(
         cfg,
         device,
         vp is not None,
+        p.fp8_block_q,
+        p.fp8_block_kv,
     )
     plan = _plans.get(pkey)
     if plan is None:
@@ -383,6 +431,7 @@ def _launch_plan(
             softcap=p.softcap > 0,
             cfg=cfg,
             varlen=vp is not None,
+            fp8_blocks=_fp8_blocks(p),
         )
         scalars = kernel_scalars(
             p.scale, p.softcap, (p.window_left, p.window_right), p.causal, nq, nk

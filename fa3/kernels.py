@@ -28,6 +28,11 @@ one producer and two (or three) consumer warpgroups:
   descales are kernel arguments, (B, Hkv) fp32 tensors: each tile's consumer reads those of its
   (batch, kv head) (`tile_scales`); descale_q·descale_k multiplies the softmax scale (after the
   raw-score max, so P stays in [0, 1] before its e4m3 rounding) and descale_v the final 1/l.
+  With FP8_BLOCKS the descales are per block instead (q per block of query rows, k and v per
+  block of keys, a whole number of K/V blocks): each row's scale takes its q descale once per
+  tile and each K/V block's k descale; the row max is kept in log2 units, and O in units of
+  the current block's v descale, its rescale taking the ratio between blocks (fwd_consumer.py
+  `block_scales`, fwd_mainloop.py `scores_to_probs`).
   sO is bf16, its own buffer (it does not fit on the fp8 sQ). Fa3Config.v_transpose="smem"
   (VT_SMEM) takes V as it lies instead: warps 1-3 of the producer WG transpose each loaded V
   block into a Vᵀ ring that P·V reads (fwd_layouts.py, pipeline.transpose_blocks).
@@ -113,9 +118,14 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         local: bool,
         softcap: bool,
         varlen: bool = False,
+        fp8_blocks: bool = False,
     ) -> None:
         self.dtype = dtype
         self.FP8 = dtype is Float8E4M3FN
+        # fp8 descales per block of rows (q) and of keys (k, v) rather than per (batch, kv
+        # head): `block_scales`, `block_descales`.
+        self.FP8_BLOCKS = fp8_blocks
+        assert self.FP8 or not fp8_blocks, "fp8_blocks: float8_e4m3fn only"
         # fp8: Vᵀ made by the host (VT_HOST) or in shared memory by the producer WG (VT_SMEM).
         self.VT_SMEM = self.FP8 and cfg.v_transpose == "smem"
         self.VT_HOST = self.FP8 and not self.VT_SMEM
@@ -195,9 +205,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         mV: cute.Tensor,  # (B, Nk, Hkv, D); fp8: Vᵀ (B, Hkv, D, Nk), keys contiguous
         mO: cute.Tensor,  # (B, Nq, Hq, D); bf16 for fp8
         mLSE: cute.Tensor,  # (B, Hq, Nq) fp32
-        mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
-        mDescaleK: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
-        mDescaleV: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
+        # (B, Hkv) fp32 for fp8 (FP8_BLOCKS: (B, H, nblocks, block), last stride 0), else None
+        mDescaleQ: cute.Tensor | None,
+        mDescaleK: cute.Tensor | None,
+        mDescaleV: cute.Tensor | None,
         mCuSeqlensQ: cute.Tensor | None,  # (B + 1,) int32 with VARLEN, else None
         mCuSeqlensK: cute.Tensor | None,  # (B + 1,) int32 with VARLEN, else None
         scale_log2: Float32,  # log2(e) * scale (or * softcap with SOFTCAP)

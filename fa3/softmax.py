@@ -114,8 +114,15 @@ def online_softmax(
     rescale_threshold: cutlass.Constexpr[int] = 0,
     skip_unit_rescale: cutlass.Constexpr[bool] = False,
     chains: cutlass.Constexpr[bool] = False,
+    row_scale=None,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
+
+    `row_scale` (fp8 block scales): a pair of positive Float32, what multiplies each of the
+    thread's two rows of raw scores in this block in place of `scale_log2` (scale_log2 times
+    the row's descale of q and the block's descale of k). The scale then changes from block to
+    block, so `row_max` is kept in scaled (log2) units: a block's max is its raw max times the
+    row's scale (positive, so the max commutes with it), and the LSE takes scale_log2 = 1.
 
     `rescale_threshold` t > 0 (Fa3Config.rescale_threshold): a row keeps its running max while
     the block's max exceeds it by at most t in log2 units (P then stays <= 2^t), and its
@@ -138,23 +145,32 @@ def online_softmax(
     corr = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2  # this thread's elements of one row
     for r in cutlass.range_constexpr(2):
-        m_blk = row_max[r]
-        if const_expr(probs is None and not chains):
-            for k in cutlass.range_constexpr(cols):
-                m_blk = cute.arch.fmax(m_blk, acc_S[_col(k, r)])
-        else:
+        scale = scale_log2  # what multiplies a raw score of this row
+        unit = scale_log2  # what takes row_max to log2 units
+        m_new = row_max[r]
+        if const_expr(row_scale is not None):
+            scale, unit = row_scale[r], Float32(1.0)
             row = [acc_S[_col(k, r)] for k in range(cols)]
-            m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_blk)
-        m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
+            m_raw = cute.arch.warp_reduction_max(_chains(row, cute.arch.fmax), threads_in_group=4)
+            m_new = cute.arch.fmax(m_raw * scale, row_max[r])
+        else:
+            m_blk = row_max[r]
+            if const_expr(probs is None and not chains):
+                for k in cutlass.range_constexpr(cols):
+                    m_blk = cute.arch.fmax(m_blk, acc_S[_col(k, r)])
+            else:
+                row = [acc_S[_col(k, r)] for k in range(cols)]
+                m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_blk)
+            m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
         kept = False
         if const_expr(rescale_threshold > 0):
             # False where the old max is -inf (growth +inf, or NaN when both are -inf).
-            kept = (m_new - row_max[r]) * scale_log2 <= Float32(rescale_threshold)
+            kept = (m_new - row_max[r]) * unit <= Float32(rescale_threshold)
             m_new = row_max[r] if kept else m_new
         # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
         m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
-        m_scaled = m_safe * scale_log2
-        corr[r] = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
+        m_scaled = m_safe * unit
+        corr[r] = cute.math.exp2(row_max[r] * unit - m_scaled, fastmath=True)
         if const_expr(rescale_threshold > 0):
             corr[r] = Float32(1.0) if kept else corr[r]
         elif const_expr(skip_unit_rescale):
@@ -165,7 +181,7 @@ def online_softmax(
         ps = []
         for k in cutlass.range_constexpr(cols):
             # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-            x = acc_S[_col(k, r)] * scale_log2 - m_scaled
+            x = acc_S[_col(k, r)] * scale - m_scaled
             if const_expr(emulated(k, ex2_emu)):
                 p = exp2_poly(x)
             else:
