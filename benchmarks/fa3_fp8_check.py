@@ -110,10 +110,14 @@ def fragment_layouts() -> dict[str, str]:
     return out
 
 
-def _cpu_call_error(compiled: Any, head_dim: int, causal: bool, cfg: Any) -> str:
+def _cpu_call_error(
+    compiled: Any, head_dim: int, causal: bool, cfg: Any, fp8_blocks: bool = False
+) -> str:
     """The binary called with CPU tensors of a ragged problem (Nq 17, Nk 41, GQA 2/1), V as
     fa3.interface hands it over (Vᵀ from `transpose_v`, keys rounded up to 32 when permuted):
-    the error it raises. Arguments the binary accepts leave only its device check to fail."""
+    the error it raises. Arguments the binary accepts leave only its device check to fail.
+    `fp8_blocks`: the descales as the per-block build takes them (interface._block_descale:
+    q per query head in blocks of 8 rows, k per head as one block, v per key tile)."""
     import torch
 
     from flashsuite.fa3.compile import kernel_scalars
@@ -129,6 +133,16 @@ def _cpu_call_error(compiled: Any, head_dim: int, causal: bool, cfg: Any) -> str
     out = torch.zeros(1, nq, 2, d, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, nq)
     descales = [torch.ones(1, 1) for _ in range(3)]
+    if fp8_blocks:
+        from flashsuite.common.fp8 import block_view
+        from flashsuite.fa3.interface import _block_descale
+
+        views = (
+            block_view(torch.ones(1, 2, 3), 8),
+            torch.ones(1, 1),
+            block_view(torch.ones(1, 1, 1), cfg.tile_n),
+        )
+        descales = [_block_descale(t, 1, 1, "cpu") for t in views]
     scalars = kernel_scalars(d**-0.5, 0.0, (-1, -1), causal, nq, nk)
     try:
         compiled(q, k, v, out, lse, *descales, None, None, *scalars, 132)
@@ -138,9 +152,15 @@ def _cpu_call_error(compiled: Any, head_dim: int, causal: bool, cfg: Any) -> str
 
 
 def probe_one(
-    head_dim: int, causal: bool, cfg: Any = None, local: bool = False, softcap: bool = False
+    head_dim: int,
+    causal: bool,
+    cfg: Any = None,
+    local: bool = False,
+    softcap: bool = False,
+    fp8_blocks: bool = False,
 ) -> dict:
-    """Compile one fp8 config; PTX counts, ptxas registers / spills / remarks."""
+    """Compile one fp8 config (`fp8_blocks`: its per-block descale build); PTX counts, ptxas
+    registers / spills / remarks."""
     from benchmarks.fa3_bwd_probe import max_register
     from benchmarks.fa3_probe import _capture_fd2, parse_ptxas, ptx_counts
     from flashsuite.fa3.compile import CompileKey, compile_forward
@@ -153,15 +173,18 @@ def probe_one(
     except ImportError:
         tvm = False
     cfg = cfg if cfg is not None else get_config(head_dim, FP8_DTYPE, causal)
-    key = CompileKey(FP8_DTYPE, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm)
+    key = CompileKey(
+        FP8_DTYPE, head_dim, causal, local, softcap, cfg, tvm_ffi=tvm, fp8_blocks=fp8_blocks
+    )
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_forward(key))
     ptx = getattr(compiled, "__ptx__", None) or ""
     counts = ptx_counts(ptx)
     counts.update({k: len(re.findall(p, ptx)) for k, p in FP8_PTX_PATTERNS.items()})
-    signature = _cpu_call_error(compiled, head_dim, causal, cfg) if tvm else None
+    signature = _cpu_call_error(compiled, head_dim, causal, cfg, fp8_blocks) if tvm else None
     return {
         "signature": signature,
+        "fp8_blocks": fp8_blocks,
         "head_dim": head_dim,
         "causal": causal,
         "local": local,
@@ -196,6 +219,11 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     # V's keys permuted on the host (Fa3Config.permute_v_keys, off): Vᵀ runs past Nk.
     host64 = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
     cases.append(("host_permuted_keys", 64, False, replace(host64, permute_v_keys=True)))
+    # Per-block descales (FP8_BLOCKS): the table's host-Vᵀ and shared-memory-Vᵀ builds, and
+    # the window + softcap paths (k's descale joins tanh's argument per row).
+    cases += [("blocks", d, c, get_config(d, FP8_DTYPE, c)) for d in (64, 128, 256) for c in (0, 1)]
+    cases += [("blocks_vt_smem", d, 1, fp8_smem_transpose_config(d, True)) for d in (128, 256)]
+    cases.append(("blocks_window_softcap", 128, False, get_config(128, FP8_DTYPE, False)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)
         done = {(n, d) for n, d, _, _ in cases}
         cases += [
@@ -207,8 +235,9 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     for name, d, causal, cfg in cases:
         if head_dims and d not in head_dims:
             continue
-        extra = name in ("window_softcap", "vt_window_softcap")
-        r = {"name": name, **probe_one(d, causal, cfg, local=extra, softcap=extra)}
+        extra = name in ("window_softcap", "vt_window_softcap", "blocks_window_softcap")
+        blocks = name.startswith("blocks")
+        r = {"name": name, **probe_one(d, causal, cfg, extra, extra, blocks)}
         results["configs"].append(r)
         if not json_path:
             _log(

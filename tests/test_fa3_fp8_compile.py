@@ -43,7 +43,7 @@ from flashsuite.fa3.configs import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
-SHARDS = ((128, 96), (64, 192, 256))  # two compiler processes, 8 and 10 builds (CI has 2 cores)
+SHARDS = ((128, 96), (64, 192, 256))  # two compiler processes, 12 and 15 builds (CI has 2 cores)
 CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
 # V transposed in shared memory by the producer warpgroup (v_transpose="smem": get_config's
@@ -51,6 +51,11 @@ CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with 
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
 CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
 CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys (off), host Vᵀ
+# Per-block descales (the FP8_BLOCKS build, tests/test_fp8_blocks.py): host and smem Vᵀ, and the
+# window + softcap paths.
+CASES += [("blocks", d, c) for d in (64, 128, 256) for c in (False, True)]
+CASES += [("blocks_vt_smem", d, True) for d in (128, 256)]
+CASES.append(("blocks_window_softcap", 128, False))
 
 # The layouts the P exchange model below assumes (CuTe's m64nNk32 e4m3 A and m64nNk16 fp32 C,
 # index = m + 64 k): the probe reads CuTe's own and must find exactly these.
