@@ -148,9 +148,9 @@ MUTANTS = [
     Mutant(
         "torch fp8: descale (b, h) read from (h, b)",
         T,
-        "ds = ds.repeat_interleave(g, dim=1) if per_q_head else ds  # (B, H)",
-        "ds = ds.reshape(ds.shape[1], ds.shape[0]).t()\n"
-        "        ds = ds.repeat_interleave(g, dim=1) if per_q_head else ds  # (B, H)",
+        "rows = descale_rows(ds, t.shape[1])  # (B, H', N or 1): block views per row",
+        "ds = ds.reshape(ds.shape[1], ds.shape[0]).t() if ds.dim() == 2 else ds\n"
+        "        rows = descale_rows(ds, t.shape[1])",
         "fp8 and torch",
         ("tests/test_fp8.py",),
     ),
@@ -426,6 +426,22 @@ MUTANTS = [
         ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
+        "fp8 block descales: a materialised per-row descale taken as a block view",
+        "common/validation.py",
+        "    if block > 1 and ds.stride(3) != 0:",
+        "    if False:",
+        "names_a_bad_block_descale",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
+        "fa3 fp8 blocks: the table's key tile whatever the block size",
+        "fa3/configs.py",
+        "    for c in (cfg, _fp8_tiles(head_dim, causal), _fp8_tiles(head_dim, not causal)):",
+        "    for c in (cfg,):",
+        "key_tile_that_divides",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
         "own-backward choice memo: FLASHSUITE_<V>_BWD left out of its key",
         "dispatch/registry.py",
         "mkey = (name, p, arch, _deterministic(), env_table.get(switch))",
@@ -665,6 +681,30 @@ GPU_MUTANTS = [
         "fp8 and fa3",
         ("tests/test_fp8.py",),
         gpu=True,
+    ),
+    Mutant(
+        "fa3 fp8 blocks: O's units not carried from one v block to the next",
+        FA3_LOOP,
+        "ratio = blk.dsv[0] / blk.cur[1]",
+        "ratio = blk.cur[1] / blk.cur[1]",
+        "fp8_blocks",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
+        "fa3 fp8 blocks: k/v descales of the wrong key block",
+        FA3_LOOP,
+        "j = n_block // blk.kv_tiles",
+        "j = n_block // blk.kv_tiles // 2",
+        "fp8_blocks",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
+        "fa3 fp8 blocks: q descale of the wrong row block",
+        FA3_KERNEL,
+        "row // m_dq.shape[3]",
+        "row // m_dq.shape[3] // 2",
+        "fp8_blocks",
+        ("tests/test_fp8_blocks.py",),
     ),
 ]
 GPU_MUTANTS = [replace(m, gpu=True) for m in GPU_MUTANTS]
