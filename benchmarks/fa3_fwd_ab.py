@@ -18,7 +18,9 @@ With --fp8 the inputs are e4m3 with per-(batch, kv head) descales: each variant 
 benchmarks.fa3_fp8_check's three small cases (against the float64 oracle and the e4m3-rounding
 emulation), and the contenders are the variants and the shipped fp8 config through
 fa3.interface.forward (Vᵀ made as the config says: every user-visible step timed), fa3's bf16
-forward and SDPA's cuDNN backend in bf16 on the same shapes.
+forward and SDPA's cuDNN backend in bf16 on the same shapes. --fp8-blocks adds the per-block
+descale build ("fa3-fp8-blocks": the same descales as block views, one per 128 query rows and
+per key tile; tests/test_fp8_blocks.py holds its accuracy).
 """
 
 from __future__ import annotations
@@ -67,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (repeat)")
     ap.add_argument("--fp8", action="store_true", help="e4m3 inputs (see above)")
+    ap.add_argument(
+        "--fp8-blocks", action="store_true", help="with --fp8: also the per-block descale build"
+    )
     args = ap.parse_args(argv)
+    if args.fp8_blocks and not args.fp8:
+        ap.error("--fp8-blocks: needs --fp8")
     if args.passes < 1:
         ap.error(f"--passes: expected >= 1, got {args.passes}")
     seqlens = args.seqlen or [4096, 8192, 16384]
@@ -184,6 +191,20 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
             cfg = dataclasses.replace(config_for(p), **changes)
             fns[name, n] = lambda q=q, k=k, v=v, p=p, ds=ds, cfg=cfg: fa3.forward(
                 q, k, v, p, *ds, cfg=cfg
+            )
+        if args.fp8_blocks:
+            # The per-block build (docs/fp8.md): the same descales as block views, q in blocks
+            # of 128 rows, k and v in blocks of one key tile (a descale load per K/V block).
+            from flashsuite.common.fp8 import block_view
+
+            tile = config_for(p).tile_n
+            views = (
+                block_view(ds[0][:, :, None].expand(b, heads, -(-n // 128)).contiguous(), 128),
+                *(block_view(t[:, :, None].expand(b, heads, -(-n // tile)).contiguous(), tile)
+                  for t in ds[1:]),
+            )  # fmt: skip
+            fns["fa3-fp8-blocks", n] = lambda q=q, k=k, v=v, p=p, views=views: fa3.forward(
+                q, k, v, p, *views
             )
         case = Case(b, n, n, heads, heads, d, dtype=torch.bfloat16, causal=causal)
         for peer in ("fa3", "sdpa-cudnn"):
