@@ -573,16 +573,14 @@ def config_for(p: AttnParams) -> Fa3Config:
 
 
 def fp8_block_tiles(head_dim: int) -> tuple[int, ...]:
-    """The key tiles of the fp8 table's entries at `head_dim` with V transposed on the host
-    (causal and not): a k/v descale block that is a multiple of one of them runs on fa3 at
-    every key length (`fp8_block_config`)."""
+    """The key tiles of the fp8 host-Vᵀ entries at `head_dim` (causal and not): a k/v descale
+    block that one divides runs on fa3 at every key length (`fp8_block_config`)."""
     return tuple(sorted({_fp8_tiles(head_dim, c).tile_n for c in (False, True)}))
 
 
 def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int) -> Fa3Config:
-    """fp8 with a k/v descale every `block_kv` keys: each K/V block of the main loop must lie in
-    one descale block, so its tile_n must divide block_kv. `cfg` (the table's entry) where it
-    does; else the table's entry with V transposed on the host, then the other causal flag's;
+    """fp8 with a k/v descale every `block_kv` keys (each K/V block in one descale block): the
+    first of `cfg`, the host-Vᵀ entry, the other causal flag's whose tile_n divides block_kv;
     else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
     for c in (cfg, _fp8_tiles(head_dim, causal), _fp8_tiles(head_dim, not causal)):
         if block_kv % c.tile_n == 0:
