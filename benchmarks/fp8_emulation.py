@@ -78,6 +78,62 @@ def emulate(
     return out.transpose(1, 2).to(torch.bfloat16), lse[..., 0]
 
 
+def emulate_blocks(
+    q8, k8, v8, views, *, causal: bool, tile_n: int, acc_bits: int = 23,
+    rescale_threshold: int = 0, window_size=(-1, -1), carry_v: bool = True,
+):  # fmt: skip
+    """`emulate` for fa3's per-block build (FP8_BLOCKS): descales as the attention API's block
+    views (common.fp8.block_view; (B, Hkv) or None also work). Each row's exp2 scale takes its
+    q descale and each key block's k descale, the running max is kept in log2 units, and O in
+    units of the current block's v descale (its rescale between blocks gains the ratio of the
+    previous block's to this one's; the epilogue multiplies by the last block's).
+    `carry_v=False` drops that ratio: the error the GPU mutant "O's units not carried" makes."""
+    from flashsuite.common.fp8 import descale_rows
+
+    b, nq, hq, d = q8.shape
+    nk, hkv = k8.shape[1], k8.shape[2]
+    g = hq // hkv
+    ones = torch.ones(b, hkv)
+
+    def rows(view, n):  # (B, Hq, N or 1)
+        r = descale_rows(view if view is not None else ones, n)
+        return r if r.shape[1] == hq else r.repeat_interleave(g, 1)
+
+    ds_q, ds_k, ds_v = (rows(t, n) for t, n in zip(views, (nq, nk, nk)))
+    qf = q8.float().transpose(1, 2)  # (B, Hq, Nq, D)
+    kf = k8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, D)
+    vf = v8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, Dv)
+    s_raw = _mma(torch.zeros(b, hq, nq, nk), qf, kf.transpose(-1, -2), acc_bits)
+    visible = visibility_mask(nq, nk, causal=causal, window_size=window_size, device=q8.device)
+    s_raw = s_raw.masked_fill(~visible, float("-inf"))
+    row_pre = math.log2(math.e) * d**-0.5 * ds_q[..., None]  # (B, Hq, Nq or 1, 1)
+    m = torch.full((b, hq, nq, 1), float("-inf"))  # log2 units
+    row_sum = torch.zeros(b, hq, nq, 1)
+    acc = torch.zeros(b, hq, nq, vf.shape[-1])
+    dsv_prev = torch.ones(b, hq, 1, 1)
+    for start in reversed(range(0, nk, tile_n)):
+        s = s_raw[..., start : start + tile_n]
+        blk = min(start, ds_k.shape[-1] - 1)  # the block's first key's (one per block)
+        scale = row_pre * ds_k[..., blk : blk + 1, None]  # (B, Hq, Nq or 1, 1)
+        dsv = ds_v[..., blk : blk + 1, None]  # (B, Hq, 1, 1)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True) * scale)
+        if rescale_threshold > 0:
+            m_new = torch.where(m_new - m <= rescale_threshold, m, m_new)
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        corr = torch.exp2(m - m_safe)
+        p = torch.exp2(s * scale - m_safe)
+        row_sum = row_sum * corr + p.sum(-1, keepdim=True)
+        ratio = dsv_prev / dsv if carry_v else torch.ones_like(dsv)
+        acc = _mma(acc * (corr * ratio), p.to(E4M3).float(), vf[:, :, start : start + tile_n],
+                   acc_bits)  # fmt: skip
+        m, dsv_prev = m_new, dsv
+    empty = row_sum == 0
+    l_safe = torch.where(empty, torch.ones_like(row_sum), row_sum)
+    out = torch.where(empty, torch.zeros_like(acc), acc * (dsv_prev / l_safe))
+    lse = torch.where(empty, -math.inf, (m + torch.log2(l_safe)) * math.log(2))
+    return out.transpose(1, 2).to(torch.bfloat16), lse[..., 0]
+
+
 def check_case(
     case, acc_bits: int = 23, rescale_threshold: int = 0
 ) -> tuple[Comparison, Comparison]:

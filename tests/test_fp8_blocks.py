@@ -154,6 +154,39 @@ def test_lse_baseline_takes_block_descales() -> None:
     assert torch.equal(moved[:, :2], head[:, :2]) and not torch.equal(moved[:, 2:], head[:, 2:])
 
 
+@pytest.mark.parametrize(
+    ("case", "tile_n", "causal", "window"),
+    [
+        ((2, 150, 300, 4, 2, 64, 64, 96, False), 96, True, (-1, -1)),
+        ((1, 130, 260, 4, 1, 64, 50, 128, True), 64, False, (-1, -1)),
+        ((1, 200, 200, 2, 2, 128, 128, 64, False), 64, False, (40, 10)),
+    ],
+    ids=["causal", "gqa-qgroup-2tiles", "window"],
+)
+def test_the_per_block_kernel_s_arithmetic_is_within_the_block_baseline(
+    case, tile_n, causal, window
+) -> None:
+    """fa3's per-block build emulated on the CPU (benchmarks/fp8_emulation.emulate_blocks: the
+    running max in log2 units, O in units of the current block's v descale) is within the
+    block-mode baseline; without carrying O's units between v blocks it is not."""
+    from benchmarks.fp8_emulation import emulate_blocks
+
+    q8, k8, v8 = _block_inputs(case, "cpu")
+    views = (q8.kernel_descale, k8.kernel_descale, v8.kernel_descale)
+    api = dict(zip(("descale_q", "descale_k", "descale_v"), views))
+    opts = dict(causal=causal, window_size=window)
+    ref = reference_pair(q8.data, k8.data, v8.data, **opts, **api)
+    base = attention_fp8(q8, k8, v8, **opts)
+    out, lse = emulate_blocks(q8.data, k8.data, v8.data, views, tile_n=tile_n, **opts)
+    check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
+    assert check.ok, str(check)
+    lse_check = compare("lse", lse, *ref["lse"])
+    assert lse_check.ok, str(lse_check)
+    bad, _ = emulate_blocks(q8.data, k8.data, v8.data, views, tile_n=tile_n, carry_v=False, **opts)
+    miss = compare("out", bad, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
+    assert not miss.ok, str(miss)
+
+
 # ------------------------------------------------------------------------------------------
 # fa3: the key tile a block size takes (CPU: planning only)
 # ------------------------------------------------------------------------------------------
