@@ -99,7 +99,7 @@ def emulate_blocks(
         r = descale_rows(view if view is not None else ones, n)
         return r if r.shape[1] == hq else r.repeat_interleave(g, 1)
 
-    ds_q, ds_k, ds_v = (rows(t, n) for t, n in zip(views, (nq, nk, nk)))
+    ds_q, ds_k, ds_v = (rows(t, n) for t, n in zip(views, (nq, nk, nk), strict=True))
     qf = q8.float().transpose(1, 2)  # (B, Hq, Nq, D)
     kf = k8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, D)
     vf = v8.float().repeat_interleave(g, 2).transpose(1, 2)  # (B, Hq, Nk, Dv)

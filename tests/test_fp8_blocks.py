@@ -173,7 +173,7 @@ def test_the_per_block_kernel_s_arithmetic_is_within_the_block_baseline(
 
     q8, k8, v8 = _block_inputs(case, "cpu")
     views = (q8.kernel_descale, k8.kernel_descale, v8.kernel_descale)
-    api = dict(zip(("descale_q", "descale_k", "descale_v"), views))
+    api = dict(zip(("descale_q", "descale_k", "descale_v"), views, strict=True))
     opts = dict(causal=causal, window_size=window)
     ref = reference_pair(q8.data, k8.data, v8.data, **opts, **api)
     base = attention_fp8(q8, k8, v8, **opts)
