@@ -145,13 +145,11 @@ class Fa3Config:
     # and two prmt per 8 scores a thread). The order of the products of P·V changes, not
     # the products.
     permute_v_keys: bool = False
-    # Q, K and Vᵀ's wgmma descriptors partitioned with the slice of the consumer warpgroup's
-    # first thread (its index is warp-uniform), not the thread's own: they depend on the
-    # thread only through its warpgroup, which ptxas cannot see from a vector-register thread
-    # index, so otherwise it builds them in vector registers and moves them across (R2UR).
-    # In the sm_90a SASS the non-causal D = 128 loop drops from 518 to 487 instructions per
-    # block and warp (FA4's 452) and D = 64's from 446 to 428 (415); not yet timed or run
-    # against the oracle on a GPU, so no table entry takes it.
+    # Q, K and Vᵀ's wgmma descriptors from the slice of the consumer warpgroup's first thread
+    # (warp-uniform), not the thread's own (ptxas cannot see they depend on the warpgroup
+    # only, so it builds them in vector registers and moves them across with R2UR). sm_90a
+    # SASS: non-causal D = 128's loop 518 -> 487 instructions per block and warp (FA4 452),
+    # D = 64's 446 -> 428 (415); not yet run on a GPU, so no table entry takes it.
     wg_slice: bool = False
     # Intra-WG overlap without causal or window masks: the main loop's runtime "is this block
     # masked" test, always false there (only the newest block, peeled off before the loop,
@@ -161,14 +159,16 @@ class Fa3Config:
     # softmax (68 FMNMX, 24 MUFU.EX2) and fp8 D = 128 / 256's move between the two waits
     # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). Not yet run on a GPU.
     loop_mask_test: bool = True
-    # Intra-WG overlap with a causal (right) mask and no left window: the main loop as two
-    # loops, the masked blocks with the mask compiled in and then the unmasked ones, neither
-    # with a runtime test, so each body is one basic block and its softmax stays under P·V
-    # (FA4's order). One loop with the test (False) keeps S, P and O in the same registers
-    # across phases, but ptxas hoists P·V's wait above the softmax on both sides of its branch.
-    # At causal D = 128 both loops hold the softmax between the waits (68 FMNMX, 23-27
-    # MUFU.EX2 each; 0 spills, no C75xx remark); not yet run on a GPU.
+    # Intra-WG overlap, causal (right) mask, no left window: the masked blocks (mask compiled
+    # in), then the unmasked ones, as two loops with no runtime test, so each body is one
+    # basic block and its softmax stays under P·V (FA4's order; one loop with the test keeps
+    # S, P, O in the same registers but ptxas hoists the wait above the softmax). Causal
+    # D = 128: 68 FMNMX, 23-27 MUFU.EX2 between the waits in each loop, 0 spills; GPU pending.
     split_loops: bool = False
+    # In-place overlap softmax: a never-taken branch before P·V's wait_group(0), which ptxas
+    # moves to the top of its basic block, so the softmax stays under P·V (fa3_softmax_sass:
+    # fp8 D = 128 100 FMNMX / 98 MUFU.EX2 between the waits, bf16 D = 64 68 / 66; else 1 / 0).
+    pin_pv_wait: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8

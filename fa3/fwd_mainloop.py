@@ -19,7 +19,7 @@ from cutlass.cute.nvgpu import warpgroup
 from flashsuite.fa3 import fp8_ops
 from flashsuite.fa3.mask import apply_mask
 from flashsuite.fa3.softmax import needs_rescale, online_softmax, rescale_rows
-from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk
+from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk, nanosleep_zero
 
 
 class ForwardMainloop:
@@ -281,6 +281,11 @@ class ForwardMainloop:
             corr = self.scores_to_probs(
                 ctx, n_block, always, None if always else masked
             )  # acc_S, not tOrP / acc_O
+            if const_expr(self.PIN_PV_WAIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
+                # A basic block ends here (Fa3Config.pin_pv_wait): the wait below cannot be
+                # moved above the softmax. corr is never NaN, so the branch never runs.
+                if corr[0] != corr[0]:
+                    nanosleep_zero()
             warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
         self.probs_to_operand(ctx, probs)  # tOrP and acc_O are free once PV has retired

@@ -148,6 +148,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.WG_SLICE = cfg.wg_slice
         self.LOOP_MASK_TEST = cfg.loop_mask_test
         self.SPLIT_LOOPS = cfg.split_loops
+        self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT

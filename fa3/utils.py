@@ -83,6 +83,13 @@ def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def nanosleep_zero(*, loc=None, ip=None) -> None:
+    """nanosleep.u32 0: no effect, but a side effect ptxas keeps (the body of
+    Fa3Config.pin_pv_wait's branch)."""
+    ptx(None, [], "nanosleep.u32 0;", "")
+
+
+@dsl_user_op
 def red_release_gpu_add_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
     """global int32 += value with release semantics at GPU scope (red.release.gpu): what this
     thread (and, after a barrier, its CTA) wrote before is visible to an acquiring reader."""
