@@ -127,6 +127,27 @@ def test_split_loops_keep_the_causal_softmax_under_pv() -> None:
         assert w["fmnmx"] >= 64 and w["mufu"] >= 8, split["windows"]
 
 
+def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
+    """pin_pv_wait (a never-taken branch right before P·V's wait_group(0), which ptxas would
+    otherwise hoist to the top of its basic block) alone, with the loop's mask test and the
+    per-thread descriptors left in: the in-place softmax of bf16 D = 64, causal D = 128 and
+    e4m3 D = 128 runs between the waits with every one of its exponentials (64, 64 and 96
+    scores a thread per block), where the shipped builds have none there."""
+    builds = [
+        (dict(head_dim=64, causal=False), 64),
+        (dict(head_dim=128, causal=True), 64),
+        (dict(head_dim=128, causal=False, fp8=True), 96),
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda b: _windows("pin_pv_wait=1", **b[0]), builds))
+    for (_, scores), r in zip(builds, got, strict=True):
+        assert r["config"]["pin_pv_wait"] and not r["config"]["softmax_apart"]
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+        assert r["windows"], r
+        for w in r["windows"]:
+            assert w["fmnmx"] >= scores and w["mufu"] >= scores, r["windows"]
+
+
 def test_softmax_apart_ships_where_it_was_measured() -> None:
     """Causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead too); softcap,
     windowed and packed problems and the other shapes do not; it needs the intra-WG overlap it
