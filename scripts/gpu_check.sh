@@ -168,7 +168,8 @@ for part in $parts; do
       # timed against the shipped build, passes interleaved (each variant passes its oracle
       # cases first). "new": descriptors from the warpgroup's slice and no mask test in the
       # non-causal loop; "split": the causal loop in two; at D = 128 also the in-place softmax
-      # (softmax_apart off), at D = 256 also without ping-pong (FA4's D = 256 schedule).
+      # (softmax_apart off), at D = 256 also without ping-pong (FA4's D = 256 schedule); "pin":
+      # pin_pv_wait alone (a never-taken branch before P·V's wait) in every row.
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
       # shellcheck disable=SC2086
       python3 -m pytest tests/test_fa3_softmax_options.py -v -rfEs -p no:cacheprovider $xdist \
@@ -180,10 +181,11 @@ for part in $parts; do
       IFS=';' read -r -a rows <<< "$rows"
       for row in "${rows[@]}"; do
         read -r d flags <<< "$row"
-        vars=(--variant "new:$new")
+        vars=(--variant "new:$new" --variant pin:pin_pv_wait=1)
         case "$row" in
           *causal*)
-            vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1)
+            vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1
+              --variant pin:pin_pv_wait=1)
             [ "$d" = 256 ] && vars+=(--variant splitnopp:split_loops=1,wg_slice=1,pingpong=0) ;;
           128) vars+=(--variant "newip:$new,softmax_apart=0") ;;
           256) vars+=(--variant "newnopp:$new,pingpong=0") ;;

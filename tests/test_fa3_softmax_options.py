@@ -195,6 +195,10 @@ _SCHEDULE_CASES = [
     _case(256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
     *[_case(d, False, True, "split", _SPLIT) for d in (64, 128, 256)],
     _case(256, False, True, "split_nopp", {**_SPLIT, "pingpong": False}),
+    # pin_pv_wait: a never-taken branch before P·V's wait (the in-place softmax's builds).
+    _case(64, False, False, "pin", {"pin_pv_wait": True}),
+    _case(128, False, True, "pin", {"pin_pv_wait": True}),
+    *[_case(d, True, False, "pin", {"pin_pv_wait": True}) for d in (128, 256)],
 ]
 
 
@@ -203,10 +207,10 @@ _SCHEDULE_CASES = [
 def test_gpu_schedule_options_match_the_table_build(
     d: int, fp8: bool, causal: bool, option: dict
 ) -> None:
-    """Fa3Config.wg_slice, loop_mask_test = False and split_loops change where ptxas puts the
-    wgmma waits and how it builds the descriptors, not the operations: out and LSE agree with
-    the table build's to within rounding (a dropped mask or a wrong descriptor moves them by
-    the size of O)."""
+    """Fa3Config.wg_slice, loop_mask_test = False, split_loops and pin_pv_wait change where
+    ptxas puts the wgmma waits and how it builds the descriptors, not the operations: out and
+    LSE agree with the table build's to within rounding (a dropped mask or a wrong descriptor
+    moves them by the size of O)."""
     _agree_with_the_table_build(d, fp8, causal, {}, option)
 
 
