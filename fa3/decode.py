@@ -485,6 +485,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
                 seqlen_k=tile.seqlen_k, shift=tile.shift, scale_log2=scale_log2,
                 softcap_pre=softcap_pre, window_left=window_left, window_right=window_right,
                 tokens=tuple((base + tScS[2 * r][0]) // tile.group for r in range(2)),
+                blk=None,  # no fp8 block descales (16-bit cache)
             )  # fmt: skip
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.STAGES)
             self.overlap_loop(

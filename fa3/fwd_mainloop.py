@@ -59,7 +59,7 @@ class ForwardMainloop:
         scores = acc_S  # what the softmax reads: acc_S, or probs once written there
         if const_expr(probs is not None and (self.SOFTCAP or mask)):
             scores = probs
-        blk = getattr(ctx, "blk", None)  # fp8 block scales (FP8_BLOCKS; not in decode's ctx)
+        blk = ctx.blk  # fp8 block scales (FP8_BLOCKS), else None
         row_scale = None
         if const_expr(blk is not None):
             # This block's descales of k and v (`block_descales`, loaded before S's wait): k's
@@ -108,7 +108,7 @@ class ForwardMainloop:
         """FP8_BLOCKS: K/V block `n_block`'s descales of k and v into ctx.blk.cur, loaded at the
         top of the step so that their latency hides under the wait for S. One descale covers
         blk.kv_tiles consecutive K/V blocks (a block size of kv_tiles x TILE_N keys)."""
-        blk = getattr(ctx, "blk", None)
+        blk = ctx.blk
         if const_expr(blk is not None):
             j = n_block // blk.kv_tiles
             blk.cur[0] = blk.mDK[blk.batch, blk.head_kv, j, 0]
