@@ -121,6 +121,18 @@ def block_view(descale: torch.Tensor, block: int) -> torch.Tensor:
     return descale.unsqueeze(-1).expand(*descale.shape, block)
 
 
+def dequantised(x8: torch.Tensor, descale: torch.Tensor | None, group: int = 1) -> torch.Tensor:
+    """float32 (B, N, H, D) of an fp8 operand and its attention-API descale: (B, H // group) or
+    a (B, H', nblocks, block) `block_view`, None for 1. `group` is q's query heads per kv
+    head: a descale with fewer heads than x8 is shared by each group."""
+    if descale is None:
+        return x8.to(torch.float32)
+    rows = descale_rows(descale, x8.shape[1])  # (B, H', N or 1)
+    if rows.shape[1] != x8.shape[2]:
+        rows = rows.repeat_interleave(group, dim=1)  # (B, H, N or 1)
+    return x8.to(torch.float32) * rows.transpose(1, 2)[..., None]
+
+
 def descale_rows(descale: torch.Tensor, n: int) -> torch.Tensor:
     """An attention API descale, (B, H) or a (B, H, nblocks, block) `block_view`, as float32
     (B, H, N or 1): each of the n rows' descale (1 row outside block mode, for all)."""

@@ -40,20 +40,6 @@ def visibility_mask(
     return visible
 
 
-def fp8_dequantised(x8: torch.Tensor, descale: torch.Tensor | None, group: int = 1) -> torch.Tensor:
-    """float32 (B, N, H, D) of an fp8 operand and its attention-API descale: (B, H // group) or
-    a (B, H', nblocks, block) block view (common.fp8.block_view), None for 1. `group` is q's
-    query heads per kv head: a descale with fewer heads than x8 is shared by each group."""
-    from flashsuite.common.fp8 import descale_rows
-
-    if descale is None:
-        return x8.to(torch.float32)
-    rows = descale_rows(descale, x8.shape[1])  # (B, H', N or 1)
-    if rows.shape[1] != x8.shape[2]:
-        rows = rows.repeat_interleave(group, dim=1)  # (B, H, N or 1)
-    return x8.to(torch.float32) * rows.transpose(1, 2)[..., None]
-
-
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -81,9 +67,11 @@ def attention_reference(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dtype = compute_dtype if compute_dtype is not None else q.dtype
     if q.dtype == torch.float8_e4m3fn:  # FP8: dequantise per (batch, kv head) or per block
-        q = fp8_dequantised(q, descale_q, g)  # (B, Nq, Hq, D)
-        k = fp8_dequantised(k, descale_k)  # (B, Nk, Hkv, D)
-        v = fp8_dequantised(v, descale_v)  # (B, Nk, Hkv, Dv)
+        from flashsuite.common.fp8 import dequantised
+
+        q = dequantised(q, descale_q, g)  # (B, Nq, Hq, D)
+        k = dequantised(k, descale_k)  # (B, Nk, Hkv, D)
+        v = dequantised(v, descale_v)  # (B, Nk, Hkv, Dv)
         if compute_dtype is None:
             dtype = torch.float32
     qh = q.to(dtype).transpose(1, 2)  # (B, Hq, Nq, D)

@@ -379,8 +379,8 @@ def _check_descale_shape(name: str, ds: torch.Tensor, b: int, heads: int, hkv: i
         )
     block = ds.shape[3]
     heads_ok = (heads, hkv) if heads != hkv else (hkv,)
-    want = (b, heads_ok[0], math.ceil(n / block) if block else 0, block)
-    if block < 1 or ds.shape[0] != b or ds.shape[1] not in heads_ok or ds.shape[2] != want[2]:
+    nblocks = math.ceil(n / block) if block else 0
+    if block < 1 or ds.shape[0] != b or ds.shape[1] not in heads_ok or ds.shape[2] != nblocks:
         h = " or ".join(str(x) for x in heads_ok)
         raise ValueError(
             f"{name}: expected a block view (B, H, ceil(N / block), block) with B = {b}, "

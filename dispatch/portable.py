@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flashsuite.common.fp8 import descale_rows
+from flashsuite.common.fp8 import dequantised
 from flashsuite.common.validation import AttnParams
 
 NAME = "torch"
@@ -77,16 +77,7 @@ def _scores(qc, kh, p: AttnParams, visible):
 
 def _dequantised(q, k, v, p: AttnParams, descale_q, descale_k, descale_v):
     g = p.group_size
-
-    def scale(t, ds, per_q_head):
-        if ds is None:
-            return t.float()
-        rows = descale_rows(ds, t.shape[1])  # (B, H', N or 1): block views per row
-        if per_q_head and rows.shape[1] != t.shape[2]:
-            rows = rows.repeat_interleave(g, dim=1)  # q's descale per kv head: its group's
-        return t.float() * rows.transpose(1, 2)[..., None]  # (B, N or 1, H, 1)
-
-    return scale(q, descale_q, True), scale(k, descale_k, False), scale(v, descale_v, False)
+    return dequantised(q, descale_q, g), dequantised(k, descale_k), dequantised(v, descale_v)
 
 
 def forward(q, k, v, p: AttnParams, descale_q=None, descale_k=None, descale_v=None):

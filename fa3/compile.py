@@ -66,7 +66,7 @@ class CompileKey:
     # (Hq, total_q) and cu_seqlens_q/k (B + 1,) int32 (16-bit inputs, plain grid).
     varlen: bool = False
     # fp8 descales per block: (B, H, nblocks, block) fp32 views, the last mode of stride 0
-    # (its extent the block size; interface.block_descale_view), rather than (B, Hkv).
+    # (its extent the block size; interface._block_descale), rather than (B, Hkv).
     fp8_blocks: bool = False
 
 

@@ -148,9 +148,8 @@ MUTANTS = [
     Mutant(
         "torch fp8: descale (b, h) read from (h, b)",
         T,
-        "rows = descale_rows(ds, t.shape[1])  # (B, H', N or 1): block views per row",
-        "ds = ds.reshape(ds.shape[1], ds.shape[0]).t() if ds.dim() == 2 else ds\n"
-        "        rows = descale_rows(ds, t.shape[1])",
+        "dequantised(k, descale_k), ",
+        "dequantised(k, descale_k.reshape(descale_k.shape[1], descale_k.shape[0]).t()), ",
         "fp8 and torch",
         ("tests/test_fp8.py",),
     ),
