@@ -8,13 +8,13 @@
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
 shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels (fa3 is
-what auto picks on sm90, configs.KVCACHE_AUTO). Each point reports the median time
+what auto picks on sm90, decode_configs.KVCACHE_AUTO). Each point reports the median time
 (triton.testing.do_bench) and the K/V bytes read per second, next to PyTorch SDPA's flash and
 cuDNN backends on the same cache (viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same
 run; fa3's largest difference from fa2's output, and each version's time for forced split
 counts at five shapes (the data to set their split heuristics from). fa3 is timed twice: with
 the splits merged by the shared Triton combine (`fa3_*` in the JSON) and with the merge fused
-into the kernel (`fa3_fused_*`, the shipped default, configs.DECODE_FUSED_COMBINE; with its
+into the kernel (`fa3_fused_*`, the shipped default, decode_configs.DECODE_FUSED_COMBINE; with its
 largest difference from the other). Every decode time is one
 replay of a CUDA graph of the call (as a serving loop runs decode steps), so Python and launch
 overhead are out of every column; fa2's eager time, overhead included, is in the JSON.
@@ -65,7 +65,7 @@ from flashsuite import dispatch
 from flashsuite.common.flops import attention_flops
 from flashsuite.dispatch.bench import time_ms
 from flashsuite.fa2 import decode
-from flashsuite.fa3 import configs as fa3_configs
+from flashsuite.fa3 import decode_configs as fa3_decode_configs
 from flashsuite.fa3 import decode_host
 
 HQ, HKV, D = 32, 8, 128
@@ -112,13 +112,13 @@ def _decode(version, q, k_cache, v_cache, lens, table, num_splits=0):
 @contextlib.contextmanager
 def _combine(fused: bool):
     """fa3's decode with the split combine fused into the kernel or by the shared Triton kernel
-    (configs.DECODE_FUSED_COMBINE), whatever the shipped default."""
-    saved = fa3_configs.DECODE_FUSED_COMBINE
-    fa3_configs.DECODE_FUSED_COMBINE = fused
+    (decode_configs.DECODE_FUSED_COMBINE), whatever the shipped default."""
+    saved = fa3_decode_configs.DECODE_FUSED_COMBINE
+    fa3_decode_configs.DECODE_FUSED_COMBINE = fused
     try:
         yield
     finally:
-        fa3_configs.DECODE_FUSED_COMBINE = saved
+        fa3_decode_configs.DECODE_FUSED_COMBINE = saved
 
 
 def _fa2(q, k_cache, v_cache, lens, table, num_splits=0):

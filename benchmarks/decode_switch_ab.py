@@ -1,4 +1,4 @@
-"""fa3's decode with one `fa3/configs.py` switch off and on, next to SDPA's flash and cuDNN
+"""fa3's decode with one `fa3/decode_configs.py` switch off and on, next to SDPA's flash and cuDNN
 backends, at the decode sweep's points (GQA 32/8, D 128, bf16, Nq 1, contiguous cache).
 
     python -m benchmarks.decode_switch_ab --switch DECODE_KV_EVICT_FIRST [--passes 5]
@@ -30,16 +30,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks import decode_bench as db
     from benchmarks.ab_stats import paired_ratios
-    from flashsuite.fa3 import configs
+    from flashsuite.fa3 import decode_configs
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--switch", required=True, help="a boolean in fa3/configs.py")
+    ap.add_argument("--switch", required=True, help="a boolean in fa3/decode_configs.py")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--page", type=int, default=0, help="page size of a paged cache (0: none)")
     args = ap.parse_args(argv)
-    if not isinstance(getattr(configs, args.switch, None), bool):
-        raise SystemExit(f"--switch: expected a boolean of fa3/configs.py, got {args.switch!r}")
-    saved = getattr(configs, args.switch)
+    if not isinstance(getattr(decode_configs, args.switch, None), bool):
+        raise SystemExit(
+            f"--switch: expected a boolean of fa3/decode_configs.py, got {args.switch!r}"
+        )
+    saved = getattr(decode_configs, args.switch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, n in POINTS:
         q = torch.randn(b, 1, db.HQ, db.D, device="cuda", generator=gen).to(db.DTYPE)
@@ -56,11 +58,11 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for _ in range(args.passes):
                 for name, flag in (("off", False), ("on", True)):
-                    setattr(configs, args.switch, flag)
+                    setattr(decode_configs, args.switch, flag)
                     call = db._decode("fa3", q, *cache[:2], lens, cache[2])
                     res.setdefault(name, []).append(db._graph_ms(call) * 1e3)
                     outs[name] = call()
-                setattr(configs, args.switch, saved)
+                setattr(decode_configs, args.switch, saved)
                 if args.page:
                     call = db._decode("fa3", q, k, v, lens, None)
                     res.setdefault("contig", []).append(db._graph_ms(call) * 1e3)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
                                       ("cudnn", SDPBackend.CUDNN_ATTENTION)):  # fmt: skip
                     res.setdefault(name, []).append(db._sdpa_ms(q, k, v, backend) * 1e3)
         finally:
-            setattr(configs, args.switch, saved)
+            setattr(decode_configs, args.switch, saved)
         med = {name: statistics.median(t) for name, t in res.items()}
         best = min(med["flash"], med["cudnn"])
         print(

@@ -55,17 +55,17 @@ def probe(
 ) -> dict:
     """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build; `paged_boxes`: a
     paged build on the contiguous tiles, one TMA box per page, decode_host.plan's choice under
-    configs.DECODE_PAGED_BOXES; `evict_first`: K and V loads with the L2 evict-first hint,
-    configs.DECODE_KV_EVICT_FIRST); its PTX and ptxas facts."""
+    decode_configs.DECODE_PAGED_BOXES; `evict_first`: K and V loads with the L2 evict-first hint,
+    decode_configs.DECODE_KV_EVICT_FIRST); its PTX and ptxas facts."""
     import torch
 
-    from flashsuite.fa3 import configs
+    from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.compile import DecodeKey, compile_decode
     from flashsuite.fa3.decode import L2_EVICT_FIRST
     from flashsuite.fa3.decode_host import _tiles
 
     d, causal, local, softcap, page, split, fused = case
-    configs.DECODE_PAGED_BOXES = paged_boxes
+    decode_configs.DECODE_PAGED_BOXES = paged_boxes
     cfg, box = _tiles(d, page, ctas_per_sm)
     key = DecodeKey(
         torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm, box,
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all", action="store_true", help="every head dim, layout and output")
     ap.add_argument(
         "--two-ctas", action="store_true",
-        help="the builds two CTAs of which share an SM (D <= 128; configs.decode_config)",
+        help="the builds two CTAs of which share an SM (D <= 128; decode_configs.decode_config)",
     )  # fmt: skip
     ap.add_argument(
         "--paged-boxes", action="store_true",

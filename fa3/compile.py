@@ -34,9 +34,9 @@ from flashsuite.fa3.configs import (
     Fa3Config,
     can_implement,
     can_implement_varlen,
-    decode_can_implement,
     smem_bytes,
 )
+from flashsuite.fa3.decode_configs import decode_can_implement
 
 
 def cutlass_dtype(dtype: torch.dtype) -> Any:
@@ -281,7 +281,8 @@ class DecodeKey:
     # With split: the last split of each warp's rows merges the partials itself (no second
     # launch; decode.Fa3Decode.combine_if_last), else common.split_combine's Triton kernel.
     fused_combine: bool = False
-    ctas_per_sm: int = 1  # 2: the build two CTAs of which share an SM (configs.decode_config)
+    # 2: the build two CTAs of which share an SM (decode_configs.decode_config)
+    ctas_per_sm: int = 1
     page_box: int = 0  # paged: keys per TMA box when a stage spans pages (0: one box a stage)
     kv_evict_first: bool = False  # K and V loads carry an L2 evict-first hint
     arch: str = "sm_90a"

@@ -41,7 +41,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from flashsuite.fa3.configs import DECODE_REG_SPLIT, DECODE_REG_SPLIT_2CTA, Fa3Config
+from flashsuite.fa3.configs import Fa3Config
+from flashsuite.fa3.decode_configs import DECODE_REG_SPLIT, DECODE_REG_SPLIT_2CTA
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 from flashsuite.fa3.fwd_mainloop import ForwardMainloop
 from flashsuite.fa3.mask import apply_mask

@@ -4,8 +4,9 @@ launch and the combine.
 The new k, v are appended into the cache first (common.append_kernel.append, shared with
 fa2); the kernel then reads each row's first cache_seqlens[b] + Nnew keys. With one split
 it writes out and lse itself; with more, each split writes its fp32 partial O and LSE, merged
-into out and lse by the last split of each tile inside the kernel (configs.DECODE_FUSED_COMBINE,
-on) or else by the shared Triton combine (common.split_combine).
+into out and lse by the last split of each tile inside the kernel
+(decode_configs.DECODE_FUSED_COMBINE, on) or else by the shared Triton combine
+(common.split_combine).
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import torch
 from flashsuite.common.append_kernel import append
 from flashsuite.common.split_combine import combine_splits, split_count
 from flashsuite.common.validation import KVCacheParams
-from flashsuite.fa3 import configs
-from flashsuite.fa3.configs import (
+from flashsuite.fa3 import decode_configs
+from flashsuite.fa3.configs import DTYPES, Fa3Config
+from flashsuite.fa3.decode_configs import (
     DECODE_CTAS_PER_SM,
     DECODE_MAX_SPLITS,
     DECODE_MIN_BLOCKS_PER_SPLIT,
     DECODE_TILE_M,
-    DTYPES,
-    Fa3Config,
     decode_can_implement,
     decode_config,
 )
@@ -60,27 +60,27 @@ class DecodePlan(NamedTuple):
 
 def _tiles(head_dim: int, page_size: int, ctas_per_sm: int) -> tuple[Fa3Config | None, int]:
     """(config, page_box) for a cache of page_size-token pages (0: contiguous), with
-    configs.DECODE_LOOP_MASK_TEST's loop_mask_test. With
-    configs.DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles, each stage
-    loaded as tile_n / page_box boxes of page_box keys (the largest multiple of 16 dividing
+    decode_configs.DECODE_LOOP_MASK_TEST's loop_mask_test. With
+    decode_configs.DECODE_PAGED_BOXES a paged cache keeps the contiguous cache's key tiles, each
+    stage loaded as tile_n / page_box boxes of page_box keys (the largest multiple of 16 dividing
     both); otherwise its tiles are cut to a size that divides the page."""
-    if page_size and configs.DECODE_PAGED_BOXES:
-        cfg = decode_config(head_dim, 0, ctas_per_sm, configs.DECODE_LOOP_MASK_TEST)
+    if page_size and decode_configs.DECODE_PAGED_BOXES:
+        cfg = decode_config(head_dim, 0, ctas_per_sm, decode_configs.DECODE_LOOP_MASK_TEST)
         if cfg is None:
             return None, 0
         box = next(
             n for n in range(cfg.tile_n, 0, -16) if page_size % n == 0 and cfg.tile_n % n == 0
         )
         return cfg, (0 if box == cfg.tile_n else box)
-    return decode_config(head_dim, page_size, ctas_per_sm, configs.DECODE_LOOP_MASK_TEST), 0
+    return decode_config(head_dim, page_size, ctas_per_sm, decode_configs.DECODE_LOOP_MASK_TEST), 0
 
 
 def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
     """The DecodePlan of problem `kp` on a GPU with num_sms SMs: num_splits = 0 takes the
     heuristic, whose key-block count comes from the cache capacity (no device-to-host copy of
     the lengths; each row divides its own length among the splits). A call of one split with
-    at least configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a head dim of
-    configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an SM."""
+    at least decode_configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a head dim of
+    decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an SM."""
     p = kp.attn
     cfg, box = _tiles(p.head_dim, kp.page_size, 1)
     m_blocks = math.ceil(p.seqlen_q * p.group_size / DECODE_TILE_M)
@@ -89,12 +89,12 @@ def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
         tiles, math.ceil(p.seqlen_k / cfg.tile_n), num_sms
     )
     splits = max(1, min(splits, DECODE_MAX_SPLITS))
-    least = configs.DECODE_TWO_CTAS_MIN_TILES
+    least = decode_configs.DECODE_TWO_CTAS_MIN_TILES
     if (
         splits == 1
         and least is not None
         and tiles >= least
-        and p.head_dim in configs.DECODE_TWO_CTAS_HEAD_DIMS
+        and p.head_dim in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS
     ):
         two, two_box = _tiles(p.head_dim, kp.page_size, 2)
         if two is not None:
@@ -204,9 +204,9 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     the split plan, the compile key, the binary and the scalars, decided once per problem
     (a decode loop repeats the same one every step)."""
     key = (
-        kp, device, configs.DECODE_FUSED_COMBINE, configs.DECODE_TWO_CTAS_MIN_TILES,
-        configs.DECODE_TWO_CTAS_HEAD_DIMS, configs.DECODE_PAGED_BOXES,
-        configs.DECODE_KV_EVICT_FIRST, configs.DECODE_LOOP_MASK_TEST,
+        kp, device, decode_configs.DECODE_FUSED_COMBINE, decode_configs.DECODE_TWO_CTAS_MIN_TILES,
+        decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, decode_configs.DECODE_PAGED_BOXES,
+        decode_configs.DECODE_KV_EVICT_FIRST, decode_configs.DECODE_LOOP_MASK_TEST,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:
@@ -218,12 +218,12 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     cfg, m_blocks, splits, ctas_per_sm, page_box = plan(kp, sms)
-    fused = splits > 1 and configs.DECODE_FUSED_COMBINE
+    fused = splits > 1 and decode_configs.DECODE_FUSED_COMBINE
     dkey = DecodeKey(
         dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, local=p.is_local,
         softcap=p.softcap > 0, paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
         ctas_per_sm=ctas_per_sm, page_box=page_box,
-        kv_evict_first=configs.DECODE_KV_EVICT_FIRST,
+        kv_evict_first=decode_configs.DECODE_KV_EVICT_FIRST,
     )  # fmt: skip
     scalars = kernel_scalars(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k

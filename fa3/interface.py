@@ -42,7 +42,6 @@ from flashsuite.fa3.configs import (
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
-    KVCACHE_AUTO,
     VARLEN_AUTO,
     Fa3Config,
     can_implement,
@@ -51,6 +50,7 @@ from flashsuite.fa3.configs import (
     fp8_block_tiles,
     varlen_config_for,
 )
+from flashsuite.fa3.decode_configs import KVCACHE_AUTO
 
 NAME = "fa3"
 HAS_BACKWARD = False
@@ -62,8 +62,8 @@ OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
 # off until run on a GPU), else the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).
 VARLEN_AUTO_SELECT = VARLEN_AUTO
 OWN_VARLEN_BACKWARD_DEFAULT = VARLEN_BWD_AUTO
-# Whether auto selection takes fa3 for KV-cache attention (configs.KVCACHE_AUTO: off until the
-# H200 has run it; version="fa3" runs it).
+# Whether auto selection takes fa3 for KV-cache attention (decode_configs.KVCACHE_AUTO, with the
+# measurement that set it; version="fa3" runs it either way).
 KVCACHE_AUTO_SELECT = KVCACHE_AUTO
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z

@@ -419,8 +419,8 @@ MUTANTS = [
     Mutant(
         "decode launch plans: DECODE_LOOP_MASK_TEST left out of their key",
         "fa3/decode_host.py",
-        "configs.DECODE_KV_EVICT_FIRST, configs.DECODE_LOOP_MASK_TEST,",
-        "configs.DECODE_KV_EVICT_FIRST,",
+        "decode_configs.DECODE_KV_EVICT_FIRST, decode_configs.DECODE_LOOP_MASK_TEST,",
+        "decode_configs.DECODE_KV_EVICT_FIRST,",
         "loop_mask_test_switch",
         ("tests/test_fa3_kvcache.py",),
     ),

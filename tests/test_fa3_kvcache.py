@@ -172,22 +172,15 @@ def test_page_boxes_start_inside_the_view(page) -> None:
                 else:
                     assert keys and all(k < seqlen for k in keys), (seqlen, first, keys)
     with pytest.MonkeyPatch.context() as mp:  # the plan's box size is the one modelled here
-        from flashsuite.fa3 import configs
+        from flashsuite.fa3 import decode_configs
 
-        mp.setattr(configs, "DECODE_PAGED_BOXES", True)
+        mp.setattr(decode_configs, "DECODE_PAGED_BOXES", True)
         assert _tiles(128, page, 1)[1] == (0 if box == tile_n else box)
 
 
 def test_decode_config_table() -> None:
-    from flashsuite.fa3.configs import (
-        DTYPES,
-        FP8_DTYPE,
-        HEAD_DIMS,
-        SMEM_CAPACITY,
-        decode_can_implement,
-        decode_config,
-        smem_bytes,
-    )
+    from flashsuite.fa3.configs import DTYPES, FP8_DTYPE, HEAD_DIMS, SMEM_CAPACITY, smem_bytes
+    from flashsuite.fa3.decode_configs import decode_can_implement, decode_config
 
     for d in HEAD_DIMS:
         for page in (0, 16, 32, 48, 64, 96, 128, 192, 256):
@@ -209,7 +202,7 @@ def test_decode_config_table() -> None:
 def test_decode_compile_key() -> None:
     from flashsuite.fa3 import disk_cache
     from flashsuite.fa3.compile import DecodeKey
-    from flashsuite.fa3.configs import decode_config
+    from flashsuite.fa3.decode_configs import decode_config
 
     cfg = decode_config(128)
     keys = {
@@ -225,7 +218,7 @@ def test_decode_compile_key() -> None:
 
 
 def test_split_heuristic() -> None:
-    from flashsuite.fa3.configs import DECODE_MAX_SPLITS
+    from flashsuite.fa3.decode_configs import DECODE_MAX_SPLITS
     from flashsuite.fa3.decode_host import num_splits_heuristic, plan
 
     sms = 132
@@ -249,20 +242,20 @@ def test_paged_boxes_plan(monkeypatch) -> None:
     """With DECODE_PAGED_BOXES (shipped) a paged cache keeps the contiguous cache's key tiles
     and loads a stage as one box per page: the largest multiple of 16 that divides both the
     page and the tile (0: one box a stage); without it the tiles shrink to the page."""
-    from flashsuite.fa3 import configs
+    from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.decode_host import H100_SMS as sms
     from flashsuite.fa3.decode_host import plan
 
-    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
-    assert configs.DECODE_PAGED_BOXES
-    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", False)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    assert decode_configs.DECODE_PAGED_BOXES
+    monkeypatch.setattr(decode_configs, "DECODE_PAGED_BOXES", False)
     assert plan(_params(1, 1, 32, 8, 4096, 64, 0), sms).cfg.tile_n == 64  # tiles cut to the page
-    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", True)
+    monkeypatch.setattr(decode_configs, "DECODE_PAGED_BOXES", True)
     for page, box in ((16, 16), (32, 32), (48, 16), (64, 64), (96, 32), (128, 0), (256, 0)):
         got = plan(_params(1, 1, 32, 8, 768 if page == 96 else 4096, page, 0), sms)
         assert (got.cfg.tile_n, got.page_box) == (128, box), (page, got)
     assert plan(_params(1, 1, 32, 8, 4096, 0, 0), sms).page_box == 0  # contiguous: one box
-    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 0)  # 64-key tiles
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", 0)  # 64-key tiles
     got = plan(_params(32, 1, 32, 8, 4096, 16, 1), sms)
     assert (got.ctas_per_sm, got.cfg.tile_n, got.page_box) == (2, 64, 16)
 
@@ -271,8 +264,9 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     """One-split calls of at least DECODE_TWO_CTAS_MIN_TILES tiles take the build two CTAs of
     which share an SM (half the shared memory: 64-key tiles at D 128, 3 stages; 128 registers a
     thread at entry) at the head dims it is measured at; split calls keep one CTA per SM."""
-    from flashsuite.fa3 import configs
-    from flashsuite.fa3.configs import SMEM_PER_CTA_2, decode_config, smem_bytes
+    from flashsuite.fa3 import decode_configs
+    from flashsuite.fa3.configs import smem_bytes
+    from flashsuite.fa3.decode_configs import SMEM_PER_CTA_2, decode_config
     from flashsuite.fa3.decode_host import H100_SMS as sms
     from flashsuite.fa3.decode_host import plan
 
@@ -281,10 +275,10 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
         assert cfg.tile_n == tile_n and smem_bytes(cfg, d) <= SMEM_PER_CTA_2 and cfg.stages >= 2
     assert decode_config(128, 0, 2).stages == 3 and decode_config(128, 32, 2).tile_n == 32
     big = _params(32, 1, 32, 8, 4096, 0, 0)  # 256 tiles: one split
-    assert plan(big, sms)[3] == (2 if configs.DECODE_TWO_CTAS_MIN_TILES is not None else 1)
-    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    assert plan(big, sms)[3] == (2 if decode_configs.DECODE_TWO_CTAS_MIN_TILES is not None else 1)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", None)
     assert plan(big, sms)[3] == 1  # switched off
-    monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 256)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", 256)
     cfg, _, splits, ctas, _ = plan(big, sms)
     assert (cfg.tile_n, cfg.stages, splits, ctas) == (64, 3, 1, 2)
     assert plan(_params(16, 1, 32, 8, 4096, 0, 0), sms)[3] == 1  # 128 tiles: under the bound
@@ -368,10 +362,10 @@ def stand_in(monkeypatch) -> list:
 @pytest.mark.parametrize("page", [0, 32])
 def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch) -> None:
     pytest.importorskip("triton")
-    from flashsuite.fa3 import configs, decode_host
+    from flashsuite.fa3 import decode_configs, decode_host
     from flashsuite.fa3.decode_host import kvcache_forward
 
-    monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
+    monkeypatch.setattr(decode_configs, "DECODE_FUSED_COMBINE", fused)
     if fused:  # the kernel merges: no second launch
         monkeypatch.setattr(decode_host, "combine_splits", _no_combine)
 
@@ -403,16 +397,16 @@ def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch
 
 
 def test_loop_mask_test_switch_reaches_the_build(stand_in, monkeypatch) -> None:
-    """configs.DECODE_LOOP_MASK_TEST picks the decode build's Fa3Config.loop_mask_test, and
+    """decode_configs.DECODE_LOOP_MASK_TEST picks the decode build's Fa3Config.loop_mask_test, and
     the launch plans are cached per switch setting (flipping it between calls, as
     benchmarks/decode_switch_ab does, takes the other build)."""
-    from flashsuite.fa3 import configs, decode_host
+    from flashsuite.fa3 import decode_configs, decode_host
 
     q = torch.randn(1, 1, 8, 128, dtype=BF16)
     kc = torch.zeros(1, 512, 2, 128, dtype=BF16)
     kp = check_kvcache_inputs(q, kc, kc, cache_seqlens=300, num_splits=2)
     for flag in (True, False, True):
-        monkeypatch.setattr(configs, "DECODE_LOOP_MASK_TEST", flag)
+        monkeypatch.setattr(decode_configs, "DECODE_LOOP_MASK_TEST", flag)
         decode_host.launch_plan(kp, torch.device("cpu"))
     assert [b.key.cfg.loop_mask_test for b in stand_in] == [True, False]
 
@@ -442,7 +436,7 @@ def test_captured_calls_get_disjoint_zeroed_counters(monkeypatch) -> None:
 
 
 def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
-    """Auto selection takes fa3's decode on sm90 (configs.KVCACHE_AUTO) and fa2's when the
+    """Auto selection takes fa3's decode on sm90 (decode_configs.KVCACHE_AUTO) and fa2's when the
     switch is off, saying why; version="fa3" runs it either way; float32 is refused by name."""
     pytest.importorskip("triton")
     if not HAS_CUTLASS:
@@ -539,12 +533,12 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
     only) the call runs twice: the second must give the same bits, so the kernel left its
     per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
-    build two CTAs of which share an SM (configs.DECODE_TWO_CTAS_MIN_TILES), where its head
+    build two CTAs of which share an SM (decode_configs.DECODE_TWO_CTAS_MIN_TILES), where its head
     dim has one. Paged cases run on the contiguous key tiles, one TMA box per page
-    (configs.DECODE_PAGED_BOXES, shipped); "paged-tiles": on key tiles cut to the page (the
+    (decode_configs.DECODE_PAGED_BOXES, shipped); "paged-tiles": on key tiles cut to the page (the
     switch off). "no-loop-test": the main loop without its runtime mask test where nothing
-    in it is masked (configs.DECODE_LOOP_MASK_TEST off)."""
-    from flashsuite.fa3 import configs
+    in it is masked (decode_configs.DECODE_LOOP_MASK_TEST off)."""
+    from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
     b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
@@ -552,17 +546,17 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     if fused and splits == 1:
         pytest.skip("one split: nothing to combine")
     if build == "two-ctas":
-        if d not in configs.DECODE_TWO_CTAS_HEAD_DIMS:
+        if d not in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS:
             pytest.skip(f"no two-CTA build at D {d}")
-        monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", 0)
+        monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", 0)
         splits = 1
     else:
-        monkeypatch.setattr(configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+        monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", None)
     if build == "paged-tiles" and (not page or page % 128 == 0):
         pytest.skip("a contiguous cache, or pages as large as the key tile: no cut tiles")
-    monkeypatch.setattr(configs, "DECODE_PAGED_BOXES", build != "paged-tiles")
-    monkeypatch.setattr(configs, "DECODE_FUSED_COMBINE", fused)
-    monkeypatch.setattr(configs, "DECODE_LOOP_MASK_TEST", build != "no-loop-test")
+    monkeypatch.setattr(decode_configs, "DECODE_PAGED_BOXES", build != "paged-tiles")
+    monkeypatch.setattr(decode_configs, "DECODE_FUSED_COMBINE", fused)
+    monkeypatch.setattr(decode_configs, "DECODE_LOOP_MASK_TEST", build != "no-loop-test")
     gen = torch.Generator(device=DEV).manual_seed(0)
     q = _rand(gen, b, nq, hq, d, dtype=dtype)
     k_dense, v_dense = (_rand(gen, b, cap, hkv, d, dtype=dtype) for _ in range(2))
@@ -649,9 +643,9 @@ def test_gpu_split_decode_replays_in_cuda_graphs(monkeypatch) -> None:
     every replay gives the eager call's out and lse bit for bit (the counters of each graph
     come back to zero after every replay), and the captured calls drew their counters from
     the capture pool (no memset node in either graph)."""
-    from flashsuite.fa3 import configs, decode_host
+    from flashsuite.fa3 import decode_configs, decode_host
 
-    assert configs.DECODE_FUSED_COMBINE
+    assert decode_configs.DECODE_FUSED_COMBINE
     monkeypatch.setenv("FLASHSUITE_CHECK_METADATA", "0")  # a capture copies nothing to the host
     gen = torch.Generator(device=DEV).manual_seed(2)
     q = _rand(gen, 2, 1, 32, 128, dtype=BF16)
