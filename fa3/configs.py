@@ -32,6 +32,11 @@ MMA_K = {2: 16, 1: 32}
 # per number of consumer WGs. Under the 160 cap of 3 WGs ptxas packs tighter (FA3 runs 192x128 at
 # D=64 there); the 0-spill check of tests/test_fa3_compile.py is the real judge.
 _REG_OVERHEAD = {2: 40, 3: 24}
+# e4m3 at two warpgroups packs tighter still: FA3's fp8 tiles, 128 x 224 at D = 128 (S 112 + O 64
+# + P 28) and 128 x 128 at D = 256 (64 + 128 + 16), compile with 0 spills at 240 (sm_90a,
+# benchmarks/fa3_softmax_sass, in-place softmax with row_chains and pin_pv_wait); 128 x 224 with
+# V transposed in smem (224 registers, VT_REG_SPLIT) spills 96 bytes and serialises its wgmmas.
+_REG_OVERHEAD_FP8 = {2: 32, 3: 24}
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,8 @@ def consumer_regs_estimate(
     acc_s = rows_per_wg * cfg.tile_n // 128
     acc_o = rows_per_wg * head_dim // 128
     p = acc_s * dtype.itemsize // 4 if cfg.intra_wg_overlap else 0
-    return acc_o + acc_s + p + _REG_OVERHEAD.get(cfg.num_consumer_wgs, 40)
+    overhead = _REG_OVERHEAD_FP8 if dtype.itemsize == 1 else _REG_OVERHEAD
+    return acc_o + acc_s + p + overhead.get(cfg.num_consumer_wgs, 40)
 
 
 def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bool, str]:
@@ -272,7 +278,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
     if smem > SMEM_CAPACITY:
         return False, f"fa3: {smem} B of shared memory > {SMEM_CAPACITY} B"
     regs = consumer_regs_estimate(cfg, head_dim, dtype)
-    budget = REG_SPLIT[cfg.num_consumer_wgs][1]
+    # The smem transpose's producer warps keep more registers: the consumers get fewer.
+    budget = (VT_REG_SPLIT if cfg.v_transpose == "smem" else REG_SPLIT)[cfg.num_consumer_wgs][1]
     if regs > budget:
         return False, f"fa3: ~{regs} registers per consumer thread > {budget}"
     return True, ""

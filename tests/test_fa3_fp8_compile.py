@@ -297,6 +297,20 @@ def test_fp8_table_entries_can_be_implemented(d: int, causal: bool) -> None:
     assert ok, reason
 
 
+def test_fp8_register_estimate_follows_the_split() -> None:
+    """FA3's 128 x 224 e4m3 tile at D = 128 fits the host builds' 240 consumer registers (0
+    spills on sm_90a) but not the smem transpose's 224 (96 bytes spilled): can_implement admits
+    the one and names the budget for the other. The table's smem builds stay within theirs."""
+    host = replace(get_config(128, FP8_DTYPE, False), tile_n=224)
+    assert host.v_transpose == "host" and can_implement(host, 128, FP8_DTYPE) == (True, "")
+    ok, reason = can_implement(replace(host, v_transpose="smem"), 128, FP8_DTYPE)
+    assert not ok and f"> {VT_REG_SPLIT[2][1]}" in reason, reason
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=1024)
+            assert cfg.v_transpose == "smem" and can_implement(cfg, d, FP8_DTYPE)[0], (d, cfg)
+
+
 def test_fp8_limits_of_the_one_table() -> None:
     """What the fp8 branch cannot take, and why: sO on the fp8 sQ, P blocks under 32 keys."""
     cfg = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
