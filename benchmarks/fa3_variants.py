@@ -247,15 +247,20 @@ def fp8_variants() -> list[tuple[str, int, Fa3Config]]:
             # registers each: S 64 + O 32 + P 16 at tile_n 128).
             cands["wg3_n128"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=128)
             cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
+            # FA3's e4m3 D = 64 tile: 192 x 160 on three consumer warpgroups.
+            cands["wg3_n160"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=160)
         if d == 128:
             cands["tile_n_256"] = replace(cfg, tile_n=256)
             # Three consumer WGs (160 registers each: S 48 + O 64 + P 12 at tile_n 96), so
             # two softmaxes run beside one warpgroup's GEMMs: the ping-pong softmax of one
             # warp per scheduler is bound by latency (docs/design.md, Fa3Config.row_chains).
             cands["wg3_n96"] = replace(cfg, num_consumer_wgs=3, tile_m=192, tile_n=96)
+            # FA3's e4m3 tile (hopper/tile_size.h): 128 x 224, S 112 + O 64 + P 28 registers.
+            cands["tile_n_224"] = replace(cfg, tile_n=224)
         if d == 256:
             cands["tile_n_64"] = replace(cfg, tile_n=64)
             cands["tile_n_112"] = replace(cfg, tile_n=112)
+            cands["tile_n_128"] = replace(cfg, tile_n=128)  # FA3's: S 64 + O 128 + P 16
         # V transposed in shared memory by the producer WG instead of the host's Vᵀ copy
         # (`fp8_check --vt` times the user's whole call of both builds).
         cands["vt_smem"] = fp8_smem_transpose_config(d, False)

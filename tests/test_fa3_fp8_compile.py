@@ -131,7 +131,7 @@ def test_fp8_variants_compile_with_hopper_machinery(tmp_path) -> None:
     assert proc.returncode == 0, f"fp8 variant probe failed:\n{proc.stdout}\n{proc.stderr}"
     configs = json.loads(path.read_text())["configs"]
     names = {r["name"] for r in configs}
-    assert {"persistent_v2", "wg3_n128"} <= names, names
+    assert {"persistent_v2", "wg3_n128", "wg3_n160", "tile_n_224"} <= names, names
     for r in configs:
         _check_fp8_machinery(r)
 
