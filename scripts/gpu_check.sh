@@ -4,7 +4,7 @@
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
-#                                                fwd-candidates bwd-candidates
+#                                                fwd-candidates fwd-short bwd-candidates
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -207,6 +207,20 @@ for part in $parts; do
       # "no-loop-test" build), on the decode sweep beside SDPA.
       python3 -m benchmarks.decode_switch_ab --switch DECODE_LOOP_MASK_TEST --passes 3 2>&1 \
         | grep -v Warning | tail -12 | tee -a "$out/fwd-candidates-ab.log" || status=1 ;;
+    fwd-short)
+      # Short non-causal problems (N = 1k, 2k), where the fa3 forward trails the faster peer
+      # most: at D = 64 two warpgroups of 128 rows (1k rows fill 192-row tiles to 5.3 of 6),
+      # at D = 128 the persistent scheduler with the in-place softmax (softmax_apart on it
+      # makes ptxas recompute exponentials: docs/design.md), each with the schedule options.
+      new=wg_slice=1,loop_mask_test=0
+      python3 -m benchmarks.fa3_fwd_ab --head-dim 64 --seqlen 1024 --seqlen 2048 --passes 5 \
+        --variant "new:$new" --variant "short:tile_m=128,num_consumer_wgs=2,stages=2,$new" \
+        --variant "short192:tile_m=128,num_consumer_wgs=2,stages=2,tile_n=192,$new" 2>&1 \
+        | grep -v Warning | tail -20 | tee "$out/fwd-short.log" || status=1
+      python3 -m benchmarks.fa3_fwd_ab --head-dim 128 --seqlen 1024 --seqlen 2048 --passes 5 \
+        --variant "new:$new" \
+        --variant "pv2ip:persistent=1,overlap_tiles=1,balanced_order=1,o_alias_q=0,softmax_apart=0,wg_slice=1" \
+        2>&1 | grep -v Warning | tail -20 | tee -a "$out/fwd-short.log" || status=1 ;;
     bwd-candidates)
       # The fa3 backward's dV issued before the sdS fence (BwdConfig.dv_before_fence, FA4's
       # order; variants *_dvf): their oracle cases, then the D = 128 A/B against the shipped
