@@ -182,6 +182,13 @@ TRANSPOSE_WARPS = 3
 VT_REG_SPLIT = {2: (56, 224), 3: (32, 160)}
 
 
+def reg_split(cfg: Fa3Config) -> tuple[int, int]:
+    """(producer, consumer) setmaxnreg of a build: VT_REG_SPLIT where the producer warpgroup
+    transposes V in shared memory (e4m3 only; can_implement refuses it in 16 bits), else
+    REG_SPLIT."""
+    return (VT_REG_SPLIT if cfg.v_transpose == "smem" else REG_SPLIT)[cfg.num_consumer_wgs]
+
+
 def _align(n: int, a: int = 1024) -> int:
     return (n + a - 1) // a * a
 
@@ -278,8 +285,7 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
     if smem > SMEM_CAPACITY:
         return False, f"fa3: {smem} B of shared memory > {SMEM_CAPACITY} B"
     regs = consumer_regs_estimate(cfg, head_dim, dtype)
-    # The smem transpose's producer warps keep more registers: the consumers get fewer.
-    budget = (VT_REG_SPLIT if cfg.v_transpose == "smem" else REG_SPLIT)[cfg.num_consumer_wgs][1]
+    budget = reg_split(cfg)[1]  # fewer with the smem transpose: its producer warps keep more
     if regs > budget:
         return False, f"fa3: ~{regs} registers per consumer thread > {budget}"
     return True, ""

@@ -94,7 +94,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from flashsuite.fa3.configs import REG_SPLIT, TRANSPOSE_WARPS, VT_REG_SPLIT, Fa3Config
+from flashsuite.fa3.configs import TRANSPOSE_WARPS, Fa3Config, reg_split
 from flashsuite.fa3.fwd_consumer import ForwardConsumer
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
 from flashsuite.fa3.fwd_mainloop import ForwardMainloop
@@ -151,8 +151,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
-        split = VT_REG_SPLIT if cfg.v_transpose == "smem" and self.FP8 else REG_SPLIT
-        self.PRODUCER_REGS, self.CONSUMER_REGS = split[cfg.num_consumer_wgs]
+        self.PRODUCER_REGS, self.CONSUMER_REGS = reg_split(cfg)
         self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
         self.NUM_THREADS = 128 + self.CONSUMER_THREADS
         self.PERSISTENT = cfg.persistent
