@@ -5,7 +5,7 @@
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
 one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 and 128 for
 windows and packed sequences, "pipe_wgdq_tma" at non-causal D = 96, "pipe_sec4_wgdq_tma" at
-causal D = 96 and 128, "pipe80_wgs_wgdq_tma" at non-causal D = 128, "pipe128_dqm_tma" at D = 64
+causal D = 96 and 128, "pipe80_wgs_wgdq_tma_dvf" at non-causal D = 128, "pipe128_dqm_tma" at D = 64
 ("pipe128_dqm_sec4_tma" causal), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
 "pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
@@ -246,7 +246,7 @@ VARIANTS: dict[str, tuple[BwdConfig, str]] = {
     ),
     "pipe80_wgs_wgdq_tma": (
         BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, dq_handoff="wg", **_PIPE),
-        "pipe80_wgs_tma with sdQ handed over per warpgroup (shipped at non-causal D = 128)",
+        "pipe80_wgs_tma with sdQ handed over per warpgroup (non-causal D = 128 ships its _dvf)",
     ),
     "pipe80_wgs_ng_tma": (
         BwdConfig(tile_m=80, dq_split="dt", dkv_tma=True, wg_slice=True, lse_guard=False, **_PIPE),

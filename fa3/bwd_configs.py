@@ -367,7 +367,13 @@ def bwd_config_for(
     --variant pipe80_wgs_wgdq_tma --seqlen 4096 --seqlen 8192 --seqlen 16384 --repeats 7`,
     2026-12-04, commit 4284f4d, medians of 7 passes), N = 4k / 8k / 16k: 547.0 / 565.7 / 586.3
     against 535.3 (the shipped path) / 565.7 / 572.3 (FA4 560.0 / 585.4 / 601.9, cuDNN 500.2 /
-    519.9 / 529.2).
+    519.9 / 529.2). dV's wgmma issued before the sdS fence on it (dv_before_fence, variant
+    pipe80_wgs_wgdq_tma_dvf; H100 80GB HBM3, 2026-12-05, commit 6c5318d, `scripts/gpu_check.sh
+    OUT bwd-candidates`, medians of 5 interleaved passes, ratio to SDPA cuDNN at N = 4k / 16k):
+    1.179 / 1.161 against 1.148 / 1.139 without (FA4 1.138 / 1.161); the training step at
+    N = 8k level (598.2 TFLOP/s both, 7 passes spread 0.96-1.25x cuDNN). Its oracle cases
+    passed first. Causal (pipe_sec4_wgdq_tma_dvf) timed 1.131 / 1.100 against 1.119 / 1.069
+    and the shipped call's 1.139 / 1.088: not taken.
 
     128 keys per CTA, 2 MMA warpgroups, a 2-stage Q/dO ring, dQ through the writer warp
     ("warp"), two sdS buffers, dS^T by stmatrix and the overlapped issue order; 64-row Q tiles
@@ -470,7 +476,7 @@ def bwd_config_for(
     if head_dim in (96, 128):
         cfg = replace(cfg, dq_handoff="wg")
     if head_dim == 128 and not causal:
-        cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True)
+        cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True, dv_before_fence=True)
     if causal:
         cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION)
     return cfg

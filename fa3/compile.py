@@ -174,9 +174,10 @@ def _fake_inputs(key: CompileKey) -> tuple:
             cute.runtime.make_fake_tensor(
                 cutlass.Float32,
                 (b, cute.sym_int(), cute.sym_int(), cute.sym_int()),
-                stride=(cute.sym_int64(), cute.sym_int64(), 1, 0),
+                stride=(cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 0),
                 assumed_align=4,
-            )  # (B, H, nblocks, block), block's stride 0
+            )  # (B, H, nblocks, block), block's stride 0; the others any (common.fp8.quantize
+            # lays blocks out (B, nblocks, H); a (B, Hkv) descale as one block has stride 0)
             for _ in range(3)
         )
     elif fp8:

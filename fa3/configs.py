@@ -153,7 +153,7 @@ class Fa3Config:
     # (warp-uniform), not the thread's own (ptxas cannot see they depend on the warpgroup
     # only, so it builds them in vector registers and moves them across with R2UR). sm_90a
     # SASS: non-causal D = 128's loop 518 -> 487 instructions per block and warp (FA4 452),
-    # D = 64's 446 -> 428 (415); not yet run on a GPU, so no table entry takes it.
+    # D = 64's 446 -> 428 (415). Taken by the entries in _WG_SLICE and fp8 D = 256.
     wg_slice: bool = False
     # Intra-WG overlap without causal or window masks: the main loop's runtime "is this block
     # masked" test, always false there (only the newest block, peeled off before the loop,
@@ -161,13 +161,13 @@ class Fa3Config:
     # body, and ptxas then hoists P·V's wait above an in-place softmax, which runs after P·V
     # retires instead of under it. False drops it: with wg_slice too the D = 64 table entry's
     # softmax (68 FMNMX, 24 MUFU.EX2) and fp8 D = 128 / 256's move between the two waits
-    # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). Not yet run on a GPU.
+    # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). fp8 D = 256 drops it.
     loop_mask_test: bool = True
     # Intra-WG overlap, causal (right) mask, no left window: the masked blocks (mask compiled
     # in), then the unmasked ones, as two loops with no runtime test, so each body is one
     # basic block and its softmax stays under P·V (FA4's order; one loop with the test keeps
     # S, P, O in the same registers but ptxas hoists the wait above the softmax). Causal
-    # D = 128: 68 FMNMX, 23-27 MUFU.EX2 between the waits in each loop, 0 spills; GPU pending.
+    # D = 128: 68 FMNMX, 23-27 MUFU.EX2 between the waits in each loop, 0 spills (_SPLIT_LOOPS).
     split_loops: bool = False
     # In-place overlap softmax: a never-taken branch before P·V's wait_group(0), which ptxas
     # moves to the top of its basic block, so the softmax stays under P·V (fa3_softmax_sass:
@@ -341,6 +341,8 @@ def get_config(
             cfg,
             softmax_apart=(head_dim, causal) in _SOFTMAX_APART,
             k_ahead=(head_dim, causal) in _K_AHEAD,
+            wg_slice=(head_dim, causal) in _WG_SLICE,
+            split_loops=(head_dim, causal) in _SPLIT_LOOPS,
         )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
@@ -370,6 +372,17 @@ _SOFTMAX_APART = ((256, True), (128, False), (192, False))
 # 640.2 / 637.7, D = 256 685.8 / 686.8; causal D = 128 582.5 / 588.8; causal D = 256 649.1 /
 # 635.5 at N = 8k but 602.5 / 611.2 and 657.8 / 689.7 at 4k and 16k in a second run.
 _K_AHEAD = ((128, False),)
+# (head_dim, causal) pairs whose wgmma descriptors come from the warpgroup's slice (wg_slice)
+# and causal pairs whose masked and unmasked blocks run as two loops (split_loops; only causal
+# problems without a left window take them). H100 80GB HBM3, 2026-12-05, commit 6c5318d
+# (`benchmarks/fa3_fwd_ab`, bf16, medians of 3 interleaved passes, ratio to the table build in
+# the same run at N = 4k / 16k): non-causal D = 128 with wg_slice 1.036 / 1.019 (N = 1k / 2k
+# 1.014 / 1.022); causal D = 128 with both 1.052 / 1.012, causal D = 64 1.057 / 1.014. Not
+# taken: D = 64 (0.992 / 0.982), D = 256 (1.013 / 0.998), causal D = 128 with pin_pv_wait
+# (0.983 / 0.987). Each passed its oracle cases on the GPU first
+# (tests/test_fa3_softmax_options.py, schedule options).
+_WG_SLICE = ((128, False), (128, True), (64, True))
+_SPLIT_LOOPS = ((128, True), (64, True))
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
@@ -488,7 +501,11 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     192: _fp8(128),
     # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
     # 3 stages 886 / 680, no ping-pong 851 / 684). Q 32 + K/V 2 x 2 x 24 + sO 64 KiB = 192 KiB.
-    256: _fp8(96, **_FP8_SOFTMAX),
+    # wgmma descriptors from the warpgroup's slice and no mask test in the main loop:
+    # H100 80GB HBM3, 2026-12-05, commit 6c5318d (`scripts/gpu_check.sh fwd-candidates`, medians
+    # of 5 interleaved passes, N = 4k / 16k) 1.017 / 1.041x the build without (D = 128: 1.002 /
+    # 0.987, D = 64: 0.986 / 1.026; not taken there).
+    256: _fp8(96, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s); at
 # D = 128 and 256 the non-causal tiles without _FP8_SOFTMAX (not timed causal).
@@ -629,10 +646,11 @@ def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     same tokens, 1,081 us), S = 4 / 8 / 16 1,327 / 1,327 / 1,328 us (0.925x)."""
     cfg = get_config(head_dim, dtype, causal)
     section = VARLEN_CAUSAL_HEAD_SECTION if causal else 0
-    # softmax_apart is not taken: no GPU run has checked it with packed sequences.
+    # softmax_apart, wg_slice and split_loops are not taken: no GPU run has checked them with
+    # packed sequences.
     return replace(
         cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section,
-        softmax_apart=False,
+        softmax_apart=False, wg_slice=False, split_loops=False,
     )  # fmt: skip
 
 

@@ -150,9 +150,12 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
 FA3_FP8_LSE_OPEN = {(2, 1031, 777, 4, 4, 128): "fp8 wgmma accumulation coarser than the emulation"}
 
 
-def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: bool) -> None:
+def _assert_within_fp8_baseline(
+    out, lse, q8, k8, v8, ds, causal: bool, fa3: bool, lse_open: str | None = None
+) -> None:
     """out / lse of an fp8 forward against the float64 oracle, within FP8_FACTOR of the e4m3
-    baseline's error (fa3's LSE: of the reduced-precision accumulator's emulation)."""
+    baseline's error (fa3's LSE: of the reduced-precision accumulator's emulation).
+    `lse_open`: the LSE is an expected failure for this reason (as FA3_FP8_LSE_OPEN's shapes)."""
     kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
@@ -165,7 +168,7 @@ def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: boo
     out_check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
     assert out_check.ok, str(out_check)
     shape = (q8.shape[0], q8.shape[1], k8.shape[1], q8.shape[2], k8.shape[2], q8.shape[3])
-    open_reason = FA3_FP8_LSE_OPEN.get(shape) if fa3 else None
+    open_reason = (lse_open or FA3_FP8_LSE_OPEN.get(shape)) if fa3 else None
     if open_reason is None:
         assert lse_check.ok, str(lse_check)
     elif lse_check.ok:
@@ -215,7 +218,15 @@ def test_fa3_fp8_threshold_while_the_max_grows(d: int, growth: float) -> None:
     key block in the order the kernel visits them (the last block first, rising towards key
     0). 0.05 keeps the first block's max for the whole row (P climbs towards 2), 0.7 keeps it
     for a block and then rescales, 3 rescales every block. Out and LSE within the e4m3
-    baseline's rule."""
+    baseline's rule.
+
+    At growth 3 the LSE misses the accumulator emulation's bound (H100, 2026-12-05: D = 128
+    0.0100 against 0.0058, D = 256 0.0312 against 0.0281; out within its bound) by the same
+    amount with rescale_threshold 0 and without row_chains
+    (benchmarks/fa3_fp8_blocks_probe --threshold), so the departure is not the threshold's:
+    the row max grows about 23 (D = 128) and 47 (D = 256) bits over the keys, and at such
+    scores the e4m3 wgmma's accumulation of S departs from the FP8_ACC_BITS model the LSE's
+    yardstick emulates. Recorded as an expected failure of the LSE (a pass fails)."""
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
 
@@ -239,7 +250,8 @@ def test_fa3_fp8_threshold_while_the_max_grows(d: int, growth: float) -> None:
     assert (cfg.rescale_threshold, cfg.row_chains) == (1, True), cfg
     kwargs = dict(descale_q=ds_q, descale_k=ds_k, descale_v=ds_v)
     out, lse = dispatch.attention(q8, k8, v8, return_lse=True, version="fa3", **kwargs)
-    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, False, fa3=True)
+    lse_open = "S accumulated over a row max 23-47 bits high (growth 3)" if growth >= 3 else None
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, False, fa3=True, lse_open=lse_open)
 
 
 @pytest.mark.parametrize("case", [c for c in FP8_CASES if not c[-1]], ids=lambda c: f"d{c[5]}")

@@ -1,0 +1,152 @@
+"""Where fa3's fp8 error sits (sm90 GPU): per-block descales and the 1-bit rescale threshold.
+
+For each per-block case of tests/test_fp8_blocks.py: the out and LSE checks the test makes,
+the error by block of query rows, the kernel against its CPU emulation
+(benchmarks/fp8_emulation.emulate_blocks) and the per-block build with every block's descale
+equal to its head's against the per-head build (equal unless the block indexing is wrong).
+For the growing-max case of tests/test_fp8.py: the checks with the table's rescale_threshold
+and with 0 and with row_chains off.
+
+    python -m benchmarks.fa3_fp8_blocks_probe [--cases 0,6] [--threshold]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from flashsuite import dispatch
+from flashsuite.common.fp8 import block_view
+from flashsuite.common.fp8_reference import attention_fp8
+from flashsuite.common.testing import FP8_FACTOR, compare, fp8_lse_baseline, reference_pair
+from flashsuite.common.validation import check_inputs
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+VERSION = "fa3" if DEV == "cuda" else "torch"  # the CPU runs the probe's own code only
+
+
+def _rows_err(x: torch.Tensor, ref: torch.Tensor, block: int) -> str:
+    """max |x - ref| / max |ref| per block of query rows; x, ref (B, Nq, H, D)."""
+    err = (x.float() - ref.float()).abs().amax(dim=(0, 2, 3))  # (Nq,)
+    scale = ref.float().abs().amax().clamp_min(1e-30)
+    per = [f"{(err[i : i + block].max() / scale).item():.3g}" for i in range(0, len(err), block)]
+    return " ".join(per)
+
+
+def probe_block_case(case: tuple) -> None:
+    from benchmarks.fp8_emulation import emulate_blocks
+    from flashsuite.fa3.interface import config_for
+    from tests.test_fp8_blocks import _block_inputs, _case_id
+
+    causal, window, softcap = case[9:]
+    print(f"== {_case_id(case)}")
+    q8, k8, v8 = _block_inputs(case, DEV)
+    views = dict(descale_q=q8.kernel_descale, descale_k=k8.kernel_descale,
+                 descale_v=v8.kernel_descale)  # fmt: skip
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    p = check_inputs(q8.data, k8.data, v8.data, **opts, **views)
+    cfg = config_for(p)
+    print(f"   config tile {cfg.tile_m}x{cfg.tile_n} v_transpose {cfg.v_transpose}")
+    out, lse = dispatch.attention(
+        q8.data, k8.data, v8.data, return_lse=True, version=VERSION, **opts, **views
+    )
+    ref = reference_pair(q8.data, k8.data, v8.data, **opts, **views)
+    base = attention_fp8(q8, k8, v8, **opts)
+    print("   " + str(compare("out", out, ref["out"][0], base, factor=FP8_FACTOR,
+                               dtype=torch.bfloat16)))  # fmt: skip
+    lse_base = fp8_lse_baseline(q8.data, k8.data, (views["descale_q"], views["descale_k"]), **opts)
+    print("   " + str(compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)))
+    print(f"   out err / max|ref| by {case[6]}-row block: {_rows_err(out, ref['out'][0], case[6])}")
+    print(f"   base err           by block: {_rows_err(base, ref['out'][0], case[6])}")
+    dl = (lse.float() - ref["lse"][0].float()).abs()  # (B, H, Nq)
+    dl = torch.where(torch.isfinite(dl), dl, torch.zeros_like(dl))
+    per = [f"{dl[..., i : i + case[6]].max().item():.3g}" for i in range(0, case[1], case[6])]
+    print(f"   |lse - ref| by block: {' '.join(per)}")
+    if softcap == 0.0:
+        cpu = [t.cpu() for t in views.values()]
+        emu, _ = emulate_blocks(
+            q8.data.cpu(), k8.data.cpu(), v8.data.cpu(), cpu, tile_n=cfg.tile_n,
+            causal=causal, window_size=window, rescale_threshold=cfg.rescale_threshold,
+        )  # fmt: skip
+        print(f"   kernel vs emulation by block: {_rows_err(out.cpu(), emu, case[6])}")
+        print(f"   emulation vs ref   by block: {_rows_err(emu, ref['out'][0].cpu(), case[6])}")
+    # Every block's descale equal to its head's: the per-block build must equal the per-head.
+    ones = {}
+    for name, t in views.items():
+        b, h, nb, blk = t.shape
+        ones[name] = block_view(torch.full((b, h, nb), 0.5, device=DEV), blk)
+    hkv = (case[0], case[4])
+    heads = {name: torch.full(hkv, 0.5, device=DEV) for name in views}
+    o1 = dispatch.attention(q8.data, k8.data, v8.data, version=VERSION, **opts, **ones)
+    o2 = dispatch.attention(q8.data, k8.data, v8.data, version=VERSION, **opts, **heads)
+    print(f"   uniform blocks vs per head: max |diff| {(o1.float() - o2.float()).abs().max():.3g}"
+          f" (max |out| {o2.float().abs().max():.3g})")  # fmt: skip
+
+
+def probe_threshold(d: int, growth: float) -> None:
+    from flashsuite.common.fp8 import quantize_e4m3
+    from flashsuite.common.testing import fp8_baseline
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
+
+    b, nq, nk, hq, hkv = 1, 300, 1500, 4, 2
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    u = torch.nn.functional.normalize(torch.randn(d, device=DEV, generator=gen), dim=0)
+    amp = 4.0
+    q = torch.randn(b, nq, hq, d, device=DEV, generator=gen) + amp * u
+    tile_n = get_config(d, FP8_DTYPE, False, nk).tile_n
+    per_key = growth / (tile_n * amp * d**-0.5 * 1.4426950408889634)
+    ramp = per_key * torch.arange(nk - 1, -1, -1, device=DEV, dtype=torch.float32)
+    k = torch.randn(b, nk, hkv, d, device=DEV, generator=gen) + ramp[None, :, None, None] * u
+    v = torch.randn(b, nk, hkv, d, device=DEV, generator=gen)
+    (q8, ds_q), (k8, ds_k), (v8, ds_v) = (
+        quantize_e4m3(q, group=hq // hkv), quantize_e4m3(k), quantize_e4m3(v)
+    )  # fmt: skip
+    ds = (ds_q, ds_k, ds_v)
+    kw = dict(descale_q=ds_q, descale_k=ds_k, descale_v=ds_v)
+    p = check_inputs(q8, k8, v8, **kw)
+    table = config_for(p)
+    ref = reference_pair(q8, k8, v8, **kw)
+    base = fp8_baseline(q8, k8, v8, ds, causal=False)
+    lse_base = fp8_lse_baseline(q8, k8, ds)
+    for label, cfg in (
+        ("table", table),
+        ("threshold 0", replace(table, rescale_threshold=0)),
+        ("row_chains off", replace(table, row_chains=False)),
+        ("both off", replace(table, rescale_threshold=0, row_chains=False)),
+    ):
+        out, lse = interface.forward(q8, k8, v8, p, *ds, cfg=cfg)
+        checks = (
+            compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16),
+            compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR),
+        )
+        for c in checks:
+            print(f"   d {d} growth {growth} {label}: {c}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="", help="indices into BLOCK_CASES (default all)")
+    ap.add_argument("--threshold", action="store_true", help="the growing-max probe as well")
+    args = ap.parse_args()
+    from tests.test_fp8_blocks import BLOCK_CASES
+
+    idx = [int(i) for i in args.cases.split(",") if i] or range(len(BLOCK_CASES))
+    for i in idx:
+        try:
+            probe_block_case(BLOCK_CASES[i])
+        except Exception as e:
+            print(f"   error: {type(e).__name__}: {e}")
+    if args.threshold:
+        for d in (128, 256):
+            for growth in (0.7, 3.0):
+                try:
+                    probe_threshold(d, growth)
+                except Exception as e:
+                    print(f"   error: {type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":
+    main()
