@@ -7,12 +7,15 @@ equal to its head's against the per-head build (equal unless the block indexing 
 For the growing-max case of tests/test_fp8.py: the checks with the table's rescale_threshold
 and with 0 and with row_chains off.
 
-    python -m benchmarks.fa3_fp8_blocks_probe [--cases 0,6] [--threshold]
+    python -m benchmarks.fa3_fp8_blocks_probe [--cases 0,6] [--moderate] [--threshold]
+
+It runs fa3's per-block build whatever FLASHSUITE_FA3_FP8_BLOCKS says (it sets it).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import replace
 
 import torch
@@ -35,14 +38,14 @@ def _rows_err(x: torch.Tensor, ref: torch.Tensor, block: int) -> str:
     return " ".join(per)
 
 
-def probe_block_case(case: tuple) -> None:
+def probe_block_case(case: tuple, moderate: bool = False) -> None:
     from benchmarks.fp8_emulation import emulate_blocks
     from flashsuite.fa3.interface import config_for
     from tests.test_fp8_blocks import _block_inputs, _case_id
 
     causal, window, softcap = case[9:]
     print(f"== {_case_id(case)}")
-    q8, k8, v8 = _block_inputs(case, DEV)
+    q8, k8, v8 = _block_inputs(case, DEV, moderate=moderate)
     views = dict(descale_q=q8.kernel_descale, descale_k=k8.kernel_descale,
                  descale_v=v8.kernel_descale)  # fmt: skip
     opts = dict(causal=causal, window_size=window, softcap=softcap)
@@ -127,16 +130,22 @@ def probe_threshold(d: int, growth: float) -> None:
 
 
 def main() -> None:
+    from flashsuite.fa3.interface import FP8_BLOCKS_ENV
+
+    os.environ[FP8_BLOCKS_ENV] = "1"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="indices into BLOCK_CASES (default all)")
     ap.add_argument("--threshold", action="store_true", help="the growing-max probe as well")
+    ap.add_argument(
+        "--moderate", action="store_true", help="inputs without outlier channels (scores ~30)"
+    )
     args = ap.parse_args()
     from tests.test_fp8_blocks import BLOCK_CASES
 
     idx = [int(i) for i in args.cases.split(",") if i] or range(len(BLOCK_CASES))
     for i in idx:
         try:
-            probe_block_case(BLOCK_CASES[i])
+            probe_block_case(BLOCK_CASES[i], args.moderate)
         except Exception as e:
             print(f"   error: {type(e).__name__}: {e}")
     if args.threshold:

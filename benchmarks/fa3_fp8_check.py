@@ -391,13 +391,17 @@ def _case_name(c: dict) -> str:
     return f"B={c['b']} Nq={c['nq']} Nk={c['nk']} Hq={c['hq']}/{c['hkv']} D={c['d']}{extra}"
 
 
-def run_correctness(smoke: bool, changes: dict | None = None) -> list[dict]:
+def run_correctness(
+    smoke: bool, changes: dict | None = None, head_dims: list[int] | None = None
+) -> list[dict]:
     """The oracle cases through the table's config for each, with `changes` (Fa3Config fields,
-    --set) applied to it when given."""
+    --set) applied to it when given; `head_dims`: only the cases of these."""
     from flashsuite.fa3.configs import FP8_DTYPE, get_config
 
     rows = []
     for c in correctness_cases(smoke):
+        if head_dims and c["d"] not in head_dims:
+            continue
         with hang_watchdog(_HANG_S):  # a barrier bug hangs
             try:
                 cfg = None
@@ -574,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--probe", action="store_true", help="compile for sm_90a only (no GPU)")
     ap.add_argument("--json", help="--probe: write the results here")
-    ap.add_argument("--head-dim", type=int, action="append", help="--probe / --ablate: only these")
+    ap.add_argument("--head-dim", type=int, action="append", help="only these head dims")
     ap.add_argument(
         "--variants", action="store_true", help="--probe: also fa3_variants.fp8_variants"
     )
@@ -622,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     res["changes"] = changes
-    res["correctness"] = run_correctness(args.smoke, changes)
+    res["correctness"] = run_correctness(args.smoke, changes, args.head_dim)
     save()
     n_pass = sum(r["status"] == "PASS" for r in res["correctness"])
     _log(f"[correctness] {n_pass}/{len(res['correctness'])} PASS")

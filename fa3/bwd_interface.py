@@ -141,6 +141,7 @@ def ordered_config(cfg: BwdConfig) -> BwdConfig:
         ds_store="scalar",
         ds_stages=1,
         overlap=False,
+        dv_before_fence=False,  # an overlapped-order option
         lpt=False,
         head_section=0,
         wg_slice=False,

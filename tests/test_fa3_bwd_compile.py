@@ -1474,3 +1474,16 @@ def test_sass_loop_counts() -> None:
     }, c["always"]
     assert c["conditional"] == {"ISETP/FSETP/SEL/FSEL": 1}, c["conditional"]
     assert loop_counts(_SASS, "UTMALDG") is None
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["dense", "window"])
+def test_every_shipped_config_has_a_deterministic_build(local: bool) -> None:
+    """torch.use_deterministic_algorithms takes each shipped config to its ordered-dQ build
+    (bwd_interface._bwd_config), which must stay buildable whatever options the table adds (an
+    overlapped-order option left on made it unbuildable, and dispatch fell back to fa2)."""
+    from flashsuite.fa3.bwd_interface import ordered_config
+
+    for d, dt, causal, _ in bwd_shipped_configs(local=local):
+        cfg = ordered_config(bwd_config_for(d, dt, causal, sdq=True, local=local))
+        ok, reason = bwd_can_implement(cfg, d, dt, causal=causal, local=local)
+        assert ok, (d, dt, causal, reason)
