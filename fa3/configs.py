@@ -380,7 +380,8 @@ _K_AHEAD = ((128, False),)
 # 1.014 / 1.022); causal D = 128 with both 1.052 / 1.012, causal D = 64 1.057 / 1.014. Not
 # taken: D = 64 (0.992 / 0.982), D = 256 (1.013 / 0.998), causal D = 128 with pin_pv_wait
 # (0.983 / 0.987). Each passed its oracle cases on the GPU first
-# (tests/test_fa3_softmax_options.py, schedule options).
+# (tests/test_fa3_softmax_options.py, schedule options). Softcap, windowed and packed problems
+# keep the builds without them (config_for, varlen_config).
 _WG_SLICE = ((128, False), (128, True), (64, True))
 _SPLIT_LOOPS = ((128, True), (64, True))
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
@@ -583,7 +584,8 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
     flag and key length; `_SHORT_Q_TILES` for query lengths the taller tile fills badly;
-    softcap and windowed problems without softmax_apart)."""
+    softcap and windowed problems without softmax_apart, wg_slice and split_loops, and with
+    the loop's mask test: the builds the GPU suite has checked with them)."""
     cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
     short = _SHORT_Q_TILES.get(p.head_dim)
     if (
@@ -594,8 +596,9 @@ def config_for(p: AttnParams) -> Fa3Config:
         and short_q(cfg, p.seqlen_q, short)
     ):
         cfg = short
-    if cfg.softmax_apart and (p.softcap or p.is_local):
-        cfg = replace(cfg, softmax_apart=False)
+    if p.softcap or p.is_local:
+        cfg = replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
+                      loop_mask_test=True)  # fmt: skip
     if p.is_fp8 and p.fp8_block_kv:
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg

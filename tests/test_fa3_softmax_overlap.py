@@ -148,10 +148,11 @@ def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
             assert w["fmnmx"] >= scores and w["mufu"] >= scores, r["windows"]
 
 
-def test_softmax_apart_ships_where_it_was_measured() -> None:
-    """Causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead too); softcap,
-    windowed and packed problems and the other shapes do not; it needs the intra-WG overlap it
-    serves."""
+def test_softmax_options_ship_where_they_were_measured() -> None:
+    """softmax_apart: causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead
+    too); softcap, windowed and packed problems and the other shapes do not; it needs the
+    intra-WG overlap it serves. wg_slice and split_loops: the entries of configs._WG_SLICE and
+    _SPLIT_LOOPS and e4m3 D = 256, on the same terms."""
     import torch
 
     from flashsuite.common.validation import check_inputs
@@ -175,6 +176,27 @@ def test_softmax_apart_ships_where_it_was_measured() -> None:
     assert not config_for(check_inputs(q, k, v, causal=True, softcap=30.0)).softmax_apart
     assert not config_for(check_inputs(q, k, v, causal=True, window_size=(64, 0))).softmax_apart
     assert not varlen_config(256, bf16, True).softmax_apart
+    # wg_slice and split_loops (and e4m3 D 256's dropped mask test) likewise stay with the
+    # dense problems without softcap or window they were timed and checked on.
+    slice_loops = {(128, False): (True, False), (128, True): (True, True), (64, True): (True, True)}
+    for (d, causal), (wgs, split) in slice_loops.items():
+        q, k, v = (torch.zeros(1, 300, 2, d, dtype=bf16) for _ in range(3))
+        cfg = config_for(check_inputs(q, k, v, causal=causal))
+        assert (cfg.wg_slice, cfg.split_loops) == (wgs, split), (d, causal)
+        for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
+            cfg = config_for(check_inputs(q, k, v, causal=causal, **kw))
+            assert not (cfg.wg_slice or cfg.split_loops) and cfg.loop_mask_test, (d, kw)
+        vl = varlen_config(d, bf16, causal)
+        assert not (vl.wg_slice or vl.split_loops), (d, causal)
+    assert (get_config(64, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
+        False, False,
+    )  # fmt: skip
+    f8 = torch.float8_e4m3fn
+    q8, k8 = torch.zeros(1, 300, 2, 256, dtype=f8), torch.zeros(1, 9000, 2, 256, dtype=f8)
+    cfg = config_for(check_inputs(q8, k8, k8))
+    assert cfg.wg_slice and not cfg.loop_mask_test
+    cfg = config_for(check_inputs(q8, k8, k8, softcap=30.0))
+    assert not cfg.wg_slice and cfg.loop_mask_test
     no_overlap = dataclasses.replace(get_config(256, bf16, True), intra_wg_overlap=False)
     ok, why = can_implement(no_overlap, 256, bf16)
     assert not ok and "softmax_apart needs intra_wg_overlap" in why
