@@ -525,8 +525,8 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 # Who transposes fp8 V (wgmma's B operand must be K-major: Vᵀ), per head_dim: the kernel, in
 # shared memory (v_transpose="smem"), for key lengths up to this (None: any), else the host
 # (one more pass over V before the launch). On the H200 (commit 63c3300,
-# `benchmarks/fa3_fp8_check --vt`, B·N = 16k, Hq·D = 2048) smem / host time of the whole call at
-# N = 4k / 16k, non-causal and causal:
+# `benchmarks/fa3_fp8_check --vt`, B·N = 16k, Hq·D = 2048) the smem build's speedup (host time
+# / smem time of the whole call) at N = 4k / 16k, non-causal and causal:
 #     D = 64   1.14 / 1.02, causal 1.26 / 1.08   (smem at every length)
 #     D = 128  1.16 / 0.98, causal 1.35 / 1.04   (commit 8d3abdf)
 #     D = 256  1.03 / 0.86, causal 1.23 / 0.90   (tile_n 64 with the Vᵀ ring, 96 without)
