@@ -597,11 +597,18 @@ def config_for(p: AttnParams) -> Fa3Config:
     ):
         cfg = short
     if p.softcap or p.is_local:
-        cfg = replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
-                      loop_mask_test=True)  # fmt: skip
+        cfg = softcap_window_config(cfg)
     if p.is_fp8 and p.fp8_block_kv:
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg
+
+
+def softcap_window_config(cfg: Fa3Config) -> Fa3Config:
+    """`cfg` as softcap and windowed problems run it (`config_for`): without softmax_apart,
+    wg_slice and split_loops and with the loop's mask test, the builds the GPU suite has
+    checked on those problems."""
+    return replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
+                   loop_mask_test=True)  # fmt: skip
 
 
 def fp8_block_tiles(head_dim: int) -> tuple[int, ...]:
