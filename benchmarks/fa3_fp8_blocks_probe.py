@@ -4,8 +4,9 @@ For each per-block case of tests/test_fp8_blocks.py: the out and LSE checks the 
 the error by block of query rows, the kernel against its CPU emulation
 (benchmarks/fp8_emulation.emulate_blocks) and the per-block build with every block's descale
 equal to its head's against the per-head build (equal unless the block indexing is wrong).
-For the growing-max case of tests/test_fp8.py: the checks with the table's rescale_threshold
-and with 0 and with row_chains off.
+The same values quantised per head run through the per-head build as well (does it meet its
+own baseline on these scores?). For the growing-max case of tests/test_fp8.py: the checks
+with the table's rescale_threshold and with 0 and with row_chains off.
 
     python -m benchmarks.fa3_fp8_blocks_probe [--cases 0,6] [--moderate] [--threshold]
 
@@ -21,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite import dispatch
-from flashsuite.common.fp8 import block_view
+from flashsuite.common.fp8 import block_view, quantize
 from flashsuite.common.fp8_reference import attention_fp8
 from flashsuite.common.testing import FP8_FACTOR, compare, fp8_lse_baseline, reference_pair
 from flashsuite.common.validation import check_inputs
@@ -86,6 +87,22 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
     o2 = dispatch.attention(q8.data, k8.data, v8.data, version=VERSION, **opts, **heads)
     print(f"   uniform blocks vs per head: max |diff| {(o1.float() - o2.float()).abs().max():.3g}"
           f" (max |out| {o2.float().abs().max():.3g})")  # fmt: skip
+    # The same values quantised per head, through the per-head build: whether it meets its own
+    # baseline on these scores (a miss here too says the regime, not the block arithmetic).
+    group = case[3] // case[4]
+    qh = quantize(q8.dequantize(), "head", group=group)
+    kh, vh = quantize(k8.dequantize(), "head"), quantize(v8.dequantize(), "head")
+    hv = dict(descale_q=qh.descale, descale_k=kh.descale, descale_v=vh.descale)
+    out_h, lse_h = dispatch.attention(
+        qh.data, kh.data, vh.data, return_lse=True, version=VERSION, **opts, **hv
+    )
+    ref_h = reference_pair(qh.data, kh.data, vh.data, **opts, **hv)
+    base_h = attention_fp8(qh, kh, vh, **opts)
+    print("   per head: " + str(compare("out", out_h, ref_h["out"][0], base_h, factor=FP8_FACTOR,
+                                     dtype=torch.bfloat16)))  # fmt: skip
+    lse_base_h = fp8_lse_baseline(qh.data, kh.data, (qh.descale, kh.descale), **opts)
+    print("   per head: " + str(compare("lse", lse_h, ref_h["lse"][0], lse_base_h,
+                                     factor=FP8_FACTOR)))  # fmt: skip
 
 
 def probe_threshold(d: int, growth: float) -> None:
