@@ -39,6 +39,23 @@ def _rows_err(x: torch.Tensor, ref: torch.Tensor, block: int) -> str:
     return " ".join(per)
 
 
+def _run_and_check(label: str, t8: tuple, descales: dict, opts: dict) -> tuple:
+    """fa3 (through dispatch) on Fp8Tensors `t8` with API `descales`; prints the out and LSE
+    checks the tests make and returns (out, lse, the oracle pair, the e4m3 baseline's out)."""
+    q8, k8, v8 = t8
+    out, lse = dispatch.attention(
+        q8.data, k8.data, v8.data, return_lse=True, version=VERSION, **opts, **descales
+    )
+    ref = reference_pair(q8.data, k8.data, v8.data, **opts, **descales)
+    base = attention_fp8(q8, k8, v8, **opts)
+    out_check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
+    ds_qk = (descales["descale_q"], descales["descale_k"])
+    lse_base = fp8_lse_baseline(q8.data, k8.data, ds_qk, **opts)
+    lse_check = compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)
+    print(f"   {label}{out_check}\n   {label}{lse_check}")
+    return out, lse, ref, base
+
+
 def probe_block_case(case: tuple, moderate: bool = False) -> None:
     from benchmarks.fp8_emulation import emulate_blocks
     from flashsuite.fa3.interface import config_for
@@ -53,15 +70,7 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
     p = check_inputs(q8.data, k8.data, v8.data, **opts, **views)
     cfg = config_for(p)
     print(f"   config tile {cfg.tile_m}x{cfg.tile_n} v_transpose {cfg.v_transpose}")
-    out, lse = dispatch.attention(
-        q8.data, k8.data, v8.data, return_lse=True, version=VERSION, **opts, **views
-    )
-    ref = reference_pair(q8.data, k8.data, v8.data, **opts, **views)
-    base = attention_fp8(q8, k8, v8, **opts)
-    print("   " + str(compare("out", out, ref["out"][0], base, factor=FP8_FACTOR,
-                               dtype=torch.bfloat16)))  # fmt: skip
-    lse_base = fp8_lse_baseline(q8.data, k8.data, (views["descale_q"], views["descale_k"]), **opts)
-    print("   " + str(compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)))
+    out, lse, ref, base = _run_and_check("", (q8, k8, v8), views, opts)
     print(f"   out err / max|ref| by {case[6]}-row block: {_rows_err(out, ref['out'][0], case[6])}")
     print(f"   base err           by block: {_rows_err(base, ref['out'][0], case[6])}")
     dl = (lse.float() - ref["lse"][0].float()).abs()  # (B, H, Nq)
@@ -93,16 +102,7 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
     qh = quantize(q8.dequantize(), "head", group=group)
     kh, vh = quantize(k8.dequantize(), "head"), quantize(v8.dequantize(), "head")
     hv = dict(descale_q=qh.descale, descale_k=kh.descale, descale_v=vh.descale)
-    out_h, lse_h = dispatch.attention(
-        qh.data, kh.data, vh.data, return_lse=True, version=VERSION, **opts, **hv
-    )
-    ref_h = reference_pair(qh.data, kh.data, vh.data, **opts, **hv)
-    base_h = attention_fp8(qh, kh, vh, **opts)
-    print("   per head: " + str(compare("out", out_h, ref_h["out"][0], base_h, factor=FP8_FACTOR,
-                                     dtype=torch.bfloat16)))  # fmt: skip
-    lse_base_h = fp8_lse_baseline(qh.data, kh.data, (qh.descale, kh.descale), **opts)
-    print("   per head: " + str(compare("lse", lse_h, ref_h["lse"][0], lse_base_h,
-                                     factor=FP8_FACTOR)))  # fmt: skip
+    _run_and_check("per head: ", (qh, kh, vh), hv, opts)
 
 
 def probe_threshold(d: int, growth: float) -> None:
