@@ -351,3 +351,39 @@ def test_fa3_fp8_blocks_mixed_with_head_descales(monkeypatch) -> None:
         base = attention_fp8(qt, kt, vt, causal=True)
         check = compare("out", out, ref, base, factor=FP8_FACTOR, dtype=torch.bfloat16)
         assert check.ok, str(check)
+
+
+def _neighbour(view: torch.Tensor) -> torch.Tensor:
+    """A block view whose block i holds block i - 1's descale (the last wraps to 0)."""
+    return block_view(view[..., 0].roll(1, dims=2).contiguous(), view.shape[3])
+
+
+@pytest.mark.parametrize(
+    ("case", "tile_n", "causal"),
+    [(BLOCK_CASES[6][:9], 128, False), ((2, 150, 300, 4, 2, 64, 64, 96, True), 96, True)],
+    ids=["d96", "causal-qgroup"],
+)
+def test_moderate_inputs_catch_each_block_mistake(case, tile_n, causal) -> None:
+    """The GPU cases' moderate inputs (scores within a few tens) keep the per-block mistakes
+    visible: fa3's per-block arithmetic emulated with the 13-bit accumulator
+    (fp8_emulation.emulate_blocks) meets the block baseline, and misses it with O's units not
+    carried between v blocks, with k and v descales read from the neighbouring key block, and
+    with q's from the neighbouring row block (the GPU mutants' three faults)."""
+    from benchmarks.fp8_emulation import emulate_blocks
+    from flashsuite.common.testing import FP8_ACC_BITS
+
+    q8, k8, v8 = _block_inputs(case, "cpu", moderate=True)
+    dq, dk, dv = q8.kernel_descale, k8.kernel_descale, v8.kernel_descale
+    api = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    ref = reference_pair(q8.data, k8.data, v8.data, causal=causal, **api)["out"][0]
+    base = attention_fp8(q8, k8, v8, causal=causal)
+
+    def ok(views, **kw) -> bool:
+        out, _ = emulate_blocks(q8.data, k8.data, v8.data, views, tile_n=tile_n, causal=causal,
+                                acc_bits=FP8_ACC_BITS, **kw)  # fmt: skip
+        return compare("out", out, ref, base, factor=FP8_FACTOR, dtype=torch.bfloat16).ok
+
+    assert ok((dq, dk, dv))
+    assert not ok((dq, dk, dv), carry_v=False)
+    assert not ok((dq, _neighbour(dk), _neighbour(dv)))
+    assert not ok((_neighbour(dq), dk, dv))
