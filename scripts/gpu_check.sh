@@ -5,6 +5,7 @@
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
 #                                                fwd-candidates fwd-short bwd-candidates
+#                                                fp8-blocks
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -240,6 +241,22 @@ for part in $parts; do
       python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_wgdq_tma \
         --variant pipe80_wgs_wgdq_tma_dvf --step --seqlen 8192 --repeats 7 2>&1 \
         | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
+    fp8-blocks)
+      # fa3's fp8 per-block build (off unless FLASHSUITE_FA3_FP8_BLOCKS=1; its tests set it):
+      # the GPU cases (moderate scores; outlier inputs an expected failure), the probe on both
+      # inputs (errors per block of rows, the kernel against its emulation, the same values
+      # through the per-head build), then the GPU mutants that plant its three faults.
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      # shellcheck disable=SC2086
+      python3 -m pytest tests/test_fp8_blocks.py -v -rfEx -p no:cacheprovider $xdist 2>&1 \
+        | tail -40 | tee "$out/fp8-blocks.log" || status=1
+      for inputs in "" --moderate; do
+        # shellcheck disable=SC2086
+        python3 -m benchmarks.fa3_fp8_blocks_probe $inputs --cases 0,6 2>&1 | grep -v Warning \
+          | tee -a "$out/fp8-blocks-probe.log" || status=1
+      done
+      python3 scripts/mutants.py --gpu --only "fp8 blocks" --out "$out/fp8-blocks-mutants.md" \
+        2>&1 | tail -8 || status=1 ;;
     varlen)
       # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
       # for every batch composition, autograd through fa2's backward; timed beside fa2's
