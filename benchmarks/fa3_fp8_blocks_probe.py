@@ -106,26 +106,13 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
 
 
 def probe_threshold(d: int, growth: float) -> None:
-    from flashsuite.common.fp8 import quantize_e4m3
     from flashsuite.common.testing import fp8_baseline
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
+    from flashsuite.fa3.configs import config_for
+    from tests.test_fp8 import growing_max_inputs
 
-    b, nq, nk, hq, hkv = 1, 300, 1500, 4, 2
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    u = torch.nn.functional.normalize(torch.randn(d, device=DEV, generator=gen), dim=0)
-    amp = 4.0
-    q = torch.randn(b, nq, hq, d, device=DEV, generator=gen) + amp * u
-    tile_n = get_config(d, FP8_DTYPE, False, nk).tile_n
-    per_key = growth / (tile_n * amp * d**-0.5 * 1.4426950408889634)
-    ramp = per_key * torch.arange(nk - 1, -1, -1, device=DEV, dtype=torch.float32)
-    k = torch.randn(b, nk, hkv, d, device=DEV, generator=gen) + ramp[None, :, None, None] * u
-    v = torch.randn(b, nk, hkv, d, device=DEV, generator=gen)
-    (q8, ds_q), (k8, ds_k), (v8, ds_v) = (
-        quantize_e4m3(q, group=hq // hkv), quantize_e4m3(k), quantize_e4m3(v)
-    )  # fmt: skip
-    ds = (ds_q, ds_k, ds_v)
-    kw = dict(descale_q=ds_q, descale_k=ds_k, descale_v=ds_v)
+    q8, k8, v8, ds = growing_max_inputs(d, growth, DEV)
+    kw = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     p = check_inputs(q8, k8, v8, **kw)
     table = config_for(p)
     ref = reference_pair(q8, k8, v8, **kw)

@@ -37,9 +37,9 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
     from flashsuite.fa3.configs import (
         FP8_DTYPE,
         HEAD_DIMS,
+        dense_options_off,
         get_config,
         shipped_cases,
-        softcap_window_config,
     )
 
     out = []
@@ -47,7 +47,7 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
         out.append(("bf16", name, d, dt, causal, False, False, cfg))
     for d in (64, 128, 256):
         for causal in (False, True):
-            cfg = softcap_window_config(get_config(d, torch.bfloat16, causal))  # config_for's
+            cfg = dense_options_off(get_config(d, torch.bfloat16, causal))  # config_for's
             out.append(("bf16", "local", d, torch.bfloat16, causal, True, False, cfg))
             out.append(("bf16", "softcap", d, torch.bfloat16, causal, False, True, cfg))
     # fp8: dtype None in the case (its id says e4m3), FP8_DTYPE in the compile key.
@@ -55,11 +55,11 @@ def _cases() -> list[tuple[str, str, int, object, bool, bool, bool, object]]:
         for causal in (False, True):
             cfg = get_config(d, FP8_DTYPE, causal)
             out.append(("fp8", "shipped", d, None, causal, False, False, cfg))
-    cfg = softcap_window_config(get_config(128, FP8_DTYPE, False))
+    cfg = dense_options_off(get_config(128, FP8_DTYPE, False))
     out.append(("fp8", "window_softcap", 128, None, False, True, True, cfg))
     for d in (64, 256):
         for causal in (False, True):
-            cfg = softcap_window_config(get_config(d, FP8_DTYPE, causal))
+            cfg = dense_options_off(get_config(d, FP8_DTYPE, causal))
             out.append(("fp8", "local", d, None, causal, True, False, cfg))
             out.append(("fp8", "softcap", d, None, causal, False, True, cfg))
     for name, d, cfg in fp8_variants():  # the candidates fa3_fp8_check --ablate times

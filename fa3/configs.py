@@ -597,16 +597,17 @@ def config_for(p: AttnParams) -> Fa3Config:
     ):
         cfg = short
     if p.softcap or p.is_local:
-        cfg = softcap_window_config(cfg)
+        cfg = dense_options_off(cfg)
     if p.is_fp8 and p.fp8_block_kv:
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg
 
 
-def softcap_window_config(cfg: Fa3Config) -> Fa3Config:
-    """`cfg` as softcap and windowed problems run it (`config_for`): without softmax_apart,
-    wg_slice and split_loops and with the loop's mask test, the builds the GPU suite has
-    checked on those problems."""
+def dense_options_off(cfg: Fa3Config) -> Fa3Config:
+    """`cfg` without the schedule options timed and checked on dense problems only
+    (softmax_apart, wg_slice, split_loops; the loop's mask test back in): what softcap and
+    windowed problems (`config_for`) and packed sequences (`varlen_config`) run, the builds
+    the GPU suite has checked on them."""
     return replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
                    loop_mask_test=True)  # fmt: skip
 
@@ -656,11 +657,9 @@ def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     same tokens, 1,081 us), S = 4 / 8 / 16 1,327 / 1,327 / 1,328 us (0.925x)."""
     cfg = get_config(head_dim, dtype, causal)
     section = VARLEN_CAUSAL_HEAD_SECTION if causal else 0
-    # softmax_apart, wg_slice and split_loops are not taken: no GPU run has checked them with
-    # packed sequences.
     return replace(
-        cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section,
-        softmax_apart=False, wg_slice=False, split_loops=False,
+        dense_options_off(cfg), persistent=False, overlap_tiles=False, balanced_order=False,
+        head_section=section,
     )  # fmt: skip
 
 

@@ -282,12 +282,17 @@ def _case_id(c) -> str:
     return s + (f"-cap{c[11]:g}" if c[11] else "")
 
 
-def _run_block_case(case: tuple, moderate: bool, monkeypatch) -> None:
+def _fa3_blocks_on(monkeypatch) -> None:
+    """Skip off an sm90 GPU; else let fa3 take block descales (FLASHSUITE_FA3_FP8_BLOCKS=1)."""
     from flashsuite.fa3.interface import FP8_BLOCKS_ENV
 
     if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
     monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
+
+
+def _run_block_case(case: tuple, moderate: bool, monkeypatch) -> None:
+    _fa3_blocks_on(monkeypatch)
     causal, window, softcap = case[9:]
     q8, k8, v8 = _block_inputs(case, DEVICE, moderate=moderate)
     views = dict(descale_q=q8.kernel_descale, descale_k=k8.kernel_descale,
@@ -309,8 +314,9 @@ def _run_block_case(case: tuple, moderate: bool, monkeypatch) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=_case_id)
 def test_fa3_fp8_blocks_within_the_block_baseline(case: tuple, monkeypatch) -> None:
-    """Scores within a few tens (`_block_inputs(moderate=True)`); fp8_emulation.emulate_blocks
-    with the 13-bit accumulator meets this rule on these inputs on the CPU."""
+    """Scores within a few tens (`_block_inputs(moderate=True)`), where the per-block
+    arithmetic emulated with the 13-bit accumulator meets this rule and each planted fault
+    misses it (test_moderate_inputs_catch_each_block_mistake, on two of these shapes)."""
     _run_block_case(case, True, monkeypatch)
 
 
@@ -331,11 +337,7 @@ def test_fa3_fp8_blocks_at_scores_of_2e4(case: tuple, monkeypatch) -> None:
 def test_fa3_fp8_blocks_mixed_with_head_descales(monkeypatch) -> None:
     """q per block, k per head, v per block (and the other way round): the per-head ones run
     as one block of the per-block build, within the baseline of the same operands."""
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV
-
-    if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
-        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
-    monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
+    _fa3_blocks_on(monkeypatch)
     case = (2, 700, 900, 4, 2, 128, 128, 192, False)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     q8, _, v8 = _block_inputs(case, DEVICE, moderate=True)
