@@ -77,6 +77,15 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
     dl = torch.where(torch.isfinite(dl), dl, torch.zeros_like(dl))
     per = [f"{dl[..., i : i + case[6]].max().item():.3g}" for i in range(0, case[1], case[6])]
     print(f"   |lse - ref| by block: {' '.join(per)}")
+    # Which accumulator model the kernel's scores follow: the LSE baseline at a few widths of
+    # the e4m3 wgmma's accumulator, each against the oracle and against the kernel.
+    ds_qk = (views["descale_q"], views["descale_k"])
+    for bits in (11, 12, 13, 14, 23):
+        lb = fp8_lse_baseline(q8.data, k8.data, ds_qk, acc_bits=bits, **opts)
+        fin = torch.isfinite(lb)
+        e_ref = (lb - ref["lse"][0].float())[fin].abs().max().item()
+        e_ker = (lb - lse.float())[fin].abs().max().item()
+        print(f"   lse baseline at {bits:2d} bits: vs ref {e_ref:.3g}, vs kernel {e_ker:.3g}")
     if softcap == 0.0:
         cpu = [t.cpu() for t in views.values()]
         emu, _ = emulate_blocks(

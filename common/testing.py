@@ -370,13 +370,15 @@ def ordered_backward_runs(select, forward, inputs: tuple, dout, runs: int = 5) -
     return choice, results[0]
 
 
-# Hopper's fp8 wgmma keeps fewer accumulator bits than float32 (about 14 significant bits are
-# reported for FP8 GEMMs on H800, DeepSeek-V3 technical report, section 3.3.2): the LSE of fa3's
-# fp8 path (from the fp8 Q K^T accumulation) is measured against an emulation that cuts the
-# accumulator's mantissa to FP8_ACC_BITS after every k = 32 step. On the H200 the kernel's LSE
-# misses the float32 rule by far (1.9e-4 against a bound of 3.6e-5 at D = 64) and meets this
-# one on 7 of tests/test_fp8.py's 8 cases; the eighth (D = 128) is 1.8x the emulation's error,
-# an open failure (docs/testing.md).
+# Hopper's e4m3 wgmma does not accumulate in float32. Read off fa3's kernel with crafted dot
+# products (benchmarks/fp8_acc_probe.py; H100, 2026-12-05: 166 rows, 96 of them random, every
+# one matched to the LSE's float32 round trip): in each k = 32 step the accumulator and the 32
+# exact products are aligned to the largest exponent among them and each is cut toward zero to
+# FP8_ACC_BITS bits below that exponent's leading bit; their sum is then cut toward zero to
+# FP8_ACC_BITS bits below its own leading bit. So a product 2^-14 of the largest addend is lost
+# whole (a +256 with 31 addends of 2^-6 sums to 256), wherever it sits in the step. fa3's fp8
+# LSE is measured against this emulation (mma_truncated); the cut of the sum alone (an earlier
+# model) underestimates the kernel's error up to 2.3x on scores with cancellation.
 FP8_ACC_BITS = 13
 FP8_MMA_K = 32  # wgmma K of 8-bit operands
 
@@ -390,14 +392,31 @@ def truncate_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def mma_truncated(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int) -> torch.Tensor:
-    """acc + a @ b (float32) in k = FP8_MMA_K steps, the accumulator truncated to `bits` after
-    each step."""
+    """acc + a @ b (float32 (..., M, N)) as the e4m3 wgmma accumulates it with `bits` bits (the
+    FP8_ACC_BITS note above): per k = FP8_MMA_K step, acc and the step's products aligned to
+    the largest exponent among them and cut, then their sum cut. a, b hold e4m3 values (their
+    products are exact in float32). 23 bits: plain float32."""
     if bits >= 23:
         return acc + a @ b
-    for k0 in range(0, a.shape[-1], FP8_MMA_K):
-        k1 = k0 + FP8_MMA_K
-        acc = truncate_mantissa(acc + a[..., k0:k1] @ b[..., k0:k1, :], bits)
-    return acc
+    acc = acc.float()
+    a, bt = a.float(), b.float().transpose(-1, -2)  # (..., M, K), (..., N, K)
+    n, m = bt.shape[-2], a.shape[-2]
+    outer = max(1, acc[..., :1, :1].numel())
+    rows = max(1, (1 << 24) // (outer * n * FP8_MMA_K))  # M rows per (..., rows, N, K) chunk
+    out = []
+    for m0 in range(0, m, rows):
+        c = acc[..., m0 : m0 + rows, :]
+        for k0 in range(0, a.shape[-1], FP8_MMA_K):
+            ks = slice(k0, k0 + FP8_MMA_K)
+            prods = a[..., m0 : m0 + rows, None, ks] * bt[..., None, :, ks]  # (..., rows, N, K)
+            top = torch.maximum(c.abs(), prods.abs().amax(-1))
+            _, e = torch.frexp(top)  # top = f * 2^e, f in [0.5, 1): leading bit 2^(e - 1)
+            ulp = torch.ldexp(torch.ones_like(top), e - 1 - bits)
+            # Multiples of ulp below 2^(bits + 1) each: the sum of 33 is exact in float32.
+            step = torch.trunc(c / ulp) + torch.trunc(prods / ulp[..., None]).sum(-1)
+            c = truncate_mantissa(step * ulp, bits)
+        out.append(c)
+    return torch.cat(out, dim=-2)
 
 
 def fp8_lse_baseline(

@@ -453,11 +453,10 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
 # ------------------------------------------------------------------------------------------------
 # float8 e4m3 inputs
 # ------------------------------------------------------------------------------------------------
-def _fp8(tile_n: int, stages: int = 2, **softmax) -> Fa3Config:
-    # 2 consumer WGs, non-persistent; sO is bf16 (2 bytes) and cannot live on the fp8 sQ.
-    return Fa3Config(
-        tile_m=128, tile_n=tile_n, stages=stages, o_alias_q=False, persistent=False, **softmax
-    )
+def _fp8(tile_n: int, stages: int = 2, wgs: int = 2, **softmax) -> Fa3Config:
+    # 64 rows per consumer WG, non-persistent; sO is bf16 (2 bytes) and cannot live on the sQ.
+    return Fa3Config(tile_m=64 * wgs, tile_n=tile_n, stages=stages, num_consumer_wgs=wgs,
+                     o_alias_q=False, persistent=False, **softmax)  # fmt: skip
 
 
 # The fp8 table rescales O every block (rescale_threshold 0). A threshold of 8 is faster
@@ -490,9 +489,13 @@ _FP8_SOFTMAX = {"rescale_threshold": 1, "row_chains": True}
 # Hq·D = 2048, N = 8k, fp8 TFLOP/s with the Vᵀ copy, non-causal / causal); D = 96, 192 are
 # not measured (smem and register arithmetic).
 FP8_CONFIGS: dict[int, Fa3Config] = {
-    # tile_n 192: 499 / 421 (128: 473 / 419, 256: 489 / 441, 3 stages 476 / 420).
-    # Q 8 + K/V 2 x 2 x 12 + sO 16 KiB = 72 KiB; S 96 + O 32 + P 24 registers.
-    64: _fp8(192),
+    # FA3's tile, 192 x 160 on 3 consumer WGs (160 registers each): H100 80GB HBM3,
+    # 2026-12-05 (`fa3_fwd_ab --fp8 --head-dim 64 --variant t3n:tile_m=192,
+    # num_consumer_wgs=3,tile_n=160`, medians of 3 interleaved passes, the whole call) 1.047 /
+    # 1.101x the 128 x 192 tile at N = 4k / 16k (with pin_pv_wait 0.984 / 1.054); causal
+    # 0.980 / 1.037, not taken. H200, 2-WG tiles: tile_n 192 499 / 421 TFLOP/s (128: 473 /
+    # 419, 256: 489 / 441, 3 stages 476 / 420). Q 12 + K/V 2 x 2 x 10 + sO 24 KiB = 76 KiB.
+    64: _fp8(160, wgs=3),
     # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
     96: _fp8(128),
     # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
@@ -598,7 +601,7 @@ def config_for(p: AttnParams) -> Fa3Config:
         cfg = short
     if p.softcap or p.is_local:
         cfg = dense_options_off(cfg)
-    if p.is_fp8 and p.fp8_block_kv:
+    if p.is_fp8 and (p.fp8_block_q or p.fp8_block_kv):
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg
 
@@ -612,20 +615,32 @@ def dense_options_off(cfg: Fa3Config) -> Fa3Config:
                    loop_mask_test=True)  # fmt: skip
 
 
+# The per-block build (fp8_blocks) runs the 2-WG tiles its GPU cases ran: at D = 64 the 128 x 192
+# tile that the 3-WG table entry replaced, beside the causal 128 x 256.
+_FP8_BLOCK_EXTRA: dict[int, tuple[Fa3Config, ...]] = {64: (_fp8(192),)}
+
+
+def _fp8_block_candidates(head_dim: int, causal: bool) -> list[Fa3Config]:
+    own, other = _fp8_tiles(head_dim, causal), _fp8_tiles(head_dim, not causal)
+    return [c for c in (own, *_FP8_BLOCK_EXTRA.get(head_dim, ()), other) if c.num_consumer_wgs == 2]
+
+
 def fp8_block_tiles(head_dim: int) -> tuple[int, ...]:
-    """The key tiles of the fp8 host-Vᵀ entries at `head_dim` (causal and not): a k/v descale
-    block that one divides runs on fa3 at every key length (`fp8_block_config`)."""
-    return tuple(sorted({_fp8_tiles(head_dim, c).tile_n for c in (False, True)}))
+    """The key tiles of the per-block build at `head_dim` (the fp8 table's 2-WG entries, causal
+    and not, and _FP8_BLOCK_EXTRA): a k/v descale block that one divides runs on fa3 at every
+    key length (`fp8_block_config`)."""
+    return tuple(sorted({c.tile_n for c in _fp8_block_candidates(head_dim, False)}))
 
 
 def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int) -> Fa3Config:
     """fp8 with a k/v descale every `block_kv` keys (each K/V block in one descale block): the
-    first of `cfg`, the host-Vᵀ entry, the other causal flag's whose tile_n divides block_kv;
-    else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
-    for c in (cfg, _fp8_tiles(head_dim, causal), _fp8_tiles(head_dim, not causal)):
-        if block_kv % c.tile_n == 0:
-            return c
-    return cfg
+    first of `cfg` (a 3-WG one as _FP8_BLOCK_EXTRA's 2-WG tile), the table's entry,
+    _FP8_BLOCK_EXTRA's and the other causal flag's whose tile_n divides block_kv (0: q's
+    descales alone per block); else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
+    if cfg.num_consumer_wgs != 2:  # _FP8_BLOCK_EXTRA's tile in its place, V transposed alike
+        cfg = replace(_FP8_BLOCK_EXTRA[head_dim][0], v_transpose=cfg.v_transpose)
+    candidates = [cfg, *_fp8_block_candidates(head_dim, causal)]
+    return next((c for c in candidates if block_kv % c.tile_n == 0), cfg)
 
 
 # ------------------------------------------------------------------------------------------------

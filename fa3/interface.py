@@ -272,14 +272,20 @@ def _block_size(ds: torch.Tensor | None) -> int:
 _ONE_BLOCK = 1 << 30
 
 
-def _block_descale(t: torch.Tensor | None, b: int, hkv: int, device) -> torch.Tensor:
+def _block_descale(
+    t: torch.Tensor | None, b: int, hkv: int, device, rows: int = 1, block: int = _ONE_BLOCK
+) -> torch.Tensor:
     """A descale as the per-block build takes it: a (B, H, nblocks, block) fp32 view with the
     last stride 0. A block view passes as it is (its last stride set to 0, which changes
-    nothing where block is 1); (B, Hkv) and None (ones) become one block of _ONE_BLOCK rows."""
+    nothing where block is 1); (B, Hkv) and None (ones) become blocks of `block` rows that all
+    read the one value (stride 0 over blocks too): one block of _ONE_BLOCK rows, or for k or v
+    beside a per-block partner the partner's block size, since the kernel finds k's and v's
+    descales of a K/V block with one block index (`block_scales`)."""
     if t is not None and t.dim() == 4:
         return t.as_strided(t.shape, (*t.stride()[:3], 0))
     t = _descale(t, b, hkv, device)  # (B, Hkv)
-    return t.as_strided((b, hkv, 1, _ONE_BLOCK), (*t.stride(), 0, 0))
+    nblocks = -(-rows // block)  # of `rows` (the keys)
+    return t.as_strided((b, hkv, nblocks, block), (*t.stride(), 0, 0))
 
 
 def _descale(t: torch.Tensor | None, b: int, hkv: int, device: torch.device) -> torch.Tensor:
@@ -347,7 +353,13 @@ def forward(
         else:
             v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
         if _fp8_blocks(p):
-            descales = tuple(_block_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
+            b, hkv, nk = p.batch, p.heads_kv, p.seqlen_k
+            kv_block = p.fp8_block_kv or _ONE_BLOCK
+            descales = (
+                _block_descale(descale_q, b, hkv, q.device),
+                _block_descale(descale_k, b, hkv, q.device, nk, kv_block),
+                _block_descale(descale_v, b, hkv, q.device, nk, kv_block),
+            )
         else:
             descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
     else:

@@ -435,8 +435,8 @@ MUTANTS = [
     Mutant(
         "fa3 fp8 blocks: the table's key tile whatever the block size",
         "fa3/configs.py",
-        "    for c in (cfg, _fp8_tiles(head_dim, causal), _fp8_tiles(head_dim, not causal)):",
-        "    for c in (cfg,):",
+        "    candidates = [cfg, *_fp8_block_candidates(head_dim, causal)]",
+        "    candidates = [cfg]",
         "key_tile_that_divides",
         ("tests/test_fp8_blocks.py",),
     ),

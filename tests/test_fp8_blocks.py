@@ -203,7 +203,9 @@ def test_the_per_block_kernel_s_arithmetic_is_within_the_block_baseline(
         (128, False, 20000, 192, 192),
         (128, True, 20000, 384, 192),
         (64, True, 20000, 256, 256),  # the causal table's tile
-        (64, True, 20000, 192, 192),  # the non-causal entry's tile divides 192
+        (64, True, 20000, 192, 192),  # the 2-WG tile of _FP8_BLOCK_EXTRA divides 192
+        (64, False, 20000, 192, 192),  # the 3-WG table entry runs blocks on its 2-WG tile
+        (64, False, 20000, 768, 192),
         (256, False, 2048, 96, 96),  # V transposed on the host: the smem entry's tile is 64
         (256, False, 2048, 64, 64),  # the smem entry's own tile
         (96, False, 20000, 256, 128),
@@ -237,6 +239,11 @@ def test_fa3_refuses_a_block_no_key_tile_divides(monkeypatch) -> None:
     assert reason == (
         "fa3: fp8 k/v descales every 96 keys need a multiple of the key tile (192 at head_dim 128)"
     )
+    # D 64's 3-WG entry (tile_n 160) is not a per-block tile: 320 keys fit no 2-WG one.
+    q, k = _fp8(1, 256, 2, 64), _fp8(1, 1000, 2, 64)
+    p = check_inputs(q, k, k, descale_k=block_view(torch.ones(1, 2, 4), 320), descale_v=None)
+    ok, reason = supports(p, 90)
+    assert not ok and reason.endswith("(192 or 256 at head_dim 64)"), reason
 
 
 def test_fa3_takes_block_descales_only_when_asked(monkeypatch) -> None:
@@ -389,3 +396,20 @@ def test_moderate_inputs_catch_each_block_mistake(case, tile_n, causal) -> None:
     assert not ok((dq, dk, dv), carry_v=False)
     assert not ok((dq, _neighbour(dk), _neighbour(dv)))
     assert not ok((_neighbour(dq), dk, dv))
+
+
+def test_a_per_head_k_or_v_takes_its_partners_blocks() -> None:
+    """The kernel finds a K/V block's k and v descales with one block index, so a (B, Hkv)
+    descale beside a per-block partner becomes blocks of the partner's size, every one reading
+    the head's value (with one block of 2^30 keys, v's index would stay 0 and its later blocks
+    would read block 0's descale: out 58 off its bound on an H100)."""
+    from flashsuite.fa3.interface import _block_descale
+
+    head = torch.tensor([[2.0, 3.0]])  # (B 1, Hkv 2)
+    view = _block_descale(head, 1, 2, "cpu", 1000, 192)
+    assert view.shape == (1, 2, 6, 192) and view.stride()[2:] == (0, 0)
+    assert descale_rows(view, 1000).tolist() == [[[2.0] * 1000, [3.0] * 1000]]
+    one = _block_descale(head, 1, 2, "cpu")  # q's, or k and v with no per-block partner
+    assert one.shape == (1, 2, 1, 1 << 30)
+    blocks = block_view(torch.rand(1, 2, 6), 192)
+    assert torch.equal(_block_descale(blocks, 1, 2, "cpu", 1000, 192), blocks)

@@ -1,0 +1,152 @@
+"""A training step (forward + backward, or with --backward the backward alone) of fa3 against
+SDPA's cuDNN backend and FA4, timed call by call in rotation, and the kernels each step
+launches (a GPU run).
+
+    python3 -m benchmarks.step_ab --head-dim 128 --seqlen 8192 --rounds 60 --profile
+    python3 -m benchmarks.step_ab --causal --seqlen 4096 --seqlen 16384
+
+fa3_bwd_ab --step times each contender for 100 ms per pass, so a pass's ratio compares timings
+taken a second or more apart; on an H100 its per-pass ratios of the D 128, N 8k step spread
+from 0.96 to 1.25x cuDNN. Here every round runs each contender once, in an order rotated each
+round, with the L2 flushed before each call and CUDA events around it: a round's ratio compares
+calls milliseconds apart, so clock and temperature drift cancel round by round. Printed per
+shape: each contender's median ms and TFLOP/s, and the median and quartiles of its per-round
+ratio to each peer. With --profile, one step of each under torch.profiler: the GPU time of each
+kernel it launches, so the step's extra kernels (pre/post-processing, copies, memsets) show
+next to the attention kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from flashsuite.common.flops import attention_flops
+from flashsuite.common.testing import Case, make_grad_out, make_inputs
+from flashsuite.dispatch.bench import FA4, fa4_function, make_callable
+
+
+def _step_fn(contender: str, case: Case, backward_only: bool = False):
+    """A closure running one forward + torch.autograd.grad of `contender` on `case` (with
+    `backward_only`, the backward of one forward made here)."""
+    q, k, v = make_inputs(case, "cuda", requires_grad=True)
+    if contender == "fa3":
+        from flashsuite import dispatch
+
+        def run():
+            return dispatch.attention(q, k, v, causal=case.causal, version="fa3")
+
+        leaves = (q, k, v)
+    else:
+        run, leaves = make_callable(contender, case, q, k, v)
+    dout = make_grad_out(case, "cuda")
+    out = run()
+    if out.shape != dout.shape:  # SDPA works in (B, H, N, D)
+        dout = dout.transpose(1, 2).contiguous()
+    if backward_only:
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(run(), leaves, dout)
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
+def time_rounds(fns: dict[str, object], rounds: int, warmup: int = 3) -> dict[str, list[float]]:
+    """ms per call of each closure, `rounds` calls each, interleaved and rotated by round."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than any L2
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    events = {name: [] for name in names}
+    for r in range(rounds):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[name]()
+            end.record()
+            events[name].append((start, end))
+    torch.cuda.synchronize()
+    return {name: [s.elapsed_time(e) for s, e in ev] for name, ev in events.items()}
+
+
+def profile_step(name: str, fn, steps: int = 3) -> list[str]:
+    """Lines: GPU µs per step of each kernel `fn` launches, largest first, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        (e.device_time_total / steps, e.count / steps, e.key)
+        for e in prof.key_averages()
+        if e.device_time_total > 0
+    ]
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    lines = [f"  {name}: {total:.1f} us of kernels per step"]
+    lines += [f"    {us:9.1f} us  x{n:g}  {key[:110]}" for us, n, key in rows]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (default 8192)")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
+    ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
+    args = ap.parse_args(argv)
+    if args.rounds < 4:
+        ap.error(f"--rounds: expected >= 4, got {args.rounds}")
+    d = args.head_dim
+    contenders = ["fa3", "sdpa-cudnn", *([FA4] if fa4_function()[0] is not None else [])]
+    for n in args.seqlen or [8192]:
+        if n < 1 or 16384 % n:
+            ap.error(f"--seqlen: expected a divisor of 16384 (B * N = 16k), got {n}")
+        case = Case(16384 // n, n, n, 2048 // d, 2048 // d, d, dtype=torch.bfloat16,
+                    causal=args.causal)  # fmt: skip
+        flops = sum(
+            attention_flops(case.batch, case.heads_q, n, n, d, causal=case.causal, backward=bwd)
+            for bwd in ((True,) if args.backward else (False, True))
+        )
+        fns = {}
+        for name in contenders:
+            try:
+                fns[name] = _step_fn(name, case, args.backward)
+            except Exception as exc:
+                print(f"{name}: {type(exc).__name__}: {exc}"[:300])
+        ms = time_rounds(fns, args.rounds)
+        mask = "causal" if case.causal else "non-causal"
+        what = "backward" if args.backward else "training step"
+        print(f"{what}, D {d}, N {n}, B {case.batch}, H {case.heads_q}, {mask}, bf16, "
+              f"{args.rounds} rounds")  # fmt: skip
+        for name, xs in ms.items():
+            lo, med, hi = _quartiles(xs)
+            print(f"  {name:>10}: median {med:.3f} ms ({flops / med / 1e9:.1f} TFLOP/s), "
+                  f"quartiles {lo:.3f}-{hi:.3f}")  # fmt: skip
+        for peer in [c for c in ("sdpa-cudnn", FA4) if c in ms]:
+            for name in [c for c in ms if c != peer and not (c == "sdpa-cudnn" and peer == FA4)]:
+                ratios = [b / a for a, b in zip(ms[name], ms[peer], strict=True)]
+                lo, med, hi = _quartiles(ratios)
+                print(f"  {name:>10} / {peer}: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
+        if args.profile:
+            for name, fn in fns.items():
+                print("\n".join(profile_step(name, fn)))
+        fns.clear()
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
