@@ -17,8 +17,8 @@ per-block scales (common.fp8.quantize, "block" mode): Q and dO per BLOCK_M query
 per BLOCK_N keys, P and dS per (BLOCK_M x BLOCK_N) tile, each per (batch, head); forward-type
 operands in e4m3, gradients (dO, dS) in e5m2. Products of a reduction that crosses blocks are
 scaled per block and summed in float32 (a kernel applies the scales between wgmmas, as the
-forward rescales O between key blocks). `acc_bits` < 23 also cuts the fp8 accumulator's
-mantissa after every k = 32 step within a block (common.testing.mma_truncated; 13 models the
+forward rescales O between key blocks). `acc_bits` < 23 also accumulates every k = 32 step
+within a block with that many bits (common.testing.mma_truncated; 13 models the
 reduced-precision accumulation of Hopper's fp8 wgmma, the LSE check's FP8_ACC_BITS).
 
 The bf16 backward is the same emulation with every GEMM on bf16 operands (P and dS rounded to

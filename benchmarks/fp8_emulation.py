@@ -10,9 +10,10 @@ online softmax in base 2 against the running row max
 (round to nearest even, as cvt.rn.satfinite) before each P·V, O rescaled by corr per block,
 O * descale_v / l at the end and delivered in bf16; LSE = (m * scale_log2 + log2 l) * ln 2.
 
-`acc_bits` models the wgmma accumulator: 23 is float32; fewer bits truncate the accumulator's
-mantissa after every k = 32 step of both products (QKᵀ over the head dim, P·V over the keys),
-the reduced-precision accumulation reported for Hopper's fp8 tensor cores. `rescale_threshold`
+`acc_bits` models the wgmma accumulator: 23 is float32; fewer bits accumulate every k = 32 step
+of both products (QKᵀ over the head dim, P·V over the keys) as common.testing.mma_truncated
+does (addends aligned to the largest and cut, the sum cut: read off the kernel by
+benchmarks/fp8_acc_probe.py). `rescale_threshold`
 t > 0 models Fa3Config.rescale_threshold: a row keeps its running max while a block's max
 exceeds it by at most t in log2 units (P up to 2^t, rounded to e4m3 there).
 

@@ -5,8 +5,8 @@ the same device).
     python3 -m benchmarks.fp8_lse_probe --json OUT.json
 
 Two accumulator models, each at several mantissa widths:
-- "sum": the float32 accumulator cut to `bits` mantissa bits (toward zero) after every k = 32
-  step (common.testing.mma_truncated, the suite's FP8_ACC_BITS rule);
+- "sum": common.testing.mma_truncated, the suite's FP8_ACC_BITS rule (addends aligned and
+  cut as in "align", then the step's sum cut to `bits` bits: benchmarks/fp8_acc_probe.py);
 - "align": in every k = 32 step the accumulator and the 32 exact products are aligned to the
   largest exponent among them and each is cut (toward zero) to `bits` bits below it, then
   summed exactly: a model of a tensor core that adds fixed-point addends of one alignment.

@@ -2,15 +2,15 @@
 SDPA's cuDNN backend and FA4, timed call by call in rotation, and the kernels each step
 launches (a GPU run).
 
-    python3 -m benchmarks.step_ab --head-dim 128 --seqlen 8192 --rounds 60 --profile
+    python3 -m benchmarks.step_ab --head-dim 128 --seqlen 8192 --reps 60 --profile
     python3 -m benchmarks.step_ab --causal --seqlen 4096 --seqlen 16384
 
 fa3_bwd_ab --step times each contender for 100 ms per pass, so a pass's ratio compares timings
 taken a second or more apart; on an H100 its per-pass ratios of the D 128, N 8k step spread
-from 0.96 to 1.25x cuDNN. Here every round runs each contender once, in an order rotated each
-round, with the L2 flushed before each call and CUDA events around it: a round's ratio compares
-calls milliseconds apart, so clock and temperature drift cancel round by round. Printed per
-shape: each contender's median ms and TFLOP/s, and the median and quartiles of its per-round
+from 0.96 to 1.25x cuDNN. Here each repetition runs every contender once, in an order rotated
+each time, with the L2 flushed before each call and CUDA events around it: a repetition's ratio
+compares calls milliseconds apart, so clock and temperature drift cancel. Printed per shape:
+each contender's median ms and TFLOP/s, and the median and quartiles of its per-repetition
 ratio to each peer. With --profile, one step of each under torch.profiler: the GPU time of each
 kernel it launches, so the step's extra kernels (pre/post-processing, copies, memsets) show
 next to the attention kernels.
@@ -55,15 +55,15 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def time_rounds(fns: dict[str, object], rounds: int, warmup: int = 3) -> dict[str, list[float]]:
-    """ms per call of each closure, `rounds` calls each, interleaved and rotated by round."""
+def time_interleaved(fns: dict[str, object], reps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """ms per call of each closure, `reps` calls each, interleaved (the order rotated)."""
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than any L2
     names = list(fns)
     for _ in range(warmup):
         for name in names:
             fns[name]()
     events = {name: [] for name in names}
-    for r in range(rounds):
+    for r in range(reps):
         for i in range(len(names)):
             name = names[(r + i) % len(names)]
             flush.zero_()
@@ -103,12 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (default 8192)")
-    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
     ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
     args = ap.parse_args(argv)
-    if args.rounds < 4:
-        ap.error(f"--rounds: expected >= 4, got {args.rounds}")
+    if args.reps < 4:
+        ap.error(f"--reps: expected >= 4, got {args.reps}")
     d = args.head_dim
     contenders = ["fa3", "sdpa-cudnn", *([FA4] if fa4_function()[0] is not None else [])]
     for n in args.seqlen or [8192]:
@@ -126,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
                 fns[name] = _step_fn(name, case, args.backward)
             except Exception as exc:
                 print(f"{name}: {type(exc).__name__}: {exc}"[:300])
-        ms = time_rounds(fns, args.rounds)
+        ms = time_interleaved(fns, args.reps)
         mask = "causal" if case.causal else "non-causal"
         what = "backward" if args.backward else "training step"
         print(f"{what}, D {d}, N {n}, B {case.batch}, H {case.heads_q}, {mask}, bf16, "
-              f"{args.rounds} rounds")  # fmt: skip
+              f"{args.reps} repetitions")  # fmt: skip
         for name, xs in ms.items():
             lo, med, hi = _quartiles(xs)
             print(f"  {name:>10}: median {med:.3f} ms ({flops / med / 1e9:.1f} TFLOP/s), "
