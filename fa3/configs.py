@@ -332,7 +332,7 @@ def get_config(
                plain
     """
     if dtype == FP8_DTYPE:
-        if fp8_vt_in_smem(head_dim, seqlen_k):
+        if fp8_vt_in_smem(head_dim, seqlen_k, causal):
             return fp8_smem_transpose_config(head_dim, causal)
         return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
@@ -537,13 +537,20 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 # crossover lies between the measured 4k and 16k, and the boundaries split that range. D = 96 and
 # 192 are not measured and keep the host copy.
 FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 8192, 256: 4096}
+# Causal limits that differ. D = 128 gains at 16k too (the H200's 1.04 above; H100 80GB HBM3,
+# 2026-12-05, commit 8b80060, `fa3_fwd_ab --fp8 --causal --head-dim 128 --seqlen 16384
+# --variant sm:v_transpose=smem`, medians of 3 interleaved passes: 1.039x the host copy).
+FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {128: None}
 
 
-def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None) -> bool:
+def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None, causal: bool = False) -> bool:
     """Whether the fp8 forward transposes V in shared memory for `seqlen_k` keys (None: long)."""
-    if head_dim not in FP8_SMEM_VT_MAX_SEQLEN_K:
+    limits = FP8_SMEM_VT_MAX_SEQLEN_K
+    if causal and head_dim in FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K:
+        limits = FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K
+    if head_dim not in limits:
         return False
-    limit = FP8_SMEM_VT_MAX_SEQLEN_K[head_dim]
+    limit = limits[head_dim]
     return limit is None or (seqlen_k is not None and seqlen_k <= limit)
 
 

@@ -313,7 +313,8 @@ def test_fp8_register_estimate_follows_the_split() -> None:
 
 def test_fp8_limits_of_the_one_table() -> None:
     """What the fp8 branch cannot take, and why: sO on the fp8 sQ, P blocks under 32 keys."""
-    cfg = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
+    cfg = replace(get_config(64, FP8_DTYPE, False), v_transpose="host", tile_m=128,
+                  num_consumer_wgs=2, tile_n=192)  # fmt: skip
     for changed in (replace(cfg, o_alias_q=True), replace(cfg, tile_n=48)):
         assert can_implement(changed, 64, torch.bfloat16)[0]  # fine in 16 bits
     ok, reason = can_implement(replace(cfg, o_alias_q=True), 64, FP8_DTYPE)
@@ -328,11 +329,18 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
     """get_config's fp8 build transposes V in shared memory up to FP8_SMEM_VT_MAX_SEQLEN_K keys
     (at every length where that is None) and takes the host copy past it and at unmeasured
     head dims; config_for passes the problem's key length."""
-    from flashsuite.fa3.configs import FP8_SMEM_VT_MAX_SEQLEN_K, fp8_smem_transpose_config
+    from flashsuite.fa3.configs import (
+        FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K,
+        FP8_SMEM_VT_MAX_SEQLEN_K,
+        fp8_smem_transpose_config,
+    )
 
     for d in (64, 96, 128, 192, 256):
         for causal in (False, True):
-            limit = FP8_SMEM_VT_MAX_SEQLEN_K.get(d, 0)
+            limits = FP8_SMEM_VT_MAX_SEQLEN_K
+            if causal and d in FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K:
+                limits = FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K
+            limit = limits.get(d, 0)
             for n in (1, 4096, 8192, 8193, 16384, 131072, None):
                 smem = limit is None or (limit > 0 and n is not None and n <= limit)
                 cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=n)
@@ -341,8 +349,10 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
                 assert want is None or cfg == want
                 assert smem or cfg == fp8_shipped(d, causal)
     assert FP8_SMEM_VT_MAX_SEQLEN_K[128] == 8192  # the measured crossovers: docs/fp8.md
-    assert config_for(_fp8_params(nk=4096)).v_transpose == "smem"
-    assert config_for(_fp8_params(nk=16384)).v_transpose == "host"
+    assert FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K[128] is None
+    assert config_for(_fp8_params(nk=4096, causal=False)).v_transpose == "smem"
+    assert config_for(_fp8_params(nk=16384, causal=False)).v_transpose == "host"
+    assert config_for(_fp8_params(nk=16384)).v_transpose == "smem"  # causal
 
 
 def fp8_shipped(d: int, causal: bool):
@@ -362,11 +372,11 @@ def test_one_compile_key_for_both_dtypes() -> None:
     assert config_for(_fp8_params(nk=16384)) == keys[-1].cfg  # and config_for reads it
 
 
-def _fp8_params(d: int = 128, nk: int = 130):
+def _fp8_params(d: int = 128, nk: int = 130, causal: bool = True):
     f8 = torch.float8_e4m3fn
     q = torch.zeros(2, 100, 4, d).to(f8)  # (B, Nq, Hq, D)
     kv = torch.zeros(2, nk, 2, d).to(f8)  # (B, Nk, Hkv, D)
-    return check_inputs(q, kv, kv, causal=True)
+    return check_inputs(q, kv, kv, causal=causal)
 
 
 def test_fp8_support_and_reasons() -> None:
@@ -400,6 +410,7 @@ def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> 
 
     calls = []
     monkeypatch.setattr(configs, "FP8_SMEM_VT_MAX_SEQLEN_K", {})
+    monkeypatch.setattr(configs, "FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K", {})
 
     def get_forward(key):
         return lambda *args: calls.append((key, args))
