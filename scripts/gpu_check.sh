@@ -5,7 +5,7 @@
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
 #                                                fwd-candidates fwd-short bwd-candidates
-#                                                fp8-blocks
+#                                                fp8-blocks step
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
@@ -242,14 +242,18 @@ for part in $parts; do
         --variant pipe80_wgs_wgdq_tma_dvf --step --seqlen 8192 --repeats 7 2>&1 \
         | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
     fp8-blocks)
-      # fa3's fp8 per-block build (off unless FLASHSUITE_FA3_FP8_BLOCKS=1; its tests set it):
-      # the GPU cases (moderate scores; outlier inputs an expected failure), the probe on both
+      # The e4m3 wgmma's accumulator read off the kernel (benchmarks/fp8_acc_probe: the model
+      # of common.testing.mma_truncated should match every row), then fa3's fp8 suites: the
+      # per-head one and the per-block build (off unless FLASHSUITE_FA3_FP8_BLOCKS=1; its
+      # tests set it; moderate scores, outlier inputs an expected failure), the probe on both
       # inputs (errors per block of rows, the kernel against its emulation, the same values
       # through the per-head build), then the GPU mutants that plant its three faults.
+      python3 -m benchmarks.fp8_acc_probe --json "$out/fp8-acc-probe.json" 2>&1 \
+        | grep -v Warning | head -40 | tee "$out/fp8-acc-probe.log" || status=1
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
       # shellcheck disable=SC2086
-      python3 -m pytest tests/test_fp8_blocks.py -v -rfEx -p no:cacheprovider $xdist 2>&1 \
-        | tail -40 | tee "$out/fp8-blocks.log" || status=1
+      python3 -m pytest tests/test_fp8.py tests/test_fp8_blocks.py -v -rfEx -p no:cacheprovider \
+        $xdist 2>&1 | tail -60 | tee "$out/fp8-blocks.log" || status=1
       for inputs in "" --moderate; do
         # shellcheck disable=SC2086
         python3 -m benchmarks.fa3_fp8_blocks_probe $inputs --cases 0,6 2>&1 | grep -v Warning \
@@ -257,6 +261,24 @@ for part in $parts; do
       done
       python3 scripts/mutants.py --gpu --only "fp8 blocks" --out "$out/fp8-blocks-mutants.md" \
         2>&1 | tail -8 || status=1 ;;
+    step)
+      # The backward's speed, each contender timed call by call in rotation (step_ab): the
+      # training step at N = 8k (D 64 / 128 / 256, causal at 128, one profiled step of each at
+      # D 128) and the backward alone at N = 4k / 16k (D 64 / 128 / 256, causal and not).
+      python3 -m benchmarks.step_ab --seqlen 8192 --reps 40 --profile 2>&1 | grep -v Warning \
+        | tee "$out/step.log" || status=1
+      for args in "--causal" "--head-dim 64" "--head-dim 256"; do
+        # shellcheck disable=SC2086
+        python3 -m benchmarks.step_ab $args --seqlen 8192 --reps 20 2>&1 | grep -v Warning \
+          | tee -a "$out/step.log" || status=1
+      done
+      for d in 64 128 256; do
+        for causal in "" --causal; do
+          # shellcheck disable=SC2086
+          python3 -m benchmarks.step_ab --backward --head-dim $d $causal --seqlen 4096 \
+            --seqlen 16384 --reps 20 2>&1 | grep -v Warning | tee -a "$out/bwd.log" || status=1
+        done
+      done ;;
     varlen)
       # fa3's varlen forward: per-sequence oracle, NaN guard rows around out and lse, one binary
       # for every batch composition, autograd through fa2's backward; timed beside fa2's
