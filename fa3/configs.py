@@ -173,6 +173,11 @@ class Fa3Config:
     # moves to the top of its basic block, so the softmax stays under P·V (fa3_softmax_sass:
     # fp8 D = 128 100 FMNMX / 98 MUFU.EX2 between the waits, bf16 D = 64 68 / 66; else 1 / 0).
     pin_pv_wait: bool = False
+    # In-place overlap softmax: P·V's wait issued between the rows' max and rescale and their
+    # exponentials (softmax.online_softmax), behind a never-taken branch that keeps ptxas from
+    # raising it: the row max and O's rescale under P·V, the exponentials after its wait, the
+    # split of FA4's D = 64 loop in the SASS (benchmarks/fa4_sass_compare --head-dim 64).
+    pv_wait_after_max: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -270,6 +275,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: rescale_before_pv needs intra_wg_overlap=True"
     if cfg.split_loops and not cfg.intra_wg_overlap:
         return False, "fa3: split_loops needs intra_wg_overlap=True (the overlapped main loop)"
+    if cfg.pv_wait_after_max and (not cfg.intra_wg_overlap or cfg.softmax_apart or cfg.pin_pv_wait):
+        return False, (
+            "fa3: pv_wait_after_max is for the in-place overlap softmax (intra_wg_overlap=True, "
+            "softmax_apart=False), without pin_pv_wait (which pins the same wait)"
+        )
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):

@@ -46,14 +46,20 @@ class ForwardMainloop:
 
     @cute.jit
     def scores_to_probs(
-        self, ctx, n_block: Int32, mask: cutlass.Constexpr[bool], masked=None, probs=None
+        self,
+        ctx,
+        n_block: Int32,
+        mask: cutlass.Constexpr[bool],
+        masked=None,
+        probs=None,
+        pv_wait_after_max: cutlass.Constexpr[bool] = False,
     ):
         """Softcap, mask and online softmax of ctx.acc_S; returns the O rescale.
 
         `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may. With
         `probs` (a fragment like acc_S; SOFTMAX_APART) the scores are taken out of acc_S first
         and all the rest happens there, P included, so acc_S is only read. Without it, all of
-        it happens in acc_S.
+        it happens in acc_S. `pv_wait_after_max`: online_softmax's (Fa3Config.pv_wait_after_max).
         """
         acc_S = ctx.acc_S
         scores = acc_S  # what the softmax reads: acc_S, or probs once written there
@@ -93,6 +99,7 @@ class ForwardMainloop:
             self.SKIP_UNIT_RESCALE,
             self.ROW_CHAINS,
             row_scale,
+            pv_wait_after_max,
         )
         if const_expr(blk is not None):
             # O holds P·V in units of the previous block's descale of v (`dsv`): this block's
@@ -279,14 +286,15 @@ class ForwardMainloop:
             ctx.pipe_k.consumer_release(kv_state)
             always = masked is True  # SPLIT_LOOPS' masked loop: the mask at compile time
             corr = self.scores_to_probs(
-                ctx, n_block, always, None if always else masked
+                ctx, n_block, always, None if always else masked, None, self.PV_WAIT_AFTER_MAX
             )  # acc_S, not tOrP / acc_O
             if const_expr(self.PIN_PV_WAIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
                 # A basic block ends here (Fa3Config.pin_pv_wait): the wait below cannot be
                 # moved above the softmax. corr is never NaN, so the branch never runs.
                 if corr[0] != corr[0]:
                     nanosleep_zero()
-            warpgroup.wait_group(0)
+            if const_expr(not self.PV_WAIT_AFTER_MAX):  # else online_softmax waited
+                warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(v_state)
         self.probs_to_operand(ctx, probs)  # tOrP and acc_O are free once PV has retired
         if const_expr(self.RESCALE_BEFORE_PV):

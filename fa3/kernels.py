@@ -149,6 +149,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.LOOP_MASK_TEST = cfg.loop_mask_test
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait
+        self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         self.PRODUCER_REGS, self.CONSUMER_REGS = reg_split(cfg)

@@ -18,9 +18,10 @@ from collections.abc import Callable
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from flashsuite.fa3.utils import LN2, ptx
+from flashsuite.fa3.utils import LN2, nanosleep_zero, ptx
 
 # 2^f ~ 1 + f (C1 + f (C2 + f C3)) on f in [-1/2, 1/2]: fp32 coefficients fitted to the
 # relative error (max 1.02e-4 after fp32 rounding, tests/test_fa3_softmax_options.py), with the
@@ -115,8 +116,15 @@ def online_softmax(
     skip_unit_rescale: cutlass.Constexpr[bool] = False,
     chains: cutlass.Constexpr[bool] = False,
     row_scale=None,
+    pv_wait_after_max: cutlass.Constexpr[bool] = False,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
+
+    `pv_wait_after_max` (Fa3Config.pv_wait_after_max, the overlapped loop's softmax of S(n)
+    with P·V(n - 1) in flight): both rows' max and rescale first, then a never-taken branch (a
+    basic block ends there, so ptxas cannot raise what follows above it), then the wait for
+    every wgmma of the warpgroup (P·V), then the exponentials and sums. Off, each row's max is
+    followed by its own exponentials, and no wgmma is waited for here.
 
     `row_scale` (fp8 block scales): a pair of positive Float32, what multiplies each of the
     thread's two rows of raw scores in this block in place of `scale_log2` (scale_log2 times
@@ -144,60 +152,74 @@ def online_softmax(
     """
     corr = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2  # this thread's elements of one row
-    for r in cutlass.range_constexpr(2):
-        scale = scale_log2  # what multiplies a raw score of this row
-        unit = scale_log2  # what takes row_max to log2 units
-        m_new = row_max[r]
-        if const_expr(row_scale is not None):
-            scale, unit = row_scale[r], Float32(1.0)
-            row = [acc_S[_col(k, r)] for k in range(cols)]
-            m_raw = cute.arch.warp_reduction_max(_chains(row, cute.arch.fmax), threads_in_group=4)
-            m_new = cute.arch.fmax(m_raw * scale, row_max[r])
-        else:
-            m_blk = row_max[r]
-            if const_expr(probs is None and not chains):
-                for k in cutlass.range_constexpr(cols):
-                    m_blk = cute.arch.fmax(m_blk, acc_S[_col(k, r)])
-            else:
-                row = [acc_S[_col(k, r)] for k in range(cols)]
-                m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_blk)
-            m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the row's quad
-        kept = False
-        if const_expr(rescale_threshold > 0):
-            # False where the old max is -inf (growth +inf, or NaN when both are -inf).
-            kept = (m_new - row_max[r]) * unit <= Float32(rescale_threshold)
-            m_new = row_max[r] if kept else m_new
-        # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0, not NaN.
-        m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
-        m_scaled = m_safe * unit
-        corr[r] = cute.math.exp2(row_max[r] * unit - m_scaled, fastmath=True)
-        if const_expr(rescale_threshold > 0):
-            corr[r] = Float32(1.0) if kept else corr[r]
-        elif const_expr(skip_unit_rescale):
-            # Both -inf (no key seen yet) counts as unmoved: O and the row sum are 0 there.
-            corr[r] = Float32(1.0) if m_new == row_max[r] else corr[r]
-        row_max[r] = m_new
-        s = Float32(0.0)
-        ps = []
-        for k in cutlass.range_constexpr(cols):
-            # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-            x = acc_S[_col(k, r)] * scale - m_scaled
-            if const_expr(emulated(k, ex2_emu)):
-                p = exp2_poly(x)
-            else:
-                p = cute.math.exp2(x, fastmath=True)
-            if const_expr(probs is None):
-                acc_S[_col(k, r)] = p
-                if const_expr(chains):
-                    ps.append(p)
+    scales, m_scaled_rows = [None, None], [None, None]  # per row, from its max to its exps
+    for phase in cutlass.range_constexpr(2 if pv_wait_after_max else 1):
+        for r in cutlass.range_constexpr(2):
+            if const_expr(not pv_wait_after_max or phase == 0):
+                scale = scale_log2  # what multiplies a raw score of this row
+                unit = scale_log2  # what takes row_max to log2 units
+                m_new = row_max[r]
+                if const_expr(row_scale is not None):
+                    scale, unit = row_scale[r], Float32(1.0)
+                    row = [acc_S[_col(k, r)] for k in range(cols)]
+                    m_raw = cute.arch.warp_reduction_max(
+                        _chains(row, cute.arch.fmax), threads_in_group=4
+                    )
+                    m_new = cute.arch.fmax(m_raw * scale, row_max[r])
                 else:
-                    s += p
-            else:
-                probs[_col(k, r)] = p
-                ps.append(p)
-        if const_expr(probs is not None or chains):
-            s = _chains(ps, lambda a, b: a + b)
-        row_sum[r] = row_sum[r] * corr[r] + s
+                    m_blk = row_max[r]
+                    if const_expr(probs is None and not chains):
+                        for k in cutlass.range_constexpr(cols):
+                            m_blk = cute.arch.fmax(m_blk, acc_S[_col(k, r)])
+                    else:
+                        row = [acc_S[_col(k, r)] for k in range(cols)]
+                        m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_blk)
+                    m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the quad
+                kept = False
+                if const_expr(rescale_threshold > 0):
+                    # False where the old max is -inf (growth +inf, or NaN when both are -inf).
+                    kept = (m_new - row_max[r]) * unit <= Float32(rescale_threshold)
+                    m_new = row_max[r] if kept else m_new
+                # A row that has seen only masked keys keeps m = -inf; use 0 so exp2 gives 0,
+                # not NaN.
+                m_safe = Float32(0.0) if m_new == Float32(-math.inf) else m_new
+                m_scaled = m_safe * unit
+                corr[r] = cute.math.exp2(row_max[r] * unit - m_scaled, fastmath=True)
+                if const_expr(rescale_threshold > 0):
+                    corr[r] = Float32(1.0) if kept else corr[r]
+                elif const_expr(skip_unit_rescale):
+                    # Both -inf (no key seen yet) counts as unmoved: O and the row sum are 0.
+                    corr[r] = Float32(1.0) if m_new == row_max[r] else corr[r]
+                row_max[r] = m_new
+                scales[r], m_scaled_rows[r] = scale, m_scaled
+            if const_expr(not pv_wait_after_max or phase == 1):
+                scale, m_scaled = scales[r], m_scaled_rows[r]
+                s = Float32(0.0)
+                ps = []
+                for k in cutlass.range_constexpr(cols):
+                    # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
+                    x = acc_S[_col(k, r)] * scale - m_scaled
+                    if const_expr(emulated(k, ex2_emu)):
+                        p = exp2_poly(x)
+                    else:
+                        p = cute.math.exp2(x, fastmath=True)
+                    if const_expr(probs is None):
+                        acc_S[_col(k, r)] = p
+                        if const_expr(chains):
+                            ps.append(p)
+                        else:
+                            s += p
+                    else:
+                        probs[_col(k, r)] = p
+                        ps.append(p)
+                if const_expr(probs is not None or chains):
+                    s = _chains(ps, lambda a, b: a + b)
+                row_sum[r] = row_sum[r] * corr[r] + s
+        if const_expr(pv_wait_after_max and phase == 0):
+            # corr is never NaN: the branch never runs, but a basic block ends here.
+            if corr[0] != corr[0]:
+                nanosleep_zero()
+            warpgroup.wait_group(0)
     return corr
 
 

@@ -61,6 +61,25 @@ def test_softmax_options_out_of_range_are_refused(field: str, value: int) -> Non
     assert not ok and field in why and str(value) in why, why
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [dict(softmax_apart=True), dict(intra_wg_overlap=False), dict(pin_pv_wait=True)],
+    ids=["apart", "no-overlap", "pinned"],
+)
+def test_pv_wait_after_max_needs_the_in_place_overlap_softmax(changes: dict) -> None:
+    """pv_wait_after_max moves the in-place overlap softmax's P·V wait: a build whose softmax
+    is apart, not overlapped or already pinned would ignore it, so it is refused, named."""
+    import torch
+
+    from flashsuite.fa3.configs import can_implement, get_config
+
+    cfg = get_config(64, torch.bfloat16, False)
+    assert can_implement(dataclasses.replace(cfg, pv_wait_after_max=True), 64, torch.bfloat16)[0]
+    bad = dataclasses.replace(cfg, pv_wait_after_max=True, **changes)
+    ok, why = can_implement(bad, 64, torch.bfloat16)
+    assert not ok and "pv_wait_after_max" in why, why
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [0.05, 3.0, 12.0], ids=lambda g: f"grow{g}")
@@ -183,6 +202,9 @@ _NEW = {"wg_slice": True, "loop_mask_test": False}
 _SPLIT = {"split_loops": True, "wg_slice": True}
 
 
+_PV_MAX = {"pv_wait_after_max": True, "softmax_apart": False}
+
+
 def _case(d: int, fp8: bool, causal: bool, name: str, option: dict):
     kind = ("-e4m3" if fp8 else "") + ("-causal" if causal else "")
     return pytest.param(d, fp8, causal, option, id=f"{name}-D{d}{kind}")
@@ -199,6 +221,11 @@ _SCHEDULE_CASES = [
     _case(64, False, False, "pin", {"pin_pv_wait": True}),
     _case(128, False, True, "pin", {"pin_pv_wait": True}),
     *[_case(d, True, False, "pin", {"pin_pv_wait": True}) for d in (128, 256)],
+    # pv_wait_after_max: P·V's wait between the row max and the exponentials (in place).
+    _case(64, False, False, "pvmax", _PV_MAX),
+    _case(128, False, True, "pvmax", _PV_MAX),
+    _case(256, False, False, "pvmax", _PV_MAX),
+    *[_case(d, True, False, "pvmax", _PV_MAX) for d in (128, 256)],
 ]
 
 
@@ -207,10 +234,10 @@ _SCHEDULE_CASES = [
 def test_gpu_schedule_options_match_the_table_build(
     d: int, fp8: bool, causal: bool, option: dict
 ) -> None:
-    """Fa3Config.wg_slice, loop_mask_test = False, split_loops and pin_pv_wait change where
-    ptxas puts the wgmma waits and how it builds the descriptors, not the operations: out and
-    LSE agree with the table build's to within rounding (a dropped mask or a wrong descriptor
-    moves them by the size of O)."""
+    """Fa3Config.wg_slice, loop_mask_test = False, split_loops, pin_pv_wait and
+    pv_wait_after_max change where ptxas puts the wgmma waits and how it builds the
+    descriptors, not the operations: out and LSE agree with the table build's to within
+    rounding (a dropped mask or a wrong descriptor moves them by the size of O)."""
     _agree_with_the_table_build(d, fp8, causal, {}, option)
 
 

@@ -127,25 +127,44 @@ def test_split_loops_keep_the_causal_softmax_under_pv() -> None:
         assert w["fmnmx"] >= 64 and w["mufu"] >= 8, split["windows"]
 
 
-def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
-    """pin_pv_wait (a never-taken branch right before P·V's wait_group(0), which ptxas would
-    otherwise hoist to the top of its basic block) alone, with the loop's mask test and the
-    per-thread descriptors left in: the in-place softmax of bf16 D = 64, causal D = 128 and
-    e4m3 D = 128 runs between the waits with every one of its exponentials (64, 64 and 96
-    scores a thread per block), where the shipped builds have none there."""
+def _in_place_builds(option: str) -> list[tuple[int, dict]]:
+    """(scores a thread's softmax takes per block, fa3_softmax_sass's result) of bf16 D = 64,
+    causal D = 128 and e4m3 D = 128 with `option` on (in-place softmax), each checked to hold
+    it with 0 spills, no C75xx remark and a window between the waits."""
     builds = [
         (dict(head_dim=64, causal=False), 64),
         (dict(head_dim=128, causal=True), 64),
         (dict(head_dim=128, causal=False, fp8=True), 96),
     ]
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda b: _windows("pin_pv_wait=1", **b[0]), builds))
-    for (_, scores), r in zip(builds, got, strict=True):
-        assert r["config"]["pin_pv_wait"] and not r["config"]["softmax_apart"]
+        got = list(pool.map(lambda b: _windows(f"{option}=1", **b[0]), builds))
+    for r in got:
+        assert r["config"][option] and not r["config"]["softmax_apart"]
         assert r["spill_stores"] == 0 and not r["remarks"], r
         assert r["windows"], r
+    return [(scores, r) for (_, scores), r in zip(builds, got, strict=True)]
+
+
+def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
+    """pin_pv_wait (a never-taken branch right before P·V's wait_group(0), which ptxas would
+    otherwise hoist to the top of its basic block) alone, with the loop's mask test and the
+    per-thread descriptors left in: the in-place softmax of bf16 D = 64, causal D = 128 and
+    e4m3 D = 128 runs between the waits with every one of its exponentials (64, 64 and 96
+    scores a thread per block), where the shipped builds have none there."""
+    for scores, r in _in_place_builds("pin_pv_wait"):
         for w in r["windows"]:
             assert w["fmnmx"] >= scores and w["mufu"] >= scores, r["windows"]
+
+
+def test_pv_wait_after_max_splits_the_softmax_at_the_row_max() -> None:
+    """pv_wait_after_max (P·V's wait issued after the rows' max and rescale, behind a
+    never-taken branch): the row max of every score runs between the waits and most
+    exponentials after P·V's, FA4's split of its D = 64 loop (bf16 D = 64 and causal D = 128,
+    e4m3 D = 128), where the shipped in-place builds have nothing between the waits and
+    pin_pv_wait has everything."""
+    for scores, r in _in_place_builds("pv_wait_after_max"):
+        for w in r["windows"]:
+            assert w["fmnmx"] >= scores and w["mufu"] <= scores // 4, r["windows"]
 
 
 def test_softmax_options_ship_where_they_were_measured() -> None:
