@@ -173,10 +173,10 @@ class Fa3Config:
     # moves to the top of its basic block, so the softmax stays under P·V (fa3_softmax_sass:
     # fp8 D = 128 100 FMNMX / 98 MUFU.EX2 between the waits, bf16 D = 64 68 / 66; else 1 / 0).
     pin_pv_wait: bool = False
-    # In-place overlap softmax: P·V's wait issued between the rows' max and rescale and their
-    # exponentials (softmax.online_softmax), behind a never-taken branch that keeps ptxas from
-    # raising it: the row max and O's rescale under P·V, the exponentials after its wait, the
-    # split of FA4's D = 64 loop in the SASS (benchmarks/fa4_sass_compare --head-dim 64).
+    # In-place overlap softmax: P·V's wait issued between the rows' max, rescale and exponents
+    # and their exponentials (softmax.online_softmax), behind a never-taken branch that keeps
+    # ptxas from raising it: the row max under P·V, the exponentials after its wait at bf16
+    # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare).
     pv_wait_after_max: bool = False
 
 

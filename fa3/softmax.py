@@ -121,10 +121,11 @@ def online_softmax(
     """Online softmax of one S block (S -> P); returns the O rescale per row.
 
     `pv_wait_after_max` (Fa3Config.pv_wait_after_max, the overlapped loop's softmax of S(n)
-    with P·V(n - 1) in flight): both rows' max and rescale first, then a never-taken branch (a
-    basic block ends there, so ptxas cannot raise what follows above it), then the wait for
-    every wgmma of the warpgroup (P·V), then the exponentials and sums. Off, each row's max is
-    followed by its own exponentials, and no wgmma is waited for here.
+    with P·V(n - 1) in flight): both rows' max, rescale and exponents (s * scale - max, into
+    registers apart from acc_S) first, then a never-taken branch (a basic block ends there, so
+    ptxas cannot raise what follows above it), then the wait for every wgmma of the warpgroup
+    (P·V), then the exponentials and sums. Off, each row's max is followed by its own
+    exponentials, and no wgmma is waited for here.
 
     `row_scale` (fp8 block scales): a pair of positive Float32, what multiplies each of the
     thread's two rows of raw scores in this block in place of `scale_log2` (scale_log2 times
@@ -152,7 +153,11 @@ def online_softmax(
     """
     corr = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2  # this thread's elements of one row
-    scales, m_scaled_rows = [None, None], [None, None]  # per row, from its max to its exps
+    scales, m_scaled_rows, xs = (
+        [None, None],
+        [None, None],
+        [None, None],
+    )  # per row, from its max to its exps
     for phase in cutlass.range_constexpr(2 if pv_wait_after_max else 1):
         for r in cutlass.range_constexpr(2):
             if const_expr(not pv_wait_after_max or phase == 0):
@@ -192,13 +197,19 @@ def online_softmax(
                     corr[r] = Float32(1.0) if m_new == row_max[r] else corr[r]
                 row_max[r] = m_new
                 scales[r], m_scaled_rows[r] = scale, m_scaled
+                if const_expr(pv_wait_after_max):  # the exponents too, before P·V's wait
+                    xs[r] = [acc_S[_col(k, r)] * scale - m_scaled for k in range(cols)]
             if const_expr(not pv_wait_after_max or phase == 1):
                 scale, m_scaled = scales[r], m_scaled_rows[r]
                 s = Float32(0.0)
                 ps = []
                 for k in cutlass.range_constexpr(cols):
                     # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-                    x = acc_S[_col(k, r)] * scale - m_scaled
+                    x = (
+                        xs[r][k]
+                        if const_expr(pv_wait_after_max)
+                        else acc_S[_col(k, r)] * scale - m_scaled
+                    )
                     if const_expr(emulated(k, ex2_emu)):
                         p = exp2_poly(x)
                     else:

