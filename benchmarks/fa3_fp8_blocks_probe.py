@@ -24,7 +24,13 @@ import torch
 from flashsuite import dispatch
 from flashsuite.common.fp8 import block_view, quantize
 from flashsuite.common.fp8_reference import attention_fp8
-from flashsuite.common.testing import FP8_FACTOR, compare, fp8_lse_baseline, reference_pair
+from flashsuite.common.testing import (
+    FP8_ACC_BITS,
+    FP8_FACTOR,
+    compare,
+    fp8_lse_baseline,
+    reference_pair,
+)
 from flashsuite.common.validation import check_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,6 +100,13 @@ def probe_block_case(case: tuple, moderate: bool = False) -> None:
         )  # fmt: skip
         print(f"   kernel vs emulation by block: {_rows_err(out.cpu(), emu, case[6])}")
         print(f"   emulation vs ref   by block: {_rows_err(emu, ref['out'][0].cpu(), case[6])}")
+        emu13, _ = emulate_blocks(
+            q8.data.cpu(), k8.data.cpu(), v8.data.cpu(), cpu, tile_n=cfg.tile_n,
+            causal=causal, window_size=window, rescale_threshold=cfg.rescale_threshold,
+            acc_bits=FP8_ACC_BITS,
+        )  # fmt: skip
+        print(f"   the same with the e4m3 accumulator ({FP8_ACC_BITS} bits) vs ref: "
+              f"{_rows_err(emu13, ref['out'][0].cpu(), case[6])}")  # fmt: skip
     # Every block's descale equal to its head's: the per-block build must equal the per-head.
     ones = {}
     for name, t in views.items():

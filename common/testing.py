@@ -411,7 +411,8 @@ def mma_truncated(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int
             prods = a[..., m0 : m0 + rows, None, ks] * bt[..., None, :, ks]  # (..., rows, N, K)
             top = torch.maximum(c.abs(), prods.abs().amax(-1))
             _, e = torch.frexp(top)  # top = f * 2^e, f in [0.5, 1): leading bit 2^(e - 1)
-            ulp = torch.ldexp(torch.ones_like(top), e - 1 - bits)
+            # No finer than float32's smallest subnormal (a step of tiny P would divide by 0).
+            ulp = torch.ldexp(torch.ones_like(top), (e - 1 - bits).clamp_min(-149))
             # Multiples of ulp below 2^(bits + 1) each: the sum of 33 is exact in float32.
             step = torch.trunc(c / ulp) + torch.trunc(prods / ulp[..., None]).sum(-1)
             c = truncate_mantissa(step * ulp, bits)
