@@ -504,7 +504,8 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     # num_consumer_wgs=3,tile_n=160`, medians of 3 interleaved passes, the whole call) 1.047 /
     # 1.101x the 128 x 192 tile at N = 4k / 16k (with pin_pv_wait 0.984 / 1.054); causal
     # 0.980 / 1.037, not taken. H200, 2-WG tiles: tile_n 192 499 / 421 TFLOP/s (128: 473 /
-    # 419, 256: 489 / 441, 3 stages 476 / 420). Q 12 + K/V 2 x 2 x 10 + sO 24 KiB = 76 KiB.
+    # 419, 256: 489 / 441, 3 stages 476 / 420). Q 12 + K/V 2 x 2 x 10 + sO 24 KiB = 76 KiB,
+    # 96 KiB with the Vᵀ ring of V transposed in smem (the table's choice at D = 64).
     64: _fp8(160, wgs=3),
     # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
     96: _fp8(128),
