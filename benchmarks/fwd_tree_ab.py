@@ -80,7 +80,7 @@ def _child() -> None:
             row = {"shape": [dtype, d, n, causal], "tflops": flops / ms / 1e9}
             if os.environ.get("FWD_TREE_AB_KERNELS") == "1":
                 try:
-                    row["kernels_us"] = _kernel_us(fn)
+                    row["kernels_us"] = kernel_us(fn)
                 except Exception as exc:  # the profiler's failure costs only its column
                     row["kernels_us"] = {"error": f"{type(exc).__name__}: {exc}"}
         except Exception as exc:  # a failing shape is recorded and the next one runs
@@ -88,7 +88,7 @@ def _child() -> None:
         print(json.dumps(row), flush=True)
 
 
-def _kernel_us(fn, calls: int = 10) -> dict[str, float]:
+def kernel_us(fn, calls: int = 10) -> dict[str, float]:
     """GPU time per call of each kernel `fn` launches (torch.profiler), by kernel name."""
     import torch
     from torch.profiler import ProfilerActivity, profile

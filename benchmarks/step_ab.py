@@ -78,23 +78,11 @@ def time_interleaved(fns: dict[str, object], reps: int, warmup: int = 3) -> dict
 
 def profile_step(name: str, fn, steps: int = 3) -> list[str]:
     """Lines: GPU µs per step of each kernel `fn` launches, largest first, and their sum."""
-    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.fwd_tree_ab import kernel_us
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [
-        (e.device_time_total / steps, e.count / steps, e.key)
-        for e in prof.key_averages()
-        if e.device_time_total > 0
-    ]
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    lines = [f"  {name}: {total:.1f} us of kernels per step"]
-    lines += [f"    {us:9.1f} us  x{n:g}  {key[:110]}" for us, n, key in rows]
+    rows = sorted(kernel_us(fn, steps).items(), key=lambda kv: -kv[1])
+    lines = [f"  {name}: {sum(us for _, us in rows):.1f} us of kernels per step"]
+    lines += [f"    {us:9.1f} us  {key}" for key, us in rows]
     return lines
 
 

@@ -153,11 +153,7 @@ def online_softmax(
     """
     corr = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2  # this thread's elements of one row
-    scales, m_scaled_rows, xs = (
-        [None, None],
-        [None, None],
-        [None, None],
-    )  # per row, from its max to its exps
+    xs = [None, None]  # pv_wait_after_max: each row's exponents, from phase 0 to phase 1
     for phase in cutlass.range_constexpr(2 if pv_wait_after_max else 1):
         for r in cutlass.range_constexpr(2):
             if const_expr(not pv_wait_after_max or phase == 0):
@@ -196,11 +192,9 @@ def online_softmax(
                     # Both -inf (no key seen yet) counts as unmoved: O and the row sum are 0.
                     corr[r] = Float32(1.0) if m_new == row_max[r] else corr[r]
                 row_max[r] = m_new
-                scales[r], m_scaled_rows[r] = scale, m_scaled
                 if const_expr(pv_wait_after_max):  # the exponents too, before P·V's wait
                     xs[r] = [acc_S[_col(k, r)] * scale - m_scaled for k in range(cols)]
             if const_expr(not pv_wait_after_max or phase == 1):
-                scale, m_scaled = scales[r], m_scaled_rows[r]
                 s = Float32(0.0)
                 ps = []
                 for k in cutlass.range_constexpr(cols):

@@ -433,6 +433,14 @@ MUTANTS = [
         ("tests/test_fp8_blocks.py",),
     ),
     Mutant(
+        "fa3 fp8 blocks: a per-head k as one block beside a per-block v",
+        "fa3/interface.py",
+        "                _block_descale(descale_k, b, hkv, q.device, nk, kv_block),",
+        "                _block_descale(descale_k, b, hkv, q.device),",
+        "partners_blocks",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
         "fa3 fp8 blocks: the table's key tile whatever the block size",
         "fa3/configs.py",
         "    candidates = [cfg, *_fp8_block_candidates(head_dim, causal)]",

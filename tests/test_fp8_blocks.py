@@ -400,18 +400,30 @@ def test_moderate_inputs_catch_each_block_mistake(case, tile_n, causal) -> None:
     assert not ok((_neighbour(dq), dk, dv))
 
 
-def test_a_per_head_k_or_v_takes_its_partners_blocks() -> None:
-    """The kernel finds a K/V block's k and v descales with one block index, so a (B, Hkv)
-    descale beside a per-block partner becomes blocks of the partner's size, every one reading
-    the head's value (with one block of 2^30 keys, v's index would stay 0 and its later blocks
-    would read block 0's descale: out 58 off its bound on an H100)."""
-    from flashsuite.fa3.interface import _block_descale
+@pytest.mark.parametrize("per_head", ["descale_k", "descale_v"])
+def test_a_per_head_k_or_v_takes_its_partners_blocks(per_head: str, monkeypatch) -> None:
+    """interface.forward on the CPU with the binary stubbed: the kernel finds a K/V block's k
+    and v descales with one block index, so a (B, Hkv) k or v descale beside a per-block
+    partner reaches it as blocks of the partner's size, every one reading the head's value
+    (as one block of 2^30 keys, the partner's later blocks read block 0's descale: out 58
+    off its bound on an H100)."""
+    from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3 import interface
 
+    calls = []
+    monkeypatch.setenv(interface.FP8_BLOCKS_ENV, "1")
+    monkeypatch.setattr(fa3_compile, "get_forward", lambda key: lambda *a: calls.append(a))
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(interface, "_plans", {})
+    q, k = _fp8(1, 256, 2, 128), _fp8(1, 1000, 2, 128)
     head = torch.tensor([[2.0, 3.0]])  # (B 1, Hkv 2)
-    view = _block_descale(head, 1, 2, "cpu", 1000, 192)
-    assert view.shape == (1, 2, 6, 192) and view.stride()[2:] == (0, 0)
-    assert descale_rows(view, 1000).tolist() == [[[2.0] * 1000, [3.0] * 1000]]
-    one = _block_descale(head, 1, 2, "cpu")  # q's, or k and v with no per-block partner
-    assert one.shape == (1, 2, 1, 1 << 30)
-    blocks = block_view(torch.rand(1, 2, 6), 192)
-    assert torch.equal(_block_descale(blocks, 1, 2, "cpu", 1000, 192), blocks)
+    blocks = block_view(torch.rand(1, 2, 6) + 0.5, 192)
+    ds = {"descale_q": None, "descale_k": blocks, "descale_v": blocks, per_head: head}
+    p = check_inputs(q, k, k, **ds)
+    interface.forward(q, k, k, p, *ds.values())
+    ((*_, dq, dk, dv, _cq, _ck, _s0, _s1, _s2, _s3, _sms),) = calls
+    assert dk.shape[2:] == dv.shape[2:] == (6, 192) and dq.shape[2] == 1
+    mine = dk if per_head == "descale_k" else dv
+    assert mine.stride()[2:] == (0, 0)
+    assert descale_rows(mine, 1000).tolist() == [[[2.0] * 1000, [3.0] * 1000]]
