@@ -407,6 +407,19 @@ VARIANTS.update(
             ),
             "wide256_red80_wgs with the grid in sections of 8 (kv head, batch) pairs",
         ),
+        **{
+            f"wide256_red80_wgs_sec{s}": (
+                BwdConfig(
+                    **{**_WIDE256, "tile_n": 80, "dq_mode": "red"},
+                    dq_slices=2,
+                    overlap=True,
+                    wg_slice=True,
+                    head_section=s,
+                ),
+                f"wide256_red80_wgs with the grid in sections of {s} (kv head, batch) pairs",
+            )
+            for s in (2, 4)
+        },
     }
 )
 

@@ -4,6 +4,8 @@ launches (a GPU run).
 
     python3 -m benchmarks.step_ab --head-dim 128 --seqlen 8192 --reps 60 --profile
     python3 -m benchmarks.step_ab --causal --seqlen 4096 --seqlen 16384
+    python3 -m benchmarks.step_ab --backward --head-dim 256 --causal --seqlen 4096 \
+        --variant wide256_red80_wgs_sec4
 
 fa3_bwd_ab --step times each contender for 100 ms per pass, so a pass's ratio compares timings
 taken a second or more apart; on an H100 its per-pass ratios of the D 128, N 8k step spread
@@ -13,7 +15,9 @@ compares calls milliseconds apart, so clock and temperature drift cancel. Printe
 each contender's median ms and TFLOP/s, and the median and quartiles of its per-repetition
 ratio to each peer. With --profile, one step of each under torch.profiler: the GPU time of each
 kernel it launches, so the step's extra kernels (pre/post-processing, copies, memsets) show
-next to the attention kernels.
+next to the attention kernels. --variant NAME adds fa3's backward with a named config of
+benchmarks/fa3_bwd_variants.py (fa3_bwd_check's route: fa3.interface.backward on the saved
+forward; in a step, dispatch's forward without autograd before it) as contender NAME.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import statistics
 
 import torch
 
+from benchmarks.fa3_bwd_variants import VARIANTS
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import Case, make_grad_out, make_inputs
 from flashsuite.dispatch.bench import FA4, fa4_function, make_callable
@@ -31,6 +36,13 @@ from flashsuite.dispatch.bench import FA4, fa4_function, make_callable
 def _step_fn(contender: str, case: Case, backward_only: bool = False):
     """A closure running one forward + torch.autograd.grad of `contender` on `case` (with
     `backward_only`, the backward of one forward made here)."""
+    if contender in VARIANTS:
+        from benchmarks.fa3_bwd_check import _variant_backward
+
+        q, k, v = make_inputs(case, "cuda")
+        dout = make_grad_out(case, "cuda")
+        run, _ = _variant_backward(case, VARIANTS[contender][0], q, k, v, dout, not backward_only)
+        return run
     q, k, v = make_inputs(case, "cuda", requires_grad=True)
     if contender == "fa3":
         from flashsuite import dispatch
@@ -94,11 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
     ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
+    ap.add_argument("--variant", action="append", default=[], help="a backward variant by name")
     args = ap.parse_args(argv)
+    unknown = [v for v in args.variant if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variant: expected names in benchmarks/fa3_bwd_variants.py, got {unknown}")
     if args.reps < 4:
         ap.error(f"--reps: expected >= 4, got {args.reps}")
     d = args.head_dim
-    contenders = ["fa3", "sdpa-cudnn", *([FA4] if fa4_function()[0] is not None else [])]
+    fa4 = [FA4] if fa4_function()[0] is not None else []
+    contenders = [*args.variant, "fa3", "sdpa-cudnn", *fa4]
     for n in args.seqlen or [8192]:
         if n < 1 or 16384 % n:
             ap.error(f"--seqlen: expected a divisor of 16384 (B * N = 16k), got {n}")
@@ -123,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             lo, med, hi = _quartiles(xs)
             print(f"  {name:>10}: median {med:.3f} ms ({flops / med / 1e9:.1f} TFLOP/s), "
                   f"quartiles {lo:.3f}-{hi:.3f}")  # fmt: skip
-        for peer in [c for c in ("sdpa-cudnn", FA4) if c in ms]:
-            for name in [c for c in ms if c != peer and not (c == "sdpa-cudnn" and peer == FA4)]:
-                ratios = [b / a for a, b in zip(ms[name], ms[peer], strict=True)]
-                lo, med, hi = _quartiles(ratios)
-                print(f"  {name:>10} / {peer}: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
+        # each variant against the shipped fa3, everything against cuDNN, ours against FA4
+        ours = [c for c in (*args.variant, "fa3") if c in ms]
+        pairs = [(c, "fa3") for c in args.variant]
+        pairs += [(c, "sdpa-cudnn") for c in (*ours, *fa4)] + [(c, FA4) for c in ours if fa4]
+        for name, peer in [(a, b) for a, b in pairs if a in ms and b in ms]:
+            ratios = [b / a for a, b in zip(ms[name], ms[peer], strict=True)]
+            lo, med, hi = _quartiles(ratios)
+            print(f"  {name:>10} / {peer}: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
         if args.profile:
             for name, fn in fns.items():
                 print("\n".join(profile_step(name, fn)))
