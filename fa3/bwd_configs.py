@@ -336,7 +336,7 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
 
 
 # (kv head, batch) pairs per launch section of causal grids (bwd_config_for: dense problems,
-# D = 64, 96 and 128, without softcap or window).
+# D = 64, 96, 128 and 256, without softcap or window).
 CAUSAL_HEAD_SECTION = 4
 
 
@@ -443,7 +443,14 @@ def bwd_config_for(
     5): 448.6 / 482.3 / 490.2 against 429.5 (the shipped path) / 460.9 / 485.5 for the tile alone
     and 466.2 / 486.4 at 8k / 16k for the sections alone (FA4 455.5 / 498.9 / 504.3, cuDNN 363.6 /
     388.8 / 405.8). At D = 256 sections of 8 (wide256_red80_wgs_sec8) timed +2.2 / -1.9 / -2.9 % at
-    4k / 8k / 16k and are not shipped.
+    4k / 8k / 16k; sections of 4 are shipped at causal D = 256 (variant wide256_red80_wgs_sec4,
+    H100 80GB HBM3, 2026-12-05, commit 1fdfad0, `benchmarks.step_ab --backward --head-dim 256
+    --causal --variant wide256_red80_wgs_sec2 --variant wide256_red80_wgs_sec4 --variant
+    wide256_red80_wgs_sec8`, call by call in rotation, median per-repetition ratio to the shipped
+    path at N = 4k / 8k / 16k): 1.040 / 1.032 / 1.007, sections of 2 1.013 and of 8 1.031 at 4k;
+    against SDPA cuDNN 1.153 / 1.116 / 1.185 where the grid without sections took 1.107 / 1.082
+    / 1.177. The greedy model puts the default order's efficiency at 0.933 at N = 4k and
+    sections of 4 at 0.991.
 
     Non-causal D = 96 hands sdQ over per warpgroup as well (variant pipe_wgdq_tma against the
     shipped path's pipe_stm_tma, `--variant pipe_wgdq_tma --head-dim 96 --seqlen 4096 --seqlen
@@ -458,7 +465,10 @@ def bwd_config_for(
     if head_dim not in BWD_HEAD_DIMS:
         raise ValueError(f"fa3 backward: head_dim {head_dim} not in {BWD_HEAD_DIMS}")
     if head_dim > 128:
-        return _bwd_wide_config(head_dim, softcap, sdq)
+        cfg = _bwd_wide_config(head_dim, softcap, sdq)
+        if head_dim == 256 and causal and not (softcap or sdq or local or varlen):
+            cfg = replace(cfg, head_section=CAUSAL_HEAD_SECTION)
+        return cfg
     wide_m = head_dim == 64 and not softcap
     cfg = BwdConfig(
         tile_m=128 if wide_m else 64,

@@ -463,8 +463,8 @@ def test_bwd_deterministic_variant_compiles(which, request) -> None:
 
 @pytest.fixture(scope="module")
 def section_probes(tmp_path_factory) -> list[dict]:
-    """head_section's D 256 causal build (wide256_red80_wgs_sec8: the "dkv_t" loop; the
-    shipped probes compile the sectioned D 64 and D 128 ones)."""
+    """head_section's D 256 causal build with sections of 8 (wide256_red80_wgs_sec8; the
+    shipped probes compile the sectioned D 64, 128 and 256 ones, the last with 4)."""
     runs = [["--variant", "wide256_red80_wgs_sec8", "--shard", "1/2"]]
     return _probe_in_parallel(tmp_path_factory.mktemp("fa3_bwd_probe_section"), runs)
 
@@ -1039,13 +1039,18 @@ def test_bwd_variants_can_implement() -> None:
     assert variant("base") == BwdConfig()
     # The "dkv_t" variants named after the shipped configs are those configs.
     shipped = {
-        (192, False): "wide192_wgs",
-        (192, True): "wide192_serial",
-        (256, False): "wide256_red80_wgs",
-        (256, True): "wide256_serial",
+        (192, False, False): "wide192_wgs",
+        (192, False, True): "wide192_serial",
+        (192, True, False): "wide192_wgs",
+        (192, True, True): "wide192_serial",
+        (256, False, False): "wide256_red80_wgs",
+        (256, False, True): "wide256_serial",
+        # causal D 256: the grid in sections of 4 (kv head, batch) pairs
+        (256, True, False): "wide256_red80_wgs_sec4",
+        (256, True, True): "wide256_serial",
     }
-    for (d, softcap), name in shipped.items():
-        assert variant(name) == bwd_config_for(d, torch.bfloat16, True, softcap), name
+    for (d, causal, softcap), name in shipped.items():
+        assert variant(name) == bwd_config_for(d, torch.bfloat16, causal, softcap), name
     # Causal D 96 / 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's
     # winner; D 64 the sections alone. Non-causal: the hand-off at D 96, and at D 128 on the
     # 80-row tile; D 64 neither.
@@ -1055,7 +1060,7 @@ def test_bwd_variants_can_implement() -> None:
     # Non-causal D 128: the 80-row tile with dV issued before the sdS fence.
     assert variant("pipe80_wgs_wgdq_tma_dvf") == bwd_config_for(128, torch.bfloat16, False)
     for d, causal, flags in itertools.product(
-        (64, 96, 128), (False, True), (dict(local=True), dict(varlen=True))
+        (64, 96, 128, 256), (False, True), (dict(local=True), dict(varlen=True))
     ):
         plain = bwd_config_for(d, torch.bfloat16, causal, **flags)
         assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal, flags)

@@ -142,19 +142,10 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=version == "fa3")
 
 
-# fa3 fp8 LSEs that miss the accumulator emulation's bound, by input shape (B, Nq, Nk, Hq, Hkv,
-# D): on the H200 4.1e-4 against 3.9e-4 under the earlier model (docs/testing.md); the model
-# read off the kernel (common.testing.mma_truncated) puts the bound at 3.1e-4 (CPU), so the
-# miss is not S's accumulation. The output is still held to its bound; the LSE's miss is an
-# expected failure, and a pass is reported as a failure so that the entry goes once the
-# kernel or the emulation changes.
-FA3_FP8_LSE_OPEN = {(2, 1031, 777, 4, 4, 128): "an LSE error beyond S's accumulation"}
-
-
 def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: bool) -> None:
     """out / lse of an fp8 forward against the float64 oracle, within FP8_FACTOR of the e4m3
-    baseline's error (fa3's LSE: of the reduced-precision accumulator's emulation; the shapes of
-    FA3_FP8_LSE_OPEN an expected failure)."""
+    baseline's error (fa3's LSE: of the emulation of the e4m3 wgmma's accumulator,
+    common.testing.mma_truncated)."""
     kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
@@ -166,14 +157,7 @@ def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: boo
         lse_check = compare("lse", lse, *ref["lse"])
     out_check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
     assert out_check.ok, str(out_check)
-    shape = (q8.shape[0], q8.shape[1], k8.shape[1], q8.shape[2], k8.shape[2], q8.shape[3])
-    open_reason = FA3_FP8_LSE_OPEN.get(shape) if fa3 else None
-    if open_reason is None:
-        assert lse_check.ok, str(lse_check)
-    elif lse_check.ok:
-        pytest.fail(f"{shape} is listed in FA3_FP8_LSE_OPEN but its LSE passes: {lse_check}")
-    else:
-        pytest.xfail(f"{open_reason}: {lse_check}")
+    assert lse_check.ok, str(lse_check)
 
 
 @pytest.mark.gpu
