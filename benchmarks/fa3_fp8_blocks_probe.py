@@ -9,14 +9,11 @@ own baseline on these scores?). For the growing-max case of tests/test_fp8.py: t
 with the table's rescale_threshold and with 0 and with row_chains off.
 
     python -m benchmarks.fa3_fp8_blocks_probe [--cases 0,6] [--moderate] [--threshold]
-
-It runs fa3's per-block build whatever FLASHSUITE_FA3_FP8_BLOCKS says (it sets it).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 
 import torch
@@ -156,9 +153,6 @@ def probe_threshold(d: int, growth: float) -> None:
 
 
 def main() -> None:
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV
-
-    os.environ[FP8_BLOCKS_ENV] = "1"
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default="", help="indices into BLOCK_CASES (default all)")
     ap.add_argument("--threshold", action="store_true", help="the growing-max probe as well")

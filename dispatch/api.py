@@ -264,7 +264,6 @@ _SELECTION_ENV = (
     "TRITON_INTERPRET",
     *(f"FLASHSUITE_{name.upper()}_BWD" for name in registry.VERSIONS),
     *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),
-    "FLASHSUITE_FA3_FP8_BLOCKS",  # fa3.interface.FP8_BLOCKS_ENV
 )
 # Read through arch_mod.env_table (a few ns per name, not os.environ.get's microsecond).
 _ENV_DATA = arch_mod.env_table

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import replace
 
 import torch
@@ -68,15 +67,6 @@ OWN_VARLEN_BACKWARD_DEFAULT = VARLEN_BWD_AUTO
 KVCACHE_AUTO_SELECT = KVCACHE_AUTO
 
 _MAX_GRID_YZ = 65_535  # heads and batch are grid dims y and z
-
-# fa3's fp8 build with per-block descales (FP8_BLOCKS) runs only when this is "1". On an H100
-# (2026-12-05) its out missed the block baseline in every case of tests/test_fp8_blocks.py with
-# scores up to 2e4 (max error 6-82x the bound; the per-head build alike on the same values);
-# with scores of a few tens out met it everywhere once a per-head k or v took its partner's
-# blocks (`_block_descale`), and four LSEs missed the accumulator model of that run by 1.03-1.5x
-# (within the model read off the kernel since, on the CPU: docs/fp8.md). Until those cases pass
-# on a GPU, dispatch gives per-block problems to a version that meets the baseline.
-FP8_BLOCKS_ENV = "FLASHSUITE_FA3_FP8_BLOCKS"
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -139,12 +129,6 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
     if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
         return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
-    if _fp8_blocks(p) and os.environ.get(FP8_BLOCKS_ENV, "").strip() != "1":
-        return False, (
-            f"fa3: fp8 per-block descales are off (the per-block build missed the block "
-            f"baseline on inputs with outlier channels, tests/test_fp8_blocks.py; "
-            f"{FP8_BLOCKS_ENV}=1 runs it)"
-        )
     cfg = config_for(p)
     ok, reason = can_implement(cfg, p.head_dim, p.dtype)
     if not ok:

@@ -244,10 +244,10 @@ for part in $parts; do
     fp8-blocks)
       # The e4m3 wgmma's accumulator read off the kernel (benchmarks/fp8_acc_probe: the model
       # of common.testing.mma_truncated should match every row), then fa3's fp8 suites: the
-      # per-head one and the per-block build (off unless FLASHSUITE_FA3_FP8_BLOCKS=1; its
-      # tests set it; moderate scores, outlier inputs an expected failure), the probe on both
-      # inputs (errors per block of rows, the kernel against its emulation, the same values
-      # through the per-head build), then the GPU mutants that plant its three faults.
+      # per-head one and the per-block build (moderate scores; outlier inputs an expected
+      # failure), the probe on both inputs (errors per block of rows, the kernel against its
+      # emulation, the same values through the per-head build), then the GPU mutants that
+      # plant its three faults.
       python3 -m benchmarks.fp8_acc_probe --json "$out/fp8-acc-probe.json" 2>&1 \
         | grep -v Warning | head -40 | tee "$out/fp8-acc-probe.log" || status=1
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")

@@ -4,11 +4,10 @@ The attention API takes a block descale as a (B, H, nblocks, block) view whose l
 stride 0 (`common.fp8.block_view`), so the block size travels with the tensor. On the CPU:
 the views, their validation, the torch version against the block-mode e4m3 baseline
 (`common.fp8_reference.attention_fp8`) and fa3's choice of key tile for a block size. On an
-sm90 GPU (gpu-marked, with FLASHSUITE_FA3_FP8_BLOCKS=1: fa3 takes block descales only when
-asked): fa3's per-block build (FP8_BLOCKS) on inputs whose blocks sit at scales 16x apart, so
-a descale read from a neighbouring block, or O's units not carried from one key block to the
-next, shows as a large error: out within FP8_FACTOR of the baseline's error against the float64
-oracle, the LSE within FP8_FACTOR of the fp8 accumulator's emulation, as tests/test_fp8.py
+sm90 GPU (gpu-marked): fa3's per-block build (FP8_BLOCKS) on inputs whose blocks sit at scales
+16x apart, so a descale read from a neighbouring block, or O's units not carried from one key
+block to the next, shows as a large error: out within FP8_FACTOR of the baseline's error
+against the float64 oracle, the LSE within FP8_FACTOR of the fp8 accumulator's emulation, as tests/test_fp8.py
 holds the per-head build. With outlier channels the scores reach 2e4 and the build misses
 that rule (an expected failure); the main cases keep them within a few tens.
 """
@@ -211,12 +210,8 @@ def test_the_per_block_kernel_s_arithmetic_is_within_the_block_baseline(
         (96, False, 20000, 256, 128),
     ],
 )
-def test_fa3_takes_a_key_tile_that_divides_the_block(
-    d, causal, nk, block_kv, tile_n, monkeypatch
-) -> None:
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV, config_for, supports
-
-    monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
+def test_fa3_takes_a_key_tile_that_divides_the_block(d, causal, nk, block_kv, tile_n) -> None:
+    from flashsuite.fa3.interface import config_for, supports
 
     q, k = _fp8(1, 256, 2, d), _fp8(1, nk, 2, d)
     ds = block_view(torch.ones(1, 2, math.ceil(nk / block_kv)), block_kv)
@@ -226,10 +221,8 @@ def test_fa3_takes_a_key_tile_that_divides_the_block(
     assert config_for(p).tile_n == tile_n
 
 
-def test_fa3_refuses_a_block_no_key_tile_divides(monkeypatch) -> None:
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV, supports
-
-    monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
+def test_fa3_refuses_a_block_no_key_tile_divides() -> None:
+    from flashsuite.fa3.interface import supports
 
     q, k = _fp8(1, 256, 2, 128), _fp8(1, 1000, 2, 128)
     ds = block_view(torch.ones(1, 2, 11), 96)
@@ -244,23 +237,6 @@ def test_fa3_refuses_a_block_no_key_tile_divides(monkeypatch) -> None:
     p = check_inputs(q, k, k, descale_k=block_view(torch.ones(1, 2, 4), 320), descale_v=None)
     ok, reason = supports(p, 90)
     assert not ok and reason.endswith("(192 or 256 at head_dim 64)"), reason
-
-
-def test_fa3_takes_block_descales_only_when_asked(monkeypatch) -> None:
-    """fa3's per-block build is off unless FLASHSUITE_FA3_FP8_BLOCKS=1 (supports names the
-    switch); per-head descales are not affected."""
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV, supports
-
-    q, k = _fp8(1, 256, 2, 128), _fp8(1, 768, 2, 128)
-    ds = block_view(torch.ones(1, 2, 4), 192)
-    p = check_inputs(q, k, k, descale_k=ds, descale_v=ds)
-    monkeypatch.delenv(FP8_BLOCKS_ENV, raising=False)
-    ok, reason = supports(p, 90)
-    assert not ok and f"{FP8_BLOCKS_ENV}=1 runs it" in reason, reason
-    head = check_inputs(q, k, k, descale_k=torch.ones(1, 2), descale_v=torch.ones(1, 2))
-    assert supports(head, 90)[0]  # per-head descales are not affected
-    monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
-    assert supports(p, 90)[0]
 
 
 # ------------------------------------------------------------------------------------------
@@ -289,17 +265,14 @@ def _case_id(c) -> str:
     return s + (f"-cap{c[11]:g}" if c[11] else "")
 
 
-def _fa3_blocks_on(monkeypatch) -> None:
-    """Skip off an sm90 GPU; else let fa3 take block descales (FLASHSUITE_FA3_FP8_BLOCKS=1)."""
-    from flashsuite.fa3.interface import FP8_BLOCKS_ENV
-
+def _need_sm90() -> None:
+    """Skip off an sm90 GPU."""
     if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
-    monkeypatch.setenv(FP8_BLOCKS_ENV, "1")
 
 
-def _run_block_case(case: tuple, moderate: bool, monkeypatch) -> None:
-    _fa3_blocks_on(monkeypatch)
+def _run_block_case(case: tuple, moderate: bool) -> None:
+    _need_sm90()
     causal, window, softcap = case[9:]
     q8, k8, v8 = _block_inputs(case, DEVICE, moderate=moderate)
     views = dict(descale_q=q8.kernel_descale, descale_k=k8.kernel_descale,
@@ -320,11 +293,11 @@ def _run_block_case(case: tuple, moderate: bool, monkeypatch) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=_case_id)
-def test_fa3_fp8_blocks_within_the_block_baseline(case: tuple, monkeypatch) -> None:
+def test_fa3_fp8_blocks_within_the_block_baseline(case: tuple) -> None:
     """Scores within a few tens (`_block_inputs(moderate=True)`), where the per-block
     arithmetic emulated with the 13-bit accumulator meets this rule and each planted fault
     misses it (test_moderate_inputs_catch_each_block_mistake, on two of these shapes)."""
-    _run_block_case(case, True, monkeypatch)
+    _run_block_case(case, True)
 
 
 @pytest.mark.gpu
@@ -338,15 +311,15 @@ def test_fa3_fp8_blocks_within_the_block_baseline(case: tuple, monkeypatch) -> N
     "1.01 / 0.27 / 0.007, float32 accumulation 0.004-0.007",
 )
 @pytest.mark.parametrize("case", [BLOCK_CASES[0], BLOCK_CASES[6]], ids=_case_id)
-def test_fa3_fp8_blocks_at_scores_of_2e4(case: tuple, monkeypatch) -> None:
-    _run_block_case(case, False, monkeypatch)
+def test_fa3_fp8_blocks_at_scores_of_2e4(case: tuple) -> None:
+    _run_block_case(case, False)
 
 
 @pytest.mark.gpu
-def test_fa3_fp8_blocks_mixed_with_head_descales(monkeypatch) -> None:
+def test_fa3_fp8_blocks_mixed_with_head_descales() -> None:
     """q per block, k per head, v per block (and the other way round): the per-head ones run
     as one block of the per-block build, within the baseline of the same operands."""
-    _fa3_blocks_on(monkeypatch)
+    _need_sm90()
     case = (2, 700, 900, 4, 2, 128, 128, 192, False)
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     q8, _, v8 = _block_inputs(case, DEVICE, moderate=True)
@@ -411,7 +384,6 @@ def test_a_per_head_k_or_v_takes_its_partners_blocks(per_head: str, monkeypatch)
     from flashsuite.fa3 import interface
 
     calls = []
-    monkeypatch.setenv(interface.FP8_BLOCKS_ENV, "1")
     monkeypatch.setattr(fa3_compile, "get_forward", lambda key: lambda *a: calls.append(a))
     props = type("Props", (), {"multi_processor_count": 132})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
