@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
     ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
     ap.add_argument("--variant", action="append", default=[], help="a backward variant by name")
+    ap.add_argument("--flash", action="store_true", help="SDPA's flash backend as a peer too")
     args = ap.parse_args(argv)
     unknown = [v for v in args.variant if v not in VARIANTS]
     if unknown:
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--reps: expected >= 4, got {args.reps}")
     d = args.head_dim
     fa4 = [FA4] if fa4_function()[0] is not None else []
-    contenders = [*args.variant, "fa3", "sdpa-cudnn", *fa4]
+    flash = ["sdpa-flash"] if args.flash else []
+    contenders = [*args.variant, "fa3", "sdpa-cudnn", *flash, *fa4]
     for n in args.seqlen or [8192]:
         if n < 1 or 16384 % n:
             ap.error(f"--seqlen: expected a divisor of 16384 (B * N = 16k), got {n}")
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = [c for c in (*args.variant, "fa3") if c in ms]
         pairs = [(c, "fa3") for c in args.variant]
         pairs += [(c, "sdpa-cudnn") for c in (*ours, *fa4)] + [(c, FA4) for c in ours if fa4]
+        pairs += [(c, "sdpa-flash") for c in ours if flash]
         for name, peer in [(a, b) for a, b in pairs if a in ms and b in ms]:
             ratios = [b / a for a, b in zip(ms[name], ms[peer], strict=True)]
             lo, med, hi = _quartiles(ratios)
