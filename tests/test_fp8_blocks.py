@@ -7,9 +7,9 @@ the views, their validation, the torch version against the block-mode e4m3 basel
 sm90 GPU (gpu-marked): fa3's per-block build (FP8_BLOCKS) on inputs whose blocks sit at scales
 16x apart, so a descale read from a neighbouring block, or O's units not carried from one key
 block to the next, shows as a large error: out within FP8_FACTOR of the baseline's error
-against the float64 oracle, the LSE within FP8_FACTOR of the fp8 accumulator's emulation, as tests/test_fp8.py
-holds the per-head build. With outlier channels the scores reach 2e4 and the build misses
-that rule (an expected failure); the main cases keep them within a few tens.
+against the float64 oracle, the LSE within FP8_FACTOR of the fp8 accumulator's emulation, as
+tests/test_fp8.py holds the per-head build. With outlier channels the scores reach 2e4 and
+the build misses that rule (an expected failure); the main cases keep them within a few tens.
 """
 
 from __future__ import annotations
