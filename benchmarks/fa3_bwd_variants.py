@@ -290,6 +290,20 @@ VARIANTS.update(
         for name in ("pipe80_wgs_wgdq_tma", "pipe_sec4_wgdq_tma", "pipe128_dqm_tma")
     }
 )
+# D = 64 with FA4's per-warpgroup sdQ hand-off, its elementwise work per score (no softmax
+# scale on dS, no -inf LSE guard, descriptors per warpgroup) and both (with dV before the fence).
+VARIANTS["pipe128_dqm_wgdq_tma"] = (
+    replace(VARIANTS["pipe128_dqm_tma"][0], dq_handoff="wg"),
+    "pipe128_dqm_tma with sdQ handed to the writer per warpgroup (D = 64)",
+)
+VARIANTS["pipe128_dqm_wgs_sout_ng_tma"] = (
+    replace(VARIANTS["pipe128_dqm_wgs_ng_tma"][0], scale_out=True),
+    "pipe128_dqm_wgs_ng_tma with the softmax scale out of dS: FA4's elementwise work (D = 64)",
+)
+VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe128_dqm_wgs_sout_ng_tma"][0], dq_handoff="wg", dv_before_fence=True),
+    "pipe128_dqm_wgs_sout_ng_tma with the per-warpgroup hand-off and dV before the fence (D = 64)",
+)
 VARIANTS["pipe80_wgs_sout_ng_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe80_wgs_wgdq_tma_dvf"][0], scale_out=True, lse_guard=False),
     "pipe80_wgs_wgdq_tma_dvf with the softmax scale out of dS and no -inf LSE guard: FA4's "
@@ -461,6 +475,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     # (C7512): P^T held under dV on top of 64 + 64 fp32 of S^T and dP^T. At 64 rows it fits.
     "pipe_dve_tma": (64, 96, 128),
     "pipe128_dqm_wgs_ng_tma": (64,),
+    "pipe128_dqm_wgdq_tma": (64,),
+    "pipe128_dqm_wgs_sout_ng_tma": (64,),
+    "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf": (64,),
     "pipe_lser_tma": (96, 128),
     "pipe_dve_lser_tma": (96, 128),
     "pipe_dve_sreg_tma": (96, 128),
