@@ -81,8 +81,10 @@ def _sample_column(header: list[str]) -> int | None:
 def source_blocks(text: str) -> list[dict]:
     """ncu's `--page source --csv --print-source sass` output -> one block per kernel:
     {"title": the kernel's name (a `"Kernel Name","..."` CSV line, or the non-CSV lines
-    before the block), "rows": [(address, sass text, samples)]}. A block starts at each CSV
-    header with an address, a source and a sample column."""
+    before the block), "rows": [(address, sass text, samples, stalls)]}, stalls the samples
+    by reason ({"barrier": n, ...} from the "stall_*" columns other than the not-issued ones;
+    empty where the page has none). A block starts at each CSV header with an address, a
+    source and a sample column."""
     blocks: list[dict] = []
     title: list[str] = []
     cur = None
@@ -102,6 +104,11 @@ def source_blocks(text: str) -> list[dict]:
             addr = next(i for i, f in enumerate(low) if "address" in f)
             cur = {"title": " | ".join(title[-3:]), "rows": [], "cols": (addr, low.index("source"))}
             cur["sample_col"] = col
+            cur["stall_cols"] = {
+                f.removeprefix("stall_"): i
+                for i, f in enumerate(low)
+                if f.startswith("stall_") and "not issued" not in f
+            }
             blocks.append(cur)
             title = []
             continue
@@ -112,7 +119,13 @@ def source_blocks(text: str) -> list[dict]:
             samples = float(fields[cur["sample_col"]].replace(",", "") or 0)
         except (IndexError, ValueError):
             continue
-        cur["rows"].append((fields[a], fields[src].strip(), samples))
+        stalls = {}
+        for reason, i in cur["stall_cols"].items():
+            try:
+                stalls[reason] = float(fields[i].replace(",", "") or 0)
+            except (IndexError, ValueError):
+                continue
+        cur["rows"].append((fields[a], fields[src].strip(), samples, stalls))
     return blocks
 
 
@@ -126,8 +139,9 @@ def _opcode(sass: str) -> str:
 
 
 def source_summary(text: str, kernels: int = 4, top: int = 30) -> str:
-    """The `kernels` blocks with the most samples: per opcode and the `top` instructions, each
-    with its share of the kernel's samples."""
+    """The `kernels` blocks with the most samples: per opcode, per stall reason (where the page
+    has the reasons) and the `top` instructions, each with its share of the kernel's samples
+    and its two largest reasons."""
     blocks = sorted(source_blocks(text), key=lambda b: -sum(r[2] for r in b["rows"]))
     if not blocks:
         return "no source page with warp-state samples found\n"
@@ -136,10 +150,19 @@ def source_summary(text: str, kernels: int = 4, top: int = 30) -> str:
         total = sum(r[2] for r in b["rows"]) or 1.0
         lines.append(f"== {b['title'][:160]}: {len(b['rows'])} instructions, {total:.0f} samples")
         per_op: dict[str, float] = {}
-        for _, sass, n in b["rows"]:
+        per_reason: dict[str, float] = {}
+        for _, sass, n, stalls in b["rows"]:
             per_op[_opcode(sass)] = per_op.get(_opcode(sass), 0.0) + n
+            for reason, k in stalls.items():
+                per_reason[reason] = per_reason.get(reason, 0.0) + k
         ops = sorted(per_op.items(), key=lambda kv: -kv[1])[:15]
         lines.append("  by opcode: " + ", ".join(f"{op} {n / total:.1%}" for op, n in ops))
-        for addr, sass, n in sorted(b["rows"], key=lambda r: -r[2])[:top]:
-            lines.append(f"  {addr:>8} {n / total:6.1%}  {sass[:90]}")
+        reasons = sorted(((r, k) for r, k in per_reason.items() if k), key=lambda kv: -kv[1])
+        if reasons:
+            shares = ", ".join(f"{r} {k / total:.1%}" for r, k in reasons[:10])
+            lines.append("  by stall: " + shares)
+        for addr, sass, n, stalls in sorted(b["rows"], key=lambda r: -r[2])[:top]:
+            why = sorted(((r, k) for r, k in stalls.items() if k), key=lambda kv: -kv[1])[:2]
+            why_text = f"  [{', '.join(f'{r} {k:.0f}' for r, k in why)}]" if why else ""
+            lines.append(f"  {addr:>8} {n / total:6.1%}  {sass[:90]}{why_text}")
     return "\n".join(lines) + "\n"

@@ -232,3 +232,26 @@ def test_ncu_source_page_is_summed_per_kernel_opcode_and_instruction() -> None:
     assert "60.0%" in summary[2] and "0x100" in summary[2] and "0x130" in summary[3]
     assert summary[4].startswith("== small_kernel") and "MUFU 100.0%" in summary[5]
     assert ncu.source_summary("no csv here") == "no source page with warp-state samples found\n"
+
+
+def test_ncu_source_page_stall_reasons_are_summed_per_kernel_and_instruction() -> None:
+    """common/ncu.py: the "stall_*" columns (not their not-issued twins) are kept per row,
+    summed per kernel as shares of its samples and named per instruction, largest first."""
+    from flashsuite.common import ncu
+
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier",'
+    head += '"stall_mio","stall_barrier (Not Issued)"'
+    text = "\n".join(
+        [
+            '"Kernel Name","k",',
+            head,
+            '"0x10","STS.128 [R4], R24","100","10","90","1,000"',
+            '"0x20","BAR.SYNC 0x1, 0x100","300","300","0","7"',
+        ]
+    )
+    ((block),) = ncu.source_blocks(text)
+    assert block["rows"][0][3] == {"barrier": 10.0, "mio": 90.0}
+    summary = ncu.source_summary(text).splitlines()
+    assert summary[2] == "  by stall: barrier 77.5%, mio 22.5%"
+    assert summary[3].endswith("BAR.SYNC 0x1, 0x100  [barrier 300]")
+    assert summary[4].endswith("STS.128 [R4], R24  [mio 90, barrier 10]")
