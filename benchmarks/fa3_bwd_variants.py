@@ -304,6 +304,20 @@ VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe128_dqm_wgs_sout_ng_tma"][0], dq_handoff="wg", dv_before_fence=True),
     "pipe128_dqm_wgs_sout_ng_tma with the per-warpgroup hand-off and dV before the fence (D = 64)",
 )
+# The same three on the causal build's sectioned grid (pipe128_dqm_sec4_tma, shipped causal).
+VARIANTS.update(
+    {
+        name.replace("_dqm_", "_dqm_sec4_"): (
+            replace(VARIANTS[name][0], head_section=4),
+            VARIANTS[name][1].replace("(D = 64)", "in sections of 4 pairs (D = 64, causal)"),
+        )
+        for name in (
+            "pipe128_dqm_wgdq_tma",
+            "pipe128_dqm_wgs_sout_ng_tma",
+            "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf",
+        )
+    }
+)
 VARIANTS["pipe80_wgs_sout_ng_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe80_wgs_wgdq_tma_dvf"][0], scale_out=True, lse_guard=False),
     "pipe80_wgs_wgdq_tma_dvf with the softmax scale out of dS and no -inf LSE guard: FA4's "
@@ -478,6 +492,9 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_wgdq_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf": (64,),
+    "pipe128_dqm_sec4_wgdq_tma": (64,),
+    "pipe128_dqm_sec4_wgs_sout_ng_tma": (64,),
+    "pipe128_dqm_sec4_wgs_sout_ng_wgdq_tma_dvf": (64,),
     "pipe_lser_tma": (96, 128),
     "pipe_dve_lser_tma": (96, 128),
     "pipe_dve_sreg_tma": (96, 128),
