@@ -304,6 +304,15 @@ VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe128_dqm_wgs_sout_ng_tma"][0], dq_handoff="wg", dv_before_fence=True),
     "pipe128_dqm_wgs_sout_ng_tma with the per-warpgroup hand-off and dV before the fence (D = 64)",
 )
+# LSE and D by warp shuffle (stats_shfl, FA4's route) on the D = 64 build and on the last one.
+VARIANTS["pipe128_dqm_shfl_tma"] = (
+    replace(VARIANTS["pipe128_dqm_tma"][0], stats_shfl=True),
+    "pipe128_dqm_tma with LSE and D by warp shuffle (D = 64)",
+)
+VARIANTS["pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
+    "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (D = 64)",
+)
 # The same three on the causal build's sectioned grid (pipe128_dqm_sec4_tma, shipped causal).
 VARIANTS.update(
     {
@@ -315,6 +324,8 @@ VARIANTS.update(
             "pipe128_dqm_wgdq_tma",
             "pipe128_dqm_wgs_sout_ng_tma",
             "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf",
+            "pipe128_dqm_shfl_tma",
+            "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf",
         )
     }
 )
@@ -493,8 +504,12 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_wgs_sout_ng_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf": (64,),
     "pipe128_dqm_sec4_wgdq_tma": (64,),
+    "pipe128_dqm_shfl_tma": (64,),
+    "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf": (64,),
     "pipe128_dqm_sec4_wgs_sout_ng_tma": (64,),
     "pipe128_dqm_sec4_wgs_sout_ng_wgdq_tma_dvf": (64,),
+    "pipe128_dqm_sec4_shfl_tma": (64,),
+    "pipe128_dqm_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf": (64,),
     "pipe_lser_tma": (96, 128),
     "pipe_dve_lser_tma": (96, 128),
     "pipe_dve_sreg_tma": (96, 128),

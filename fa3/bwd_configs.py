@@ -153,6 +153,15 @@ class BwdConfig:
     # from sD as with stats_regs False. Without it the LSE loads follow S^T's wait, and their
     # first use waits on them (short-scoreboard stalls at the first compare or FFMA).
     lse_regs: bool = False
+    # "sdp_t": LSE and D through warp shuffles (FA4's route at D = 64). Each lane loads
+    # TILE_M / 32 rows of each (two LDS.64 per 64 rows: LSE right after S^T's wgmma is issued,
+    # D once P is packed, before dP^T's wait, FA4's order: with D loaded under the GEMMs as
+    # well, no memory access was left between the two waits and ptxas raised dP^T's above the
+    # exponentials) and the elementwise loop takes a row's value with one SHFL from the lane
+    # that holds it, per row pair of the fragment: TILE_M / 16 loads and TILE_M / 2 shuffles a
+    # row block in place of TILE_M / 4 LDS.64, with TILE_M / 16 registers live, not TILE_M / 2.
+    # Not with stats_regs, lse_regs or dv_early; tile_m a multiple of 64.
+    stats_shfl: bool = False
     # "dkv_t" with dq_mode "red": dQ = dS K in this many column slices of each warpgroup's
     # D / NUM_MMA_WGS columns, each slice's wgmma issued, retired and added by its reductions
     # before the next is issued, so dQ holds 1 / dq_slices of its registers (FA3's hdim-256
@@ -578,10 +587,13 @@ def bwd_can_implement(
         return False, f"fa3 backward: ds_store {cfg.ds_store!r} not in {BWD_DS_STORES}"
     if cfg.ds_stages not in (1, 2):
         return False, f"fa3 backward: ds_stages {cfg.ds_stages} not in (1, 2)"
-    if cfg.layout != "sdp_t" and (cfg.scale_out or cfg.stats_regs or cfg.lse_regs):
+    if cfg.layout != "sdp_t" and (
+        cfg.scale_out or cfg.stats_regs or cfg.lse_regs or cfg.stats_shfl
+    ):
         return False, (
             f"fa3 backward: scale_out {cfg.scale_out} / stats_regs {cfg.stats_regs} / lse_regs "
-            f"{cfg.lse_regs} need layout 'sdp_t', not {cfg.layout!r}"
+            f"{cfg.lse_regs} / stats_shfl {cfg.stats_shfl} need layout 'sdp_t', not "
+            f"{cfg.layout!r}"
         )
     if cfg.dv_early and not (cfg.layout == "sdp_t" and cfg.overlap):
         return False, "fa3 backward: dv_early needs layout 'sdp_t' and overlap (its loop order)"
@@ -589,6 +601,12 @@ def bwd_can_implement(
         return False, (
             "fa3 backward: dv_before_fence needs layout 'sdp_t' and overlap without dv_early "
             "(its loop order)"
+        )
+    if cfg.stats_shfl and (cfg.stats_regs or cfg.lse_regs or cfg.dv_early or cfg.tile_m % 64):
+        return False, (
+            f"fa3 backward: stats_shfl needs tile_m a multiple of 64 and none of stats_regs, "
+            f"lse_regs, dv_early, not tile_m {cfg.tile_m}, stats_regs {cfg.stats_regs}, "
+            f"lse_regs {cfg.lse_regs}, dv_early {cfg.dv_early}"
         )
     if cfg.stats_regs and cfg.tile_m != 64:
         # 128 rows: 32 LSE + 32 D registers on top of S^T, dP^T, dK and dV (R236 without

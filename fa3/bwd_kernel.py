@@ -168,6 +168,7 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
         self.SCALE_OUT = cfg.scale_out  # dS without the scale; dK (and the host's dQ) take it
         self.STATS_REGS = cfg.stats_regs  # LSE and D rows in registers, loaded under the GEMMs
         self.LSE_REGS = cfg.lse_regs  # LSE rows in registers, loaded before S^T's wgmma
+        self.STATS_SHFL = cfg.stats_shfl  # LSE and D rows by warp shuffle (bwd_pointwise)
         self.WG_SLICE = cfg.wg_slice  # smem operands sliced per warpgroup: uniform descriptors
         self.LSE_GUARD = cfg.lse_guard  # -inf LSE read as +inf (the preprocess writes +inf)
         self.SOFTCAP = softcap  # scores softcap * tanh(s * scale / softcap), as the forward
@@ -197,8 +198,10 @@ class Fa3Backward(BwdLoad, BwdDq, BwdSteps, BwdSdpT, BwdDkvT, BwdBlocks):
             raise ValueError(
                 "Fa3Backward: dq_mode 'red' needs dq_split 'd' or 'm', not deterministic"
             )
-        if self.DKV_T and (cfg.scale_out or cfg.stats_regs or cfg.lse_regs):
-            raise ValueError("Fa3Backward: scale_out, stats_regs and lse_regs need layout 'sdp_t'")
+        if self.DKV_T and (cfg.scale_out or cfg.stats_regs or cfg.lse_regs or cfg.stats_shfl):
+            raise ValueError(
+                "Fa3Backward: scale_out, stats_regs, lse_regs and stats_shfl need layout 'sdp_t'"
+            )
         if cfg.tile_m == 80 and (local or varlen or cfg.dq_split != "dt"):
             # bwd_configs._tile_m80_ok says why.
             raise ValueError(

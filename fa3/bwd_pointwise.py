@@ -2,7 +2,7 @@
 issuing the wgmmas, the elementwise P^T and dS^T, packing fp32 fragments to 16-bit operands and
 the dK / dV epilogues (`bwd_kernel.Fa3Backward` mixes `BwdSteps` in). Uses the kernel's TILE_M,
 TILE_N, HEAD_DIM, MMA_THREADS, dtype, CAUSAL, LOCAL, SOFTCAP, OVERLAP, SCALE_OUT, STATS_REGS,
-LSE_REGS and DQ_SPLIT."""
+LSE_REGS, STATS_SHFL and DQ_SPLIT."""
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
 import cutlass
@@ -69,7 +69,7 @@ class BwdSteps:
         ds = (acc_dP, sD, scale) also dS^T into acc_dP in the same loop (`dscores`' formula).
         With STATS_REGS, sLSE and sD are `load_rows`' register views (indexed like acc_S; the
         LSE already read as +inf where it was -inf) and `stage` is unused; with LSE_REGS sLSE
-        alone is.
+        alone is; with STATS_SHFL sLSE is `load_shfl`'s (LSE already fixed likewise).
 
         Softcap builds first replace S^T by t = tanh(S^T * softcap_pre) (the forward's order:
         tanh, then the mask; scale_log2 is softcap * log2 e) and multiply dS^T by the
@@ -97,8 +97,11 @@ class BwdSteps:
                     if const_expr(self.CAUSAL):
                         limit = cutlass.min(tScS[i][1] + diag + 1, key_end)
                     acc_S[i] = -Float32.inf if tScS[i][0] >= limit else acc_S[i]
+        lses, ds_rows = {}, {}  # STATS_SHFL: one shuffle per row (the fragment's two key rows)
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            if const_expr(self.STATS_REGS or self.LSE_REGS):
+            if const_expr(self.STATS_SHFL):
+                lse = self._shfl_row(sLSE, i, lses)
+            elif const_expr(self.STATS_REGS or self.LSE_REGS):
                 lse = sLSE[i]
             else:
                 lse = self._no_neg_inf(sLSE[tScS[i][1], stage])
@@ -107,7 +110,8 @@ class BwdSteps:
             acc_S[i] = cute.math.exp2(acc_S[i] * scale_log2 - lse, fastmath=True)
             if const_expr(ds is not None):
                 acc_dP, sD, scale = ds
-                acc_dP[i] = self._ds(acc_S[i], acc_dP[i], self._row(sD, tScS, i, stage), scale)
+                d = self._row(sD, tScS, i, stage, ds_rows)
+                acc_dP[i] = self._ds(acc_S[i], acc_dP[i], d, scale)
                 if const_expr(self.SOFTCAP):
                     acc_dP[i] = acc_dP[i] * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
 
@@ -121,14 +125,48 @@ class BwdSteps:
         return lse
 
     @cute.jit
-    def _row(self, sX: cute.Tensor, tScS: cute.Tensor, i: cutlass.Constexpr[int], stage: Int32):
-        """The LSE / D value of element i's query row: from smem, or (STATS_REGS) from the
-        `load_rows` register view."""
-        if const_expr(self.STATS_REGS):
+    def _row(
+        self, sX: cute.Tensor, tScS: cute.Tensor, i: cutlass.Constexpr[int], stage: Int32,
+        rows: dict | None = None,
+    ):  # fmt: skip
+        """The LSE / D value of element i's query row: from smem, from the `load_rows`
+        register view (STATS_REGS) or by shuffle from `load_shfl`'s (STATS_SHFL; `rows` keeps
+        the values already shuffled in this loop)."""
+        if const_expr(self.STATS_SHFL):
+            v = self._shfl_row(sX, i, rows)
+        elif const_expr(self.STATS_REGS):
             v = sX[i]
         else:
             v = sX[tScS[i][1], stage]
         return v
+
+    def _shfl_row(self, held: tuple, i: int, rows: dict):
+        """STATS_SHFL: element i's query row value from the lane that `load_shfl` gave it. In
+        the S^T fragment element c + 2 r + 4 j is row 8 j + 2 q + c (q = lane % 4, the same for
+        every warp of the warpgroup), which lane 4 (j % 8) + q holds as its value
+        2 (j // 8) + c. One shuffle per (j, c), kept in `rows` for the other key row r."""
+        vals, q = held
+        j, c = i // 4, i % 2
+        if (j, c) not in rows:
+            rows[(j, c)] = cute.arch.shuffle_sync(vals[2 * (j // 8) + c], 4 * (j % 8) + q)
+        return rows[(j, c)]
+
+    @cute.jit
+    def load_shfl(self, sX: cute.Tensor, stage: Int32, lse: cutlass.Constexpr[bool]) -> tuple:
+        """STATS_SHFL: the TILE_M / 32 rows of sX (stage `stage`) that this lane serves to the
+        others, (values, lane % 4): lane 4 a + b holds rows 64 h + 8 a + 2 b + c as value
+        2 h + c (h < TILE_M / 64, c < 2; two adjacent rows, one LDS.64). `lse`: -inf read as
+        +inf (`_no_neg_inf`) here, once per row."""
+        lane = cute.arch.lane_idx()
+        a, b = lane // 4, lane % 4
+        n = self.TILE_M // 32
+        vals = cute.make_rmem_tensor((n,), Float32)
+        for k in cutlass.range_constexpr(n):
+            v = sX[64 * (k // 2) + 8 * a + 2 * b + k % 2, stage]
+            if const_expr(lse):
+                v = self._no_neg_inf(v)
+            vals[k] = v
+        return vals, b
 
     @cute.jit
     def _ds(self, p: Float32, dp: Float32, d: Float32, scale: Float32) -> Float32:
@@ -164,9 +202,12 @@ class BwdSteps:
         stage: Int32, scale: Float32,
     ):  # fmt: skip
         """dS^T = P^T * (dP^T - D) * softmax_scale into acc_dP, in place (acc_P holds P^T;
-        SCALE_OUT: without the scale; STATS_REGS: sD is `load_rows`' view)."""
+        SCALE_OUT: without the scale; STATS_REGS: sD is `load_rows`' view; STATS_SHFL:
+        `load_shfl`'s)."""
+        rows = {}  # STATS_SHFL: one shuffle per row
         for i in cutlass.range_constexpr(cute.size(acc_P)):
-            acc_dP[i] = self._ds(acc_P[i], acc_dP[i], self._row(sD, tScS, i, stage), scale)
+            d = self._row(sD, tScS, i, stage, rows)
+            acc_dP[i] = self._ds(acc_P[i], acc_dP[i], d, scale)
 
     @cute.jit
     def probs_and_dscores(
@@ -183,9 +224,13 @@ class BwdSteps:
             warpgroup.wait_group(1)
             self.probs(acc_S, *probs_args, None, softcap_pre)
             self.pack(acc_S, rP)
+            if const_expr(self.STATS_SHFL):  # after P, before the wait (BwdConfig.stats_shfl)
+                sD = self.load_shfl(sD, stage, False)
             warpgroup.wait_group(0)
             self.dscores(acc_S, acc_dP, tScS, sD, stage, scale)
         else:
+            if const_expr(self.STATS_SHFL):
+                sD = self.load_shfl(sD, stage, False)
             warpgroup.wait_group(0)
             self.probs(acc_S, *probs_args, (acc_dP, sD, scale), softcap_pre)
             self.pack(acc_S, rP)

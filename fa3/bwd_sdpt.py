@@ -136,6 +136,8 @@ class BwdSdpT:
                 self.gemm_ss(mma_sdp, acc_S, tSrK, tSrQ[None, None, None, s], False)
                 if const_expr(self.STATS_REGS):
                     lse_i = self.load_rows(sLSE, tScS, s, True)
+                if const_expr(self.STATS_SHFL):
+                    lse_i = self.load_shfl(sLSE, s, True)
                 self.gemm_ss(mma_sdp, acc_dP, tSrV, tSrdO[None, None, None, s], False)
                 if const_expr(self.STATS_REGS):
                     d_i = self.load_rows(sD, tScS, s, False)
