@@ -274,9 +274,15 @@ def test_bwd_can_implement_refuses_with_reason() -> None:
     assert not ok and "dq_handoff 'cluster' not in" in reason
     # The scale out of dS and LSE / D in registers are "sdp_t" mechanisms; the registers
     # take 64-row tiles.
-    for field in ("scale_out", "stats_regs", "lse_regs"):
+    for field in ("scale_out", "stats_regs", "lse_regs", "stats_shfl"):
         ok, reason = bwd_can_implement(replace(wide, **{field: True}), 256, torch.bfloat16)
         assert not ok and f"{field} True" in reason and "need layout 'sdp_t'" in reason
+    # The shuffles take whole 64-row halves of the tile and replace the register routes.
+    assert bwd_can_implement(replace(warp128, stats_shfl=True), 64, torch.bfloat16) == (True, "")
+    for bad, d in ((dict(tile_m=80, dq_split="dt"), 128), (dict(lse_regs=True), 64),
+                   (dict(dv_early=True, overlap=True), 64)):  # fmt: skip
+        ok, reason = bwd_can_implement(replace(warp128, stats_shfl=True, **bad), d, torch.bfloat16)
+        assert not ok and "stats_shfl needs tile_m a multiple of 64" in reason, (bad, reason)
     for field in ("stats_regs", "lse_regs"):
         ok, reason = bwd_can_implement(replace(warp128, **{field: True}), 64, torch.bfloat16)
         assert not ok and f"{field} needs tile_m 64 (registers), not 128" in reason
@@ -790,11 +796,11 @@ def test_bwd_wg_slice_compiles(wg_slice_sass) -> None:
             assert r["max_reg"] < 240, f"{r['label']}: R{r['max_reg']}"
 
 
-def _sass_by_variant(tmp_path, *variants: str) -> dict:
-    """benchmarks/fa3_bwd_sass.py's JSON of the named D = 128 variants (one child process:
-    it sets the CUTE_DSL_* variables before cutlass is imported), by variant name."""
+def _sass_by_variant(tmp_path, *variants: str, head_dim: int = 128) -> dict:
+    """benchmarks/fa3_bwd_sass.py's JSON of the named variants at `head_dim` (one child
+    process: it sets the CUTE_DSL_* variables before cutlass is imported), by variant name."""
     path = tmp_path / "sass.json"
-    cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--head-dim", "128"]
+    cmd = [sys.executable, "-m", "benchmarks.fa3_bwd_sass", "--head-dim", str(head_dim)]
     cmd += [a for v in variants for a in ("--variant", v)] + ["--json", str(path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -838,6 +844,29 @@ def test_bwd_lse_regs_loads_the_lse_ahead_of_the_first_wgmma(tmp_path) -> None:
         assert lser["loops"]["mma"]["always"][name] == base["loops"]["mma"]["always"][name]
     assert lser["spill_stores"] == 0 and lser["spill_loads"] == 0
     assert lser["max_reg"] < 240, f"R{lser['max_reg']}"
+
+
+@pytest.mark.lab
+def test_bwd_stats_shfl_shuffles_the_lse_and_d_rows(tmp_path) -> None:
+    """stats_shfl (variant pipe128_dqm_shfl_tma, D = 64, 128-row tiles): per warp and row block
+    the MMA loop loads LSE and D with TILE_M / 32 LDS.64 and takes each of a thread's
+    TILE_M / 4 rows of each with one SHFL.IDX (64), where the shipped build issues TILE_M / 4
+    LDS.64 (32) and no shuffle; the same wgmmas and exponentials, at least half as many
+    exponentials before dP^T's wait as it (16; none when D's loads sat under the GEMMs, where
+    ptxas raised that wait above them), 0 spills within 240 registers."""
+    by = _sass_by_variant(tmp_path, "pipe128_dqm_shfl_tma", "pipe128_dqm_tma", head_dim=64)
+    shfl, base = by["pipe128_dqm_shfl_tma"], by["pipe128_dqm_tma"]
+    assert shfl["config"]["stats_shfl"] and not base["config"]["stats_shfl"]
+    ops, base_ops = shfl["loops"]["mma"]["opcodes"], base["loops"]["mma"]["opcodes"]
+    assert (ops.get("SHFL.IDX", 0), ops.get("LDS.64", 0)) == (64, 4), ops
+    assert (base_ops.get("SHFL.IDX", 0), base_ops.get("LDS.64", 0)) == (0, 32), base_ops
+    for name in ("HGMMA", "MUFU"):
+        assert shfl["loops"]["mma"]["always"][name] == base["loops"]["mma"]["always"][name]
+    dp_wait = next(w for w in shfl["loops"]["mma"]["waits"] if w["hgmma"] == 0)
+    base_dp_wait = next(w for w in base["loops"]["mma"]["waits"] if w["hgmma"] == 0)
+    assert dp_wait["mufu"] >= base_dp_wait["mufu"] // 2 > 0, (dp_wait, base_dp_wait)
+    assert shfl["spill_stores"] == 0 and shfl["spill_loads"] == 0
+    assert shfl["max_reg"] < 240, f"R{shfl['max_reg']}"
 
 
 @pytest.mark.lab
