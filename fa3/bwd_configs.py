@@ -344,6 +344,18 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
     return 2 * s + 2 * dkv + 24
 
 
+# The dense D = 64 build's elementwise work and dQ hand-off (bwd_config_for): LSE and D by warp
+# shuffle, no softmax scale on dS, no -inf LSE guard (the preprocess writes +inf), descriptors
+# per warpgroup, sdQ handed over per warpgroup, dV issued before the sdS fence.
+D64_FA4_ROUTE = dict(
+    stats_shfl=True,
+    scale_out=True,
+    lse_guard=False,
+    wg_slice=True,
+    dq_handoff="wg",
+    dv_before_fence=True,
+)
+
 # (kv head, batch) pairs per launch section of causal grids (bwd_config_for: dense problems,
 # D = 64, 96, 128 and 256, without softcap or window).
 CAUSAL_HEAD_SECTION = 4
@@ -466,6 +478,20 @@ def bwd_config_for(
     8192 --seqlen 16384 --repeats 5`, commit 4284f4d, medians of 5): 489.9 / 488.3 / 509.1
     against 479.4 / 491.4 / 490.4 (FA4 484.4 / 516.0 / 520.0, cuDNN 395.3 / 409.2 / 411.3).
 
+    D = 64 (128-row tiles, dQ split by rows) takes FA4's elementwise route and dQ hand-off
+    together (D64_FA4_ROUTE: LSE and D by warp shuffle, the softmax scale out of dS, no -inf
+    LSE guard, wgmma descriptors per warpgroup, sdQ handed over per warpgroup, dV before the
+    sdS fence). Each alone timed level on the H200 (above); together, call by call in rotation
+    on an H100 (2026-12-05, commit 79b3e66, `benchmarks.step_ab --backward --head-dim 64
+    [--causal] --seqlen 4096 --seqlen 16384 --variant ...`, median per-repetition ratios at N
+    = 4k / 16k, after the variants' oracle cases passed): 1.120 / 1.132x the build without
+    them (pipe128_dqm_tma), 1.000 / 1.008x FA4's SM90 backward, 1.231 / 1.262x SDPA cuDNN;
+    causal, on the sectioned grid, 1.096 / 1.120x, 1.021 / 1.027x FA4, 1.313 / 1.343x cuDNN.
+    Without the shuffles 1.075 / 1.080x; the shuffles alone 1.021 / 1.020x. The MMA loop
+    issues 586 instructions per warp and row block (the build without them 717, FA4's 642;
+    `benchmarks/fa4_bwd_sass_compare --head-dim 64`). The deterministic build keeps none of
+    them (bwd_interface.ordered_config).
+
     D = 96 takes D = 128's shape (64-row tiles): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
@@ -492,6 +518,9 @@ def bwd_config_for(
     )
     if softcap or local or varlen:
         return cfg
+    if head_dim == 64:
+        # FA4's D = 64 route (variant pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf; docstring)
+        cfg = replace(cfg, **D64_FA4_ROUTE)
     if head_dim in (96, 128):
         cfg = replace(cfg, dq_handoff="wg")
     if head_dim == 128 and not causal:

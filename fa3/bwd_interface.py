@@ -131,7 +131,8 @@ def _bwd_config(p: AttnParams, cfg: BwdConfig | None, varlen: bool = False) -> B
 def ordered_config(cfg: BwdConfig) -> BwdConfig:
     """`cfg` with its dQ adds ordered (the deterministic build): 64-row Q tiles, per-element
     atomics between the turn counter's wait and its release, one sdS buffer, the serial issue
-    order, the default grid order."""
+    order, the default grid order, LSE and D read from shared memory with the -inf guard and
+    the softmax scale on dS."""
     return replace(
         cfg,
         tile_m=64,  # per-element atomics: one m64 atom of dQ per warpgroup
@@ -145,6 +146,9 @@ def ordered_config(cfg: BwdConfig) -> BwdConfig:
         lpt=False,
         head_section=0,
         wg_slice=False,
+        stats_shfl=False,  # D = 64's route (bwd_configs.D64_FA4_ROUTE): the build that ran
+        scale_out=False,
+        lse_guard=True,
         deterministic=True,
     )
 

@@ -1081,11 +1081,13 @@ def test_bwd_variants_can_implement() -> None:
     for (d, causal, softcap), name in shipped.items():
         assert variant(name) == bwd_config_for(d, torch.bfloat16, causal, softcap), name
     # Causal D 96 / 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's
-    # winner; D 64 the sections alone. Non-causal: the hand-off at D 96, and at D 128 on the
-    # 80-row tile; D 64 neither.
+    # winner; D 64 the sections with FA4's route (bwd_configs.D64_FA4_ROUTE). Non-causal: the
+    # hand-off at D 96, and at D 128 on the 80-row tile; D 64 FA4's route.
     for d in (96, 128):
         assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(d, torch.bfloat16, True), d
-    assert variant("pipe128_dqm_sec4_tma") == bwd_config_for(64, torch.bfloat16, True)
+    assert variant("pipe128_dqm_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
+        64, torch.bfloat16, True
+    )
     # Non-causal D 128: the 80-row tile with dV issued before the sdS fence.
     assert variant("pipe80_wgs_wgdq_tma_dvf") == bwd_config_for(128, torch.bfloat16, False)
     for d, causal, flags in itertools.product(
@@ -1094,7 +1096,9 @@ def test_bwd_variants_can_implement() -> None:
         plain = bwd_config_for(d, torch.bfloat16, causal, **flags)
         assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal, flags)
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
-    assert variant("pipe128_dqm_tma") == bwd_config_for(64, torch.bfloat16, False)
+    assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
+        64, torch.bfloat16, False
+    )
     for d, causal in itertools.product((64, 96, 128, 192, 256), (False, True)):
         plain = bwd_config_for(d, torch.bfloat16, causal, softcap=True)
         assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal)
