@@ -1525,3 +1525,17 @@ def test_every_shipped_config_has_a_deterministic_build(local: bool) -> None:
         cfg = ordered_config(bwd_config_for(d, dt, causal, sdq=True, local=local))
         ok, reason = bwd_can_implement(cfg, d, dt, causal=causal, local=local)
         assert ok, (d, dt, causal, reason)
+
+
+def test_the_d64_deterministic_build_is_the_one_that_ran() -> None:
+    """D = 64's shipped elementwise route (bwd_configs.D64_FA4_ROUTE) does not reach the
+    ordered-dQ build: it equals the ordered build of the D = 64 config before the route (the
+    build whose bitwise stability the GPU check showed), causal or not."""
+    from benchmarks.fa3_bwd_variants import variant
+    from flashsuite.fa3.bwd_configs import D64_FA4_ROUTE
+    from flashsuite.fa3.bwd_interface import ordered_config
+
+    for causal, before in ((False, "pipe128_dqm_tma"), (True, "pipe128_dqm_sec4_tma")):
+        shipped = bwd_config_for(64, torch.bfloat16, causal, sdq=True)
+        assert all(getattr(shipped, k) == v for k, v in D64_FA4_ROUTE.items()), shipped
+        assert ordered_config(shipped) == ordered_config(variant(before)), causal
