@@ -157,9 +157,9 @@ class BwdConfig:
     # TILE_M / 32 rows of each (two LDS.64 per 64 rows: LSE right after S^T's wgmma is issued,
     # D once P is packed, before dP^T's wait, FA4's order: with D loaded under the GEMMs as
     # well, ptxas raised dP^T's wait above every exponential) and the elementwise loop takes a
-    # row's value with one SHFL from the lane
-    # that holds it, per row pair of the fragment: TILE_M / 16 loads and TILE_M / 2 shuffles a
-    # row block in place of TILE_M / 4 LDS.64, with TILE_M / 16 registers live, not TILE_M / 2.
+    # row's value with one SHFL from the lane that holds it, per row pair of the fragment:
+    # TILE_M / 16 loads and TILE_M / 2 shuffles a row block in place of TILE_M / 4 LDS.64,
+    # with TILE_M / 16 registers live, not TILE_M / 2.
     # Not with stats_regs, lse_regs or dv_early; tile_m a multiple of 64.
     stats_shfl: bool = False
     # "dkv_t" with dq_mode "red": dQ = dS K in this many column slices of each warpgroup's
