@@ -1284,16 +1284,16 @@ _SIGNATURE_KEYS = [
 # with it set calls its argument check on a machine without the GPU.
 _SIGNATURE_CHILD = """
 import json, sys
-from dataclasses import replace
 import torch
 from flashsuite.fa3 import bwd_host
 from flashsuite.fa3.bwd_configs import bwd_config_for
+from flashsuite.fa3.bwd_interface import ordered_config
 out = {}
 for name, d, causal, flags in json.loads(sys.argv[1]):
     cfg = bwd_config_for(d, torch.bfloat16, causal, flags.get("softcap", False),
                          varlen=flags.get("varlen", False))
-    if flags.get("deterministic"):  # the ordered dQ takes the default launch order
-        cfg = replace(cfg, deterministic=True, head_section=0)
+    if flags.get("deterministic"):  # the ordered-dQ build torch's deterministic flag takes
+        cfg = ordered_config(cfg)
     key = bwd_host.BwdCompileKey(
         torch.bfloat16, d, causal, cfg, local=flags.get("local", False),
         softcap=flags.get("softcap", False), varlen=flags.get("varlen", False))
