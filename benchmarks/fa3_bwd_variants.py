@@ -5,8 +5,10 @@
 them for sm_90a and reports PTX facts. "base" is the first config (per-element dQ atomics,
 one sdS buffer, serial issue); "pipe_stm_tma" is what bwd_config_for ships at D = 96 and 128 for
 windows and packed sequences, "pipe_wgdq_tma" at non-causal D = 96, "pipe_sec4_wgdq_tma" at
-causal D = 96 and 128, "pipe80_wgs_wgdq_tma_dvf" at non-causal D = 128, "pipe128_dqm_tma" at D = 64
-("pipe128_dqm_sec4_tma" causal), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
+causal D = 96 and 128, "pipe80_wgs_wgdq_tma_dvf" at non-causal D = 128,
+"pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf" at D = 64 (FA4's route, bwd_configs.D64_FA4_ROUTE;
+"pipe128_dqm_sec4_..." causal; "pipe128_dqm_tma" / "pipe128_dqm_sec4_tma" the D = 64 builds
+before it), "warp_stm2" their softcap build; "pipe128_dqm", "pipe_wgdq",
 "pipe128_wgdq" and "pipe128_dqm_wgdq" build two differences from FA4's SM90 backward
 (dq_split, dq_handoff; docs/design.md, "Next to FA4's SM90 backward"). The "_sout" variants
 take the softmax scale out of dS (scale_out), the "_sreg" ones load LSE and D into registers
@@ -313,7 +315,7 @@ VARIANTS["pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
     "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (D = 64)",
 )
-# The same three on the causal build's sectioned grid (pipe128_dqm_sec4_tma, shipped causal).
+# The same on the causal build's sectioned grid (pipe128_dqm_sec4_tma); the last is shipped.
 VARIANTS.update(
     {
         name.replace("_dqm_", "_dqm_sec4_"): (
