@@ -315,6 +315,23 @@ VARIANTS["pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
     "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (D = 64)",
 )
+# Causal D = 96 / 128 (64-row tiles, the sectioned grid, the hand-off: pipe_sec4_wgdq_tma) with
+# D = 64's route: FA4's elementwise work, dV before the fence, and with the shuffles (two rows
+# per lane at 64 rows; FA4 shuffles at D <= 64 only).
+VARIANTS["pipe_sec4_wgs_sout_ng_wgdq_tma_dvf"] = (
+    replace(
+        VARIANTS["pipe_sec4_wgdq_tma"][0],
+        wg_slice=True,
+        scale_out=True,
+        lse_guard=False,
+        dv_before_fence=True,
+    ),
+    "pipe_sec4_wgdq_tma with FA4's elementwise work and dV before the fence (causal D = 96, 128)",
+)
+VARIANTS["pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe_sec4_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
+    "pipe_sec4_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (causal D = 96, 128)",
+)
 # The same on the causal build's sectioned grid (pipe128_dqm_sec4_tma); the last is shipped.
 VARIANTS.update(
     {
@@ -506,6 +523,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_wgs_sout_ng_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_wgdq_tma_dvf": (64,),
     "pipe128_dqm_sec4_wgdq_tma": (64,),
+    "pipe_sec4_wgs_sout_ng_wgdq_tma_dvf": (96, 128),
+    "pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf": (96, 128),
     "pipe128_dqm_shfl_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf": (64,),
     "pipe128_dqm_sec4_wgs_sout_ng_tma": (64,),

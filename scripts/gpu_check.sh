@@ -223,24 +223,24 @@ for part in $parts; do
         --variant "pv2ip:persistent=1,overlap_tiles=1,balanced_order=1,o_alias_q=0,softmax_apart=0,wg_slice=1" \
         2>&1 | grep -v Warning | tail -20 | tee -a "$out/fwd-short.log" || status=1 ;;
     bwd-candidates)
-      # The fa3 backward's dV issued before the sdS fence (BwdConfig.dv_before_fence, FA4's
-      # order; variants *_dvf): their oracle cases, then the D = 128 A/B against the shipped
-      # builds (non-causal 80-row tile, with FA4's elementwise work too; causal sections),
-      # passes interleaved, and the training step at N = 8k.
-      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-candidates" \
-        --variant pipe80_wgs_wgdq_tma_dvf --variant pipe80_wgs_sout_ng_wgdq_tma_dvf \
-        --variant pipe_sec4_wgdq_tma_dvf --variant pipe128_dqm_tma_dvf 2>&1 | tail -12 \
+      # The shipped D = 64 path (FA4's route, bwd_configs.D64_FA4_ROUTE) through dispatch against
+      # the oracle; then D = 96 / 128 with that route (FA4's elementwise work, dV before the
+      # fence, and on the causal 64-row tile LSE and D by warp shuffle): their oracle cases and
+      # the backward call by call beside the shipped builds, cuDNN and FA4 (step_ab).
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-d64" --match d64- 2>&1 | tail -8 \
         | tee "$out/bwd-candidates.log" || status=1
-      python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_wgdq_tma \
-        --variant pipe80_wgs_wgdq_tma_dvf --variant pipe80_wgs_sout_ng_wgdq_tma_dvf \
-        --head-dim 128 --repeats 5 2>&1 | grep -v Warning | tail -24 \
-        | tee -a "$out/bwd-candidates-ab.log" || status=1
-      python3 -m benchmarks.fa3_bwd_ab --variant pipe_sec4_wgdq_tma \
-        --variant pipe_sec4_wgdq_tma_dvf --head-dim 128 --causal --repeats 5 2>&1 \
-        | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1
-      python3 -m benchmarks.fa3_bwd_ab --variant pipe80_wgs_wgdq_tma \
-        --variant pipe80_wgs_wgdq_tma_dvf --step --seqlen 8192 --repeats 7 2>&1 \
-        | grep -v Warning | tail -20 | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
+      cands=(pipe_sec4_wgs_sout_ng_wgdq_tma_dvf pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf
+        pipe80_wgs_sout_ng_wgdq_tma_dvf)
+      python3 -m benchmarks.fa3_bwd_check --out "$out/bwd-candidates" \
+        "${cands[@]/#/--variant=}" 2>&1 | tail -12 | tee -a "$out/bwd-candidates.log" || status=1
+      for d in 128 96; do
+        python3 -m benchmarks.step_ab --backward --head-dim $d --causal --seqlen 4096 \
+          --seqlen 16384 --reps 30 --variant "${cands[0]}" --variant "${cands[1]}" 2>&1 \
+          | grep -v Warning | tee -a "$out/bwd-candidates-ab.log" || status=1
+      done
+      python3 -m benchmarks.step_ab --backward --head-dim 128 --seqlen 4096 --seqlen 16384 \
+        --reps 30 --variant "${cands[2]}" 2>&1 | grep -v Warning \
+        | tee -a "$out/bwd-candidates-ab.log" || status=1 ;;
     fp8-blocks)
       # The e4m3 wgmma's accumulator read off the kernel (benchmarks/fp8_acc_probe: the model
       # of common.testing.mma_truncated should match every row), then fa3's fp8 suites: the
