@@ -587,6 +587,13 @@ GPU_MUTANTS = [
         OWN,
     ),
     Mutant(
+        "fa3 bwd: LSE and D shuffled from the neighbouring lane (stats_shfl, D 64)",
+        FA3_BWD,
+        "vals[2 * (j // 8) + c], 4 * (j % 8) + q)",
+        "vals[2 * (j // 8) + c], 4 * (j % 8) + (q ^ 1))",
+        f"{OWN} and 64",
+    ),
+    Mutant(
         "fa3 bwd: D (rowsum dO*O) ignored",
         FA3_BWD,
         "ds = p * (dp - d)",
