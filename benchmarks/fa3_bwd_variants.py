@@ -35,6 +35,7 @@ removed: docs/results.md.)
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 from flashsuite.fa3.bwd_configs import BwdConfig
@@ -571,6 +572,15 @@ NON_CAUSAL = (
 def variant_causal(name: str) -> tuple[bool, ...]:
     """The causal settings a named variant is built and timed for."""
     return (False,) if name in NON_CAUSAL else (False, True)
+
+
+def variant_name(name: str) -> str:
+    """argparse `type` of a --variant option: `name` if it names a variant, else a clear error."""
+    if name not in VARIANTS:
+        raise argparse.ArgumentTypeError(
+            f"expected a name in benchmarks/fa3_bwd_variants.py, got {name!r}"
+        )
+    return name
 
 
 def variant(name: str) -> BwdConfig:

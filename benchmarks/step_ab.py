@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from benchmarks.fa3_bwd_variants import VARIANTS
+from benchmarks.fa3_bwd_variants import VARIANTS, variant_name
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import Case, make_grad_out, make_inputs
 from flashsuite.dispatch.bench import FA4, fa4_function, make_callable
@@ -106,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
     ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
-    ap.add_argument("--variant", action="append", default=[], help="a backward variant by name")
+    ap.add_argument(
+        "--variant", action="append", default=[], type=variant_name,
+        help="a backward variant by name (repeat)",
+    )  # fmt: skip
     ap.add_argument("--flash", action="store_true", help="SDPA's flash backend as a peer too")
     args = ap.parse_args(argv)
-    unknown = [v for v in args.variant if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variant: expected names in benchmarks/fa3_bwd_variants.py, got {unknown}")
     if args.reps < 4:
         ap.error(f"--reps: expected >= 4, got {args.reps}")
     d = args.head_dim
