@@ -92,9 +92,10 @@ def variant_cases(names: list[str]) -> list[tuple]:
 def varlen_cases() -> list[tuple]:
     """(head_dim, bf16, causal, cfg, softcap, local) of the packed-sequence builds CI compiles:
     both loops ("sdp_t" at D 64 / 96 / 128, "dkv_t" at D 192 / 256), 128-row tiles (D 64),
-    causal, a window and softcap, the per-element-atomic dQ variant, and the deterministic
-    builds (ordered atomics, turn counters per padded row block) at D 96 causal, 128 with a
-    window and 256."""
+    causal, a window and softcap, the per-element-atomic dQ variant, the dense routes of
+    bwd_configs.VARLEN_DENSE_ROUTES (FA4's at D 64, the per-warpgroup hand-off), and the
+    deterministic builds (ordered atomics, turn counters per padded row block) at D 96
+    causal, 128 with a window and 256."""
     import torch
 
     from benchmarks.fa3_bwd_variants import variant
@@ -114,6 +115,9 @@ def varlen_cases() -> list[tuple]:
         (192, bf16, True, bwd_config_for(192, bf16, True, varlen=True), False, False),
         (256, bf16, False, bwd_config_for(256, bf16, False, True, varlen=True), True, True),
         (128, bf16, True, variant("pipe_atomic"), False, False),
+        # the dense routes packed sequences take with bwd_configs.VARLEN_DENSE_ROUTES
+        (64, bf16, True, variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"), False, False),
+        (128, bf16, False, variant("pipe_wgdq_tma"), False, False),
         (96, bf16, True, ordered(96, True), False, False),
         (128, bf16, False, ordered(128, False, local=True), False, True),
         (256, bf16, False, ordered(256, False), False, False),

@@ -333,6 +333,16 @@ VARIANTS["pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
     replace(VARIANTS["pipe_sec4_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
     "pipe_sec4_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (causal D = 96, 128)",
 )
+# The same without the sections (packed sequences take no head_section): D = 128's route for
+# the varlen backward, with and without the shuffles (benchmarks/varlen_bwd_ab.py).
+VARIANTS["pipe_wgs_sout_ng_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe_sec4_wgs_sout_ng_wgdq_tma_dvf"][0], head_section=0),
+    "pipe_wgdq_tma with FA4's elementwise work and dV before the fence (D = 96, 128)",
+)
+VARIANTS["pipe_wgs_sout_ng_shfl_wgdq_tma_dvf"] = (
+    replace(VARIANTS["pipe_wgs_sout_ng_wgdq_tma_dvf"][0], stats_shfl=True),
+    "pipe_wgs_sout_ng_wgdq_tma_dvf with LSE and D by warp shuffle (D = 96, 128)",
+)
 # The same on the causal build's sectioned grid (pipe128_dqm_sec4_tma); the last is shipped.
 VARIANTS.update(
     {
@@ -526,6 +536,8 @@ HEAD_DIMS: dict[str, tuple[int, ...]] = {
     "pipe128_dqm_sec4_wgdq_tma": (64,),
     "pipe_sec4_wgs_sout_ng_wgdq_tma_dvf": (96, 128),
     "pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf": (96, 128),
+    "pipe_wgs_sout_ng_wgdq_tma_dvf": (96, 128),
+    "pipe_wgs_sout_ng_shfl_wgdq_tma_dvf": (96, 128),
     "pipe128_dqm_shfl_tma": (64,),
     "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf": (64,),
     "pipe128_dqm_sec4_wgs_sout_ng_tma": (64,),

@@ -54,6 +54,15 @@ BWD_DEFAULT_ON = True
 # the same tokens cut into equal sequences, 0.76x at mean 512 (docs/inference.md).
 VARLEN_BWD_AUTO = True
 
+# Whether packed sequences take the dense builds' routes that need neither the 80-row tile nor
+# the sectioned grid (bwd_config_for): FA4's route at D = 64 (D64_FA4_ROUTE), sdQ handed over
+# per warpgroup at D = 96 and 128. Off: the builds the varlen GPU cases above ran, 128-row tiles
+# at D = 64 and the one-tile hand-off at D = 96 / 128 (variants pipe128_dqm_tma, pipe_stm_tma).
+# The routes compile for packed sequences spill-free (benchmarks/fa3_bwd_probe.py --varlen) and
+# pass the CPU stand-in's oracle; they are timed against the builds without them by
+# benchmarks/varlen_bwd_ab.py.
+VARLEN_DENSE_ROUTES = False
+
 
 @dataclass(frozen=True)
 class BwdConfig:
@@ -516,13 +525,15 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
-    if softcap or local or varlen:
+    if softcap or local or (varlen and not VARLEN_DENSE_ROUTES):
         return cfg
     if head_dim == 64:
         # FA4's D = 64 route (variant pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf; docstring)
         cfg = replace(cfg, **D64_FA4_ROUTE)
     if head_dim in (96, 128):
         cfg = replace(cfg, dq_handoff="wg")
+    if varlen:  # packed sequences: neither the 80-row tile nor the sectioned grid
+        return cfg
     if head_dim == 128 and not causal:
         cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True, dv_before_fence=True)
     if causal:

@@ -1060,10 +1060,11 @@ def test_bwd_dq_mode_refused_with_reason() -> None:
             assert ok, reason
 
 
-def test_bwd_variants_can_implement() -> None:
+def test_bwd_variants_can_implement(monkeypatch) -> None:
     """Every named variant the GPU check script takes is a buildable config at its head dims
     (D 64 and 128 unless fa3_bwd_variants.HEAD_DIMS says otherwise)."""
     from benchmarks.fa3_bwd_variants import VARIANTS, variant, variant_head_dims
+    from flashsuite.fa3 import bwd_configs
 
     assert variant("base") == BwdConfig()
     # The "dkv_t" variants named after the shipped configs are those configs.
@@ -1090,11 +1091,23 @@ def test_bwd_variants_can_implement() -> None:
     )
     # Non-causal D 128: the 80-row tile with dV issued before the sdS fence.
     assert variant("pipe80_wgs_wgdq_tma_dvf") == bwd_config_for(128, torch.bfloat16, False)
-    for d, causal, flags in itertools.product(
-        (64, 96, 128, 256), (False, True), (dict(local=True), dict(varlen=True))
-    ):
-        plain = bwd_config_for(d, torch.bfloat16, causal, **flags)
-        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal, flags)
+    for d, causal in itertools.product((64, 96, 128, 256), (False, True)):
+        plain = bwd_config_for(d, torch.bfloat16, causal, local=True)
+        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal)
+        # Packed sequences: the builds without the dense routes unless VARLEN_DENSE_ROUTES,
+        # then the dense routes without the sectioned grid or the 80-row tile.
+        for routes in (False, True):
+            monkeypatch.setattr(bwd_configs, "VARLEN_DENSE_ROUTES", routes)
+            packed = bwd_config_for(d, torch.bfloat16, causal, varlen=True)
+            if d == 256:
+                assert packed == bwd_config_for(d, torch.bfloat16, False), causal
+            elif not routes:
+                assert packed == variant("pipe128_dqm_tma" if d == 64 else "pipe_stm_tma"), d
+            else:
+                dense = bwd_config_for(d, torch.bfloat16, causal)
+                if d == 128 and not causal:
+                    dense = variant("pipe_wgdq_tma")
+                assert packed == replace(dense, head_section=0), (d, causal)
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
     assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, False

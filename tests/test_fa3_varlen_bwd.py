@@ -70,8 +70,9 @@ def test_varlen_bwd_compiles_with_hopper_machinery(varlen_probes) -> None:
         assert (ptx["wgmma"], ptx["wgmma_rs"]) == _expected_wgmma(d, cfg), f"{where}: {ptx}"
         assert ptx["tma_load"] >= 6 and ptx["setmaxnreg"] == 2, f"{where}: {ptx}"
         assert ptx["vote_ballot"] >= 1, f"{where}: no ballot (the column block's sequence)"
-        if cfg["dq_mode"] == "warp":
-            assert ptx["dq_bulk"] == 1 and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
+        if cfg["dq_mode"] == "warp":  # one bulk reduce per tile, or per warpgroup's chunk
+            bulk = 2 if cfg["dq_handoff"] == "wg" else 1
+            assert ptx["dq_bulk"] == bulk and ptx["dq_atomic"] == 0, f"{where}: {ptx}"
         else:
             assert ptx["dq_bulk"] == 0 and ptx["dq_atomic"] > 0, f"{where}: {ptx}"
         # dK and dV by TMA stores through the ragged views ("dkv_t", dkv_tma), else from
@@ -241,9 +242,13 @@ def _varlen_contract(key, causal: bool, window: tuple[int, int], seen: list):
             s = s.masked_fill(~vis.to(s.device), float("-inf"))
             lse_s, d_s = (t[:, p0 : p0 + nq, None].double() for t in (lse_log2, dsum))
             p = torch.exp2(s - lse_s)  # +inf LSE: P = 0
-            ds = p * (doh @ vh.transpose(-1, -2) - d_s) * scale
+            # scale_out: dS and the dQ accumulator without the softmax scale (the host's dQ
+            # pass applies it), dK with it
+            ds_scale, dk_scale = (1.0, scale) if key.cfg.scale_out else (scale, 1.0)
+            ds = p * (doh @ vh.transpose(-1, -2) - d_s) * ds_scale
             dq_pad[:, p0 : p0 + nq] = ds @ kh
             grad_k = (ds.transpose(-1, -2) @ qh).view(hkv, g, nk, d).sum(1).transpose(0, 1)
+            grad_k = grad_k * dk_scale
             grad_v = (p.transpose(-1, -2) @ doh).view(hkv, g, nk, d).sum(1).transpose(0, 1)
             dk[k0:k1], dv[k0:k1] = grad_k.to(dk.dtype), grad_v.to(dv.dtype)
         assert bool(torch.isposinf(lse_log2[:, ~used]).all()) and bool((dsum[:, ~used] == 0).all())
@@ -267,6 +272,8 @@ VARLEN_HOST_CASES = [
     (64, "warp", False, (8, 3), [40, 17, 65], [33, 80, 65], 4, 4, 128),
     (64, "atomic", True, (-1, -1), [66, 0, 7], [3, 9, 70], 4, 2, 64),
     (64, "warp", True, (-1, -1), [70, 2, 0], [100, 1, 3], 2, 2, 256),  # "dkv_t": the same host
+    # "+sout": scale_out (FA4's D 64 route, bwd_configs.VARLEN_DENSE_ROUTES): the host scales dQ
+    (128, "warp+sout", True, (-1, -1), [130, 0, 77], [90, 3, 200], 4, 2, 64),
 ]
 
 
@@ -284,7 +291,8 @@ def test_run_varlen_backward_host_path(monkeypatch, device, case) -> None:
     from flashsuite.fa3.compile import kernel_scalars
 
     tile_m, dq_mode, causal, window, lens_q, lens_k, hq, hkv, d = case
-    cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode)
+    dq_mode, _, extra = dq_mode.partition("+")
+    cfg = BwdConfig(tile_m=tile_m, dq_mode=dq_mode, scale_out=extra == "sout")
     if d > 128:
         cfg = replace(bwd_config_for(d, BF16, causal))
     local = window != (-1, -1)
