@@ -56,12 +56,15 @@ VARLEN_BWD_AUTO = True
 
 # Whether packed sequences take the dense builds' routes that need neither the 80-row tile nor
 # the sectioned grid (bwd_config_for): FA4's route at D = 64 (D64_FA4_ROUTE), sdQ handed over
-# per warpgroup at D = 96 and 128. Off: the builds the varlen GPU cases above ran, 128-row tiles
-# at D = 64 and the one-tile hand-off at D = 96 / 128 (variants pipe128_dqm_tma, pipe_stm_tma).
-# The routes compile for packed sequences spill-free (benchmarks/fa3_bwd_probe.py --varlen) and
-# pass the CPU stand-in's oracle; they are timed against the builds without them by
-# benchmarks/varlen_bwd_ab.py.
-VARLEN_DENSE_ROUTES = False
+# per warpgroup with FA4's elementwise work at D = 96 and 128 (FA4_ELEMENTWISE). Off: 128-row
+# tiles at D = 64 and the one-tile hand-off at D = 96 / 128 (variants pipe128_dqm_tma,
+# pipe_stm_tma). On an H100 (2026-12-06, commit a80ca9d) the 23 GPU cases of
+# tests/test_fa3_varlen_bwd.py passed with it on, and benchmarks/varlen_bwd_ab.py (64k tokens
+# in 35 sequences of mean 2048, bf16, call by call in rotation, medians of 20) timed the routes
+# at 1.097 / 1.090x the builds without them at D = 64 (non-causal / causal) and 1.031 / 1.029x
+# at D = 128; against fa3's dense backward on the same tokens (TFLOP/s) 0.963 / 0.997 at D =
+# 64 and 0.966 / 1.022 at D = 128, from 0.877 / 0.915 and 0.937 / 0.993 (docs/inference.md).
+VARLEN_DENSE_ROUTES = True
 
 
 @dataclass(frozen=True)
@@ -353,17 +356,14 @@ def bwd_regs_estimate(cfg: BwdConfig, head_dim: int) -> int:
     return 2 * s + 2 * dkv + 24
 
 
-# The dense D = 64 build's elementwise work and dQ hand-off (bwd_config_for): LSE and D by warp
-# shuffle, no softmax scale on dS, no -inf LSE guard (the preprocess writes +inf), descriptors
-# per warpgroup, sdQ handed over per warpgroup, dV issued before the sdS fence.
-D64_FA4_ROUTE = dict(
-    stats_shfl=True,
-    scale_out=True,
-    lse_guard=False,
-    wg_slice=True,
-    dq_handoff="wg",
-    dv_before_fence=True,
-)
+# FA4's elementwise work and issue order around dV (bwd_config_for): no softmax scale on dS
+# (dK and the host's dQ pass take it), no -inf LSE guard (the preprocess writes +inf),
+# descriptors per warpgroup, dV issued before the sdS fence. Taken by the 64-row tiles of
+# causal D = 96 / 128 and of packed sequences at D = 96 / 128.
+FA4_ELEMENTWISE = dict(scale_out=True, lse_guard=False, wg_slice=True, dv_before_fence=True)
+# The dense D = 64 build's route: that, LSE and D by warp shuffle and sdQ handed over per
+# warpgroup.
+D64_FA4_ROUTE = dict(stats_shfl=True, dq_handoff="wg", **FA4_ELEMENTWISE)
 
 # (kv head, batch) pairs per launch section of causal grids (bwd_config_for: dense problems,
 # D = 64, 96, 128 and 256, without softcap or window).
@@ -532,6 +532,9 @@ def bwd_config_for(
         cfg = replace(cfg, **D64_FA4_ROUTE)
     if head_dim in (96, 128):
         cfg = replace(cfg, dq_handoff="wg")
+        if causal or varlen:  # the 64-row tiles (docstring); causal D = 128 with the shuffles
+            shfl = head_dim == 128 and causal and not varlen
+            cfg = replace(cfg, stats_shfl=shfl, **FA4_ELEMENTWISE)
     if varlen:  # packed sequences: neither the 80-row tile nor the sectioned grid
         return cfg
     if head_dim == 128 and not causal:

@@ -1081,11 +1081,14 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
     }
     for (d, causal, softcap), name in shipped.items():
         assert variant(name) == bwd_config_for(d, torch.bfloat16, causal, softcap), name
-    # Causal D 96 / 128: sections of 4 pairs and the per-warpgroup sdQ hand-off, the A/B's
-    # winner; D 64 the sections with FA4's route (bwd_configs.D64_FA4_ROUTE). Non-causal: the
-    # hand-off at D 96, and at D 128 on the 80-row tile; D 64 FA4's route.
-    for d in (96, 128):
-        assert variant("pipe_sec4_wgdq_tma") == bwd_config_for(d, torch.bfloat16, True), d
+    # Causal D 96 / 128: sections of 4 pairs, the per-warpgroup sdQ hand-off, FA4's elementwise
+    # work and dV before the fence (bwd_configs.FA4_ELEMENTWISE), D 128 with the LSE / D
+    # shuffles too; D 64 the sections with FA4's route (bwd_configs.D64_FA4_ROUTE). Non-causal:
+    # the hand-off at D 96, and at D 128 on the 80-row tile; D 64 FA4's route.
+    assert variant("pipe_sec4_wgs_sout_ng_wgdq_tma_dvf") == bwd_config_for(96, torch.bfloat16, True)
+    assert variant("pipe_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
+        128, torch.bfloat16, True
+    )
     assert variant("pipe128_dqm_sec4_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, True
     )
@@ -1104,10 +1107,8 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
             elif not routes:
                 assert packed == variant("pipe128_dqm_tma" if d == 64 else "pipe_stm_tma"), d
             else:
-                dense = bwd_config_for(d, torch.bfloat16, causal)
-                if d == 128 and not causal:
-                    dense = variant("pipe_wgdq_tma")
-                assert packed == replace(dense, head_section=0), (d, causal)
+                route = "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"
+                assert packed == variant(route if d == 64 else "pipe_wgs_sout_ng_wgdq_tma_dvf"), d
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
     assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, False
