@@ -48,7 +48,9 @@ def _step_fn(contender: str, case: Case, backward_only: bool = False):
         from flashsuite import dispatch
 
         def run():
-            return dispatch.attention(q, k, v, causal=case.causal, version="fa3")
+            return dispatch.attention(
+                q, k, v, causal=case.causal, window_size=case.window_size, version="fa3"
+            )
 
         leaves = (q, k, v)
     else:
@@ -60,6 +62,18 @@ def _step_fn(contender: str, case: Case, backward_only: bool = False):
     if backward_only:
         return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
     return lambda: torch.autograd.grad(run(), leaves, dout)
+
+
+def _window(text: str) -> tuple[int, int]:
+    """argparse `type` of --window: "L,R", each an int >= -1."""
+    parts = text.split(",")
+    try:
+        left, right = (int(x) for x in parts)
+    except ValueError:
+        left = right = -2
+    if len(parts) != 2 or min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"expected L,R with each >= -1, got {text!r}")
+    return left, right
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -111,20 +125,34 @@ def main(argv: list[str] | None = None) -> int:
         help="a backward variant by name (repeat)",
     )  # fmt: skip
     ap.add_argument("--flash", action="store_true", help="SDPA's flash backend as a peer too")
+    ap.add_argument(
+        "--window", type=_window, default=(-1, -1), metavar="L,R",
+        help="a sliding window (window_size; -1 an open edge): SDPA's backends take none",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.reps < 4:
         ap.error(f"--reps: expected >= 4, got {args.reps}")
     d = args.head_dim
     fa4 = [FA4] if fa4_function()[0] is not None else []
     flash = ["sdpa-flash"] if args.flash else []
-    contenders = [*args.variant, "fa3", "sdpa-cudnn", *flash, *fa4]
+    sdpa = ["sdpa-cudnn", *flash] if args.window == (-1, -1) else []  # SDPA takes no window
+    contenders = [*args.variant, "fa3", *sdpa, *fa4]
     for n in args.seqlen or [8192]:
         if n < 1 or 16384 % n:
             ap.error(f"--seqlen: expected a divisor of 16384 (B * N = 16k), got {n}")
         case = Case(16384 // n, n, n, 2048 // d, 2048 // d, d, dtype=torch.bfloat16,
-                    causal=args.causal)  # fmt: skip
+                    causal=args.causal, window_size=args.window)  # fmt: skip
         flops = sum(
-            attention_flops(case.batch, case.heads_q, n, n, d, causal=case.causal, backward=bwd)
+            attention_flops(
+                case.batch,
+                case.heads_q,
+                n,
+                n,
+                d,
+                causal=case.causal,
+                window_size=case.window_size,
+                backward=bwd,
+            )
             for bwd in ((True,) if args.backward else (False, True))
         )
         fns = {}
@@ -135,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: {type(exc).__name__}: {exc}"[:300])
         ms = time_interleaved(fns, args.reps)
         mask = "causal" if case.causal else "non-causal"
+        if case.window_size != (-1, -1):
+            mask += f", window {case.window_size}"
         what = "backward" if args.backward else "training step"
         print(f"{what}, D {d}, N {n}, B {case.batch}, H {case.heads_q}, {mask}, bf16, "
               f"{args.reps} repetitions")  # fmt: skip

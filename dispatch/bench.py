@@ -108,6 +108,9 @@ class Result:
 def _sdpa_fn(backend_name: str, case: Case, q, k, v):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if case.window_size != (-1, -1):
+        raise ValueError(f"peer {backend_name}: SDPA takes no window_size, got {case.window_size}")
+
     backend = getattr(SDPBackend, sdpa_backend(backend_name))
     qt, kt, vt = (
         t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad) for t in (q, k, v)
@@ -123,7 +126,12 @@ def _sdpa_fn(backend_name: str, case: Case, q, k, v):
 def _ours_fn(version: str, case: Case, q, k, v):
     from flashsuite import dispatch
 
-    return (lambda: dispatch.attention(q, k, v, causal=case.causal, version=version)), (q, k, v)
+    def run():
+        return dispatch.attention(
+            q, k, v, causal=case.causal, window_size=case.window_size, version=version
+        )
+
+    return run, (q, k, v)
 
 
 def materialising(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False):
@@ -184,8 +192,11 @@ def _fa4_fn(case: Case, q, k, v):
     if fn is None:
         raise RuntimeError(f"peer fa4: flash_attn.cute (flash-attn-4) cannot be imported: {why}")
 
+    # FA4 spells an open window edge None
+    window = tuple(None if w < 0 else w for w in case.window_size)
+
     def run():  # (B, N, H, D) in and out, like flashsuite; it also returns the LSE
-        res = fn(q, k, v, causal=case.causal)
+        res = fn(q, k, v, causal=case.causal, window_size=window)
         return res[0] if isinstance(res, tuple) else res
 
     return run, (q, k, v)

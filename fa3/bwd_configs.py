@@ -66,6 +66,11 @@ VARLEN_BWD_AUTO = True
 # 64 and 0.966 / 1.022 at D = 128, from 0.877 / 0.915 and 0.937 / 0.993 (docs/inference.md).
 VARLEN_DENSE_ROUTES = True
 
+# The same for sliding windows (dense problems with a left or right edge): off, so windows take
+# the builds without the routes (their GPU cases in benchmarks/fa3_bwd_check.py ran on those).
+# The routes compile spill-free with a window (benchmarks/fa3_bwd_probe.py --local).
+WINDOW_DENSE_ROUTES = False
+
 
 @dataclass(frozen=True)
 class BwdConfig:
@@ -525,17 +530,17 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
-    if softcap or local or (varlen and not VARLEN_DENSE_ROUTES):
+    if softcap or (local and not WINDOW_DENSE_ROUTES) or (varlen and not VARLEN_DENSE_ROUTES):
         return cfg
     if head_dim == 64:
         # FA4's D = 64 route (variant pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf; docstring)
         cfg = replace(cfg, **D64_FA4_ROUTE)
     if head_dim in (96, 128):
         cfg = replace(cfg, dq_handoff="wg")
-        if causal or varlen:  # the 64-row tiles (docstring); causal D = 128 with the shuffles
-            shfl = head_dim == 128 and causal and not varlen
+        if causal or varlen or local:  # the 64-row tiles (docstring); causal D 128 shuffles
+            shfl = head_dim == 128 and causal and not (varlen or local)
             cfg = replace(cfg, stats_shfl=shfl, **FA4_ELEMENTWISE)
-    if varlen:  # packed sequences: neither the 80-row tile nor the sectioned grid
+    if varlen or local:  # packed sequences, windows: neither the 80-row tile nor the sections
         return cfg
     if head_dim == 128 and not causal:
         cfg = replace(cfg, tile_m=80, dq_split="dt", wg_slice=True, dv_before_fence=True)

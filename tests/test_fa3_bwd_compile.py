@@ -1094,21 +1094,31 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
     )
     # Non-causal D 128: the 80-row tile with dV issued before the sdS fence.
     assert variant("pipe80_wgs_wgdq_tma_dvf") == bwd_config_for(128, torch.bfloat16, False)
-    for d, causal in itertools.product((64, 96, 128, 256), (False, True)):
-        plain = bwd_config_for(d, torch.bfloat16, causal, local=True)
-        assert (plain.head_section, plain.dq_handoff) == (0, "cta"), (d, causal)
-        # Packed sequences: the builds without the dense routes unless VARLEN_DENSE_ROUTES,
-        # then the dense routes without the sectioned grid or the 80-row tile.
-        for routes in (False, True):
-            monkeypatch.setattr(bwd_configs, "VARLEN_DENSE_ROUTES", routes)
-            packed = bwd_config_for(d, torch.bfloat16, causal, varlen=True)
+    # Packed sequences and windows: the builds without the dense routes unless
+    # VARLEN_DENSE_ROUTES / WINDOW_DENSE_ROUTES, then the dense routes without the sectioned
+    # grid or the 80-row tile.
+    for d, causal, routes in itertools.product((64, 96, 128, 256), (False, True), (False, True)):
+        for flag, problem in (("VARLEN_DENSE_ROUTES", "varlen"), ("WINDOW_DENSE_ROUTES", "local")):
+            monkeypatch.setattr(bwd_configs, flag, routes)
+            got = bwd_config_for(d, torch.bfloat16, causal, **{problem: True})
+            where = (d, causal, routes, problem)
             if d == 256:
-                assert packed == bwd_config_for(d, torch.bfloat16, False), causal
+                assert got == bwd_config_for(d, torch.bfloat16, False), where
             elif not routes:
-                assert packed == variant("pipe128_dqm_tma" if d == 64 else "pipe_stm_tma"), d
+                assert got == variant("pipe128_dqm_tma" if d == 64 else "pipe_stm_tma"), where
             else:
                 route = "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"
-                assert packed == variant(route if d == 64 else "pipe_wgs_sout_ng_wgdq_tma_dvf"), d
+                want = variant(route if d == 64 else "pipe_wgs_sout_ng_wgdq_tma_dvf")
+                assert got == want, where
+        monkeypatch.undo()
+    # A window on packed sequences takes the routes only when both switches say so.
+    for varlen_routes, window_routes in itertools.product((False, True), (False, True)):
+        monkeypatch.setattr(bwd_configs, "VARLEN_DENSE_ROUTES", varlen_routes)
+        monkeypatch.setattr(bwd_configs, "WINDOW_DENSE_ROUTES", window_routes)
+        got = bwd_config_for(128, torch.bfloat16, True, varlen=True, local=True)
+        both = varlen_routes and window_routes
+        assert got == variant("pipe_wgs_sout_ng_wgdq_tma_dvf" if both else "pipe_stm_tma")
+    monkeypatch.undo()
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
     assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, False
