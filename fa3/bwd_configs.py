@@ -20,19 +20,10 @@ BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 # Builds (head_dim, feature) that compile spill-free and pass the CPU checks but have not yet run
 # on a GPU: dispatch takes fa3's own backward there only when FLASHSUITE_FA3_BWD=1 asks
 # (interface.backward_opt_in), fa2's otherwise. A new build's features go here until its GPU
-# tests pass. On the H200 (commit e4c4cc5) D 96 and 192
-# passed every oracle case of benchmarks/fa3_bwd_check.py through dispatch (softcap and windows
-# included), D 256 the variant set; at commit 8d3abdf the deterministic builds at D 192 and 256
-# passed the variant set (7 cases each, none with a window) and those at D 96, 192
-# and 256 were bitwise stable over 10 runs and correct (causal GQA); at commit 63c3300 D 256
-# passed its 9 dispatch cases, softcap 30 (700 x 513, causal) and a 128/64 window among them.
-# At commit d836f76 the deterministic builds under a sliding window (turn counters started at
-# each row block's first column block, bwd_host.turn_counters) at D 64, 128 and 256 were bitwise
-# equal over 5 runs and matched the oracle (tests/test_attention.py deterministic_window), and
-# the deterministic varlen builds (counters per sequence) at every head dim
-# (tests/test_fa3_varlen_bwd.py varlen_deterministic); at commit edeb6c2 those under a window
-# at D 96 (both edges, Nq < Nk) and 192 (a left edge) were bitwise stable over 10 runs and
-# correct (benchmarks/fa3_bwd_check.py --stability --match window). Empty.
+# tests pass. Empty: softcap, windows and the deterministic builds (dense, windowed, packed) at
+# every head dim have passed their GPU oracle cases, the deterministic ones bitwise stable over
+# 5-10 runs (docs/results.md; tests/test_attention.py, tests/test_fa3_varlen_bwd.py,
+# benchmarks/fa3_bwd_check.py --stability).
 BWD_UNVERIFIED: tuple[tuple[int, str], ...] = ()
 
 # Whether dispatch differentiates fa3's forward with fa3's own backward without being asked
@@ -45,25 +36,16 @@ BWD_DEFAULT_ON = True
 
 # Whether dispatch differentiates fa3's varlen forward with fa3's own varlen backward
 # (bwd_varlen.py: the same kernel and configs on a virtual column-block grid) without being
-# asked (FLASHSUITE_FA3_VARLEN_BWD=1 asks, =0 refuses, as does FLASHSUITE_FA3_BWD=0). On: its 18
-# GPU oracle cases (tests/test_fa3_varlen_bwd.py) pass on the H200 (commit cec8779), its
-# compute-sanitizer memcheck is clean (commit 63c3300), and benchmarks/decode_bench.py
-# --varlen-bwd timed its backward at 1.52x / 1.63x fa2's varlen backward at D = 64 (non-causal /
-# causal) and 1.37x / 1.88x at D = 128 (64k tokens in 35 sequences of mean 2048, H 16), 1.22x
-# at mean 512 (D = 64, 134 sequences); in TFLOP/s 0.88-0.97x SDPA cuDNN's dense backward over
-# the same tokens cut into equal sequences, 0.76x at mean 512 (docs/inference.md).
+# asked (FLASHSUITE_FA3_VARLEN_BWD=1 asks, =0 refuses, as does FLASHSUITE_FA3_BWD=0). On: its GPU
+# oracle cases and memcheck pass, and it runs at 1.22-1.88x fa2's varlen backward
+# (docs/inference.md).
 VARLEN_BWD_AUTO = True
 
 # Whether packed sequences take the dense builds' routes that need neither the 80-row tile nor
-# the sectioned grid (bwd_config_for): FA4's route at D = 64 (D64_FA4_ROUTE), sdQ handed over
-# per warpgroup with FA4's elementwise work at D = 96 and 128 (FA4_ELEMENTWISE). Off: 128-row
-# tiles at D = 64 and the one-tile hand-off at D = 96 / 128 (variants pipe128_dqm_tma,
-# pipe_stm_tma). On an H100 (2026-12-06, commit a80ca9d) the 23 GPU cases of
-# tests/test_fa3_varlen_bwd.py passed with it on, and benchmarks/varlen_bwd_ab.py (64k tokens
-# in 35 sequences of mean 2048, bf16, call by call in rotation, medians of 20) timed the routes
-# at 1.097 / 1.090x the builds without them at D = 64 (non-causal / causal) and 1.031 / 1.029x
-# at D = 128; against fa3's dense backward on the same tokens (TFLOP/s) 0.963 / 0.997 at D =
-# 64 and 0.966 / 1.022 at D = 128, from 0.877 / 0.915 and 0.937 / 0.993 (docs/inference.md).
+# the sectioned grid (bwd_config_for): D64_FA4_ROUTE at D = 64, the per-warpgroup hand-off with
+# FA4_ELEMENTWISE at D = 96 / 128. Off: variants pipe128_dqm_tma / pipe_stm_tma. On: the GPU
+# cases of tests/test_fa3_varlen_bwd.py pass with it, and on an H100 it timed 1.09-1.10x the
+# builds without it at D = 64 and 1.03x at D = 128 (docs/inference.md, "Configs").
 VARLEN_DENSE_ROUTES = True
 
 # The same for sliding windows (dense problems with a left or right edge): off, so windows take
