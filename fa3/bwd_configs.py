@@ -488,6 +488,10 @@ def bwd_config_for(
     `benchmarks/fa4_bwd_sass_compare --head-dim 64`). The deterministic build keeps none of
     them (bwd_interface.ordered_config).
 
+    Causal D = 96 / 128 add FA4_ELEMENTWISE (causal D = 128 the shuffles too): 1.057 / 1.076x and
+    1.018 / 1.022x the builds without them at N = 4k / 16k, 0.99-1.00x / 0.98-1.00x FA4 (H100,
+    commit a80ca9d; docs/results.md, "Causal D = 96 / 128 on the same route").
+
     D = 96 takes D = 128's shape (64-row tiles): 32 + 32 fp32 for S^T and dP^T,
     2 x 48 for dK and dV, 48 for dQ; ptxas' highest register R205 (causal) of 240, 0 spills;
     smem 2 x 2 x 12 KiB Q/dO + 2 x 24 KiB K/V + 2 x 16 KiB sdS + 24 KiB sdQ = 152 KiB.
