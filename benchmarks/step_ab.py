@@ -102,6 +102,24 @@ def time_interleaved(fns: dict[str, object], reps: int, warmup: int = 3) -> dict
     return {name: [s.elapsed_time(e) for s, e in ev] for name, ev in events.items()}
 
 
+def print_timings(
+    ms: dict[str, list[float]], flops: dict[str, float], pairs: list[tuple[str, str]]
+) -> None:
+    """Each contender's median ms and TFLOP/s (`flops` per call), then for each (name, peer) in
+    `pairs` the median and quartiles of the per-repetition TFLOP/s ratio name / peer (the time
+    ratio where both do the same FLOPs)."""
+    for name, xs in ms.items():
+        lo, med, hi = _quartiles(xs)
+        print(f"  {name:>10}: median {med:.3f} ms ({flops[name] / med / 1e9:.1f} TFLOP/s), "
+              f"quartiles {lo:.3f}-{hi:.3f}")  # fmt: skip
+    for name, peer in [(a, b) for a, b in pairs if a in ms and b in ms]:
+        ratios = [
+            (flops[name] / a) / (flops[peer] / b) for a, b in zip(ms[name], ms[peer], strict=True)
+        ]
+        lo, med, hi = _quartiles(ratios)
+        print(f"  {name:>10} / {peer}: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
+
+
 def profile_step(name: str, fn, steps: int = 3) -> list[str]:
     """Lines: GPU µs per step of each kernel `fn` launches, largest first, and their sum."""
     from benchmarks.fwd_tree_ab import kernel_us
@@ -168,19 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         what = "backward" if args.backward else "training step"
         print(f"{what}, D {d}, N {n}, B {case.batch}, H {case.heads_q}, {mask}, bf16, "
               f"{args.reps} repetitions")  # fmt: skip
-        for name, xs in ms.items():
-            lo, med, hi = _quartiles(xs)
-            print(f"  {name:>10}: median {med:.3f} ms ({flops / med / 1e9:.1f} TFLOP/s), "
-                  f"quartiles {lo:.3f}-{hi:.3f}")  # fmt: skip
         # each variant against the shipped fa3, everything against cuDNN, ours against FA4
         ours = [c for c in (*args.variant, "fa3") if c in ms]
         pairs = [(c, "fa3") for c in args.variant]
         pairs += [(c, "sdpa-cudnn") for c in (*ours, *fa4)] + [(c, FA4) for c in ours if fa4]
         pairs += [(c, "sdpa-flash") for c in ours if flash]
-        for name, peer in [(a, b) for a, b in pairs if a in ms and b in ms]:
-            ratios = [b / a for a, b in zip(ms[name], ms[peer], strict=True)]
-            lo, med, hi = _quartiles(ratios)
-            print(f"  {name:>10} / {peer}: median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
+        print_timings(ms, dict.fromkeys(ms, flops), pairs)
         if args.profile:
             for name, fn in fns.items():
                 print("\n".join(profile_step(name, fn)))

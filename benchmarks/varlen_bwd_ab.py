@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.decode_bench import _mixed_lengths
 from benchmarks.fa3_bwd_variants import VARIANTS, variant_name
-from benchmarks.step_ab import _quartiles, _step_fn, time_interleaved
+from benchmarks.step_ab import _step_fn, print_timings, time_interleaved
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import Case
 
@@ -104,18 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         mask = "causal" if args.causal else "non-causal"
         print(f"varlen backward, D {d}, {n_seqs} sequences of mean {mean} (longest {longest}), "
               f"{TOKENS} tokens, H {2048 // d}, {mask}, bf16, {args.reps} repetitions")  # fmt: skip
-        for name, xs in ms.items():
-            lo, med, hi = _quartiles(xs)
-            print(f"  {name:>12}: median {med:.3f} ms ({fl[name] / med / 1e9:.1f} TFLOP/s), "
-                  f"quartiles {lo:.3f}-{hi:.3f}")  # fmt: skip
         pairs = [(c, "fa3-dense") for c in ("fa3", *args.variant, "sdpa-cudnn")]
         pairs += [(c, "fa3") for c in args.variant]
-        for name, peer in [(a, b) for a, b in pairs if a in ms and b in ms]:
-            ratios = [
-                (fl[name] / a) / (fl[peer] / b) for a, b in zip(ms[name], ms[peer], strict=True)
-            ]
-            lo, med, hi = _quartiles(ratios)
-            print(f"  {name:>12} / {peer}: TFLOP/s median {med:.3f} (quartiles {lo:.3f}-{hi:.3f})")
+        print_timings(ms, fl, pairs)
         ref = fns["fa3"]()
         for name in (n for n in args.variant if n in fns):
             diff = max((a.float() - b.float()).abs().max().item()
