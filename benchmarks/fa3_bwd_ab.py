@@ -30,17 +30,14 @@ import torch
 
 from benchmarks.ab_stats import paired_ratios
 from benchmarks.fa3_bwd_check import time_case, time_variant
-from benchmarks.fa3_bwd_variants import VARIANTS, variant_name
+from benchmarks.fa3_bwd_variants import VARIANTS, add_variant_option
 from flashsuite.common.testing import Case
 from flashsuite.dispatch.bench import fa4_function
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--variant", action="append", default=[], type=variant_name,
-        help="a variant by name (repeat)",
-    )  # fmt: skip
+    add_variant_option(ap)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)

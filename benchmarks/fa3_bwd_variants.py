@@ -595,6 +595,14 @@ def variant_name(name: str) -> str:
     return name
 
 
+def add_variant_option(ap: argparse.ArgumentParser) -> None:
+    """The repeatable --variant NAME option of the backward A/B tools (args.variant: names)."""
+    ap.add_argument(
+        "--variant", action="append", default=[], type=variant_name,
+        help="a backward variant of benchmarks/fa3_bwd_variants.py by name (repeat)",
+    )  # fmt: skip
+
+
 def variant(name: str) -> BwdConfig:
     """The config of a named variant; a clear error for an unknown name."""
     if name not in VARIANTS:

@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from benchmarks.fa3_bwd_variants import VARIANTS, variant_name
+from benchmarks.fa3_bwd_variants import VARIANTS, add_variant_option
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import Case, make_grad_out, make_inputs
 from flashsuite.dispatch.bench import FA4, fa4_function, make_callable
@@ -138,10 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="each contender's kernels per step")
     ap.add_argument("--backward", action="store_true", help="the backward alone (2.5x FLOPs)")
-    ap.add_argument(
-        "--variant", action="append", default=[], type=variant_name,
-        help="a backward variant by name (repeat)",
-    )  # fmt: skip
+    add_variant_option(ap)
     ap.add_argument("--flash", action="store_true", help="SDPA's flash backend as a peer too")
     ap.add_argument(
         "--window", type=_window, default=(-1, -1), metavar="L,R",

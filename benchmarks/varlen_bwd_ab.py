@@ -30,7 +30,7 @@ import argparse
 import torch
 
 from benchmarks.decode_bench import _mixed_lengths
-from benchmarks.fa3_bwd_variants import VARIANTS, variant_name
+from benchmarks.fa3_bwd_variants import VARIANTS, add_variant_option
 from benchmarks.step_ab import _step_fn, print_timings, time_interleaved
 from flashsuite.common.flops import attention_flops
 from flashsuite.common.testing import Case
@@ -69,10 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--mean", type=int, action="append", default=[], help="default 2048")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument(
-        "--variant", action="append", default=[], type=variant_name,
-        help="a backward variant by name (repeat)",
-    )  # fmt: skip
+    add_variant_option(ap)
     args = ap.parse_args(argv)
     if args.reps < 4:
         ap.error(f"--reps: expected >= 4, got {args.reps}")

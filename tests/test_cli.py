@@ -170,6 +170,10 @@ def test_fa4_is_a_peer_only_where_it_imports() -> None:
     peers = bench.available_peers("cuda")
     assert peers[:3] == ["sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
     assert bench.available_peers("cpu") == ["sdpa-math"]
+    window = Case(batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1, head_dim=16,
+                  window_size=(4, 0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"peer sdpa-cudnn: SDPA takes no window_size"):
+        bench.make_callable("sdpa-cudnn", window, None, None, None)
     if fn is not None:
         assert peers[-1] == "fa4"
         return
