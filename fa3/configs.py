@@ -673,14 +673,20 @@ def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int)
 VARLEN_AUTO = True
 
 
+# Whether packed sequences run the dense entries' schedule options (varlen_config).
+VARLEN_SCHEDULE_OPTIONS = False
 # Query heads per launch section of a causal packed grid (varlen_config; 0: the plain order).
 VARLEN_CAUSAL_HEAD_SECTION = 8
 
 
-def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
+def varlen_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, options: bool | None = None
+) -> Fa3Config:
     """The tile config of packed sequences: the dense table's tiles for (head_dim, dtype,
     causal) on the plain grid (one tile per CTA; varlen.py's virtual-block grid). The persistent
-    scheduler's order and tile overlap assume one length for every (batch, head).
+    scheduler's order and tile overlap assume one length for every (batch, head). `options`
+    (default VARLEN_SCHEDULE_OPTIONS) keeps the dense entry's schedule options (wg_slice,
+    split_loops, softmax_apart; `dense_options_off` otherwise).
 
     Causal grids launch in sections of VARLEN_CAUSAL_HEAD_SECTION query heads (head_section):
     the default (virtual blocks, Hq) order starts the last heads' heaviest tiles after the rest
@@ -690,16 +696,19 @@ def varlen_config(head_dim: int, dtype: torch.dtype, causal: bool) -> Fa3Config:
     bitwise equal to the plain grid's): plain 1,398 us (0.878x fa3's dense causal forward on the
     same tokens, 1,081 us), S = 4 / 8 / 16 1,327 / 1,327 / 1,328 us (0.925x)."""
     cfg = get_config(head_dim, dtype, causal)
+    if not (VARLEN_SCHEDULE_OPTIONS if options is None else options):
+        cfg = dense_options_off(cfg)
     section = VARLEN_CAUSAL_HEAD_SECTION if causal else 0
     return replace(
-        dense_options_off(cfg), persistent=False, overlap_tiles=False, balanced_order=False,
-        head_section=section,
-    )  # fmt: skip
+        cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section
+    )
 
 
 def varlen_config_for(p: AttnParams) -> Fa3Config:
-    """`varlen_config` of problem `p` (p.attn of the packed problem)."""
-    return varlen_config(p.head_dim, p.dtype, p.causal)
+    """`varlen_config` of problem `p` (p.attn of the packed problem); softcap and windowed
+    problems without the schedule options, as config_for leaves them."""
+    plain = bool(p.softcap or p.is_local)
+    return varlen_config(p.head_dim, p.dtype, p.causal, options=False if plain else None)
 
 
 def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]:

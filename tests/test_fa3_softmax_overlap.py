@@ -168,14 +168,16 @@ def test_pv_wait_after_max_splits_the_softmax_at_the_row_max() -> None:
             assert i == 2 or w["mufu"] <= scores // 4, r["windows"]
 
 
-def test_softmax_options_ship_where_they_were_measured() -> None:
+def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     """softmax_apart: causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead
     too); softcap, windowed and packed problems and the other shapes do not; it needs the
     intra-WG overlap it serves. wg_slice and split_loops: the entries of configs._WG_SLICE and
-    _SPLIT_LOOPS and e4m3 D = 256, on the same terms."""
+    _SPLIT_LOOPS and e4m3 D = 256, on the same terms; packed problems take them only with
+    configs.VARLEN_SCHEDULE_OPTIONS on, and never with softcap or a window."""
     import torch
 
-    from flashsuite.common.validation import check_inputs
+    from flashsuite.common.validation import check_inputs, check_varlen_inputs
+    from flashsuite.fa3 import configs
     from flashsuite.fa3.configs import (
         HEAD_DIMS,
         can_implement,
@@ -206,8 +208,18 @@ def test_softmax_options_ship_where_they_were_measured() -> None:
         for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
             cfg = config_for(check_inputs(q, k, v, causal=causal, **kw))
             assert not (cfg.wg_slice or cfg.split_loops) and cfg.loop_mask_test, (d, kw)
-        vl = varlen_config(d, bf16, causal)
+        vl = varlen_config(d, bf16, causal, options=False)
         assert not (vl.wg_slice or vl.split_loops), (d, causal)
+        vl = varlen_config(d, bf16, causal, options=True)
+        assert (vl.wg_slice, vl.split_loops, vl.persistent) == (wgs, split, False), (d, causal)
+        # Packed problems with softcap or a window keep the builds without them, switch or not.
+        cu = torch.tensor([0, 300], dtype=torch.int32)
+        for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
+            with monkeypatch.context() as m:
+                m.setattr(configs, "VARLEN_SCHEDULE_OPTIONS", True)
+                vp = check_varlen_inputs(q[0], k[0], v[0], cu, cu, 300, 300, causal=causal, **kw)
+                vl = configs.varlen_config_for(vp.attn)
+            assert not (vl.wg_slice or vl.split_loops) and vl.loop_mask_test, (d, kw)
     assert (get_config(64, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
         False, False,
     )  # fmt: skip
