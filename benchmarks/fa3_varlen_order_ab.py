@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         n: (flops_dense if n == "dense" else flops_packed) / statistics.median(x) / 1e9
         for n, x in ms.items()
     }
-    print(f"D {d}, {'causal' if causal else 'non-causal'}, {len(lens)} sequences, {sum(lens)} tokens")
+    kind = "causal" if causal else "non-causal"
+    print(f"D {d}, {kind}, {len(lens)} sequences, {sum(lens)} tokens")
     for name, x in ms.items():
         passes = " ".join(f"{t * 1e3:.0f}" for t in x)
         print(
