@@ -50,7 +50,6 @@ einops is not installed a stand-in module is registered. Lab code: never importe
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -63,6 +62,7 @@ from benchmarks.fa4_sass_compare import (
     capture_storage,
     fa4_setup,
     is_move,
+    require_fa4,
     setmaxnreg,
     work_folder,
 )
@@ -791,14 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     names = MAIN if args.no_prepost else MAIN + PREPOST
     folder, tmp = work_folder(args.from_dir, args.keep, "fa4_bwd_sass_")
     if not args.from_dir:
-        unzipped = Path(os.environ.get("TMPDIR", "/tmp")) / "fa4" / "flash_attn"
-        found = (Path(args.wheel_dir) / FA4_WHEEL).exists() or unzipped.exists()
-        if not found and importlib.util.find_spec("flash_attn") is None:
-            sys.exit(
-                f"fa4_bwd_sass_compare: FA4 not found: {Path(args.wheel_dir) / FA4_WHEEL} is "
-                "absent and flash_attn is not installed (pip install flash-attn-4==4.0.0b36 "
-                "quack-kernels==0.6.5, or --wheel-dir DIR holding both wheels)"
-            )
+        require_fa4("fa4_bwd_sass_compare", args.wheel_dir)
         for name in names:
             cmd = [sys.executable, "-m", "benchmarks.fa4_bwd_sass_compare", "--build", name]
             cmd += ["--head-dim", str(args.head_dim), "--out", str(folder)]

@@ -633,6 +633,19 @@ def work_folder(from_dir: str | None, keep: str | None, prefix: str) -> tuple:
     return Path(tmp.name), tmp
 
 
+def require_fa4(tool: str, wheel_dir: str) -> None:
+    """Exit with a clear message when FA4 can be found neither as its wheel in `wheel_dir`, nor
+    unzipped under $TMPDIR/fa4, nor installed."""
+    unzipped = Path(os.environ.get("TMPDIR", "/tmp")) / "fa4" / "flash_attn"
+    found = (Path(wheel_dir) / FA4_WHEEL).exists() or unzipped.exists()
+    if not found and importlib.util.find_spec("flash_attn") is None:
+        sys.exit(
+            f"{tool}: FA4 not found: {Path(wheel_dir) / FA4_WHEEL} is absent and flash_attn is "
+            "not installed (pip install flash-attn-4==4.0.0b36 quack-kernels==0.6.5, or "
+            "--wheel-dir DIR holding both wheels)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head-dim", type=int, action="append", help="64 and 128 by default")
