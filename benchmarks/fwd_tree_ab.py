@@ -6,16 +6,18 @@ r"""fa3's forward from two source trees, timed interleaved on one GPU (a GPU run
         --tree-env nocache=FLASHSUITE_CACHE_DIR=off --tree new=. \
         --match bf16-d128-n8192-causal --kernels
     python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --match bf16 --rest 2
+    python3 -m benchmarks.fwd_tree_ab --tree old=/tmp/old --tree new=. --seqlen 1024 --seqlen 4096
 
 A change that should not move the forward (a refactor, a new module beside the kernel) is shown
 to be neutral by timing the forward of the tree before it and the tree after it in one run:
 each pass runs every tree once, each in a fresh process that imports `flashsuite` from that
 tree (a temporary folder with one link, `flashsuite -> TREE`, first on PYTHONPATH), and times
 `dispatch.attention(..., version="fa3")` over the standard sweep's quick shapes (B·N = 16k,
-Hq·D = 2048, N 2k and 8k, D 64 / 128 / 256, causal or not) in bf16 and in fp8 (e4m3 inputs,
-no descales) with triton.testing.do_bench (median). Each tree's best pass and the median of
-its passes are printed per shape, with the ratios of the last tree to the first (decide from
-the medians: single passes move by several percent). Correctness is the test suite's job.
+Hq·D = 2048, N 2k and 8k or `--seqlen`'s, D 64 / 128 / 256, causal or not) in bf16 and in
+fp8 (e4m3 inputs, no descales) with triton.testing.do_bench (median). Each tree's best pass
+and the median of its passes are printed per shape, with the ratios of the last tree to the
+first (decide from the medians: single passes move by several percent). Correctness is the
+test suite's job.
 """
 
 from __future__ import annotations
@@ -30,13 +32,20 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPES = [
-    (dtype, d, n, causal)
-    for dtype in ("bf16", "fp8")
-    for d in (64, 128, 256)
-    for n in (2048, 8192)
-    for causal in (False, True)
-]
+SEQLENS = (2048, 8192)
+
+
+def _shapes() -> list[tuple]:
+    """(dtype, head_dim, N, causal) of the quick sweep, at FWD_TREE_AB_SEQLENS' comma-separated
+    lengths (SEQLENS when unset)."""
+    lens = [int(n) for n in os.environ.get("FWD_TREE_AB_SEQLENS", "").split(",") if n]
+    return [
+        (dtype, d, n, causal)
+        for dtype in ("bf16", "fp8")
+        for d in (64, 128, 256)
+        for n in lens or SEQLENS
+        for causal in (False, True)
+    ]
 
 
 def _shape_id(shape: tuple) -> str:
@@ -45,10 +54,10 @@ def _shape_id(shape: tuple) -> str:
 
 
 def _selected() -> list[tuple]:
-    """SHAPES whose id (e.g. bf16-d128-n8192-causal) contains one of FWD_TREE_AB_MATCH's
+    """_shapes() whose id (e.g. bf16-d128-n8192-causal) contains one of FWD_TREE_AB_MATCH's
     comma-separated parts; every shape when it is unset."""
     parts = [m for m in os.environ.get("FWD_TREE_AB_MATCH", "").split(",") if m]
-    return [s for s in SHAPES if not parts or any(m in _shape_id(s) for m in parts)]
+    return [s for s in _shapes() if not parts or any(m in _shape_id(s) for m in parts)]
 
 
 def _child() -> None:
@@ -145,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument(
+        "--seqlen", type=int, action="append", default=[], help="N (repeat; 2k and 8k unset)"
+    )
+    ap.add_argument(
         "--match",
         action="append",
         default=[],
@@ -189,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             env["FWD_TREE_AB_KERNELS"] = "1"
     if args.match:
         os.environ["FWD_TREE_AB_MATCH"] = ",".join(args.match)
+    if bad := [n for n in args.seqlen if n < 1 or 16384 % n]:
+        ap.error(f"--seqlen: expected divisors of 16384 (B·N = 16k), got {bad}")
+    if args.seqlen:
+        os.environ["FWD_TREE_AB_SEQLENS"] = ",".join(map(str, args.seqlen))
     if args.rest < 0:
         ap.error(f"--rest: expected >= 0 seconds, got {args.rest}")
     os.environ["FWD_TREE_AB_REST_S"] = str(args.rest)
