@@ -214,9 +214,8 @@ def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
     # dynamic K/V loop leaks an SSA value out of its region.
     atom = cute.make_mma_atom(mma_qk.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
-    tSrK_s = tSrK[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK_s[None, None, k], acc_S)
+        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
@@ -227,7 +226,6 @@ def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32):
     warpgroup.fence()
     atom = cute.make_mma_atom(mma_pv.op)
     atom.set(warpgroup.Field.ACCUMULATE, True)  # acc_O starts at 0 and is rescaled in place
-    tOrVt_s = tOrVt[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt_s[None, None, k], acc_O)
+        cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
     warpgroup.commit_group()
