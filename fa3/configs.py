@@ -363,9 +363,9 @@ def get_config(
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
 _SKIP_MASKED_WG_DIMS = (64, 192)
-# (head_dim, causal) pairs that run the softmax apart from S (softmax_apart; config_for leaves
-# softcap and windowed problems out and varlen_config packed ones, which no GPU run has checked
-# with it). Non-causal D = 128: see _tiles. Causal, H200, 2026-12-04, `python3 -m
+# (head_dim, causal) pairs that run the softmax apart from S (softmax_apart; config_for and
+# varlen_config_for leave softcap and windowed problems out, which no GPU run has checked with
+# it). Non-causal D = 128: see _tiles. Causal, H200, 2026-12-04, `python3 -m
 # benchmarks.fwd_tree_ab --tree old=OLD --tree new=. --passes 3 --rest 1` with the flag on for
 # every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
 # old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
@@ -391,8 +391,9 @@ _K_AHEAD = ((128, False),)
 # 1.014 / 1.022); causal D = 128 with both 1.052 / 1.012, causal D = 64 1.057 / 1.014. Not
 # taken: D = 64 (0.992 / 0.982), D = 256 (1.013 / 0.998), causal D = 128 with pin_pv_wait
 # (0.983 / 0.987). Each passed its oracle cases on the GPU first
-# (tests/test_fa3_softmax_options.py, schedule options). Softcap, windowed and packed problems
-# keep the builds without them (config_for, varlen_config).
+# (tests/test_fa3_softmax_options.py, schedule options). Softcap and windowed problems keep the
+# builds without them (config_for, varlen_config_for); packed ones take them
+# (VARLEN_SCHEDULE_OPTIONS).
 _WG_SLICE = ((128, False), (128, True), (64, True))
 _SPLIT_LOOPS = ((128, True), (64, True))
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
@@ -626,10 +627,9 @@ def config_for(p: AttnParams) -> Fa3Config:
 
 
 def dense_options_off(cfg: Fa3Config) -> Fa3Config:
-    """`cfg` without the schedule options timed and checked on dense problems only
-    (softmax_apart, wg_slice, split_loops; the loop's mask test back in): what softcap and
-    windowed problems (`config_for`) and packed sequences (`varlen_config`) run, the builds
-    the GPU suite has checked on them."""
+    """`cfg` without the schedule options (softmax_apart, wg_slice, split_loops; the loop's
+    mask test back in): what softcap and windowed problems run, dense (`config_for`) or packed
+    (`varlen_config_for`), the builds the GPU suite has checked on them."""
     return replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
                    loop_mask_test=True)  # fmt: skip
 
@@ -673,8 +673,14 @@ def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int)
 VARLEN_AUTO = True
 
 
-# Whether packed sequences run the dense entries' schedule options (varlen_config).
-VARLEN_SCHEDULE_OPTIONS = False
+# Whether packed sequences run the dense entries' schedule options (varlen_config; softcap and
+# windowed ones never do). On: the GPU cases of tests/test_fa3_varlen.py pass with it, and on an
+# H100 (2026-12-06, commit 07880b5, `python -m benchmarks.fa3_varlen_order_ab --head-dim D
+# [--non-causal] --options`, 64k tokens in 35 sequences, medians of 5 interleaved passes) it
+# timed 1.093x the build without at causal D = 128 (0.833 -> 0.910x the dense forward on the
+# same tokens), 1.085x at causal D = 64 (0.896 -> 0.972x), 1.018x non-causal D = 128 and 1.017x
+# causal D = 256.
+VARLEN_SCHEDULE_OPTIONS = True
 # Query heads per launch section of a causal packed grid (varlen_config; 0: the plain order).
 VARLEN_CAUSAL_HEAD_SECTION = 8
 

@@ -197,7 +197,8 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     assert config_for(check_inputs(q, k, v, causal=True)).softmax_apart
     assert not config_for(check_inputs(q, k, v, causal=True, softcap=30.0)).softmax_apart
     assert not config_for(check_inputs(q, k, v, causal=True, window_size=(64, 0))).softmax_apart
-    assert not varlen_config(256, bf16, True).softmax_apart
+    assert not varlen_config(256, bf16, True, options=False).softmax_apart
+    assert varlen_config(256, bf16, True, options=True).softmax_apart
     # wg_slice and split_loops (and e4m3 D 256's dropped mask test) likewise stay with the
     # dense problems without softcap or window they were timed and checked on.
     slice_loops = {(128, False): (True, False), (128, True): (True, True), (64, True): (True, True)}
