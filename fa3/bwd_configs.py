@@ -48,10 +48,10 @@ VARLEN_BWD_AUTO = True
 # builds without it at D = 64 and 1.03x at D = 128 (docs/inference.md, "Configs").
 VARLEN_DENSE_ROUTES = True
 
-# The same for sliding windows (dense problems with a left or right edge): off, so windows take
-# the builds without the routes (their GPU cases in benchmarks/fa3_bwd_check.py ran on those).
-# The routes compile spill-free with a window (benchmarks/fa3_bwd_probe.py --local).
-WINDOW_DENSE_ROUTES = False
+# The head dims whose sliding windows (a left or right edge) take the same routes: the 15 window
+# cases of benchmarks/fa3_bwd_check.py pass on them at D 64 / 96 / 128; D = 128's timed 1.032x
+# the build without and 0.997x FA4 on an H100 (docs/results.md, "Causal D = 96 / 128 ...").
+WINDOW_ROUTE_HEAD_DIMS: tuple[int, ...] = (128,)
 
 
 @dataclass(frozen=True)
@@ -516,7 +516,8 @@ def bwd_config_for(
         overlap=not softcap,
         dkv_tma=not softcap,
     )
-    if softcap or (local and not WINDOW_DENSE_ROUTES) or (varlen and not VARLEN_DENSE_ROUTES):
+    window_plain = local and head_dim not in WINDOW_ROUTE_HEAD_DIMS
+    if softcap or window_plain or (varlen and not VARLEN_DENSE_ROUTES):
         return cfg
     if head_dim == 64:
         # FA4's D = 64 route (variant pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf; docstring)

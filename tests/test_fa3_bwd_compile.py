@@ -1095,11 +1095,16 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
     # Non-causal D 128: the 80-row tile with dV issued before the sdS fence.
     assert variant("pipe80_wgs_wgdq_tma_dvf") == bwd_config_for(128, torch.bfloat16, False)
     # Packed sequences and windows: the builds without the dense routes unless
-    # VARLEN_DENSE_ROUTES / WINDOW_DENSE_ROUTES, then the dense routes without the sectioned
-    # grid or the 80-row tile.
+    # VARLEN_DENSE_ROUTES / the head dim in WINDOW_ROUTE_HEAD_DIMS, then the dense routes
+    # without the sectioned grid or the 80-row tile.
     for d, causal, routes in itertools.product((64, 96, 128, 256), (False, True), (False, True)):
-        for flag, problem in (("VARLEN_DENSE_ROUTES", "varlen"), ("WINDOW_DENSE_ROUTES", "local")):
-            monkeypatch.setattr(bwd_configs, flag, routes)
+        window_dims = (64, 96, 128) if routes else ()
+        switches = (
+            ("VARLEN_DENSE_ROUTES", "varlen", routes),
+            ("WINDOW_ROUTE_HEAD_DIMS", "local", window_dims),
+        )
+        for flag, problem, value in switches:
+            monkeypatch.setattr(bwd_configs, flag, value)
             got = bwd_config_for(d, torch.bfloat16, causal, **{problem: True})
             where = (d, causal, routes, problem)
             if d == 256:
@@ -1114,11 +1119,19 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
     # A window on packed sequences takes the routes only when both switches say so.
     for varlen_routes, window_routes in itertools.product((False, True), (False, True)):
         monkeypatch.setattr(bwd_configs, "VARLEN_DENSE_ROUTES", varlen_routes)
-        monkeypatch.setattr(bwd_configs, "WINDOW_DENSE_ROUTES", window_routes)
+        monkeypatch.setattr(bwd_configs, "WINDOW_ROUTE_HEAD_DIMS", (128,) if window_routes else ())
         got = bwd_config_for(128, torch.bfloat16, True, varlen=True, local=True)
         both = varlen_routes and window_routes
         assert got == variant("pipe_wgs_sout_ng_wgdq_tma_dvf" if both else "pipe_stm_tma")
     monkeypatch.undo()
+    # As shipped, windows take the routes at D = 128 only (the one head dim timed with them).
+    assert bwd_configs.WINDOW_ROUTE_HEAD_DIMS == (128,)
+    for d, want in (
+        (64, "pipe128_dqm_tma"),
+        (96, "pipe_stm_tma"),
+        (128, "pipe_wgs_sout_ng_wgdq_tma_dvf"),
+    ):
+        assert bwd_config_for(d, torch.bfloat16, True, local=True) == variant(want), d
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
     assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, False
