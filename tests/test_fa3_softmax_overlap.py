@@ -170,7 +170,7 @@ def test_pv_wait_after_max_splits_the_softmax_at_the_row_max() -> None:
 
 def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     """softmax_apart: causal D = 256 and non-causal D = 128 and 192 take it (D = 128 k_ahead
-    too); softcap, windowed and packed problems and the other shapes do not; it needs the
+    too); softcap and windowed problems and the other shapes do not; it needs the
     intra-WG overlap it serves. wg_slice and split_loops: the entries of configs._WG_SLICE and
     _SPLIT_LOOPS and e4m3 D = 256, on the same terms; packed problems take them only with
     configs.VARLEN_SCHEDULE_OPTIONS on, and never with softcap or a window."""
@@ -199,6 +199,8 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     assert not config_for(check_inputs(q, k, v, causal=True, window_size=(64, 0))).softmax_apart
     assert not varlen_config(256, bf16, True, options=False).softmax_apart
     assert varlen_config(256, bf16, True, options=True).softmax_apart
+    # As shipped, packed problems take the options (configs.VARLEN_SCHEDULE_OPTIONS).
+    assert varlen_config(256, bf16, True) == varlen_config(256, bf16, True, options=True)
     # wg_slice and split_loops (and e4m3 D 256's dropped mask test) likewise stay with the
     # dense problems without softcap or window they were timed and checked on.
     slice_loops = {(128, False): (True, False), (128, True): (True, True), (64, True): (True, True)}
