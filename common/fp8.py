@@ -199,6 +199,29 @@ def _amax(xf: torch.Tensor, mode: str, group: int, block: int) -> torch.Tensor:
     return padded.reshape(b, nb, block, hg, group * d).amax(dim=(2, 4)).transpose(1, 2)
 
 
+def keys_major_empty(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """An uninitialised (B, N, H, D) tensor laid out keys-major (the keys contiguous): a view of
+    (B, H, D, N16) storage, N16 = N rounded up to 16, so stride(1) == 1 and every other stride a
+    multiple of 16 elements. For fp8 V this is the Vᵀ fa3's forward reads where it would
+    otherwise copy V into that layout before each call (docs/fp8.md, "V laid out keys-major").
+    """
+    b, n, h, d = shape
+    n16 = -(-n // 16) * 16
+    return torch.empty(b, h, d, n16, dtype=dtype, device=device)[..., :n].permute(0, 3, 1, 2)
+
+
+def keys_major(x: torch.Tensor) -> torch.Tensor:
+    """x (B, N, H, D) -> the same values in `keys_major_empty`'s layout (one copy)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = f"{x.dim()}-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x: expected a 4-d tensor (B, N, H, D), got {got}")
+    out = keys_major_empty(tuple(x.shape), x.dtype, x.device)
+    out.copy_(x)
+    return out
+
+
 def quantize(
     x: torch.Tensor,
     mode: str = "head",
@@ -207,6 +230,7 @@ def quantize(
     block: int = 0,
     dtype: torch.dtype = E4M3,
     descale: torch.Tensor | None = None,
+    keys_major: bool = False,
 ) -> Fp8Tensor:
     """x (B, N, H, D) floating -> Fp8Tensor in scaling `mode` ("tensor", "head", "block").
 
@@ -216,6 +240,8 @@ def quantize(
     all-zero block). Each element is divided by its descale in float32, clamped to the format's
     finite range (saturation: float8_e4m3fn has no infinity) and rounded to nearest even.
     NaN or infinite inputs raise ValueError (they have no fp8 encoding a descale could undo).
+    `keys_major` writes the data in `keys_major_empty`'s layout in the same pass:
+    the V that fa3's fp8 forward reads without its Vᵀ copy.
     """
     _check_mode(mode, block)
     if dtype not in FP8_MAX:
@@ -240,16 +266,25 @@ def quantize(
         want = descale_shape(mode, tuple(x.shape), group, block)
         _check_descale(descale, want, mode, x.device)
     scale = _per_row(descale, mode, group, block, x.shape[1])  # (B, N or 1, H, 1)
-    data = (xf / scale).clamp(-fmax, fmax).to(dtype)  # (B, N, H, D)
+    scaled = (xf / scale).clamp(-fmax, fmax)  # (B, N, H, D) float32
+    if keys_major:
+        data = keys_major_empty(tuple(x.shape), dtype, x.device)
+        data.copy_(scaled)  # the same rounding (to nearest even) as .to(dtype)
+    else:
+        data = scaled.to(dtype)
     return Fp8Tensor(data, descale, mode, group, block)
 
 
 def quantize_e4m3(
-    x: torch.Tensor, descale: torch.Tensor | None = None, group: int = 1
+    x: torch.Tensor,
+    descale: torch.Tensor | None = None,
+    group: int = 1,
+    keys_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, N, H, D) floating -> (x8 (B, N, H, D) float8_e4m3fn, descale (B, H // group)):
-    `quantize` in "head" mode, as the pair dispatch.attention takes (descale_q/k/v)."""
-    t = quantize(x, "head", group=group, descale=descale)
+    `quantize` in "head" mode, as the pair dispatch.attention takes (descale_q/k/v);
+    `keys_major` for v (see `quantize`)."""
+    t = quantize(x, "head", group=group, descale=descale, keys_major=keys_major)
     return t.data, t.descale
 
 

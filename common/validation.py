@@ -213,7 +213,10 @@ def signature(q, k, v, causal, scale, window_size, softcap) -> tuple | None:
         return None  # not a tensor, or 0-D: check_inputs says what is wrong
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
+def _check_tensor(name: str, t: object, keys_ok: bool = False) -> torch.Tensor:
+    """`t` as a (B, N, H, D) operand: a 4-D tensor of a supported dtype whose last dim is
+    contiguous, or with `keys_ok` (v) a float8 one whose key dim is (stride(1) == 1: V laid out
+    keys-major, common.fp8.keys_major, which fa3's fp8 forward reads without a copy)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dim() != 4:
@@ -225,8 +228,12 @@ def _check_tensor(name: str, t: object) -> torch.Tensor:
         allowed = ", ".join(_dt(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{name}: expected dtype in ({allowed}), got {_dt(t.dtype)}")
     if t.size(-1) > 1 and t.stride(-1) != 1:
+        fp8 = t.dtype in FP8_DTYPES
+        if keys_ok and fp8 and (t.size(1) <= 1 or t.stride(1) == 1):
+            return t
+        also = " or, float8 only, the key dim stride(1) == 1" if keys_ok and fp8 else ""
         raise ValueError(
-            f"{name}: the last dim (head_dim) must be contiguous: expected stride(-1) == 1, "
+            f"{name}: the last dim (head_dim) must be contiguous: expected stride(-1) == 1{also}, "
             f"got {t.stride(-1)} (strides {tuple(t.stride())})"
         )
     return t
@@ -270,7 +277,7 @@ def check_inputs(
     """Validate q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv) and the options."""
     q = _check_tensor("q", q)
     k = _check_tensor("k", k)
-    v = _check_tensor("v", v)
+    v = _check_tensor("v", v, keys_ok=True)
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (q's device), got {t.device}")

@@ -225,6 +225,15 @@ def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     return vt.view(v.dtype)
 
 
+def _vt_of(v: torch.Tensor) -> torch.Tensor:
+    """Vᵀ (B, Hkv, D, Nk) of a keys-major fp8 V (stride(1) == 1, common.fp8.keys_major): a view,
+    no copy, where its base and strides suit TMA; else `transpose_v`'s copy."""
+    vt = v.permute(0, 2, 3, 1)
+    if vt.data_ptr() % 16 == 0 and _strides_aligned(vt):
+        return vt
+    return transpose_v(v)
+
+
 def _transpose_v_permuted(v: torch.Tensor) -> torch.Tensor:
     """`transpose_v` with permute_keys: (B, Nk, Hkv, D) -> (B, Hkv, D, Nk rounded up to 32)."""
     b, nk, hkv, d = v.shape
@@ -334,10 +343,17 @@ def forward(
     q, k = _tma_ready(q), _tma_ready(k)
     fn, scalars, cfg = _launch_plan(p, cfg, q.device)
     if p.is_fp8:
+        keys_major = v.size(-1) > 1 and v.stride(-1) != 1  # check_inputs: then stride(1) == 1
         if cfg.v_transpose == "host":
-            v = transpose_v(v, cfg.permute_v_keys)  # (B, Hkv, D, Nk), keys contiguous
+            # (B, Hkv, D, Nk), keys contiguous: a keys-major V is that already (but for the
+            # key order of permute_v_keys)
+            if keys_major and not cfg.permute_v_keys:
+                v = _vt_of(v)
+            else:
+                v = transpose_v(v, cfg.permute_v_keys)
         else:
-            v = _tma_ready(v)  # (B, Nk, Hkv, D): the kernel transposes each block in smem
+            # (B, Nk, Hkv, D): the kernel transposes each block in smem
+            v = _tma_ready(v.contiguous() if keys_major else v)
         if _fp8_blocks(p):
             b, hkv, nk = p.batch, p.heads_kv, p.seqlen_k
             kv_block = p.fp8_block_kv or _ONE_BLOCK

@@ -507,6 +507,52 @@ def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int, perm
     assert all(svt[(c, s)] == ("v", key_at(s), c) for s in range(tile_n) for c in range(d))
 
 
+def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
+    """interface.forward with a keys-major fp8 V (common.fp8.keys_major, binary stubbed): the
+    host-Vᵀ build gets a view of V's own storage as Vᵀ (no copy), the smem build a token-major
+    copy (what it reads), and a keys-major V whose strides TMA cannot take transpose_v's copy."""
+    from flashsuite.common.fp8 import keys_major
+    from flashsuite.fa3 import compile as fa3_compile
+    from flashsuite.fa3.configs import fp8_smem_transpose_config, get_config
+
+    calls = []
+    props = type("Props", (), {"multi_processor_count": 132})
+    monkeypatch.setattr(fa3_compile, "get_forward", lambda key: lambda *a: calls.append((key, a)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(interface, "_plans", {})
+    copies = []
+    real_transpose = interface.transpose_v
+    monkeypatch.setattr(
+        interface, "transpose_v", lambda v, pk=False: copies.append(v) or real_transpose(v, pk)
+    )
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 40, 4, 128, generator=gen).to(FP8_DTYPE)  # (B, Nq, Hq, D)
+    k = torch.randn(2, 50, 2, 128, generator=gen).to(FP8_DTYPE)  # (B, Nk, Hkv, D)
+    v = torch.randn(2, 50, 2, 128, generator=gen).to(FP8_DTYPE)
+    vk = keys_major(v)  # (B, Nk, Hkv, D) over (B, Hkv, D, 64) storage
+    assert vk.stride(1) == 1 and torch.equal(vk.view(torch.uint8), v.view(torch.uint8))
+    p = check_inputs(q, k, vk)
+    host = replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
+    interface.forward(q, k, vk, p, cfg=host)
+    vt = calls[-1][1][2]  # (B, Hkv, D, Nk)
+    assert not copies and vt.data_ptr() == vk.data_ptr() and vt.stride(-1) == 1
+    assert torch.equal(vt.view(torch.uint8), interface.transpose_v(v).view(torch.uint8))
+    copies.clear()
+    smem = fp8_smem_transpose_config(128, False)
+    interface.forward(q, k, vk, p, cfg=smem)
+    v_smem = calls[-1][1][2]
+    assert not copies and v_smem.is_contiguous() and v_smem.data_ptr() != vk.data_ptr()
+    assert torch.equal(v_smem.view(torch.uint8), v.view(torch.uint8))
+    # Keys contiguous, but the D stride (50 bytes) is no multiple of 16: the padded copy.
+    odd = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    interface.forward(q, k, odd, check_inputs(q, k, odd), cfg=host)
+    assert len(copies) == 1
+    assert torch.equal(calls[-1][1][2].view(torch.uint8), vt.view(torch.uint8))
+    # With permute_v_keys the kernel wants another key order: the copy, from either layout.
+    interface.forward(q, k, vk, p, cfg=replace(host, permute_v_keys=True))
+    assert len(copies) == 2
+
+
 def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
     """interface.forward with a v_transpose="smem" config (binary stubbed): V goes to the
     binary untouched (B, Nk, Hkv, D), no Vᵀ copy; the compile key carries the config."""

@@ -79,6 +79,38 @@ def test_quantize_saturates_and_rejects_non_finite() -> None:
         quantize_e4m3(x, descale=torch.zeros(1, 1))
 
 
+def test_keys_major_v_is_the_same_values_and_an_accepted_v() -> None:
+    """quantize(keys_major=True) / common.fp8.keys_major: the same e4m3 values with the keys
+    contiguous and every other stride a multiple of 16 (TMA's Vᵀ, no copy in fa3); check_inputs
+    takes such a V (fp8 only, v only), and the torch version gives the same bits from it."""
+    from flashsuite.common.fp8 import keys_major
+    from flashsuite.common.validation import check_inputs
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 37, 3, 16, generator=gen)
+    x8, ds = quantize_e4m3(x)
+    xk, dsk = quantize_e4m3(x, keys_major=True)
+    assert torch.equal(dsk, ds) and torch.equal(xk.view(torch.uint8), x8.view(torch.uint8))
+    assert xk.stride(1) == 1 and all(st % 16 == 0 for st in xk.permute(0, 2, 3, 1).stride()[:3])
+    assert torch.equal(keys_major(x8).view(torch.uint8), x8.view(torch.uint8))
+    assert keys_major(x8).stride() == xk.stride()
+    q8 = quantize_e4m3(torch.randn(2, 20, 6, 16, generator=gen), group=2)[0]
+    p = check_inputs(q8, x8, xk, causal=True)
+    assert (p.seqlen_k, p.heads_kv, p.head_dim) == (37, 3, 16)
+    with pytest.raises(ValueError, match=r"k: the last dim \(head_dim\) must be contiguous"):
+        check_inputs(q8, xk, xk)  # k keys-major: only v may be
+    xb = keys_major(x.bfloat16())
+    with pytest.raises(ValueError, match=r"v: the last dim \(head_dim\) must be contiguous: "
+                       r"expected stride\(-1\) == 1, got"):  # fmt: skip
+        check_inputs(q8.bfloat16(), x.bfloat16(), xb)  # 16-bit V: head_dim contiguous only
+    with pytest.raises(ValueError, match=r"or, float8 only, the key dim stride\(1\) == 1"):
+        check_inputs(q8, x8, x8.transpose(2, 3).contiguous().transpose(2, 3))  # heads innermost
+    kw = dict(descale_q=torch.ones(2, 3), descale_k=ds, descale_v=ds, causal=True)
+    a = dispatch.attention(q8, x8, x8, version="torch", return_lse=True, **kw)
+    b = dispatch.attention(q8, x8, keys_major(x8), version="torch", return_lse=True, **kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_dequantize_uses_the_group_s_kv_head_descale() -> None:
     x8 = torch.ones(2, 3, 4, 8).to(E4M3)  # Hq = 4 query heads, 2 kv heads
     ds = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (B, Hkv)
@@ -189,6 +221,36 @@ def test_fa3_fp8_v_routes(case: tuple, build: str) -> None:
     if build == "smem" and host.tile_n == cfg.tile_n:
         out_h, lse_h = interface.forward(q8, k8, v8, p, *ds, cfg=host)
         assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES[3:6], ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}")
+def test_fa3_fp8_keys_major_v_gives_the_same_bits(case: tuple) -> None:
+    """fa3 on a keys-major V (common.fp8.keys_major): through dispatch (the table's route, the
+    smem build at these lengths: V copied token-major first) and through the host-Vᵀ build
+    (V's own storage as Vᵀ, no copy), bit for bit the outputs of the same call on V as it
+    lies."""
+    if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
+    from flashsuite.common.fp8 import keys_major
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config
+
+    b, nq, nk, hq, hkv, d, causal, _ = case
+    q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, DEVICE)
+    vk = keys_major(v8)
+    kw = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    want = dispatch.attention(q8, k8, v8, causal=causal, return_lse=True, version="fa3", **kw)
+    got = dispatch.attention(q8, k8, vk, causal=causal, return_lse=True, version="fa3", **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    host = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
+    want = interface.forward(q8, k8, v8, check_inputs(q8, k8, v8, causal=causal, **kw), *ds,
+                             cfg=host)  # fmt: skip
+    got = interface.forward(q8, k8, vk, check_inputs(q8, k8, vk, causal=causal, **kw), *ds,
+                            cfg=host)  # fmt: skip
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _assert_within_fp8_baseline(*got, q8, k8, v8, ds, causal, fa3=True)
 
 
 def growing_max_inputs(d: int, growth: float, device) -> tuple:
