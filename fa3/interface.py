@@ -231,7 +231,7 @@ def _vt_of(v: torch.Tensor) -> torch.Tensor:
     """Vᵀ (B, Hkv, D, Nk) of a keys-major fp8 V (stride(1) == 1, common.fp8.keys_major): a view,
     no copy, where its base and strides suit TMA; else `transpose_v`'s copy."""
     vt = v.permute(0, 2, 3, 1)
-    if vt.data_ptr() % 16 == 0 and _strides_aligned(vt):
+    if vt.stride(-1) == 1 and vt.data_ptr() % 16 == 0 and _strides_aligned(vt):
         return vt
     return transpose_v(v)
 

@@ -551,6 +551,12 @@ def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     # With permute_v_keys the kernel wants another key order: the copy, from either layout.
     interface.forward(q, k, vk, p, cfg=replace(host, permute_v_keys=True))
     assert len(copies) == 2
+    # One key, its stride not 1 (any stride passes for a size-1 dim): the copy, not a view
+    # whose last stride the binary would refuse.
+    one = torch.empty_strided((2, 1, 2, 128), (8192, 3, 2048, 16), dtype=FP8_DTYPE)
+    k1 = k[:, :1]
+    interface.forward(q, k1, one, check_inputs(q, k1, one), cfg=host)
+    assert len(copies) == 3 and calls[-1][1][2].stride(-1) == 1
 
 
 def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
