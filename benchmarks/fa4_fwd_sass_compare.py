@@ -75,7 +75,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.fa4_sass_compare import is_move, require_fa4, setmaxnreg, work_folder
+from benchmarks.fa4_sass_compare import (
+    _backward_branches,
+    is_move,
+    producer_loop,
+    require_fa4,
+    setmaxnreg,
+    work_folder,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FA4_WHEEL = "flash_attn_4-4.0.0b36-py3-none-any.whl"
@@ -400,9 +407,8 @@ def regions(insns, labels, loop: tuple[int, int]) -> dict[str, dict]:
 
 
 def _loops(insns, labels):
-    from benchmarks.fa3_bwd_sass import _branches
-
-    return [(t, i, c) for i, t, c in _branches(insns, labels) if t <= i]
+    """(head, back-edge index, conditional) of every backward branch (fa4_sass_compare's)."""
+    return [(t, i, c) for i, t, c in _backward_branches(insns, labels)]
 
 
 def consumer_loop(insns, labels) -> tuple[int, int] | None:
@@ -427,17 +433,6 @@ def consumer_loop(insns, labels) -> tuple[int, int] | None:
         n = sum(x.base == "HGMMA" for x in insns[t : i + 1])
         found.append((masked, -n, i - t, t, i))
     return (min(found)[3], min(found)[4]) if found else None
-
-
-def producer_loop(insns, labels) -> tuple[int, int] | None:
-    """(head, back-edge index) of the shortest loop holding UTMALDG and no HGMMA."""
-    found = [
-        (i - t, t, i)
-        for t, i, _ in _loops(insns, labels)
-        if any(x.base == "UTMALDG" for x in insns[t : i + 1])
-        and not any(x.base == "HGMMA" for x in insns[t : i + 1])
-    ]
-    return (min(found)[1], min(found)[2]) if found else None
 
 
 # --------------------------------------------------------------------------- analysis
@@ -682,7 +677,7 @@ def report(fa4: dict, ours: dict, head_dim: int, causal: bool) -> str:
                     f"    instructions before the first HGMMA (always): FA4 "
                     f"{a['insns_before_first_hgmma']}, ours {b['insns_before_first_hgmma']}"
                 )
-        for name in a["stretches"].keys() | b["stretches"].keys():
+        for name in dict.fromkeys([*a["stretches"], *b["stretches"]]):  # first seen, in order
             for who, r in (("FA4", a), ("ours", b)):
                 st = r["stretches"].get(name)
                 body = ", ".join(f"{k} {v}" for k, v in st.items() if k != "n") if st else ""
