@@ -152,9 +152,9 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         )
         if on
     ]
-    vt = "in shared memory" if cfg.v_transpose == "smem" else "copied on the host"
+    vt = "in shared memory"
     if cfg.v_transpose == "host":
-        vt += " unless V is keys-major (common.fp8.keys_major)"
+        vt = "copied on the host unless V is keys-major (common.fp8.keys_major)"
     what = f"fp8 e4m3 forward (bf16 out, Vᵀ {vt}), " if p.is_fp8 else ""
     tiles = f"{cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages"
     return True, f"fa3: {what}{tiles}, {', '.join(features)}"
