@@ -1124,14 +1124,15 @@ def test_bwd_variants_can_implement(monkeypatch) -> None:
         both = varlen_routes and window_routes
         assert got == variant("pipe_wgs_sout_ng_wgdq_tma_dvf" if both else "pipe_stm_tma")
     monkeypatch.undo()
-    # As shipped, windows take the routes at D = 128 only (the one head dim timed with them).
-    assert bwd_configs.WINDOW_ROUTE_HEAD_DIMS == (128,)
+    # As shipped, windows take the routes at every head dim that has them (each timed faster).
+    assert bwd_configs.WINDOW_ROUTE_HEAD_DIMS == (64, 96, 128)
     for d, want in (
-        (64, "pipe128_dqm_tma"),
-        (96, "pipe_stm_tma"),
+        (64, "pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf"),
+        (96, "pipe_wgs_sout_ng_wgdq_tma_dvf"),
         (128, "pipe_wgs_sout_ng_wgdq_tma_dvf"),
     ):
-        assert bwd_config_for(d, torch.bfloat16, True, local=True) == variant(want), d
+        for causal in (False, True):
+            assert bwd_config_for(d, torch.bfloat16, causal, local=True) == variant(want), d
     assert variant("pipe_wgdq_tma") == bwd_config_for(96, torch.bfloat16, False)
     assert variant("pipe128_dqm_wgs_sout_ng_shfl_wgdq_tma_dvf") == bwd_config_for(
         64, torch.bfloat16, False
