@@ -18,9 +18,10 @@ With --fp8 the inputs are e4m3 with per-(batch, kv head) descales: each variant 
 benchmarks.fa3_fp8_check's three small cases (against the float64 oracle and the e4m3-rounding
 emulation), and the contenders are the variants and the shipped fp8 config through
 fa3.interface.forward (Vᵀ made as the config says: every user-visible step timed), fa3's bf16
-forward and SDPA's cuDNN backend in bf16 on the same shapes. --fp8-blocks adds the per-block
-descale build ("fa3-fp8-blocks": the same descales as block views, one per 128 query rows and
-per key tile; tests/test_fp8_blocks.py holds its accuracy).
+forward and SDPA's cuDNN backend in bf16 on the same shapes, and "fa3-fp8-km", the shipped
+call on V laid out keys-major (common.fp8.keys_major: no Vᵀ copy before the kernel).
+--fp8-blocks adds the per-block descale build ("fa3-fp8-blocks": the same descales as block
+views, one per 128 query rows and per key tile; tests/test_fp8_blocks.py holds its accuracy).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def _time_and_report(
 def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
     """--fp8: the e4m3 forward's variants against the shipped fp8 config (see the docstring)."""
     from benchmarks.fa3_fp8_check import _inputs, _small_cases, check_case
+    from flashsuite.common.fp8 import keys_major
     from flashsuite.common.testing import Case
     from flashsuite.common.validation import check_inputs
     from flashsuite.dispatch.bench import prepare
@@ -192,6 +194,11 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
             fns[name, n] = lambda q=q, k=k, v=v, p=p, ds=ds, cfg=cfg: fa3.forward(
                 q, k, v, p, *ds, cfg=cfg
             )
+        # The same call on V laid out keys-major (what quantize(..., keys_major=True) writes):
+        # the long-key builds read it as Vᵀ instead of copying V before the kernel.
+        vk = keys_major(v)
+        pk = check_inputs(q, k, vk, causal=causal)
+        fns["fa3-fp8-km", n] = lambda q=q, k=k, v=vk, p=pk, ds=ds: fa3.forward(q, k, v, p, *ds)
         if args.fp8_blocks:
             # The per-block build (docs/fp8.md): the same descales as block views, q in blocks
             # of 128 rows, k and v in blocks of one key tile (a descale load per K/V block).

@@ -51,6 +51,9 @@ class AttnParams:
     # head), the (B, Hkv) descales; `check_inputs` reads them off block views).
     fp8_block_q: int = 0
     fp8_block_kv: int = 0
+    # A float8 v laid out keys-major (stride(1) == 1 where the head dim is not contiguous:
+    # common.fp8.keys_major): fa3's forward reads it as Vᵀ, so it takes the host-Vᵀ build.
+    v_keys_major: bool = False
 
     @property
     def is_local(self) -> bool:
@@ -365,6 +368,7 @@ def check_inputs(
         scale=scale,
         fp8_block_q=blocks["descale_q"],
         fp8_block_kv=max(blocks["descale_k"], blocks["descale_v"]),
+        v_keys_major=is_fp8 and v.size(-1) > 1 and v.stride(-1) != 1,
     )
 
 

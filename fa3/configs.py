@@ -621,6 +621,10 @@ def config_for(p: AttnParams) -> Fa3Config:
         cfg = short
     if p.softcap or p.is_local:
         cfg = dense_options_off(cfg)
+    if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":
+        # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
+        # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
+        cfg = _fp8_tiles(p.head_dim, p.causal)
     if p.is_fp8 and (p.fp8_block_q or p.fp8_block_kv):
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg

@@ -509,11 +509,12 @@ def test_smem_transpose_lane_model_writes_v_transposed(tile_n: int, d: int, perm
 
 def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     """interface.forward with a keys-major fp8 V (common.fp8.keys_major, binary stubbed): the
-    host-Vᵀ build gets a view of V's own storage as Vᵀ (no copy), the smem build a token-major
-    copy (what it reads), and a keys-major V whose strides TMA cannot take transpose_v's copy."""
+    table takes the host-Vᵀ build for it at every key length, which gets a view of V's own
+    storage as Vᵀ (no copy); a smem build asked for by cfg a token-major copy (what it reads),
+    and a keys-major V whose strides TMA cannot take transpose_v's copy."""
     from flashsuite.common.fp8 import keys_major
     from flashsuite.fa3 import compile as fa3_compile
-    from flashsuite.fa3.configs import fp8_smem_transpose_config, get_config
+    from flashsuite.fa3.configs import config_for, fp8_smem_transpose_config, get_config
 
     calls = []
     props = type("Props", (), {"multi_processor_count": 132})
@@ -532,6 +533,12 @@ def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     vk = keys_major(v)  # (B, Nk, Hkv, D) over (B, Hkv, D, 64) storage
     assert vk.stride(1) == 1 and torch.equal(vk.view(torch.uint8), v.view(torch.uint8))
     p = check_inputs(q, k, vk)
+    # 50 keys: V as it lies takes the smem transpose; keys-major, it is Vᵀ already, and the
+    # table's tiles take it on the host-Vᵀ build (no copy either way).
+    assert p.v_keys_major and not check_inputs(q, k, v).v_keys_major
+    assert config_for(check_inputs(q, k, v)) == fp8_smem_transpose_config(128, False)
+    assert config_for(p) == replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
+    assert not check_inputs(q.bfloat16(), k.bfloat16(), v.bfloat16()).v_keys_major
     host = replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
     interface.forward(q, k, vk, p, cfg=host)
     vt = calls[-1][1][2]  # (B, Hkv, D, Nk)

@@ -226,31 +226,32 @@ def test_fa3_fp8_v_routes(case: tuple, build: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FP8_CASES[3:6], ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}")
 def test_fa3_fp8_keys_major_v_gives_the_same_bits(case: tuple) -> None:
-    """fa3 on a keys-major V (common.fp8.keys_major): through dispatch (the table's route, the
-    smem build at these lengths: V copied token-major first) and through the host-Vᵀ build
-    (V's own storage as Vᵀ, no copy), bit for bit the outputs of the same call on V as it
-    lies."""
+    """fa3 on a keys-major V (common.fp8.keys_major): through dispatch (the table takes the
+    host-Vᵀ build for it: V's own storage as Vᵀ, no copy) and through the smem build (V copied
+    token-major first), bit for bit the outputs of the same build on V as it lies."""
     if not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
     from flashsuite.common.fp8 import keys_major
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import FP8_DTYPE, get_config
+    from flashsuite.fa3.configs import config_for, fp8_smem_transpose_config
 
     b, nq, nk, hq, hkv, d, causal, _ = case
     q8, k8, v8, ds = _fp8_inputs(b, nq, nk, hq, hkv, d, DEVICE)
     vk = keys_major(v8)
     kw = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
-    want = dispatch.attention(q8, k8, v8, causal=causal, return_lse=True, version="fa3", **kw)
+    p = check_inputs(q8, k8, v8, causal=causal, **kw)
+    pk = check_inputs(q8, k8, vk, causal=causal, **kw)
+    host = config_for(pk)
+    assert host.v_transpose == "host"
     got = dispatch.attention(q8, k8, vk, causal=causal, return_lse=True, version="fa3", **kw)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    host = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
-    want = interface.forward(q8, k8, v8, check_inputs(q8, k8, v8, causal=causal, **kw), *ds,
-                             cfg=host)  # fmt: skip
-    got = interface.forward(q8, k8, vk, check_inputs(q8, k8, vk, causal=causal, **kw), *ds,
-                            cfg=host)  # fmt: skip
+    want = interface.forward(q8, k8, v8, p, *ds, cfg=host)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _assert_within_fp8_baseline(*got, q8, k8, v8, ds, causal, fa3=True)
+    smem = fp8_smem_transpose_config(d, causal)
+    got = interface.forward(q8, k8, vk, pk, *ds, cfg=smem)
+    want = interface.forward(q8, k8, v8, p, *ds, cfg=smem)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def growing_max_inputs(d: int, growth: float, device) -> tuple:
