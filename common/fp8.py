@@ -217,9 +217,9 @@ def keys_major(x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         got = f"{x.dim()}-d tensor" if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x: expected a 4-d tensor (B, N, H, D), got {got}")
-    out = keys_major_empty(tuple(x.shape), x.dtype, x.device)
-    out.copy_(x)
-    return out
+    from .transpose import keys_major_copy
+
+    return keys_major_copy(x, keys_major_empty(tuple(x.shape), x.dtype, x.device))
 
 
 def quantize(
@@ -240,8 +240,9 @@ def quantize(
     all-zero block). Each element is divided by its descale in float32, clamped to the format's
     finite range (saturation: float8_e4m3fn has no infinity) and rounded to nearest even.
     NaN or infinite inputs raise ValueError (they have no fp8 encoding a descale could undo).
-    `keys_major` writes the data in `keys_major_empty`'s layout in the same pass:
-    the V that fa3's fp8 forward reads without its Vᵀ copy.
+    `keys_major` returns the data in `keys_major_empty`'s layout (the rounded bytes copied
+    once more, by `common.transpose.keys_major_copy`): the V that fa3's fp8 forward reads
+    without its Vᵀ copy.
     """
     _check_mode(mode, block)
     if dtype not in FP8_MAX:
@@ -267,11 +268,11 @@ def quantize(
         _check_descale(descale, want, mode, x.device)
     scale = _per_row(descale, mode, group, block, x.shape[1])  # (B, N or 1, H, 1)
     scaled = (xf / scale).clamp(-fmax, fmax)  # (B, N, H, D) float32
+    data = scaled.to(dtype)
     if keys_major:
-        data = keys_major_empty(tuple(x.shape), dtype, x.device)
-        data.copy_(scaled)  # the same rounding (to nearest even) as .to(dtype)
-    else:
-        data = scaled.to(dtype)
+        from .transpose import keys_major_copy
+
+        data = keys_major_copy(data, keys_major_empty(tuple(x.shape), dtype, x.device))
     return Fp8Tensor(data, descale, mode, group, block)
 
 

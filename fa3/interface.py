@@ -209,7 +209,8 @@ def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     0.18-0.19 ms on the H200 there, 4-22 % of the fp8 forward at N = 8k-16k (commit 8867277,
     docs/results/fa3-fp8-ablation-8867277.json `bench`). The key stride is padded to 16 bytes
     (TMA); the view stops at Nk, so TMA zero-fills the tail block and the padding is never
-    read. Copied through uint8 views (a byte permutation).
+    read. Copied by `common.transpose.keys_major_copy` (one Triton launch; PyTorch's strided
+    copy where Triton cannot run).
 
     `permute_keys` (Fa3Config.permute_v_keys): within each 32-key block the keys go in
     `fp8_ops.slot_key` order, which swaps two bit fields of the key index, so the copy is still
@@ -221,10 +222,12 @@ def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
         return _transpose_v_permuted(v)
     b, nk, hkv, d = v.shape
     nk_pad = (nk + 15) // 16 * 16
-    vt = torch.empty((b, hkv, d, nk_pad), dtype=torch.uint8, device=v.device)  # (B, Hkv, D, Nk')
+    vt = torch.empty((b, hkv, d, nk_pad), dtype=v.dtype, device=v.device)  # (B, Hkv, D, Nk')
     vt = vt[..., :nk]  # (B, Hkv, D, Nk)
-    vt.copy_(v.view(torch.uint8).permute(0, 2, 3, 1))
-    return vt.view(v.dtype)
+    from flashsuite.common.transpose import keys_major_copy
+
+    keys_major_copy(v, vt.permute(0, 3, 1, 2))
+    return vt
 
 
 def _vt_of(v: torch.Tensor) -> torch.Tensor:

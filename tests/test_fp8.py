@@ -111,6 +111,36 @@ def test_keys_major_v_is_the_same_values_and_an_accepted_v() -> None:
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("dtype", [E4M3, torch.bfloat16], ids=["e4m3", "bf16"])
+def test_keys_major_copy_is_the_torch_copy(dtype, device) -> None:
+    """common.transpose.keys_major_copy (one Triton launch: compiled on a GPU, the interpreter
+    on a CPU) writes the bytes PyTorch's strided copy writes, for key counts that are no
+    multiple of its key block (1 included), head dims that are no multiple of its channel
+    block, and an input with outer strides of its own; fa3's Vᵀ copy is the same bytes."""
+    pytest.importorskip("triton")
+    from flashsuite.common import transpose
+    from flashsuite.common.fp8 import keys_major_empty
+    from flashsuite.fa3.interface import transpose_v
+
+    gen = torch.Generator().manual_seed(3)
+    for b, n, h, d in ((2, 131, 3, 96), (1, 1, 2, 64), (1, 300, 1, 256), (3, 17, 2, 24)):
+        x = torch.randn(b, n, h, d + 8, generator=gen).to(device=device, dtype=dtype)[..., :d]
+        got = transpose.keys_major_copy(x, keys_major_empty((b, n, h, d), dtype, device))
+        want = keys_major_empty((b, n, h, d), dtype, device).copy_(x)
+        assert got.stride() == want.stride()
+        bits = (lambda t: t.view(torch.uint8)) if dtype == E4M3 else (lambda t: t)
+        assert torch.equal(bits(got), bits(want)), (b, n, h, d)
+        if dtype == E4M3:
+            vt = transpose_v(x)  # (B, H, D, N), keys contiguous
+            assert torch.equal(vt.view(torch.uint8), x.view(torch.uint8).permute(0, 2, 3, 1))
+    if device == "cuda":  # the compiled kernel ran, not the fallback
+        from flashsuite.common import triton_launch
+
+        assert transpose._keys_major_copy in {key[0] for key in triton_launch._compiled}
+    with pytest.raises(ValueError, match=r"out: expected a 4-d tensor of x's shape \(2, 3"):
+        transpose.keys_major_copy(x[:2, :3], keys_major_empty((2, 4, 2, 24), dtype, device))
+
+
 def test_dequantize_uses_the_group_s_kv_head_descale() -> None:
     x8 = torch.ones(2, 3, 4, 8).to(E4M3)  # Hq = 4 query heads, 2 kv heads
     ds = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (B, Hkv)
