@@ -540,20 +540,20 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 
 # Who transposes fp8 V (wgmma's B operand must be K-major: Vᵀ), per head_dim: the kernel, in
 # shared memory (v_transpose="smem"), for key lengths up to this (None: any), else the host
-# (one more pass over V before the launch). On the H200 (commit 63c3300,
-# `benchmarks/fa3_fp8_check --vt`, B·N = 16k, Hq·D = 2048) the smem build's speedup (host time
-# / smem time of the whole call) at N = 4k / 16k, non-causal and causal:
-#     D = 64   1.14 / 1.02, causal 1.26 / 1.08   (smem at every length)
-#     D = 128  1.16 / 0.98, causal 1.35 / 1.04   (commit 8d3abdf)
-#     D = 256  1.03 / 0.86, causal 1.23 / 0.90   (tile_n 64 with the Vᵀ ring, 96 without)
-# The host's pass costs O(N D) against the kernel's O(N² D), so its share shrinks with N; the
-# crossover lies between the measured 4k and 16k, and the boundaries split that range. D = 96 and
-# 192 are not measured and keep the host copy.
-FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 8192, 256: 4096}
-# Causal limits that differ. D = 128 gains at 16k too (the H200's 1.04 above; H100 80GB HBM3,
-# 2026-12-05, commit 8b80060, `fa3_fwd_ab --fp8 --causal --head-dim 128 --seqlen 16384
-# --variant sm:v_transpose=smem`, medians of 3 interleaved passes: 1.039x the host copy).
-FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {128: None}
+# (`interface.transpose_v`: one Triton copy of V, 29-32 us at B·N = 16k, Hkv·D = 2048 on an
+# H100, 2.1-2.3 TB/s; `benchmarks/keys_major_copy_bench`). The smem build's cost is a share of
+# the kernel (10-22 % at D = 128 / 256), the copy's a fixed time that the kernel's O(N² D)
+# outgrows, so the host wins from some length on. H100 80GB HBM3, 2026-12-06, commit 811b62d
+# (`benchmarks/fa3_fwd_ab --fp8 --head-dim D [--causal] --variant h:v_transpose=host` (D = 256:
+# tile_n=96 too), B·N = 16k, Hq·D = 2048, medians of 5 / 3 interleaved passes), the whole call
+# on the host route / the smem build at N = 1k / 2k / 4k / 8k / 16k (where the smem build ran):
+#     D = 64   4k-16k 0.975 / 1.031 / 1.003, causal 0.986 / 1.002 / 1.036: smem at any length
+#     D = 128  0.958 / 1.000 / 1.044 / 1.070, causal 0.897 / 0.955 / 1.024 / 1.036 / 1.063
+#     D = 256  1.020 / 1.103 / 1.167, causal 0.916 / 1.043 / 1.150
+# D = 96 and 192 are not measured and keep the host copy. Lengths below 1k keep the smem build.
+FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512}
+# Causal limits that differ.
+FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {256: 1024}
 
 
 def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None, causal: bool = False) -> bool:

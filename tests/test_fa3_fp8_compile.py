@@ -307,7 +307,7 @@ def test_fp8_register_estimate_follows_the_split() -> None:
     assert not ok and f"> {VT_REG_SPLIT[2][1]}" in reason, reason
     for d in (64, 128, 256):
         for causal in (False, True):
-            cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=1024)
+            cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=512)
             assert cfg.v_transpose == "smem" and can_implement(cfg, d, FP8_DTYPE)[0], (d, cfg)
 
 
@@ -341,18 +341,19 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
             if causal and d in FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K:
                 limits = FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K
             limit = limits.get(d, 0)
-            for n in (1, 4096, 8192, 8193, 16384, 131072, None):
+            for n in (1, 512, 513, 1024, 1025, 2048, 2049, 8192, 16384, 131072, None):
                 smem = limit is None or (limit > 0 and n is not None and n <= limit)
                 cfg = get_config(d, FP8_DTYPE, causal, seqlen_k=n)
                 want = fp8_smem_transpose_config(d, causal) if smem else None
                 assert cfg.v_transpose == ("smem" if smem else "host"), (d, causal, n)
                 assert want is None or cfg == want
                 assert smem or cfg == fp8_shipped(d, causal)
-    assert FP8_SMEM_VT_MAX_SEQLEN_K[128] == 8192  # the measured crossovers: docs/fp8.md
-    assert FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K[128] is None
-    assert config_for(_fp8_params(nk=4096, causal=False)).v_transpose == "smem"
-    assert config_for(_fp8_params(nk=16384, causal=False)).v_transpose == "host"
-    assert config_for(_fp8_params(nk=16384)).v_transpose == "smem"  # causal
+    # The measured crossovers (configs.py, docs/fp8.md): D = 128 up to 2k, causal or not.
+    assert FP8_SMEM_VT_MAX_SEQLEN_K[128] == 2048 and 128 not in FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K
+    assert config_for(_fp8_params(nk=2048, causal=False)).v_transpose == "smem"
+    assert config_for(_fp8_params(nk=4096, causal=False)).v_transpose == "host"
+    assert config_for(_fp8_params(nk=2048)).v_transpose == "smem"  # causal
+    assert config_for(_fp8_params(nk=4096)).v_transpose == "host"
 
 
 def fp8_shipped(d: int, causal: bool):
