@@ -179,6 +179,11 @@ class Fa3Config:
     # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Off: bf16
     # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
     pv_wait_after_max: bool = False
+    # Intra-WG overlap: acc_O not zeroed before the tile (TILE_M x D / 2 / threads register
+    # moves, 64 CS2R a thread at D = 128); the tile's first P·V overwrites it instead (the
+    # wgmma's scale-d predicate, a runtime test of the loop index; FA4's order). A tile with
+    # no P·V (no key, or SKIP_MASKED_WG's passed block alone) zeroes it where it skips.
+    o_zero_init: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -274,6 +279,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if cfg.rescale_before_pv and not cfg.intra_wg_overlap:
         return False, "fa3: rescale_before_pv needs intra_wg_overlap=True"
+    if cfg.o_zero_init and not cfg.intra_wg_overlap:
+        return False, "fa3: o_zero_init needs intra_wg_overlap=True (the overlapped main loop)"
     if cfg.split_loops and not cfg.intra_wg_overlap:
         return False, "fa3: split_loops needs intra_wg_overlap=True (the overlapped main loop)"
     if cfg.pv_wait_after_max and (not cfg.intra_wg_overlap or cfg.softmax_apart or cfg.pin_pv_wait):

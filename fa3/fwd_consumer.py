@@ -92,7 +92,8 @@ class ForwardConsumer:
         row_sum = cute.make_rmem_tensor((2,), Float32)  # thread-partial sum of P
         row_max.fill(Float32(-math.inf))
         row_sum.fill(0.0)
-        acc_O.fill(0.0)
+        if const_expr(not self.O_ZERO_INIT):
+            acc_O.fill(0.0)  # else the tile's first P·V overwrites it (or the branches below)
         blk = None  # fp8 block scales (FP8_BLOCKS): the tile's descales, `block_scales`
         if const_expr(self.FP8_BLOCKS):
             blk = self.block_scales(
@@ -157,6 +158,8 @@ class ForwardConsumer:
                             pipe_q, q_state,
                         )  # fmt: skip
                     else:
+                        if const_expr(self.O_ZERO_INIT):
+                            acc_O.fill(0.0)  # the passed block alone: no P·V wrote O
                         if const_expr(self.EARLY_Q_RELEASE):
                             pipe_q.consumer_release(q_state)
                 else:
@@ -178,6 +181,9 @@ class ForwardConsumer:
                         kv_state = self.step(ctx, kv_state, n_block - 1 - i, True)
                 # Hand the tensor cores to the other WG for its last PV.
                 self.pingpong.arrive(cwg)
+        if const_expr(self.O_ZERO_INIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if n_blocks <= 0:
+                acc_O.fill(0.0)  # no key: no P·V wrote O
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
             if const_expr(self.EARLY_Q_RELEASE):

@@ -191,12 +191,14 @@ class ForwardMainloop:
             # The masked blocks, then the unmasked ones, each loop free of a mask test.
             i_mid = cutlass.max(cutlass.min(n_masked_hi, n_blocks - 1), i_first)
             for i in cutlass.range(i_first, i_mid, unroll=1):
-                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True)
+                acc = self.o_accumulates(i, i_first)
+                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True, acc)
             for i in cutlass.range(i_mid, n_blocks - 1, unroll=1):
-                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None)
+                acc = self.o_accumulates(i, i_first)
+                kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None, acc)
             if const_expr(self.EARLY_Q_RELEASE):
                 pipe_q.consumer_release(q_state)
-            return self.last_half_block(ctx, kv_state)
+            return self.last_half_block(ctx, kv_state, self.o_accumulates(n_blocks - 1, i_first))
         for i in cutlass.range(i_first, n_blocks - 1, unroll=1):
             masked = i < n_masked_hi
             if const_expr(
@@ -208,12 +210,19 @@ class ForwardMainloop:
                 masked = None
             if const_expr(self.HAS_LEFT):
                 masked = masked | (i >= n_masked_hi + n_unmasked)
-            kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked)
+            acc = self.o_accumulates(i, i_first)
+            kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, masked, acc)
         if const_expr(self.EARLY_Q_RELEASE):
             # This WG's Q·Kᵀ wgmmas have all retired (wait_group(0) above): Q of the
             # next tile may land while the last P·V and the epilogue run.
             pipe_q.consumer_release(q_state)
-        return self.last_half_block(ctx, kv_state)
+        return self.last_half_block(ctx, kv_state, self.o_accumulates(n_blocks - 1, i_first))
+
+    def o_accumulates(self, i, i_first):
+        """Whether the P·V issued at loop position `i` adds to acc_O: None (always; acc_O was
+        zeroed) without O_ZERO_INIT, else i > i_first, False for the tile's first P·V (that
+        of block i_first, issued at `i_first`, or by last_half_block when the loop is empty)."""
+        return (i > i_first) if const_expr(self.O_ZERO_INIT) else None
 
     @cute.jit
     def pass_block(self, ctx, kv_state, take_turn):
@@ -249,11 +258,11 @@ class ForwardMainloop:
         return kv_state
 
     @cute.jit
-    def step_overlap(self, ctx, kv_state, n_block: Int32, masked):
+    def step_overlap(self, ctx, kv_state, n_block: Int32, masked, o_acc=None):
         """QK(n) and PV(previous block) in flight together; the softmax of n overlaps PV.
 
         `masked`: a runtime Boolean, None (no block of the loop is masked) or True (every
-        block is: SPLIT_LOOPS' first loop).
+        block is: SPLIT_LOOPS' first loop). `o_acc`: `gemm_pv`'s accumulate (o_accumulates).
         SOFTMAX_APART: each side of its branch holds a whole `softmax_under_pv`, both waits
         included, since ptxas moves a wgmma wait that sits in another basic block than the
         wait_group(1) before it up to that block's first instructions: a softmax after the
@@ -268,7 +277,7 @@ class ForwardMainloop:
         if const_expr(self.RESCALE_BEFORE_PV):
             self.rescale_o(ctx, ctx.corr_prev)  # the previous block's, under Q·Kᵀ(n)
         ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
-        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index)
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index, o_acc)
         self.pingpong.arrive(ctx.cwg)
         if const_expr(self.SOFTMAX_APART):
             probs = cute.make_fragment_like(ctx.acc_S)  # P apart from S (Fa3Config says why)
@@ -314,12 +323,12 @@ class ForwardMainloop:
         warpgroup.wait_group(0)
 
     @cute.jit
-    def last_half_block(self, ctx, kv_state):
+    def last_half_block(self, ctx, kv_state, o_acc=None):
         """Intra-WG overlap tail of the loop: PV of the last block."""
         if const_expr(self.RESCALE_BEFORE_PV):
             self.rescale_o(ctx, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
-        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index, o_acc)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()

@@ -150,6 +150,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
+        self.O_ZERO_INIT = cfg.o_zero_init
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         self.PRODUCER_REGS, self.CONSUMER_REGS = reg_split(cfg)

@@ -221,11 +221,15 @@ def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
 
 
 @cute.jit
-def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32):
-    """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits."""
+def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32, accumulate=None):
+    """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits.
+
+    `accumulate`: None (acc_O starts at 0 and is rescaled in place) or a runtime Boolean,
+    False for the tile's first P·V, which then overwrites acc_O (Fa3Config.o_zero_init)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(mma_pv.op)
-    atom.set(warpgroup.Field.ACCUMULATE, True)  # acc_O starts at 0 and is rescaled in place
+    atom.set(warpgroup.Field.ACCUMULATE, True if accumulate is None else accumulate)
     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
         cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

@@ -226,6 +226,10 @@ _SCHEDULE_CASES = [
     _case(128, False, True, "pvmax", _PV_MAX),
     _case(256, False, False, "pvmax", _PV_MAX),
     *[_case(d, True, False, "pvmax", _PV_MAX) for d in (128, 256)],
+    # o_zero_init: the tile's first P·V overwrites acc_O (no zeroing before the loop).
+    *[_case(d, False, False, "zi", {"o_zero_init": True}) for d in (64, 128, 256)],
+    *[_case(d, False, True, "zi", {"o_zero_init": True}) for d in (64, 128, 192)],
+    _case(128, True, False, "zi", {"o_zero_init": True}),
 ]
 
 
@@ -239,6 +243,33 @@ def test_gpu_schedule_options_match_the_table_build(
     descriptors, not the operations: out and LSE agree with the table build's to within
     rounding (a dropped mask or a wrong descriptor moves them by the size of O)."""
     _agree_with_the_table_build(d, fp8, causal, {}, option)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_o_zero_init_zeroes_tiles_without_a_block(d: int) -> None:
+    """o_zero_init on causal problems with more queries than keys (bottom-right aligned: the
+    first Nq - Nk rows see no key, so whole row tiles run no P·V, and at D = 64 the
+    skip_masked_wg build passes blocks): the same bits as the table build, rows without a key
+    0 with an LSE of -inf (an acc_O left unzeroed would show there)."""
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("fa3 runs on an sm90 GPU")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, nq, nk, hq, hkv = 2, 1000, 300, 4, 2
+    q = torch.randn(b, nq, hq, d, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(b, nk, hkv, d, device="cuda", generator=gen).bfloat16() for _ in "kv")
+    p = check_inputs(q, k, v, causal=True)
+    table = config_for(p)
+    out, lse = interface.forward(q, k, v, p, cfg=table)
+    out_z, lse_z = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, o_zero_init=True))
+    assert torch.equal(out_z, out) and torch.equal(lse_z, lse)
+    assert (out[:, : nq - nk] == 0).all() and lse[:, :, : nq - nk].isneginf().all()
 
 
 def test_rescale_options_ship_where_they_were_measured() -> None:
