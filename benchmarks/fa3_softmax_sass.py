@@ -52,9 +52,10 @@ def op_counts(text: str) -> dict[str, int]:
     """Instructions of the whole kernel that the softmax's options change: exponentials
     (MUFU.EX2; Fa3Config.ex2_emu moves some to the FMA pipe), warp votes (VOTE; the
     rescale_threshold build votes on O's rescale), shuffles (SHFL: the row max and sum, and
-    fp8's quad exchange unless permute_v_keys), FMULs (O's rescale among them), and the moves of
+    fp8's quad exchange unless permute_v_keys), FMULs (O's rescale among them), the moves of
     vector registers into uniform ones (R2UR: wgmma descriptors built per thread rather than per
-    warpgroup, Fa3Config.wg_slice)."""
+    warpgroup, Fa3Config.wg_slice), and the registers zeroed from RZ (CS2R ... SRZ: acc_O
+    before each tile unless Fa3Config.o_zero_init)."""
     from benchmarks.fa3_bwd_sass import parse_sass
 
     insns, _ = parse_sass(text)
@@ -64,6 +65,7 @@ def op_counts(text: str) -> dict[str, int]:
         "shfl": sum(i.base == "SHFL" for i in insns),
         "fmul": sum(i.base == "FMUL" for i in insns),
         "r2ur": sum(i.base == "R2UR" for i in insns),
+        "cs2r_zero": sum(i.base == "CS2R" and "SRZ" in i.args for i in insns),
     }
 
 

@@ -182,7 +182,9 @@ class Fa3Config:
     # Intra-WG overlap: acc_O not zeroed before the tile (TILE_M x D / 2 / threads register
     # moves, 64 CS2R a thread at D = 128); the tile's first P·V overwrites it instead (the
     # wgmma's scale-d predicate, a runtime test of the loop index; FA4's order). A tile with
-    # no P·V (no key, or SKIP_MASKED_WG's passed block alone) zeroes it where it skips.
+    # no P·V (no key, or SKIP_MASKED_WG's passed block alone) zeroes it where it skips. Off:
+    # D = 128 timed 0.986 / 1.006x the table build at N = 1k / 4k on an H100 (docs/results.md,
+    # "Short sequences"), the zeroing hidden under the waits for Q and the first K.
     o_zero_init: bool = False
 
 
@@ -519,6 +521,8 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
     96: _fp8(128),
     # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
+    # FA3's 128 x 224 on the host-Vᵀ route: 0.947x at N = 16k (H100 80GB HBM3, 2026-12-06,
+    # `fa3_fwd_ab --fp8 --variant t224:tile_n=224,v_transpose=host`, 3 passes).
     # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24.
     128: _fp8(192, **_FP8_SOFTMAX),
     # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.

@@ -145,6 +145,21 @@ def _in_place_builds(option: str) -> list[tuple[int, dict]]:
     return [(scores, r) for (_, scores), r in zip(builds, got, strict=True)]
 
 
+def test_o_zero_init_drops_the_accumulator_zeroing() -> None:
+    """o_zero_init (the tile's first P·V overwrites acc_O through the wgmma's scale-d
+    predicate) on the D = 128 table build: at least one CS2R zeroing per pair of acc_O's 64
+    registers a thread gone from the kernel, the softmax still between the waits, 0 spills."""
+    with ThreadPoolExecutor(2) as pool:
+        table, zi = pool.map(
+            lambda sets: _windows(*sets, head_dim=128, causal=False), [(), ("o_zero_init=1",)]
+        )
+    assert zi["config"]["o_zero_init"] and not table["config"]["o_zero_init"]
+    for r in (table, zi):
+        assert r["spill_stores"] == 0 and not r["remarks"] and r["windows"], r
+    assert zi["counts"]["cs2r_zero"] + 32 <= table["counts"]["cs2r_zero"], (zi, table)
+    assert [w["mufu"] for w in zi["windows"]] == [w["mufu"] for w in table["windows"]]
+
+
 def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
     """pin_pv_wait (a never-taken branch right before P·V's wait_group(0), which ptxas would
     otherwise hoist to the top of its basic block) alone, with the loop's mask test and the
