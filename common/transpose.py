@@ -4,10 +4,10 @@ launch: fp8 V into the Vᵀ fa3's forward reads (`fa3.interface.transpose_v`), a
 
 PyTorch's `out.copy_(x)` between these layouts is the reference (the tests hold this kernel
 to it bit for bit) and the path taken where Triton cannot run. On an H100 that copy moves
-about 0.37 TB/s for byte elements (0.18 ms for 64 MiB of reads and writes at B·N = 16k,
-Hkv·D = 2048: up to 15 % of an fp8 forward at N = 8k); this kernel stages a tile of BLOCK_N
-keys by BLOCK_D channels in registers and writes it back transposed, reading and writing whole
-rows (docs/fp8.md, "V laid out keys-major").
+0.29-0.31 TB/s for byte elements (215-229 us for the 64 MiB read and written at B·N = 16k,
+Hkv·D = 2048); this kernel loads a tile of BLOCK_N keys by BLOCK_D channels along the channels
+and stores its transpose along the keys: 29-32 us there, 2.1-2.3 TB/s (docs/fp8.md, "The Vᵀ
+copy"; benchmarks/keys_major_copy_bench.py).
 
 Program (key block, batch · head, channel block) of the grid loads x[b, n0:n0 + BLOCK_N, h,
 d0:d0 + BLOCK_D] (rows along the channels) and stores its transpose to out[b, h, d0:, n0:]

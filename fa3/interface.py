@@ -205,12 +205,11 @@ def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     """fp8 V (B, Nk, Hkv, D) -> Vᵀ (B, Hkv, D, Nk) with the keys contiguous: PV's B operand
     must be K-major for fp8 wgmma (it takes no MN-major operand), so the kernel loads Vᵀ blocks.
 
-    One extra read and write of V (2·B·Nk·Hkv·D bytes, 64 MiB at B·N = 16k, Hkv·D = 2048):
-    0.18-0.19 ms on the H200 there, 4-22 % of the fp8 forward at N = 8k-16k (commit 8867277,
-    docs/results/fa3-fp8-ablation-8867277.json `bench`). The key stride is padded to 16 bytes
-    (TMA); the view stops at Nk, so TMA zero-fills the tail block and the padding is never
-    read. Copied by `common.transpose.keys_major_copy` (one Triton launch; PyTorch's strided
-    copy where Triton cannot run).
+    One extra read and write of V (2·B·Nk·Hkv·D bytes, 64 MiB at B·N = 16k, Hkv·D = 2048),
+    by `common.transpose.keys_major_copy` (one Triton launch: 29-32 us there on an H100, where
+    PyTorch's strided copy, its path where Triton cannot run, takes 215-229 us; docs/fp8.md).
+    The key stride is padded to 16 bytes (TMA); the view stops at Nk, so TMA zero-fills the
+    tail block and the padding is never read.
 
     `permute_keys` (Fa3Config.permute_v_keys): within each 32-key block the keys go in
     `fp8_ops.slot_key` order, which swaps two bit fields of the key index, so the copy is still
