@@ -153,7 +153,9 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         if on
     ]
     vt = "in shared memory"
-    if cfg.v_transpose == "host":
+    if cfg.v_transpose == "host" and p.v_keys_major:
+        vt = "read from V laid out keys-major, no copy"
+    elif cfg.v_transpose == "host":
         vt = "copied on the host unless V is keys-major (common.fp8.keys_major)"
     what = f"fp8 e4m3 forward (bf16 out, Vᵀ {vt}), " if p.is_fp8 else ""
     tiles = f"{cfg.tile_m}x{cfg.tile_n} tiles, {cfg.stages} stages"

@@ -595,3 +595,7 @@ def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
     long = check_inputs(q, kv_long, kv_long)
     reason = interface.supports(long, 90)[1]  # and for 16k
     assert "Vᵀ copied on the host unless V is keys-major" in reason
+    from flashsuite.common.fp8 import keys_major
+
+    reason = interface.supports(check_inputs(q, k, keys_major(v)), 90)[1]  # the host build
+    assert "Vᵀ read from V laid out keys-major, no copy" in reason, reason
