@@ -11,10 +11,11 @@ compiles the config (the shipped one for --head-dim / --causal, with each --set 
 replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait of the
 consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
 between it and the next 0x0 wait, the kernel's counts of the instructions the softmax options
-change (`op_counts`) and its longest row-max and row-sum dependency chains (`chain_depths`), as
-JSON: `{"config": ..., "windows": [{"mufu": m, "fmnmx": f}, ...], "counts": {...}, "chains":
-{"fmnmx": n, "fadd": n}}`. Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_*
-variables before cutlass is imported: run it in its own process.
+change (`op_counts`), its longest row-max and row-sum dependency chains (`chain_depths`) and
+its registers zeroed from RZ (`zeroings`), as JSON: `{"config": ..., "windows": [{"mufu": m,
+"fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n}`.
+Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before cutlass is
+imported: run it in its own process.
 """
 
 from __future__ import annotations
@@ -52,10 +53,9 @@ def op_counts(text: str) -> dict[str, int]:
     """Instructions of the whole kernel that the softmax's options change: exponentials
     (MUFU.EX2; Fa3Config.ex2_emu moves some to the FMA pipe), warp votes (VOTE; the
     rescale_threshold build votes on O's rescale), shuffles (SHFL: the row max and sum, and
-    fp8's quad exchange unless permute_v_keys), FMULs (O's rescale among them), the moves of
+    fp8's quad exchange unless permute_v_keys), FMULs (O's rescale among them), and the moves of
     vector registers into uniform ones (R2UR: wgmma descriptors built per thread rather than per
-    warpgroup, Fa3Config.wg_slice), and the registers zeroed from RZ (CS2R ... SRZ: acc_O
-    before each tile unless Fa3Config.o_zero_init)."""
+    warpgroup, Fa3Config.wg_slice)."""
     from benchmarks.fa3_bwd_sass import parse_sass
 
     insns, _ = parse_sass(text)
@@ -65,8 +65,16 @@ def op_counts(text: str) -> dict[str, int]:
         "shfl": sum(i.base == "SHFL" for i in insns),
         "fmul": sum(i.base == "FMUL" for i in insns),
         "r2ur": sum(i.base == "R2UR" for i in insns),
-        "cs2r_zero": sum(i.base == "CS2R" and "SRZ" in i.args for i in insns),
     }
+
+
+def zeroings(text: str) -> int:
+    """The kernel's registers zeroed from RZ (CS2R ... SRZ): acc_O before each tile among them,
+    unless Fa3Config.o_zero_init."""
+    from benchmarks.fa3_bwd_sass import parse_sass
+
+    insns, _ = parse_sass(text)
+    return sum(i.base == "CS2R" and "SRZ" in i.args for i in insns)
 
 
 def chain_depths(text: str) -> dict[str, int]:
@@ -142,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     windows = overlap_windows(listing)
     out = {"config": dataclasses.asdict(cfg), "windows": windows, "counts": op_counts(listing)}
     out["chains"] = chain_depths(listing)
+    out["cs2r_zero"] = zeroings(listing)
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0

@@ -522,8 +522,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3 fwd: the split causal loop's masked blocks run unmasked",
         FA3_LOOP,
-        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True)",
-        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None)",
+        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, True, acc)",
+        "kv_state = self.step_overlap(ctx, kv_state, n_block - 1 - i, None, acc)",
         "schedule_options and split",
         ("tests/test_fa3_softmax_options.py",),
     ),
