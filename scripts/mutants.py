@@ -449,6 +449,22 @@ MUTANTS = [
         ("tests/test_fp8_blocks.py",),
     ),
     Mutant(
+        "fa3 fp8: a keys-major V kept on the smem build (copied token-major first)",
+        "fa3/configs.py",
+        '    if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":',
+        '    if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "none":',
+        "keys_major or smem_transpose_build_takes",
+        ("tests/test_fa3_fp8_compile.py",),
+    ),
+    Mutant(
+        "keys-major copy: the channels past the first channel block left unwritten",
+        "common/transpose.py",
+        "    grid = (triton.cdiv(n, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
+        "    grid = (triton.cdiv(n, BLOCK_N), b * h, 1)",
+        "keys_major_copy",
+        ("tests/test_fp8.py",),
+    ),
+    Mutant(
         "own-backward choice memo: FLASHSUITE_<V>_BWD left out of its key",
         "dispatch/registry.py",
         "mkey = (name, p, arch, _deterministic(), env_table.get(switch))",
