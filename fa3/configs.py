@@ -617,10 +617,15 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
 
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
-    flag and key length; `_SHORT_Q_TILES` for query lengths the taller tile fills badly;
+    flag and key length, the host-Vᵀ tiles for an fp8 V laid out keys-major;
+    `_SHORT_Q_TILES` for query lengths the taller tile fills badly;
     softcap and windowed problems without softmax_apart, wg_slice and split_loops, and with
     the loop's mask test: the builds the GPU suite has checked with them)."""
     cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":
+        # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
+        # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
+        cfg = _fp8_tiles(p.head_dim, p.causal)
     short = _SHORT_Q_TILES.get(p.head_dim)
     if (
         short is not None
@@ -632,10 +637,6 @@ def config_for(p: AttnParams) -> Fa3Config:
         cfg = short
     if p.softcap or p.is_local:
         cfg = dense_options_off(cfg)
-    if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":
-        # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
-        # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
-        cfg = _fp8_tiles(p.head_dim, p.causal)
     if p.is_fp8 and (p.fp8_block_q or p.fp8_block_kv):
         cfg = fp8_block_config(cfg, p.head_dim, p.causal, p.fp8_block_kv)
     return cfg

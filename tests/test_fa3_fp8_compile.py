@@ -515,7 +515,12 @@ def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     and a keys-major V whose strides TMA cannot take transpose_v's copy."""
     from flashsuite.common.fp8 import keys_major
     from flashsuite.fa3 import compile as fa3_compile
-    from flashsuite.fa3.configs import config_for, fp8_smem_transpose_config, get_config
+    from flashsuite.fa3.configs import (
+        config_for,
+        dense_options_off,
+        fp8_smem_transpose_config,
+        get_config,
+    )
 
     calls = []
     props = type("Props", (), {"multi_processor_count": 132})
@@ -540,6 +545,11 @@ def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     assert config_for(check_inputs(q, k, v)) == fp8_smem_transpose_config(128, False)
     assert config_for(p) == replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
     assert not check_inputs(q.bfloat16(), k.bfloat16(), v.bfloat16()).v_keys_major
+    # A window keeps the rule of its own: no schedule options (D = 256's entry has wg_slice).
+    q2, k2 = (torch.zeros(1, n, 2, 256).to(FP8_DTYPE) for n in (40, 50))
+    window = config_for(check_inputs(q2, k2, keys_major(k2), window_size=(16, 0)))
+    assert window == dense_options_off(get_config(256, FP8_DTYPE, False, seqlen_k=16384))
+    assert window != get_config(256, FP8_DTYPE, False, seqlen_k=16384)
     host = replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
     interface.forward(q, k, vk, p, cfg=host)
     vt = calls[-1][1][2]  # (B, Hkv, D, Nk)
