@@ -4,7 +4,9 @@
     python3 -m benchmarks.keys_major_copy_bench [--head-dim 128] [--passes 5]
 
 Shapes: the standard sweep's B·N = 16k keys, Hkv·D = 2048, at N = 1k, 4k, 16k. Prints the
-median time per copy and the rate of bytes read plus written (2·B·N·Hkv·D), passes interleaved.
+median time per copy and the rate of bytes read plus written (2·B·N·Hkv·D), passes interleaved;
+"trit-pk" is the copy with the keys permuted within 32-key blocks (transpose_keys_permuted,
+Fa3Config.permute_v_keys' Vᵀ, allocating its output).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 def main(argv: list[str] | None = None) -> int:
     from flashsuite.common.fp8 import keys_major_empty
-    from flashsuite.common.transpose import keys_major_copy
+    from flashsuite.common.transpose import keys_major_copy, transpose_keys_permuted
     from flashsuite.dispatch.bench import time_ms
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -34,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         out = keys_major_empty((b, n, h, d), v.dtype, v.device)
         fns["torch", n] = lambda v=v, out=out: out.view(torch.uint8).copy_(v.view(torch.uint8))
         fns["triton", n] = lambda v=v, out=out: keys_major_copy(v, out)
+        fns["trit-pk", n] = lambda v=v: transpose_keys_permuted(v)  # permute_v_keys' Vᵀ
         sizes[n] = 2 * v.numel()
         ref = keys_major_empty((b, n, h, d), v.dtype, v.device)
         ref.view(torch.uint8).copy_(v.view(torch.uint8))

@@ -241,17 +241,12 @@ def _vt_of(v: torch.Tensor) -> torch.Tensor:
 
 
 def _transpose_v_permuted(v: torch.Tensor) -> torch.Tensor:
-    """`transpose_v` with permute_keys: (B, Nk, Hkv, D) -> (B, Hkv, D, Nk rounded up to 32)."""
-    b, nk, hkv, d = v.shape
-    nk32 = (nk + 31) // 32 * 32
-    src = v.view(torch.uint8)
-    if nk32 != nk:
-        src = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, nk32 - nk))  # zero keys past Nk
-    # key = 32 blk + 16 h + 8 a + 2 t + c  ->  slot = 32 blk + 16 h + 4 t + 2 a + c
-    keys = src.view(b, nk32 // 32, 2, 2, 4, 2, hkv, d)  # (B, blk, h, a, t, c, Hkv, D)
-    vt = torch.empty((b, hkv, d, nk32), dtype=torch.uint8, device=v.device)
-    vt.view(b, hkv, d, nk32 // 32, 2, 4, 2, 2).copy_(keys.permute(0, 6, 7, 1, 2, 4, 3, 5))
-    return vt.view(v.dtype)
+    """`transpose_v` with permute_keys: (B, Nk, Hkv, D) -> (B, Hkv, D, Nk rounded up to 32)
+    (`common.transpose.transpose_keys_permuted`: key = 32 blk + 16 h + 8 a + 2 t + c lands in
+    column 32 blk + 16 h + 4 t + 2 a + c, fp8_ops.slot_key's order)."""
+    from flashsuite.common.transpose import transpose_keys_permuted
+
+    return transpose_keys_permuted(v)
 
 
 _ones: dict[tuple, torch.Tensor] = {}

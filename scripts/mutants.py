@@ -459,10 +459,18 @@ MUTANTS = [
     Mutant(
         "keys-major copy: the channels past the first channel block left unwritten",
         "common/transpose.py",
-        "    grid = (triton.cdiv(n, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
-        "    grid = (triton.cdiv(n, BLOCK_N), b * h, 1)",
+        "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
+        "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, 1)",
         "keys_major_copy",
         ("tests/test_fp8.py",),
+    ),
+    Mutant(
+        "permuted Vᵀ copy: the keys left in their own order",
+        "common/transpose.py",
+        "        col = n - r + (r // 16) * 16 + ((r // 2) % 4) * 4 + ((r // 8) % 2) * 2 + r % 2",
+        "        col = n",
+        "permuted_keys",
+        ("tests/test_fa3_fp8_compile.py",),
     ),
     Mutant(
         "own-backward choice memo: FLASHSUITE_<V>_BWD left out of its key",

@@ -112,11 +112,12 @@ def test_keys_major_v_is_the_same_values_and_an_accepted_v() -> None:
 
 
 @pytest.mark.parametrize("dtype", [E4M3, torch.bfloat16], ids=["e4m3", "bf16"])
-def test_keys_major_copy_is_the_torch_copy(dtype, device) -> None:
+def test_keys_major_copy_is_the_torch_copy(dtype, device, monkeypatch) -> None:
     """common.transpose.keys_major_copy (one Triton launch: compiled on a GPU, the interpreter
     on a CPU) writes the bytes PyTorch's strided copy writes, for key counts that are no
     multiple of its key block (1 included), head dims that are no multiple of its channel
-    block, and an input with outer strides of its own; fa3's Vᵀ copy is the same bytes."""
+    block, and an input with outer strides of its own; fa3's Vᵀ copy is the same bytes, and
+    the permuted one (transpose_keys_permuted) the bytes of its PyTorch path."""
     pytest.importorskip("triton")
     from flashsuite.common import transpose
     from flashsuite.common.fp8 import keys_major_empty
@@ -133,6 +134,12 @@ def test_keys_major_copy_is_the_torch_copy(dtype, device) -> None:
         if dtype == E4M3:
             vt = transpose_v(x)  # (B, H, D, N), keys contiguous
             assert torch.equal(vt.view(torch.uint8), x.view(torch.uint8).permute(0, 2, 3, 1))
+            got = transpose.transpose_keys_permuted(x)  # (B, H, D, N rounded up to 32)
+            with monkeypatch.context() as m:  # PyTorch's path, on the CPU
+                m.setattr(transpose, "triton_interpreter", lambda: False)
+                want = transpose.transpose_keys_permuted(x.cpu())
+            assert got.shape == (b, h, d, -(-n // 32) * 32) and got.stride(-1) == 1
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), (b, n, h, d)
     if device == "cuda":  # the compiled kernel ran, not the fallback
         from flashsuite.common import triton_launch
 
