@@ -83,14 +83,10 @@ def keys_major_copy(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     b, n, h, d = x.shape
     if 0 in (b, n, h, d):
         return out
-    runnable = (x.is_cuda and out.is_cuda) or (triton_interpreter() and not out.is_cuda)
-    if not runnable or (d > 1 and x.stride(3) != 1) or (n > 1 and out.stride(1) != 1):
+    if not _triton_runs(x, out) or (n > 1 and out.stride(1) != 1):
         out.copy_(x)
         return out
-    src, dst = x, out
-    if x.element_size() == 1:  # float8: Triton copies the bytes
-        src, dst = x.view(torch.uint8), out.view(torch.uint8)
-    _launch(src, dst.permute(0, 2, 3, 1), n, n, False)
+    _launch(_bytes(x), _bytes(out).permute(0, 2, 3, 1), n, n, False)
     return out
 
 
@@ -103,20 +99,28 @@ def transpose_keys_permuted(x: torch.Tensor) -> torch.Tensor:
     b, n, h, d = x.shape
     n32 = -(-n // 32) * 32
     out = torch.empty((b, h, d, n32), dtype=x.dtype, device=x.device)
-    runnable = x.is_cuda or triton_interpreter()
-    if 0 in (b, n, h, d) or not runnable or (d > 1 and x.stride(3) != 1):
-        src = x.view(torch.uint8) if x.element_size() == 1 else x
+    if 0 in (b, n, h, d) or not _triton_runs(x, out):
+        src = _bytes(x)
         if n32 != n:
             src = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, n32 - n))  # zero keys past N
         keys = src.reshape(b, n32 // 32, 2, 2, 4, 2, h, d)  # (B, blk, h, a, t, c, H, D)
-        dst = out.view(torch.uint8) if x.element_size() == 1 else out
-        dst.view(b, h, d, n32 // 32, 2, 4, 2, 2).copy_(keys.permute(0, 6, 7, 1, 2, 4, 3, 5))
+        _bytes(out).view(b, h, d, n32 // 32, 2, 4, 2, 2).copy_(keys.permute(0, 6, 7, 1, 2, 4, 3, 5))
         return out
-    src, dst = x, out
-    if x.element_size() == 1:
-        src, dst = x.view(torch.uint8), out.view(torch.uint8)
-    _launch(src, dst, n, n32, True)
+    _launch(_bytes(x), _bytes(out), n, n32, True)
     return out
+
+
+def _triton_runs(x: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `_keys_major_copy` can copy x into out: both on a GPU, or both on the CPU under
+    the interpreter, and x's head dim contiguous."""
+    on_gpu = x.is_cuda and out.is_cuda
+    on_cpu = triton_interpreter() and not (x.is_cuda or out.is_cuda)
+    return (on_gpu or on_cpu) and (x.size(3) <= 1 or x.stride(3) == 1)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 as its bytes (what Triton copies); other dtypes as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _launch(src: torch.Tensor, yt: torch.Tensor, n: int, n_out: int, permute: bool) -> None:

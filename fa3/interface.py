@@ -214,19 +214,19 @@ def transpose_v(v: torch.Tensor, permute_keys: bool = False) -> torch.Tensor:
     tail block and the padding is never read.
 
     `permute_keys` (Fa3Config.permute_v_keys): within each 32-key block the keys go in
-    `fp8_ops.slot_key` order, which swaps two bit fields of the key index, so the copy is still
-    one strided pass. Vᵀ then runs to Nk rounded up to 32, the keys past Nk zero (a permuted
-    block mixes them with real ones, so TMA's zero fill past Nk cannot stand in for them;
-    the kernel masks those keys by K's length). A ragged Nk costs one more copy of V, padded.
+    `fp8_ops.slot_key` order (`common.transpose.transpose_keys_permuted`, the same launch with
+    the columns permuted). Vᵀ then runs to Nk rounded up to 32, the keys past Nk zero (a
+    permuted block mixes them with real ones, so TMA's zero fill past Nk cannot stand in for
+    them; the kernel masks those keys by K's length).
     """
+    from flashsuite.common.transpose import keys_major_copy, transpose_keys_permuted
+
     if permute_keys:
-        return _transpose_v_permuted(v)
+        return transpose_keys_permuted(v)
     b, nk, hkv, d = v.shape
     nk_pad = (nk + 15) // 16 * 16
     vt = torch.empty((b, hkv, d, nk_pad), dtype=v.dtype, device=v.device)  # (B, Hkv, D, Nk')
     vt = vt[..., :nk]  # (B, Hkv, D, Nk)
-    from flashsuite.common.transpose import keys_major_copy
-
     keys_major_copy(v, vt.permute(0, 3, 1, 2))
     return vt
 
@@ -238,15 +238,6 @@ def _vt_of(v: torch.Tensor) -> torch.Tensor:
     if vt.stride(-1) == 1 and vt.data_ptr() % 16 == 0 and _strides_aligned(vt):
         return vt
     return transpose_v(v)
-
-
-def _transpose_v_permuted(v: torch.Tensor) -> torch.Tensor:
-    """`transpose_v` with permute_keys: (B, Nk, Hkv, D) -> (B, Hkv, D, Nk rounded up to 32)
-    (`common.transpose.transpose_keys_permuted`: key = 32 blk + 16 h + 8 a + 2 t + c lands in
-    column 32 blk + 16 h + 4 t + 2 a + c, fp8_ops.slot_key's order)."""
-    from flashsuite.common.transpose import transpose_keys_permuted
-
-    return transpose_keys_permuted(v)
 
 
 _ones: dict[tuple, torch.Tensor] = {}
