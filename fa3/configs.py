@@ -363,6 +363,7 @@ def get_config(
             k_ahead=(head_dim, causal) in _K_AHEAD,
             wg_slice=(head_dim, causal) in _WG_SLICE,
             split_loops=(head_dim, causal) in _SPLIT_LOOPS,
+            pv_wait_after_max=(head_dim, causal) in _PV_WAIT_AFTER_MAX,
         )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
@@ -402,9 +403,17 @@ _K_AHEAD = ((128, False),)
 # (0.983 / 0.987). Each passed its oracle cases on the GPU first
 # (tests/test_fa3_softmax_options.py, schedule options). Softcap and windowed problems keep the
 # builds without them (config_for, varlen_config_for); packed ones take them
-# (VARLEN_SCHEDULE_OPTIONS).
-_WG_SLICE = ((128, False), (128, True), (64, True))
-_SPLIT_LOOPS = ((128, True), (64, True))
+# (VARLEN_SCHEDULE_OPTIONS). Causal D = 192 with both: 1.033 / 1.003x (FA4 0.962 -> 1.009x at
+# 4k; H100 80GB HBM3, 2026-12-06, commit 6558210, medians of 5 passes). Not taken there: causal
+# D = 96 (0.973 / 1.024x), non-causal D = 96 wg_slice or loop_mask_test=0 alone (1.000 / 1.004,
+# 0.995 / 1.006x).
+_WG_SLICE = ((128, False), (128, True), (64, True), (192, True))
+_SPLIT_LOOPS = ((128, True), (64, True), (192, True))
+# (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max; the
+# in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
+# 4k / 16k (FA4 0.986 / 1.054 / 1.052x; loop_mask_test=0 alone 0.923 / 1.044 / 0.988x); same
+# run and terms as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x, docs/design.md).
+_PV_WAIT_AFTER_MAX = ((256, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
@@ -523,8 +532,10 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
     # FA3's 128 x 224 on the host-Vᵀ route: 0.947x at N = 16k (H100 80GB HBM3, 2026-12-06,
     # `fa3_fwd_ab --fp8 --variant t224:tile_n=224,v_transpose=host`, 3 passes).
-    # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24.
-    128: _fp8(192, **_FP8_SOFTMAX),
+    # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24. wg_slice with no mask
+    # test in the loop: 1.053 / 1.041x at N = 8k / 16k (either alone 0.976 / 0.992x; with
+    # pv_wait_after_max 0.973 / 0.978x); H100, 2026-12-06, commit 6558210, 5 passes.
+    128: _fp8(192, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
     # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
     192: _fp8(128),
     # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
@@ -536,8 +547,13 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     256: _fp8(96, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s); at
-# D = 128 and 256 the non-causal tiles without _FP8_SOFTMAX (not timed causal).
-FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {64: _fp8(256), 128: _fp8(192), 256: _fp8(96)}
+# D = 128 and 256 the non-causal tiles without _FP8_SOFTMAX, in split loops with wg_slice:
+# 1.049 / 1.003x and 1.055 / 1.043x the build without at N = 4k / 16k (pv_wait_after_max
+# 1.019 / 0.986x, 1.027 / 1.025x); same run as D = 128 above.
+FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
+    64: _fp8(256),
+    **{d: _fp8(n, split_loops=True, wg_slice=True) for d, n in ((128, 192), (256, 96))},
+}
 
 
 def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
@@ -643,11 +659,12 @@ def config_for(p: AttnParams) -> Fa3Config:
 
 
 def dense_options_off(cfg: Fa3Config) -> Fa3Config:
-    """`cfg` without the schedule options (softmax_apart, wg_slice, split_loops; the loop's
-    mask test back in): what softcap and windowed problems run, dense (`config_for`) or packed
-    (`varlen_config_for`), the builds the GPU suite has checked on them."""
+    """`cfg` without the schedule options (softmax_apart, wg_slice, split_loops,
+    pv_wait_after_max; the loop's mask test back in): what softcap and windowed problems run,
+    dense (`config_for`) or packed (`varlen_config_for`), the builds the GPU suite has checked
+    on them."""
     return replace(cfg, softmax_apart=False, wg_slice=False, split_loops=False,
-                   loop_mask_test=True)  # fmt: skip
+                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip
 
 
 # The per-block build (fp8_blocks) runs the 2-WG tiles its GPU cases ran: at D = 64 the 128 x 192

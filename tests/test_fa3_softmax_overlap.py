@@ -218,7 +218,10 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     assert varlen_config(256, bf16, True) == varlen_config(256, bf16, True, options=True)
     # wg_slice and split_loops (and e4m3 D 256's dropped mask test) likewise stay with the
     # dense problems without softcap or window they were timed and checked on.
-    slice_loops = {(128, False): (True, False), (128, True): (True, True), (64, True): (True, True)}
+    slice_loops = {
+        (128, False): (True, False), (128, True): (True, True), (64, True): (True, True),
+        (192, True): (True, True),
+    }  # fmt: skip
     for (d, causal), (wgs, split) in slice_loops.items():
         q, k, v = (torch.zeros(1, 300, 2, d, dtype=bf16) for _ in range(3))
         cfg = config_for(check_inputs(q, k, v, causal=causal))
@@ -241,12 +244,29 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     assert (get_config(64, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
         False, False,
     )  # fmt: skip
+    # P·V's wait after the row max: non-causal D = 256 alone, never with softcap or a window.
+    for d in HEAD_DIMS:
+        for causal in (False, True):
+            assert get_config(d, bf16, causal).pv_wait_after_max == ((d, causal) == (256, False))
+    q, k = torch.zeros(1, 300, 2, 256, dtype=bf16), torch.zeros(1, 900, 2, 256, dtype=bf16)
+    assert config_for(check_inputs(q, k, k)).pv_wait_after_max
+    for kw in (dict(softcap=30.0), dict(window_size=(64, 64))):
+        assert not config_for(check_inputs(q, k, k, **kw)).pv_wait_after_max, kw
+    assert not varlen_config(256, bf16, False, options=False).pv_wait_after_max
+    # e4m3: non-causal D = 128 and 256 slice without the mask test, causal D = 128 and 256
+    # split their loops with the slice, on both Vᵀ routes; softcap takes them all away.
     f8 = torch.float8_e4m3fn
-    q8, k8 = torch.zeros(1, 300, 2, 256, dtype=f8), torch.zeros(1, 9000, 2, 256, dtype=f8)
-    cfg = config_for(check_inputs(q8, k8, k8))
-    assert cfg.wg_slice and not cfg.loop_mask_test
-    cfg = config_for(check_inputs(q8, k8, k8, softcap=30.0))
-    assert not cfg.wg_slice and cfg.loop_mask_test
+    for d in (128, 256):
+        for nk in (300, 9000):
+            q8, k8 = torch.zeros(1, 300, 2, d, dtype=f8), torch.zeros(1, nk, 2, d, dtype=f8)
+            cfg = config_for(check_inputs(q8, k8, k8))
+            assert cfg.wg_slice and not cfg.loop_mask_test and not cfg.split_loops, (d, nk)
+            cfg = config_for(check_inputs(q8, k8, k8, causal=True))
+            assert cfg.wg_slice and cfg.split_loops and cfg.loop_mask_test, (d, nk)
+            for causal in (False, True):
+                cfg = config_for(check_inputs(q8, k8, k8, causal=causal, softcap=30.0))
+                assert not (cfg.wg_slice or cfg.split_loops) and cfg.loop_mask_test, (d, nk)
+    assert not get_config(64, f8, True).split_loops
     no_overlap = dataclasses.replace(get_config(256, bf16, True), intra_wg_overlap=False)
     ok, why = can_implement(no_overlap, 256, bf16)
     assert not ok and "softmax_apart needs intra_wg_overlap" in why
