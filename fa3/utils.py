@@ -214,9 +214,8 @@ def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
     # dynamic K/V loop leaks an SSA value out of its region.
     atom = cute.make_mma_atom(mma_qk.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
-    rK = tSrK[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(atom, acc_S, tSrQ[None, None, k], rK[None, None, k], acc_S)
+        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
@@ -230,8 +229,7 @@ def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32, accumulate=
     warpgroup.fence()
     atom = cute.make_mma_atom(mma_pv.op)
     atom.set(warpgroup.Field.ACCUMULATE, True if accumulate is None else accumulate)
-    rVt = tOrVt[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(atom, acc_O, tOrP[None, None, k], rVt[None, None, k], acc_O)
+        cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

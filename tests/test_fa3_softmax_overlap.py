@@ -157,10 +157,7 @@ def test_o_zero_init_drops_the_accumulator_zeroing() -> None:
     for r in (table, zi):
         assert r["spill_stores"] == 0 and not r["remarks"] and r["windows"], r
     assert zi["cs2r_zero"] + 32 <= table["cs2r_zero"], (zi["cs2r_zero"], table["cs2r_zero"])
-    # No exponential leaves the window between the waits.
-    assert len(zi["windows"]) == len(table["windows"]), (zi["windows"], table["windows"])
-    for w_zi, w in zip(zi["windows"], table["windows"], strict=True):
-        assert w_zi["mufu"] >= w["mufu"], (zi["windows"], table["windows"])
+    assert [w["mufu"] for w in zi["windows"]] == [w["mufu"] for w in table["windows"]]
 
 
 def test_pinned_pv_wait_keeps_the_whole_softmax_under_pv() -> None:
