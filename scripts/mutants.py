@@ -457,6 +457,22 @@ MUTANTS = [
         ("tests/test_fa3_fp8_compile.py",),
     ),
     Mutant(
+        "fa3: softcap and windowed problems keep P·V's wait after the row max",
+        "fa3/configs.py",
+        "                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip",
+        "                   loop_mask_test=True)  # fmt: skip",
+        "ship_where_they_were_measured",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
+        "fa3 fp8: the smem-Vᵀ D 128 build keeps the host build's slice without the mask test",
+        "fa3/configs.py",
+        "    if head_dim == 128 and not causal:  # the table's options",
+        "    if False:  # the table's options",
+        "ship_where_they_were_measured",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
         "keys-major copy: the channels past the first channel block left unwritten",
         "common/transpose.py",
         "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
