@@ -12,10 +12,8 @@ replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait
 consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
 between it and the next 0x0 wait, the kernel's counts of the instructions the softmax options
 change (`op_counts`), its longest row-max and row-sum dependency chains (`chain_depths`) and
-its registers zeroed from RZ (`zeroings`) and the LSE's and 1/l's MUFU instructions after
-the tile's last P·V wait (`after_last_wait`), as JSON: `{"config": ..., "windows": [{"mufu": m,
-"fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n,
-"after_last_pv_wait": {"lg2": n, "rcp": n}}`.
+its registers zeroed from RZ (`zeroings`), as JSON: `{"config": ..., "windows": [{"mufu": m,
+"fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n}`.
 Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before cutlass is
 imported: run it in its own process.
 """
@@ -77,25 +75,6 @@ def zeroings(text: str) -> int:
 
     insns, _ = parse_sass(text)
     return sum(i.base == "CS2R" and "SRZ" in i.args for i in insns)
-
-
-def after_last_wait(text: str) -> dict[str, int]:
-    """The MUFU.LG2 and MUFU.RCP (the rows' LSE and 1/l) that the listing places after its
-    last `WARPGROUP.DEPBAR.LE gsb0, 0x0`, the wait for the tile's last P·V: on the path to
-    O's store unless Fa3Config.finalize_under_pv moves them under that P·V."""
-    from benchmarks.fa3_bwd_sass import parse_sass
-
-    insns, _ = parse_sass(text)
-    last = max(
-        (k for k, i in enumerate(insns) if i.op == "WARPGROUP.DEPBAR.LE"
-         and i.args.replace(" ", "").endswith(",0x0")),
-        default=-1,
-    )  # fmt: skip
-    tail = insns[last + 1 :]
-    return {
-        "lg2": sum(i.op.startswith("MUFU.LG2") for i in tail),
-        "rcp": sum(i.op.startswith("MUFU.RCP") for i in tail),
-    }
 
 
 def chain_depths(text: str) -> dict[str, int]:
@@ -172,7 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": dataclasses.asdict(cfg), "windows": windows, "counts": op_counts(listing)}
     out["chains"] = chain_depths(listing)
     out["cs2r_zero"] = zeroings(listing)
-    out["after_last_pv_wait"] = after_last_wait(listing)
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0

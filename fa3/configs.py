@@ -179,15 +179,13 @@ class Fa3Config:
     # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Off: bf16
     # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
     pv_wait_after_max: bool = False
-    # Intra-WG overlap: acc_O not zeroed before the tile (64 CS2R a thread at D = 128); the
-    # tile's first P·V overwrites it (the wgmma's scale-d predicate; FA4's order), a tile with
-    # no P·V zeroes it where it skips. Off: D = 128 timed 0.986 / 1.006x the table build at
-    # N = 1k / 4k on an H100 (docs/results.md, "Short sequences").
+    # Intra-WG overlap: acc_O not zeroed before the tile (TILE_M x D / 2 / threads register
+    # moves, 64 CS2R a thread at D = 128); the tile's first P·V overwrites it instead (the
+    # wgmma's scale-d predicate, a runtime test of the loop index; FA4's order). A tile with
+    # no P·V (no key, or SKIP_MASKED_WG's passed block alone) zeroes it where it skips. Off:
+    # D = 128 timed 0.986 / 1.006x the table build at N = 1k / 4k on an H100 (docs/results.md,
+    # "Short sequences"), the zeroing hidden under the waits for Q and the first K.
     o_zero_init: bool = False
-    # Intra-WG overlap: each row's O factor and LSE (the quad's row-sum reduction, log2, 1/l)
-    # computed while the tile's last P·V runs, not after its wait (FA4's epilogue order);
-    # per-block fp8 builds compute them after it. Off until timed.
-    finalize_under_pv: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -283,11 +281,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if cfg.rescale_before_pv and not cfg.intra_wg_overlap:
         return False, "fa3: rescale_before_pv needs intra_wg_overlap=True"
-    if (cfg.o_zero_init or cfg.finalize_under_pv) and not cfg.intra_wg_overlap:
-        return False, (
-            "fa3: o_zero_init and finalize_under_pv need intra_wg_overlap=True (the overlapped "
-            "main loop)"
-        )
+    if cfg.o_zero_init and not cfg.intra_wg_overlap:
+        return False, "fa3: o_zero_init needs intra_wg_overlap=True (the overlapped main loop)"
     if cfg.split_loops and not cfg.intra_wg_overlap:
         return False, "fa3: split_loops needs intra_wg_overlap=True (the overlapped main loop)"
     if cfg.pv_wait_after_max and (not cfg.intra_wg_overlap or cfg.softmax_apart or cfg.pin_pv_wait):
@@ -408,13 +403,16 @@ _K_AHEAD = ((128, False),)
 # (0.983 / 0.987). Each passed its oracle cases on the GPU first
 # (tests/test_fa3_softmax_options.py, schedule options). Softcap and windowed problems keep the
 # builds without them (config_for, varlen_config_for); packed ones take them
-# (VARLEN_SCHEDULE_OPTIONS). Causal D = 192 with both: 1.033 / 1.003x (H100, 2026-12-06,
-# commit 6558210, 5 passes; not taken: causal D = 96, 0.973 / 1.024x; docs/results.md).
+# (VARLEN_SCHEDULE_OPTIONS). Causal D = 192 with both: 1.033 / 1.003x (FA4 0.962 -> 1.009x at
+# 4k; H100 80GB HBM3, 2026-12-06, commit 6558210, medians of 5 passes). Not taken there: causal
+# D = 96 (0.973 / 1.024x), non-causal D = 96 wg_slice or loop_mask_test=0 alone (1.000 / 1.004,
+# 0.995 / 1.006x).
 _WG_SLICE = ((128, False), (128, True), (64, True), (192, True))
 _SPLIT_LOOPS = ((128, True), (64, True), (192, True))
-# (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max, the
+# (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max; the
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
-# 4k / 16k, same run as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x).
+# 4k / 16k (FA4 0.986 / 1.054 / 1.052x; loop_mask_test=0 alone 0.923 / 1.044 / 0.988x); same
+# run and terms as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x, docs/design.md).
 _PV_WAIT_AFTER_MAX = ((256, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768

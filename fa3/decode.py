@@ -157,7 +157,6 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
         self.O_ZERO_INIT = False  # acc_O zeroed before the loop (every split's tile)
-        self.FINALIZE_UNDER_PV = False  # the split's own epilogue (partial O and LSE)
         self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory
         self.NUM_CONSUMER_WGS = 1

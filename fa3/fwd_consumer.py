@@ -99,10 +99,6 @@ class ForwardConsumer:
             blk = self.block_scales(
                 descales, head, rows.batch, m_block, seqlen_q, tScS, scale_log2, softcap_pre
             )
-        # finalize_under_pv: each row's O factor and LSE (fin[r], fin[2 + r]), made by
-        # last_half_block, or an empty row's (0, -inf) where no P·V runs (set there, so that
-        # nothing of it is live through the loop).
-        fin = cute.make_rmem_tensor((4,), Float32) if const_expr(self.FINALIZE_UNDER_PV) else None
         corr_prev = None  # rescale_before_pv: the correction O has yet to take
         if const_expr(self.RESCALE_BEFORE_PV):
             corr_prev = cute.make_rmem_tensor((2,), Float32)
@@ -135,8 +131,6 @@ class ForwardConsumer:
                 tScS=tScS,
                 row_max=row_max,
                 row_sum=row_sum,
-                fin=fin,
-                descale_v=descale_v,
                 pipe_k=pipe_k,
                 pipe_v=pipe_v,
                 cwg=cwg,
@@ -166,8 +160,6 @@ class ForwardConsumer:
                     else:
                         if const_expr(self.O_ZERO_INIT):
                             acc_O.fill(0.0)  # the passed block alone: no P·V wrote O
-                        if const_expr(self.FINALIZE_UNDER_PV):
-                            self._empty_rows(fin)
                         if const_expr(self.EARLY_Q_RELEASE):
                             pipe_q.consumer_release(q_state)
                 else:
@@ -192,9 +184,6 @@ class ForwardConsumer:
         if const_expr(self.O_ZERO_INIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
             if n_blocks <= 0:
                 acc_O.fill(0.0)  # no key: no P·V wrote O
-        if const_expr(self.FINALIZE_UNDER_PV):  # noqa: SIM102
-            if n_blocks <= 0:
-                self._empty_rows(fin)
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
             if const_expr(self.EARLY_Q_RELEASE):
@@ -228,7 +217,6 @@ class ForwardConsumer:
             seqlen_q,
             scale_log2,
             descale_v,
-            fin,
         )
         if const_expr(self.PERSISTENT):
             if const_expr(self.O_ALIAS_Q):
@@ -336,24 +324,20 @@ class ForwardConsumer:
         seqlen_q: Int32,
         scale_log2: Float32,
         descale_v: Float32 | None,  # fp8: this tile's descale of V (`tile_scales`)
-        fin: cute.Tensor | None,  # finalize_under_pv: the rows' factors and LSEs, made earlier
     ):
-        """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store.
-
-        With `fin` (finalize_under_pv) the LSE goes to gmem after O's stores, off the path
-        from the last P·V to the TMA store (FA4's order)."""
+        """O /= l (0 for empty rows), LSE to gmem, O -> sO (stmatrix) -> TMA store."""
         inv = cute.make_rmem_tensor((2,), Float32)
-        lse = cute.make_rmem_tensor((2,), Float32)
         batch = rows.batch
         lse_rows = rows.lse_rows(mLSE, head) if const_expr(self.VARLEN) else None
         for r in cutlass.range_constexpr(2):
-            if const_expr(fin is not None):
-                inv[r], lse[r] = fin[r], fin[2 + r]
-            else:
-                o_scale = self._o_scale(descale_v)
-                inv[r], lse[r] = finalize_row(row_max[r], row_sum[r], scale_log2, o_scale)
-        if const_expr(fin is None):
-            self._store_lse(mLSE, lse_rows, lse, tScS, m_block, head, batch, seqlen_q)
+            inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale(descale_v))
+            row = m_block * self.TILE_M + tScS[2 * r][0]
+            # One lane of each quad owns the row's statistics; tail rows are not stored.
+            if (tScS[0][1] == 0) & (row < seqlen_q):
+                if const_expr(self.VARLEN):
+                    lse_rows[row] = lse  # (seqlen_q,) of this sequence and head
+                else:
+                    mLSE[row, head, batch] = lse
         rescale_rows(acc_O, inv)
         if const_expr(self.PER_WG_EPILOGUE):
             store_o_wg(
@@ -368,23 +352,3 @@ class ForwardConsumer:
                 self.HEAD_DIM, self.o_dtype, self.CONSUMER_THREADS,
                 self.O_ALIAS_Q or self.PERSISTENT,
             )  # fmt: skip
-        if const_expr(fin is not None):
-            self._store_lse(mLSE, lse_rows, lse, tScS, m_block, head, batch, seqlen_q)
-
-    @cute.jit
-    def _empty_rows(self, fin: cute.Tensor):
-        """finalize_under_pv's factors and LSEs of rows that saw no key: 0 and -inf."""
-        fin[0], fin[1] = Float32(0.0), Float32(0.0)
-        fin[2], fin[3] = Float32(-math.inf), Float32(-math.inf)
-
-    @cute.jit
-    def _store_lse(self, mLSE, lse_rows, lse, tScS, m_block, head, batch, seqlen_q: Int32):
-        """The thread's two rows' LSE to gmem (mLSE, or `lse_rows` of a packed sequence)."""
-        for r in cutlass.range_constexpr(2):
-            row = m_block * self.TILE_M + tScS[2 * r][0]
-            # One lane of each quad owns the row's statistics; tail rows are not stored.
-            if (tScS[0][1] == 0) & (row < seqlen_q):
-                if const_expr(self.VARLEN):
-                    lse_rows[row] = lse[r]  # (seqlen_q,) of this sequence and head
-                else:
-                    mLSE[row, head, batch] = lse[r]

@@ -18,7 +18,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flashsuite.fa3 import fp8_ops
 from flashsuite.fa3.mask import apply_mask
-from flashsuite.fa3.softmax import finalize_row, needs_rescale, online_softmax, rescale_rows
+from flashsuite.fa3.softmax import needs_rescale, online_softmax, rescale_rows
 from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk, nanosleep_zero
 
 
@@ -329,13 +329,6 @@ class ForwardMainloop:
             self.rescale_o(ctx, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
         gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index, o_acc)
-        if const_expr(self.FINALIZE_UNDER_PV):
-            # Every block's softmax is done: the rows' O factors and LSEs under this P·V.
-            o_scale = self._o_scale(ctx.descale_v)
-            for r in cutlass.range_constexpr(2):
-                ctx.fin[r], ctx.fin[2 + r] = finalize_row(
-                    ctx.row_max[r], ctx.row_sum[r], ctx.scale_log2, o_scale
-                )
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()

@@ -151,8 +151,6 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
         self.O_ZERO_INIT = cfg.o_zero_init
-        # Per-block fp8: the epilogue's scale and descale of V differ from the loop's.
-        self.FINALIZE_UNDER_PV = cfg.finalize_under_pv and not fp8_blocks
         self.O_ALIAS_Q = cfg.o_alias_q
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         self.PRODUCER_REGS, self.CONSUMER_REGS = reg_split(cfg)
