@@ -253,6 +253,7 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     for kw in (dict(softcap=30.0), dict(window_size=(64, 64))):
         assert not config_for(check_inputs(q, k, k, **kw)).pv_wait_after_max, kw
     assert not varlen_config(256, bf16, False, options=False).pv_wait_after_max
+    assert varlen_config(256, bf16, False, options=True).pv_wait_after_max
     # e4m3: non-causal D = 128 and 256 slice without the mask test (D = 128 on the host-Vᵀ
     # route alone), causal D = 128 and 256 split their loops with the slice, on both Vᵀ routes;
     # softcap takes them all away.

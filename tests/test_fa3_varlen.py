@@ -368,6 +368,10 @@ GPU_CASES = [
     (EDGE_Q, EDGE_K, 6, 1, 192, BF16, dict(causal=True, window_size=(100, -1))),
     (EDGE_Q, EDGE_K, 4, 2, 96, F16, dict(softcap=30.0, window_size=(32, 16))),
     ([700, 129, 64], [64, 129, 700], 4, 4, 64, BF16, dict(causal=True, softcap=20.0)),
+    # The packed builds of the table's schedule options at D = 256 (P·V's wait after the row
+    # max) and causal D = 192 (split loops, descriptors per warpgroup).
+    (MIXED_Q, MIXED_K, 4, 2, 256, BF16, dict()),
+    (EDGE_Q, EDGE_K, 4, 2, 192, BF16, dict(causal=True)),
 ]
 GUARD = 16  # rows of NaN before and after out (and as many LSE entries around lse)
 
