@@ -409,10 +409,9 @@ _K_AHEAD = ((128, False),)
 # 0.995 / 1.006x).
 _WG_SLICE = ((128, False), (128, True), (64, True), (192, True))
 _SPLIT_LOOPS = ((128, True), (64, True), (192, True))
-# (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max; the
+# (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max, the
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
-# 4k / 16k (FA4 0.986 / 1.054 / 1.052x; loop_mask_test=0 alone 0.923 / 1.044 / 0.988x); same
-# run and terms as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x, docs/design.md).
+# 4k / 16k, same run as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x).
 _PV_WAIT_AFTER_MAX = ((256, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
@@ -581,6 +580,9 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512}
 # Causal limits that differ.
 FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {256: 1024}
+# (head_dim, causal) whose smem build keeps neither wg_slice nor dropped mask test: with them
+# 0.975 / 0.980x at N = 1k / 2k (e4m3 D = 128; H100, 2026-12-06, c128a37).
+_FP8_SMEM_UNSLICED = ((128, False),)
 
 
 def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None, causal: bool = False) -> bool:
@@ -601,11 +603,11 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
     The Vᵀ ring costs one more K/V-sized buffer. It fits beside the table's tiles at D <= 192
     (D = 128, tile_n 192: Q 16 + K, V, Vᵀ 3 x 2 x 24 + sO 32 = 192 KiB; D = 192, tile_n 128:
     24 + 3 x 48 + 48 = 216 KiB). At D = 256 tile_n 96 would need 32 + 3 x 48 + 64 = 240 KiB
-    (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB).
+    (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB). _FP8_SMEM_UNSLICED entries drop wg_slice.
     """
     cfg = replace(_fp8_tiles(head_dim, causal), v_transpose="smem")
-    if head_dim == 128 and not causal:  # the table's options: 0.975 / 0.980x at N = 1k / 2k
-        cfg = replace(cfg, wg_slice=False, loop_mask_test=True)  # (H100, 2026-12-06, c128a37)
+    if (head_dim, causal) in _FP8_SMEM_UNSLICED:
+        cfg = replace(cfg, wg_slice=False, loop_mask_test=True)
     if smem_bytes(cfg, head_dim, FP8_DTYPE) > SMEM_CAPACITY:
         cfg = replace(cfg, tile_n=64)
     return cfg
