@@ -314,42 +314,24 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
 def get_config(
     head_dim: int, dtype: torch.dtype, causal: bool, seqlen_k: int | None = None
 ) -> Fa3Config:
-    """The shipped config for (head_dim, dtype, causal), and for non-causal D = 64 the key length
-    `seqlen_k` (None: a long one). fp16 and bf16 share tiles (same bytes); float8_e4m3fn takes
-    `FP8_CONFIGS`, with V transposed in shared memory up to FP8_SMEM_VT_MAX_SEQLEN_K keys.
+    """The shipped config for (head_dim, dtype, causal), and for short key lengths `seqlen_k`
+    (None: a long one) where that differs. fp16 and bf16 share tiles (same bytes);
+    float8_e4m3fn takes `FP8_CONFIGS`, with V transposed in shared memory up to
+    FP8_SMEM_VT_MAX_SEQLEN_K keys.
 
-    16-bit tiles come from `_tiles`; every causal entry then runs on the persistent scheduler v2
-    (tile overlap + balanced order), measured faster than the plain grid at every head_dim.
-    H200 2026-11-29, commit 8867277 (D=96/192: e035e4e; `ablate --persistent`, bf16,
-    B·N = 16k, Hq·D = 2048), causal TFLOP/s at N = 4k / 8k / 16k, plain grid -> v2 (v2 / cuDNN
-    in the same run):
+    16-bit tiles come from `_tiles`, with the schedule options of the tables below it. Every
+    causal entry runs on the persistent scheduler v2 (tile overlap + balanced order), measured
+    faster than the plain grid at every head_dim (H200 2026-11-29, commit 8867277, causal D =
+    128 at N = 4k / 8k / 16k: 524 / 565 / 580 -> 560 / 593 / 605 TFLOP/s; every head dim in
+    docs/results.md, "fa3 causal: the persistent scheduler"), with skip_masked_wg at the head
+    dims of _SKIP_MASKED_WG_DIMS ("warpgroups that pass by blocks their rows cannot see").
+    Causal D = 96 keeps 128-row tiles up to SHORT_CAUSAL_SEQLEN_K keys (see _tiles).
 
-        D=64   411 / 449 / 471 -> 424 / 469 / 487  (1.04 / 1.10 / 1.11x)  v1: 403 / 451 / 458
-        D=96   471 / 505 / 522 -> 486 / 523 / 544  (1.20 / 1.25 / 1.26x)
-        D=128  524 / 565 / 580 -> 560 / 593 / 605  (1.00 / 1.09 / 1.09x)  v1: 502 / 523 / 535;
-               v2 without the balanced order 449 / 506 / 552
-        D=192  563 / 609 / 619 -> 584 / 627 / 685  (1.06 / 1.11 / 1.15x)
-        D=256  521 / 597 / 597 -> 600 / 639 / 674  (1.07 / 1.06 / 1.14x)  v1: 484 / 507 / 525
-
-    Non-causal keeps the plain grid (D=128: v2 604 vs 597, within noise).
-
-    skip_masked_wg on top of v2 (commits cceee11 / 11d046f, `ablate --persistent --variant new
-    --variant new_skip`, same run, v2 -> v2 + skip, TFLOP/s at N = 4k / 8k / 16k; cuDNN):
-        D=64   421 / 469 / 488 -> 431 / 472 / 497  (cuDNN 413 / 426 / 433)   shipped
-        D=192  553 / 621 / 657 -> 571 / 631 / 663  (cuDNN 530 / 570 / 585)   shipped
-        D=256  606 / 637 / 668 -> 589 / 638 / 660  (cuDNN 557 / 578 / 614)   not shipped
-
-    Short non-causal problems (commit 9a03882, `ablate --persistent --seqlen 512 ... 4096`, same
-    run, plain grid -> v2, TFLOP/s at N = 512 / 1k / 2k / 4k; cuDNN): a tile of a few K/V blocks
-    pays its fill, drain and epilogue often, and v2 overlaps the epilogue with the next tile.
-        D=64   298 / 382 / 457 / 494 -> 331 / 392 / 443 / 429  (cuDNN 390 / 428 / 448 / 459)
-               second run, N = 512 / 768 / 1k / 1.5k / 2k: 299 / 382 / 372 / 444 / 453 ->
-               326 / 393 / 350 / 420 / 433: v2 for seqlen_k <= SHORT_SEQLEN_K = 768 (1k: +3 %
-               in one run, -6 % in the other)
-        D=128  411 / 504 / 568 / 604 -> 385 / 455 / 516 / 532  (cuDNN 512 / 568 / 602 / 610)
-               plain; tile_n 128 + own sO + intra-WG overlap on v2: 427 / 493 / 517 / 538
-        D=256  455 / 585 / 655 / 649 -> 436 / 521 / 586 / 599  (cuDNN 519 / 602 / 635 / 705)
-               plain
+    Non-causal keeps the plain grid (D = 128: v2 604 vs 597, within noise), but D = 64 with
+    seqlen_k <= SHORT_SEQLEN_K: a tile of a few K/V blocks pays its fill, drain and epilogue
+    often, and v2 overlaps the epilogue with the next tile (commits 9a03882 and eb35f47, plain
+    grid -> v2 at N = 512 / 768 / 1k / 1.5k: 299 / 382 / 372 / 444 -> 326 / 393 / 350 / 420;
+    D = 128 and 256 lose with it; docs/results.md, "Short sequences").
     """
     if dtype == FP8_DTYPE:
         if fp8_vt_in_smem(head_dim, seqlen_k, causal):
@@ -368,11 +350,13 @@ def get_config(
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
         return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
+    if head_dim in _SHORT_Q_TILES and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
+        return _overlap(_SHORT_Q_TILES[head_dim])
     return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
 
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
-_SKIP_MASKED_WG_DIMS = (64, 192)
+_SKIP_MASKED_WG_DIMS = (64, 96, 192)
 # (head_dim, causal) pairs that run the softmax apart from S (softmax_apart; config_for and
 # varlen_config_for leave softcap and windowed problems out, which no GPU run has checked with
 # it). Non-causal D = 128: see _tiles. Causal, H200, 2026-12-04, `python3 -m
@@ -407,8 +391,8 @@ _K_AHEAD = ((128, False),)
 # 4k; H100 80GB HBM3, 2026-12-06, commit 6558210, medians of 5 passes). Not taken there: causal
 # D = 96 (0.973 / 1.024x), non-causal D = 96 wg_slice or loop_mask_test=0 alone (1.000 / 1.004,
 # 0.995 / 1.006x).
-_WG_SLICE = ((128, False), (128, True), (64, True), (192, True))
-_SPLIT_LOOPS = ((128, True), (64, True), (192, True))
+_WG_SLICE = ((128, False), (128, True), (64, True), (96, True), (192, True))
+_SPLIT_LOOPS = ((128, True), (64, True), (96, True), (192, True))
 # (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max, the
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
 # 4k / 16k, same run as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x).
@@ -416,6 +400,8 @@ _PV_WAIT_AFTER_MAX = ((256, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
 SHORT_SEQLEN_K = 768
 _SHORT_PERSISTENT_DIMS = (64,)
+# Causal head dims in _SHORT_Q_TILES run that tile for seqlen_k up to this (D = 96: see _tiles).
+SHORT_CAUSAL_SEQLEN_K = 1024
 
 
 def _tiles(head_dim: int, causal: bool) -> Fa3Config:
@@ -434,11 +420,6 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
         # and 3 WGs with 2 stages (367 / 461 / 472) lose to this shape (426 / 473 / 494).
         return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
     if head_dim <= 96:
-        if causal:
-            # 24 KiB per stage, 2 stages + own sO: 144 KiB. R179. Three warpgroups (192 x 96,
-            # 3 stages / 192 x 112) measured 518.5 / 522.7 against 513.9 TFLOP/s at N = 8k
-            # (H200 2026-12-04, `benchmarks/fa3_fwd_ab`, medians of 5 passes): within noise.
-            return Fa3Config(tile_n=128, stages=2)
         # Three consumer warpgroups (192 query rows at 160 registers, as FA4's 192 x 144 with P
         # through smem); with P in registers 112 keys is the widest S that keeps 0 spills (128:
         # 144 bytes). Q 36 + K/V 2 x 2 x 21 + sO 36 KiB = 156 KiB. R155. H200 2026-12-04,
@@ -447,6 +428,13 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
         # two warpgroups; 192 x 96 with 3 stages 549.0 / 564.7; without intra-WG overlap
         # 192 x 128 555.8 / 571.7, 192 x 144 566.0 / 581.8; 192 x 112 with the softmax apart
         # 466.7 / 479.0. FA4 587.2 / 601.5, cuDNN 462.5 / 459.0.
+        # Causal too, with skip_masked_wg, split loops and wg_slice (keys up to
+        # SHORT_CAUSAL_SEQLEN_K keep _SHORT_Q_TILES[96]): H100 80GB HBM3, 2026-12-06, commit
+        # 403a0ef (`fa3_fwd_ab --head-dim 96 --causal --variant t3ss:tile_m=192,
+        # num_consumer_wgs=3,tile_n=112,skip_masked_wg=1,split_loops=1,wg_slice=1`, medians of 5
+        # passes) against 128 x 128 on two warpgroups at N = 1k / 2k / 4k / 16k: 0.909 / 1.079 /
+        # 1.023 / 1.060x (fa3 / FA4 0.940 -> 0.989x at 16k); packed (64k tokens in 35
+        # sequences, `fa3_varlen_order_ab`) 1.117x.
         return Fa3Config(tile_m=192, tile_n=112, stages=2, num_consumer_wgs=3)
     if head_dim <= 128:
         if causal:
@@ -477,6 +465,16 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     # 679.9 / 730.6, causal 626.0 / 696.5); confirmed at commit d87a0ac (docs/results.md,
     # "The softmax's instruction count"). D = 192 (96 registers of O) timed level at 16k.
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True, rescale_threshold=8)
+
+
+def _overlap(cfg: Fa3Config) -> Fa3Config:
+    """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
+    return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)
+
+
+def _plain(cfg: Fa3Config) -> Fa3Config:
+    """`cfg` on the plain grid (the fp8 builds with V transposed in smem or block descales)."""
+    return replace(cfg, persistent=False, overlap_tiles=False, balanced_order=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,10 +546,15 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s); at
 # D = 128 and 256 the non-causal tiles without _FP8_SOFTMAX, in split loops with wg_slice:
 # 1.049 / 1.003x and 1.055 / 1.043x the build without at N = 4k / 16k (pv_wait_after_max
-# 1.019 / 0.986x, 1.027 / 1.025x); same run as D = 128 above.
+# 1.019 / 0.986x, 1.027 / 1.025x); same run as D = 128 above. Both on the persistent
+# scheduler v2 (the 16-bit causal entries' `_overlap`): H100 80GB HBM3, 2026-12-06, commit
+# 403a0ef (`fa3_fwd_ab --fp8 --causal --head-dim D --variant pv2:persistent=1,overlap_tiles=1,
+# balanced_order=1,v_transpose=host`, medians of 5 passes, ratio to the table build) at N =
+# 1k / 2k / 4k / 16k: D = 128 1.041 / 1.083 (against the smem build) / 1.123 / 1.022, D = 256
+# 0.975 (smem build) / 1.070 / 1.116 / 1.027.
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _fp8(256),
-    **{d: _fp8(n, split_loops=True, wg_slice=True) for d, n in ((128, 192), (256, 96))},
+    **{d: _overlap(_fp8(n, split_loops=True, wg_slice=True)) for d, n in ((128, 192), (256, 96))},
 }
 
 
@@ -578,8 +581,8 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 #     D = 256  1.020 / 1.103 / 1.167, causal 0.916 / 1.043 / 1.150
 # D = 96 and 192 are not measured and keep the host copy. Lengths below 1k keep the smem build.
 FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512}
-# Causal limits that differ.
-FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {256: 1024}
+# Causal limits that differ (D = 128's host build on the persistent scheduler is ahead from 1k).
+FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {128: 512, 256: 1024}
 # (head_dim, causal) whose smem build keeps neither wg_slice nor dropped mask test: with them
 # 0.975 / 0.980x at N = 1k / 2k (e4m3 D = 128; H100, 2026-12-06, c128a37).
 _FP8_SMEM_UNSLICED = ((128, False),)
@@ -604,8 +607,9 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
     (D = 128, tile_n 192: Q 16 + K, V, Vᵀ 3 x 2 x 24 + sO 32 = 192 KiB; D = 192, tile_n 128:
     24 + 3 x 48 + 48 = 216 KiB). At D = 256 tile_n 96 would need 32 + 3 x 48 + 64 = 240 KiB
     (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB). _FP8_SMEM_UNSLICED entries drop wg_slice.
+    The smem build runs on the plain grid (`can_implement`).
     """
-    cfg = replace(_fp8_tiles(head_dim, causal), v_transpose="smem")
+    cfg = replace(_plain(_fp8_tiles(head_dim, causal)), v_transpose="smem")
     if (head_dim, causal) in _FP8_SMEM_UNSLICED:
         cfg = replace(cfg, wg_slice=False, loop_mask_test=True)
     if smem_bytes(cfg, head_dim, FP8_DTYPE) > SMEM_CAPACITY:
@@ -649,12 +653,11 @@ def config_for(p: AttnParams) -> Fa3Config:
     short = _SHORT_Q_TILES.get(p.head_dim)
     if (
         short is not None
-        and not p.causal
         and p.dtype in DTYPES
         and p.seqlen_q > 0
         and short_q(cfg, p.seqlen_q, short)
     ):
-        cfg = short
+        cfg = _overlap(short) if p.causal else short
     if p.softcap or p.is_local:
         cfg = dense_options_off(cfg)
     if p.is_fp8 and (p.fp8_block_q or p.fp8_block_kv):
@@ -695,8 +698,8 @@ def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int)
     descales alone per block); else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
     if cfg.num_consumer_wgs != 2:  # _FP8_BLOCK_EXTRA's tile in its place, V transposed alike
         cfg = replace(_FP8_BLOCK_EXTRA[head_dim][0], v_transpose=cfg.v_transpose)
-    candidates = [cfg, *_fp8_block_candidates(head_dim, causal)]
-    return next((c for c in candidates if block_kv % c.tile_n == 0), cfg)
+    candidates = [_plain(c) for c in (cfg, *_fp8_block_candidates(head_dim, causal))]
+    return next((c for c in candidates if block_kv % c.tile_n == 0), candidates[0])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -793,8 +796,3 @@ def fp8_shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
     with V transposed in shared memory are fp8_smem_transpose_config's
     (tests/test_fa3_fp8_compile.py compiles both)."""
     return [(d, FP8_DTYPE, c, _fp8_tiles(d, c)) for d in HEAD_DIMS for c in (False, True)]
-
-
-def _overlap(cfg: Fa3Config) -> Fa3Config:
-    """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
-    return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)

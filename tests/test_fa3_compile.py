@@ -133,8 +133,9 @@ def test_shipped_persistent_entries_are_v2() -> None:
         else:
             assert not (cfg.overlap_tiles or cfg.balanced_order), cfg
     causal = {("shipped", d, True) for d in (64, 96, 128, 192, 256)}
-    # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too.
-    assert persistent == causal | {("shipped-short", 64, False)}
+    # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too; causal
+    # D = 96's short build (128-row tiles) stays on it.
+    assert persistent == causal | {("shipped-short", 64, False), ("shipped-short", 96, True)}
 
 
 def test_overlap_needs_persistent() -> None:
@@ -168,23 +169,30 @@ def _check_overlap_barriers(case, probes: dict[str, dict]) -> None:
 
 
 def test_short_keys_pick_their_own_config() -> None:
-    """The key length picks the schedule only where measured (non-causal D = 64, short keys);
-    every other entry is the same for any seqlen_k."""
-    from flashsuite.fa3.configs import SHORT_SEQLEN_K, get_config
+    """The key length picks the schedule only where measured (non-causal D = 64 and causal
+    D = 96, short keys); every other entry is the same for any seqlen_k."""
+    from flashsuite.fa3.configs import SHORT_CAUSAL_SEQLEN_K, SHORT_SEQLEN_K, get_config
 
     bf16 = torch.bfloat16
     assert get_config(64, bf16, False, SHORT_SEQLEN_K).persistent
     assert not get_config(64, bf16, False, SHORT_SEQLEN_K + 1).persistent
     assert get_config(64, bf16, False, None) == get_config(64, bf16, False, 16384)
+    short, tall = (get_config(96, bf16, True, n) for n in (SHORT_CAUSAL_SEQLEN_K, 1025))
+    assert (short.tile_m, short.num_consumer_wgs, short.tile_n) == (128, 2, 128), short
+    assert short.persistent and not (short.skip_masked_wg or short.split_loops or short.wg_slice)
+    assert (tall.tile_m, tall.num_consumer_wgs, tall.tile_n) == (192, 3, 112), tall
+    assert tall.skip_masked_wg and tall.split_loops and tall.wg_slice and tall.persistent
+    assert get_config(96, bf16, True, None) == tall == get_config(96, bf16, True, 16384)
     for d, dt, causal, cfg in shipped_configs():
-        if (d, causal) != (64, False):
+        if (d, causal) not in ((64, False), (96, True)):
             assert get_config(d, dt, causal, 512) == cfg == get_config(d, dt, causal, 16384)
 
 
 def test_short_queries_take_the_shorter_row_tile_where_measured() -> None:
-    """Non-causal D = 96 runs 192-row tiles (three warpgroups) unless the query length fills
-    them badly (N = 1k: 6 tiles for 5.3 of work), where the 128-row tile of two warpgroups
-    measured faster; causal problems, fp8 and the other head dims never switch."""
+    """D = 96 runs 192-row tiles (three warpgroups) unless the query length fills them badly
+    (N = 1k: 6 tiles for 5.3 of work), where the 128-row tile of two warpgroups measured
+    faster (causal: on the persistent scheduler, as its short-key build); fp8 and the other
+    head dims never switch."""
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3.configs import FP8_DTYPE, config_for, get_config
 
@@ -201,6 +209,9 @@ def test_short_queries_take_the_shorter_row_tile_where_measured() -> None:
         assert (cfg(nq).tile_m, cfg(nq).num_consumer_wgs) == (128, 2), nq
     for nq in (192, 1536, 2048, 4096, 8192):
         assert cfg(nq) == tall, nq
-    assert cfg(1024, causal=True) == get_config(96, bf16, True, 2048)
+    for nq in (100, 1024):
+        assert cfg(nq, causal=True) == get_config(96, bf16, True, 1024), nq
+    assert cfg(2048, causal=True) == get_config(96, bf16, True, 2048)
+    assert get_config(96, bf16, True, 2048).tile_m == 192
     assert cfg(1024, d=64) == get_config(64, bf16, False, 2048)
     assert cfg(1024, dt=FP8_DTYPE) == get_config(96, FP8_DTYPE, False, 2048)

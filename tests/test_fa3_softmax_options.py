@@ -215,7 +215,7 @@ _SCHEDULE_CASES = [
     *[_case(d, True, False, "new", _NEW) for d in (128, 256)],
     _case(128, False, False, "new_inplace", {**_NEW, "softmax_apart": False}),
     _case(256, False, False, "new_nopp", {**_NEW, "pingpong": False}),
-    *[_case(d, False, True, "split", _SPLIT) for d in (64, 128, 192, 256)],
+    *[_case(d, False, True, "split", _SPLIT) for d in (64, 96, 128, 192, 256)],
     *[_case(d, True, True, "split", _SPLIT) for d in (128, 256)],
     _case(256, False, True, "split_nopp", {**_SPLIT, "pingpong": False}),
     # pin_pv_wait: a never-taken branch before P·V's wait (the in-place softmax's builds).
