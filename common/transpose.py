@@ -53,16 +53,17 @@ def _keys_major_copy(
     pid_d = tl.program_id(2)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # Y's columns, stored along the keys
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = col
+    if PERMUTE:
+        # column 32 blk + 16 h + 4 t + 2 a + c holds key 32 blk + 16 h + 8 a + 2 t + c: the
+        # program gathers its key rows (each D contiguous bytes) and stores whole columns
+        r = col % 32
+        n = col - r + (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2
     mask = (n[:, None] < n_keys) & (d[None, :] < head_dim)
     src = X + b * stride_xb + h * stride_xh + n[:, None].to(tl.int64) * stride_xn + d[None, :]
     tile = tl.load(src, mask=mask, other=0)
-    col = n
-    if PERMUTE:
-        # key 32 blk + 16 h + 8 a + 2 t + c goes to column 32 blk + 16 h + 4 t + 2 a + c
-        r = n % 32
-        col = n - r + (r // 16) * 16 + ((r // 2) % 4) * 4 + ((r // 8) % 2) * 2 + r % 2
     dst = Y + b * stride_yb + h * stride_yh + d[:, None].to(tl.int64) * stride_yd + col[None, :]
     keep = (col[None, :] < n_out) & (d[:, None] < head_dim)  # the zeros past n_keys too
     tl.store(dst, tl.trans(tile), mask=keep)
