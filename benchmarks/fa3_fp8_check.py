@@ -203,6 +203,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     from benchmarks.fa3_variants import fp8_variants
     from flashsuite.fa3.configs import (
         FP8_DTYPE,
+        fp8_block_config,
         fp8_shipped_configs,
         fp8_smem_transpose_config,
         get_config,
@@ -216,12 +217,24 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
         ("vt_smem", d, c, fp8_smem_transpose_config(d, c)) for d in (64, 128, 256) for c in (0, 1)
     ]
     cases.append(("vt_window_softcap", 128, False, fp8_smem_transpose_config(128, False)))
+    # The host-Vᵀ builds of the persistent entries on the plain grid, what the smem builds are
+    # compared with (the scheduler changes the barrier counts).
+    plain = {"persistent": False, "overlap_tiles": False, "balanced_order": False}
+    cases += [
+        ("host_plain", d, c, replace(cfg, **plain))
+        for d, _, c, cfg in fp8_shipped_configs()
+        if cfg.persistent
+    ]
     # V's keys permuted on the host (Fa3Config.permute_v_keys, off): Vᵀ runs past Nk.
     host64 = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
     cases.append(("host_permuted_keys", 64, False, replace(host64, permute_v_keys=True)))
     # Per-block descales (FP8_BLOCKS): the table's host-Vᵀ and shared-memory-Vᵀ builds, and
     # the window + softcap paths (k's descale joins tanh's argument per row).
-    cases += [("blocks", d, c, get_config(d, FP8_DTYPE, c)) for d in (64, 128, 256) for c in (0, 1)]
+    cases += [
+        ("blocks", d, c, fp8_block_config(get_config(d, FP8_DTYPE, c), d, c, 0))
+        for d in (64, 128, 256)
+        for c in (0, 1)
+    ]
     cases += [("blocks_vt_smem", d, 1, fp8_smem_transpose_config(d, True)) for d in (128, 256)]
     cases.append(("blocks_window_softcap", 128, False, get_config(128, FP8_DTYPE, False)))
     if variants:  # the ablation candidates, non-causal (the barrier protocol does not change)

@@ -506,7 +506,7 @@ def _fp8(tile_n: int, stages: int = 2, wgs: int = 2, **softmax) -> Fa3Config:
 # rt1rc:rescale_threshold=1,row_chains=1` against the table (per-pass ratios, median / lowest
 # pass, N = 4k / 16k): D = 128 1.042 / 1.001, 1.021 / 1.005; D = 256 1.050 / 1.038, 1.030 /
 # 1.024 (756.0 / 802.6 against 725.3 / 788.2 TFLOP/s at D = 128; 842.1 / 985.5 against 798.2
-# / 955.8 at D = 256). Causal e4m3 is not timed with them and keeps the table's softmax.
+# / 955.8 at D = 256). Causal D = 256 takes them too (FP8_CAUSAL_CONFIGS).
 _FP8_SOFTMAX = {"rescale_threshold": 1, "row_chains": True}
 
 
@@ -544,17 +544,19 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     256: _fp8(96, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s); at
-# D = 128 and 256 the non-causal tiles without _FP8_SOFTMAX, in split loops with wg_slice:
-# 1.049 / 1.003x and 1.055 / 1.043x the build without at N = 4k / 16k (pv_wait_after_max
-# 1.019 / 0.986x, 1.027 / 1.025x); same run as D = 128 above. Both on the persistent
-# scheduler v2 (the 16-bit causal entries' `_overlap`): H100 80GB HBM3, 2026-12-06, commit
+# D = 128 and 256 the non-causal tiles in split loops with wg_slice: 1.049 / 1.003x and 1.055
+# / 1.043x the build without at N = 4k / 16k (pv_wait_after_max 1.019 / 0.986x, 1.027 /
+# 1.025x; same run as D = 128 above), on the persistent scheduler v2: H100, 2026-12-06, commit
 # 403a0ef (`fa3_fwd_ab --fp8 --causal --head-dim D --variant pv2:persistent=1,overlap_tiles=1,
 # balanced_order=1,v_transpose=host`, medians of 5 passes, ratio to the table build) at N =
 # 1k / 2k / 4k / 16k: D = 128 1.041 / 1.083 (against the smem build) / 1.123 / 1.022, D = 256
-# 0.975 (smem build) / 1.070 / 1.116 / 1.027.
+# 0.975 (smem build) / 1.070 / 1.116 / 1.027. Causal D = 256 takes _FP8_SOFTMAX on top: 1.014 /
+# 1.064x at N = 4k / 16k (its lowest passes 1.003 / 1.037; the threshold alone 1.023 / 1.053);
+# at D = 128 1.016 / 0.992 (alone 1.032 / 0.993), not taken; same GPU, commit 8526760.
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _fp8(256),
-    **{d: _overlap(_fp8(n, split_loops=True, wg_slice=True)) for d, n in ((128, 192), (256, 96))},
+    128: _overlap(_fp8(192, split_loops=True, wg_slice=True)),
+    256: _overlap(_fp8(96, **_FP8_SOFTMAX, split_loops=True, wg_slice=True)),
 }
 
 

@@ -50,6 +50,8 @@ CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with 
 # build up to configs.FP8_SMEM_VT_MAX_SEQLEN_K keys).
 VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False, True)]
 CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
+# The persistent host-Vᵀ entries on the plain grid (what the smem builds compare with).
+CASES += [("host_plain", d, c) for d, _, c, cfg in fp8_shipped_configs() if cfg.persistent]
 CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys (off), host Vᵀ
 # Per-block descales (the FP8_BLOCKS build, tests/test_fp8_blocks.py): host and smem Vᵀ, and the
 # window + softcap paths.
@@ -175,7 +177,9 @@ def test_smem_transpose_build_and_barrier_protocol(name: str, d: int, causal: bo
     equal (they depend on tile_n and D only)."""
     r = probes["configs"][(name, d, causal)]
     ptx, cfg = r["ptx"], Fa3Config(**r["config"])
-    host = probes["configs"][("shipped", d, causal)]
+    cfgs = probes["configs"]
+    host = cfgs.get(("host_plain", d, causal)) or cfgs[("shipped", d, causal)]  # plain grid
+    assert not host["config"]["persistent"]
     units = cfg.tile_n // fp8_ops.VT_UNIT_KEYS * (d // fp8_ops.VT_UNIT_D)
     per_warp = -(-units // TRANSPOSE_WARPS)
     assert cfg.v_transpose == "smem" and not cfg.persistent
