@@ -554,7 +554,7 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
 # 1.064x at N = 4k / 16k (its lowest passes 1.003 / 1.037; the threshold alone 1.023 / 1.053);
 # at D = 128 1.016 / 0.992 (alone 1.032 / 0.993), not taken; same GPU, commit 8526760.
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
-    64: _fp8(256),
+    64: _overlap(_fp8(256)),
     128: _overlap(_fp8(192, split_loops=True, wg_slice=True)),
     256: _overlap(_fp8(96, **_FP8_SOFTMAX, split_loops=True, wg_slice=True)),
 }
@@ -584,7 +584,7 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 # D = 96 and 192 are not measured and keep the host copy. Lengths below 1k keep the smem build.
 FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512}
 # Causal limits that differ (D = 128's host build on the persistent scheduler is ahead from 1k).
-FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {128: 512, 256: 1024}
+FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {64: 512, 128: 512, 256: 1024}
 # (head_dim, causal) whose smem build keeps neither wg_slice nor dropped mask test: with them
 # 0.975 / 0.980x at N = 1k / 2k (e4m3 D = 128; H100, 2026-12-06, c128a37).
 _FP8_SMEM_UNSLICED = ((128, False),)
