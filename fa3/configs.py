@@ -543,16 +543,15 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     # 0.987, D = 64: 0.986 / 1.026; not taken there).
     256: _fp8(96, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
 }
-# Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 causal TFLOP/s); at
-# D = 128 and 256 the non-causal tiles in split loops with wg_slice: 1.049 / 1.003x and 1.055
-# / 1.043x the build without at N = 4k / 16k (pv_wait_after_max 1.019 / 0.986x, 1.027 /
-# 1.025x; same run as D = 128 above), on the persistent scheduler v2: H100, 2026-12-06, commit
-# 403a0ef (`fa3_fwd_ab --fp8 --causal --head-dim D --variant pv2:persistent=1,overlap_tiles=1,
-# balanced_order=1,v_transpose=host`, medians of 5 passes, ratio to the table build) at N =
-# 1k / 2k / 4k / 16k: D = 128 1.041 / 1.083 (against the smem build) / 1.123 / 1.022, D = 256
-# 0.975 (smem build) / 1.070 / 1.116 / 1.027. Causal D = 256 takes _FP8_SOFTMAX on top: 1.014 /
-# 1.064x at N = 4k / 16k (its lowest passes 1.003 / 1.037; the threshold alone 1.023 / 1.053);
-# at D = 128 1.016 / 0.992 (alone 1.032 / 0.993), not taken; same GPU, commit 8526760.
+# Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 TFLOP/s); at D = 128 and
+# 256 the non-causal tiles in split loops with wg_slice (1.049 / 1.003x and 1.055 / 1.043x the
+# build without at N = 4k / 16k, same run as D = 128 above); all three on the persistent
+# scheduler v2: H100, 2026-12-06, commits 403a0ef / dc85b5f (`fa3_fwd_ab --fp8 --causal
+# --variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host`, 5 passes, ratio
+# to the table build, the smem build where marked *) at N = 1k / 2k / 4k / 16k: D = 64 1.023* /
+# - / 1.039* / 1.063*, D = 128 1.041* / 1.083* / 1.123 / 1.022, D = 256 0.975* / 1.070 / 1.116 /
+# 1.027. Causal D = 256 takes _FP8_SOFTMAX too: 1.014 / 1.064x at 4k / 16k (lowest passes 1.003
+# / 1.037); D = 128 1.016 / 0.992x, not taken (commit 8526760).
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _overlap(_fp8(256)),
     128: _overlap(_fp8(192, split_loops=True, wg_slice=True)),
@@ -583,7 +582,8 @@ def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
 #     D = 256  1.020 / 1.103 / 1.167, causal 0.916 / 1.043 / 1.150
 # D = 96 and 192 are not measured and keep the host copy. Lengths below 1k keep the smem build.
 FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512}
-# Causal limits that differ (D = 128's host build on the persistent scheduler is ahead from 1k).
+# Causal limits that differ (D = 64's and 128's host builds on the persistent scheduler are ahead
+# from 1k keys; FP8_CAUSAL_CONFIGS).
 FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {64: 512, 128: 512, 256: 1024}
 # (head_dim, causal) whose smem build keeps neither wg_slice nor dropped mask test: with them
 # 0.975 / 0.980x at N = 1k / 2k (e4m3 D = 128; H100, 2026-12-06, c128a37).
@@ -793,8 +793,8 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
 
 def fp8_shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
     """Every fp8 (head_dim, dtype, causal, config) of the table with V copied on the host
-    (get_config's pick past FP8_SMEM_VT_MAX_SEQLEN_K keys; never at D = 64, which transposes
-    in shared memory at every length, but compiled as the baseline of that build); the builds
+    (get_config's pick past FP8_SMEM_VT_MAX_SEQLEN_K keys; at non-causal D = 64, which
+    transposes in shared memory at every length, the baseline of that build); the builds
     with V transposed in shared memory are fp8_smem_transpose_config's
     (tests/test_fa3_fp8_compile.py compiles both)."""
     return [(d, FP8_DTYPE, c, _fp8_tiles(d, c)) for d in HEAD_DIMS for c in (False, True)]
