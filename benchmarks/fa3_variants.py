@@ -25,8 +25,8 @@ from flashsuite.fa3.configs import (
     can_implement,
     fp8_smem_transpose_config,
     get_config,
-    varlen_config,
 )
+from flashsuite.fa3.varlen_configs import varlen_config
 
 
 def _three_wgs(cfg: Fa3Config) -> Fa3Config:
@@ -154,7 +154,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
 
 def varlen_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config, bool, bool]]:
     """(name, head_dim, dtype, causal, config, local, softcap) of the varlen builds CI
-    compiles: every head_dim, causal and not, in bf16 (configs.varlen_config's tiles), and
+    compiles: every head_dim, causal and not, in bf16 (varlen_configs.varlen_config's tiles), and
     fp16 causal with a window and softcap (the mask and score paths those flags add)."""
     bf, f16 = torch.bfloat16, torch.float16
     out = [

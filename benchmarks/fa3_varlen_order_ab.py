@@ -1,7 +1,7 @@
 """fa3's packed forward in several builds against each other and against the dense forward on
 the same tokens (a GPU run): the plain grid's launch order against the sectioned one
-(Fa3Config.head_section; configs.varlen_config ships S = VARLEN_CAUSAL_HEAD_SECTION for causal
-problems), the dense entries' schedule options (`--options`: varlen_config(options=True)), or
+(Fa3Config.head_section; varlen_configs.varlen_config ships S = VARLEN_CAUSAL_HEAD_SECTION for
+causal problems), the dense entries' schedule options (`--options`: varlen_config(options=True)), or
 any Fa3Config fields (`--variant`, as benchmarks.fa3_fwd_ab's).
 
     python -m benchmarks.fa3_varlen_order_ab                      # causal D 128: S = 4, 8, 16
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashsuite import dispatch
     from flashsuite.common.validation import check_varlen_inputs
     from flashsuite.fa3 import interface as fa3
-    from flashsuite.fa3.configs import varlen_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -33,10 +33,10 @@ from flashsuite.fa3.configs import (
     SMEM_CAPACITY,
     Fa3Config,
     can_implement,
-    can_implement_varlen,
     smem_bytes,
 )
 from flashsuite.fa3.decode_configs import decode_can_implement
+from flashsuite.fa3.varlen_configs import can_implement_varlen
 
 
 def cutlass_dtype(dtype: torch.dtype) -> Any:

@@ -387,7 +387,7 @@ _K_AHEAD = ((128, False),)
 # (0.983 / 0.987). Each passed its oracle cases on the GPU first
 # (tests/test_fa3_softmax_options.py, schedule options). Softcap and windowed problems keep the
 # builds without them (config_for, varlen_config_for); packed ones take them
-# (VARLEN_SCHEDULE_OPTIONS). Causal D = 192 with both: 1.033 / 1.003x (FA4 0.962 -> 1.009x at
+# (varlen_configs). Causal D = 192 with both: 1.033 / 1.003x (FA4 0.962 -> 1.009x at
 # 4k; H100 80GB HBM3, 2026-12-06, commit 6558210, medians of 5 passes). Not taken there: causal
 # D = 96 (0.973 / 1.024x), non-causal D = 96 wg_slice or loop_mask_test=0 alone (1.000 / 1.004,
 # 0.995 / 1.006x).
@@ -702,70 +702,6 @@ def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int)
         cfg = replace(_FP8_BLOCK_EXTRA[head_dim][0], v_transpose=cfg.v_transpose)
     candidates = [_plain(c) for c in (cfg, *_fp8_block_candidates(head_dim, causal))]
     return next((c for c in candidates if block_kv % c.tile_n == 0), candidates[0])
-
-
-# ------------------------------------------------------------------------------------------------
-# packed sequences (varlen)
-# ------------------------------------------------------------------------------------------------
-# Whether auto selection runs fa3 for `dispatch.attention_varlen` on sm90 (else fa2's Triton
-# varlen kernel, with fa3's reason in explain()). On: on the H200 (commit e4c4cc5) every GPU
-# case of tests/test_fa3_varlen.py passed (per-sequence oracle with NaN guard rows, one binary
-# for every batch composition, autograd, 64k mixed tokens), and benchmarks/decode_bench.py
-# --varlen timed it at 1.48x fa2's varlen forward (1.34x causal; 64k tokens, H 16, D 128).
-VARLEN_AUTO = True
-
-
-# Whether packed sequences run the dense entries' schedule options (varlen_config; softcap and
-# windowed ones never do). On: the GPU cases of tests/test_fa3_varlen.py pass with it, and on an
-# H100 (2026-12-06, commit 07880b5, `python -m benchmarks.fa3_varlen_order_ab --head-dim D
-# [--non-causal] --options`, 64k tokens in 35 sequences, medians of 5 interleaved passes) it
-# timed 1.093x the build without at causal D = 128 (0.833 -> 0.910x the dense forward on the
-# same tokens), 1.085x at causal D = 64 (0.896 -> 0.972x), 1.018x non-causal D = 128 and 1.017x
-# causal D = 256.
-VARLEN_SCHEDULE_OPTIONS = True
-# Query heads per launch section of a causal packed grid (varlen_config; 0: the plain order).
-VARLEN_CAUSAL_HEAD_SECTION = 8
-
-
-def varlen_config(
-    head_dim: int, dtype: torch.dtype, causal: bool, options: bool | None = None
-) -> Fa3Config:
-    """The tile config of packed sequences: the dense table's tiles for (head_dim, dtype,
-    causal) on the plain grid (one tile per CTA; varlen.py's virtual-block grid). The persistent
-    scheduler's order and tile overlap assume one length for every (batch, head). `options`
-    (default VARLEN_SCHEDULE_OPTIONS) keeps the dense entry's schedule options (wg_slice,
-    split_loops, softmax_apart; `dense_options_off` otherwise).
-
-    Causal grids launch in sections of VARLEN_CAUSAL_HEAD_SECTION query heads (head_section):
-    the default (virtual blocks, Hq) order starts the last heads' heaviest tiles after the rest
-    of the work, a tail that sections remove. H200, 2026-12-04, commit e2fe513 with the
-    sectioned grid, `python -m benchmarks.fa3_varlen_order_ab` (64k tokens in 35 sequences of
-    mean 2k, H 16, D 128, bf16, medians of 5 interleaved passes, every sectioned output and LSE
-    bitwise equal to the plain grid's): plain 1,398 us (0.878x fa3's dense causal forward on the
-    same tokens, 1,081 us), S = 4 / 8 / 16 1,327 / 1,327 / 1,328 us (0.925x)."""
-    cfg = get_config(head_dim, dtype, causal)
-    if not (VARLEN_SCHEDULE_OPTIONS if options is None else options):
-        cfg = dense_options_off(cfg)
-    section = VARLEN_CAUSAL_HEAD_SECTION if causal else 0
-    return replace(
-        cfg, persistent=False, overlap_tiles=False, balanced_order=False, head_section=section
-    )
-
-
-def varlen_config_for(p: AttnParams) -> Fa3Config:
-    """`varlen_config` of problem `p` (p.attn of the packed problem); softcap and windowed
-    problems without the schedule options, as config_for leaves them."""
-    plain = bool(p.softcap or p.is_local)
-    return varlen_config(p.head_dim, p.dtype, p.causal, options=False if plain else None)
-
-
-def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether the varlen build of the kernel takes `cfg` and `dtype` (on top of can_implement)."""
-    if dtype not in DTYPES:
-        return False, f"fa3 varlen: dtype {dtype} not in (float16, bfloat16)"
-    if cfg.persistent:
-        return False, "fa3 varlen: needs the plain grid (persistent=False)"
-    return True, ""
 
 
 def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:

@@ -42,21 +42,19 @@ from flashsuite.fa3.configs import (
     DTYPES,
     FP8_DTYPE,
     HEAD_DIMS,
-    VARLEN_AUTO,
     Fa3Config,
     can_implement,
-    can_implement_varlen,
     config_for,
     fp8_block_tiles,
-    varlen_config_for,
 )
 from flashsuite.fa3.decode_configs import KVCACHE_AUTO
+from flashsuite.fa3.varlen_configs import VARLEN_AUTO, can_implement_varlen, varlen_config_for
 
 NAME = "fa3"
 HAS_BACKWARD = False
 # Own backward without FLASHSUITE_FA3_BWD=1: bwd_configs.BWD_DEFAULT_ON holds the measurement.
 OWN_BACKWARD_DEFAULT = BWD_DEFAULT_ON
-# Whether auto selection takes fa3 for packed sequences (configs.VARLEN_AUTO: the measurement).
+# Whether auto selection takes fa3 for packed sequences (varlen_configs.VARLEN_AUTO: measured).
 # Its backward is fa3's own where `supports_varlen_backward` says yes and dispatch is asked
 # (FLASHSUITE_FA3_VARLEN_BWD=1) or OWN_VARLEN_BACKWARD_DEFAULT (bwd_configs.VARLEN_BWD_AUTO:
 # off until run on a GPU), else the partner's (dispatch's registry.BACKWARD_PARTNER: fa2's).

@@ -177,7 +177,9 @@ def test_short_keys_pick_their_own_config() -> None:
     assert get_config(64, bf16, False, SHORT_SEQLEN_K).persistent
     assert not get_config(64, bf16, False, SHORT_SEQLEN_K + 1).persistent
     assert get_config(64, bf16, False, None) == get_config(64, bf16, False, 16384)
-    short, tall = (get_config(96, bf16, True, n) for n in (SHORT_CAUSAL_SEQLEN_K, 1025))
+    # Measured at 1k (128-row tiles ahead) and 2k (192-row tiles ahead): configs._tiles.
+    short, tall = (get_config(96, bf16, True, n) for n in (1024, 2048))
+    assert get_config(96, bf16, True, SHORT_CAUSAL_SEQLEN_K + 1) == tall
     assert (short.tile_m, short.num_consumer_wgs, short.tile_n) == (128, 2, 128), short
     assert short.persistent and not (short.skip_masked_wg or short.split_loops or short.wg_slice)
     assert (tall.tile_m, tall.num_consumer_wgs, tall.tile_n) == (192, 3, 112), tall

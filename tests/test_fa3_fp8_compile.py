@@ -351,6 +351,8 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
                 want = fp8_smem_transpose_config(d, causal) if smem else None
                 assert cfg.v_transpose == ("smem" if smem else "host"), (d, causal, n)
                 assert want is None or cfg == want
+                # The smem build exists on the plain grid only (can_implement).
+                assert not fp8_smem_transpose_config(d, causal).persistent
                 assert smem or cfg == fp8_shipped(d, causal)
     # The measured crossovers (configs.py, docs/fp8.md): D = 128 up to 2k, causal up to 512
     # (its host build runs on the persistent scheduler, which the smem build cannot).

@@ -286,7 +286,8 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
     takes none of the other options."""
     import torch
 
-    from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config, varlen_config
+    from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     for d in HEAD_DIMS:
         for causal in (False, True):

@@ -188,18 +188,13 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     too); softcap and windowed problems and the other shapes do not; it needs the
     intra-WG overlap it serves. wg_slice and split_loops: the entries of configs._WG_SLICE and
     _SPLIT_LOOPS and e4m3 D = 256, on the same terms; packed problems take them only with
-    configs.VARLEN_SCHEDULE_OPTIONS on, and never with softcap or a window."""
+    varlen_configs.VARLEN_SCHEDULE_OPTIONS on, and never with softcap or a window."""
     import torch
 
     from flashsuite.common.validation import check_inputs, check_varlen_inputs
-    from flashsuite.fa3 import configs
-    from flashsuite.fa3.configs import (
-        HEAD_DIMS,
-        can_implement,
-        config_for,
-        get_config,
-        varlen_config,
-    )
+    from flashsuite.fa3 import varlen_configs
+    from flashsuite.fa3.configs import HEAD_DIMS, can_implement, config_for, get_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     bf16 = torch.bfloat16
     for d in HEAD_DIMS:
@@ -214,7 +209,7 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     assert not config_for(check_inputs(q, k, v, causal=True, window_size=(64, 0))).softmax_apart
     assert not varlen_config(256, bf16, True, options=False).softmax_apart
     assert varlen_config(256, bf16, True, options=True).softmax_apart
-    # As shipped, packed problems take the options (configs.VARLEN_SCHEDULE_OPTIONS).
+    # As shipped, packed problems take the options (varlen_configs.VARLEN_SCHEDULE_OPTIONS).
     assert varlen_config(256, bf16, True) == varlen_config(256, bf16, True, options=True)
     # wg_slice and split_loops (and e4m3 D 256's dropped mask test) likewise stay with the
     # dense problems without softcap or window they were timed and checked on.
@@ -237,9 +232,9 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
         cu = torch.tensor([0, 300], dtype=torch.int32)
         for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
             with monkeypatch.context() as m:
-                m.setattr(configs, "VARLEN_SCHEDULE_OPTIONS", True)
+                m.setattr(varlen_configs, "VARLEN_SCHEDULE_OPTIONS", True)
                 vp = check_varlen_inputs(q[0], k[0], v[0], cu, cu, 300, 300, causal=causal, **kw)
-                vl = configs.varlen_config_for(vp.attn)
+                vl = varlen_configs.varlen_config_for(vp.attn)
             assert not (vl.wg_slice or vl.split_loops) and vl.loop_mask_test, (d, kw)
     assert (get_config(64, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
         False, False,

@@ -93,10 +93,12 @@ def test_varlen_configs_are_plain_grid_and_refuse_what_the_kernel_cannot() -> No
         DTYPES,
         FP8_DTYPE,
         HEAD_DIMS,
-        VARLEN_CAUSAL_HEAD_SECTION,
         can_implement,
-        can_implement_varlen,
         get_config,
+    )
+    from flashsuite.fa3.varlen_configs import (
+        VARLEN_CAUSAL_HEAD_SECTION,
+        can_implement_varlen,
         varlen_config,
     )
 
@@ -132,7 +134,7 @@ def test_varlen_configs_are_plain_grid_and_refuse_what_the_kernel_cannot() -> No
 def test_varlen_is_part_of_the_compile_key() -> None:
     from flashsuite.fa3 import disk_cache
     from flashsuite.fa3.compile import CompileKey
-    from flashsuite.fa3.configs import varlen_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     cfg = varlen_config(128, BF16, True)
     dense, packed = (
@@ -268,7 +270,7 @@ def test_host_path_and_autograd_through_fa2s_varlen_backward(stand_in, monkeypat
     pytest.importorskip("triton")
     monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "0")
     from flashsuite.fa3.compile import CompileKey, kernel_scalars
-    from flashsuite.fa3.configs import varlen_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     lens_q, lens_k = [5, 0, 17, 1], [9, 4, 17, 0]
     options = dict(causal=True, softcap=4.0)
@@ -318,7 +320,7 @@ def test_keyless_and_empty_batches_skip_the_binary(stand_in) -> None:
 
 @needs_dsl
 def test_auto_takes_fa3_and_falls_back_to_fa2_with_a_reason(monkeypatch) -> None:
-    """Auto selection runs packed sequences on fa3 (configs.VARLEN_AUTO); with that switch
+    """Auto selection runs packed sequences on fa3 (varlen_configs.VARLEN_AUTO); with that switch
     off, on fa2, and the choice says why."""
     pytest.importorskip("triton")
     from flashsuite.fa3 import interface
@@ -421,7 +423,7 @@ def test_gpu_head_sections_change_the_order_not_the_bits(causal) -> None:
     runs the plain grid's tiles in another order: out and lse bitwise equal to the plain
     grid's, with the guard rows untouched."""
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import varlen_config
+    from flashsuite.fa3.varlen_configs import varlen_config
 
     lens = [700, 0, 1, 129, 64, 1000, 65]
     q, k, v, cq, ck = (t.cuda() for t in _packed(lens, lens, 12, 4, 128, BF16, seed=5))
