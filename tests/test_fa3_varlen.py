@@ -371,9 +371,11 @@ GPU_CASES = [
     (EDGE_Q, EDGE_K, 4, 2, 96, F16, dict(softcap=30.0, window_size=(32, 16))),
     ([700, 129, 64], [64, 129, 700], 4, 4, 64, BF16, dict(causal=True, softcap=20.0)),
     # The packed builds of the table's schedule options at D = 256 (P·V's wait after the row
-    # max) and causal D = 192 (split loops, descriptors per warpgroup).
+    # max) and causal D = 192 and 96 (split loops, descriptors per warpgroup; D = 96 on 192-row
+    # tiles of three warpgroups that pass by blocks their rows cannot see).
     (MIXED_Q, MIXED_K, 4, 2, 256, BF16, dict()),
     (EDGE_Q, EDGE_K, 4, 2, 192, BF16, dict(causal=True)),
+    (MIXED_Q, MIXED_K, 6, 2, 96, BF16, dict(causal=True)),
 ]
 GUARD = 16  # rows of NaN before and after out (and as many LSE entries around lse)
 
