@@ -457,6 +457,14 @@ MUTANTS = [
         ("tests/test_fa3_fp8_compile.py",),
     ),
     Mutant(
+        "fa3 fp8 blocks: the persistent entry's scheduler kept",
+        "fa3/configs.py",
+        "    candidates = [_plain(c) for c in (cfg, *_fp8_block_candidates(head_dim, causal))]",
+        "    candidates = [c for c in (cfg, *_fp8_block_candidates(head_dim, causal))]",
+        "key_tile_that_divides",
+        ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
         "fa3 fp8: the smem-Vᵀ build keeps the persistent entry's scheduler",
         "fa3/configs.py",
         '    cfg = replace(_plain(_fp8_tiles(head_dim, causal)), v_transpose="smem")',

@@ -219,6 +219,8 @@ def test_fa3_takes_a_key_tile_that_divides_the_block(d, causal, nk, block_kv, ti
     ok, reason = supports(p, 90)
     assert ok, reason
     assert config_for(p).tile_n == tile_n
+    # On the plain grid, where its GPU cases ran, also for the persistent causal entries.
+    assert not config_for(p).persistent
 
 
 def test_fa3_refuses_a_block_no_key_tile_divides() -> None:
