@@ -203,6 +203,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     from benchmarks.fa3_variants import fp8_variants
     from flashsuite.fa3.configs import (
         FP8_DTYPE,
+        _plain,
         fp8_block_config,
         fp8_shipped_configs,
         fp8_smem_transpose_config,
@@ -219,9 +220,8 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     cases.append(("vt_window_softcap", 128, False, fp8_smem_transpose_config(128, False)))
     # The host-Vᵀ builds of the persistent entries on the plain grid, what the smem builds are
     # compared with (the scheduler changes the barrier counts).
-    plain = {"persistent": False, "overlap_tiles": False, "balanced_order": False}
     cases += [
-        ("host_plain", d, c, replace(cfg, **plain))
+        ("host_plain", d, c, _plain(cfg))
         for d, _, c, cfg in fp8_shipped_configs()
         if cfg.persistent
     ]
