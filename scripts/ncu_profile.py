@@ -17,6 +17,10 @@ one call inside the NVTX range "measure" after a warm-up call outside it, and a 
 before it tells the cases apart. Writes DIR/ncu.json (every metric of every kernel, per case)
 and prints the headline metrics of each case's longest kernel.
 
+`--fa3-variant NAME:FIELD=VALUE,...` adds the contender "fa3-NAME": fa3's shipped config for
+the shape with those Fa3Config fields replaced (benchmarks/fa3_fwd_ab's variant syntax), called
+through fa3.interface.forward (the variant's oracle cases are fa3_fwd_ab's to run).
+
 `--source` also collects the SourceCounters section (warp-state samples per SASS instruction),
 keeps the report (DIR/report.ncu-rep), writes its source page as DIR/source.csv and sums the
 samples of each case's longest kernel per instruction and per opcode (DIR/source_summary.txt):
@@ -58,9 +62,25 @@ def _case(spec: str):
     return case
 
 
-def profile_child(contenders: list[str], shapes: list[str], direction: str = "fwd") -> None:
+def _variant_callable(changes: dict, q, k, v, case):
+    """fa3's forward with the shipped config for `case` and `changes` applied."""
+    import dataclasses
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface as fa3
+    from flashsuite.fa3.configs import config_for
+
+    p = check_inputs(q, k, v, **case.options())
+    cfg = dataclasses.replace(config_for(p), **changes)
+    return lambda: fa3.forward(q, k, v, p, cfg=cfg)
+
+
+def profile_child(
+    contenders: list[str], shapes: list[str], direction: str = "fwd", variants: dict | None = None
+) -> None:
     """Under ncu: per (contender, shape), one forward or backward in the profiled range
-    (common/ncu.py)."""
+    (common/ncu.py). `variants`: fa3-NAME -> Fa3Config changes (forward only)."""
+    variants = variants or {}
     for spec in shapes:
         case = _case(spec)
         if direction == "bwd":
@@ -70,7 +90,10 @@ def profile_child(contenders: list[str], shapes: list[str], direction: str = "fw
             continue
         q, k, v = make_inputs(case, "cuda")
         for name in contenders:
-            run, _ = make_callable(name, case, q, k, v)
+            if name in variants:
+                run = _variant_callable(variants[name], q, k, v, case)
+            else:
+                run, _ = make_callable(name, case, q, k, v)
             with torch.no_grad():
                 ncu.measure_once(run)
         del q, k, v
@@ -104,11 +127,29 @@ def main() -> int:
         "--source", action="store_true",
         help="also warp-state samples per SASS instruction (SourceCounters; keeps the report)",
     )  # fmt: skip
+    ap.add_argument(
+        "--fa3-variant", action="append", default=[],
+        help="NAME:FIELD=VALUE,...: the contender fa3-NAME (forward; fa3_fwd_ab's syntax)",
+    )  # fmt: skip
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     contenders = args.contender or ["fa3", "sdpa-cudnn"]
+    variants = {}
+    if args.fa3_variant:
+        if args.direction != "fwd":
+            ap.error("--fa3-variant: forward only (--direction fwd)")
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.fa3_fwd_ab import parse_variant
+
+        for spec in args.fa3_variant:
+            try:
+                name, changes = parse_variant(spec)
+            except ValueError as exc:
+                ap.error(str(exc))
+            variants[f"fa3-{name}"] = changes
+        contenders += [c for c in variants if c not in contenders]
     if args.profile_child:
-        profile_child(contenders, args.shape, args.direction)
+        profile_child(contenders, args.shape, args.direction, variants)
         return 0
     exe = shutil.which("ncu")
     if exe is None:
@@ -126,7 +167,8 @@ def main() -> int:
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
     cmd += ["--direction", args.direction]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
-    cmd += [arg for c in contenders for arg in ("--contender", c)]
+    cmd += [arg for c in contenders if c not in variants for arg in ("--contender", c)]
+    cmd += [arg for spec in args.fa3_variant for arg in ("--fa3-variant", spec)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     stdout = res.stdout
     if args.source and res.returncode == 0 and not ncu.cases(stdout):
@@ -160,7 +202,7 @@ def main() -> int:
         page += ["--print-source", "sass"]
         src = subprocess.run(page, capture_output=True, text=True)
         (out / "source.csv").write_text(src.stdout + src.stderr)
-        summary = ncu.source_summary(src.stdout)
+        summary = ncu.source_summary(src.stdout, kernels=2 * len(labels))
         (out / "source_summary.txt").write_text(summary)
         print(summary[:6000])
     return 0
