@@ -186,6 +186,12 @@ class Fa3Config:
     # D = 128 timed 0.986 / 1.006x the table build at N = 1k / 4k on an H100 (docs/results.md,
     # "Short sequences"), the zeroing hidden under the waits for Q and the first K.
     o_zero_init: bool = False
+    # Persistent with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the
+    # producer loads the next tile's Q, first of that tile's loads, into the other buffer as
+    # soon as it is free (the previous tile's), without waiting for the current tile's last
+    # Q·Kᵀ: Q's load latency then lies under the current tile's last blocks, not between the
+    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks.
+    q_stages: int = 1
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -215,8 +221,8 @@ def smem_bytes(cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat1
     """
     elem = dtype.itemsize
     rings = 3 if cfg.v_transpose == "smem" else 2  # K, V (and Vᵀ)
-    mbar = 8 * (2 + rings * 2 * cfg.stages)  # Q, K, V (and Vᵀ) full/empty barriers
-    q = cfg.tile_m * head_dim * elem
+    mbar = 8 * (2 * cfg.q_stages + rings * 2 * cfg.stages)  # Q, K, V (and Vᵀ) full/empty
+    q = cfg.tile_m * head_dim * elem * cfg.q_stages
     kv = cfg.tile_n * head_dim * elem * cfg.stages
     o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * 2
     total = _align(mbar) + _align(q) + rings * _align(kv) + (_align(o) if o else 0)
@@ -301,6 +307,13 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: lpt_grid orders the dense plain grid (persistent=False, head_section 0)"
     if cfg.stages < 2:
         return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
+    if cfg.q_stages not in (1, 2):
+        return False, f"fa3: q_stages expected 1 or 2, got {cfg.q_stages}"
+    if cfg.q_stages == 2 and not (cfg.overlap_tiles and not cfg.o_alias_q):
+        return False, (
+            "fa3: q_stages=2 is for the persistent tile overlap with a separate sO "
+            "(persistent=True, overlap_tiles=True, o_alias_q=False)"
+        )
     smem = smem_bytes(cfg, head_dim, dtype)
     if smem > SMEM_CAPACITY:
         return False, f"fa3: {smem} B of shared memory > {SMEM_CAPACITY} B"
@@ -551,10 +564,15 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
 # to the table build, the smem build where marked *) at N = 1k / 2k / 4k / 16k: D = 64 1.023* /
 # - / 1.039* / 1.063*, D = 128 1.041* / 1.083* / 1.123 / 1.022, D = 256 0.975* / 1.070 / 1.116 /
 # 1.027. Causal D = 256 takes _FP8_SOFTMAX too: 1.014 / 1.064x at 4k / 16k (lowest passes 1.003
-# / 1.037); D = 128 1.016 / 0.992x, not taken (commit 8526760).
+# / 1.037); D = 128 1.016 / 0.992x, not taken (commit 8526760). D = 96 and 192 (host Vᵀ at every
+# length) on v2 too: H100, 2026-12-06, commit 86b048f, the same command, 1.166 / 1.097 / 1.020x
+# (D = 96) and 1.100 / 1.080 / 1.069x (D = 192) the plain grid at N = 1k / 4k / 16k, every pass
+# ahead (lowest pass 1.005x, D = 96 at 16k).
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _overlap(_fp8(256)),
+    96: _overlap(_fp8(128)),
     128: _overlap(_fp8(192, split_loops=True, wg_slice=True)),
+    192: _overlap(_fp8(128)),
     256: _overlap(_fp8(96, **_FP8_SOFTMAX, split_loops=True, wg_slice=True)),
 }
 
