@@ -69,6 +69,8 @@ class ForwardConsumer:
         if const_expr(self.WG_SLICE):
             wg_qk = mma_qk.get_slice(cwg * 128)
             wg_pv = mma_pv.get_slice(cwg * 128)
+        if const_expr(self.Q_STAGES > 1):
+            sQ = sQ[None, None, q_state.index]  # this tile's Q buffer
         tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, STAGES)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, STAGES)

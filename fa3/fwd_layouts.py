@@ -47,7 +47,8 @@ class ForwardLayouts:
         return self._k_major_atom(self.HEAD_DIM * dtype.width // 8, dtype)
 
     def _make_layouts(self):
-        """Shared-memory layouts sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV, sO (`_o_layout`).
+        """Shared-memory layouts sQ (TILE_M, D; (TILE_M, D, Q_STAGES) with two Q buffers), sK
+        (TILE_N, D, STAGES), sV, sO (`_o_layout`).
 
         16-bit V is loaded as it lies in gmem (keys x D): sV has sK's layout, and PV reads it
         as an MN-major Vᵀ view (`_v_operand`). fp8 loads Vᵀ blocks: sV is (D, TILE_N, STAGES),
@@ -55,6 +56,10 @@ class ForwardLayouts:
         """
         atom = self._smem_atom(self.dtype)
         sQ_l = cute.tile_to_shape(atom, (self.TILE_M, self.HEAD_DIM), order=(0, 1))
+        if const_expr(self.Q_STAGES > 1):
+            sQ_l = cute.tile_to_shape(
+                atom, (self.TILE_M, self.HEAD_DIM, self.Q_STAGES), order=(0, 1, 2)
+            )  # (TILE_M, D, Q_STAGES)
         sK_l = cute.tile_to_shape(
             atom, (self.TILE_N, self.HEAD_DIM, self.STAGES), order=(0, 1, 2)
         )  # (TILE_N, D, STAGES)
@@ -115,14 +120,14 @@ class ForwardLayouts:
         dt, o_dt = self.dtype, self.o_dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
-        st = self.STAGES
+        st, q_st = self.STAGES, self.Q_STAGES
 
         if const_expr(self.VT_SMEM):
             n_vt = cute.cosize(self._vt_layout())
 
             @cute.struct
             class Storage:
-                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
                 mbar_vt: mrange[cutlass.Int64, 2 * st]
@@ -136,7 +141,7 @@ class ForwardLayouts:
 
             @cute.struct
             class Storage:
-                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
                 sQ: align[mrange[dt, n_q], 1024]
@@ -147,7 +152,7 @@ class ForwardLayouts:
 
             @cute.struct
             class Storage:
-                mbar_q: mrange[cutlass.Int64, 2]
+                mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
                 sQ: align[mrange[dt, n_q], 1024]
@@ -199,10 +204,18 @@ class ForwardLayouts:
         mO = rows_view(mO, self.VARLEN)
         return mQ, mK, mV, mO, lse_view(mLSE, self.VARLEN)
 
+    def _q_stage_layout(self, sQ_l):
+        """One Q buffer's layout (TILE_M, D): sQ_l itself, or its first stage."""
+        if const_expr(self.Q_STAGES > 1):
+            return cute.select(sQ_l, mode=[0, 1])
+        return sQ_l
+
     def _make_tmas(self, mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l):
         """TMA atoms and coordinate tensors: loads of Q, K, V (one stage each), store of O."""
         g2s = cpasync.CopyBulkTensorTileG2SOp()
-        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, sQ_l, (self.TILE_M, self.HEAD_DIM))
+        tma_q, tQ = cpasync.make_tiled_tma_atom(
+            g2s, mQ, self._q_stage_layout(sQ_l), (self.TILE_M, self.HEAD_DIM)
+        )
         tma_k, tK = cpasync.make_tiled_tma_atom(
             g2s, mK, cute.select(sK_l, mode=[0, 1]), (self.TILE_N, self.HEAD_DIM)
         )
@@ -234,7 +247,7 @@ class ForwardLayouts:
                 defer_sync=True,
             )
 
-        pipe_q = make_pipe(1, sQ_l, st.mbar_q)
+        pipe_q = make_pipe(self.Q_STAGES, self._q_stage_layout(sQ_l), st.mbar_q)
         pipe_k = make_pipe(self.STAGES, cute.select(sK_l, mode=[0, 1]), st.mbar_k)
         if const_expr(self.VT_SMEM):
             # sV is read by the transposing warps, whose lane 0 releases it; sVt is written
@@ -285,7 +298,7 @@ class ForwardLayouts:
     def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
         """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
         B operand, (D, TILE_N, STAGES); sV itself for fp8) and sO (on sQ with O_ALIAS_Q)."""
-        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D)
+        sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D[, Q_STAGES])
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
         sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES); fp8 Vᵀ
         sVt = self._v_operand(sV)  # (D, TILE_N, STAGES)

@@ -152,6 +152,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
         self.O_ZERO_INIT = cfg.o_zero_init
         self.O_ALIAS_Q = cfg.o_alias_q
+        # sQ buffers: 2 lets the producer load the next tile's Q under the current one.
+        self.Q_STAGES = cfg.q_stages
         self.NUM_CONSUMER_WGS = cfg.num_consumer_wgs
         self.PRODUCER_REGS, self.CONSUMER_REGS = reg_split(cfg)
         self.CONSUMER_THREADS = 128 * cfg.num_consumer_wgs
@@ -450,7 +452,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             cute.arch.setmaxregister_decrease(self.PRODUCER_REGS)
             if warp == 0:
                 # Pipeline states live across tiles (persistent): their phases carry on.
-                q_state = pipeline.make_pipeline_state(Producer, 1)
+                q_state = pipeline.make_pipeline_state(Producer, self.Q_STAGES)
                 kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
                 if const_expr(self.PERSISTENT):
                     for k in cutlass.range(
@@ -484,7 +486,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             cute.arch.setmaxregister_increase(self.CONSUMER_REGS)
             cwg = wg - WarpRole.CONSUMER0
             self.pingpong.start(cwg)
-            q_state = pipeline.make_pipeline_state(Consumer, 1)
+            q_state = pipeline.make_pipeline_state(Consumer, self.Q_STAGES)
             kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
             if const_expr(self.PERSISTENT):
                 for k in cutlass.range(
@@ -545,5 +547,5 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         return load_tile(
             *load_args, q_state, kv_state, m_block, head, rows, group, n_min, n_max,
             self.TILE_M, self.TILE_N, self.HEAD_DIM, self.PERSISTENT, self.OVERLAP_TILES,
-            self._v_blocks, self.K_AHEAD,
+            self._v_blocks, self.K_AHEAD, self.Q_STAGES,
         )  # fmt: skip

@@ -117,6 +117,7 @@ def load_tile(
     k_first: cutlass.Constexpr[bool],
     v_blocks: Callable,
     k_ahead: cutlass.Constexpr[bool] = False,
+    q_stages: cutlass.Constexpr[int] = 1,
 ):
     """Producer warp: Q once, then K and V per n-block from n_block_max - 1 down.
 
@@ -126,7 +127,9 @@ def load_tile(
     overlap): the first K block before Q. `v_blocks(v_rows)`: V rows of one (sequence, kv head)
     as (TILE_N, D, n_blocks) blocks (Vᵀ blocks for fp8). `k_ahead` (Fa3Config.k_ahead): K of
     the next block before V of this one, K(1st), K(2nd), V(1st), K(3rd), V(2nd), ..., V(last),
-    the order in which the intra-WG-overlap consumers wait for them.
+    the order in which the intra-WG-overlap consumers wait for them. `q_stages` 2 (k_first
+    only): sQ holds two buffers, and Q goes first, ahead of the first K: its buffer was freed
+    by the tile before the previous one, so the load does not wait for the current tile.
     """
     head_kv = head // group
     gQ = cute.local_tile(rows.q_rows(tQ, head), (tile_m, head_dim), (m_block, 0))
@@ -138,7 +141,7 @@ def load_tile(
     one = cute.make_layout(1)
     tQs, tQg = cpasync.tma_partition(
         tma_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-    )
+    )  # (TMA[, Q_STAGES]), (TMA)
     tKs, tKg = cpasync.tma_partition(
         tma_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
     )  # (TMA, STAGES), (TMA, n_blocks)
@@ -148,11 +151,20 @@ def load_tile(
     if const_expr(k_first):
         # K(first) -> Q -> V(first) -> the other blocks: the first K load only needs a free
         # K stage, so it is in flight before the consumers release sQ (kernels.py protocol).
+        # Two Q buffers: Q -> K(first) -> V(first) -> ..., the Q buffer being free already.
+        if const_expr(q_stages > 1):
+            pipe_q.producer_acquire(q_state)  # the Q·Kᵀ of the tile before last retired
+            cute.copy(
+                tma_q, tQg, tQs[None, q_state.index],
+                tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+            )  # fmt: skip
+            q_state.advance()
         if n_block_max > n_block_min:
             load_block(pipe_k, tma_k, tKg, tKs, n_block_max - 1, kv_state)
-        pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
-        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        q_state.advance()
+        if const_expr(q_stages == 1):
+            pipe_q.producer_acquire(q_state)  # both WGs' last Q·Kᵀ of the previous tile retired
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
         if const_expr(k_ahead):
             if n_block_max > n_block_min:
                 kv_state = _load_k_ahead(

@@ -1,0 +1,94 @@
+"""Two Q buffers in the persistent fa3 forward (Fa3Config.q_stages): where the option is
+allowed, what it costs in shared memory, and on a GPU that it changes where Q lands, not the
+result: the same bits as the one-buffer build on problems where each CTA runs several tiles
+(so both buffers and both phases of their barriers are used), and the float64 oracle's
+agreement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashsuite.fa3.configs import Fa3Config, can_implement, smem_bytes
+
+_V2 = dict(persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=False)
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (dict(_V2, q_stages=3), "q_stages"),
+        (dict(_V2, q_stages=0), "q_stages"),
+        (dict(_V2, overlap_tiles=False, balanced_order=False, q_stages=2), "overlap_tiles"),
+        (dict(_V2, o_alias_q=True, q_stages=2), "o_alias_q"),
+        (dict(q_stages=2), "persistent"),
+    ],
+    ids=["three", "zero", "no-overlap", "o-on-q", "plain-grid"],
+)
+def test_q_stages_outside_the_persistent_overlap_are_refused(changes: dict, named: str) -> None:
+    ok, why = can_implement(Fa3Config(**changes), 128, torch.bfloat16)
+    assert not ok and named in why, why
+
+
+def test_second_q_buffer_is_counted_in_shared_memory() -> None:
+    """One more TILE_M x D buffer and one more full/empty barrier pair; at D = 256 (Q 64 KiB)
+    the second buffer does not fit beside two K/V stages and is refused."""
+    one = Fa3Config(**_V2)
+    two = dataclasses.replace(one, q_stages=2)
+    for d in (64, 128):
+        extra = smem_bytes(two, d) - smem_bytes(one, d)
+        assert extra == 128 * d * 2, (d, extra)  # the mbarriers fit the 1 KiB alignment
+        assert can_implement(two, d, torch.bfloat16)[0]
+    ok, why = can_implement(dataclasses.replace(two, tile_n=80), 256, torch.bfloat16)
+    assert not ok and "shared memory" in why, why
+
+
+_GPU_CASES = [
+    pytest.param(64, False, False, id="D64"),
+    pytest.param(64, False, True, id="D64-causal"),
+    pytest.param(128, False, False, id="D128"),
+    pytest.param(128, False, True, id="D128-causal"),
+    pytest.param(128, True, True, id="D128-e4m3-causal"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("d", "fp8", "causal"), _GPU_CASES)
+def test_gpu_two_q_buffers_give_the_same_bits(d: int, fp8: bool, causal: bool) -> None:
+    """B 4 x 1500 queries x 1100 keys, GQA 16 / 4: 12 row tiles x 16 heads x 4 = 768 tiles,
+    about 6 per CTA on 132 SMs; causal (bottom-right aligned) gives the first 400 rows no key,
+    so whole tiles run no K/V block and still load and release their Q. The two-buffer build
+    equals the one-buffer build bit for bit (the same arithmetic on the same operands) and,
+    16-bit, passes the suite's comparison with the float64 oracle (e4m3's accuracy is the fp8
+    suite's: tests/test_fp8.py)."""
+    from flashsuite.common.fp8 import quantize_e4m3
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
+    )
+    opts: dict = {"causal": causal}
+    if fp8:
+        (q, dq), (k, dk), (v, dv) = (
+            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
+        )
+        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
+    p = check_inputs(q, k, v, **opts)
+    one = dataclasses.replace(config_for(p), **_V2)
+    out_1, lse_1 = interface.forward(q, k, v, p, cfg=one)
+    out_2, lse_2 = interface.forward(q, k, v, p, cfg=dataclasses.replace(one, q_stages=2))
+    assert torch.equal(out_1, out_2), (out_1.float() - out_2.float()).abs().max()
+    assert torch.equal(lse_1, lse_2), (lse_1 - lse_2).abs().max()
+    if fp8:
+        return
+    refs = reference_pair(q, k, v, **opts)
+    for res in (compare("out", out_2, *refs["out"]), compare("lse", lse_2, *refs["lse"])):
+        assert res.ok, res
