@@ -137,6 +137,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.TILE_M = cfg.tile_m
         self.TILE_N = cfg.tile_n
         self.STAGES = cfg.stages
+        self.Q_STAGES = 1  # one Q tile per CTA (fwd_layouts' storage and pipelines)
         # Paged: keys per TMA box, a page's share of a stage (0: one box per stage). A stage of
         # TILE_N keys then spans TILE_N / BOX_N pages, one TMA load each.
         self.BOX_N = page_box or cfg.tile_n
