@@ -497,6 +497,14 @@ MUTANTS = [
         ("tests/test_fa3_softmax_overlap.py",),
     ),
     Mutant(
+        "fa3: the second Q buffer left out of the shared-memory count",
+        "fa3/configs.py",
+        "    q = cfg.tile_m * head_dim * elem * cfg.q_stages\n",
+        "    q = cfg.tile_m * head_dim * elem\n",
+        "second_q_buffer",
+        ("tests/test_fa3_q_stages.py",),
+    ),
+    Mutant(
         "keys-major copy: the channels past the first channel block left unwritten",
         "common/transpose.py",
         "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
@@ -759,6 +767,14 @@ GPU_MUTANTS = [
         "fp8 and fa3",
         ("tests/test_fp8.py",),
         gpu=True,
+    ),
+    Mutant(
+        "fa3: every tile's Q·Kᵀ reads the first Q buffer",
+        FA3_KERNEL,
+        "sQ = sQ[None, None, q_state.index]",
+        "sQ = sQ[None, None, 0]",
+        "two_q_buffers",
+        ("tests/test_fa3_q_stages.py",),
     ),
     Mutant(
         "fa3 fp8 blocks: O's units not carried from one v block to the next",
