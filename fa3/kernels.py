@@ -52,8 +52,8 @@ full barriers complete on the producer's arrive_and_expect_tx (count 1) + the TM
 barriers on W consumer-warp arrivals; a state's phase flips each time its index wraps.
 
   barrier          arrivals per tile t                     who waits, on which parity
-  Q full  (1 st.)  1 + bytes_q, once per tile (also n_t=0)  consumers: q_state, flips per tile
-  Q empty (1 st.)  W: after each warp's last QK has retired  producer: before Q of tile t+1
+  Q full  (Q_ST.)  1 + bytes_q, once per tile (also n_t=0)  consumers: q_state, advances per tile
+  Q empty (Q_ST.)  W: after each warp's last QK has retired  producer: before Q of tile t+1
                    (intra-WG overlap, separate sO; n_t = 0: before the epilogue; without
                    intra-WG overlap: after the main loop; O_ALIAS_Q: after the O store read sQ)
   K full/empty     n_t each, stage kv_state.index           K empty released after the QK
@@ -70,7 +70,10 @@ barriers on W consumer-warp arrivals; a state's phase flips each time its index 
 
 q_state and kv_state are carried from tile to tile by both sides (kv_state advances n_t times
 per tile, q_state once), so the parities stay matched without any per-tile reset.
-Producer order per tile: K(first block) -> Q -> V(first block) -> K, V of the other blocks.
+Q_STAGES (Fa3Config.q_stages) is 1 or 2: with 2, tile t's Q lands in buffer t % 2 and the
+producer's acquire before Q of tile t+1 waits for tile t-1's release, long past.
+Producer order per tile: K(first block) -> Q -> V(first block) -> K, V of the other blocks
+(with two Q buffers Q first: Q -> K(first block) -> V(first block) -> ...).
 The first K load of tile t+1 needs a free K stage (2 stages: freed by tile t's next-to-last
 QK), not the consumers' Q release, so it lands while tile t's last PV and epilogue run, and
 Q(t+1) follows as soon as both WGs' last QK of tile t retired. Neither wait can deadlock: what the
