@@ -149,6 +149,22 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             True,
             _overlap(replace(d128c, intra_wg_overlap=False)),
         ),
+        # Two Q buffers (Fa3Config.q_stages): the non-causal D = 128 options with their own
+        # sO, and 3 consumer WGs causal.
+        (
+            "persistent-two-q",
+            128,
+            bf16,
+            False,
+            _overlap(replace(d128, o_alias_q=False, q_stages=2)),
+        ),
+        (
+            "persistent-two-q-wg3-causal",
+            64,
+            torch.float16,
+            True,
+            _overlap(replace(_tiles(64, True), q_stages=2)),
+        ),
     ]
 
 
