@@ -150,7 +150,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             _overlap(replace(d128c, intra_wg_overlap=False)),
         ),
         # Two Q buffers (Fa3Config.q_stages): the non-causal D = 128 options with their own
-        # sO, and 3 consumer WGs causal.
+        # sO, and 3 consumer WGs causal; the plain grid's prefetch of the next wave's Q.
         (
             "persistent-two-q",
             128,
@@ -165,6 +165,7 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             True,
             _overlap(replace(_tiles(64, True), q_stages=2)),
         ),
+        ("prefetch-next-q", 128, bf16, False, replace(d128, prefetch_next_q=True)),
     ]
 
 

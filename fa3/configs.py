@@ -192,6 +192,11 @@ class Fa3Config:
     # Q·Kᵀ: Q's load latency then lies under the current tile's last blocks, not between the
     # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks.
     q_stages: int = 1
+    # Plain dense grid: the producer asks for an L2 prefetch (TMA) of the Q tile of the CTA
+    # launched one wave later (linear block id + SM count, which starts on an SM as one of
+    # this wave's CTAs exits), so that CTA's Q load hits L2 instead of DRAM: at N = 1k each
+    # CTA waits for its Q before any wgmma (docs/results.md, "Short sequences").
+    prefetch_next_q: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -307,6 +312,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: lpt_grid orders the dense plain grid (persistent=False, head_section 0)"
     if cfg.stages < 2:
         return False, f"fa3: stages {cfg.stages} < 2 (the K/V ring needs double buffering)"
+    if cfg.prefetch_next_q and (cfg.persistent or cfg.lpt_grid or cfg.head_section):
+        return False, (
+            "fa3: prefetch_next_q is for the dense plain grid (persistent=False, lpt_grid=False, "
+            "head_section 0)"
+        )
     if cfg.q_stages not in (1, 2):
         return False, f"fa3: q_stages expected 1 or 2, got {cfg.q_stages}"
     if cfg.q_stages == 2 and not (cfg.overlap_tiles and not cfg.o_alias_q):

@@ -170,6 +170,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                 "dense builds take 0"
             )
         assert not (varlen and (cfg.persistent or self.FP8)), "varlen: 16-bit, plain grid only"
+        # An L2 prefetch of the next wave's Q (dense plain grid; Fa3Config.prefetch_next_q).
+        self.PREFETCH_NEXT_Q = cfg.prefetch_next_q and not (cfg.persistent or varlen)
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
@@ -284,6 +286,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             window_right,
             Int32(heads_q),
             Int32(batch_n),
+            max_ctas,
         ).launch(
             grid=grid,
             block=[self.NUM_THREADS, 1, 1],
@@ -326,6 +329,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         window_right: Int32,
         heads_q: Int32,
         batch_n: Int32,
+        sm_count: Int32,  # CTAs of one wave on the plain grid (PREFETCH_NEXT_Q)
     ):
         """Packed tensors (VARLEN): Q, K, V, O in the ragged (R, D, H, L) views and mLSE
         (total_q, Hq); the CTA's tile and its sequence come from cu_seqlens (varlen.py), and a
@@ -354,6 +358,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                 seqlen_q, seqlen_k, group, window_left, window_right, heads_q, batch_n
             )
             sched.rows0 = DenseRows(sched.tile0[2])
+            sched.sm_count = sm_count
             self.cta(
                 tidx, sched, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, mDescaleQ,
                 mDescaleK, mDescaleV, mma_qk, mma_pv, sQ_l, sK_l, sV_l, sO_l, scale_log2,
@@ -471,6 +476,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         )  # fmt: skip
                 else:
                     n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
+                    if const_expr(self.PREFETCH_NEXT_Q):
+                        self.prefetch_next_q(load_args[0], load_args[1], load_args[6], sched)
                     self.load(
                         load_args, q_state, kv_state, m_block0, head0, rows0, group,
                         n_block_min, n_block_max,
@@ -543,6 +550,26 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                     n_block_min,
                     n_block_max,
                 )
+
+    @cute.jit
+    def prefetch_next_q(
+        self, tma_q: cute.CopyAtom, tQ: cute.Tensor, sQ: cute.Tensor, sched: SimpleNamespace
+    ):
+        """Producer warp, plain dense grid: an L2 prefetch of the Q tile of the CTA one wave
+        after this one (linear id + SM count in the (m_blocks, Hq, B) grid's launch order),
+        if there is one."""
+        m_block, head, batch = sched.tile0
+        linear = m_block + sched.m_blocks * (head + sched.heads_q * batch)
+        nxt = linear + sched.sm_count
+        if nxt < sched.num_tiles:
+            hb = nxt // sched.m_blocks
+            rows = DenseRows(hb // sched.heads_q).q_rows(tQ, hb % sched.heads_q)
+            gQ = cute.local_tile(rows, (self.TILE_M, self.HEAD_DIM), (nxt % sched.m_blocks, 0))
+            _, tQg = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                cute.group_modes(gQ, 0, 2),
+            )  # fmt: skip
+            cute.prefetch(tma_q, tQg)
 
     @cute.jit
     def load(self, load_args: tuple, q_state, kv_state, m_block, head, rows, group, n_min, n_max):

@@ -1,8 +1,9 @@
-"""Two Q buffers in the persistent fa3 forward (Fa3Config.q_stages): where the option is
-allowed, what it costs in shared memory, and on a GPU that it changes where Q lands, not the
-result: the same bits as the one-buffer build on problems where each CTA runs several tiles
-(so both buffers and both phases of their barriers are used), and the float64 oracle's
-agreement."""
+"""How Q reaches the fa3 forward's tiles early: two Q buffers in the persistent forward
+(Fa3Config.q_stages) and the plain grid's L2 prefetch of the next wave's Q
+(Fa3Config.prefetch_next_q). Where each option is allowed, what the second buffer costs in
+shared memory, and on a GPU that they change when Q arrives, not the result: the same bits as
+the build without them on problems of many tiles per CTA or many waves (so both buffers and
+both phases of their barriers are used), and the float64 oracle's agreement."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ _V2 = dict(persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=F
 def test_q_stages_outside_the_persistent_overlap_are_refused(changes: dict, named: str) -> None:
     ok, why = can_implement(Fa3Config(**changes), 128, torch.bfloat16)
     assert not ok and named in why, why
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(persistent=True), dict(lpt_grid=True), dict(head_section=4)],
+    ids=["persistent", "lpt-grid", "head-section"],
+)
+def test_next_q_prefetch_outside_the_dense_plain_grid_is_refused(changes: dict) -> None:
+    ok, why = can_implement(Fa3Config(prefetch_next_q=True, **changes), 128, torch.bfloat16)
+    assert not ok and "prefetch_next_q" in why, why
+    assert can_implement(Fa3Config(prefetch_next_q=True), 128, torch.bfloat16)[0]
 
 
 def test_second_q_buffer_is_counted_in_shared_memory() -> None:
@@ -92,3 +104,28 @@ def test_gpu_two_q_buffers_give_the_same_bits(d: int, fp8: bool, causal: bool) -
     refs = reference_pair(q, k, v, **opts)
     for res in (compare("out", out_2, *refs["out"]), compare("lse", lse_2, *refs["lse"])):
         assert res.ok, res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_next_q_prefetch_gives_the_same_bits(d: int) -> None:
+    """The plain grid with the L2 prefetch of the next wave's Q, on 768 row tiles (about 6
+    waves, the last partial, so some CTAs have no next tile to prefetch): the same bits as the
+    table build."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
+    )
+    p = check_inputs(q, k, v)
+    table = config_for(p)
+    assert not table.persistent, table
+    out, lse = interface.forward(q, k, v, p, cfg=table)
+    cfg = dataclasses.replace(table, prefetch_next_q=True)
+    out_p, lse_p = interface.forward(q, k, v, p, cfg=cfg)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
