@@ -171,7 +171,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             )
         assert not (varlen and (cfg.persistent or self.FP8)), "varlen: 16-bit, plain grid only"
         # An L2 prefetch of the next wave's Q (dense plain grid; Fa3Config.prefetch_next_q).
-        self.PREFETCH_NEXT_Q = cfg.prefetch_next_q and not (cfg.persistent or varlen)
+        assert not (cfg.prefetch_next_q and (cfg.persistent or varlen)), "prefetch_next_q: dense"
+        self.PREFETCH_NEXT_Q = cfg.prefetch_next_q
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the

@@ -70,4 +70,6 @@ def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]
         return False, f"fa3 varlen: dtype {dtype} not in (float16, bfloat16)"
     if cfg.persistent:
         return False, "fa3 varlen: needs the plain grid (persistent=False)"
+    if cfg.prefetch_next_q:
+        return False, "fa3 varlen: prefetch_next_q follows the dense grid's launch order"
     return True, ""

@@ -44,6 +44,14 @@ def test_next_q_prefetch_outside_the_dense_plain_grid_is_refused(changes: dict) 
     assert can_implement(Fa3Config(prefetch_next_q=True), 128, torch.bfloat16)[0]
 
 
+def test_next_q_prefetch_is_refused_for_packed_sequences() -> None:
+    """The packed build's grid is not the dense launch order the prefetch walks."""
+    from flashsuite.fa3.varlen_configs import can_implement_varlen
+
+    ok, why = can_implement_varlen(Fa3Config(prefetch_next_q=True), torch.bfloat16)
+    assert not ok and "prefetch_next_q" in why, why
+
+
 def test_second_q_buffer_is_counted_in_shared_memory() -> None:
     """One more TILE_M x D buffer and one more full/empty barrier pair; at D = 256 (Q 64 KiB)
     the second buffer does not fit beside two K/V stages and is refused."""
