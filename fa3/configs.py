@@ -197,6 +197,11 @@ class Fa3Config:
     # this wave's CTAs exits), so that CTA's Q load hits L2 instead of DRAM: at N = 1k each
     # CTA waits for its Q before any wgmma (docs/results.md, "Short sequences").
     prefetch_next_q: bool = False
+    # Plain dense grid: O from sO to global memory by 16-byte stores of every consumer thread
+    # (epilogue.store_o_direct) instead of one TMA store, so the CTA exits without waiting for
+    # a store to read sO; at N = 1k that wait holds the SM, alone, at the end of every tile
+    # (docs/results.md, "Short sequences").
+    o_direct_store: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -315,6 +320,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
     if cfg.prefetch_next_q and (cfg.persistent or cfg.lpt_grid or cfg.head_section):
         return False, (
             "fa3: prefetch_next_q is for the dense plain grid (persistent=False, lpt_grid=False, "
+            "head_section 0)"
+        )
+    if cfg.o_direct_store and (cfg.persistent or cfg.lpt_grid or cfg.head_section):
+        return False, (
+            "fa3: o_direct_store is for the dense plain grid (persistent=False, lpt_grid=False, "
             "head_section 0)"
         )
     if cfg.q_stages not in (1, 2):

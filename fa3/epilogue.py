@@ -2,8 +2,10 @@
 
 `store_o` writes the whole tile (every consumer warpgroup) through one sO and one TMA store;
 `store_o_wg` writes one warpgroup's 64-row slab through its own slab of sO and its own store,
-so a warpgroup that is done moves on without the others. The caller has scaled the tile; the
-LSE is stored by the kernel (its rows are the softmax's, see softmax.finalize_row).
+so a warpgroup that is done moves on without the others. `store_o_direct` writes the whole
+tile through sO and then 16-byte loads and stores by every consumer thread, so the CTA has no
+store to wait for before it exits. The caller has scaled the tile; the LSE is stored by the
+kernel (its rows are the softmax's, see softmax.finalize_row).
 """
 
 # No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
@@ -66,6 +68,65 @@ def store_o(
         gO = cute.local_tile(rows.q_rows(tO, head), (tile_m, head_dim), (m_block, 0))  # (tile_m, D)
         tma_store(tma_o, sO, gO)
         cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def store_o_direct(
+    mO: cute.Tensor,
+    mma_pv: cute.TiledMma,
+    sO: cute.Tensor,
+    acc_O: cute.Tensor,
+    ctid: Int32,
+    m_block: Int32,
+    head: Int32,
+    rows,  # varlen.DenseRows: the tile's batch
+    seqlen_q: Int32,
+    tile_m: cutlass.Constexpr[int],
+    head_dim: cutlass.Constexpr[int],
+    o_dtype: cutlass.Constexpr,
+    consumer_threads: cutlass.Constexpr[int],
+    sync_first: cutlass.Constexpr[bool],
+):
+    """The whole tile_m x D tile through sO (stmatrix), then every consumer thread copies rows
+    of it to global memory in 16-byte vectors, rows past seqlen_q left out.
+
+    With the TMA store the store warp must wait for the store to have read sO before the CTA
+    exits (its smem is the next CTA's), and on the plain grid nothing else runs on the SM by
+    then. Here each thread's loads from sO have completed when its stores issue, so the CTA
+    exits as soon as they are issued. `mO` is O's (Nq, D, Hq, B) view in global memory.
+    `sync_first` as in store_o.
+    """
+    if const_expr(sync_first):
+        cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
+    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
+    rO.store(acc_O.load().to(o_dtype))
+    r2s = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_pv
+    )
+    thr_r2s = r2s.get_slice(ctid)
+    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+    cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
+    vec = 128 // o_dtype.width
+    per_row = head_dim // vec  # threads on one row
+    # Rows a pass: a power of two, so it divides tile_m (D = 192: 8 rows of 24 threads, the
+    # other 64 consumer threads idle).
+    pass_rows = 1 << ((consumer_threads // per_row).bit_length() - 1)
+    s2g = cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), o_dtype, num_bits_per_copy=128),
+        cute.make_layout((pass_rows, per_row), stride=(per_row, 1)),
+        cute.make_layout((1, vec)),
+    )
+    if ctid < pass_rows * per_row:
+        thr = s2g.get_slice(ctid)
+        gO = cute.local_tile(rows.q_rows(mO, head), (tile_m, head_dim), (m_block, 0))
+        tOsO = thr.partition_S(sO)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_D(cute.make_identity_tensor((tile_m, head_dim)))
+        tOrO = cute.make_rmem_tensor_like(tOsO)
+        cute.copy(s2g, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
+            if m_block * tile_m + tOcO[0, m, 0][0] < seqlen_q:
+                cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
 
 
 @cute.jit

@@ -14,7 +14,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 
-from flashsuite.fa3.epilogue import store_o, store_o_wg
+from flashsuite.fa3.epilogue import store_o, store_o_direct, store_o_wg
 from flashsuite.fa3.mask import mask_phases
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
 
@@ -345,6 +345,11 @@ class ForwardConsumer:
             store_o_wg(
                 tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, rows, self.HEAD_DIM,
                 self.dtype, self.o_dtype, self._pv_b_major(), self.NUM_CONSUMER_WGS,
+            )  # fmt: skip
+        elif const_expr(self.O_DIRECT_STORE):
+            store_o_direct(
+                tO, mma_pv, sO, acc_O, ctid, m_block, head, rows, seqlen_q, self.TILE_M,
+                self.HEAD_DIM, self.o_dtype, self.CONSUMER_THREADS, self.O_ALIAS_Q,
             )  # fmt: skip
         else:
             # sO on sQ: every WG's Q·Kᵀ must have retired; persistent: the previous store

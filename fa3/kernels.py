@@ -173,6 +173,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         # An L2 prefetch of the next wave's Q (dense plain grid; Fa3Config.prefetch_next_q).
         assert not (cfg.prefetch_next_q and (cfg.persistent or varlen)), "prefetch_next_q: dense"
         self.PREFETCH_NEXT_Q = cfg.prefetch_next_q
+        # O by the consumer threads' own stores (Fa3Config.o_direct_store; dense plain grid).
+        assert not (cfg.o_direct_store and (cfg.persistent or varlen)), "o_direct_store: dense"
+        self.O_DIRECT_STORE = cfg.o_direct_store
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
@@ -236,6 +239,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO = self._make_tmas(
             mQ, mK, mV, mO, sQ_l, sK_l, sV_l, sO_l
         )
+        if const_expr(self.O_DIRECT_STORE):
+            tO = mO  # the consumer threads store O themselves (epilogue.store_o_direct)
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -308,7 +313,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         tma_v: cute.CopyAtom,
         tV: cute.Tensor,  # (Nk, D, Hkv, B); fp8: (D, Nk, Hkv, B)
         tma_o: cute.CopyAtom,
-        tO: cute.Tensor,  # (Nq, D, Hq, B)
+        tO: cute.Tensor,  # (Nq, D, Hq, B); O_DIRECT_STORE: O itself, else TMA coordinates
         mLSE: cute.Tensor,  # (Nq, Hq, B) fp32
         mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         mDescaleK: cute.Tensor | None,

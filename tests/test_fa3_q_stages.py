@@ -1,9 +1,11 @@
-"""How Q reaches the fa3 forward's tiles early: two Q buffers in the persistent forward
-(Fa3Config.q_stages) and the plain grid's L2 prefetch of the next wave's Q
-(Fa3Config.prefetch_next_q). Where each option is allowed, what the second buffer costs in
-shared memory, and on a GPU that they change when Q arrives, not the result: the same bits as
-the build without them on problems of many tiles per CTA or many waves (so both buffers and
-both phases of their barriers are used), and the float64 oracle's agreement."""
+"""The fa3 forward's tile boundaries: how Q reaches a tile early, two Q buffers in the
+persistent forward (Fa3Config.q_stages) and the plain grid's L2 prefetch of the next wave's Q
+(Fa3Config.prefetch_next_q), and how O leaves it without a store to wait for
+(Fa3Config.o_direct_store). Where each option is allowed, what the second buffer costs in
+shared memory, and on a GPU that they change when Q arrives or O leaves, not the result: the
+same bits as the build without them on problems of many tiles per CTA or many waves (so both
+buffers and both phases of their barriers are used) and with a partial last row tile, and the
+float64 oracle's agreement."""
 
 from __future__ import annotations
 
@@ -42,6 +44,22 @@ def test_next_q_prefetch_outside_the_dense_plain_grid_is_refused(changes: dict) 
     ok, why = can_implement(Fa3Config(prefetch_next_q=True, **changes), 128, torch.bfloat16)
     assert not ok and "prefetch_next_q" in why, why
     assert can_implement(Fa3Config(prefetch_next_q=True), 128, torch.bfloat16)[0]
+
+
+@pytest.mark.parametrize(
+    "changes", [dict(persistent=True), dict(lpt_grid=True)], ids=["persistent", "lpt-grid"]
+)
+def test_direct_o_store_outside_the_dense_plain_grid_is_refused(changes: dict) -> None:
+    ok, why = can_implement(Fa3Config(o_direct_store=True, **changes), 128, torch.bfloat16)
+    assert not ok and "o_direct_store" in why, why
+    assert can_implement(Fa3Config(o_direct_store=True), 128, torch.bfloat16)[0]
+
+
+def test_direct_o_store_is_refused_for_packed_sequences() -> None:
+    from flashsuite.fa3.varlen_configs import can_implement_varlen
+
+    ok, why = can_implement_varlen(Fa3Config(o_direct_store=True), torch.bfloat16)
+    assert not ok and "o_direct_store" in why, why
 
 
 def test_next_q_prefetch_is_refused_for_packed_sequences() -> None:
@@ -137,3 +155,54 @@ def test_gpu_next_q_prefetch_gives_the_same_bits(d: int) -> None:
     cfg = dataclasses.replace(table, prefetch_next_q=True)
     out_p, lse_p = interface.forward(q, k, v, p, cfg=cfg)
     assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+
+
+_DIRECT_CASES = [
+    pytest.param(d, torch.bfloat16, False, id=f"D{d}") for d in (64, 96, 128, 192, 256)
+] + [
+    pytest.param(128, torch.float16, True, id="D128-fp16-causal"),
+    pytest.param(128, "e4m3", False, id="D128-e4m3"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("d", "dtype", "causal"), _DIRECT_CASES)
+def test_gpu_direct_o_store_gives_the_same_bits(d: int, dtype, causal: bool) -> None:
+    """O stored by the consumer threads (16-byte vectors, rows past Nq left out) against the
+    TMA store, on the plain grid: B 4 x 1500 queries (the last row tile partial at every tile
+    height: 1500 = 11 x 128 + 92 = 7 x 192 + 156), so an unguarded row would overwrite the
+    next batch's first rows; causal leaves the first 400 rows without a key. The same bits,
+    and (16-bit) the float64 oracle's agreement."""
+    from flashsuite.common.fp8 import quantize_e4m3
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
+    base = torch.bfloat16 if dtype == "e4m3" else dtype
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=base)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
+    )
+    opts: dict = {"causal": causal}
+    if dtype == "e4m3":
+        (q, dq), (k, dk), (v, dv) = (
+            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
+        )
+        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
+    p = check_inputs(q, k, v, **opts)
+    plain = dataclasses.replace(
+        config_for(p), persistent=False, overlap_tiles=False, balanced_order=False
+    )
+    out, lse = interface.forward(q, k, v, p, cfg=plain)
+    cfg = dataclasses.replace(plain, o_direct_store=True)
+    out_d, lse_d = interface.forward(q, k, v, p, cfg=cfg)
+    assert torch.equal(out, out_d), (out.float() - out_d.float()).abs().max()
+    assert torch.equal(lse, lse_d)
+    if dtype == "e4m3":
+        return
+    refs = reference_pair(q, k, v, **opts)
+    for res in (compare("out", out_d, *refs["out"]), compare("lse", lse_d, *refs["lse"])):
+        assert res.ok, res
