@@ -47,6 +47,7 @@ PTX_PATTERNS = {
     "bar_sync_epilogue_all": r"\bbar\.sync\s+1, (?:256|384);",  # Barrier.EPILOGUE, every consumer
     "bulk_wait_read": r"cp\.async\.bulk\.wait_group\.read",
     "stmatrix": r"stmatrix",
+    "st_global_v4": r"st\.global\.v4",  # O_DIRECT_STORE's 16-byte stores of O
     "ex2": r"ex2\.approx",
     "vote_ballot": r"vote\.sync\.ballot",  # varlen: the virtual block's sequence (fa3/varlen.py)
     "mbarrier_try_wait": r"mbarrier\.try_wait",

@@ -166,6 +166,10 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             _overlap(replace(_tiles(64, True), q_stages=2)),
         ),
         ("prefetch-next-q", 128, bf16, False, replace(d128, prefetch_next_q=True)),
+        # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
+        # D = 192, whose 24 threads a row leave 64 consumer threads idle.
+        ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),
+        ("direct-o-store", 192, bf16, False, replace(_tiles(192, False), o_direct_store=True)),
     ]
 
 

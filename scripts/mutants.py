@@ -769,6 +769,14 @@ GPU_MUTANTS = [
         gpu=True,
     ),
     Mutant(
+        "fa3: O's direct store writes the rows past Nq of the last row tile",
+        "fa3/epilogue.py",
+        "if m_block * tile_m + tOcO[0, m, 0][0] < seqlen_q:",
+        "if m_block * tile_m + tOcO[0, m, 0][0] < seqlen_q + tile_m:",
+        "direct_o_store",
+        ("tests/test_fa3_q_stages.py",),
+    ),
+    Mutant(
         "fa3: every tile's Q·Kᵀ reads the first Q buffer",
         FA3_KERNEL,
         "sQ = sQ[None, None, q_state.index]",
