@@ -190,17 +190,20 @@ class Fa3Config:
     # producer loads the next tile's Q, first of that tile's loads, into the other buffer as
     # soon as it is free (the previous tile's), without waiting for the current tile's last
     # Q·Kᵀ: Q's load latency then lies under the current tile's last blocks, not between the
-    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks.
+    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks. Timed on an H100
+    # (docs/results.md, "Short sequences"): 1.036x the table at D = 64, N = 1k; at D = 128 the
+    # persistent build itself loses 16-18 % at every N.
     q_stages: int = 1
     # Plain dense grid: the producer asks for an L2 prefetch (TMA) of the Q tile of the CTA
     # launched one wave later (linear block id + SM count, which starts on an SM as one of
     # this wave's CTAs exits), so that CTA's Q load hits L2 instead of DRAM: at N = 1k each
-    # CTA waits for its Q before any wgmma (docs/results.md, "Short sequences").
+    # CTA waits for its Q before any wgmma (docs/results.md, "Short sequences"). Off: 0.93-1.00x
+    # the table at D = 64 / 128 / 256 and N = 1k-16k on an H100.
     prefetch_next_q: bool = False
     # Plain dense grid: O from sO to global memory by 16-byte stores of every consumer thread
     # (epilogue.store_o_direct) instead of one TMA store, so the CTA exits without waiting for
     # a store to read sO; at N = 1k that wait holds the SM, alone, at the end of every tile
-    # (docs/results.md, "Short sequences").
+    # (docs/results.md, "Short sequences"). Off: 0.93-1.00x the table on an H100.
     o_direct_store: bool = False
 
 
