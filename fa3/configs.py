@@ -190,9 +190,9 @@ class Fa3Config:
     # producer loads the next tile's Q, first of that tile's loads, into the other buffer as
     # soon as it is free (the previous tile's), without waiting for the current tile's last
     # Q·Kᵀ: Q's load latency then lies under the current tile's last blocks, not between the
-    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks. Timed on an H100
-    # (docs/results.md, "Short sequences"): 1.036x the table at D = 64, N = 1k; at D = 128 the
-    # persistent build itself loses 16-18 % at every N.
+    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks. Shipped for
+    # short D = 64 problems (SHORT_SEQLEN_K, SHORT_CAUSAL_TWO_Q); at non-causal D = 128 the
+    # persistent build itself loses 16-18 % at every N (docs/results.md, "Short sequences").
     q_stages: int = 1
     # Plain dense grid: the producer asks for an L2 prefetch (TMA) of the Q tile of the CTA
     # launched one wave later (linear block id + SM count, which starts on an SM as one of
@@ -367,7 +367,9 @@ def get_config(
     seqlen_k <= SHORT_SEQLEN_K: a tile of a few K/V blocks pays its fill, drain and epilogue
     often, and v2 overlaps the epilogue with the next tile (commits 9a03882 and eb35f47, plain
     grid -> v2 at N = 512 / 768 / 1k / 1.5k: 299 / 382 / 372 / 444 -> 326 / 393 / 350 / 420;
-    D = 128 and 256 lose with it; docs/results.md, "Short sequences").
+    D = 128 and 256 lose with it; docs/results.md, "Short sequences"), with two Q buffers
+    (q_stages, see SHORT_SEQLEN_K). Causal D = 64 takes two Q buffers up to
+    SHORT_CAUSAL_TWO_Q keys.
     """
     if dtype == FP8_DTYPE:
         if fp8_vt_in_smem(head_dim, seqlen_k, causal):
@@ -385,10 +387,13 @@ def get_config(
         )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
-        return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
+        return _two_q(_overlap(cfg)) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg
     if head_dim in _SHORT_Q_TILES and seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_SEQLEN_K:
         return _overlap(_SHORT_Q_TILES[head_dim])
-    return replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
+    cfg = replace(_overlap(cfg), skip_masked_wg=head_dim in _SKIP_MASKED_WG_DIMS)
+    if seqlen_k is not None and seqlen_k <= SHORT_CAUSAL_TWO_Q.get(head_dim, 0):
+        return _two_q(cfg)
+    return cfg
 
 
 # Causal head dims whose tiles are taller than tile_n and measured faster with skip_masked_wg.
@@ -433,9 +438,19 @@ _SPLIT_LOOPS = ((128, True), (64, True), (96, True), (192, True))
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
 # 4k / 16k, same run as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x).
 _PV_WAIT_AFTER_MAX = ((256, False),)
-# Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler.
-SHORT_SEQLEN_K = 768
+# Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler,
+# with two Q buffers: H100 80GB HBM3, 2026-12-06, commit 8839a07 (`benchmarks/fa3_fwd_ab
+# --head-dim 64 --variant q2:persistent=1,overlap_tiles=1,balanced_order=1,o_alias_q=0,
+# q_stages=2`, medians of 5 interleaved passes, ratio to the plain grid): N = 512 / 1k / 2k
+# 1.095 / 1.034 / 0.976 (v2 with one Q buffer 0.989 / 0.992 / 0.976); at 1k 0.980x FA4 and
+# 0.916x cuDNN, from 0.938x / 0.886x.
+SHORT_SEQLEN_K = 1024
 _SHORT_PERSISTENT_DIMS = (64,)
+# Causal head dims that take two Q buffers (q_stages) for seqlen_k up to this. Same run kind,
+# `--causal --variant q2:q_stages=2` against the table entry, N = 1k / 2k / 4k: D = 64 1.060 /
+# 1.025 / 0.991 (at 1k 1.213x FA4, 0.926x cuDNN); D = 128 1.004 / 1.016 / 0.994 / 0.969 at
+# 1k / 2k / 4k / 16k, not taken.
+SHORT_CAUSAL_TWO_Q = {64: 2048}
 # Causal head dims in _SHORT_Q_TILES run that tile for seqlen_k up to this (D = 96: see _tiles).
 SHORT_CAUSAL_SEQLEN_K = 1024
 
@@ -506,6 +521,11 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
 def _overlap(cfg: Fa3Config) -> Fa3Config:
     """The persistent scheduler with tile-boundary overlap and the balanced tile order."""
     return replace(cfg, persistent=True, overlap_tiles=True, balanced_order=True)
+
+
+def _two_q(cfg: Fa3Config) -> Fa3Config:
+    """A persistent v2 `cfg` with its own sO and two Q buffers (Fa3Config.q_stages)."""
+    return replace(cfg, o_alias_q=False, q_stages=2)
 
 
 def _plain(cfg: Fa3Config) -> Fa3Config:

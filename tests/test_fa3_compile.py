@@ -138,8 +138,9 @@ def test_shipped_persistent_entries_are_v2() -> None:
             assert not (cfg.overlap_tiles or cfg.balanced_order), cfg
     causal = {("shipped", d, True) for d in (64, 96, 128, 192, 256)}
     # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too; causal
-    # D = 96's short build (128-row tiles) stays on it.
-    assert persistent == causal | {("shipped-short", 64, False), ("shipped-short", 96, True)}
+    # D = 96's short build (128-row tiles) and causal D = 64's (two Q buffers) stay on it.
+    short = {("shipped-short", 64, False), ("shipped-short", 96, True), ("shipped-short", 64, True)}
+    assert persistent == causal | short
 
 
 def test_overlap_needs_persistent() -> None:
@@ -173,14 +174,25 @@ def _check_overlap_barriers(case, probes: dict[str, dict]) -> None:
 
 
 def test_short_keys_pick_their_own_config() -> None:
-    """The key length picks the schedule only where measured (non-causal D = 64 and causal
-    D = 96, short keys); every other entry is the same for any seqlen_k."""
-    from flashsuite.fa3.configs import SHORT_CAUSAL_SEQLEN_K, SHORT_SEQLEN_K, get_config
+    """The key length picks the schedule only where measured (D = 64 and causal D = 96, short
+    keys); every other entry is the same for any seqlen_k."""
+    from flashsuite.fa3.configs import (
+        SHORT_CAUSAL_SEQLEN_K,
+        SHORT_CAUSAL_TWO_Q,
+        SHORT_SEQLEN_K,
+        get_config,
+    )
 
     bf16 = torch.bfloat16
-    assert get_config(64, bf16, False, SHORT_SEQLEN_K).persistent
+    short = get_config(64, bf16, False, SHORT_SEQLEN_K)
+    assert short.persistent and short.overlap_tiles and short.q_stages == 2, short
     assert not get_config(64, bf16, False, SHORT_SEQLEN_K + 1).persistent
     assert get_config(64, bf16, False, None) == get_config(64, bf16, False, 16384)
+    # Causal D = 64: the same entry with two Q buffers up to SHORT_CAUSAL_TWO_Q keys.
+    n = SHORT_CAUSAL_TWO_Q[64]
+    two, one = get_config(64, bf16, True, n), get_config(64, bf16, True, n + 1)
+    assert two == replace(one, q_stages=2, o_alias_q=False) and two != one
+    assert one == get_config(64, bf16, True, None)
     # Measured at 1k (128-row tiles ahead) and 2k (192-row tiles ahead): configs._tiles.
     short, tall = (get_config(96, bf16, True, n) for n in (1024, 2048))
     assert get_config(96, bf16, True, SHORT_CAUSAL_SEQLEN_K + 1) == tall
@@ -190,7 +202,7 @@ def test_short_keys_pick_their_own_config() -> None:
     assert tall.skip_masked_wg and tall.split_loops and tall.wg_slice and tall.persistent
     assert get_config(96, bf16, True, None) == tall == get_config(96, bf16, True, 16384)
     for d, dt, causal, cfg in shipped_configs():
-        if (d, causal) not in ((64, False), (96, True)):
+        if (d, causal) not in ((64, False), (64, True), (96, True)):
             assert get_config(d, dt, causal, 512) == cfg == get_config(d, dt, causal, 16384)
 
 
