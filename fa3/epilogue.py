@@ -29,6 +29,19 @@ def tma_store(tma_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor):
 
 
 @cute.jit
+def o_to_smem(acc_O: cute.Tensor, mma: cute.TiledMma, sO: cute.Tensor, thread: Int32, o_dtype):
+    """acc_O (the C fragment of `mma`, thread `thread`) converted to o_dtype and written to sO
+    by stmatrix."""
+    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
+    rO.store(acc_O.load().to(o_dtype))
+    r2s = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma
+    )
+    thr_r2s = r2s.get_slice(thread)
+    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+
+
+@cute.jit
 def store_o(
     tma_o: cute.CopyAtom,
     tO: cute.Tensor,
@@ -54,13 +67,7 @@ def store_o(
     """
     if const_expr(sync_first):
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
-    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
-    rO.store(acc_O.load().to(o_dtype))
-    r2s = cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_pv
-    )
-    thr_r2s = r2s.get_slice(ctid)
-    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+    o_to_smem(acc_O, mma_pv, sO, ctid, o_dtype)
     # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
@@ -98,13 +105,7 @@ def store_o_direct(
     """
     if const_expr(sync_first):
         cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
-    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
-    rO.store(acc_O.load().to(o_dtype))
-    r2s = cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_pv
-    )
-    thr_r2s = r2s.get_slice(ctid)
-    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO))
+    o_to_smem(acc_O, mma_pv, sO, ctid, o_dtype)
     cute.arch.barrier(barrier_id=int(Barrier.EPILOGUE), number_of_threads=consumer_threads)
     vec = 128 // o_dtype.width
     per_row = head_dim // vec  # threads on one row
@@ -171,13 +172,7 @@ def store_o_wg(
         (64, head_dim),
         a_source=warpgroup.OperandSource.RMEM,
     )
-    rO = cute.make_rmem_tensor_like(acc_O, o_dtype)
-    rO.store(acc_O.load().to(o_dtype))
-    r2s = cute.make_tiled_copy_C(
-        cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), o_dtype), mma_wg
-    )
-    thr_r2s = r2s.get_slice(ctid % 128)
-    cute.copy(r2s, thr_r2s.retile(rO), thr_r2s.partition_D(sO_wg))
+    o_to_smem(acc_O, mma_wg, sO_wg, ctid % 128, o_dtype)
     # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=bar, number_of_threads=128)
