@@ -481,6 +481,22 @@ MUTANTS = [
         ("tests/test_fa3_compile.py",),
     ),
     Mutant(
+        "fa3: short non-causal D 64 on v2 with one Q buffer",
+        "fa3/configs.py",
+        "return _two_q(_overlap(cfg)) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg",
+        "return _overlap(cfg) if short and head_dim in _SHORT_PERSISTENT_DIMS else cfg",
+        "short_keys_pick_their_own_config",
+        ("tests/test_fa3_compile.py",),
+    ),
+    Mutant(
+        "fa3: causal D 64 without two Q buffers at short key lengths",
+        "fa3/configs.py",
+        "SHORT_CAUSAL_TWO_Q = {64: 2048}",
+        "SHORT_CAUSAL_TWO_Q = {64: 0}",
+        "short_keys_pick_their_own_config",
+        ("tests/test_fa3_compile.py",),
+    ),
+    Mutant(
         "fa3: softcap and windowed problems keep P·V's wait after the row max",
         "fa3/configs.py",
         "                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip",

@@ -188,8 +188,10 @@ def test_short_keys_pick_their_own_config() -> None:
     assert short.persistent and short.overlap_tiles and short.q_stages == 2, short
     assert not get_config(64, bf16, False, SHORT_SEQLEN_K + 1).persistent
     assert get_config(64, bf16, False, None) == get_config(64, bf16, False, 16384)
-    # Causal D = 64: the same entry with two Q buffers up to SHORT_CAUSAL_TWO_Q keys.
+    # Causal D = 64: the same entry with two Q buffers up to SHORT_CAUSAL_TWO_Q keys, which
+    # covers the 1k and 2k keys they were measured faster at.
     n = SHORT_CAUSAL_TWO_Q[64]
+    assert n >= 2048, n
     two, one = get_config(64, bf16, True, n), get_config(64, bf16, True, n + 1)
     assert two == replace(one, q_stages=2, o_alias_q=False) and two != one
     assert one == get_config(64, bf16, True, None)
