@@ -440,7 +440,7 @@ def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> 
     out, lse = interface.forward(q, k, v, p, *(ds if fp8 else ()))
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 40)
     ((key, args),) = calls
-    assert key == CompileKey(dtype, 64, True, False, False, get_config(64, dtype, True))
+    assert key == CompileKey(dtype, 64, True, False, False, get_config(64, dtype, True, 56))
     assert len(args) == 5 + 3 + 2 + 4 + 1 and args[-1] == 132 and args[8:10] == (None, None)
     assert args[0] is q and args[1] is k and args[3] is out and args[4] is lse
     if fp8:
