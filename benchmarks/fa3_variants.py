@@ -166,6 +166,23 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             _overlap(replace(_tiles(64, True), q_stages=2)),
         ),
         ("prefetch-next-q", 128, bf16, False, replace(d128, prefetch_next_q=True)),
+        # The LSE by TMA from shared memory (Fa3Config.lse_tma): non-causal D = 128 with two Q
+        # buffers (no recomputed exponentials: 132 MUFU.EX2, 64 under P·V), causal D = 64 on
+        # three warpgroups (three LSE slabs).
+        (
+            "persistent-lse-tma",
+            128,
+            bf16,
+            False,
+            _overlap(replace(d128, o_alias_q=False, q_stages=2, lse_tma=True)),
+        ),
+        (
+            "persistent-lse-tma-wg3-causal",
+            64,
+            bf16,
+            True,
+            _overlap(replace(_tiles(64, True), lse_tma=True)),
+        ),
         # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
         # D = 192, whose 24 threads a row leave 64 consumer threads idle.
         ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),

@@ -186,25 +186,22 @@ class Fa3Config:
     # D = 128 timed 0.986 / 1.006x the table build at N = 1k / 4k on an H100 (docs/results.md,
     # "Short sequences"), the zeroing hidden under the waits for Q and the first K.
     o_zero_init: bool = False
+    # The options below at a tile's edges: docs/results.md, "Short sequences".
     # Persistent with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the
-    # producer loads the next tile's Q, first of that tile's loads, into the other buffer as
-    # soon as it is free (the previous tile's), without waiting for the current tile's last
-    # Q·Kᵀ: Q's load latency then lies under the current tile's last blocks, not between the
-    # tiles, where a tile of few K/V blocks (N = 1k) pays it every few blocks. Shipped for
-    # short D = 64 problems (SHORT_SEQLEN_K, SHORT_CAUSAL_TWO_Q); at non-causal D = 128 the
-    # persistent build itself loses 16-18 % at every N (docs/results.md, "Short sequences").
+    # producer loads each tile's Q first, into the buffer the tile before last released, so
+    # Q's latency lies under the current tile, not between tiles (which a tile of few K/V
+    # blocks pays every few blocks). Shipped for short D = 64 problems (SHORT_SEQLEN_K).
     q_stages: int = 1
-    # Plain dense grid: the producer asks for an L2 prefetch (TMA) of the Q tile of the CTA
-    # launched one wave later (linear block id + SM count, which starts on an SM as one of
-    # this wave's CTAs exits), so that CTA's Q load hits L2 instead of DRAM: at N = 1k each
-    # CTA waits for its Q before any wgmma (docs/results.md, "Short sequences"). Off: 0.93-1.00x
-    # the table at D = 64 / 128 / 256 and N = 1k-16k on an H100.
+    # Plain dense grid: an L2 prefetch (TMA) of the Q tile of the CTA one wave later (linear
+    # block id + SM count). Off: 0.93-1.00x the table at D = 64 / 128 / 256 on an H100.
     prefetch_next_q: bool = False
-    # Plain dense grid: O from sO to global memory by 16-byte stores of every consumer thread
-    # (epilogue.store_o_direct) instead of one TMA store, so the CTA exits without waiting for
-    # a store to read sO; at N = 1k that wait holds the SM, alone, at the end of every tile
-    # (docs/results.md, "Short sequences"). Off: 0.93-1.00x the table on an H100.
+    # Plain dense grid: O from sO by every consumer thread's 16-byte stores, so the CTA exits
+    # without waiting for a TMA store to read sO. Off: 0.93-1.00x the table on an H100.
     o_direct_store: bool = False
+    # Per-WG epilogue (persistent, separate sO): the LSE out through sLSE and a TMA store; the
+    # threads' global LSE stores make the compiler recompute most of the loop's exponentials
+    # there. Needs seqlen_q % 4 == 0 (the TMA's 16-byte row stride).
+    lse_tma: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -235,6 +232,8 @@ def smem_bytes(cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat1
     elem = dtype.itemsize
     rings = 3 if cfg.v_transpose == "smem" else 2  # K, V (and Vᵀ)
     mbar = 8 * (2 * cfg.q_stages + rings * 2 * cfg.stages)  # Q, K, V (and Vᵀ) full/empty
+    if not cfg.o_alias_q and rings == 2:
+        mbar = _align(mbar, 128) + 4 * cfg.tile_m  # sLSE (lse_tma), inside the barriers' KiB
     q = cfg.tile_m * head_dim * elem * cfg.q_stages
     kv = cfg.tile_n * head_dim * elem * cfg.stages
     o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * 2
@@ -329,6 +328,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, (
             "fa3: o_direct_store is for the dense plain grid (persistent=False, lpt_grid=False, "
             "head_section 0)"
+        )
+    if cfg.lse_tma and not (cfg.overlap_tiles and not cfg.o_alias_q):
+        return False, (
+            "fa3: lse_tma is for the persistent tile overlap with a separate sO "
+            "(persistent=True, overlap_tiles=True, o_alias_q=False)"
         )
     if cfg.q_stages not in (1, 2):
         return False, f"fa3: q_stages expected 1 or 2, got {cfg.q_stages}"
@@ -440,10 +444,8 @@ _SPLIT_LOOPS = ((128, True), (64, True), (96, True), (192, True))
 _PV_WAIT_AFTER_MAX = ((256, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler,
 # with two Q buffers: H100 80GB HBM3, 2026-12-06, commit 8839a07 (`benchmarks/fa3_fwd_ab
-# --head-dim 64 --variant q2:persistent=1,overlap_tiles=1,balanced_order=1,o_alias_q=0,
-# q_stages=2`, medians of 5 interleaved passes, ratio to the plain grid): N = 512 / 1k / 2k
-# 1.095 / 1.034 / 0.976 (v2 with one Q buffer 0.989 / 0.992 / 0.976); at 1k 0.980x FA4 and
-# 0.916x cuDNN, from 0.938x / 0.886x.
+# --head-dim 64 --variant q2:...,q_stages=2`, medians of 5 passes, ratio to the table then):
+# N = 512 / 1k / 2k 1.095 / 1.034 / 0.976 (v2, one Q buffer: 0.989 / 0.992 / 0.976).
 SHORT_SEQLEN_K = 1024
 _SHORT_PERSISTENT_DIMS = (64,)
 # Causal head dims that take two Q buffers (q_stages) for seqlen_k up to this. Same run kind,

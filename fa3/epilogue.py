@@ -147,13 +147,18 @@ def store_o_wg(
     o_dtype: cutlass.Constexpr,
     pv_b_major: cutlass.Constexpr,
     num_wgs: cutlass.Constexpr[int],
+    lse_out=None,  # (TMA atom, (Nq, Hq, B) coordinates, sLSE (TILE_M,), the thread's 2 LSE)
+    tScS=None,  # with lse_out: (row, col) in the tile of each S element of the thread
 ):
     """This WG's 64 rows through its own sO slab and its own TMA store (per-WG epilogue).
 
     Only the 128 threads of WG c sync here, so a WG done with its tile moves on to the next
     while the other WG still runs its last P·V. The previous tile's store of this slab is
     waited for (smem reads only) just before the slab is written again. `ab_dtype` and
-    `pv_b_major`: the operands of the P·V wgmma whose C fragment acc_O is.
+    `pv_b_major`: the operands of the P·V wgmma whose C fragment acc_O is. With `lse_out` the
+    WG's 64 LSE go the same way: one lane of each quad writes its two rows' LSE to the WG's
+    slab of sLSE, and the store warp stores the slab by TMA after O (rows past Nq clipped by
+    the TMA), in the same bulk group, so the same wait covers both slabs.
     """
     bar = int(Barrier.EPILOGUE_WG0) + cwg
     store_warp = warp % 4 == 0  # the first warp of each consumer WG
@@ -173,6 +178,10 @@ def store_o_wg(
         a_source=warpgroup.OperandSource.RMEM,
     )
     o_to_smem(acc_O, mma_wg, sO_wg, ctid % 128, o_dtype)
+    if const_expr(lse_out is not None):  # noqa: SIM102 (a const_expr test stays its own `if`)
+        if tScS[0][1] == 0:  # one lane of each quad owns its two rows' statistics
+            for r in cutlass.range_constexpr(2):
+                lse_out[2][tScS[2 * r][0]] = lse_out[3][r]
     # Generic-proxy smem writes must be visible to the TMA (async proxy) store.
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=bar, number_of_threads=128)
@@ -181,3 +190,10 @@ def store_o_wg(
             rows.q_rows(tO, head), (64, head_dim), (m_block * num_wgs + cwg, 0)
         )  # (64, D)
         tma_store(tma_o, sO_wg, gO)
+        if const_expr(lse_out is not None):
+            tma_lse, tLSE, sLSE = lse_out[0], lse_out[1], lse_out[2]
+            sL = cute.local_tile(sLSE, (64,), (cwg,))  # this WG's rows
+            gL = cute.local_tile(tLSE[None, head, rows.batch], (64,), (m_block * num_wgs + cwg,))
+            tL_s, tL_g = cpasync.tma_partition(tma_lse, 0, cute.make_layout(1), sL, gL)
+            cute.copy(tma_lse, tL_s, tL_g)
+            cute.arch.cp_async_bulk_commit_group()

@@ -30,7 +30,7 @@ class ForwardConsumer:
         self,
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mLSE,  # (Nq, Hq, B) fp32; LSE_TMA: (TMA atom, coordinates, sLSE)
         descales,  # fp8: (mDescaleQ, mDescaleK, mDescaleV, group); None for 16-bit inputs
         mma_qk: cute.TiledMma,
         mma_pv: cute.TiledMma,
@@ -310,7 +310,7 @@ class ForwardConsumer:
         self,
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mLSE,  # (Nq, Hq, B) fp32; LSE_TMA: (TMA atom, coordinates, sLSE)
         mma_pv: cute.TiledMma,
         sO: cute.Tensor,
         acc_O: cute.Tensor,
@@ -331,11 +331,16 @@ class ForwardConsumer:
         inv = cute.make_rmem_tensor((2,), Float32)
         batch = rows.batch
         lse_rows = rows.lse_rows(mLSE, head) if const_expr(self.VARLEN) else None
+        lse_out = None  # LSE_TMA: (TMA atom, coordinates, sLSE, this thread's two rows' LSE)
+        if const_expr(self.LSE_TMA):
+            lse_out = (*mLSE, cute.make_rmem_tensor((2,), Float32))
         for r in cutlass.range_constexpr(2):
             inv[r], lse = finalize_row(row_max[r], row_sum[r], scale_log2, self._o_scale(descale_v))
             row = m_block * self.TILE_M + tScS[2 * r][0]
+            if const_expr(self.LSE_TMA):
+                lse_out[3][r] = lse  # to sLSE in store_o_wg, then out by TMA (rows < seqlen_q)
             # One lane of each quad owns the row's statistics; tail rows are not stored.
-            if (tScS[0][1] == 0) & (row < seqlen_q):
+            elif (tScS[0][1] == 0) & (row < seqlen_q):
                 if const_expr(self.VARLEN):
                     lse_rows[row] = lse  # (seqlen_q,) of this sequence and head
                 else:
@@ -345,6 +350,7 @@ class ForwardConsumer:
             store_o_wg(
                 tma_o, tO, sO, acc_O, ctid, warp, cwg, m_block, head, rows, self.HEAD_DIM,
                 self.dtype, self.o_dtype, self._pv_b_major(), self.NUM_CONSUMER_WGS,
+                lse_out, tScS,
             )  # fmt: skip
         elif const_expr(self.O_DIRECT_STORE):
             store_o_direct(

@@ -116,7 +116,9 @@ class ForwardLayouts:
         return mma_qk, mma_pv
 
     def _storage(self, sQ_l, sK_l, sV_l, sO_l):
-        """The shared-memory struct: mbarriers, sQ, sK, sV and sO (none where sO aliases sQ)."""
+        """The shared-memory struct: mbarriers, sQ, sK, sV and sO (none where sO aliases sQ);
+        with a separate sO (and no Vᵀ ring) also sLSE, the LSE rows of a tile on their way to
+        LSE_TMA's store, inside the barriers' 1 KiB."""
         dt, o_dt = self.dtype, self.o_dtype
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
@@ -155,6 +157,7 @@ class ForwardLayouts:
                 mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
+                sLSE: align[mrange[Float32, self.TILE_M], 128]  # LSE_TMA's staging
                 sQ: align[mrange[dt, n_q], 1024]
                 sK: align[mrange[dt, n_k], 1024]
                 sV: align[mrange[dt, n_v], 1024]
@@ -297,7 +300,8 @@ class ForwardLayouts:
 
     def _smem_tensors(self, st, sQ_l, sK_l, sV_l, sO_l):
         """sQ (TILE_M, D), sK (TILE_N, D, STAGES), sV (the V TMA's destination), sVt (PV's
-        B operand, (D, TILE_N, STAGES); sV itself for fp8) and sO (on sQ with O_ALIAS_Q)."""
+        B operand, (D, TILE_N, STAGES); sV itself for fp8), sO (on sQ with O_ALIAS_Q) and
+        sLSE (LSE_TMA, else None)."""
         sQ = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D[, Q_STAGES])
         sK = st.sK.get_tensor(sK_l.outer, swizzle=sK_l.inner)  # (TILE_N, D, STAGES)
         sV = st.sV.get_tensor(sV_l.outer, swizzle=sV_l.inner)  # (TILE_N, D, STAGES); fp8 Vᵀ
@@ -309,4 +313,7 @@ class ForwardLayouts:
             sO = st.sQ.get_tensor(sQ_l.outer, swizzle=sQ_l.inner)  # (TILE_M, D) on sQ
         else:
             sO = st.sO.get_tensor(sO_l.outer, swizzle=sO_l.inner)  # (TILE_M, D) or (64, D, WGS)
-        return sQ, sK, sV, sVt, sO
+        sLSE = None
+        if const_expr(self.LSE_TMA):
+            sLSE = st.sLSE.get_tensor(cute.make_layout(self.TILE_M))  # (TILE_M,) fp32
+        return sQ, sK, sV, sVt, sO, sLSE

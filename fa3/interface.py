@@ -441,6 +441,11 @@ def _launch_plan(
 
         if cfg is None:
             cfg = config_for(p) if vp is None else varlen_config_for(p)
+        if cfg.lse_tma and nq % 4:
+            raise ValueError(
+                f"fa3: cfg.lse_tma needs seqlen_q % 4 == 0 (the LSE rows' 16-byte TMA stride), "
+                f"got seqlen_q={nq}"
+            )
         key = CompileKey(
             dtype=p.dtype,
             head_dim=p.head_dim,

@@ -176,6 +176,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         # O by the consumer threads' own stores (Fa3Config.o_direct_store; dense plain grid).
         assert not (cfg.o_direct_store and (cfg.persistent or varlen)), "o_direct_store: dense"
         self.O_DIRECT_STORE = cfg.o_direct_store
+        # The LSE by TMA from sLSE (Fa3Config.lse_tma; per-WG epilogue builds).
+        self.LSE_TMA = cfg.lse_tma
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
@@ -241,6 +243,11 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         )
         if const_expr(self.O_DIRECT_STORE):
             tO = mO  # the consumer threads store O themselves (epilogue.store_o_direct)
+        tma_lse = None
+        if const_expr(self.LSE_TMA):  # mLSE becomes the TMA's coordinates, 64 rows a box
+            tma_lse, mLSE = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mLSE, cute.make_layout(64), (64,)
+            )
 
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -272,6 +279,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             tma_o,
             tO,
             mLSE,
+            tma_lse,
             mDescaleQ,
             mDescaleK,
             mDescaleV,
@@ -314,7 +322,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         tV: cute.Tensor,  # (Nk, D, Hkv, B); fp8: (D, Nk, Hkv, B)
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,  # (Nq, D, Hq, B); O_DIRECT_STORE: O itself, else TMA coordinates
-        mLSE: cute.Tensor,  # (Nq, Hq, B) fp32
+        mLSE: cute.Tensor,  # (Nq, Hq, B) fp32; LSE_TMA: its TMA coordinates
+        tma_lse: cute.CopyAtom | None,  # LSE_TMA: the LSE's TMA store, else None
         mDescaleQ: cute.Tensor | None,  # (B, Hkv) fp32 for fp8, else None
         mDescaleK: cute.Tensor | None,
         mDescaleV: cute.Tensor | None,
@@ -365,6 +374,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             )
             sched.rows0 = DenseRows(sched.tile0[2])
             sched.sm_count = sm_count
+            if const_expr(self.LSE_TMA):
+                mLSE = (tma_lse, mLSE)  # the consumer adds sLSE (`cta`)
             self.cta(
                 tidx, sched, tma_q, tQ, tma_k, tK, tma_v, tV, tma_o, tO, mLSE, mDescaleQ,
                 mDescaleK, mDescaleV, mma_qk, mma_pv, sQ_l, sK_l, sV_l, sO_l, scale_log2,
@@ -384,7 +395,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         tV: cute.Tensor,
         tma_o: cute.CopyAtom,
         tO: cute.Tensor,
-        mLSE: cute.Tensor,
+        mLSE,  # (Nq, Hq, B) fp32; LSE_TMA: (TMA atom, coordinates)
         mDescaleQ: cute.Tensor | None,
         mDescaleK: cute.Tensor | None,
         mDescaleV: cute.Tensor | None,
@@ -410,7 +421,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
 
         pipes, smem, vt = self._allocate_smem(sQ_l, sK_l, sV_l, sO_l)
         pipe_q, pipe_k, pipe_v, pipe_pv = pipes  # pipe_pv: what P·V waits on (VtPipe for VT_SMEM)
-        sQ, sK, sV, sVt, sO = smem
+        sQ, sK, sV, sVt, sO, sLSE = smem
+        if const_expr(self.LSE_TMA):
+            mLSE = (*mLSE, sLSE)  # (TMA atom, coordinates, staging smem)
         descales = None
         if const_expr(self.FP8):
             # Each tile's consumer reads its (batch, kv head) descales (`tile_scales`).

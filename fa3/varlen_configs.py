@@ -72,6 +72,8 @@ def can_implement_varlen(cfg: Fa3Config, dtype: torch.dtype) -> tuple[bool, str]
         return False, "fa3 varlen: needs the plain grid (persistent=False)"
     if cfg.prefetch_next_q:
         return False, "fa3 varlen: prefetch_next_q follows the dense grid's launch order"
+    if cfg.lse_tma:
+        return False, "fa3 varlen: lse_tma stores dense LSE rows"
     if cfg.o_direct_store:
         return False, "fa3 varlen: o_direct_store writes dense rows (TMA bounds a sequence)"
     return True, ""

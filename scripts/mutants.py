@@ -793,6 +793,14 @@ GPU_MUTANTS = [
         ("tests/test_fa3_q_stages.py",),
     ),
     Mutant(
+        "fa3: the LSE's TMA store writes every warpgroup's slab to the first one's rows",
+        "fa3/epilogue.py",
+        "(m_block * num_wgs + cwg,))",
+        "(m_block * num_wgs,))",
+        "lse_by_tma",
+        ("tests/test_fa3_q_stages.py",),
+    ),
+    Mutant(
         "fa3: every tile's Q·Kᵀ reads the first Q buffer",
         FA3_KERNEL,
         "sQ = sQ[None, None, q_state.index]",

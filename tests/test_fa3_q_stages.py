@@ -1,11 +1,12 @@
 """The fa3 forward's tile boundaries: how Q reaches a tile early, two Q buffers in the
 persistent forward (Fa3Config.q_stages) and the plain grid's L2 prefetch of the next wave's Q
-(Fa3Config.prefetch_next_q), and how O leaves it without a store to wait for
-(Fa3Config.o_direct_store). Where each option is allowed, what the second buffer costs in
-shared memory, and on a GPU that they change when Q arrives or O leaves, not the result: the
-same bits as the build without them on problems of many tiles per CTA or many waves (so both
-buffers and both phases of their barriers are used) and with a partial last row tile, and the
-float64 oracle's agreement."""
+(Fa3Config.prefetch_next_q), how O leaves it without a store to wait for
+(Fa3Config.o_direct_store), and the LSE leaving it by TMA (Fa3Config.lse_tma). Where each
+option is allowed, what the second buffer costs in shared memory, and on a GPU that they
+change when Q arrives or O and the LSE leave, not the result: the same bits as the build
+without them on problems of many tiles per CTA or many waves (so both buffers and both phases
+of their barriers are used) and with a partial last row tile, and the float64 oracle's
+agreement."""
 
 from __future__ import annotations
 
@@ -60,6 +61,40 @@ def test_direct_o_store_is_refused_for_packed_sequences() -> None:
 
     ok, why = can_implement_varlen(Fa3Config(o_direct_store=True), torch.bfloat16)
     assert not ok and "o_direct_store" in why, why
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(), dict(persistent=True), {**_V2, "o_alias_q": True}],
+    ids=["plain", "persistent-v1", "sO-on-sQ"],
+)
+def test_lse_by_tma_outside_the_per_wg_epilogue_is_refused(changes: dict) -> None:
+    ok, why = can_implement(Fa3Config(lse_tma=True, **changes), 128, torch.bfloat16)
+    assert not ok and "lse_tma" in why, why
+    assert can_implement(Fa3Config(lse_tma=True, **_V2), 128, torch.bfloat16)[0]
+
+
+def test_lse_by_tma_costs_no_shared_memory() -> None:
+    """sLSE (TILE_M fp32) lies inside the barriers' 1 KiB: the two-Q-buffer D = 128 build
+    (225 KiB) keeps its size, and so does a 192-row tile."""
+    for d, tile_m, wgs in ((128, 128, 2), (64, 192, 3)):
+        cfg = Fa3Config(tile_m=tile_m, num_consumer_wgs=wgs, q_stages=2, **_V2)
+        with_lse = dataclasses.replace(cfg, lse_tma=True)
+        assert smem_bytes(with_lse, d) == smem_bytes(cfg, d)
+        assert can_implement(with_lse, d, torch.bfloat16)[0]
+
+
+def test_lse_by_tma_needs_rows_in_16_byte_strides() -> None:
+    """The LSE's TMA needs each (batch, head) row of Nq floats to start 16 bytes apart: a
+    query length that is not a multiple of 4 is refused by name before any compile."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+
+    q = torch.randn(1, 77, 2, 128, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 80, 2, 128, dtype=torch.bfloat16)
+    p = check_inputs(q, k, v)
+    with pytest.raises(ValueError, match=r"lse_tma.*seqlen_q=77"):
+        interface._launch_plan(p, Fa3Config(lse_tma=True, **_V2), torch.device("cpu"))
 
 
 def test_next_q_prefetch_is_refused_for_packed_sequences() -> None:
@@ -205,4 +240,53 @@ def test_gpu_direct_o_store_gives_the_same_bits(d: int, dtype, causal: bool) -> 
         return
     refs = reference_pair(q, k, v, **opts)
     for res in (compare("out", out_d, *refs["out"]), compare("lse", lse_d, *refs["lse"])):
+        assert res.ok, res
+
+
+_LSE_CASES = [
+    pytest.param(128, False, False, 1, id="D128"),
+    pytest.param(128, False, False, 2, id="D128-two-q"),
+    pytest.param(128, False, True, 1, id="D128-causal"),
+    pytest.param(64, False, True, 2, id="D64-causal-two-q"),
+    pytest.param(128, True, True, 1, id="D128-e4m3-causal"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("d", "fp8", "causal", "q_stages"), _LSE_CASES)
+def test_gpu_lse_by_tma_gives_the_same_bits(d: int, fp8: bool, causal: bool, q_stages: int):
+    """The LSE through sLSE and a TMA store against the consumer threads' stores, on the
+    persistent build with its own sO: B 4 x 1500 queries (1500 = 23 x 64 + 28: the last slab
+    partial, its rows past Nq clipped by the TMA), 768 row tiles over 132 CTAs; causal rows
+    without a key (LSE -inf). The same bits for out and lse, and (16-bit) the float64
+    oracle's agreement."""
+    from flashsuite.common.fp8 import quantize_e4m3
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
+    )
+    opts: dict = {"causal": causal}
+    if fp8:
+        (q, dq), (k, dk), (v, dv) = (
+            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
+        )
+        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
+    p = check_inputs(q, k, v, **opts)
+    base = dataclasses.replace(config_for(p), **_V2, q_stages=q_stages)
+    out, lse = interface.forward(q, k, v, p, cfg=base)
+    cfg = dataclasses.replace(base, lse_tma=True)
+    out_t, lse_t = interface.forward(q, k, v, p, cfg=cfg)
+    assert torch.equal(out, out_t), (out.float() - out_t.float()).abs().max()
+    assert torch.equal(lse, lse_t), (lse - lse_t).abs().nan_to_num().max()
+    if fp8:
+        return
+    refs = reference_pair(q, k, v, **opts)
+    for res in (compare("out", out_t, *refs["out"]), compare("lse", lse_t, *refs["lse"])):
         assert res.ok, res
