@@ -118,6 +118,45 @@ def test_second_q_buffer_is_counted_in_shared_memory() -> None:
     assert not ok and "shared memory" in why, why
 
 
+def _gpu_problem(d: int, dtype, causal: bool, seed: int):
+    """(q, k, v, p, opts) of the GPU cases: B 4 x 1500 queries x 1100 keys, GQA 16 / 4
+    (12 row tiles of 128 x 16 heads x 4 = 768 tiles); `dtype` torch.bfloat16 / float16 or
+    "e4m3" (quantized per (batch, kv head), descales in opts)."""
+    from flashsuite.common.fp8 import quantize_e4m3
+    from flashsuite.common.validation import check_inputs
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
+    base = torch.bfloat16 if dtype == "e4m3" else dtype
+    q, k, v = (
+        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=base)
+        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
+    )
+    opts: dict = {"causal": causal}
+    if dtype == "e4m3":
+        (q, dq), (k, dk), (v, dv) = (
+            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
+        )
+        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
+    return q, k, v, check_inputs(q, k, v, **opts), opts
+
+
+def _same_bits(q, k, v, p, opts: dict, cfg, changes: dict, oracle: bool) -> None:
+    """`cfg` and `cfg` with `changes` give the same out and lse bits; with `oracle`, the
+    changed build also passes the suite's comparison with the float64 oracle."""
+    from flashsuite.common.testing import compare, reference_pair
+    from flashsuite.fa3 import interface
+
+    out, lse = interface.forward(q, k, v, p, cfg=cfg)
+    out_c, lse_c = interface.forward(q, k, v, p, cfg=dataclasses.replace(cfg, **changes))
+    assert torch.equal(out, out_c), (out.float() - out_c.float()).abs().max()
+    assert torch.equal(lse, lse_c), (lse - lse_c).abs().nan_to_num().max()
+    if oracle:
+        refs = reference_pair(q, k, v, **opts)
+        for res in (compare("out", out_c, *refs["out"]), compare("lse", lse_c, *refs["lse"])):
+            assert res.ok, res
+
+
 _GPU_CASES = [
     pytest.param(64, False, False, id="D64"),
     pytest.param(64, False, True, id="D64-causal"),
@@ -136,35 +175,11 @@ def test_gpu_two_q_buffers_give_the_same_bits(d: int, fp8: bool, causal: bool) -
     equals the one-buffer build bit for bit (the same arithmetic on the same operands) and,
     16-bit, passes the suite's comparison with the float64 oracle (e4m3's accuracy is the fp8
     suite's: tests/test_fp8.py)."""
-    from flashsuite.common.fp8 import quantize_e4m3
-    from flashsuite.common.testing import compare, reference_pair
-    from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3 import interface
     from flashsuite.fa3.configs import config_for
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
-    q, k, v = (
-        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
-    )
-    opts: dict = {"causal": causal}
-    if fp8:
-        (q, dq), (k, dk), (v, dv) = (
-            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
-        )
-        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
-    p = check_inputs(q, k, v, **opts)
+    q, k, v, p, opts = _gpu_problem(d, "e4m3" if fp8 else torch.bfloat16, causal, 3)
     one = dataclasses.replace(config_for(p), **_V2, q_stages=1)
-    out_1, lse_1 = interface.forward(q, k, v, p, cfg=one)
-    out_2, lse_2 = interface.forward(q, k, v, p, cfg=dataclasses.replace(one, q_stages=2))
-    assert torch.equal(out_1, out_2), (out_1.float() - out_2.float()).abs().max()
-    assert torch.equal(lse_1, lse_2), (lse_1 - lse_2).abs().max()
-    if fp8:
-        return
-    refs = reference_pair(q, k, v, **opts)
-    for res in (compare("out", out_2, *refs["out"]), compare("lse", lse_2, *refs["lse"])):
-        assert res.ok, res
+    _same_bits(q, k, v, p, opts, one, dict(q_stages=2), oracle=not fp8)
 
 
 @pytest.mark.gpu
@@ -208,39 +223,13 @@ def test_gpu_direct_o_store_gives_the_same_bits(d: int, dtype, causal: bool) -> 
     height: 1500 = 11 x 128 + 92 = 7 x 192 + 156), so an unguarded row would overwrite the
     next batch's first rows; causal leaves the first 400 rows without a key. The same bits,
     and (16-bit) the float64 oracle's agreement."""
-    from flashsuite.common.fp8 import quantize_e4m3
-    from flashsuite.common.testing import compare, reference_pair
-    from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3 import interface
     from flashsuite.fa3.configs import config_for
 
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
-    base = torch.bfloat16 if dtype == "e4m3" else dtype
-    q, k, v = (
-        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=base)
-        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
-    )
-    opts: dict = {"causal": causal}
-    if dtype == "e4m3":
-        (q, dq), (k, dk), (v, dv) = (
-            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
-        )
-        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
-    p = check_inputs(q, k, v, **opts)
+    q, k, v, p, opts = _gpu_problem(d, dtype, causal, 5)
     plain = dataclasses.replace(
         config_for(p), persistent=False, overlap_tiles=False, balanced_order=False
     )
-    out, lse = interface.forward(q, k, v, p, cfg=plain)
-    cfg = dataclasses.replace(plain, o_direct_store=True)
-    out_d, lse_d = interface.forward(q, k, v, p, cfg=cfg)
-    assert torch.equal(out, out_d), (out.float() - out_d.float()).abs().max()
-    assert torch.equal(lse, lse_d)
-    if dtype == "e4m3":
-        return
-    refs = reference_pair(q, k, v, **opts)
-    for res in (compare("out", out_d, *refs["out"]), compare("lse", lse_d, *refs["lse"])):
-        assert res.ok, res
+    _same_bits(q, k, v, p, opts, plain, dict(o_direct_store=True), oracle=dtype != "e4m3")
 
 
 _LSE_CASES = [
@@ -260,33 +249,8 @@ def test_gpu_lse_by_tma_gives_the_same_bits(d: int, fp8: bool, causal: bool, q_s
     partial, its rows past Nq clipped by the TMA), 768 row tiles over 132 CTAs; causal rows
     without a key (LSE -inf). The same bits for out and lse, and (16-bit) the float64
     oracle's agreement."""
-    from flashsuite.common.fp8 import quantize_e4m3
-    from flashsuite.common.testing import compare, reference_pair
-    from flashsuite.common.validation import check_inputs
-    from flashsuite.fa3 import interface
     from flashsuite.fa3.configs import config_for
 
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
-    q, k, v = (
-        torch.randn(b, n, h, d, device="cuda", generator=gen, dtype=torch.bfloat16)
-        for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
-    )
-    opts: dict = {"causal": causal}
-    if fp8:
-        (q, dq), (k, dk), (v, dv) = (
-            quantize_e4m3(t, group=g) for t, g in ((q, hq // hkv), (k, 1), (v, 1))
-        )
-        opts.update(descale_q=dq, descale_k=dk, descale_v=dv)
-    p = check_inputs(q, k, v, **opts)
+    q, k, v, p, opts = _gpu_problem(d, "e4m3" if fp8 else torch.bfloat16, causal, 6)
     base = dataclasses.replace(config_for(p), **_V2, q_stages=q_stages)
-    out, lse = interface.forward(q, k, v, p, cfg=base)
-    cfg = dataclasses.replace(base, lse_tma=True)
-    out_t, lse_t = interface.forward(q, k, v, p, cfg=cfg)
-    assert torch.equal(out, out_t), (out.float() - out_t.float()).abs().max()
-    assert torch.equal(lse, lse_t), (lse - lse_t).abs().nan_to_num().max()
-    if fp8:
-        return
-    refs = reference_pair(q, k, v, **opts)
-    for res in (compare("out", out_t, *refs["out"]), compare("lse", lse_t, *refs["lse"])):
-        assert res.ok, res
+    _same_bits(q, k, v, p, opts, base, dict(lse_tma=True), oracle=not fp8)
