@@ -147,6 +147,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
                 "persistent, overlapped balanced tiles" if cfg.overlap_tiles else "persistent",
                 cfg.persistent,
             ),
+            ("two Q buffers", cfg.q_stages == 2),
         )
         if on
     ]

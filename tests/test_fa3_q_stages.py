@@ -97,6 +97,20 @@ def test_lse_by_tma_needs_rows_in_16_byte_strides() -> None:
         interface._launch_plan(p, Fa3Config(lse_tma=True, **_V2), torch.device("cpu"))
 
 
+@pytest.mark.parametrize(
+    ("causal", "n", "two"),
+    [(False, 1024, True), (False, 2048, False), (True, 2048, True), (True, 4096, False)],
+)
+def test_explain_names_the_second_q_buffer(causal: bool, n: int, two: bool) -> None:
+    """The table's short D = 64 entries say they run two Q buffers, where they do."""
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+
+    q = torch.randn(1, n, 2, 64, dtype=torch.bfloat16)
+    ok, reason = interface.supports(check_inputs(q, q, q, causal=causal), 90)
+    assert ok and ("two Q buffers" in reason) == two, reason
+
+
 def test_next_q_prefetch_is_refused_for_packed_sequences() -> None:
     """The packed build's grid is not the dense launch order the prefetch walks."""
     from flashsuite.fa3.varlen_configs import can_implement_varlen
