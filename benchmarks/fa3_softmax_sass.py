@@ -12,8 +12,11 @@ replaced), disassembles it with Triton's nvdisasm and prints, for every 0x1 wait
 consumer's main loop, the exponentials (MUFU.EX2) and row-max instructions (FMNMX) ptxas placed
 between it and the next 0x0 wait, the kernel's counts of the instructions the softmax options
 change (`op_counts`), its longest row-max and row-sum dependency chains (`chain_depths`) and
-its registers zeroed from RZ (`zeroings`), as JSON: `{"config": ..., "windows": [{"mufu": m,
-"fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n}`.
+its registers zeroed from RZ (`zeroings`) and the exponentials of each overlapped loop's body
+(`loop_exponentials`: TILE_N / 2 + 2 a thread, one per P element and row correction; more
+means the compiler computes some twice), as JSON: `{"config": ..., "windows": [{"mufu": m,
+"fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n,
+"loop_ex2": [n, ...]}`.
 Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before cutlass is
 imported: run it in its own process.
 """
@@ -47,6 +50,27 @@ def overlap_windows(text: str) -> list[dict]:
             open_window["mufu"] += ins.op.startswith("MUFU.EX2")
             open_window["fmnmx"] += ins.base == "FMNMX"
     return windows
+
+
+def loop_exponentials(text: str) -> list[int]:
+    """MUFU.EX2 in the body of each loop (a conditional backward branch) that holds a
+    `WARPGROUP.DEPBAR.LE gsb0, 0x1` wait, i.e. each overlapped main loop, innermost first.
+    A body issues TILE_N / 2 + 2 of them a thread unless the compiler recomputes P (docs/
+    results.md, "Short sequences": the persistent build's epilogue can bring that on)."""
+    from benchmarks.fa3_bwd_sass import _branches, parse_sass
+
+    insns, labels = parse_sass(text)
+    loops = []
+    for i, t, cond in _branches(insns, labels):
+        body = insns[t : i + 1]
+        waits = [
+            b
+            for b in body
+            if b.op == "WARPGROUP.DEPBAR.LE" and b.args.replace(" ", "").endswith(",0x1")
+        ]
+        if cond and t <= i and waits:
+            loops.append((i - t, sum(b.op.startswith("MUFU.EX2") for b in body)))
+    return [n for _, n in sorted(loops)]
 
 
 def op_counts(text: str) -> dict[str, int]:
@@ -151,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": dataclasses.asdict(cfg), "windows": windows, "counts": op_counts(listing)}
     out["chains"] = chain_depths(listing)
     out["cs2r_zero"] = zeroings(listing)
+    out["loop_ex2"] = loop_exponentials(listing)
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0

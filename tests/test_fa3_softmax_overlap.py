@@ -12,7 +12,8 @@ k_ahead (configs._K_AHEAD). And the two softmax options that change instruction 
 rescale_threshold's warp vote on O's rescale (shipped at D = 256) and ex2_emu's exponentials
 moved off MUFU. And what else keeps an in-place softmax under P·V: no runtime mask test in
 the loop with descriptors from the warpgroup's slice (non-causal), or the causal loop split
-in two (split_loops).
+in two (split_loops). And that each overlapped loop computes every exponential once (the
+persistent non-causal build, with the LSE out by TMA, too).
 """
 
 from __future__ import annotations
@@ -72,6 +73,23 @@ def test_softmax_runs_under_pv_in_the_shipped_build() -> None:
         assert w["fmnmx"] >= 40 and w["mufu"] >= 8, shipped["windows"]
     # Without the flag ptxas waits for P·V before the first exponential.
     assert plain["windows"] and all(w["mufu"] == 0 for w in plain["windows"]), plain["windows"]
+    # Each overlapped loop computes every exponential once: one per score and row correction
+    # (the causal loop's body holds both sides of its mask branch).
+    for r, sides in ((shipped, 2), (d128, 1)):
+        per_side = r["config"]["tile_n"] // 2 + 2
+        assert r["loop_ex2"][0] == sides * per_side, (r["loop_ex2"], r["config"])
+
+
+def test_lse_by_tma_keeps_the_persistent_loop_from_recomputing_exponentials() -> None:
+    """The persistent non-causal D = 128 build with its own sO and the LSE out by TMA
+    (Fa3Config.lse_tma): its loop computes each of its 66 exponentials once and issues them
+    under P·V. With the consumer threads' LSE stores instead, the compiler recomputes most of
+    P after P·V's wait (docs/results.md, "Short sequences")."""
+    v2 = ("persistent=1", "overlap_tiles=1", "balanced_order=1", "o_alias_q=0", "q_stages=2")
+    r = _windows(*v2, "lse_tma=1", head_dim=128, causal=False)
+    assert r["spill_stores"] == 0 and not r["remarks"], r
+    assert r["loop_ex2"][0] == 66, r["loop_ex2"]
+    assert len(r["windows"]) == 1 and r["windows"][0]["mufu"] >= 60, r["windows"]
 
 
 def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
