@@ -329,10 +329,10 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             "fa3: o_direct_store is for the dense plain grid (persistent=False, lpt_grid=False, "
             "head_section 0)"
         )
-    if cfg.lse_tma and not (cfg.overlap_tiles and not cfg.o_alias_q):
+    if cfg.lse_tma and not (cfg.overlap_tiles and not cfg.o_alias_q and cfg.v_transpose != "smem"):
         return False, (
             "fa3: lse_tma is for the persistent tile overlap with a separate sO "
-            "(persistent=True, overlap_tiles=True, o_alias_q=False)"
+            "(persistent=True, overlap_tiles=True, o_alias_q=False, v_transpose='host')"
         )
     if cfg.q_stages not in (1, 2):
         return False, f"fa3: q_stages expected 1 or 2, got {cfg.q_stages}"

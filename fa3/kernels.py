@@ -184,6 +184,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         # other WG's Q·Kᵀ may still read sQ). Q is then released right after the last Q·Kᵀ.
         self.PER_WG_EPILOGUE = self.OVERLAP_TILES and not cfg.o_alias_q
         self.EARLY_Q_RELEASE = self.PER_WG_EPILOGUE and cfg.intra_wg_overlap
+        # sLSE lives in the storage of a separate sO without the Vᵀ ring (fwd_layouts).
+        assert not (self.LSE_TMA and (varlen or not self.PER_WG_EPILOGUE or self.VT_SMEM)), (
+            "lse_tma: the dense per-WG epilogue, V not transposed in smem"
+        )
         # A consumer WG whose 64 rows see none of the tile's newest K/V block passes that
         # block by without products (Fa3Config.skip_masked_wg; causal / right window only).
         self.SKIP_MASKED_WG = cfg.skip_masked_wg and (causal or local)
