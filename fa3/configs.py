@@ -233,7 +233,7 @@ def smem_bytes(cfg: Fa3Config, head_dim: int, dtype: torch.dtype = torch.bfloat1
     rings = 3 if cfg.v_transpose == "smem" else 2  # K, V (and Vᵀ)
     mbar = 8 * (2 * cfg.q_stages + rings * 2 * cfg.stages)  # Q, K, V (and Vᵀ) full/empty
     if not cfg.o_alias_q and rings == 2:
-        mbar = _align(mbar, 128) + 4 * cfg.tile_m  # sLSE (lse_tma), inside the barriers' KiB
+        mbar = _align(mbar, 128) + 4 * cfg.tile_m  # sLSE, in this struct with or without lse_tma
     q = cfg.tile_m * head_dim * elem * cfg.q_stages
     kv = cfg.tile_n * head_dim * elem * cfg.stages
     o = 0 if cfg.o_alias_q else cfg.tile_m * head_dim * 2

@@ -20,9 +20,11 @@ from flashsuite.fa3.utils import Barrier
 
 @cute.jit
 def tma_store(tma_o: cute.CopyAtom, sO: cute.Tensor, gO: cute.Tensor):
-    """One thread: TMA-store the (rows, D) smem tile sO to gO and commit the bulk group."""
+    """One thread: TMA-store the smem tile sO ((rows, D) of O, or (rows,) of the LSE) to gO
+    and commit the bulk group."""
+    n = cute.rank(sO)
     tOs, tOg = cpasync.tma_partition(
-        tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2)
+        tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, n), cute.group_modes(gO, 0, n)
     )
     cute.copy(tma_o, tOs, tOg)
     cute.arch.cp_async_bulk_commit_group()
@@ -194,6 +196,4 @@ def store_o_wg(
             tma_lse, tLSE, sLSE = lse_out[0], lse_out[1], lse_out[2]
             sL = cute.local_tile(sLSE, (64,), (cwg,))  # this WG's rows
             gL = cute.local_tile(tLSE[None, head, rows.batch], (64,), (m_block * num_wgs + cwg,))
-            tL_s, tL_g = cpasync.tma_partition(tma_lse, 0, cute.make_layout(1), sL, gL)
-            cute.copy(tma_lse, tL_s, tL_g)
-            cute.arch.cp_async_bulk_commit_group()
+            tma_store(tma_lse, sL, gL)
