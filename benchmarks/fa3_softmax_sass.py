@@ -64,8 +64,7 @@ def loop_exponentials(text: str) -> list[int]:
     for i, t, cond in _branches(insns, labels):
         body = insns[t : i + 1] if cond and t <= i else []
         if any(
-            b.op == "WARPGROUP.DEPBAR.LE" and b.args.replace(" ", "").endswith(",0x1")
-            for b in body
+            b.op == "WARPGROUP.DEPBAR.LE" and b.args.replace(" ", "").endswith(",0x1") for b in body
         ):
             loops.append((i - t, sum(b.op.startswith("MUFU.EX2") for b in body)))
     return [n for _, n in sorted(loops)]
