@@ -183,6 +183,17 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             True,
             _overlap(replace(_tiles(64, True), lse_tma=True)),
         ),
+        # Per-tile clock stamps (Fa3Config.trace, benchmarks/fa3_timeline): the plain grid, the
+        # persistent build with two Q buffers, causal D = 64 as the table builds it.
+        ("trace", 128, bf16, False, replace(d128, trace=True)),
+        (
+            "trace-persistent-two-q",
+            128,
+            bf16,
+            False,
+            _overlap(replace(d128, o_alias_q=False, q_stages=2, trace=True)),
+        ),
+        ("trace-causal", 64, bf16, True, replace(_tiles(64, True), trace=True)),
         # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
         # D = 192, whose 24 threads a row leave 64 consumer threads idle.
         ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),

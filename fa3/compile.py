@@ -187,6 +187,11 @@ def _fake_inputs(key: CompileKey) -> tuple:
             )  # (B, Hkv)
             for _ in range(3)
         )
+    if key.cfg.trace:  # (rows, fields) int64 in descale_q's slot (fa3/trace.py)
+        rows = cute.runtime.make_fake_compact_tensor(
+            cutlass.Int64, (cute.sym_int(), 10), stride_order=(1, 0), assumed_align=8
+        )
+        descales = (rows, None, None)
     return (q, k, v, o, lse, *descales, None, None)
 
 

@@ -179,12 +179,9 @@ class Fa3Config:
     # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Off: bf16
     # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
     pv_wait_after_max: bool = False
-    # Intra-WG overlap: acc_O not zeroed before the tile (TILE_M x D / 2 / threads register
-    # moves, 64 CS2R a thread at D = 128); the tile's first P·V overwrites it instead (the
-    # wgmma's scale-d predicate, a runtime test of the loop index; FA4's order). A tile with
-    # no P·V (no key, or SKIP_MASKED_WG's passed block alone) zeroes it where it skips. Off:
-    # D = 128 timed 0.986 / 1.006x the table build at N = 1k / 4k on an H100 (docs/results.md,
-    # "Short sequences"), the zeroing hidden under the waits for Q and the first K.
+    # Intra-WG overlap: acc_O not zeroed before the tile; its first P·V overwrites it (the
+    # wgmma's scale-d predicate; FA4's order), tiles with no P·V zero it where they skip. Off:
+    # 0.986 / 1.006x the table at D = 128, N = 1k / 4k (H100, docs/results.md "Short sequences").
     o_zero_init: bool = False
     # The options below at a tile's edges: docs/results.md, "Short sequences".
     # Persistent with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the
@@ -202,6 +199,8 @@ class Fa3Config:
     # threads' global LSE stores make the compiler recompute most of the loop's exponentials
     # there. Needs seqlen_q % 4 == 0 (the TMA's 16-byte row stride).
     lse_tma: bool = False
+    # Lab build (16-bit, dense): per-tile clock stamps (fa3/trace.py, benchmarks/fa3_timeline).
+    trace: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -334,6 +333,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             "fa3: lse_tma is for the persistent tile overlap with a separate sO "
             "(persistent=True, overlap_tiles=True, o_alias_q=False, v_transpose='host')"
         )
+    if cfg.trace and dtype == FP8_DTYPE:
+        return False, "fa3: trace is for 16-bit inputs (its tensor takes descale_q's slot)"
     if cfg.q_stages not in (1, 2):
         return False, f"fa3: q_stages expected 1 or 2, got {cfg.q_stages}"
     if cfg.q_stages == 2 and not (cfg.overlap_tiles and not cfg.o_alias_q):

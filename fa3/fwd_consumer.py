@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
+from flashsuite.fa3 import trace
 from flashsuite.fa3.epilogue import store_o, store_o_direct, store_o_wg
 from flashsuite.fa3.mask import mask_phases
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
@@ -57,7 +58,10 @@ class ForwardConsumer:
         window_right: Int32,
         n_block_min: Int32,
         n_block_max: Int32,
+        trace_at=None,  # TRACE: (trace tensor, CTA start, CTA start ns, row), fa3/trace.py
     ):
+        t_tile = trace.now() if const_expr(self.TRACE) else None
+        t_q = Int64(0) if const_expr(self.TRACE) else None
         scale_log2, softcap_pre, descale_v = self.tile_scales(
             descales, head, rows.batch, scale_log2, softcap_pre
         )
@@ -109,9 +113,13 @@ class ForwardConsumer:
         n_blocks = n_block_max - n_block_min
         if const_expr(self.PERSISTENT):
             pipe_q.consumer_wait(q_state)  # every tile loads Q (see load)
+            if const_expr(self.TRACE):
+                t_q = trace.now()
         if n_blocks > 0:
             if const_expr(not self.PERSISTENT):
                 pipe_q.consumer_wait(q_state)
+                if const_expr(self.TRACE):
+                    t_q = trace.now()
             # Loop phases, newest block first: [n_block_max-1] masked, then n_masked_hi masked
             # blocks, n_unmasked unmasked ones, n_masked_lo masked ones to the end.
             shift, first_row, n_masked_hi, n_unmasked, n_masked_lo = mask_phases(
@@ -186,6 +194,7 @@ class ForwardConsumer:
         if const_expr(self.O_ZERO_INIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
             if n_blocks <= 0:
                 acc_O.fill(0.0)  # no key: no P·V wrote O
+        t_loop = trace.now() if const_expr(self.TRACE) else None
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
             if const_expr(self.EARLY_Q_RELEASE):
@@ -226,6 +235,11 @@ class ForwardConsumer:
                 # before its release; the Q barrier completes only with every consumer warp).
                 pipe_q.consumer_release(q_state)
             q_state.advance()
+        if const_expr(self.TRACE):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if ctid % 128 == 0:
+                t_end = (trace.now(), trace.now_ns())
+                stamps = (cute.arch.smid(), trace_at[1], t_tile, t_q, t_loop, t_end[0], trace_at[2])
+                trace.write(trace_at[0], trace_at[3], trace.CONSUMER_FIELDS, (*stamps, t_end[1]))
         return q_state, kv_state
 
     def tile_scales(

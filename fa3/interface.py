@@ -297,11 +297,13 @@ def forward(
     descale_v: torch.Tensor | None = None,
     *,
     cfg: Fa3Config | None = None,
+    trace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D) fp16, bf16 or float8_e4m3fn on an sm90 GPU, last
     dim contiguous; descales (B, Hkv) fp32 or None (1.0) for float8_e4m3fn inputs only.
 
-    `cfg` overrides the tile config from configs.py (the ablation scripts use it).
+    `cfg` overrides the tile config from configs.py (the ablation scripts use it). `trace`,
+    with cfg.trace only: the int64 (tiles x consumer WGs, 10) tensor of fa3/trace.py's stamps.
 
     Returns out (B, Nq, Hq, D) contiguous in q's dtype (bf16 for float8_e4m3fn) and lse
     (B, Hq, Nq) float32 (natural log, -inf for rows that see no key).
@@ -357,6 +359,18 @@ def forward(
             descales = tuple(_descale(t, p.batch, p.heads_kv, q.device) for t in descales)
     else:
         v = _tma_ready(v)
+    if (trace is not None) != cfg.trace:
+        raise ValueError(f"fa3: trace tensor given: {trace is not None}, cfg.trace: {cfg.trace}")
+    if trace is not None:
+        rows = p.batch * p.heads_q * -(-p.seqlen_q // cfg.tile_m) * cfg.num_consumer_wgs
+        if (trace.dtype, tuple(trace.shape)) != (torch.int64, (rows, 10)) or not (
+            trace.is_cuda and trace.is_contiguous()
+        ):
+            raise ValueError(
+                f"fa3: trace expected a contiguous CUDA int64 ({rows}, 10) tensor, got "
+                f"{trace.dtype} {tuple(trace.shape)} on {trace.device}"
+            )
+        descales = (trace, None, None)
     fn(q, k, v, out, lse, *descales, None, None, *scalars)
     return out, lse
 

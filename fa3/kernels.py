@@ -97,6 +97,7 @@ import cutlass.pipeline as pipeline
 from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from flashsuite.fa3 import trace
 from flashsuite.fa3.configs import TRANSPOSE_WARPS, Fa3Config, reg_split
 from flashsuite.fa3.fwd_consumer import ForwardConsumer
 from flashsuite.fa3.fwd_layouts import ForwardLayouts
@@ -178,6 +179,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.O_DIRECT_STORE = cfg.o_direct_store
         # The LSE by TMA from sLSE (Fa3Config.lse_tma; per-WG epilogue builds).
         self.LSE_TMA = cfg.lse_tma
+        # Per-tile clock stamps (Fa3Config.trace, fa3/trace.py): 16-bit dense builds only.
+        self.TRACE = cfg.trace
+        assert not (cfg.trace and (varlen or self.FP8)), "trace: 16-bit dense builds"
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
@@ -354,6 +358,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         (total_q, Hq); the CTA's tile and its sequence come from cu_seqlens (varlen.py), and a
         CTA on a sequence's spare virtual block does nothing (every thread takes that branch)."""
         tidx, _, _ = cute.arch.thread_idx()
+        t_cta = (trace.now(), trace.now_ns()) if const_expr(self.TRACE) else None
         if const_expr(self.VARLEN):
             m_block, head, valid, rows = self.varlen_tiles.tile(
                 mCuSeqlensQ, mCuSeqlensK, batch_n, heads_q
@@ -378,6 +383,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             )
             sched.rows0 = DenseRows(sched.tile0[2])
             sched.sm_count = sm_count
+            sched.trace = None
+            if const_expr(self.TRACE):  # the trace comes in descale_q's slot (fa3/trace.py)
+                sched.trace = (mDescaleQ, *t_cta)
+                mDescaleQ = None
             if const_expr(self.LSE_TMA):
                 mLSE = (tma_lse, mLSE)  # the consumer adds sLSE (`cta`)
             self.cta(
@@ -493,18 +502,22 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_work(
                             k, sched
                         )
+                        t_load = trace.now() if const_expr(self.TRACE) else None
                         q_state, kv_state = self.load(
                             load_args, q_state, kv_state, m_block, head, DenseRows(batch), group,
                             n_block_min, n_block_max,
                         )  # fmt: skip
+                        self.trace_loads(sched, m_block, head, batch, t_load)
                 else:
                     n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
                     if const_expr(self.PREFETCH_NEXT_Q):
                         self.prefetch_next_q(load_args[0], load_args[1], load_args[6], sched)
+                    t_load = trace.now() if const_expr(self.TRACE) else None
                     self.load(
                         load_args, q_state, kv_state, m_block0, head0, rows0, group,
                         n_block_min, n_block_max,
                     )  # fmt: skip
+                    self.trace_loads(sched, m_block0, head0, rows0.batch, t_load)
             if const_expr(self.VT_SMEM):  # noqa: SIM102
                 if (warp > 0) & (warp <= TRANSPOSE_WARPS):
                     n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
@@ -547,6 +560,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         window_right,
                         n_block_min,
                         n_block_max,
+                        self.trace_at(sched, m_block, head, batch, cwg),
                     )
                 if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102
                     if warp % 4 == 0:
@@ -572,7 +586,24 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                     window_right,
                     n_block_min,
                     n_block_max,
+                    self.trace_at(sched, m_block0, head0, rows0.batch, cwg),
                 )
+
+    def trace_at(self, sched: SimpleNamespace, m_block, head, batch, cwg):
+        """TRACE: (trace tensor, CTA start, CTA start ns, this tile's row) for `consumer`."""
+        if const_expr(not self.TRACE):
+            return None
+        row = trace.tile_row(sched, m_block, head, batch, cwg, self.NUM_CONSUMER_WGS)
+        return (*sched.trace, row)
+
+    @cute.jit
+    def trace_loads(self, sched: SimpleNamespace, m_block, head, batch, t_load):
+        """TRACE: the producer warp's stamps of one tile (lane 0, in consumer WG 0's row)."""
+        if const_expr(self.TRACE):  # noqa: SIM102 (a const_expr test stays its own `if`)
+            if cute.arch.lane_idx() == 0:
+                row = trace.tile_row(sched, m_block, head, batch, 0, self.NUM_CONSUMER_WGS)
+                fields = (trace.LOAD_START, trace.LOADS_ISSUED)
+                trace.write(sched.trace[0], row, fields, (t_load, trace.now()))
 
     @cute.jit
     def prefetch_next_q(
