@@ -16,7 +16,8 @@ its registers zeroed from RZ (`zeroings`) and the exponentials of each overlappe
 (`loop_exponentials`: TILE_N / 2 + 2 a thread, one per P element and row correction; more
 means the compiler computes some twice), as JSON: `{"config": ..., "windows": [{"mufu": m,
 "fmnmx": f}, ...], "counts": {...}, "chains": {"fmnmx": n, "fadd": n}, "cs2r_zero": n,
-"loop_ex2": [n, ...]}`.
+"loop_ex2": [n, ...], "loop_insns": [n, ...], "loop_ops": {...}}` (loop_insns: each
+overlapped loop body's SASS instructions; loop_ops: the innermost one's by opcode).
 Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before cutlass is
 imported: run it in its own process.
 """
@@ -57,6 +58,12 @@ def loop_exponentials(text: str) -> list[int]:
     `WARPGROUP.DEPBAR.LE gsb0, 0x1` wait, i.e. each overlapped main loop, innermost first.
     A body issues TILE_N / 2 + 2 of them a thread unless the compiler recomputes P (docs/
     results.md, "Short sequences": the persistent build's epilogue can bring that on)."""
+    return [sum(b.op.startswith("MUFU.EX2") for b in body) for body in loop_bodies(text)]
+
+
+def loop_bodies(text: str) -> list[list]:
+    """The instructions of each overlapped main loop's body (as `loop_exponentials` finds
+    them), innermost (shortest) first."""
     from benchmarks.fa3_bwd_sass import _branches, parse_sass
 
     insns, labels = parse_sass(text)
@@ -66,8 +73,8 @@ def loop_exponentials(text: str) -> list[int]:
         if any(
             b.op == "WARPGROUP.DEPBAR.LE" and b.args.replace(" ", "").endswith(",0x1") for b in body
         ):
-            loops.append((i - t, sum(b.op.startswith("MUFU.EX2") for b in body)))
-    return [n for _, n in sorted(loops)]
+            loops.append(body)
+    return sorted(loops, key=len)
 
 
 def op_counts(text: str) -> dict[str, int]:
@@ -173,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     out["chains"] = chain_depths(listing)
     out["cs2r_zero"] = zeroings(listing)
     out["loop_ex2"] = loop_exponentials(listing)
+    bodies = loop_bodies(listing)
+    out["loop_insns"] = [len(body) for body in bodies]
+    if bodies:  # the innermost loop's instructions by base opcode, most frequent first
+        ops: dict[str, int] = {}
+        for ins in bodies[0]:
+            ops[ins.base] = ops.get(ins.base, 0) + 1
+        out["loop_ops"] = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
     print(json.dumps(out))
     return 0
