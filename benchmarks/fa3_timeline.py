@@ -8,15 +8,15 @@ NAME:FIELD=VALUE,... syntax) built with `Fa3Config.trace` (fa3/trace.py): every 
 warpgroup) writes the SM's %clock64 at its CTA's start, the tile's start, Q's arrival, the end
 of its K/V loop and of its epilogue, the producer's first and last load of the tile, and
 %globaltimer at the CTA's start and the tile's end. Shapes: the standard sweep's B·N = 16k,
-Hq·D = 2048, bf16. Per contender and shape the tool times the build with and without the
-stamps (CUDA events, medians of --reps calls: what the stamps cost), then reads one traced
-call and prints, in SM cycles per tile (medians over tiles and warpgroups):
+Hq·D = 2048, bf16, non-causal or --causal. Per contender and shape the tool times the build
+with and without the stamps (CUDA events, medians of --reps calls: what the stamps cost), then
+reads one traced call and prints, in SM cycles per tile (medians over tiles and warpgroups):
 
     launch     the previous CTA's last epilogue on the SM -> this CTA's first stamp (plain grid)
     prologue   CTA start -> the consumer warpgroup starts its first tile
     between    one tile's epilogue end -> the next tile's start, same warpgroup (persistent)
     q_wait     tile start -> Q waited for
-    loop       Q -> the last P·V retired; loop/block the same per K/V block
+    loop       Q -> the last P·V retired; loop_per_block: loop / the tile's K/V blocks
     epilogue   loop end -> O and LSE handed to their stores
     loads      the producer's first -> last load issue of the tile
 
@@ -52,10 +52,13 @@ def _median(xs: list) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def analyse(rows: list, wgs: int, n_blocks: int) -> dict:
+def analyse(rows: list, wgs: int, n_blocks: list[int]) -> dict:
     """Summary of one traced call. `rows`: per tile, `wgs` records (lists of len(FIELDS) ints,
-    consumer warpgroup 0 first; the producer's stamps in warpgroup 0's record); n_blocks: K/V
-    blocks per tile (non-causal). Tiles whose records are all 0 (not run) are an error."""
+    consumer warpgroup 0 first; the producer's stamps in warpgroup 0's record); n_blocks: each
+    tile's K/V blocks (the loop a block is the median of loop / blocks over tiles with any).
+    Tiles whose records are all 0 (not run) are an error."""
+    if len(n_blocks) != len(rows):
+        raise ValueError(f"n_blocks: expected one per tile ({len(rows)}), got {len(n_blocks)}")
     tiles = []
     for t, recs in enumerate(rows):
         if len(recs) != wgs:
@@ -66,7 +69,20 @@ def analyse(rows: list, wgs: int, n_blocks: int) -> dict:
     by_sm: dict[int, list] = {}
     for recs in tiles:
         by_sm.setdefault(int(recs[0][F["smid"]]), []).append(recs)
-    per = {k: [] for k in ("launch", "prologue", "between", "q_wait", "loop", "epilogue", "loads")}
+    names = (
+        "launch",
+        "prologue",
+        "between",
+        "q_wait",
+        "loop",
+        "epilogue",
+        "loads",
+        "loop_per_block",
+    )
+    per: dict[str, list] = {k: [] for k in names}
+    for recs, blocks in zip(tiles, n_blocks, strict=True):
+        if blocks > 0:
+            per["loop_per_block"] += [(r[F["loop_end"]] - r[F["q_ready"]]) / blocks for r in recs]
     totals = dict.fromkeys(("launch", "prologue", "between", "q_wait", "loop", "epilogue"), 0.0)
     span_total = 0.0
     ghz = []
@@ -112,7 +128,6 @@ def analyse(rows: list, wgs: int, n_blocks: int) -> dict:
     kernel_ns = max(ends_ns) - min(starts_ns)
     tail_ns = statistics.fmean(max(ends_ns) - e for e in ends_ns)
     med = {k: _median(v) for k, v in per.items()}
-    med["loop_per_block"] = med["loop"] / n_blocks if n_blocks else float("nan")
     return {
         "sms": len(by_sm),
         "tiles": len(tiles),
@@ -123,6 +138,15 @@ def analyse(rows: list, wgs: int, n_blocks: int) -> dict:
         "span_ns": kernel_ns,
         "tail_share": tail_ns / kernel_ns if kernel_ns else float("nan"),
     }
+
+
+def tile_blocks(n: int, tile_m: int, tile_n: int, causal: bool, tiles: int) -> list[int]:
+    """K/V blocks of each of `tiles` trace tiles (tile_id order: m_block fastest) of N x N
+    problems: all of them, or causal, the blocks up to the key of the tile's last row."""
+    m_blocks = -(-n // tile_m)
+    full = -(-n // tile_n)
+    per_m = [-(-min(n, (m + 1) * tile_m) // tile_n) if causal else full for m in range(m_blocks)]
+    return [per_m[t % m_blocks] for t in range(tiles)]
 
 
 def _time(fn, reps: int) -> float:
@@ -151,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE,... (repeat)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
     ap.add_argument("--seqlen", type=int, action="append", default=[], help="N (repeat)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the summaries here")
@@ -166,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = 2048 // d
     out = []
     for n in seqlens:
-        case = Case(16384 // n, n, n, heads, heads, d, dtype=torch.bfloat16)
+        case = Case(16384 // n, n, n, heads, heads, d, dtype=torch.bfloat16, causal=args.causal)
         q, k, v = make_inputs(case, "cuda")
         p = check_inputs(q, k, v, **case.options())
         for name, changes in variants:
@@ -194,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
             stamped()
             torch.cuda.synchronize()
             recs = buf.view(-1, cfg.num_consumer_wgs, len(FIELDS)).tolist()
-            summary = analyse(recs, cfg.num_consumer_wgs, -(-n // cfg.tile_n))
+            blocks = tile_blocks(n, cfg.tile_m, cfg.tile_n, args.causal, len(recs))
+            summary = analyse(recs, cfg.num_consumer_wgs, blocks)
             summary.update(variant=name, seqlen=n, us=us, us_traced=us_traced)
             out.append(summary)
             med, share = summary["median_cycles"], summary["share"]

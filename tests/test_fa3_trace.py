@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.fa3_timeline import FIELDS, analyse
+from benchmarks.fa3_timeline import FIELDS, analyse, tile_blocks
 from flashsuite.fa3.configs import FP8_DTYPE, Fa3Config, can_implement
 
 
@@ -36,7 +36,7 @@ def test_analyse_plain_grid_phases() -> None:
                    (ns0, ns0 + 3000))  # fmt: skip
         wg1 = _rec(smid, cta, cta + 200, cta + 700, cta + 5900, cta + 6000, ns=(ns0, ns0 + 3000))
         rows.append([wg0, wg1])
-    s = analyse(rows, 2, 10)
+    s = analyse(rows, 2, [10, 10, 10])
     med = s["median_cycles"]
     assert (s["sms"], s["tiles"], s["tiles_per_sm"]) == (2, 3, 1.5)
     assert s["ghz"] == pytest.approx(2.0)
@@ -56,7 +56,7 @@ def test_analyse_persistent_between_tiles() -> None:
     epilogue end of the same warpgroup ("between"), not as a launch."""
     t1 = [_rec(5, 0, 100, 400, 4400, 4600, ns=(0, 2300)), _rec(5, 0, 100, 400, 4500, 4700)]
     t2 = [_rec(5, 0, 4650, 4700, 8700, 8900, ns=(0, 4450)), _rec(5, 0, 4800, 4850, 8800, 9000)]
-    s = analyse([t1, t2], 2, 8)
+    s = analyse([t1, t2], 2, [8, 8])
     med = s["median_cycles"]
     assert med["between"] == 75  # 4650 - 4600 and 4800 - 4700
     assert math.isnan(med["launch"])  # no launch gap
@@ -67,7 +67,17 @@ def test_analyse_persistent_between_tiles() -> None:
 def test_analyse_refuses_tiles_without_stamps() -> None:
     rows = [[_rec(0, 1, 2, 3, 4, 5), _rec(0, 1, 2, 3, 4, 5)], [[0] * len(FIELDS)] * 2]
     with pytest.raises(ValueError, match="tile 1: a warpgroup left no stamps"):
-        analyse(rows, 2, 1)
+        analyse(rows, 2, [1, 1])
+    with pytest.raises(ValueError, match=r"n_blocks: expected one per tile \(2\), got 1"):
+        analyse(rows, 2, [1])
+
+
+def test_tile_blocks_follow_the_causal_diagonal() -> None:
+    """1000 x 1000 in 128 x 128 tiles, two heads: 8 row tiles of 1 .. 8 key blocks causal
+    (the last one's rows end at key 999), all 8 blocks without the mask."""
+    assert tile_blocks(1000, 128, 128, True, 16) == [1, 2, 3, 4, 5, 6, 7, 8] * 2
+    assert tile_blocks(1000, 128, 128, False, 16) == [8] * 16
+    assert tile_blocks(1024, 192, 128, True, 6) == [2, 3, 5, 6, 8, 8]
 
 
 def test_trace_is_refused_for_fp8() -> None:
