@@ -544,6 +544,14 @@ MUTANTS = [
         "chosen_per_call",
         ("tests/test_dispatch.py",),
     ),
+    Mutant(
+        "fa3_timeline: a CTA's launch gap counted from the previous CTA's start",
+        "benchmarks/fa3_timeline.py",
+        'gap = recs[0][F["cta_start"]] - max(r[F["epilogue_end"]] for r in prev)',
+        'gap = recs[0][F["cta_start"]] - prev[0][F["cta_start"]]',
+        "analyse",
+        ("tests/test_fa3_trace.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
@@ -831,6 +839,14 @@ GPU_MUTANTS = [
         "row // m_dq.shape[3] // 2",
         "fp8_blocks",
         ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
+        "fa3 trace: both warpgroups' stamps in one row",
+        "fa3/trace.py",
+        "heads_q * batch)) * wgs + cwg",
+        "heads_q * batch)) * wgs",
+        "trace",
+        ("tests/test_fa3_trace.py",),
     ),
 ]
 GPU_MUTANTS = [replace(m, gpu=True) for m in GPU_MUTANTS]
