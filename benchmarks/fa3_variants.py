@@ -194,6 +194,17 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             _overlap(replace(d128, o_alias_q=False, q_stages=2, trace=True)),
         ),
         ("trace-causal", 64, bf16, True, replace(_tiles(64, True), trace=True)),
+        # Q·Kᵀ with Q in registers (Fa3Config.q_in_regs): the plain grid, causal, and the
+        # persistent build with two Q buffers.
+        ("q-in-regs", 128, bf16, False, replace(d128, q_in_regs=True)),
+        ("q-in-regs-causal", 128, bf16, True, replace(d128c, q_in_regs=True)),
+        (
+            "q-in-regs-persistent-two-q",
+            128,
+            torch.float16,
+            False,
+            _overlap(replace(d128, o_alias_q=False, q_stages=2, q_in_regs=True)),
+        ),
         # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
         # D = 192, whose 24 threads a row leave 64 consumer threads idle.
         ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),

@@ -92,13 +92,9 @@ class Fa3Config:
     # iteration j; ahead of it, K(j + 2) goes as soon as Q·Kᵀ(j) has retired.
     k_ahead: bool = False
     # Intra-WG overlap only: where O takes the previous block's softmax correction. False:
-    # after P·V(j - 1) retires, before the next turn's Q·Kᵀ is issued (on the path between
-    # the two). True: right after Q·Kᵀ(j + 1) is issued, while it runs, just before P·V(j)
-    # (FA4's order at head dims above 128, where O is 96-128 registers a thread). Not taken:
-    # H200, 2026-12-04, commit d6de5bf + this flag (`benchmarks/fa3_fwd_ab --seqlen 8192 --variant
-    # rb:rescale_before_pv=1`, medians of 5 passes, TFLOP/s with / without), D = 256 688.2 /
-    # 670.7, causal 672.4 / 653.6, D = 192 704.7 / 703.7, causal 641.3 / 631.7: the medians
-    # lead by 0-3 %, but pass for pass the two are level where neither pass is an outlier.
+    # after P·V(j - 1) retires, before the next turn's Q·Kᵀ is issued. True: right after
+    # Q·Kᵀ(j + 1) is issued, just before P·V(j) (FA4's order above D = 128). Not taken: level
+    # pass for pass at D = 192 / 256 (H200; docs/results.md, "O rescaled under Q·Kᵀ").
     rescale_before_pv: bool = False
     # float8 only: who makes Vᵀ (D x keys, keys contiguous: fp8 wgmma takes its B operand
     # K-major only). "host": a transpose copy before the launch (interface.transpose_v), the
@@ -118,10 +114,8 @@ class Fa3Config:
     # the (m_blocks, Hq, B) grid that launches every head's first (lightest) tile first.
     lpt_grid: bool = False
     # Every ex2_emu-th probability of a thread's row (softmax.emulated) by softmax.exp2_poly on
-    # the FMA pipe rather than by MUFU.EX2; 0: all by MUFU. The MUFU unit takes 16
-    # exponentials per clock and SM, and the tensor cores consume scores at that rate at D = 64
-    # (16-bit) and D = 128 (e4m3): there the softmax is as long as the GEMMs and the two
-    # cannot fully overlap. Nine FMA/ALU instructions replace each exponential moved.
+    # the FMA pipe rather than MUFU.EX2 (16 a clock and SM, the rate the tensor cores consume
+    # scores at D = 64 16-bit and D = 128 e4m3); 0: all by MUFU. Nine instructions an exponential.
     ex2_emu: int = 0
     # t > 0: a row keeps its running max while a block's max exceeds it by at most t (log2
     # units, after the softmax scale), so P <= 2^t and the row's O rescale is exactly 1; a
@@ -201,6 +195,9 @@ class Fa3Config:
     lse_tma: bool = False
     # Lab build (16-bit, dense): per-tile clock stamps (fa3/trace.py, benchmarks/fa3_timeline).
     trace: bool = False
+    # 16-bit, D <= 128, 2 WGs: Q·Kᵀ with Q in registers (ldmatrix once a tile; 32 registers at
+    # D = 128), not read from smem at every K block: a fifth less smem traffic (docs/results.md).
+    q_in_regs: bool = False
 
 
 RESCALE_THRESHOLD_MAX = 8
@@ -333,6 +330,9 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             "fa3: lse_tma is for the persistent tile overlap with a separate sO "
             "(persistent=True, overlap_tiles=True, o_alias_q=False, v_transpose='host')"
         )
+    if cfg.q_in_regs and (dtype == FP8_DTYPE or head_dim > 128 or cfg.num_consumer_wgs != 2):
+        why = f"got {dtype}, head_dim {head_dim}, {cfg.num_consumer_wgs} WGs"
+        return False, f"fa3: q_in_regs: 16-bit, head_dim <= 128, 2 consumer WGs; {why}"
     if cfg.trace and dtype == FP8_DTYPE:
         return False, "fa3: trace is for 16-bit inputs (its tensor takes descale_q's slot)"
     if cfg.q_stages not in (1, 2):

@@ -18,6 +18,7 @@ from flashsuite.fa3 import trace
 from flashsuite.fa3.epilogue import store_o, store_o_direct, store_o_wg
 from flashsuite.fa3.mask import mask_phases
 from flashsuite.fa3.softmax import finalize_row, rescale_rows
+from flashsuite.fa3.utils import q_to_regs
 
 
 class ForwardConsumer:
@@ -75,7 +76,9 @@ class ForwardConsumer:
             wg_pv = mma_pv.get_slice(cwg * 128)
         if const_expr(self.Q_STAGES > 1):
             sQ = sQ[None, None, q_state.index]  # this tile's Q buffer
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
+        tSrQ = None  # Q_IN_REGS: loaded from sQ once Q has arrived (q_to_regs)
+        if const_expr(not self.Q_IN_REGS):
+            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))  # (MMA, MMA_M, MMA_K) descriptors
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, MMA_N, MMA_K, STAGES)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, MMA_N, MMA_K, STAGES)
         acc_S = thr_qk.make_fragment_C(
@@ -120,6 +123,9 @@ class ForwardConsumer:
                 pipe_q.consumer_wait(q_state)
                 if const_expr(self.TRACE):
                     t_q = trace.now()
+            tSrQ_tile = tSrQ
+            if const_expr(self.Q_IN_REGS):
+                tSrQ_tile = q_to_regs(mma_qk, sQ, ctid, self.dtype)
             # Loop phases, newest block first: [n_block_max-1] masked, then n_masked_hi masked
             # blocks, n_unmasked unmasked ones, n_masked_lo masked ones to the end.
             shift, first_row, n_masked_hi, n_unmasked, n_masked_lo = mask_phases(
@@ -130,7 +136,7 @@ class ForwardConsumer:
             ctx = SimpleNamespace(
                 mma_qk=mma_qk,
                 mma_pv=mma_pv,
-                tSrQ=tSrQ,
+                tSrQ=tSrQ_tile,
                 tSrK=tSrK,
                 tOrVt=tOrVt,
                 acc_S=acc_S,

@@ -101,7 +101,17 @@ class ForwardLayouts:
         # The consumer warpgroups stacked along M: NUM_CONSUMER_WGS x 64 rows = TILE_M.
         wgs = (self.NUM_CONSUMER_WGS, 1, 1)
         mma_qk = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, major.K, major.K, Float32, wgs, (64, self.TILE_N)
+            self.dtype,
+            self.dtype,
+            major.K,
+            major.K,
+            Float32,
+            wgs,
+            (64, self.TILE_N),
+            # Q_IN_REGS: Q from registers (loaded once a tile, utils.q_to_regs)
+            a_source=warpgroup.OperandSource.RMEM
+            if self.Q_IN_REGS
+            else warpgroup.OperandSource.SMEM,
         )
         mma_pv = sm90.make_trivial_tiled_mma(
             self.dtype,

@@ -207,6 +207,20 @@ class Barrier(enum.IntEnum):
 
 
 @cute.jit
+def q_to_regs(mma_qk: cute.TiledMma, sQ: cute.Tensor, thread: Int32, dtype) -> cute.Tensor:
+    """Thread `thread`'s A fragment of Q·Kᵀ (RS wgmma) loaded from sQ by ldmatrix: Q in
+    registers for the whole tile (Fa3Config.q_in_regs)."""
+    thr = mma_qk.get_slice(thread)
+    tSrQ = thr.make_fragment_A(thr.partition_shape_A(cute.select(sQ.shape, mode=[0, 1])))
+    s2r = cute.make_tiled_copy_A(
+        cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(False, 4), dtype), mma_qk
+    )
+    thr_s2r = s2r.get_slice(thread)
+    cute.copy(s2r, thr_s2r.partition_S(sQ), thr_s2r.retile(tSrQ))
+    return tSrQ
+
+
+@cute.jit
 def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
     """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits."""
     warpgroup.fence()

@@ -545,6 +545,14 @@ MUTANTS = [
         ("tests/test_dispatch.py",),
     ),
     Mutant(
+        "fa3 config: q_in_regs allowed on three consumer warpgroups",
+        "fa3/configs.py",
+        "head_dim > 128 or cfg.num_consumer_wgs != 2):",
+        "head_dim > 128):",
+        "q_in_regs",
+        ("tests/test_fa3_q_in_regs.py",),
+    ),
+    Mutant(
         "fa3_timeline: a CTA's launch gap counted from the previous CTA's start",
         "benchmarks/fa3_timeline.py",
         'gap = recs[0][F["cta_start"]] - max(r[F["epilogue_end"]] for r in prev)',
@@ -839,6 +847,14 @@ GPU_MUTANTS = [
         "row // m_dq.shape[3] // 2",
         "fp8_blocks",
         ("tests/test_fp8_blocks.py",),
+    ),
+    Mutant(
+        "fa3: Q in registers loads the first warpgroup's rows into every warpgroup",
+        "fa3/utils.py",
+        "thr_s2r = s2r.get_slice(thread)",
+        "thr_s2r = s2r.get_slice(thread % 128)",
+        "q_in_registers",
+        ("tests/test_fa3_q_in_regs.py",),
     ),
     Mutant(
         "fa3 trace: both warpgroups' stamps in one row",

@@ -1,0 +1,63 @@
+"""Q·Kᵀ with Q in registers (`Fa3Config.q_in_regs`): the RS wgmma reads Q from the registers
+ldmatrix filled once a tile instead of from shared memory at every K block.
+
+On the CPU: the refusals (fp8, head_dim > 128, three consumer warpgroups, whose 160 registers
+a thread spill with Q in them). The builds compile for sm_90a with every wgmma reading its A
+operand from registers and 0 spills (benchmarks/fa3_variants.py, `pytest -m lab
+tests/test_fa3_compile.py -k q-in-regs`). On a GPU: the same bits as the table's build (the
+same products in the same order) and the float64 oracle, on the plain grid, causal, and the
+persistent build with two Q buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashsuite.fa3.configs import FP8_DTYPE, Fa3Config, can_implement
+
+
+@pytest.mark.parametrize(
+    ("cfg", "d", "dtype", "what"),
+    [
+        (Fa3Config(q_in_regs=True), 128, FP8_DTYPE, "float8_e4m3fn"),
+        (Fa3Config(q_in_regs=True), 192, torch.bfloat16, "head_dim 192"),
+        (Fa3Config(tile_m=192, num_consumer_wgs=3, q_in_regs=True), 64, torch.bfloat16, "3 WGs"),
+    ],
+)
+def test_q_in_regs_refusals_name_the_field(cfg, d: int, dtype, what: str) -> None:
+    ok, why = can_implement(cfg, d, dtype)
+    assert not ok and "q_in_regs" in why and what in why, why
+
+
+def test_q_in_regs_builds_where_it_is_meant_to() -> None:
+    for d in (64, 96, 128):
+        assert can_implement(Fa3Config(q_in_regs=True), d, torch.bfloat16)[0]
+        assert can_implement(Fa3Config(q_in_regs=True), d, torch.float16)[0]
+
+
+_V2 = dict(persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d", "causal", "changes"),
+    [
+        pytest.param(128, False, {}, id="D128"),
+        pytest.param(128, True, {}, id="D128-causal"),
+        pytest.param(64, False, dict(tile_m=128, num_consumer_wgs=2), id="D64-two-wgs"),
+        pytest.param(128, False, dict(_V2, q_stages=2), id="D128-persistent-two-q"),
+    ],
+)
+def test_gpu_q_in_registers_gives_the_same_bits(d: int, causal: bool, changes) -> None:
+    """B 4 x 1500 queries x 1100 keys, GQA 16 / 4 (768 row tiles, a partial last one; causal:
+    the first 400 rows see no key): Q·Kᵀ from registers equals Q·Kᵀ from shared memory bit for
+    bit and passes the float64 oracle."""
+    from flashsuite.fa3.configs import config_for
+    from tests.test_fa3_q_stages import _gpu_problem, _same_bits
+
+    q, k, v, p, opts = _gpu_problem(d, torch.bfloat16, causal, 8)
+    base = dataclasses.replace(config_for(p), **changes)
+    _same_bits(q, k, v, p, opts, base, dict(q_in_regs=True), oracle=True)
