@@ -56,6 +56,18 @@ def parse_variant(spec: str):
     return name, changes
 
 
+def parse_sweep(ap: argparse.ArgumentParser, args, default: list[int]) -> tuple[list, list]:
+    """(seqlens, variants) of a standard-sweep tool's --seqlen (divisors of 16384, else
+    `default`) and --variant arguments, or ap.error naming the bad one."""
+    seqlens = args.seqlen or default
+    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
+        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
+    try:
+        return seqlens, [parse_variant(s) for s in args.variant]
+    except ValueError as exc:
+        ap.error(str(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     from flashsuite.common.testing import Case, compare, make_inputs, reference_pair
     from flashsuite.common.validation import check_inputs
@@ -78,13 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--fp8-blocks: needs --fp8")
     if args.passes < 1:
         ap.error(f"--passes: expected >= 1, got {args.passes}")
-    seqlens = args.seqlen or [4096, 8192, 16384]
-    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
-        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
-    try:
-        variants = [parse_variant(s) for s in args.variant]
-    except ValueError as exc:
-        ap.error(str(exc))
+    seqlens, variants = parse_sweep(ap, args, [4096, 8192, 16384])
     d, heads = args.head_dim, 2048 // args.head_dim
     bf16 = torch.bfloat16
     if args.fp8:

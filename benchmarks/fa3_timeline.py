@@ -33,18 +33,8 @@ import json
 import statistics
 import sys
 
-FIELDS = (  # fa3/trace.py FIELDS (that module needs the CuTe DSL)
-    "smid",
-    "cta_start",
-    "tile_start",
-    "q_ready",
-    "loop_end",
-    "epilogue_end",
-    "load_start",
-    "loads_issued",
-    "cta_start_ns",
-    "epilogue_end_ns",
-)
+from flashsuite.fa3.trace import FIELDS
+
 F = {name: i for i, name in enumerate(FIELDS)}
 
 
@@ -166,7 +156,7 @@ def _time(fn, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from benchmarks.fa3_fwd_ab import parse_variant
+    from benchmarks.fa3_fwd_ab import parse_sweep
     from flashsuite.common.testing import Case, make_inputs
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface as fa3
@@ -180,13 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="also write the summaries here")
     args = ap.parse_args(argv)
-    seqlens = args.seqlen or [1024, 16384]
-    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
-        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
-    try:
-        variants = [("table", {})] + [parse_variant(s) for s in args.variant]
-    except ValueError as exc:
-        ap.error(str(exc))
+    seqlens, variants = parse_sweep(ap, args, [1024, 16384])
+    variants = [("table", {}), *variants]
     d = args.head_dim
     heads = 2048 // d
     out = []

@@ -64,7 +64,7 @@ def _num(x: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from benchmarks.fa3_fwd_ab import parse_variant
+    from benchmarks.fa3_fwd_ab import parse_sweep
     from flashsuite.common.testing import Case, make_inputs
     from flashsuite.common.validation import check_inputs
     from flashsuite.dispatch.bench import prepare
@@ -80,13 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    seqlens = args.seqlen or [1024, 16384]
-    if bad := [n for n in seqlens if n < 1 or 16384 % n]:
-        ap.error(f"--seqlen: expected divisors of 16384 (B * N = 16k), got {bad}")
-    try:
-        variants = [parse_variant(s) for s in args.variant]
-    except ValueError as exc:
-        ap.error(str(exc))
+    seqlens, variants = parse_sweep(ap, args, [1024, 16384])
     d, heads = args.head_dim, 2048 // args.head_dim
     limit = subprocess.run(
         ["nvidia-smi", "--query-gpu=name,power.limit,clocks.max.sm", "--format=csv,noheader"],

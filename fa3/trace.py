@@ -24,10 +24,9 @@ Fields (the producer's two go into the row of consumer warpgroup 0):
                   epilogue_end: what lines the SMs up (the tail of the last wave)
 """
 
-# No `from __future__ import annotations`: the CuTe DSL reads annotations as objects.
-import cutlass
-import cutlass.cute as cute
-from cutlass import Int32, Int64
+# No `from __future__ import annotations` (the CuTe DSL reads annotations as objects), and no
+# module-level import of the DSL: the field names serve readers on machines without it
+# (benchmarks/fa3_timeline.py, its CPU tests); the functions run inside the kernel's trace.
 
 FIELDS = (
     "smid",
@@ -48,21 +47,28 @@ CONSUMER_FIELDS = (
 )  # fmt: skip
 
 
-def tile_row(sched, m_block: Int32, head: Int32, batch: Int32, cwg, wgs: int) -> Int32:
+def tile_row(sched, m_block, head, batch, cwg, wgs: int):
     """The trace row of (tile, consumer warpgroup cwg) in a dense problem `sched`."""
     return (m_block + sched.m_blocks * (head + sched.heads_q * batch)) * wgs + cwg
 
 
-def now() -> Int64:
+def now():
+    """The SM's %clock64 (cycles)."""
+    import cutlass.cute as cute
+
     return cute.arch.clock64()
 
 
-def now_ns() -> Int64:
+def now_ns():
+    """%globaltimer (ns, one clock for every SM)."""
+    import cutlass.cute as cute
+
     return cute.arch.globaltimer()
 
 
-@cute.jit
-def write(trace: cute.Tensor, row: Int32, fields: tuple, values: tuple):
-    """trace[row, f] = v for each pair (one thread calls it)."""
-    for i in cutlass.range_constexpr(len(fields)):
-        trace[row, fields[i]] = Int64(values[i])
+def write(trace, row, fields: tuple, values: tuple) -> None:
+    """trace[row, f] = v for each pair, as int64 (one thread calls it)."""
+    from cutlass import Int64
+
+    for field, value in zip(fields, values, strict=True):
+        trace[row, field] = Int64(value)
