@@ -139,6 +139,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.STAGES = cfg.stages
         self.Q_STAGES = 1  # one Q tile per CTA (fwd_layouts' storage and pipelines)
         self.LSE_TMA = False
+        self.Q_IN_REGS = False  # Q·Kᵀ reads the gathered sQ (ForwardLayouts._make_mmas)
         # Paged: keys per TMA box, a page's share of a stage (0: one box per stage). A stage of
         # TILE_N keys then spans TILE_N / BOX_N pages, one TMA load each.
         self.BOX_N = page_box or cfg.tile_n
