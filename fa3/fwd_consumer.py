@@ -126,6 +126,8 @@ class ForwardConsumer:
             tSrQ_tile = tSrQ
             if const_expr(self.Q_IN_REGS):
                 tSrQ_tile = q_to_regs(mma_qk, sQ, ctid, self.dtype)
+                if const_expr(self.Q_RELEASE_AT_LOAD):
+                    pipe_q.consumer_release(q_state)  # this warp's Q is in its registers
             # Loop phases, newest block first: [n_block_max-1] masked, then n_masked_hi masked
             # blocks, n_unmasked unmasked ones, n_masked_lo masked ones to the end.
             shift, first_row, n_masked_hi, n_unmasked, n_masked_lo = mask_phases(
@@ -203,7 +205,7 @@ class ForwardConsumer:
         t_loop = trace.now() if const_expr(self.TRACE) else None
 
         if const_expr(self.PERSISTENT and not self.O_ALIAS_Q):
-            if const_expr(self.EARLY_Q_RELEASE):
+            if const_expr(self.EARLY_Q_RELEASE or self.Q_RELEASE_AT_LOAD):
                 if n_blocks <= 0:  # no main loop ran: release this tile's Q here
                     pipe_q.consumer_release(q_state)
             else:

@@ -55,7 +55,8 @@ barriers on W consumer-warp arrivals; a state's phase flips each time its index 
   Q full  (Q_ST.)  1 + bytes_q, once per tile (also n_t=0)  consumers: q_state, advances per tile
   Q empty (Q_ST.)  W: after each warp's last QK has retired  producer: before Q of tile t+1
                    (intra-WG overlap, separate sO; n_t = 0: before the epilogue; without
-                   intra-WG overlap: after the main loop; O_ALIAS_Q: after the O store read sQ)
+                   intra-WG overlap: after the main loop; O_ALIAS_Q: after the O store read sQ;
+                   Q_IN_REGS with a separate sO: once the warp has loaded Q into registers)
   K full/empty     n_t each, stage kv_state.index           K empty released after the QK
   V full/empty     n_t each, same stage as K                V empty released after the PV
   PINGPONG_WGc     intra-WG overlap: n_t - 1 syncs and n_t - 1 arrives per WG and tile, so
@@ -190,7 +191,12 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
         # other WG's Q·Kᵀ may still read sQ). Q is then released right after the last Q·Kᵀ.
         self.PER_WG_EPILOGUE = self.OVERLAP_TILES and not cfg.o_alias_q
-        self.EARLY_Q_RELEASE = self.PER_WG_EPILOGUE and cfg.intra_wg_overlap
+        # Q in registers (persistent, separate sO): sQ is free once every consumer warp has
+        # loaded it, so the next tile's Q may land under this tile's whole K/V loop.
+        self.Q_RELEASE_AT_LOAD = self.Q_IN_REGS and self.PER_WG_EPILOGUE
+        self.EARLY_Q_RELEASE = (
+            self.PER_WG_EPILOGUE and cfg.intra_wg_overlap and not self.Q_RELEASE_AT_LOAD
+        )
         # sLSE lives in the storage of a separate sO without the Vᵀ ring (fwd_layouts).
         assert not (self.LSE_TMA and (varlen or not self.PER_WG_EPILOGUE or self.VT_SMEM)), (
             "lse_tma: the dense per-WG epilogue, V not transposed in smem"

@@ -4,9 +4,10 @@ ldmatrix filled once a tile instead of from shared memory at every K block.
 On the CPU: the refusals (fp8, head_dim > 128, three consumer warpgroups, whose 160 registers
 a thread spill with Q in them). The builds compile for sm_90a with every wgmma reading its A
 operand from registers and 0 spills (benchmarks/fa3_variants.py, `pytest -m lab
-tests/test_fa3_compile.py -k q-in-regs`). On a GPU: the same bits as the table's build (the
-same products in the same order) and the float64 oracle, on the plain grid, causal, and the
-persistent build with two Q buffers.
+tests/test_fa3_compile.py -k q-in-regs`; their loops: tests/test_fa3_softmax_overlap.py). On
+a GPU: the same bits as the table's builds (the same products in the same order) and the
+float64 oracle, on the plain grid, causal, D = 64 on two warpgroups and the persistent build,
+with one Q buffer (released once loaded) and with two.
 """
 
 from __future__ import annotations
@@ -38,7 +39,12 @@ def test_q_in_regs_builds_where_it_is_meant_to() -> None:
         assert can_implement(Fa3Config(q_in_regs=True), d, torch.float16)[0]
 
 
-_V2 = dict(persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=False)
+# The persistent build as Q in registers takes it: the softmax in place, no mask test in the
+# loop (with the softmax apart the compiler computes most exponentials twice there).
+_V2 = dict(
+    persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=False, lse_tma=True,
+    softmax_apart=False, loop_mask_test=False,
+)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -49,12 +55,15 @@ _V2 = dict(persistent=True, overlap_tiles=True, balanced_order=True, o_alias_q=F
         pytest.param(128, True, {}, id="D128-causal"),
         pytest.param(64, False, dict(tile_m=128, num_consumer_wgs=2), id="D64-two-wgs"),
         pytest.param(128, False, dict(_V2, q_stages=2), id="D128-persistent-two-q"),
+        pytest.param(128, False, _V2, id="D128-persistent-q-released-at-load"),
     ],
 )
 def test_gpu_q_in_registers_gives_the_same_bits(d: int, causal: bool, changes) -> None:
     """B 4 x 1500 queries x 1100 keys, GQA 16 / 4 (768 row tiles, a partial last one; causal:
     the first 400 rows see no key): Q·Kᵀ from registers equals Q·Kᵀ from shared memory bit for
-    bit and passes the float64 oracle."""
+    bit and passes the float64 oracle. With one Q buffer on the persistent scheduler each warp
+    releases sQ once Q is in its registers, and the next tile's Q lands under this tile's loop
+    (about 6 tiles a CTA here): a release too early would show as another tile's Q."""
     from flashsuite.fa3.configs import config_for
     from tests.test_fa3_q_stages import _gpu_problem, _same_bits
 

@@ -92,6 +92,26 @@ def test_lse_by_tma_keeps_the_persistent_loop_from_recomputing_exponentials() ->
     assert len(r["windows"]) == 1 and r["windows"][0]["mufu"] >= 60, r["windows"]
 
 
+def test_q_in_registers_keeps_the_loop_whole() -> None:
+    """Q·Kᵀ with Q in registers (Fa3Config.q_in_regs), non-causal D = 128: on the plain grid the
+    loop keeps the table's schedule (66 exponentials once each, about 20 under P·V, fewer
+    instructions than the table's 501 a block and warp, 0 spills). On the persistent build with
+    one Q buffer (released once loaded) the softmax in place and without the loop's mask test
+    also computes each exponential once; with the softmax apart the compiler computes 130 a
+    block there (docs/results.md), which is why the GPU cases and timings take the in-place
+    form."""
+    plain = _windows("q_in_regs=1", head_dim=128, causal=False)
+    table = _windows(head_dim=128, causal=False)
+    assert plain["spill_stores"] == 0 and not plain["remarks"], plain
+    assert plain["loop_ex2"] == [66] and plain["windows"][0]["mufu"] >= 15, plain
+    assert plain["loop_insns"][0] < table["loop_insns"][0], (plain, table)
+    v2 = ("persistent=1", "overlap_tiles=1", "balanced_order=1", "o_alias_q=0", "lse_tma=1")
+    inplace = _windows(*v2, "q_in_regs=1", "softmax_apart=0", "loop_mask_test=0", head_dim=128,
+                       causal=False)  # fmt: skip
+    assert inplace["spill_stores"] == 0 and inplace["loop_ex2"][0] == 66, inplace
+    assert len(inplace["windows"]) == 1 and inplace["windows"][0]["mufu"] >= 15, inplace
+
+
 def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
     """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S. The
     shipped loop keeps a runtime mask test (always false there: only the peeled newest block
