@@ -105,14 +105,15 @@ def analyse(rows: list, wgs: int, n_blocks: list[int]) -> dict:
                     v = r[F["tile_start"]] - prev[w][F["epilogue_end"]]
                     per["between"].append(v)
                     totals["between"] += v * share
+                # A plain-grid tile without a K/V block never waits for Q (q_ready 0).
+                q_ready = r[F["q_ready"]] or r[F["tile_start"]]
                 for name, a, b in (
-                    ("q_wait", "tile_start", "q_ready"),
-                    ("loop", "q_ready", "loop_end"),
-                    ("epilogue", "loop_end", "epilogue_end"),
+                    ("q_wait", r[F["tile_start"]], q_ready),
+                    ("loop", q_ready, r[F["loop_end"]]),
+                    ("epilogue", r[F["loop_end"]], r[F["epilogue_end"]]),
                 ):
-                    v = r[F[b]] - r[F[a]]
-                    per[name].append(v)
-                    totals[name] += v * share
+                    per[name].append(b - a)
+                    totals[name] += (b - a) * share
             per["loads"].append(recs[0][F["loads_issued"]] - recs[0][F["load_start"]])
             prev = recs
     kernel_ns = max(ends_ns) - min(starts_ns)

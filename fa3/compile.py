@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from flashsuite.fa3 import disk_cache
+from flashsuite.fa3 import disk_cache, trace
 from flashsuite.fa3.configs import (
     FP8_DTYPE,
     SMEM_CAPACITY,
@@ -189,7 +189,7 @@ def _fake_inputs(key: CompileKey) -> tuple:
         )
     if key.cfg.trace:  # (rows, fields) int64 in descale_q's slot (fa3/trace.py)
         rows = cute.runtime.make_fake_compact_tensor(
-            cutlass.Int64, (cute.sym_int(), 10), stride_order=(1, 0), assumed_align=8
+            cutlass.Int64, (cute.sym_int(), len(trace.FIELDS)), stride_order=(1, 0), assumed_align=8
         )
         descales = (rows, None, None)
     return (q, k, v, o, lse, *descales, None, None)

@@ -48,6 +48,7 @@ from flashsuite.fa3.configs import (
     fp8_block_tiles,
 )
 from flashsuite.fa3.decode_configs import KVCACHE_AUTO
+from flashsuite.fa3.trace import FIELDS as TRACE_FIELDS
 from flashsuite.fa3.varlen_configs import VARLEN_AUTO, can_implement_varlen, varlen_config_for
 
 NAME = "fa3"
@@ -303,7 +304,7 @@ def forward(
     dim contiguous; descales (B, Hkv) fp32 or None (1.0) for float8_e4m3fn inputs only.
 
     `cfg` overrides the tile config from configs.py (the ablation scripts use it). `trace`,
-    with cfg.trace only: the int64 (tiles x consumer WGs, 10) tensor of fa3/trace.py's stamps.
+    with cfg.trace only: the int64 (tiles x consumer WGs, len(trace.FIELDS)) tensor of its stamps.
 
     Returns out (B, Nq, Hq, D) contiguous in q's dtype (bf16 for float8_e4m3fn) and lse
     (B, Hq, Nq) float32 (natural log, -inf for rows that see no key).
@@ -362,12 +363,13 @@ def forward(
     if (trace is not None) != cfg.trace:
         raise ValueError(f"fa3: trace tensor given: {trace is not None}, cfg.trace: {cfg.trace}")
     if trace is not None:
-        rows = p.batch * p.heads_q * -(-p.seqlen_q // cfg.tile_m) * cfg.num_consumer_wgs
-        if (trace.dtype, tuple(trace.shape)) != (torch.int64, (rows, 10)) or not (
+        shape = (p.batch * p.heads_q * -(-p.seqlen_q // cfg.tile_m) * cfg.num_consumer_wgs,)
+        shape += (len(TRACE_FIELDS),)
+        if (trace.dtype, tuple(trace.shape)) != (torch.int64, shape) or not (
             trace.is_cuda and trace.is_contiguous()
         ):
             raise ValueError(
-                f"fa3: trace expected a contiguous CUDA int64 ({rows}, 10) tensor, got "
+                f"fa3: trace expected a contiguous CUDA int64 {shape} tensor, got "
                 f"{trace.dtype} {tuple(trace.shape)} on {trace.device}"
             )
         descales = (trace, None, None)

@@ -182,7 +182,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.LSE_TMA = cfg.lse_tma
         # Q·Kᵀ with Q in registers (Fa3Config.q_in_regs): 16-bit, D <= 128.
         self.Q_IN_REGS = cfg.q_in_regs
-        assert not (cfg.q_in_regs and (self.FP8 or head_dim > 128)), "q_in_regs: 16-bit, D<=128"
+        assert not (cfg.q_in_regs and (self.FP8 or head_dim > 128 or cfg.num_consumer_wgs != 2)), (
+            "q_in_regs: 16-bit, D <= 128, 2 consumer WGs"
+        )
         # Per-tile clock stamps (Fa3Config.trace, fa3/trace.py): 16-bit dense builds only.
         self.TRACE = cfg.trace
         assert not (cfg.trace and (varlen or self.FP8)), "trace: 16-bit dense builds"

@@ -16,7 +16,8 @@ Fields (the producer's two go into the row of consumer warpgroup 0):
     cta_start     the CTA's first stamp (kernel entry), the same for all tiles of a CTA
     tile_start    the consumer warpgroup starts the tile (registers set, before Q's wait)
     q_ready       Q (and with it the tile's start) waited for; the K/V loop follows
-    loop_end      the last P·V retired (the main loop and Q's release done)
+    loop_end      the last P·V retired (the main loop done; 0 Q wait and loop on a plain-grid
+                  tile without a K/V block, whose q_ready stays 0)
     epilogue_end  O and the LSE handed to their stores (the store warp's wait included)
     load_start    the producer warp starts the tile's loads
     loads_issued  the producer warp has issued the tile's last load (it waited for free stages)

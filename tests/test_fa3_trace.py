@@ -64,6 +64,15 @@ def test_analyse_persistent_between_tiles() -> None:
     assert sum(s["share"].values()) == pytest.approx(8950 / 9000)
 
 
+def test_analyse_plain_tile_without_a_block() -> None:
+    """A plain-grid tile with no K/V block (a causal row tile above the diagonal) never waits
+    for Q and leaves q_ready 0: its Q wait and loop count 0 cycles, not the clock's value."""
+    rows = [[_rec(0, 100, 300, 0, 310, 900, ns=(10, 500)), _rec(0, 100, 300, 0, 310, 900)]]
+    med = analyse(rows, 2, [0])["median_cycles"]
+    assert (med["q_wait"], med["loop"], med["epilogue"]) == (0, 10, 590)
+    assert math.isnan(med["loop_per_block"])
+
+
 def test_analyse_refuses_tiles_without_stamps() -> None:
     rows = [[_rec(0, 1, 2, 3, 4, 5), _rec(0, 1, 2, 3, 4, 5)], [[0] * len(FIELDS)] * 2]
     with pytest.raises(ValueError, match="tile 1: a warpgroup left no stamps"):
