@@ -65,16 +65,16 @@ class Fa3Config:
     # (groups of heads whose K/V fit in L2) alternate direction, the last one heaviest first, so
     # costs along the order form a smooth triangle wave instead of a sawtooth; CTA i takes
     # position i of even rounds and grid-1-i of odd ones (snake). Modelled makespan / mean CTA
-    # load (cost of a tile = its K/V blocks + 1), 132 CTAs, B*N = 16k, Hq*D = 2048, causal
-    # N = 4k/8k/16k: round-robin on the sawtooth (the old persistent order; CTA 0 takes the
-    # heaviest tile of every round) 1.15 at D=128, 1.39-1.42 at D=256, 1.06-1.08 at D=64;
-    # balanced <= 1.006 everywhere (greedy dynamic scheduling: <= 1.006 too).
+    # load <= 1.006 (round-robin: 1.06-1.42; docs/results.md).
     balanced_order: bool = False
+    # MiB of K and V per L2 section of the persistent (and lpt_grid) tile order: the (batch,
+    # head) pairs whose tiles run, heads fastest, before the next section's start. A pair's
+    # row tiles are spread over the whole section, so the section sets how far apart in time
+    # the reads of its K/V lie (tile_scheduler.TileScheduler.tile_coords).
+    l2_section_mib: int = 32
     # Causal / right window, intra-WG overlap only: a consumer WG whose 64 rows see none of
     # the tile's newest K/V block passes it by without its Q·Kᵀ and P·V (its P would be all 0:
-    # the result is the same bit for bit). GEMM work over the causal triangle's, Nq = Nk,
-    # N = 4k / 16k: 192x128 tiles 1.062 -> 1.031 / 1.016 -> 1.008; 128x112 1.056 -> 1.039;
-    # 128x80 1.047 -> 1.031; 128x128 unchanged (fires only when Nk - Nq % tile_n != 0).
+    # the same bits; the GEMM work it saves: docs/design.md).
     skip_masked_wg: bool = False
     # Intra-WG overlap only: the softmax writes P into registers of its own (not over S) and
     # reduces each row's max and sum in four chains, and a loop with a runtime mask test holds
@@ -174,20 +174,18 @@ class Fa3Config:
     # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
     pv_wait_after_max: bool = False
     # Intra-WG overlap: acc_O not zeroed before the tile; its first P·V overwrites it (the
-    # wgmma's scale-d predicate; FA4's order), tiles with no P·V zero it where they skip. Off:
-    # 0.986 / 1.006x the table at D = 128, N = 1k / 4k (H100, docs/results.md "Short sequences").
+    # wgmma's scale-d predicate; FA4's order), tiles with no P·V zero it where they skip. Off.
     o_zero_init: bool = False
-    # The options below at a tile's edges: docs/results.md, "Short sequences".
-    # Persistent with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the
-    # producer loads each tile's Q first, into the buffer the tile before last released, so
-    # Q's latency lies under the current tile, not between tiles (which a tile of few K/V
-    # blocks pays every few blocks). Shipped for short D = 64 problems (SHORT_SEQLEN_K).
+    # The options below at a tile's edges: docs/results.md, "Short sequences". Persistent
+    # with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the producer loads
+    # each tile's Q first, into the buffer the tile before last released, so Q's latency lies
+    # under the current tile, not between tiles (which a tile of few K/V blocks pays every
+    # few blocks). Shipped for short D = 64 problems (SHORT_SEQLEN_K).
     q_stages: int = 1
     # Plain dense grid: an L2 prefetch (TMA) of the Q tile of the CTA one wave later (linear
-    # block id + SM count). Off: 0.93-1.00x the table at D = 64 / 128 / 256 on an H100.
+    # block id + SM count). Off (0.93-1.00x the table on an H100, as o_direct_store).
     prefetch_next_q: bool = False
-    # Plain dense grid: O from sO by every consumer thread's 16-byte stores, so the CTA exits
-    # without waiting for a TMA store to read sO. Off: 0.93-1.00x the table on an H100.
+    # Plain dense grid: O from sO by every consumer thread's 16-byte stores, not a TMA store.
     o_direct_store: bool = False
     # Per-WG epilogue (persistent, separate sO): the LSE out through sLSE and a TMA store; the
     # threads' global LSE stores make the compiler recompute most of the loop's exponentials
@@ -289,6 +287,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         )
     if cfg.permute_v_keys and dtype != FP8_DTYPE:
         return False, f"fa3: permute_v_keys is for float8 inputs (P·V's A fragment), not {dtype}"
+    if cfg.l2_section_mib < 1:
+        return False, f"fa3: l2_section_mib expected >= 1, got {cfg.l2_section_mib}"
     if cfg.ex2_emu < 0:
         return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:

@@ -207,8 +207,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         # block by without products (Fa3Config.skip_masked_wg; causal / right window only).
         self.SKIP_MASKED_WG = cfg.skip_masked_wg and (causal or local)
         # K and V rows (both tensors) of the (batch, head) pairs that the persistent order
-        # keeps in flight together: ~32 MiB of the H200's 50 MiB L2.
-        self.L2_KV_ROWS = (32 << 20) // (2 * head_dim * (dtype.width // 8))
+        # keeps in flight together: by default ~32 MiB of the H200's 50 MiB L2.
+        self.L2_KV_ROWS = (cfg.l2_section_mib << 20) // (2 * head_dim * (dtype.width // 8))
         # Right edge of the window bounded (causal is a window with right == 0) / left edge.
         self.HAS_RIGHT = causal or local
         self.HAS_LEFT = local

@@ -270,3 +270,29 @@ def test_gpu_lse_by_tma_gives_the_same_bits(d: int, fp8: bool, causal: bool, q_s
     q, k, v, p, opts = _gpu_problem(d, "e4m3" if fp8 else torch.bfloat16, causal, 6)
     base = dataclasses.replace(config_for(p), **_V2, q_stages=q_stages)
     _same_bits(q, k, v, p, opts, base, dict(lse_tma=True), oracle=not fp8)
+
+
+def test_l2_sections_of_less_than_one_mib_are_refused() -> None:
+    ok, why = can_implement(Fa3Config(persistent=True, l2_section_mib=0), 128, torch.bfloat16)
+    assert not ok and "l2_section_mib" in why and "got 0" in why, why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("d", "causal", "mib"),
+    [
+        pytest.param(128, False, 3, id="D128-sections-of-5-pairs"),
+        pytest.param(128, True, 1, id="D128-causal-one-pair-a-section"),
+        pytest.param(64, True, 3, id="D64-causal-sections-of-11-pairs"),
+    ],
+)
+def test_gpu_l2_sections_reorder_tiles_not_results(d: int, causal: bool, mib: int) -> None:
+    """The persistent order with smaller L2 sections (`l2_section_mib`): at D = 128, 3 MiB is
+    5 (batch, head) pairs of 1100 keys a section, so the 64 pairs end in a short section of 4;
+    1 MiB is one pair a section. Every tile runs once whatever CTA takes it: the same bits as
+    the 32 MiB order (one section here) and the float64 oracle's agreement."""
+    from flashsuite.fa3.configs import config_for
+
+    q, k, v, p, opts = _gpu_problem(d, torch.bfloat16, causal, 9)
+    base = dataclasses.replace(config_for(p), **_V2)
+    _same_bits(q, k, v, p, opts, base, dict(l2_section_mib=mib), oracle=True)
