@@ -62,10 +62,9 @@ class Fa3Config:
     # writes its slab again (kernels.py, "Persistent tile overlap").
     overlap_tiles: bool = False
     # Persistent only, a static schedule that balances causal work. The tile order's L2 sections
-    # (groups of heads whose K/V fit in L2) alternate direction, the last one heaviest first, so
-    # costs along the order form a smooth triangle wave instead of a sawtooth; CTA i takes
-    # position i of even rounds and grid-1-i of odd ones (snake). Modelled makespan / mean CTA
-    # load <= 1.006 (round-robin: 1.06-1.42; docs/results.md).
+    # alternate direction, the last one heaviest first, so costs along the order form a smooth
+    # triangle wave instead of a sawtooth; CTA i takes position i of even rounds and grid-1-i
+    # of odd ones (snake). Modelled makespan / mean CTA load <= 1.006 (docs/results.md).
     balanced_order: bool = False
     # MiB of K and V per L2 section of the persistent (and lpt_grid) tile order: the (batch,
     # head) pairs whose tiles run, heads fastest, before the next section's start. A pair's
@@ -173,8 +172,7 @@ class Fa3Config:
     # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Off: bf16
     # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
     pv_wait_after_max: bool = False
-    # Intra-WG overlap: acc_O not zeroed before the tile; its first P·V overwrites it (the
-    # wgmma's scale-d predicate; FA4's order), tiles with no P·V zero it where they skip. Off.
+    # Intra-WG overlap: acc_O not zeroed before the tile; the first P·V overwrites it. Off.
     o_zero_init: bool = False
     # The options below at a tile's edges: docs/results.md, "Short sequences". Persistent
     # with overlap_tiles and a separate sO: sQ buffers (1 or 2). With 2 the producer loads
@@ -405,23 +403,13 @@ def get_config(
 _SKIP_MASKED_WG_DIMS = (64, 96, 192)
 # (head_dim, causal) pairs that run the softmax apart from S (softmax_apart; config_for and
 # varlen_config_for leave softcap and windowed problems out, which no GPU run has checked with
-# it). Non-causal D = 128: see _tiles. Causal, H200, 2026-12-04, `python3 -m
-# benchmarks.fwd_tree_ab --tree old=OLD --tree new=. --passes 3 --rest 1` with the flag on for
-# every causal head dim against the tree before it, TFLOP/s per pass at N = 8k,
-# old -> new: D = 256 680 / 678 / 676 -> 703 / 699 / 698 (+3.1 % in the medians); D = 128
-# 631 / 614 / 634 -> 617 / 617 / 614 (-2.2 %); D = 64 508 / 525 / 515 -> 508 / 517 / 513
-# (level); D = 128 at N = 2k 533 / 530 / 539 -> 528 / 531 / 526 (level). Commit b6d82ef,
-# `benchmarks/fa3_fwd_ab --head-dim D [--causal] --seqlen 8192 --variant ap:softmax_apart=1`,
-# medians of 5 interleaved passes, TFLOP/s with / without: D = 192 686.1 / 650.6 (ahead in
-# every pass; FA4 679.5), causal 632.0 / 620.7 (not taken: within noise), D = 256 639.7 /
-# 679.2.
+# it). Non-causal D = 128: see _tiles. Causal D = 256 +3.1 % at N = 8k (H200, 2026-12-04;
+# D = 128 -2.2 %, D = 64 level); D = 192 686.1 / 650.6 TFLOP/s with / without (causal within
+# noise, D = 256 639.7 / 679.2; docs/results.md).
 _SOFTMAX_APART = ((256, True), (128, False), (192, False))
 # (head_dim, causal) pairs whose producer loads K ahead of V (k_ahead). Non-causal D = 128: see
-# _tiles. The others keep the K, V order: H200, 2026-12-04 (`benchmarks/fa3_fwd_ab --variant
-# ka:k_ahead=1`, medians of 5 interleaved passes, N = 8k, TFLOP/s with / without): D = 64
-# 497.5 / 507.1, D = 96 549.8 / 544.2, causal 517.3 / 516.4, D = 192 672.0 / 672.0, causal
-# 640.2 / 637.7, D = 256 685.8 / 686.8; causal D = 128 582.5 / 588.8; causal D = 256 649.1 /
-# 635.5 at N = 8k but 602.5 / 611.2 and 657.8 / 689.7 at 4k and 16k in a second run.
+# _tiles. The others keep the K, V order: level or slower with it at every other head dim,
+# causal or not (H200, 2026-12-04, N = 8k, 5 passes; docs/results.md).
 _K_AHEAD = ((128, False),)
 # (head_dim, causal) pairs whose wgmma descriptors come from the warpgroup's slice (wg_slice)
 # and causal pairs whose masked and unmasked blocks run as two loops (split_loops; only causal
@@ -468,20 +456,15 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     if head_dim <= 64:
         # FA3's D=64 shape: three consumer warpgroups (192 query rows, 32/160 registers),
         # 128-wide K/V tiles, 3 stages (Q 24 + K/V 96 + sO 24 KiB). R157 of 160.
-        # H200 2026-11-29 (bf16, `ablate --final`): N=16k 522 TFLOP/s vs cuDNN 458 (1.14x;
-        # two warpgroups 467, 1.02x; tile_n 192 471); causal N=16k 484 vs 441 (1.10x; two
-        # warpgroups 436), N=8k 464 vs 436. Causal under v2, two warpgroups (420 / 438 / 450)
-        # and 3 WGs with 2 stages (367 / 461 / 472) lose to this shape (426 / 473 / 494).
+        # H200 2026-11-29 (bf16, `ablate --final`): N=16k 522 TFLOP/s vs cuDNN 458 (two
+        # warpgroups 467; tile_n 192 471); causal N=16k 484 vs 441 (two warpgroups 436).
         return Fa3Config(tile_m=192, tile_n=128, stages=3, num_consumer_wgs=3)
     if head_dim <= 96:
         # Three consumer warpgroups (192 query rows at 160 registers, as FA4's 192 x 144 with P
         # through smem); with P in registers 112 keys is the widest S that keeps 0 spills (128:
         # 144 bytes). Q 36 + K/V 2 x 2 x 21 + sO 36 KiB = 156 KiB. R155. H200 2026-12-04,
-        # commit b6d82ef (`benchmarks/fa3_fwd_ab --head-dim 96`, medians of 5 interleaved
-        # passes, N = 8k / 16k): 578.4 / 589.5 TFLOP/s against 537.8 / 539.3 for 128 x 128 with
-        # two warpgroups; 192 x 96 with 3 stages 549.0 / 564.7; without intra-WG overlap
-        # 192 x 128 555.8 / 571.7, 192 x 144 566.0 / 581.8; 192 x 112 with the softmax apart
-        # 466.7 / 479.0. FA4 587.2 / 601.5, cuDNN 462.5 / 459.0.
+        # commit b6d82ef, N = 8k / 16k: 578.4 / 589.5 TFLOP/s against 537.8 / 539.3 for
+        # 128 x 128 on two warpgroups (other shapes in docs/results.md).
         # Causal too, with skip_masked_wg, split loops and wg_slice (keys up to
         # SHORT_CAUSAL_SEQLEN_K keep _SHORT_Q_TILES[96]): H100 80GB HBM3, 2026-12-06, commit
         # 403a0ef (`fa3_fwd_ab --head-dim 96 --causal --variant t3ss:tile_m=192,
@@ -496,14 +479,10 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
             # separate sO, so v2 stores O per warpgroup and releases Q early). R194.
             return Fa3Config(tile_n=128, stages=2)
         # FA4's non-causal shape (128 x 128, intra-WG overlap, sO on sQ: 160 KiB), which
-        # get_config runs with the softmax apart from S and K loaded ahead of V. H200
-        # 2026-12-04, commit 85469e0 + k_ahead (`benchmarks/fa3_fwd_ab`, bf16, medians of 5
-        # interleaved passes, N = 4k / 8k / 16k): 602.7 / 623.9 / 632.4 TFLOP/s against
-        # 580.0 / 614.0 / 622.2 for FA3's 128 x 176 without overlap (2 stages of 44 KiB, 208
-        # KiB), 598.6 / 618.7 / 625.6 with overlap and softmax apart but K not ahead, 591.4 /
-        # 627.9 / 631.6 for 128 x 176 with all three; FA4 630.1 / 631.1 / 626.0, cuDNN 581.5 /
-        # 586.6 / 592.8. Short problems, same run kind: N = 512 / 1k / 2k 422.9 / 517.7 /
-        # 563.7 against 402.2 / 503.0 / 543.2 (cuDNN 504.3 / 555.9 / 574.1). R184.
+        # get_config runs with the softmax apart from S and K loaded ahead of V: 602.7 / 623.9 /
+        # 632.4 TFLOP/s at N = 4k / 8k / 16k against 580.0 / 614.0 / 622.2 for FA3's 128 x 176
+        # (H200, 2026-12-04, commit 85469e0; docs/results.md). R184. Dense problems run it
+        # persistent (config_for, _PERSISTENT_Q_REGS_DIMS).
         return Fa3Config(tile_n=128, stages=2, o_alias_q=True)
     if head_dim <= 192:
         # 42 KiB per K or V stage at tile_n 112; sO aliased on sQ: 216 KiB. R203.
@@ -512,12 +491,8 @@ def _tiles(head_dim: int, causal: bool) -> Fa3Config:
     # Q 64 KiB + 2 x 2 x 40 KiB = 224 KiB with sO aliased on sQ (under v2: the K-first
     # producer order and the balanced order, no per-warpgroup sO). R212.
     # O is rescaled only when a row's max grows by more than 2^8 (rescale_threshold; its 128
-    # FMULs a thread per block otherwise). H200, 2026-12-04, commit b4d6c83
-    # (`benchmarks/fa3_fwd_ab --head-dim 256 [--causal] --variant rt8:rescale_threshold=8
-    # --seqlen 4096 --seqlen 16384 --passes 3`, medians, TFLOP/s at N = 4k / 16k, with / without):
-    # 691.9 / 695.0 against 637.7 / 683.8, causal 613.0 / 671.3 against 577.2 / 661.0 (FA4
-    # 679.9 / 730.6, causal 626.0 / 696.5); confirmed at commit d87a0ac (docs/results.md,
-    # "The softmax's instruction count"). D = 192 (96 registers of O) timed level at 16k.
+    # FMULs a thread per block otherwise): +0.6 to +13 % at N = 1k-16k, causal or not (H200,
+    # docs/results.md, "The softmax's instruction count"); D = 192 timed level at 16k.
     return Fa3Config(tile_n=80, stages=2, o_alias_q=True, rescale_threshold=8)
 
 
@@ -705,13 +680,37 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
     return filled(cfg.tile_m) * TALL_TILE_GAIN < filled(short.tile_m)
 
 
+# Dense non-causal 16-bit head dims whose problems (no softcap or window, seqlen_q % 4 == 0:
+# lse_tma's TMA rows) run `_persistent_q_regs` of the table's tiles: 1.094 / 1.033 / 1.020x the
+# plain entry at N = 1k / 4k / 16k (H200, 2026-12-06, commit 72ed3e5, 5 interleaved passes;
+# docs/results.md, "The persistent order's L2 sections").
+_PERSISTENT_Q_REGS_DIMS = (128,)
+L2_SECTION_MIB = 8  # l2_section_mib of that build (the 32 MiB order reads K/V 2.5x from DRAM)
+
+
+def _persistent_q_regs(cfg: Fa3Config) -> Fa3Config:
+    """The persistent v2 build of a plain non-causal entry with its own sO, the LSE by TMA, the
+    softmax in place without the loop's mask test, Q·Kᵀ with Q in registers (sQ released once
+    loaded) and L2_SECTION_MIB sections."""
+    return replace(_overlap(cfg), o_alias_q=False, lse_tma=True, softmax_apart=False,
+                   loop_mask_test=False, q_in_regs=True, l2_section_mib=L2_SECTION_MIB)  # fmt: skip
+
+
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
     flag and key length, the host-Vᵀ tiles for an fp8 V laid out keys-major;
-    `_SHORT_Q_TILES` for query lengths the taller tile fills badly;
-    softcap and windowed problems without softmax_apart, wg_slice and split_loops, and with
-    the loop's mask test: the builds the GPU suite has checked with them)."""
+    `_SHORT_Q_TILES` for query lengths the taller tile fills badly; `_persistent_q_regs` for
+    the dense problems of _PERSISTENT_Q_REGS_DIMS; softcap and windowed problems without
+    softmax_apart, wg_slice and split_loops, and with the loop's mask test: the builds the GPU
+    suite has checked with them)."""
     cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    if (
+        p.head_dim in _PERSISTENT_Q_REGS_DIMS
+        and p.dtype in DTYPES
+        and not (p.causal or p.softcap or p.is_local)
+        and p.seqlen_q % 4 == 0
+    ):
+        return _persistent_q_regs(cfg)
     if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":
         # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
         # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
@@ -777,10 +776,9 @@ def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
 
 def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     """Every 16-bit config the table can return, named: "shipped" (long keys),
-    "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs) and "shipped-short-q"
-    (config_for's `_SHORT_Q_TILES`). What CI compiles
-    (tests/test_fa3_compile.py; the fp8 entries, `fp8_shipped_configs`, in
-    tests/test_fa3_fp8_compile.py)."""
+    "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs), "shipped-short-q"
+    (config_for's `_SHORT_Q_TILES`) and "shipped-persistent" (`_persistent_q_regs`). What CI
+    compiles (tests/test_fa3_compile.py; fp8: `fp8_shipped_configs`)."""
     out = [("shipped", *c) for c in shipped_configs()]
     for d, dt, c, cfg in shipped_configs():
         short = get_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)
@@ -788,6 +786,8 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             out.append(("shipped-short", d, dt, c, short))
         if not c and d in _SHORT_Q_TILES:
             out.append(("shipped-short-q", d, dt, c, _SHORT_Q_TILES[d]))
+        if not c and d in _PERSISTENT_Q_REGS_DIMS:
+            out.append(("shipped-persistent", d, dt, c, _persistent_q_regs(cfg)))
     return out
 
 

@@ -149,6 +149,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
                 cfg.persistent,
             ),
             ("two Q buffers", cfg.q_stages == 2),
+            ("Q in registers", cfg.q_in_regs),
         )
         if on
     ]

@@ -127,8 +127,8 @@ def test_flag_variants_cover_new_flags() -> None:
 
 def test_shipped_persistent_entries_are_v2() -> None:
     """The persistent scheduler ships only as v2 (tile overlap + balanced order), only where it
-    was measured faster: causal, every head_dim, and short non-causal D = 64
-    (configs.get_config quotes the numbers)."""
+    was measured faster: causal, every head_dim, short non-causal D = 64 and dense non-causal
+    D = 128 (configs.get_config and configs.config_for quote the numbers)."""
     persistent = set()
     for name, d, _, causal, cfg in shipped_cases():
         if cfg.persistent:
@@ -140,7 +140,8 @@ def test_shipped_persistent_entries_are_v2() -> None:
     # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too; causal
     # D = 96's short build (128-row tiles) and causal D = 64's (two Q buffers) stay on it.
     short = {("shipped-short", 64, False), ("shipped-short", 96, True), ("shipped-short", 64, True)}
-    assert persistent == causal | short
+    dense = {("shipped-persistent", 128, False)}
+    assert persistent == causal | short | dense
 
 
 def test_overlap_needs_persistent() -> None:
