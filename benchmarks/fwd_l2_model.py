@@ -120,8 +120,12 @@ class Lru:
 def simulate(
     shape: Shape, tile_m: int, tile_n: int, persistent: bool, section_mib: int,
     balanced: bool = True, l2_mib: float = 30.0, sms: int = 132, fixed: int = 1,
+    dynamic: bool = False,
 ) -> dict:  # fmt: skip
-    """DRAM bytes of one call and the makespan's efficiency for one order (see the module)."""
+    """DRAM bytes of one call and the makespan's efficiency for one order (see the module).
+    `dynamic`: the persistent order's tiles (sections, heaviest first, no balancing) handed
+    out one at a time to whichever SM frees first, as a tile counter would (or the plain grid
+    launched in that order: `Fa3Config.lpt_grid`)."""
     d, n = shape.head_dim, shape.seqlen
     m_blocks = -(-n // tile_m)
     hb_total = shape.batch * shape.heads
@@ -129,7 +133,11 @@ def simulate(
     kv_block = 2 * tile_n * d * 2  # one K and one V block, 16-bit
     q_tile = tile_m * d * 2
     section = (section_mib << 20) // (2 * d * 2) // n
-    if persistent:
+    if dynamic:
+        grid, queues = sms, None
+        launch = [tile_coords(t, m_blocks, hb_total, shape.heads, section, shape.causal, False)
+                  for t in range(num_tiles)]  # fmt: skip
+    elif persistent:
         grid = min(sms, num_tiles)
         coords = [
             tile_coords(t, m_blocks, hb_total, shape.heads, section, shape.causal, balanced)
@@ -198,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--l2-mib", type=float, default=30.0)
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--fixed", type=int, default=1, help="prologue + epilogue, in K/V blocks")
+    ap.add_argument("--dynamic", action="store_true", help="also tiles handed out on demand")
     args = ap.parse_args(argv)
     tiles = {64: (192, 128), 96: (192, 112), 128: (128, 128), 192: (128, 112), 256: (128, 80)}
     sections = args.section or [32, 8, 4, 2]
@@ -209,11 +218,12 @@ def main(argv: list[str] | None = None) -> None:
         tm, tn = tiles[d]
         for n in args.seqlen or [1024, 4096, 16384]:
             shape = Shape(d, n, args.causal)
-            rows = [("plain grid", False, 32)]
-            rows += [(f"persistent {s} MiB", True, s) for s in sections]
-            for label, persistent, s in rows:
+            rows = [("plain grid", False, 32, False)]
+            rows += [(f"persistent {s} MiB", True, s, False) for s in sections]
+            rows += [(f"dynamic {s} MiB", True, s, True) for s in sections if args.dynamic]
+            for label, persistent, s, dyn in rows:
                 r = simulate(shape, tm, tn, persistent, s, l2_mib=args.l2_mib, sms=args.sms,
-                             fixed=args.fixed)  # fmt: skip
+                             fixed=args.fixed, dynamic=dyn)  # fmt: skip
                 print(f"{d:>4} {n:>6} {label:<22} {r['dram_mb']:>8.0f} {r['ideal_mb']:>7.0f} "
                       f"{r['kv_reads']:>9.2f} {r['efficiency']:>6.3f}")  # fmt: skip
     sys.stdout.flush()
