@@ -560,6 +560,14 @@ MUTANTS = [
         "analyse",
         ("tests/test_fa3_trace.py",),
     ),
+    Mutant(
+        "fa3 table: the persistent D = 128 build for query lengths its LSE store cannot take",
+        "fa3/configs.py",
+        "and p.seqlen_q % 4 == 0",
+        "and p.seqlen_q % 1 == 0",
+        "dense_d128_runs",
+        ("tests/test_fa3_q_in_regs.py",),
+    ),
 ]
 
 # fa3 and the fp8 path (GPU only). The patterns live in one table so that a reorganisation of
