@@ -212,6 +212,22 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             False,
             _overlap(replace(d128, **_Q_IN_REGS_V2)),
         ),
+        # Tiles from a global counter (Fa3Config.tile_counter): causal D = 128 as the table
+        # builds it (its own sO) and causal D = 256 (sO on sQ), with 16 MiB L2 sections.
+        (
+            "tile-counter-causal",
+            128,
+            bf16,
+            True,
+            replace(get_config(128, bf16, True), tile_counter=True, l2_section_mib=16),
+        ),
+        (
+            "tile-counter-causal-o-on-q",
+            256,
+            torch.float16,
+            True,
+            replace(get_config(256, bf16, True), tile_counter=True, l2_section_mib=16),
+        ),
         # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
         # D = 192, whose 24 threads a row leave 64 consumer threads idle.
         ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),

@@ -192,7 +192,10 @@ def _fake_inputs(key: CompileKey) -> tuple:
             cutlass.Int64, (cute.sym_int(), len(trace.FIELDS)), stride_order=(1, 0), assumed_align=8
         )
         descales = (rows, None, None)
-    return (q, k, v, o, lse, *descales, None, None)
+    counters = None
+    if key.cfg.tile_counter:  # (2,) int32 in cu_seqlens_k's slot (kernels.py, "Tile counter")
+        counters = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=4)
+    return (q, k, v, o, lse, *descales, None, counters)
 
 
 def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
@@ -203,7 +206,9 @@ def compile_forward(key: CompileKey, extra_options: str = "") -> Any:
     Vᵀ (`interface.transpose_v`) unless cfg.v_transpose == "smem", and the descales are
     (B, Hkv) fp32 tensors (with `key.fp8_blocks` (B, H, nblocks, block) views, the last
     mode of stride 0); for 16-bit inputs they are None. The cu_seqlens are (B + 1,) int32
-    with `key.varlen` (packed q, k, v, out and a (Hq, total_q) lse), None otherwise.
+    with `key.varlen` (packed q, k, v, out and a (Hq, total_q) lse), None otherwise; with
+    cfg.tile_counter cu_seqlens_k's slot takes the (2,) int32 tile counters (zero at the
+    first launch; the kernel leaves them zero).
     """
     import cutlass
     import cutlass.cute as cute

@@ -71,6 +71,9 @@ class Fa3Config:
     # row tiles are spread over the whole section, so the section sets how far apart in time
     # the reads of its K/V lie (tile_scheduler.TileScheduler.tile_coords).
     l2_section_mib: int = 32
+    # Persistent: each CTA's next tile from a global counter (the producer's atomic add, sent
+    # to the consumers through shared memory) in the unbalanced order, not static rounds.
+    tile_counter: bool = False
     # Causal / right window, intra-WG overlap only: a consumer WG whose 64 rows see none of
     # the tile's newest K/V block passes it by without its Q·Kᵀ and P·V (its P would be all 0:
     # the same bits; the GEMM work it saves: docs/design.md).
@@ -103,18 +106,14 @@ class Fa3Config:
     v_transpose: str = "host"
     # Packed sequences on the plain grid, S > 0: a one-dimensional grid over the virtual
     # blocks of S query heads at a time, each block of the S heads before the next
-    # (varlen.VarlenTiles.tile): the heaviest tiles of the last heads start before the rest of
-    # those heads' work, instead of after it (the default (virtual blocks, Hq) grid runs one
-    # head's blocks after another's). 0: off.
+    # (varlen.VarlenTiles.tile), so the last heads' heaviest tiles do not start last. 0: off.
     head_section: int = 0
     # Plain grid only: a one-dimensional grid whose block i runs tile `tile_coords(i)` of the
-    # persistent order without its balancing: (batch, head) pairs in L2 sections, causal
-    # tiles heaviest first (FA4's non-persistent longest-processing-time order), instead of
-    # the (m_blocks, Hq, B) grid that launches every head's first (lightest) tile first.
+    # persistent order without its balancing (FA4's non-persistent longest-processing-time
+    # order), instead of the (m_blocks, Hq, B) grid.
     lpt_grid: bool = False
-    # Every ex2_emu-th probability of a thread's row (softmax.emulated) by softmax.exp2_poly on
-    # the FMA pipe rather than MUFU.EX2 (16 a clock and SM, the rate the tensor cores consume
-    # scores at D = 64 16-bit and D = 128 e4m3); 0: all by MUFU. Nine instructions an exponential.
+    # Every ex2_emu-th probability of a thread's row by softmax.exp2_poly on the FMA pipe
+    # rather than MUFU.EX2; 0: all by MUFU (docs/results.md, "Exponentials on the FMA pipe").
     ex2_emu: int = 0
     # t > 0: a row keeps its running max while a block's max exceeds it by at most t (log2
     # units, after the softmax scale), so P <= 2^t and the row's O rescale is exactly 1; a
@@ -180,10 +179,9 @@ class Fa3Config:
     # under the current tile, not between tiles (which a tile of few K/V blocks pays every
     # few blocks). Shipped for short D = 64 problems (SHORT_SEQLEN_K).
     q_stages: int = 1
-    # Plain dense grid: an L2 prefetch (TMA) of the Q tile of the CTA one wave later (linear
-    # block id + SM count). Off (0.93-1.00x the table on an H100, as o_direct_store).
+    # Plain dense grid: an L2 prefetch of the Q tile of the CTA one wave later; O stored by
+    # the consumer threads, not a TMA store. Both off (0.93-1.00x the table on an H100).
     prefetch_next_q: bool = False
-    # Plain dense grid: O from sO by every consumer thread's 16-byte stores, not a TMA store.
     o_direct_store: bool = False
     # Per-WG epilogue (persistent, separate sO): the LSE out through sLSE and a TMA store; the
     # threads' global LSE stores make the compiler recompute most of the loop's exponentials
@@ -287,6 +285,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, f"fa3: permute_v_keys is for float8 inputs (P·V's A fragment), not {dtype}"
     if cfg.l2_section_mib < 1:
         return False, f"fa3: l2_section_mib expected >= 1, got {cfg.l2_section_mib}"
+    if cfg.tile_counter and not cfg.persistent:
+        return False, "fa3: tile_counter needs persistent=True (the plain grid's CTAs own a tile)"
     if cfg.ex2_emu < 0:
         return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
     if cfg.softmax_apart and not cfg.intra_wg_overlap:

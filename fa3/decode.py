@@ -140,6 +140,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.Q_STAGES = 1  # one Q tile per CTA (fwd_layouts' storage and pipelines)
         self.LSE_TMA = False
         self.Q_IN_REGS = False  # Q·Kᵀ reads the gathered sQ (ForwardLayouts._make_mmas)
+        self.TILE_COUNTER = False  # one tile a CTA (ForwardLayouts._storage, _allocate_smem)
         # Paged: keys per TMA box, a page's share of a stage (0: one box per stage). A stage of
         # TILE_N keys then spans TILE_N / BOX_N pages, one TMA load each.
         self.BOX_N = page_box or cfg.tile_n
@@ -282,7 +283,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
             cpasync.prefetch_descriptor(tma_v)
         pipes, smem, _ = self._allocate_smem(sQ_l, sK_l, sK_l, sQ_l)  # no Vᵀ ring (16-bit V)
         _, pipe_k, pipe_v, _ = pipes
-        sQ, sK, sV, sVt, _, _ = smem
+        sQ, sK, sV, sVt, _, _, _ = smem
 
         seqlen_k = mCacheSeqlens[batch] + n_new
         tile = SimpleNamespace(

@@ -18,7 +18,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
@@ -133,6 +133,7 @@ class ForwardLayouts:
         mrange, align = cute.struct.MemRange, cute.struct.Align
         n_q, n_k, n_v, n_o = (cute.cosize(x) for x in (sQ_l, sK_l, sV_l, sO_l))
         st, q_st = self.STAGES, self.Q_STAGES
+        tiles = self.TILE_COUNTER
 
         if const_expr(self.VT_SMEM):
             n_vt = cute.cosize(self._vt_layout())
@@ -156,6 +157,9 @@ class ForwardLayouts:
                 mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
+                if tiles:  # TILE_COUNTER: the tile ring's 2 full + 2 empty mbarriers, its slots
+                    mbar_tile: mrange[cutlass.Int64, 4]
+                    sTile: mrange[Int32, 2]
                 sQ: align[mrange[dt, n_q], 1024]
                 sK: align[mrange[dt, n_k], 1024]
                 sV: align[mrange[dt, n_v], 1024]
@@ -167,6 +171,9 @@ class ForwardLayouts:
                 mbar_q: mrange[cutlass.Int64, 2 * q_st]
                 mbar_k: mrange[cutlass.Int64, 2 * st]
                 mbar_v: mrange[cutlass.Int64, 2 * st]
+                if tiles:  # TILE_COUNTER, as above
+                    mbar_tile: mrange[cutlass.Int64, 4]
+                    sTile: mrange[Int32, 2]
                 sLSE: align[mrange[Float32, self.TILE_M], 128]  # LSE_TMA's staging
                 sQ: align[mrange[dt, n_q], 1024]
                 sK: align[mrange[dt, n_k], 1024]
@@ -288,15 +295,30 @@ class ForwardLayouts:
         pipeline.pipeline_init_arrive()
         return pipe_q, pipe_k, pipe_v
 
+    def _make_tile_pipe(self, st):
+        """TILE_COUNTER: the two-slot ring on which the producer warp's lane 0 hands each tile
+        index to every consumer thread (all of them release a slot once they have read it)."""
+        return pipeline.PipelineAsync.create(
+            num_stages=2,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.CONSUMER_THREADS),
+            barrier_storage=st.mbar_tile.data_ptr(),
+            defer_sync=True,
+        )
+
     def _allocate_smem(self, sQ_l, sK_l, sV_l, sO_l):
         """Kernel prologue: the storage struct, its pipelines and smem tensors, then the wait
         for every thread's view of the initialised mbarriers. Returns (pipes, tensors, vt):
         pipes = (pipe_q, pipe_k, pipe_v, the pipeline P·V waits on: pipe_v, or with VT_SMEM the
-        consumers' view of pipe_vt); vt is None, or with VT_SMEM the transposing warps'
-        (pipe_v, pipe_vt, sV address, sVt address)."""
+        consumers' view of pipe_vt); tensors = `_smem_tensors`' and the tile ring (TILE_COUNTER:
+        (its pipeline, its two int32 slots), else None); vt is None, or with VT_SMEM the
+        transposing warps' (pipe_v, pipe_vt, sV address, sVt address)."""
         st = SmemAllocator().allocate(self.storage)
+        tiles = None
+        if const_expr(self.TILE_COUNTER):  # initialised before _make_pipelines' fence
+            tiles = (self._make_tile_pipe(st), st.sTile.get_tensor(cute.make_layout(2)))
         pipes = self._make_pipelines(st, sQ_l, sK_l, sV_l)
-        smem = self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l)
+        smem = (*self._smem_tensors(st, sQ_l, sK_l, sV_l, sO_l), tiles)
         vt = None
         if const_expr(self.VT_SMEM):
             pipe_q, pipe_k, pipe_v, pipe_vt = pipes

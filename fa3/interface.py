@@ -374,8 +374,28 @@ def forward(
                 f"{trace.dtype} {tuple(trace.shape)} on {trace.device}"
             )
         descales = (trace, None, None)
-    fn(q, k, v, out, lse, *descales, None, None, *scalars)
+    counters = _tile_counters(q.device) if cfg.tile_counter else None
+    fn(q, k, v, out, lse, *descales, None, counters, *scalars)
     return out, lse
+
+
+# (device, stream) -> the (next tile, CTAs done) int32 counters of Fa3Config.tile_counter builds:
+# zero at every launch (each launch leaves them zero), one pair per stream, so launches that may
+# run at once never share a pair.
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _counters.get(key)
+    if buf is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fa3: a tile_counter build allocates its counters on a stream's first call; "
+                "call it once on this stream before CUDA-graph capture"
+            )
+        buf = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return buf
 
 
 def bind_forward(p: AttnParams, need_lse: bool = True):
@@ -386,6 +406,8 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
     The kernel always writes the LSE (`need_lse`, which fa2's build uses, changes nothing
     here: a second compiled kernel would cost a cold start more than the allocation saves)."""
     if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
+        return None
+    if config_for(p).tile_counter:  # its counters: `forward`
         return None
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)

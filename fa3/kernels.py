@@ -85,6 +85,17 @@ starts the next one without waiting for the other WG. The store's smem reads are
 (cp.async.bulk.wait_group.read 0) by that warp right before WG c writes its slab again, and
 once after the last tile; never right after the store.
 
+Tile counter (Fa3Config.tile_counter, persistent, dense). CTA b's first tile is the order's
+position b; each next one is grid + an int32 counter's old value, which the producer warp's
+lane 0 takes with an atomic add before it issues the current tile's loads. The producer hands
+every position (and finally one past the last tile) to the consumers on a two-slot shared-memory
+ring (`PipelineAsync`: full barrier 1 arrival, lane 0's; empty barrier every consumer thread's),
+so each role walks the same positions; the order is tile_coords' without the snake rounds
+(sections heaviest first), handed out as SMs free up. The counters, (next, CTAs done) in
+cu_seqlens_k's slot, are zero at launch: the CTA whose "done" add returns grid - 1 has seen every
+other CTA take its last position and stores both back to 0 (benchmarks/fwd_l2_model --dynamic
+models this order).
+
 Global tensors arrive in the API layout (B, N, H, D) and are viewed as (N, D, H, B), so TMA
 uses a 4-D descriptor and its bounds are per sequence: tail tiles load zeros and stores clip.
 """
@@ -105,7 +116,7 @@ from flashsuite.fa3.fwd_layouts import ForwardLayouts
 from flashsuite.fa3.fwd_mainloop import ForwardMainloop
 from flashsuite.fa3.pipeline import PingPong, load_tile, transpose_blocks
 from flashsuite.fa3.tile_scheduler import TileScheduler
-from flashsuite.fa3.utils import WarpRole
+from flashsuite.fa3.utils import WarpRole, atom_add_gpu_s32, st_relaxed_gpu_s32
 from flashsuite.fa3.varlen import DenseRows, VarlenTiles
 
 __all__ = ["Fa3Forward"]
@@ -190,6 +201,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         assert not (cfg.trace and (varlen or self.FP8)), "trace: 16-bit dense builds"
         self.OVERLAP_TILES = cfg.persistent and cfg.overlap_tiles
         self.BALANCED_ORDER = cfg.persistent and cfg.balanced_order
+        # Tiles from a global counter (Fa3Config.tile_counter; dense persistent builds): see
+        # `load_counted` and `next_tile`. The order is the unbalanced one (no snake rounds).
+        self.TILE_COUNTER = cfg.persistent and cfg.tile_counter
+        assert not (self.TILE_COUNTER and varlen), "tile_counter: dense persistent builds"
         # Each consumer WG stores its own 64-row slab of a separate sO (not possible on sQ: the
         # other WG's Q·Kᵀ may still read sQ). Q is then released right after the last Q·Kᵀ.
         self.PER_WG_EPILOGUE = self.OVERLAP_TILES and not cfg.o_alias_q
@@ -216,7 +231,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.scheduler = TileScheduler(
             cfg.tile_m,
             cfg.tile_n,
-            balanced=self.BALANCED_ORDER,
+            balanced=self.BALANCED_ORDER and not self.TILE_COUNTER,
             longest_first=self.HAS_RIGHT,
             has_right=self.HAS_RIGHT,
             has_left=self.HAS_LEFT,
@@ -394,6 +409,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             )
             sched.rows0 = DenseRows(sched.tile0[2])
             sched.sm_count = sm_count
+            # TILE_COUNTER: (next tile, CTAs done) int32 in cu_seqlens_k's slot.
+            sched.counters = mCuSeqlensK if const_expr(self.TILE_COUNTER) else None
             sched.trace = None
             if const_expr(self.TRACE):  # the trace comes in descale_q's slot (fa3/trace.py)
                 sched.trace = (mDescaleQ, *t_cta)
@@ -445,7 +462,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
 
         pipes, smem, vt = self._allocate_smem(sQ_l, sK_l, sV_l, sO_l)
         pipe_q, pipe_k, pipe_v, pipe_pv = pipes  # pipe_pv: what P·V waits on (VtPipe for VT_SMEM)
-        sQ, sK, sV, sVt, sO, sLSE = smem
+        sQ, sK, sV, sVt, sO, sLSE, sched.tiles = smem
         if const_expr(self.LSE_TMA):
             mLSE = (*mLSE, sLSE)  # (TMA atom, coordinates, staging smem)
         descales = None
@@ -505,7 +522,9 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                 # Pipeline states live across tiles (persistent): their phases carry on.
                 q_state = pipeline.make_pipeline_state(Producer, self.Q_STAGES)
                 kv_state = pipeline.make_pipeline_state(Producer, self.STAGES)
-                if const_expr(self.PERSISTENT):
+                if const_expr(self.TILE_COUNTER):
+                    self.load_counted(load_args, q_state, kv_state, sched, group)
+                elif const_expr(self.PERSISTENT):
                     for k in cutlass.range(
                         self.scheduler.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles),
                         unroll=1,
@@ -545,7 +564,24 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             self.pingpong.start(cwg)
             q_state = pipeline.make_pipeline_state(Consumer, self.Q_STAGES)
             kv_state = pipeline.make_pipeline_state(Consumer, self.STAGES)
-            if const_expr(self.PERSISTENT):
+            if const_expr(self.TILE_COUNTER):
+                tile_state = pipeline.make_pipeline_state(Consumer, 2)
+                tile, tile_state = self.next_tile(sched.tiles, tile_state)
+                while tile < sched.num_tiles:
+                    m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_at(
+                        tile, sched
+                    )
+                    q_state, kv_state = self.consumer(
+                        *cons_args, q_state, kv_state, tidx - 128, warp, cwg, m_block, head,
+                        DenseRows(batch), seqlen_q, seqlen_k, scale_log2, softcap_pre,
+                        window_left, window_right, n_block_min, n_block_max,
+                        self.trace_at(sched, m_block, head, batch, cwg),
+                    )  # fmt: skip
+                    tile, tile_state = self.next_tile(sched.tiles, tile_state)
+                if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102
+                    if warp % 4 == 0:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # as below
+            elif const_expr(self.PERSISTENT):
                 for k in cutlass.range(
                     self.scheduler.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles),
                     unroll=1,
@@ -599,6 +635,58 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                     n_block_max,
                     self.trace_at(sched, m_block0, head0, rows0.batch, cwg),
                 )
+
+    @cute.jit
+    def load_counted(self, load_args: tuple, q_state, kv_state, sched, group):
+        """Producer warp with TILE_COUNTER ("Tile counter" above): the CTA's first tile is its
+        block index, each next one grid + the counter's old value (lane 0's atomic add, issued
+        before the current tile's loads so its latency lies under them). Every index, and
+        finally one past the last tile, goes to the consumers on the tile ring. The CTA that
+        finishes last (the second counter) sets both counters back to 0 for the next launch:
+        every CTA has taken its last index by then."""
+        tile_pipe, s_tile = sched.tiles
+        counters = sched.counters.iterator
+        lane = cute.arch.lane_idx()
+        tile_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+        tile = sched.bid_x
+        while tile < sched.num_tiles:
+            tile_state = self.publish_tile(tile_pipe, s_tile, tile_state, tile, lane)
+            taken = Int32(0)
+            if lane == 0:
+                taken = atom_add_gpu_s32(counters, Int32(1))
+            m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_at(tile, sched)
+            q_state, kv_state = self.load(
+                load_args, q_state, kv_state, m_block, head, DenseRows(batch), group,
+                n_block_min, n_block_max,
+            )  # fmt: skip
+            tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x
+        tile_state = self.publish_tile(tile_pipe, s_tile, tile_state, tile, lane)
+        if lane == 0:
+            done = atom_add_gpu_s32(counters + 1, Int32(1))
+            if done == sched.grid_x - 1:
+                st_relaxed_gpu_s32(counters, Int32(0))
+                st_relaxed_gpu_s32(counters + 1, Int32(0))
+
+    @cute.jit
+    def publish_tile(self, tile_pipe, s_tile: cute.Tensor, tile_state, tile: Int32, lane: Int32):
+        """Producer warp: tile index `tile` into the ring's next slot (lane 0 writes it and
+        arrives, once the consumers have read what the slot held before)."""
+        tile_pipe.producer_acquire(tile_state)
+        if lane == 0:
+            s_tile[tile_state.index] = tile
+            tile_pipe.producer_commit(tile_state)
+        tile_state.advance()
+        return tile_state
+
+    @cute.jit
+    def next_tile(self, tiles: tuple, tile_state):
+        """Consumer thread: the next tile index from the ring (TILE_COUNTER), its slot released."""
+        tile_pipe, s_tile = tiles
+        tile_pipe.consumer_wait(tile_state)
+        tile = s_tile[tile_state.index]
+        tile_pipe.consumer_release(tile_state)
+        tile_state.advance()
+        return tile, tile_state
 
     def trace_at(self, sched: SimpleNamespace, m_block, head, batch, cwg):
         """TRACE: (trace tensor, CTA start, CTA start ns, this tile's row) for `consumer`."""

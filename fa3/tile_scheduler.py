@@ -84,7 +84,10 @@ class TileScheduler:
     def tile_work(self, k: Int32, sched: SimpleNamespace):
         """Tile `k` of this persistent CTA (every role walks the same sequence): its
         (m_block, head, batch) and its K/V block range [n_block_min, n_block_max)."""
-        tile = self.cta_tile(k, sched.bid_x, sched.grid_x)
+        return self.tile_at(self.cta_tile(k, sched.bid_x, sched.grid_x), sched)
+
+    def tile_at(self, tile: Int32, sched: SimpleNamespace):
+        """`tile_work` of the tile at position `tile` of the order (a tile counter's value)."""
         m_block, head, batch = self.tile_coords(
             tile, sched.m_blocks, sched.heads_q, sched.batch_n, sched.seqlen_k
         )

@@ -83,6 +83,31 @@ def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def atom_add_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
+    """The old value of a global int32 to which `value` is added atomically (atom.relaxed.gpu:
+    only the counter itself is ordered)."""
+    return Int32(
+        ptx(
+            T.i32(),
+            [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
+            "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
+            "=r,l,r",
+        )
+    )
+
+
+@dsl_user_op
+def st_relaxed_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
+    """A global int32 store at GPU scope (st.relaxed.gpu)."""
+    ptx(
+        None,
+        [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
+        "st.relaxed.gpu.global.b32 [$0], $1;",
+        "l,r",
+    )
+
+
+@dsl_user_op
 def nanosleep_zero(*, loc=None, ip=None) -> None:
     """nanosleep.u32 0: no effect, but a side effect ptxas keeps (the body of
     Fa3Config.pin_pv_wait's branch)."""

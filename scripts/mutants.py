@@ -857,6 +857,22 @@ GPU_MUTANTS = [
         ("tests/test_fp8_blocks.py",),
     ),
     Mutant(
+        "fa3: the tile counter's next tile one position early",
+        "fa3/kernels.py",
+        "tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x",
+        "tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x - 1",
+        "static_order_bits and D128-causal",
+        ("tests/test_fa3_tile_counter.py",),
+    ),
+    Mutant(
+        "fa3: the tile counters not reset for the next launch",
+        "fa3/kernels.py",
+        "if done == sched.grid_x - 1:",
+        "if done == sched.grid_x:",
+        "static_order_bits and D128-causal",
+        ("tests/test_fa3_tile_counter.py",),
+    ),
+    Mutant(
         "fa3: Q in registers loads the first warpgroup's rows into every warpgroup",
         "fa3/utils.py",
         "thr_s2r = s2r.get_slice(thread)",
