@@ -662,7 +662,8 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x
         tile_state = self.publish_tile(tile_pipe, s_tile, tile_state, tile, lane)
         if lane == 0:
-            done = atom_add_gpu_s32(counters + 1, Int32(1))
+            # acq_rel: every CTA's last counter add happens before the last CTA's reset.
+            done = atom_add_gpu_s32(counters + 1, Int32(1), "acq_rel")
             if done == sched.grid_x - 1:
                 st_relaxed_gpu_s32(counters, Int32(0))
                 st_relaxed_gpu_s32(counters + 1, Int32(0))

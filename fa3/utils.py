@@ -83,14 +83,17 @@ def ld_acquire_gpu_s32(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
-def atom_add_gpu_s32(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> Int32:
-    """The old value of a global int32 to which `value` is added atomically (atom.relaxed.gpu:
-    only the counter itself is ordered)."""
+def atom_add_gpu_s32(
+    ptr: cute.Pointer, value: Int32, sem: str = "relaxed", *, loc=None, ip=None
+) -> Int32:
+    """The old value of a global int32 to which `value` is added atomically at GPU scope;
+    `sem` "relaxed" (only the counter itself is ordered) or "acq_rel" (the thread's earlier
+    memory operations happen before it for whoever acquires it, and it sees theirs)."""
     return Int32(
         ptx(
             T.i32(),
             [ptr.llvm_ptr, Int32(value).ir_value(loc=loc, ip=ip)],
-            "atom.relaxed.gpu.global.add.s32 $0, [$1], $2;",
+            f"atom.{sem}.gpu.global.add.s32 $0, [$1], $2;",
             "=r,l,r",
         )
     )
