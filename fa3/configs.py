@@ -366,13 +366,12 @@ def get_config(
     dims of _SKIP_MASKED_WG_DIMS ("warpgroups that pass by blocks their rows cannot see").
     Causal D = 96 keeps 128-row tiles up to SHORT_CAUSAL_SEQLEN_K keys (see _tiles).
 
-    Non-causal keeps the plain grid (D = 128: v2 604 vs 597, within noise), but D = 64 with
-    seqlen_k <= SHORT_SEQLEN_K: a tile of a few K/V blocks pays its fill, drain and epilogue
-    often, and v2 overlaps the epilogue with the next tile (commits 9a03882 and eb35f47, plain
-    grid -> v2 at N = 512 / 768 / 1k / 1.5k: 299 / 382 / 372 / 444 -> 326 / 393 / 350 / 420;
-    D = 128 and 256 lose with it; docs/results.md, "Short sequences"), with two Q buffers
-    (q_stages, see SHORT_SEQLEN_K). Causal D = 64 takes two Q buffers up to
-    SHORT_CAUSAL_TWO_Q keys.
+    Non-causal entries are plain-grid builds (dense D = 128 runs persistent: config_for), but
+    D = 64 at seqlen_k <= SHORT_SEQLEN_K: a tile of a few K/V blocks pays its fill, drain and
+    epilogue often, and v2 overlaps the epilogue with the next tile (plain grid -> v2 at N =
+    512 / 768 / 1k / 1.5k: 299 / 382 / 372 / 444 -> 326 / 393 / 350 / 420; docs/results.md,
+    "Short sequences"), with two Q buffers (q_stages, see SHORT_SEQLEN_K). Causal D = 64 takes
+    two Q buffers up to SHORT_CAUSAL_TWO_Q keys.
     """
     if dtype == FP8_DTYPE:
         if fp8_vt_in_smem(head_dim, seqlen_k, causal):
