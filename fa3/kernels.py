@@ -578,9 +578,6 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         self.trace_at(sched, m_block, head, batch, cwg),
                     )  # fmt: skip
                     tile, tile_state = self.next_tile(sched.tiles, tile_state)
-                if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102
-                    if warp % 4 == 0:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)  # as below
             elif const_expr(self.PERSISTENT):
                 for k in cutlass.range(
                     self.scheduler.cta_tile_count(sched.bid_x, sched.grid_x, sched.num_tiles),
@@ -609,10 +606,6 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                         n_block_max,
                         self.trace_at(sched, m_block, head, batch, cwg),
                     )
-                if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102
-                    if warp % 4 == 0:
-                        # The last tile's O store must have read sO before the CTA exits.
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 n_block_min, n_block_max = self.scheduler.cta_blocks(sched)
                 self.consumer(
@@ -635,6 +628,10 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
                     n_block_max,
                     self.trace_at(sched, m_block0, head0, rows0.batch, cwg),
                 )
+            if const_expr(self.PER_WG_EPILOGUE):  # noqa: SIM102 (persistent builds only)
+                if warp % 4 == 0:
+                    # The last tile's O store must have read sO before the CTA exits.
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def load_counted(self, load_args: tuple, q_state, kv_state, sched, group):
