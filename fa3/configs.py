@@ -359,19 +359,15 @@ def get_config(
     FP8_SMEM_VT_MAX_SEQLEN_K keys.
 
     16-bit tiles come from `_tiles`, with the schedule options of the tables below it. Every
-    causal entry runs on the persistent scheduler v2 (tile overlap + balanced order), measured
-    faster than the plain grid at every head_dim (H200 2026-11-29, commit 8867277, causal D =
-    128 at N = 4k / 8k / 16k: 524 / 565 / 580 -> 560 / 593 / 605 TFLOP/s; every head dim in
-    docs/results.md, "fa3 causal: the persistent scheduler"), with skip_masked_wg at the head
-    dims of _SKIP_MASKED_WG_DIMS ("warpgroups that pass by blocks their rows cannot see").
-    Causal D = 96 keeps 128-row tiles up to SHORT_CAUSAL_SEQLEN_K keys (see _tiles).
+    causal entry runs on the persistent scheduler v2 (tile overlap + balanced order; faster
+    than the plain grid at every head_dim: docs/results.md, "fa3 causal: the persistent
+    scheduler"), with skip_masked_wg at the head dims of _SKIP_MASKED_WG_DIMS. Causal D = 96
+    keeps 128-row tiles up to SHORT_CAUSAL_SEQLEN_K keys (see _tiles); causal D = 64 takes two
+    Q buffers up to SHORT_CAUSAL_TWO_Q keys.
 
-    Non-causal entries are plain-grid builds (dense D = 128 runs persistent: config_for), but
-    D = 64 at seqlen_k <= SHORT_SEQLEN_K: a tile of a few K/V blocks pays its fill, drain and
-    epilogue often, and v2 overlaps the epilogue with the next tile (plain grid -> v2 at N =
-    512 / 768 / 1k / 1.5k: 299 / 382 / 372 / 444 -> 326 / 393 / 350 / 420; docs/results.md,
-    "Short sequences"), with two Q buffers (q_stages, see SHORT_SEQLEN_K). Causal D = 64 takes
-    two Q buffers up to SHORT_CAUSAL_TWO_Q keys.
+    Non-causal entries are plain-grid builds, but D = 64 at seqlen_k <= SHORT_SEQLEN_K: a tile
+    of a few K/V blocks pays its fill, drain and epilogue often, and v2 overlaps the epilogue
+    with the next tile ("Short sequences"). Dense problems take config_for's builds on top.
     """
     if dtype == FP8_DTYPE:
         if fp8_vt_in_smem(head_dim, seqlen_k, causal):
@@ -412,28 +408,20 @@ _SOFTMAX_APART = ((256, True), (128, False), (192, False))
 _K_AHEAD = ((128, False),)
 # (head_dim, causal) pairs whose wgmma descriptors come from the warpgroup's slice (wg_slice)
 # and causal pairs whose masked and unmasked blocks run as two loops (split_loops; only causal
-# problems without a left window take them). H100 80GB HBM3, 2026-12-05, commit 6c5318d
-# (`benchmarks/fa3_fwd_ab`, bf16, medians of 3 interleaved passes, ratio to the table build in
-# the same run at N = 4k / 16k): non-causal D = 128 with wg_slice 1.036 / 1.019 (N = 1k / 2k
-# 1.014 / 1.022); causal D = 128 with both 1.052 / 1.012, causal D = 64 1.057 / 1.014. Not
-# taken: D = 64 (0.992 / 0.982), D = 256 (1.013 / 0.998), causal D = 128 with pin_pv_wait
-# (0.983 / 0.987). Each passed its oracle cases on the GPU first
-# (tests/test_fa3_softmax_options.py, schedule options). Softcap and windowed problems keep the
-# builds without them (config_for, varlen_config_for); packed ones take them
-# (varlen_configs). Causal D = 192 with both: 1.033 / 1.003x (FA4 0.962 -> 1.009x at
-# 4k; H100 80GB HBM3, 2026-12-06, commit 6558210, medians of 5 passes). Not taken there: causal
-# D = 96 (0.973 / 1.024x), non-causal D = 96 wg_slice or loop_mask_test=0 alone (1.000 / 1.004,
-# 0.995 / 1.006x).
+# problems without a left window take them): non-causal D = 128 with wg_slice 1.036 / 1.019x
+# the build without at N = 4k / 16k, causal D = 128 with both 1.052 / 1.012, causal D = 64
+# 1.057 / 1.014, causal D = 192 1.033 / 1.003 at 1k / 4k (H100 80GB HBM3, 2026-12-05/06; the
+# builds not taken and the runs in docs/results.md, "Schedule options on an H100"). Softcap and
+# windowed problems keep the builds without them; packed ones take them (varlen_configs).
 _WG_SLICE = ((128, False), (128, True), (64, True), (96, True), (192, True))
 _SPLIT_LOOPS = ((128, True), (64, True), (96, True), (192, True))
 # (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max, the
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
 # 4k / 16k, same run as causal D = 192 above. D = 64 lost with it (0.979 / 0.978x).
 _PV_WAIT_AFTER_MAX = ((256, False),)
-# Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler,
-# with two Q buffers: H100 80GB HBM3, 2026-12-06, commit 8839a07 (`benchmarks/fa3_fwd_ab
-# --head-dim 64 --variant q2:...,q_stages=2`, medians of 5 passes, ratio to the table then):
-# N = 512 / 1k / 2k 1.095 / 1.034 / 0.976 (v2, one Q buffer: 0.989 / 0.992 / 0.976).
+# Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler
+# with two Q buffers (dense longer D = 64 too: config_for): N = 512 / 1k / 2k 1.095 / 1.034 /
+# 0.976x the plain grid (H100, 2026-12-06, commit 8839a07; docs/results.md, "Short sequences").
 SHORT_SEQLEN_K = 1024
 _SHORT_PERSISTENT_DIMS = (64,)
 # Causal head dims that take two Q buffers (q_stages) for seqlen_k up to this. Same run kind,
@@ -519,27 +507,12 @@ def _fp8(tile_n: int, stages: int = 2, wgs: int = 2, **softmax) -> Fa3Config:
                      o_alias_q=False, persistent=False, **softmax)  # fmt: skip
 
 
-# The fp8 table rescales O every block (rescale_threshold 0). A threshold of 8 is faster
-# (H200, 2026-12-04, commit 3d77f51, `benchmarks/fa3_fwd_ab --fp8 --head-dim D [--causal]
-# --variant rt8:rescale_threshold=8 --seqlen 4096 --seqlen 16384 --passes 3`, the whole call,
-# medians of 3 interleaved passes, TFLOP/s at N = 4k / 16k, with / without):
-#     D = 128  743.6 / 828.5 against 730.7 / 808.0, causal 667.0 / 731.8 against 639.6 / 720.7
-#     D = 256  878.8 / 1006.1 against 796.5 / 972.8, causal 750.9 / 880.0 against 688.1 / 840.8
-#     D = 64   492.0 / 537.1 against 491.6 / 536.0, causal 434.3 / 511.5 against 445.0 / 527.5
-# but with it at D = 128 and 256 `benchmarks/fa3_fp8_check` passed 136 of 142 oracle cases
-# (commit b4d6c83; the failures' max error 1-27 % above the e4m3 emulation's bound, their
-# mean errors within theirs): not taken. A fresh max makes a row's largest P exactly 1, exact
-# in e4m3; a stale one leaves it 2^δ, rounded. The CPU emulation (benchmarks/fp8_emulation.py)
-# fails the rule with 8 bits and passes tests/test_fp8.py's cases with 1.
-#
-# Non-causal D = 128 and 256 take a threshold of 1 bit with the row max and sum in four chains
-# (row_chains): on the H200 (commit edeb6c2) `benchmarks/fa3_fp8_check --set
-# rescale_threshold=1 [--set row_chains=1]` passed all 142 oracle cases either way, and
-# `benchmarks/fa3_fwd_ab --fp8 --head-dim D --seqlen 4096 --seqlen 16384 --passes 5 --variant
-# rt1rc:rescale_threshold=1,row_chains=1` against the table (per-pass ratios, median / lowest
-# pass, N = 4k / 16k): D = 128 1.042 / 1.001, 1.021 / 1.005; D = 256 1.050 / 1.038, 1.030 /
-# 1.024 (756.0 / 802.6 against 725.3 / 788.2 TFLOP/s at D = 128; 842.1 / 985.5 against 798.2
-# / 955.8 at D = 256). Causal D = 256 takes them too (FP8_CAUSAL_CONFIGS).
+# The e4m3 softmax of non-causal D = 128 and 256 and causal D = 256: O rescaled when a row's max
+# grows by more than 1 bit, the row max and sum in four chains (row_chains): 1.042 / 1.001x
+# (D = 128) and 1.050 / 1.038x (D = 256) the table build at N = 4k / 16k, all 142 oracle cases
+# of `benchmarks/fa3_fp8_check` passed (H200, commit edeb6c2). A threshold of 8 bits is faster
+# still but failed 6 of 142 (a stale max leaves a row's largest P at 2^δ, rounded in e4m3;
+# commit b4d6c83). docs/results.md, "The softmax's instruction count".
 _FP8_SOFTMAX = {"rescale_threshold": 1, "row_chains": True}
 
 
@@ -679,12 +652,21 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
     return filled(cfg.tile_m) * TALL_TILE_GAIN < filled(short.tile_m)
 
 
-# Dense non-causal 16-bit head dims whose problems (no softcap or window, seqlen_q % 4 == 0:
-# lse_tma's TMA rows) run `_persistent_q_regs` of the table's tiles: 1.094 / 1.033 / 1.020x the
-# plain entry at N = 1k / 4k / 16k (H200, 2026-12-06, commit 72ed3e5, 5 interleaved passes;
-# docs/results.md, "The persistent order's L2 sections").
+# Dense non-causal 16-bit problems (no softcap or window, seqlen_q % 4 == 0: lse_tma's TMA
+# rows) that run `_persistent_q_regs`: D = 128 of the table's tiles (1.094 / 1.033 / 1.020x the
+# plain entry at N = 1k / 4k / 16k, H200, 2026-12-06, commit 72ed3e5), D = 64 up to
+# SHORT_SEQLEN_K keys of two warpgroups' 128-row tiles (Q in registers spills on three: 1.076 /
+# 1.123x the v2 build at N = 512 / 1k, H100, 2026-12-06, commit 955587e). Longer D = 64 runs the
+# v2 build with L2_SECTION_MIB sections (1.038 / 1.028x the plain grid at 2k / 4k, same run).
+# docs/results.md, "The persistent order's L2 sections".
 _PERSISTENT_Q_REGS_DIMS = (128,)
-L2_SECTION_MIB = 8  # l2_section_mib of that build (the 32 MiB order reads K/V 2.5x from DRAM)
+_SHORT_Q_REGS_TILES = {64: Fa3Config(tile_n=128, stages=3)}
+L2_SECTION_MIB = 8  # l2_section_mib of those builds (32 MiB reads K/V 2.5x from DRAM)
+# Causal 16-bit head dims whose dense problems up to (seqlen_k) take their tiles from the tile
+# counter (Fa3Config.tile_counter) with (l2_section_mib) sections: each next tile to the CTA
+# that frees first (same run, ratio to the static order at N = 1k / 4k / 16k: D = 64 1.030 /
+# 1.058 / 0.998, D = 128 1.126 / 1.022 / 0.974; D = 256 with 32 MiB 1.063 / 0.988 at 1k / 4k).
+_TILE_COUNTER = {64: (4096, 16), 128: (1024, 16), 256: (1024, 32)}
 
 
 def _persistent_q_regs(cfg: Fa3Config) -> Fa3Config:
@@ -695,21 +677,32 @@ def _persistent_q_regs(cfg: Fa3Config) -> Fa3Config:
                    loop_mask_test=False, q_in_regs=True, l2_section_mib=L2_SECTION_MIB)  # fmt: skip
 
 
+def _dense_choice(p: AttnParams, cfg: Fa3Config) -> Fa3Config | None:
+    """config_for's pick for dense 16-bit problems without softcap or window (None: none)."""
+    if p.dtype not in DTYPES or p.softcap or p.is_local:
+        return None
+    if p.causal:
+        limit, mib = _TILE_COUNTER.get(p.head_dim, (0, 0))
+        return replace(cfg, tile_counter=True, l2_section_mib=mib) if p.seqlen_k <= limit else None
+    short = _SHORT_Q_REGS_TILES.get(p.head_dim) if p.seqlen_k <= SHORT_SEQLEN_K else None
+    if p.seqlen_q % 4 == 0 and (short or p.head_dim in _PERSISTENT_Q_REGS_DIMS):
+        return _persistent_q_regs(short or cfg)
+    if p.head_dim in _SHORT_PERSISTENT_DIMS:
+        return replace(_two_q(_overlap(cfg)), l2_section_mib=L2_SECTION_MIB)
+    return None
+
+
 def config_for(p: AttnParams) -> Fa3Config:
     """The tile config fa3 uses for problem `p` (`get_config` of its head_dim, dtype, causal
     flag and key length, the host-Vᵀ tiles for an fp8 V laid out keys-major;
-    `_SHORT_Q_TILES` for query lengths the taller tile fills badly; `_persistent_q_regs` for
-    the dense problems of _PERSISTENT_Q_REGS_DIMS; softcap and windowed problems without
+    `_SHORT_Q_TILES` for query lengths the taller tile fills badly; `_dense_choice` for
+    dense problems (persistent builds with Q in registers, 8 MiB L2 sections or the tile
+    counter); softcap and windowed problems without
     softmax_apart, wg_slice and split_loops, and with the loop's mask test: the builds the GPU
     suite has checked with them)."""
     cfg = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
-    if (
-        p.head_dim in _PERSISTENT_Q_REGS_DIMS
-        and p.dtype in DTYPES
-        and not (p.causal or p.softcap or p.is_local)
-        and p.seqlen_q % 4 == 0
-    ):
-        return _persistent_q_regs(cfg)
+    if (dense := _dense_choice(p, cfg)) is not None:
+        return dense
     if p.is_fp8 and p.v_keys_major and cfg.v_transpose == "smem":
         # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
         # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
@@ -776,8 +769,9 @@ def shipped_configs() -> list[tuple[int, torch.dtype, bool, Fa3Config]]:
 def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     """Every 16-bit config the table can return, named: "shipped" (long keys),
     "shipped-short" (seqlen_k <= SHORT_SEQLEN_K, where that differs), "shipped-short-q"
-    (config_for's `_SHORT_Q_TILES`) and "shipped-persistent" (`_persistent_q_regs`). What CI
-    compiles (tests/test_fa3_compile.py; fp8: `fp8_shipped_configs`)."""
+    (config_for's `_SHORT_Q_TILES`) and "shipped-dense-N" (`_dense_choice` of a dense N x N
+    problem, where that differs). What CI compiles (tests/test_fa3_compile.py; fp8:
+    `fp8_shipped_configs`)."""
     out = [("shipped", *c) for c in shipped_configs()]
     for d, dt, c, cfg in shipped_configs():
         short = get_config(d, dt, c, seqlen_k=SHORT_SEQLEN_K)
@@ -785,8 +779,12 @@ def shipped_cases() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             out.append(("shipped-short", d, dt, c, short))
         if not c and d in _SHORT_Q_TILES:
             out.append(("shipped-short-q", d, dt, c, _SHORT_Q_TILES[d]))
-        if not c and d in _PERSISTENT_Q_REGS_DIMS:
-            out.append(("shipped-persistent", d, dt, c, _persistent_q_regs(cfg)))
+        for n in (SHORT_SEQLEN_K, 4096, 16384):
+            window = (-1, 0 if c else -1)
+            p = AttnParams(1, n, n, 1, 1, d, d, dt, torch.device("cpu"), c, *window, 0.0, 1.0)
+            dense = _dense_choice(p, get_config(d, dt, c, n))
+            if dense is not None and all(dense != o[4] for o in out if o[1:4] == (d, dt, c)):
+                out.append((f"shipped-dense-{n}", d, dt, c, dense))
     return out
 
 

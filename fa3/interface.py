@@ -379,23 +379,15 @@ def forward(
     return out, lse
 
 
-# (device, stream) -> the (next tile, CTAs done) int32 counters of Fa3Config.tile_counter builds:
-# zero at every launch (each launch leaves them zero), one pair per stream, so launches that may
-# run at once never share a pair.
-_counters: dict[tuple, torch.Tensor] = {}
-
-
 def _tile_counters(device: torch.device) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _counters.get(key)
-    if buf is None:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "fa3: a tile_counter build allocates its counters on a stream's first call; "
-                "call it once on this stream before CUDA-graph capture"
-            )
-        buf = _counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return buf
+    """The (next tile, CTAs done) int32 pair of a Fa3Config.tile_counter build: zero at every
+    launch (the last CTA of each launch sets them back to 0), the decode combine's counters
+    (`decode_host.split_counters`: one buffer per stream, so launches that may run at once
+    never share a pair; inside CUDA-graph capture a slice of the capture pool no other
+    captured call gets)."""
+    from flashsuite.fa3.decode_host import split_counters
+
+    return split_counters(2, device)
 
 
 def bind_forward(p: AttnParams, need_lse: bool = True):
@@ -407,8 +399,7 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
     here: a second compiled kernel would cost a cold start more than the allocation saves)."""
     if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
         return None
-    if config_for(p).tile_counter:  # its counters: `forward`
-        return None
+    counted = config_for(p).tile_counter  # the launch takes its tile counters
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)
     dtype, f32 = p.out_dtype, torch.float32
@@ -437,7 +428,8 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
             or aligned != (q.stride(), k.stride(), v.stride())
         ):
             q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-        fn(q, k, v, out, lse, None, None, None, None, None, *scalars)
+        counters = _tile_counters(device) if counted else None
+        fn(q, k, v, out, lse, None, None, None, None, counters, *scalars)
         return out, lse
 
     return run

@@ -561,11 +561,11 @@ MUTANTS = [
         ("tests/test_fa3_trace.py",),
     ),
     Mutant(
-        "fa3 table: the persistent D = 128 build for query lengths its LSE store cannot take",
+        "fa3 table: the Q-in-registers build for query lengths its LSE store cannot take",
         "fa3/configs.py",
-        "and p.seqlen_q % 4 == 0",
-        "and p.seqlen_q % 1 == 0",
-        "dense_d128_runs",
+        "if p.seqlen_q % 4 == 0 and (short",
+        "if p.seqlen_q % 1 == 0 and (short",
+        "dense_runs",
         ("tests/test_fa3_q_in_regs.py",),
     ),
 ]
@@ -857,10 +857,10 @@ GPU_MUTANTS = [
         ("tests/test_fp8_blocks.py",),
     ),
     Mutant(
-        "fa3: the tile counter's next tile one position early",
+        "fa3: the tile counter's next tile one position late (a tile skipped)",
         "fa3/kernels.py",
         "tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x",
-        "tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x - 1",
+        "tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x + 1",
         "static_order_bits and D128-causal",
         ("tests/test_fa3_tile_counter.py",),
     ),

@@ -73,34 +73,37 @@ def test_gpu_q_in_registers_gives_the_same_bits(d: int, causal: bool, changes) -
 
 
 @pytest.mark.parametrize(
-    ("changes", "persistent"),
+    ("changes", "persistent", "sections"),
     [
-        pytest.param({}, True, id="bf16"),
-        pytest.param(dict(dtype=torch.float16), True, id="fp16"),
-        pytest.param(dict(nq=1030), False, id="seqlen_q-not-a-multiple-of-4"),
-        pytest.param(dict(causal=True), False, id="causal"),
-        pytest.param(dict(softcap=30.0), False, id="softcap"),
-        pytest.param(dict(window_size=(256, 0)), False, id="window"),
-        pytest.param(dict(d=64), False, id="D64"),
-        pytest.param(dict(fp8=True), False, id="e4m3"),
+        pytest.param({}, True, True, id="bf16"),
+        pytest.param(dict(dtype=torch.float16), True, True, id="fp16"),
+        pytest.param(dict(nq=1030), False, False, id="seqlen_q-not-a-multiple-of-4"),
+        pytest.param(dict(causal=True), False, False, id="causal"),
+        pytest.param(dict(softcap=30.0), False, False, id="softcap"),
+        pytest.param(dict(window_size=(256, 0)), False, False, id="window"),
+        pytest.param(dict(d=64), False, True, id="D64"),
+        pytest.param(dict(d=64, nk=1024), True, True, id="D64-short"),
+        pytest.param(dict(d=64, nk=1024, nq=1030), False, True, id="D64-short-nq-not-4"),
+        pytest.param(dict(fp8=True), False, False, id="e4m3"),
     ],
 )
-def test_dense_d128_runs_the_persistent_q_in_registers_build(changes, persistent) -> None:
-    """config_for gives dense non-causal 16-bit D = 128 problems (seqlen_q % 4 == 0, no softcap
-    or window) the persistent build with Q in registers and 8 MiB L2 sections, and every other
-    problem what it ran before: Nq % 4 != 0 cannot take the LSE's TMA store, softcap and
-    windowed problems keep the builds the GPU suite checked with them, causal its own entry.
-    explain() names it."""
+def test_dense_runs_the_persistent_q_in_registers_build(changes, persistent, sections) -> None:
+    """config_for gives dense non-causal 16-bit D = 128 problems, and D = 64 ones up to
+    SHORT_SEQLEN_K keys (on two warpgroups' 128-row tiles), with seqlen_q % 4 == 0 and no
+    softcap or window, the persistent build with Q in registers and 8 MiB L2 sections; other
+    dense D = 64 problems the v2 build with those sections; every other problem what it ran
+    before: Nq % 4 != 0 cannot take the LSE's TMA store, softcap and windowed problems keep
+    the builds the GPU suite checked with them, causal its own entry. explain() names it."""
     from flashsuite.common.fp8 import quantize_e4m3
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface
     from flashsuite.fa3.configs import L2_SECTION_MIB, config_for
 
-    c = dict(dtype=torch.bfloat16, nq=1024, d=128, causal=False, fp8=False)
+    c = dict(dtype=torch.bfloat16, nq=1024, nk=2048, d=128, causal=False, fp8=False)
     c.update(changes)
     opts = {k: c.pop(k) for k in ("softcap", "window_size") if k in c}
     q = torch.randn(2, c["nq"], 4, c["d"], dtype=c["dtype"])
-    k = torch.randn(2, 2048, 4, c["d"], dtype=c["dtype"])
+    k = torch.randn(2, c["nk"], 4, c["d"], dtype=c["dtype"])
     if c["fp8"]:
         (q, dq), (k, dk) = quantize_e4m3(q), quantize_e4m3(k)
         opts.update(descale_q=dq, descale_k=dk, descale_v=dk)
@@ -108,6 +111,8 @@ def test_dense_d128_runs_the_persistent_q_in_registers_build(changes, persistent
     cfg = config_for(p)
     taken = cfg.persistent and cfg.q_in_regs and cfg.lse_tma and not cfg.o_alias_q
     assert taken == persistent, cfg
-    assert (cfg.l2_section_mib == L2_SECTION_MIB) == persistent, cfg
+    assert not taken or cfg.num_consumer_wgs == 2, cfg
+    assert (cfg.l2_section_mib == L2_SECTION_MIB) == sections, cfg
+    assert not sections or cfg.persistent, cfg
     ok, reason = interface.supports(p, 90)
     assert ok and ("Q in registers" in reason) == persistent, reason

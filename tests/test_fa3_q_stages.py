@@ -101,10 +101,18 @@ def test_lse_by_tma_needs_rows_in_16_byte_strides() -> None:
 
 @pytest.mark.parametrize(
     ("causal", "n", "two"),
-    [(False, 1024, True), (False, 2048, False), (True, 2048, True), (True, 4096, False)],
+    [
+        (False, 1024, False),
+        (False, 1022, True),
+        (False, 2048, True),
+        (True, 2048, True),
+        (True, 4096, False),
+    ],
 )
 def test_explain_names_the_second_q_buffer(causal: bool, n: int, two: bool) -> None:
-    """The table's short D = 64 entries say they run two Q buffers, where they do."""
+    """The table's D = 64 entries say they run two Q buffers, where they do: non-causal dense
+    problems but those with Q in registers (seqlen_q % 4 == 0 up to SHORT_SEQLEN_K keys: one
+    buffer, released once loaded), causal ones up to SHORT_CAUSAL_TWO_Q keys."""
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface
 

@@ -25,44 +25,49 @@ def test_tile_counter_needs_the_persistent_scheduler() -> None:
     assert can_implement(Fa3Config(persistent=True, tile_counter=True), 128, torch.bfloat16)[0]
 
 
-def test_counters_are_zeroed_per_device_and_stream(monkeypatch) -> None:
-    """One int32 pair per (device, stream), zero when made; the same pair on the next call."""
-    from flashsuite.fa3 import interface
+def test_counters_are_the_decode_combines(monkeypatch) -> None:
+    """A launch's (next tile, CTAs done) pair is decode_host.split_counters(2): zeros the
+    kernels leave zeroed, one buffer per stream, a capture-pool slice of its own for each call
+    captured into a CUDA graph (tests/test_fa3_kvcache.py tests that pool)."""
+    from flashsuite.fa3 import decode_host, interface
 
-    made = []
+    asked = []
 
-    class Stream:
-        def __init__(self, handle: int) -> None:
-            self.cuda_stream = handle
+    def split_counters(n, device):
+        asked.append((n, device))
+        return torch.zeros(n, dtype=torch.int32)
 
-    streams = iter([Stream(1), Stream(1), Stream(2)])
-    monkeypatch.setattr(interface, "_counters", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: next(streams))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-
-    def zeros(*shape, dtype=None, device=None):
-        made.append((shape, dtype))
-        return torch.full(shape, 0, dtype=dtype)
-
-    monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(decode_host, "split_counters", split_counters)
     dev = torch.device("cpu")
-    a, b, c = (interface._tile_counters(dev) for _ in range(3))
-    assert a is b and a is not c
-    assert made == [((2,), torch.int32)] * 2
-    assert a.tolist() == [0, 0]
+    assert interface._tile_counters(dev).tolist() == [0, 0]
+    assert asked == [(2, dev)]
 
 
-def test_counters_are_not_made_inside_graph_capture(monkeypatch) -> None:
-    from flashsuite.fa3 import interface
+def test_table_takes_the_counter_where_measured() -> None:
+    """Dense causal 16-bit problems up to each head dim's key length run the counter build
+    with its sections; longer ones, softcap, windows, fp8 and non-causal ones do not."""
+    from flashsuite.common.validation import AttnParams
+    from flashsuite.fa3.configs import _TILE_COUNTER, config_for
 
-    class Stream:
-        cuda_stream = 7
+    def problem(d, n, causal=True, dtype=torch.bfloat16, softcap=0.0, left=-1):
+        window = (left, 0 if causal else -1)
+        cpu = torch.device("cpu")
+        return AttnParams(1, n, n, 8, 8, d, d, dtype, cpu, causal, *window, softcap, 1.0)
 
-    monkeypatch.setattr(interface, "_counters", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(RuntimeError, match="before CUDA-graph capture"):
-        interface._tile_counters(torch.device("cpu"))
+    for d, (limit, mib) in _TILE_COUNTER.items():
+        cfg = config_for(problem(d, limit))
+        assert cfg.tile_counter and cfg.persistent and cfg.l2_section_mib == mib, (d, cfg)
+        assert config_for(problem(d, limit, dtype=torch.float16)) == cfg
+        for p in (
+            problem(d, limit + 1),
+            problem(d, 512, softcap=5.0),
+            problem(d, 512, causal=False),
+        ):
+            assert not config_for(p).tile_counter, (d, p)
+    assert not config_for(problem(128, 512, left=64)).tile_counter
+    assert not config_for(problem(96, 512)).tile_counter
+    f8 = problem(128, 512, dtype=torch.float8_e4m3fn)
+    assert not config_for(f8).tile_counter
 
 
 _CASES = [
@@ -90,7 +95,7 @@ def test_gpu_tile_counter_gives_the_static_order_bits(d: int, causal: bool, chan
     base = config_for(p)
     if not base.persistent:
         base = dataclasses.replace(base, **_V2)
-    base = dataclasses.replace(base, **changes)
+    base = dataclasses.replace(base, tile_counter=False, **changes)
     out, lse = interface.forward(q, k, v, p, cfg=base)
     counted = dataclasses.replace(base, tile_counter=True)
     for _ in range(3):
@@ -112,7 +117,7 @@ def test_gpu_tile_counter_on_two_streams_at_once() -> None:
     from tests.test_fa3_q_stages import _gpu_problem
 
     q, k, v, p, _ = _gpu_problem(128, torch.bfloat16, True, 12)
-    base = config_for(p)
+    base = dataclasses.replace(config_for(p), tile_counter=False)
     out, lse = interface.forward(q, k, v, p, cfg=base)
     counted = dataclasses.replace(base, tile_counter=True)
     streams = [torch.cuda.Stream() for _ in range(2)]
@@ -124,3 +129,31 @@ def test_gpu_tile_counter_on_two_streams_at_once() -> None:
     torch.cuda.synchronize()
     for out_c, lse_c in results:
         assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+@pytest.mark.gpu
+def test_gpu_tile_counter_under_cuda_graph_capture() -> None:
+    """dispatch.attention on a table entry with the counter (causal D = 128, 1k keys) captured
+    into a CUDA graph: the captured launch takes counters no other call has (a capture-pool
+    slice, left at zero by each replay), and every replay gives the eager call's bits."""
+    from flashsuite import dispatch
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import decode_host
+    from flashsuite.fa3.configs import config_for
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (
+        torch.randn(2, 1024, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(3)
+    )
+    assert config_for(check_inputs(q, k, v, causal=True)).tile_counter
+    ref = dispatch.attention(q, k, v, causal=True, version="fa3")
+    handed = decode_host._capture_pool[q.device][1]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dispatch.attention(q, k, v, causal=True, version="fa3")
+    assert decode_host._capture_pool[q.device][1] == handed + 2
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)

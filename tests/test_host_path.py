@@ -235,7 +235,14 @@ def test_fa3_bound_forward_launches_what_forward_launches(monkeypatch) -> None:
 
     with override_arch(90):
         for layout, (q, k, v) in _views():
-            for opts in ({}, {"causal": True, "softcap": 5.0}, {"window_size": (8, 3)}):
+            # {}: Q in registers (persistent); causal: the tile counter's counters (a fresh
+            # pair on a CPU) in cu_seqlens_k's slot.
+            for opts in (
+                {},
+                {"causal": True},
+                {"causal": True, "softcap": 5.0},
+                {"window_size": (8, 3)},
+            ):
                 p = check_inputs(q, k, v, **opts)
                 fa3._plans.clear()
                 fa3.forward(q, k, v, p)
