@@ -138,10 +138,10 @@ _counters: dict[tuple, torch.Tensor] = {}
 # replay: B 1, 4k keys on the H200, 17.4 against 15.9 us). Slices are never taken back (a
 # graph may be replayed as long as it lives), and disjoint slices keep graphs replayed on
 # different streams apart. A split call has fewer tiles than the SMs' CTA target (one counter
-# per tile: under 132 on an H100 / H200 unless num_splits is forced), so the pool's 2^18
-# counters (1 MB) last for about 2,000 captured split calls; past them, or when a call is
-# captured before any eager split call on its device, the call gets a fresh buffer that the
-# graph zeroes itself (a memset node).
+# per tile: under 132 on an H100 / H200 unless num_splits is forced; the forward's tile counter
+# takes 2, interface._tile_counters), so the pool's 2^18 counters (1 MB) last for about 2,000
+# captured split calls; past them, or when a call is captured before any eager split call on
+# its device, the call gets a fresh buffer that the graph zeroes itself (a memset node).
 CAPTURE_POOL_COUNTERS = 1 << 18
 _capture_pool: dict[torch.device, list] = {}  # device -> [buffer, counters handed out]
 _capture_lock = threading.Lock()
