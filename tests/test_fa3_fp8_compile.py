@@ -440,8 +440,13 @@ def test_one_forward_path_hands_the_binary_its_arguments(dtype, monkeypatch) -> 
     out, lse = interface.forward(q, k, v, p, *(ds if fp8 else ()))
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 4, 40)
     ((key, args),) = calls
-    assert key == CompileKey(dtype, 64, True, False, False, get_config(64, dtype, True, 56))
-    assert len(args) == 5 + 3 + 2 + 4 + 1 and args[-1] == 132 and args[8:10] == (None, None)
+    cfg = configs.config_for(p)  # bf16 causal: the table's entry with the tile counter
+    assert cfg.tile_counter != fp8
+    assert replace(cfg, tile_counter=False, l2_section_mib=32) == get_config(64, dtype, True, 56)
+    assert key == CompileKey(dtype, 64, True, False, False, cfg)
+    assert len(args) == 5 + 3 + 2 + 4 + 1 and args[-1] == 132 and args[8] is None
+    # cu_seqlens_k's slot: None (dense), or the tile counter's (2,) int32 zeros.
+    assert args[9] is None if fp8 else (args[9].dtype, args[9].tolist()) == (torch.int32, [0, 0])
     assert args[0] is q and args[1] is k and args[3] is out and args[4] is lse
     if fp8:
         assert torch.equal(args[2].view(torch.uint8), v.view(torch.uint8).permute(0, 2, 3, 1))
