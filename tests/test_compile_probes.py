@@ -38,7 +38,7 @@ def test_fa2_table_compiles_without_spills() -> None:
 
 
 def test_fa1_table_compiles_without_spills() -> None:
-    res = _run("benchmarks.fa1_probe", "90")
+    res = _run("benchmarks.fa1_probe", "--ci", "90")  # fp16 at D = 64 and where it differs
     rows = [line for line in res.stdout.splitlines() if "regs" in line]
     assert res.returncode == 0, res.stderr[-2000:]
     assert rows, res.stdout[-2000:]
