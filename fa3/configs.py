@@ -550,17 +550,10 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     256: _fp8(96, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
 }
 # Causal entries that differ: at D = 64 the widest S (256: 441 vs 421 TFLOP/s); at D = 128 and
-# 256 the non-causal tiles in split loops with wg_slice (1.049 / 1.003x and 1.055 / 1.043x the
-# build without at N = 4k / 16k, same run as D = 128 above); all three on the persistent
-# scheduler v2: H100, 2026-12-06, commits 403a0ef / dc85b5f (`fa3_fwd_ab --fp8 --causal
-# --variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host`, 5 passes, ratio
-# to the table build, the smem build where marked *) at N = 1k / 2k / 4k / 16k: D = 64 1.023* /
-# - / 1.039* / 1.063*, D = 128 1.041* / 1.083* / 1.123 / 1.022, D = 256 0.975* / 1.070 / 1.116 /
-# 1.027. Causal D = 256 takes _FP8_SOFTMAX too: 1.014 / 1.064x at 4k / 16k (lowest passes 1.003
-# / 1.037); D = 128 1.016 / 0.992x, not taken (commit 8526760). D = 96 and 192 (host Vᵀ at every
-# length) on v2 too: H100, 2026-12-06, commit 86b048f, the same command, 1.166 / 1.097 / 1.020x
-# (D = 96) and 1.100 / 1.080 / 1.069x (D = 192) the plain grid at N = 1k / 4k / 16k, every pass
-# ahead (lowest pass 1.005x, D = 96 at 16k).
+# 256 the non-causal tiles in split loops with wg_slice (1.049 / 1.003x and 1.055 / 1.043x at
+# N = 4k / 16k); every head dim on the persistent scheduler v2 (1.02-1.17x the plain grid at
+# N = 1k-16k; D = 256 with _FP8_SOFTMAX 1.014 / 1.064x). H100 runs of commits 403a0ef, dc85b5f,
+# 8526760 and 86b048f in docs/fp8.md and docs/results.md.
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _overlap(_fp8(256)),
     96: _overlap(_fp8(128)),
@@ -654,19 +647,22 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
 
 # Dense non-causal 16-bit problems (no softcap or window, seqlen_q % 4 == 0: lse_tma's TMA
 # rows) that run `_persistent_q_regs`: D = 128 of the table's tiles (1.094 / 1.033 / 1.020x the
-# plain entry at N = 1k / 4k / 16k, H200, 2026-12-06, commit 72ed3e5), D = 64 up to
-# SHORT_SEQLEN_K keys of two warpgroups' 128-row tiles (Q in registers spills on three: 1.076 /
-# 1.123x the v2 build at N = 512 / 1k, H100, 2026-12-06, commit 955587e). Longer D = 64 runs the
-# v2 build with L2_SECTION_MIB sections (1.038 / 1.028x the plain grid at 2k / 4k, same run).
-# docs/results.md, "The persistent order's L2 sections".
+# plain entry at N = 1k / 4k / 16k, H200, commit 72ed3e5), D = 64 up to SHORT_SEQLEN_K keys on
+# two warpgroups' 128-row tiles (Q in registers spills on three): 1.066 / 1.078x the v2 build
+# at N = 512 / 1k (H100, commit aedf37c). Longer D = 64 up to SECTIONS_MAX_SEQLEN_K keys runs
+# the v2 build with L2_SECTION_MIB sections: 1.038 / 1.028x the plain grid at 2k / 4k (H100,
+# commit 955587e; 16k not timed). docs/results.md, "Sections and the tile counter".
 _PERSISTENT_Q_REGS_DIMS = (128,)
 _SHORT_Q_REGS_TILES = {64: Fa3Config(tile_n=128, stages=3)}
+SECTIONS_MAX_SEQLEN_K = 4096
 L2_SECTION_MIB = 8  # l2_section_mib of those builds (32 MiB reads K/V 2.5x from DRAM)
 # Causal 16-bit head dims whose dense problems up to (seqlen_k) take their tiles from the tile
-# counter (Fa3Config.tile_counter) with (l2_section_mib) sections: each next tile to the CTA
-# that frees first (same run, ratio to the static order at N = 1k / 4k / 16k: D = 64 1.030 /
-# 1.058 / 0.998, D = 128 1.126 / 1.022 / 0.974; D = 256 with 32 MiB 1.063 / 0.988 at 1k / 4k).
+# counter (Fa3Config.tile_counter) with (l2_section_mib) sections: the static order is 0.870
+# (D = 128), 0.956 (D = 64; 0.996 at 4k) and 0.939x (D = 256) the counter build at N = 1k
+# (H100, commit aedf37c); 16k level or behind. Causal D = 64 up to SHORT_SEQLEN_K keys runs
+# two warpgroups' 128-row tiles with Q in registers on top: 1.107x at 1k, 0.976x at 2k.
 _TILE_COUNTER = {64: (4096, 16), 128: (1024, 16), 256: (1024, 32)}
+_SHORT_CAUSAL = {64: dict(tile_m=128, num_consumer_wgs=2, skip_masked_wg=False, q_in_regs=True)}
 
 
 def _persistent_q_regs(cfg: Fa3Config) -> Fa3Config:
@@ -681,13 +677,18 @@ def _dense_choice(p: AttnParams, cfg: Fa3Config) -> Fa3Config | None:
     """config_for's pick for dense 16-bit problems without softcap or window (None: none)."""
     if p.dtype not in DTYPES or p.softcap or p.is_local:
         return None
+    short_keys = p.seqlen_k <= SHORT_SEQLEN_K
     if p.causal:
         limit, mib = _TILE_COUNTER.get(p.head_dim, (0, 0))
-        return replace(cfg, tile_counter=True, l2_section_mib=mib) if p.seqlen_k <= limit else None
-    short = _SHORT_Q_REGS_TILES.get(p.head_dim) if p.seqlen_k <= SHORT_SEQLEN_K else None
+        if p.seqlen_k > limit:
+            return None
+        if short_keys and p.head_dim in _SHORT_CAUSAL:
+            cfg = replace(cfg, **_SHORT_CAUSAL[p.head_dim])
+        return replace(cfg, tile_counter=True, l2_section_mib=mib)
+    short = _SHORT_Q_REGS_TILES.get(p.head_dim) if short_keys else None
     if p.seqlen_q % 4 == 0 and (short or p.head_dim in _PERSISTENT_Q_REGS_DIMS):
         return _persistent_q_regs(short or cfg)
-    if p.head_dim in _SHORT_PERSISTENT_DIMS:
+    if p.head_dim in _SHORT_PERSISTENT_DIMS and p.seqlen_k <= SECTIONS_MAX_SEQLEN_K:
         return replace(_two_q(_overlap(cfg)), l2_section_mib=L2_SECTION_MIB)
     return None
 

@@ -561,6 +561,22 @@ MUTANTS = [
         ("tests/test_fa3_trace.py",),
     ),
     Mutant(
+        "fa3 table: D = 64's sections build past the key lengths it was timed at",
+        "fa3/configs.py",
+        "and p.seqlen_k <= SECTIONS_MAX_SEQLEN_K:",
+        "and p.seqlen_k <= 2 * SECTIONS_MAX_SEQLEN_K:",
+        "dense_runs",
+        ("tests/test_fa3_q_in_regs.py",),
+    ),
+    Mutant(
+        "fa3 table: causal D = 64's short tiles at every length the counter takes",
+        "fa3/configs.py",
+        "if short_keys and p.head_dim in _SHORT_CAUSAL:",
+        "if p.head_dim in _SHORT_CAUSAL:",
+        "counter_where_measured",
+        ("tests/test_fa3_tile_counter.py",),
+    ),
+    Mutant(
         "fa3 table: the Q-in-registers build for query lengths its LSE store cannot take",
         "fa3/configs.py",
         "if p.seqlen_q % 4 == 0 and (short",

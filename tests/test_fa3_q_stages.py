@@ -214,7 +214,7 @@ def test_gpu_next_q_prefetch_gives_the_same_bits(d: int) -> None:
     table build."""
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import config_for
+    from flashsuite.fa3.configs import get_config
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     b, nq, nk, hq, hkv = 4, 1500, 1100, 16, 4
@@ -223,7 +223,7 @@ def test_gpu_next_q_prefetch_gives_the_same_bits(d: int) -> None:
         for n, h in ((nq, hq), (nk, hkv), (nk, hkv))
     )
     p = check_inputs(q, k, v)
-    table = config_for(p)
+    table = get_config(d, torch.bfloat16, False, nk)  # the plain entry (config_for: persistent)
     assert not table.persistent, table
     out, lse = interface.forward(q, k, v, p, cfg=table)
     cfg = dataclasses.replace(table, prefetch_next_q=True)
@@ -247,12 +247,12 @@ def test_gpu_direct_o_store_gives_the_same_bits(d: int, dtype, causal: bool) -> 
     height: 1500 = 11 x 128 + 92 = 7 x 192 + 156), so an unguarded row would overwrite the
     next batch's first rows; causal leaves the first 400 rows without a key. The same bits,
     and (16-bit) the float64 oracle's agreement."""
-    from flashsuite.fa3.configs import config_for
+    from flashsuite.fa3.configs import get_config
 
     q, k, v, p, opts = _gpu_problem(d, dtype, causal, 5)
-    plain = dataclasses.replace(
-        config_for(p), persistent=False, overlap_tiles=False, balanced_order=False
-    )
+    # The table's tiles (get_config: config_for's dense builds are persistent) on the plain grid.
+    table = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    plain = dataclasses.replace(table, persistent=False, overlap_tiles=False, balanced_order=False)
     _same_bits(q, k, v, p, opts, plain, dict(o_direct_store=True), oracle=dtype != "e4m3")
 
 

@@ -64,6 +64,10 @@ def test_table_takes_the_counter_where_measured() -> None:
             problem(d, 512, causal=False),
         ):
             assert not config_for(p).tile_counter, (d, p)
+    # Causal D = 64 up to SHORT_SEQLEN_K keys: two warpgroups' 128-row tiles, Q in registers.
+    short, longer = config_for(problem(64, 1024)), config_for(problem(64, 1025))
+    assert (short.tile_m, short.num_consumer_wgs, short.q_in_regs) == (128, 2, True), short
+    assert (longer.tile_m, longer.num_consumer_wgs, longer.q_in_regs) == (192, 3, False), longer
     assert not config_for(problem(128, 512, left=64)).tile_counter
     assert not config_for(problem(96, 512)).tile_counter
     f8 = problem(128, 512, dtype=torch.float8_e4m3fn)

@@ -128,9 +128,11 @@ def test_every_version_has_the_same_config_interface(version: str) -> None:
     p = check_inputs(q, q, v, causal=True)
     if version == "fa3":
         cfg = configs.config_for(p)
-        # The table's entry, with the tile counter of dense causal problems (configs._TILE_COUNTER).
+        # The table's entry with config_for's dense choice: the tile counter of short causal
+        # problems (configs._TILE_COUNTER), causal D = 64's short tiles (configs._SHORT_CAUSAL).
         table = configs.get_config(64, torch.bfloat16, True, 256)
-        assert cfg == dataclasses.replace(table, tile_counter=True, l2_section_mib=16)
+        short = configs._SHORT_CAUSAL[64]
+        assert cfg == dataclasses.replace(table, tile_counter=True, l2_section_mib=16, **short)
     else:
         cfg = configs.config_for(p, 90)
         bwd = configs.bwd_config_for(p, 90)
