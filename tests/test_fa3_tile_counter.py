@@ -47,6 +47,7 @@ def test_table_takes_the_counter_where_measured() -> None:
     """Dense causal 16-bit problems up to each head dim's key length run the counter build
     with its sections; longer ones, softcap, windows, fp8 and non-causal ones do not."""
     from flashsuite.common.validation import AttnParams
+    from flashsuite.fa3 import interface
     from flashsuite.fa3.configs import _TILE_COUNTER, config_for
 
     def problem(d, n, causal=True, dtype=torch.bfloat16, softcap=0.0, left=-1):
@@ -57,6 +58,9 @@ def test_table_takes_the_counter_where_measured() -> None:
     for d, (limit, mib) in _TILE_COUNTER.items():
         cfg = config_for(problem(d, limit))
         assert cfg.tile_counter and cfg.persistent and cfg.l2_section_mib == mib, (d, cfg)
+        ok, why = interface.supports(problem(d, limit), 90)  # explain() names both
+        sections = mib == 32 or f"{mib} MiB L2 sections" in why  # 32: the default, not named
+        assert ok and "tiles from a global counter" in why and sections, why
         assert config_for(problem(d, limit, dtype=torch.float16)) == cfg
         for p in (
             problem(d, limit + 1),
