@@ -635,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.fa3_fwd_ab import parse_variant
 
     try:
-        _, changes = parse_variant("set:" + ",".join(args.set))
+        _, changes = parse_variant("set:" + ",".join(args.set), table_ok=False)
     except ValueError as exc:
         ap.error(str(exc))
     res["changes"] = changes

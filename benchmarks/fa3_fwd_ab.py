@@ -5,7 +5,9 @@
         --variant t176:tile_n=176
 
 A variant is NAME:FIELD=VALUE,... : the shipped config for the shape (configs.config_for) with
-those Fa3Config fields replaced (ints; 0 / 1 for the flags). Each variant must build
+those Fa3Config fields replaced (ints; 0 / 1 for the flags); with `table=1` among them, the
+table's entry for the shape (configs.get_config: without config_for's dense builds) instead,
+so `--variant plain:table=1` is the build a dense problem ran before those. Each variant must build
 (can_implement) and pass the oracle on three small cases (odd lengths, GQA, one long) under the
 suite's comparison rule before it is timed. Then every contender is timed once per shape per
 pass, passes interleaved (a run drifts by several percent, more than what is being decided):
@@ -34,8 +36,9 @@ import sys
 import torch
 
 
-def parse_variant(spec: str):
-    """("name", {field: int}) from NAME:FIELD=VALUE,...; a clear error for a bad field."""
+def parse_variant(spec: str, table_ok: bool = True):
+    """("name", {field: int}) from NAME:FIELD=VALUE,...; a clear error for a bad field.
+    `table_ok`: whether `table=1` (`variant_config`'s base) is allowed."""
     from flashsuite.fa3.configs import Fa3Config
 
     name, _, body = spec.partition(":")
@@ -43,6 +46,11 @@ def parse_variant(spec: str):
     changes: dict[str, object] = {}
     for item in filter(None, body.split(",")):
         key, _, value = item.partition("=")
+        if key == "table":
+            if not table_ok:
+                raise ValueError(f"--variant {spec!r}: table=1 is for the A/B tools' variants")
+            changes[key] = bool(int(value))
+            continue
         if key not in fields:
             raise ValueError(f"--variant {spec!r}: field {key!r} not in Fa3Config {sorted(fields)}")
         current = getattr(Fa3Config(), key)
@@ -54,6 +62,20 @@ def parse_variant(spec: str):
     if not name:
         raise ValueError(f"--variant {spec!r}: expected NAME:FIELD=VALUE,...")
     return name, changes
+
+
+def variant_config(p, changes: dict):
+    """The config of a parsed variant for problem `p`: config_for's, or with `table` the
+    table's entry (get_config of its head dim, dtype, causal flag and key length), with the
+    variant's fields replaced."""
+    from flashsuite.fa3.configs import config_for, get_config
+
+    fields = dict(changes)
+    if fields.pop("table", False):
+        base = get_config(p.head_dim, p.dtype, p.causal, p.seqlen_k)
+    else:
+        base = config_for(p)
+    return dataclasses.replace(base, **fields)
 
 
 def parse_sweep(ap: argparse.ArgumentParser, args, default: list[int]) -> tuple[list, list]:
@@ -73,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashsuite.common.validation import check_inputs
     from flashsuite.dispatch.bench import prepare
     from flashsuite.fa3 import interface as fa3
-    from flashsuite.fa3.configs import can_implement, config_for
+    from flashsuite.fa3.configs import can_implement
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE,... (repeat)")
@@ -99,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     def cfg_for(case: Case, changes: dict):
         q, k, v = make_inputs(case, "cuda")
         p = check_inputs(q, k, v, **case.options())
-        return (q, k, v, p), dataclasses.replace(config_for(p), **changes)
+        return (q, k, v, p), variant_config(p, changes)
 
     checks = [
         Case(2, 1000, 1000, 4, 4, d, dtype=bf16, causal=args.causal),
@@ -181,7 +203,7 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
             c = {**c, "causal": c.get("causal", False) or causal}
             q, k, v, _ = _inputs(c)
             p = check_inputs(q, k, v, causal=c["causal"])
-            cfg = dataclasses.replace(config_for(p), **changes)
+            cfg = variant_config(p, changes)
             ok, why = can_implement(cfg, d, FP8_DTYPE)
             if not ok:
                 print(f"{name}: cannot build {cfg}: {why}", flush=True)
@@ -196,7 +218,7 @@ def _fp8_main(args, variants: list, seqlens: list[int]) -> int:
         q, k, v, ds = _inputs(dict(b=b, nq=n, nk=n, hq=heads, hkv=heads, d=d, descale=True))
         p = check_inputs(q, k, v, causal=causal)
         for name, changes in [("fa3-fp8", {}), *variants]:
-            cfg = dataclasses.replace(config_for(p), **changes)
+            cfg = variant_config(p, changes)
             fns[name, n] = lambda q=q, k=k, v=v, p=p, ds=ds, cfg=cfg: fa3.forward(
                 q, k, v, p, *ds, cfg=cfg
             )

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashsuite.fa3.configs import can_implement, get_config
 
     try:
-        _, changes = parse_variant("set:" + ",".join(args.set))
+        _, changes = parse_variant("set:" + ",".join(args.set), table_ok=False)
     except ValueError as exc:
         ap.error(str(exc))
     from flashsuite.fa3.configs import FP8_DTYPE

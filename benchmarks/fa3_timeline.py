@@ -157,11 +157,11 @@ def _time(fn, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from benchmarks.fa3_fwd_ab import parse_sweep
+    from benchmarks.fa3_fwd_ab import parse_sweep, variant_config
     from flashsuite.common.testing import Case, make_inputs
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3 import interface as fa3
-    from flashsuite.fa3.configs import can_implement, config_for
+    from flashsuite.fa3.configs import can_implement
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--variant", action="append", default=[], help="NAME:FIELD=VALUE,... (repeat)")
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         q, k, v = make_inputs(case, "cuda")
         p = check_inputs(q, k, v, **case.options())
         for name, changes in variants:
-            cfg = dataclasses.replace(config_for(p), **changes)
+            cfg = variant_config(p, changes)
             traced = dataclasses.replace(cfg, trace=True)
             ok, why = can_implement(traced, d, torch.bfloat16)
             if not ok:

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--section: expected >= 1, got {bad}")
     sections = args.section or ([] if args.options or args.variant or not causal else [4, 8, 16])
     try:
-        variants = [parse_variant(s) for s in args.variant]
+        variants = [parse_variant(s, table_ok=False) for s in args.variant]
     except ValueError as e:
         ap.error(str(e))
     import triton

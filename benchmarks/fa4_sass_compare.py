@@ -282,7 +282,7 @@ def build_ours(head_dim: int, changes: list[str], causal: bool = False) -> tuple
     from flashsuite.fa3 import compile as fa3_compile
     from flashsuite.fa3.configs import get_config
 
-    _, fields = parse_variant("set:" + ",".join(changes))
+    _, fields = parse_variant("set:" + ",".join(changes), table_ok=False)
     cfg = dataclasses.replace(get_config(head_dim, torch.bfloat16, causal), **fields)
     storages: list = []
     check = fa3_compile.check_storage

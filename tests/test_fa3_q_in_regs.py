@@ -118,3 +118,23 @@ def test_dense_runs_the_persistent_q_in_registers_build(changes, persistent, sec
     assert not sections or cfg.persistent, cfg
     ok, reason = interface.supports(p, 90)
     assert ok and ("Q in registers" in reason) == persistent, reason
+
+
+def test_ab_variants_can_start_from_the_table_entry() -> None:
+    """`fa3_fwd_ab --variant NAME:table=1,...` times the table's entry (get_config), the build
+    a dense problem ran before config_for's dense choices; a bad table value, or table=1 in a
+    tool that replaces fields of its own config, is refused by name."""
+    from benchmarks.fa3_fwd_ab import parse_variant, variant_config
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import config_for, get_config
+
+    q = torch.zeros(1, 1024, 2, 64, dtype=torch.bfloat16)
+    p = check_inputs(q, q, q)
+    table = get_config(64, q.dtype, False, 1024)
+    name, changes = parse_variant("plain:table=1,stages=2")
+    assert name == "plain" and variant_config(p, changes) == dataclasses.replace(table, stages=2)
+    assert variant_config(p, parse_variant("same:")[1]) == config_for(p) != table
+    with pytest.raises(ValueError, match="table=1"):
+        parse_variant("x:table=1", table_ok=False)
+    with pytest.raises(ValueError, match="not in Fa3Config"):
+        parse_variant("x:tabel=1")
