@@ -679,8 +679,8 @@ def _dense_choice(p: AttnParams, cfg: Fa3Config) -> Fa3Config | None:
         return None
     short_keys = p.seqlen_k <= SHORT_SEQLEN_K
     if p.causal:
-        limit, mib = _TILE_COUNTER.get(p.head_dim, (0, 0))
-        if p.seqlen_k > limit:
+        limit, mib = _TILE_COUNTER.get(p.head_dim, (-1, 0))
+        if p.seqlen_k > limit:  # head dims outside _TILE_COUNTER never take it
             return None
         if short_keys and p.head_dim in _SHORT_CAUSAL:
             cfg = replace(cfg, **_SHORT_CAUSAL[p.head_dim])

@@ -74,6 +74,7 @@ def test_table_takes_the_counter_where_measured() -> None:
     assert (longer.tile_m, longer.num_consumer_wgs, longer.q_in_regs) == (192, 3, False), longer
     assert not config_for(problem(128, 512, left=64)).tile_counter
     assert not config_for(problem(96, 512)).tile_counter
+    assert not config_for(problem(96, 0)).tile_counter  # no key: still the table's entry
     f8 = problem(128, 512, dtype=torch.float8_e4m3fn)
     assert not config_for(f8).tile_counter
 
