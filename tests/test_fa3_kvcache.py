@@ -87,7 +87,11 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
 
 
 @needs_dsl
-@pytest.mark.parametrize("mode", ["--two-ctas", "--paged-boxes", "--evict-first"])
+@pytest.mark.parametrize(
+    "mode",
+    # The evict-first builds are a lab switch (DECODE_KV_EVICT_FIRST, off): `pytest -m lab`.
+    ["--two-ctas", "--paged-boxes", pytest.param("--evict-first", marks=pytest.mark.lab)],
+)
 def test_decode_variant_builds_compile(mode, tmp_path) -> None:
     """The two-CTA builds (setmaxnreg 40 / 216 from 128 registers at entry), the paged builds
     on the contiguous tiles (one TMA box per page: a 64-key box at D 128 is 2 x 2 five-D loads
