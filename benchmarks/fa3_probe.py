@@ -74,8 +74,21 @@ def parse_ptxas(log: str) -> dict[str, Any]:
     }
 
 
+def _no_source_locations() -> None:
+    """Build MLIR ops without Python source locations.
+
+    remarks{ptx} turns on the DSL's diagnostics collection, which attaches the user's source
+    line to every op it builds (a frame walk and a scan of the code's position table per op):
+    that more than doubles a trace (the fp8 D 128 causal build: 9.2 s with it, 3.9 s without).
+    The probes read ptxas' remarks and the PTX / SASS, none of which needs the locations."""
+    import cutlass._mlir_helpers.op as mlir_op
+
+    mlir_op._get_caller_frame_info = lambda: None
+
+
 def _capture_fd2(fn):
     """Run fn() with file descriptor 2 (where ptxas remarks go) captured; returns (value, text)."""
+    _no_source_locations()
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as tmp:
