@@ -19,7 +19,8 @@ means the compiler computes some twice), as JSON: `{"config": ..., "windows": [{
 "loop_ex2": [n, ...], "loop_insns": [n, ...], "loop_ops": {...}}` (loop_insns: each
 overlapped loop body's SASS instructions; loop_ops: the innermost one's by opcode).
 Compiling imports benchmarks.fa3_probe, which sets the CUTE_DSL_* variables before cutlass is
-imported: run it in its own process.
+imported: run it in its own process. `--serve` keeps that process for many builds (the tests':
+importing torch and the DSL costs about as much as one build).
 """
 
 from __future__ import annotations
@@ -128,7 +129,10 @@ def chain_depths(text: str) -> dict[str, int]:
     return {"fmnmx": longest["FMNMX"], "fadd": longest["FADD"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+RESULT = "@@sass"  # --serve: the prefix of each answer line (the compile may print too)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--head-dim", type=int, default=256)
     ap.add_argument("--causal", action="store_true")
@@ -137,7 +141,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fp8-blocks", action="store_true", help="with --fp8: the per-block descale build"
     )
+    ap.add_argument(
+        "--serve",
+        action="store_true",
+        help="read one JSON list of these arguments a line from stdin and answer each with a\n"
+        f"line '{RESULT} <json>' (or '{RESULT} {{\"error\": ...}}'): the DSL imported once",
+    )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
+    if not args.serve:
+        print(json.dumps(build(ap, args)))
+        return 0
+    for line in sys.stdin:
+        try:
+            out = build(ap, ap.parse_args(json.loads(line)))
+        except SystemExit as exc:  # ap.error: the message went to stderr
+            out = {"error": f"arguments refused (exit {exc.code}): {line.strip()}"}
+        except Exception as exc:  # reported to the caller; the server goes on
+            out = {"error": f"{type(exc).__name__}: {exc}"}
+        print(RESULT, json.dumps(out), flush=True)
+    return 0
+
+
+def build(ap: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """Compile the build `args` names and read its SASS (the JSON fields of the docstring)."""
     if args.fp8_blocks and not args.fp8:
         ap.error("--fp8-blocks: needs --fp8")
 
@@ -188,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             ops[ins.base] = ops.get(ins.base, 0) + 1
         out["loop_ops"] = dict(sorted(ops.items(), key=lambda kv: -kv[1]))
     out.update(spill_stores=facts["spill_stores"], remarks=facts["remarks"])
-    print(json.dumps(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
