@@ -102,8 +102,9 @@ def test_host_vt_key_extent_in_the_binary_signature(probes) -> None:
     """The binary's argument check binds each symbolic size once: Vᵀ's key extent is K's
     length in the host-Vᵀ builds, and its own symbol with permute_v_keys, whose Vᵀ runs to Nk
     rounded up to 32 (interface.transpose_v); were it K's, every ragged Nk would be refused at
-    the call. The probe calls each binary with CPU tensors as fa3.interface hands them over, so
-    only the device check may fail."""
+    the call. The probe calls each D = 64 binary (host and shared-memory Vᵀ, permuted keys, block
+    descales) with CPU tensors as fa3.interface hands them over, so only the device check may
+    fail."""
     rows = [r for r in probes["configs"].values() if r.get("signature")]
     if not rows:
         pytest.skip("apache-tvm-ffi not installed")
