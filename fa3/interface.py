@@ -150,7 +150,10 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
             ),
             ("two Q buffers", cfg.q_stages == 2),
             ("Q in registers", cfg.q_in_regs),
-            (f"{cfg.l2_section_mib} MiB L2 sections", cfg.persistent and cfg.l2_section_mib != 32),
+            (
+                f"{cfg.l2_section_mib} MiB L2 sections",
+                cfg.persistent and cfg.l2_section_mib != Fa3Config.l2_section_mib,
+            ),
             ("tiles from a global counter", cfg.tile_counter),
         )
         if on
