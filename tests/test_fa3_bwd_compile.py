@@ -674,7 +674,25 @@ import cutlass.cute as cute
 from benchmarks.fa3_bwd_variants import variant
 from flashsuite.fa3.bwd_kernel import Fa3Backward
 
-out = {}
+fragments = {}
+
+
+def flat(t):
+    return [x for e in t for x in flat(e)] if isinstance(t, tuple) else [t]
+
+
+def static_modes(crd):
+    # A thread's slice of an identity tensor is static: its first coordinate, and per mode of
+    # its layout the extent and the step, a multiple of one coordinate's unit (CuTe's
+    # ScaledBasis). Read here once a thread rather than element by element in the trace.
+    modes = []
+    for size, step in zip(flat(crd.layout.shape), flat(crd.layout.stride)):
+        if size == 1:
+            modes.append((1, 0, 0))
+            continue
+        assert isinstance(step, cute.ScaledBasis) and len(step.mode) == 1, step
+        modes.append((size, *(step.value if step.mode == [m] else 0 for m in (0, 1))))
+    return tuple(crd.iterator), modes
 
 
 @cute.jit
@@ -683,15 +701,25 @@ def trace(kernel: cutlass.Constexpr, name: cutlass.Constexpr[str]):
     width = kernel.HEAD_DIM // kernel.DQ_SLICES
     for tid in cutlass.range_constexpr(kernel.MMA_THREADS):
         crd = mma_dq.get_slice(tid).partition_C(cute.make_identity_tensor((64, width)))
-        for c in cutlass.range_constexpr(kernel.DQ_SLICES):
-            for i in cutlass.range_constexpr(cute.size(crd)):
-                row, col = crd[i]
-                out[name].append((tid, c, i, row, col + c * width))
+        fragments[name].append((tid, width, kernel.DQ_SLICES, *static_modes(crd)))
 
 
+out = {}
 for name in ("wide256_red", "wide256_red80"):
-    out[name] = []
+    fragments[name] = []
     trace(Fa3Backward(cutlass.BFloat16, 256, variant(name), False), name)
+    out[name] = []
+    for tid, width, slices, (row0, col0), modes in fragments[name]:
+        count = 1
+        for size, _, _ in modes:
+            count *= size
+        for c in range(slices):
+            for i in range(count):  # CuTe's colexicographic order of the fragment's elements
+                row, col, n = row0, col0, i
+                for size, drow, dcol in modes:
+                    n, k = divmod(n, size)
+                    row, col = row + k * drow, col + k * dcol
+                out[name].append((tid, c, i, row, col + c * width))
 print(json.dumps(out))
 """
 
