@@ -228,6 +228,14 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
             True,
             replace(get_config(256, bf16, True), tile_counter=True, l2_section_mib=16),
         ),
+        # ... with clock stamps: the producer stamps each counted tile's loads too.
+        (
+            "trace-tile-counter-causal",
+            128,
+            bf16,
+            True,
+            replace(get_config(128, bf16, True), tile_counter=True, l2_section_mib=16, trace=True),
+        ),
         # O by the consumer threads' 16-byte stores (no TMA store): 192-row tiles on 3 WGs and
         # D = 192, whose 24 threads a row leave 64 consumer threads idle.
         ("direct-o-store", 64, bf16, False, replace(_tiles(64, False), o_direct_store=True)),

@@ -652,10 +652,12 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
             if lane == 0:
                 taken = atom_add_gpu_s32(counters, Int32(1))
             m_block, head, batch, n_block_min, n_block_max = self.scheduler.tile_at(tile, sched)
+            t_load = trace.now() if const_expr(self.TRACE) else None
             q_state, kv_state = self.load(
                 load_args, q_state, kv_state, m_block, head, DenseRows(batch), group,
                 n_block_min, n_block_max,
             )  # fmt: skip
+            self.trace_loads(sched, m_block, head, batch, t_load)
             tile = cute.arch.shuffle_sync(taken, 0) + sched.grid_x
         tile_state = self.publish_tile(tile_pipe, s_tile, tile_state, tile, lane)
         if lane == 0:
