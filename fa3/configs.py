@@ -651,7 +651,8 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
 # two warpgroups' 128-row tiles (Q in registers spills on three): 1.066 / 1.078x the v2 build
 # at N = 512 / 1k (H100, commit aedf37c). Longer D = 64 up to SECTIONS_MAX_SEQLEN_K keys runs
 # the v2 build with L2_SECTION_MIB sections: 1.038 / 1.028x the plain grid at 2k / 4k (H100,
-# commit 955587e; 16k not timed). docs/results.md, "Sections and the tile counter".
+# commit 955587e), level at 16k (0.999x, 97994b6). docs/results.md, "Sections and the tile
+# counter" and "The standard sweep on that table".
 _PERSISTENT_Q_REGS_DIMS = (128,)
 _SHORT_Q_REGS_TILES = {64: Fa3Config(tile_n=128, stages=3)}
 SECTIONS_MAX_SEQLEN_K = 4096
