@@ -626,11 +626,7 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
 # Non-causal 16-bit head dims whose three-warpgroup tile (192 query rows) gives way to a
 # 128-row tile of two warpgroups for query lengths that fill the taller tiles badly (`short_q`).
 # D = 96: 192 x 112 runs TALL_TILE_GAIN faster per computed row than 128 x 128 at N = 4k-16k;
-# at N = 1k its last row tile is a third full (6 tiles for 5.3 of work). H200, 2026-12-04,
-# commit 1d3f71b (`benchmarks/fa3_fwd_ab --head-dim 96 --seqlen 1024 --seqlen 2048 --seqlen
-# 4096 --variant old:tile_m=128,num_consumer_wgs=2,tile_n=128`, medians of 5 passes), 192 x 112
-# against 128 x 128: 408.7 / 507.9 / 558.2 against 432.6 / 498.3 / 519.7 TFLOP/s (cuDNN 426.8
-# / 449.7 / 464.1, FA4 403.7 / 507.2 / 565.9).
+# at N = 1k its last row tile is a third full (docs/results.md, "K ahead of V": H200, 5 passes).
 _SHORT_Q_TILES = {96: Fa3Config(tile_n=128, stages=2)}
 TALL_TILE_GAIN = 1.07
 
@@ -651,8 +647,7 @@ def short_q(cfg: Fa3Config, seqlen_q: int, short: Fa3Config) -> bool:
 # two warpgroups' 128-row tiles (Q in registers spills on three): 1.066 / 1.078x the v2 build
 # at N = 512 / 1k (H100, commit aedf37c). Longer D = 64 up to SECTIONS_MAX_SEQLEN_K keys runs
 # the v2 build with L2_SECTION_MIB sections: 1.038 / 1.028x the plain grid at 2k / 4k (H100,
-# commit 955587e), level at 16k (0.999x, 97994b6). docs/results.md, "Sections and the tile
-# counter" and "The standard sweep on that table".
+# commit 955587e), level at 16k (0.999x, 97994b6); docs/results.md, "Sections and the tile counter".
 _PERSISTENT_Q_REGS_DIMS = (128,)
 _SHORT_Q_REGS_TILES = {64: Fa3Config(tile_n=128, stages=3)}
 SECTIONS_MAX_SEQLEN_K = 4096
@@ -664,6 +659,9 @@ L2_SECTION_MIB = 8  # l2_section_mib of those builds (32 MiB reads K/V 2.5x from
 # two warpgroups' 128-row tiles with Q in registers on top: 1.107x at 1k, 0.976x at 2k.
 _TILE_COUNTER = {64: (4096, 16), 128: (1024, 16), 256: (1024, 32)}
 _SHORT_CAUSAL = {64: dict(tile_m=128, num_consumer_wgs=2, skip_masked_wg=False, q_in_regs=True)}
+# Causal 16-bit head dims whose dense problems up to (seqlen_k) run (tile_n)-key tiles: D = 256
+# on 64 keys 1.022 / 1.039 / 1.037x the table's 80 at N = 1k / 2k / 4k (H100, commit cc9f5ad).
+_CAUSAL_KEY_TILES = {256: (4096, 64)}
 
 
 def _persistent_q_regs(cfg: Fa3Config) -> Fa3Config:
@@ -680,9 +678,12 @@ def _dense_choice(p: AttnParams, cfg: Fa3Config) -> Fa3Config | None:
         return None
     short_keys = p.seqlen_k <= SHORT_SEQLEN_K
     if p.causal:
+        keys, tile_n = _CAUSAL_KEY_TILES.get(p.head_dim, (-1, 0))
+        if p.seqlen_k <= keys:
+            cfg = replace(cfg, tile_n=tile_n)
         limit, mib = _TILE_COUNTER.get(p.head_dim, (-1, 0))
         if p.seqlen_k > limit:  # head dims outside _TILE_COUNTER never take it
-            return None
+            return cfg if p.seqlen_k <= keys else None
         if short_keys and p.head_dim in _SHORT_CAUSAL:
             cfg = replace(cfg, **_SHORT_CAUSAL[p.head_dim])
         return replace(cfg, tile_counter=True, l2_section_mib=mib)

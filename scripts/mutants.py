@@ -577,6 +577,14 @@ MUTANTS = [
         ("tests/test_fa3_tile_counter.py",),
     ),
     Mutant(
+        "fa3 table: causal D = 256's 64-key tiles past the 4k keys they were timed at",
+        "fa3/configs.py",
+        "_CAUSAL_KEY_TILES = {256: (4096, 64)}",
+        "_CAUSAL_KEY_TILES = {256: (16384, 64)}",
+        "counter_where_measured",
+        ("tests/test_fa3_tile_counter.py",),
+    ),
+    Mutant(
         "fa3 table: the Q-in-registers build for query lengths its LSE store cannot take",
         "fa3/configs.py",
         "if p.seqlen_q % 4 == 0 and (short",

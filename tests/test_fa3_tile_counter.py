@@ -77,6 +77,18 @@ def test_table_takes_the_counter_where_measured() -> None:
     assert not config_for(problem(96, 0)).tile_counter  # no key: still the table's entry
     f8 = problem(128, 512, dtype=torch.float8_e4m3fn)
     assert not config_for(f8).tile_counter
+    # Causal D = 256 up to 4k keys: 64-key tiles, with the counter (to 1k) or without; 80-key
+    # tiles past 4k keys, with softcap or a window, and non-causal.
+    from flashsuite.fa3.configs import get_config
+
+    table = get_config(256, torch.bfloat16, True).tile_n
+    assert table == 80
+    for n, counter in ((512, True), (1024, True), (2048, False), (4096, False)):
+        cfg = config_for(problem(256, n))
+        assert (cfg.tile_n, cfg.tile_counter, cfg.persistent) == (64, counter, True), (n, cfg)
+    for p in (problem(256, 4097), problem(256, 2048, softcap=5.0), problem(256, 2048, left=64),
+              problem(256, 2048, causal=False)):  # fmt: skip
+        assert config_for(p).tile_n == 80, p
 
 
 _CASES = [
