@@ -140,12 +140,12 @@ def test_shipped_persistent_entries_are_v2() -> None:
     # Short non-causal D = 64 (seqlen_k <= SHORT_SEQLEN_K) measured faster on v2 too; causal
     # D = 96's short build (128-row tiles) and causal D = 64's (two Q buffers) stay on it.
     short = {("shipped-short", 64, False), ("shipped-short", 96, True), ("shipped-short", 64, True)}
-    # config_for's dense builds: Q in registers (D = 64 short, D = 128), D = 64's 8 MiB sections
-    # and the causal tile counter (configs._dense_choice).
+    # config_for's dense builds: Q in registers (D = 64 short, D = 128), D = 64's 8 MiB sections,
+    # the causal tile counter and causal D = 256's 64-key tiles (configs._dense_choice).
     dense = {
         ("shipped-dense-1024", d, c) for d, c in ((64, 0), (128, 0), (64, 1), (128, 1), (256, 1))
     }
-    dense |= {("shipped-dense-4096", 64, False), ("shipped-dense-4096", 64, True)}
+    dense |= {("shipped-dense-4096", d, c) for d, c in ((64, False), (64, True), (256, True))}
     assert persistent == causal | short | dense
 
 
