@@ -49,7 +49,9 @@ def parse_variant(spec: str, table_ok: bool = True):
         if key == "table":
             if not table_ok:
                 raise ValueError(f"--variant {spec!r}: table=1 is for the A/B tools' variants")
-            changes[key] = bool(int(value))
+            if value not in ("0", "1"):
+                raise ValueError(f"--variant {spec!r}: table expected 0 or 1, got {value!r}")
+            changes[key] = value == "1"
             continue
         if key not in fields:
             raise ValueError(f"--variant {spec!r}: field {key!r} not in Fa3Config {sorted(fields)}")

@@ -679,11 +679,11 @@ def _dense_choice(p: AttnParams, cfg: Fa3Config) -> Fa3Config | None:
     short_keys = p.seqlen_k <= SHORT_SEQLEN_K
     if p.causal:
         keys, tile_n = _CAUSAL_KEY_TILES.get(p.head_dim, (-1, 0))
-        if p.seqlen_k <= keys:
+        if retiled := p.seqlen_k <= keys:
             cfg = replace(cfg, tile_n=tile_n)
         limit, mib = _TILE_COUNTER.get(p.head_dim, (-1, 0))
         if p.seqlen_k > limit:  # head dims outside _TILE_COUNTER never take it
-            return cfg if p.seqlen_k <= keys else None
+            return cfg if retiled else None
         if short_keys and p.head_dim in _SHORT_CAUSAL:
             cfg = replace(cfg, **_SHORT_CAUSAL[p.head_dim])
         return replace(cfg, tile_counter=True, l2_section_mib=mib)

@@ -136,5 +136,7 @@ def test_ab_variants_can_start_from_the_table_entry() -> None:
     assert variant_config(p, parse_variant("same:")[1]) == config_for(p) != table
     with pytest.raises(ValueError, match="table=1"):
         parse_variant("x:table=1", table_ok=False)
+    with pytest.raises(ValueError, match="table expected 0 or 1, got 'yes'"):
+        parse_variant("x:table=yes")
     with pytest.raises(ValueError, match="not in Fa3Config"):
         parse_variant("x:tabel=1")

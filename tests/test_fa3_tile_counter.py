@@ -48,7 +48,7 @@ def test_table_takes_the_counter_where_measured() -> None:
     with its sections; longer ones, softcap, windows, fp8 and non-causal ones do not."""
     from flashsuite.common.validation import AttnParams
     from flashsuite.fa3 import interface
-    from flashsuite.fa3.configs import _TILE_COUNTER, config_for
+    from flashsuite.fa3.configs import _TILE_COUNTER, config_for, get_config
 
     def problem(d, n, causal=True, dtype=torch.bfloat16, softcap=0.0, left=-1):
         window = (left, 0 if causal else -1)
@@ -78,11 +78,8 @@ def test_table_takes_the_counter_where_measured() -> None:
     f8 = problem(128, 512, dtype=torch.float8_e4m3fn)
     assert not config_for(f8).tile_counter
     # Causal D = 256 up to 4k keys: 64-key tiles, with the counter (to 1k) or without; 80-key
-    # tiles past 4k keys, with softcap or a window, and non-causal.
-    from flashsuite.fa3.configs import get_config
-
-    table = get_config(256, torch.bfloat16, True).tile_n
-    assert table == 80
+    # tiles (the table's) past 4k keys, with softcap or a window, and non-causal.
+    assert get_config(256, torch.bfloat16, True).tile_n == 80
     for n, counter in ((512, True), (1024, True), (2048, False), (4096, False)):
         cfg = config_for(problem(256, n))
         assert (cfg.tile_n, cfg.tile_counter, cfg.persistent) == (64, counter, True), (n, cfg)
