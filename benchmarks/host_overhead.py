@@ -179,24 +179,25 @@ def _tensors(device: str, dtype: torch.dtype, grad: bool) -> tuple[torch.Tensor,
 
 
 def cpu_table(
-    versions: tuple[str, ...], calls: int, backward: bool = False
+    versions: tuple[str, ...], calls: int, backward: bool = False, causal: bool = False
 ) -> list[tuple[str, float]]:
     """Host µs per forward call of each version on CPU tensors, kernels stubbed, planning for
     sm90. With `backward` (fa3 only: its backward binary and preprocess are the stubbed
     kernels), also a forward on inputs that need a gradient, and a training step
-    (forward, `out.sum().backward()`)."""
+    (forward, `out.sum().backward()`). `causal`: causal calls (tile-counter builds in fa3)."""
     q, k, v = _tensors("cpu", torch.bfloat16, grad=False)
+    c = {"causal": causal}
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     rows = []
     with override_arch(90), stubbed_kernels():
         for name in versions:
             steps = [
-                (name, lambda name=name: _no_grad(lambda: api.attention(q, k, v, version=name)))
+                (name, lambda n=name: _no_grad(lambda: api.attention(q, k, v, version=n, **c)))
             ]
             if backward and name == "fa3":
                 steps += [
-                    ("fa3 fwd, grad", lambda: api.attention(qg, kg, vg, version="fa3")),
-                    ("fa3 fwd+bwd", lambda: _step(api.attention(qg, kg, vg, version="fa3"))),
+                    ("fa3 fwd, grad", lambda: api.attention(qg, kg, vg, version="fa3", **c)),
+                    ("fa3 fwd+bwd", lambda: _step(api.attention(qg, kg, vg, version="fa3", **c))),
                 ]
             for label, fn in steps:
                 try:
@@ -310,15 +311,18 @@ def _varlen_calls(device: str, version: str) -> list[tuple[str, Callable[[], obj
     ]
 
 
-def gpu_table(versions: tuple[str, ...], calls: int, backward: bool) -> list[tuple]:
+def gpu_table(
+    versions: tuple[str, ...], calls: int, backward: bool, causal: bool = False
+) -> list[tuple]:
     """(name, pipelined, synced, kernel, host) µs per forward call on the GPU, SDPA first:
     wall time per call of back-to-back calls (host-bound for tiny calls: the GPU waits), of
     calls each followed by a synchronize, the kernel time (CUDA events), and host = synced -
-    kernel (launch latency included). With `backward`, the same for a forward + backward."""
+    kernel (launch latency included). With `backward`, the same for a forward + backward;
+    `causal`: causal calls."""
     q, k, v = _tensors("cuda", torch.bfloat16, grad=backward)
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_(backward) for t in (q, k, v))
-    fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt)}
-    fns |= {name: (lambda name=name: api.attention(q, k, v, version=name)) for name in versions}
+    fns = {"sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)}
+    fns |= {n: (lambda n=n: api.attention(q, k, v, version=n, causal=causal)) for n in versions}
     rows, sync = [], torch.cuda.synchronize
     for name, fwd in fns.items():
         # The forward alone as inference runs it (no grad), then a training step.
@@ -384,6 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--varlen", action="store_true", help="packed sequences through attention_varlen"
     )
+    ap.add_argument("--causal", action="store_true", help="causal calls (fa3: tile counter)")
     ap.add_argument("--versions", default="torch,fa2,fa1,fa3")
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
@@ -406,15 +411,16 @@ def main(argv: list[str] | None = None) -> None:
             if on:
                 print(f"{name:<28}{us:>10.1f}{off.get(name, float('nan')):>11.1f}")
         return
-    print(f"torch {torch.__version__}, shape (B, N, H, D) = {SHAPE}, bf16")
+    causal = ", causal" if args.causal else ""
+    print(f"torch {torch.__version__}, shape (B, N, H, D) = {SHAPE}, bf16{causal}")
     if args.gpu:
         print(f"{'call':<16}{'pipelined':>10}{'synced':>10}{'kernel':>10}{'host':>10}  (us)")
-        for name, *times in gpu_table(versions, args.calls, args.backward):
+        for name, *times in gpu_table(versions, args.calls, args.backward, args.causal):
             print(f"{name:<16}" + "".join(f"{t:>10.1f}" for t in times))
     else:
         print("CPU host path, kernels stubbed, planning for sm90")
         print(f"{'call':<16}{'host us':>10}")
-        for name, us in cpu_table(versions, args.calls, args.backward):
+        for name, us in cpu_table(versions, args.calls, args.backward, args.causal):
             print(f"{name:<16}{us:>10.1f}")
 
 

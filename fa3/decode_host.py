@@ -126,9 +126,9 @@ def supports(kp: KVCacheParams) -> tuple[bool, str]:
     )
 
 
-# (device, stream) -> int32 zeros: the fused combine's per-tile split counters. The kernel sets
-# each counter back to 0 when its tile is merged, so one buffer serves every later launch on
-# the same stream (launches on one stream run in order).
+# (device index, raw stream) -> int32 zeros: the fused combine's per-tile split counters. The
+# kernel sets each counter back to 0 when its tile is merged, so one buffer serves every later
+# launch on the same stream (launches on one stream run in order).
 _counters: dict[tuple, torch.Tensor] = {}
 
 # Counters for calls captured into CUDA graphs: per device, a buffer zeroed once, outside any
@@ -165,24 +165,59 @@ def _captured_counters(n: int, device: torch.device) -> torch.Tensor:
             start = pool[1]
             pool[1] = start + n
             return pool[0][start : start + n]
-    return torch.zeros(n, dtype=torch.int32, device=device)
+    return _zeros(n, device)
 
 
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """(n,) int32 zeros for the fused combine's counters on the current stream: a cached buffer,
-    a slice of the capture pool where the call is captured into a CUDA graph, or a fresh buffer
-    where the device is not a GPU."""
+    """(n,) int32 zeros for the fused combine's counters on the current stream: a view of a
+    cached buffer, a slice of the capture pool where the call is captured into a CUDA graph, or
+    a fresh buffer where the device is not a GPU. A repeat call (same device, stream and n:
+    every decode step, every forward of a tile-counter build) costs two calls into torch's C
+    API and a dict lookup."""
     if device.type != "cuda":
-        return torch.zeros(n, dtype=torch.int32, device=device)
-    if torch.cuda.is_current_stream_capturing():
+        return _zeros(n, device)
+    if _stream_capturing():
         return _captured_counters(n, device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, _raw_stream(index), n)
+    view = _counter_views.get(key)
+    return view if view is not None else _new_counter_view(key, device)
+
+
+# (device index, raw stream, n) -> the (n,) view of that stream's buffer that split_counters
+# hands out (the view object made once, not a slice per call).
+_counter_views: dict[tuple, torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.int32, device=device)
+
+
+def _stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (torch.cuda's check, without its
+    per-call Python wrapper)."""
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def _raw_stream(index: int) -> int:
+    """The handle of device `index`'s current CUDA stream (no torch.cuda.Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def _new_counter_view(key: tuple, device: torch.device) -> torch.Tensor:
+    """split_counters' view for `key` = (device index, stream, n), made on a first call: the
+    capture pool set up, the stream's buffer made or grown (views of a buffer it replaces are
+    dropped; launches already queued keep their own)."""
+    index, stream, n = key
     _ensure_capture_pool(device)
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _counters.get(key)
+    buf = _counters.get((index, stream))
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _counters[key] = buf
-    return buf[:n]
+        buf = _zeros(max(n, 1024), device)
+        _counters[(index, stream)] = buf
+        for stale in [k for k in _counter_views if k[:2] == (index, stream)]:
+            del _counter_views[stale]
+    view = _counter_views[key] = buf[:n]
+    return view
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -439,6 +439,51 @@ def test_captured_calls_get_disjoint_zeroed_counters(monkeypatch) -> None:
     assert decode_host._capture_pool[cpu][0] is pool and decode_host._capture_pool[cpu][1] == 100
 
 
+def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> None:
+    """Eager split_counters on a GPU (its CUDA calls stood in for on the CPU): a repeat call with
+    the same stream and count returns the same view without allocating; counts on one stream
+    share its buffer; another stream gets a buffer of its own, so launches that may run at
+    once never share a counter; a count past the buffer replaces it, and the views of the old
+    one are not handed out again; a call under capture takes a capture-pool slice."""
+    from flashsuite.fa3 import decode_host
+
+    gpu = torch.device("cuda", 0)
+    made = []
+
+    def zeros(n, device):
+        assert device == gpu
+        made.append(torch.zeros(n, dtype=torch.int32))
+        return made[-1]
+
+    stream = [7]
+    for name, value in (("_counters", {}), ("_counter_views", {}), ("_capture_pool", {}),
+                        ("_zeros", zeros), ("_stream_capturing", lambda: False),
+                        ("_raw_stream", lambda index: stream[0])):  # fmt: skip
+        monkeypatch.setattr(decode_host, name, value)
+    pools = []
+    monkeypatch.setattr(decode_host, "_ensure_capture_pool", pools.append)
+    first = decode_host.split_counters(2, gpu)
+    assert pools == [gpu] and [t.numel() for t in made] == [1024]
+    assert first.numel() == 2 and first.data_ptr() == made[0].data_ptr()
+    assert decode_host.split_counters(2, gpu) is first and len(made) == 1
+    wide = decode_host.split_counters(40, gpu)  # the same stream's buffer
+    assert wide.numel() == 40 and wide.data_ptr() == first.data_ptr() and len(made) == 1
+    stream[0] = 9
+    other = decode_host.split_counters(2, gpu)
+    assert len(made) == 2 and other.data_ptr() == made[1].data_ptr() != first.data_ptr()
+    stream[0] = 7
+    assert decode_host.split_counters(2, gpu) is first
+    big = decode_host.split_counters(2000, gpu)  # past 1024 counters: a new buffer
+    assert [t.numel() for t in made] == [1024, 1024, 2000] and big.data_ptr() == made[2].data_ptr()
+    again = decode_host.split_counters(2, gpu)
+    assert again is not first and again.data_ptr() == made[2].data_ptr()
+    stream[0] = 9
+    assert decode_host.split_counters(2, gpu) is other  # stream 9 keeps its buffer
+    monkeypatch.setattr(decode_host, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(decode_host, "_captured_counters", lambda n, device: ("pool slice", n))
+    assert decode_host.split_counters(2, gpu) == ("pool slice", 2)
+
+
 def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
     """Auto selection takes fa3's decode on sm90 (decode_configs.KVCACHE_AUTO) and fa2's when the
     switch is off, saying why; version="fa3" runs it either way; float32 is refused by name."""
