@@ -3,6 +3,8 @@ scripts and the softmax SASS report's dependency-chain depth."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.ab_stats import paired_ratios
 from benchmarks.fa3_softmax_sass import chain_depths
 
@@ -40,3 +42,21 @@ def test_chain_depths_follow_registers_not_listing_order() -> None:
         ])
     )  # fmt: skip
     assert chain_depths(listing) == {"fmnmx": 3, "fadd": 2}
+
+
+def test_softmax_bound_cuts_edit_online_softmax_once() -> None:
+    """benchmarks/softmax_bound's cuts find their text in online_softmax exactly once (the tool
+    refuses otherwise) and leave Python that compiles; `none` is the source itself."""
+    pytest.importorskip("cutlass")
+    from benchmarks.softmax_bound import CUTS, patched_source
+
+    base = patched_source("none")
+    for cut, edit in CUTS.items():
+        src = patched_source(cut)
+        compile(src, f"online_softmax_{cut}", "exec")
+        if edit is None:
+            assert src == base
+        else:
+            old, new = edit
+            assert src.count(new) == 1 and old not in src.replace(new, "")
+            assert src.replace(new, old) == base
