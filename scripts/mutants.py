@@ -425,6 +425,22 @@ MUTANTS = [
         ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
+        "split counters: one view per count, whatever the stream (launches may share a pair)",
+        "fa3/decode_host.py",
+        "key = (index, _raw_stream(index), n)",
+        "key = (index, 0, n)",
+        "split_counters_repeat",
+        ("tests/test_fa3_kvcache.py",),
+    ),
+    Mutant(
+        "split counters: views of a replaced buffer still handed out",
+        "fa3/decode_host.py",
+        "        for stale in [k for k in _counter_views if k[:2] == (index, stream)]:\n",
+        "        for stale in []:\n",
+        "split_counters_repeat",
+        ("tests/test_fa3_kvcache.py",),
+    ),
+    Mutant(
         "fp8 block descales: a materialised per-row descale taken as a block view",
         "common/validation.py",
         "    if block > 1 and ds.stride(3) != 0:",
