@@ -214,8 +214,8 @@ def _new_counter_view(key: tuple, device: torch.device) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = _zeros(max(n, 1024), device)
         _counters[(index, stream)] = buf
-        for stale in [k for k in _counter_views if k[:2] == (index, stream)]:
-            del _counter_views[stale]
+        for stale in [k for k in list(_counter_views) if k[:2] == (index, stream)]:
+            _counter_views.pop(stale, None)  # list(): a copy taken at once, safe beside threads
     view = _counter_views[key] = buf[:n]
     return view
 

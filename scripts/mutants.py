@@ -435,7 +435,7 @@ MUTANTS = [
     Mutant(
         "split counters: views of a replaced buffer still handed out",
         "fa3/decode_host.py",
-        "        for stale in [k for k in _counter_views if k[:2] == (index, stream)]:\n",
+        "        for stale in [k for k in list(_counter_views) if k[:2] == (index, stream)]:\n",
         "        for stale in []:\n",
         "split_counters_repeat",
         ("tests/test_fa3_kvcache.py",),
