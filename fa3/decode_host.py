@@ -224,8 +224,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` (4-D, last dim contiguous) with a 16-byte-aligned base and outer strides, as the
     kernel's 16-byte Q loads and the cache's TMA views need: itself in the common case, else a
     contiguous copy (exact, read-only use)."""
-    elems = 16 // t.element_size()
-    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in t.stride()[:3]):
+    e, (s0, s1, s2, s3) = 16 // t.element_size(), t.stride()  # one stride call, no generator
+    if s3 == 1 and not (t.data_ptr() % 16 or s0 % e or s1 % e or s2 % e):
         return t
     return t.contiguous()
 
@@ -298,13 +298,14 @@ def kvcache_forward(
            kp.seqlen_new, 1, *scalars)  # fmt: skip
         return out, lse
     rows = b * nq * hq
-    o_part = torch.empty(splits, rows, d, dtype=torch.float32, device=q.device)  # (S, R, D)
-    lse_part = torch.empty(splits, rows, dtype=torch.float32, device=q.device)  # (S, R)
+    # The partials as the kernel takes them, (S * R, D) and (S * R,): no views per call.
+    o_part = torch.empty(splits * rows, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(splits * rows, dtype=torch.float32, device=q.device)
     final = (None, None, None)
     if fused:  # out, lse and one counter per (batch, kv head, m_block) tile
         final = (out.view(-1, d), lse.view(-1), split_counters(b * p.heads_kv * m_blocks, q.device))
-    fn(q, k_cache, v_cache, o_part.view(-1, d), lse_part.view(-1), table, seqlens, *final,
-       kp.seqlen_new, splits, *scalars)  # fmt: skip
+    fn(q, k_cache, v_cache, o_part, lse_part, table, seqlens, *final, kp.seqlen_new, splits,
+       *scalars)  # fmt: skip
     if not fused:
-        combine_splits(o_part, lse_part, out, lse)
+        combine_splits(o_part.view(splits, rows, d), lse_part.view(splits, rows), out, lse)
     return out, lse
