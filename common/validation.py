@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import weakref
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+
+from flashsuite.common.arch import env_key, env_table
 
 MAX_HEAD_DIM = 256
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -715,9 +716,14 @@ def metadata_checks_enabled() -> bool:
     trust the metadata, as flash-attn's do. They are skipped while the current stream captures
     a CUDA graph: a copy to the host cannot be captured, and a replay's values are not known
     at capture time."""
-    if os.environ.get("FLASHSUITE_CHECK_METADATA", "1") in ("0", ""):
+    if env_table.get(_CHECK_KEY) in _CHECKS_OFF:
         return False
-    return not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())
+    # torch.cuda's capture check without its Python wrapper (a decode step calls this).
+    return not (torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing())
+
+
+_CHECK_KEY = env_key("FLASHSUITE_CHECK_METADATA")
+_CHECKS_OFF = tuple(env_key(v) for v in ("", "0"))  # the values that turn the checks off
 
 
 # Metadata tensors that passed their value check (`_once`): the tensors' ids -> (weak

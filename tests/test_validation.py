@@ -150,3 +150,15 @@ def test_op_args_and_key_round_trip(options: dict) -> None:
     assert AttnParams.from_key(key) == p
     with pytest.raises(ValueError, match="window_size"):
         AttnParams.from_op_args(q, k, v, False, 1.0, -3, 0, 0.0)
+
+
+def test_metadata_checks_follow_their_switch(monkeypatch) -> None:
+    """FLASHSUITE_CHECK_METADATA: unset or 1 keeps the value checks on, 0 or empty turns them
+    off; read on every call (a test or a serving loop may flip it between calls)."""
+    from flashsuite.common.validation import metadata_checks_enabled
+
+    monkeypatch.delenv("FLASHSUITE_CHECK_METADATA", raising=False)
+    assert metadata_checks_enabled()
+    for value, on in (("0", False), ("", False), ("1", True), ("0", False)):
+        monkeypatch.setenv("FLASHSUITE_CHECK_METADATA", value)
+        assert metadata_checks_enabled() is on, value
