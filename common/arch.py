@@ -106,6 +106,12 @@ def device_arch(device: torch.device | str | None = None) -> int | None:
     return real_arch(device)
 
 
+def cuda_stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where CUDA is not
+    initialised): torch.cuda's check without its Python wrapper, for per-call host paths."""
+    return torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing()
+
+
 def override_state() -> object:
     """The active `override_arch` value (a private sentinel when none): part of the key of
     anything memoised on the planned arch."""

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from flashsuite.common.arch import env_key, env_table
+from flashsuite.common.arch import cuda_stream_capturing, env_key, env_table
 
 MAX_HEAD_DIM = 256
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -718,8 +718,7 @@ def metadata_checks_enabled() -> bool:
     at capture time."""
     if env_table.get(_CHECK_KEY) in _CHECKS_OFF:
         return False
-    # torch.cuda's capture check without its Python wrapper (a decode step calls this).
-    return not (torch.cuda.is_initialized() and torch._C._cuda_isCurrentStreamCapturing())
+    return not cuda_stream_capturing()
 
 
 _CHECK_KEY = env_key("FLASHSUITE_CHECK_METADATA")

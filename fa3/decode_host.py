@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from flashsuite.common.append_kernel import append
+from flashsuite.common.arch import cuda_stream_capturing
 from flashsuite.common.split_combine import combine_splits, split_count
 from flashsuite.common.validation import KVCacheParams
 from flashsuite.fa3 import decode_configs
@@ -176,7 +177,7 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
     API and a dict lookup."""
     if device.type != "cuda":
         return _zeros(n, device)
-    if _stream_capturing():
+    if cuda_stream_capturing():
         return _captured_counters(n, device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, _raw_stream(index), n)
@@ -191,12 +192,6 @@ _counter_views: dict[tuple, torch.Tensor] = {}
 
 def _zeros(n: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(n, dtype=torch.int32, device=device)
-
-
-def _stream_capturing() -> bool:
-    """Whether the current CUDA stream is capturing a graph (torch.cuda's check, without its
-    per-call Python wrapper)."""
-    return torch._C._cuda_isCurrentStreamCapturing()
 
 
 def _raw_stream(index: int) -> int:

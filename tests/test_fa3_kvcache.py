@@ -457,7 +457,7 @@ def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> N
 
     stream = [7]
     for name, value in (("_counters", {}), ("_counter_views", {}), ("_capture_pool", {}),
-                        ("_zeros", zeros), ("_stream_capturing", lambda: False),
+                        ("_zeros", zeros), ("cuda_stream_capturing", lambda: False),
                         ("_raw_stream", lambda index: stream[0])):  # fmt: skip
         monkeypatch.setattr(decode_host, name, value)
     pools = []
@@ -479,7 +479,7 @@ def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> N
     assert again is not first and again.data_ptr() == made[2].data_ptr()
     stream[0] = 9
     assert decode_host.split_counters(2, gpu) is other  # stream 9 keeps its buffer
-    monkeypatch.setattr(decode_host, "_stream_capturing", lambda: True)
+    monkeypatch.setattr(decode_host, "cuda_stream_capturing", lambda: True)
     monkeypatch.setattr(decode_host, "_captured_counters", lambda n, device: ("pool slice", n))
     assert decode_host.split_counters(2, gpu) == ("pool slice", 2)
 
