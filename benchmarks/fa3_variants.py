@@ -110,7 +110,13 @@ def flag_variants() -> list[tuple[str, int, torch.dtype, bool, Fa3Config]]:
     return [
         ("wg3", 64, bf16, False, _three_wgs(d64)),
         ("wg3-causal-fp16", 64, torch.float16, True, _three_wgs(d64)),
-        ("wg3-no-overlap", 64, bf16, False, replace(_three_wgs(d64), intra_wg_overlap=False)),
+        (
+            "wg3-no-overlap",
+            64,
+            bf16,
+            False,
+            replace(_three_wgs(d64), intra_wg_overlap=False, pv_wait_after_max=False),
+        ),
         ("wg3-no-pingpong", 64, bf16, True, replace(_three_wgs(d64), pingpong=False)),
         ("wg3-persistent-causal", 64, bf16, True, replace(_three_wgs(d64), persistent=True)),
         ("wg2", 64, bf16, False, _two_wgs(d64)),

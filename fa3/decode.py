@@ -156,6 +156,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
         self.ROW_CHAINS = cfg.row_chains
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
+        self.STAGE_DESC = cfg.stage_desc
         self.LOOP_MASK_TEST = cfg.loop_mask_test
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait

@@ -156,7 +156,7 @@ class ForwardMainloop:
         """One K/V block without intra-WG overlap: QK, softmax, PV, each waited for."""
         self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index, self.STAGE_DESC)
         self.pingpong.arrive(ctx.cwg)  # the other WG may run its PV(n-1) and QK(n) meanwhile
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
@@ -165,7 +165,7 @@ class ForwardMainloop:
         self.rescale_o(ctx, corr)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
         self.pingpong.sync(ctx.cwg)  # our turn: PV(n) now, QK(n+1) right after
-        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index)
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index, None, self.STAGE_DESC)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
@@ -250,7 +250,7 @@ class ForwardMainloop:
         """Intra-WG overlap prologue: S and P of the first (masked) block, no PV yet."""
         self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
-        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index, self.STAGE_DESC)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.scores_to_probs(ctx, n_block, True)  # acc_O is still 0: nothing to rescale
@@ -273,11 +273,11 @@ class ForwardMainloop:
         self.block_descales(ctx, n_block)
         ctx.pipe_k.consumer_wait(kv_state, ctx.pipe_k.consumer_try_wait(kv_state))
         self.pingpong.sync(ctx.cwg)
-        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index)
+        gemm_qk(ctx.mma_qk, ctx.acc_S, ctx.tSrQ, ctx.tSrK, kv_state.index, self.STAGE_DESC)
         if const_expr(self.RESCALE_BEFORE_PV):
             self.rescale_o(ctx, ctx.corr_prev)  # the previous block's, under Q·Kᵀ(n)
         ctx.pipe_v.consumer_wait(v_state, ctx.pipe_v.consumer_try_wait(v_state))
-        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index, o_acc)
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, v_state.index, o_acc, self.STAGE_DESC)
         self.pingpong.arrive(ctx.cwg)
         if const_expr(self.SOFTMAX_APART):
             probs = cute.make_fragment_like(ctx.acc_S)  # P apart from S (Fa3Config says why)
@@ -328,7 +328,7 @@ class ForwardMainloop:
         if const_expr(self.RESCALE_BEFORE_PV):
             self.rescale_o(ctx, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state, ctx.pipe_v.consumer_try_wait(kv_state))
-        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index, o_acc)
+        gemm_pv(ctx.mma_pv, ctx.acc_O, ctx.tOrP, ctx.tOrVt, kv_state.index, o_acc, self.STAGE_DESC)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()

@@ -162,6 +162,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.ROW_CHAINS = cfg.row_chains
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.WG_SLICE = cfg.wg_slice
+        self.STAGE_DESC = cfg.stage_desc
         self.LOOP_MASK_TEST = cfg.loop_mask_test
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait

@@ -7,7 +7,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -249,29 +249,56 @@ def q_to_regs(mma_qk: cute.TiledMma, sQ: cute.Tensor, thread: Int32, dtype) -> c
 
 
 @cute.jit
-def gemm_qk(mma_qk: cute.TiledMma, acc_S, tSrQ, tSrK, stage: Int32):
-    """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits."""
+def gemm_qk(
+    mma_qk: cute.TiledMma,
+    acc_S,
+    tSrQ,
+    tSrK,
+    stage: Int32,
+    stage_desc: cutlass.Constexpr[bool] = False,
+):
+    """Issue S = Q·Kᵀ (SS wgmma) into acc_S and commit; the caller waits. `stage_desc`: K's
+    descriptors sliced by stage first (Fa3Config.stage_desc)."""
     warpgroup.fence()
     # A fresh atom per issue: mutating the shared TiledMma's ACCUMULATE flag inside the
     # dynamic K/V loop leaks an SSA value out of its region.
     atom = cute.make_mma_atom(mma_qk.op)
     atom.set(warpgroup.Field.ACCUMULATE, False)  # S = Q·Kᵀ overwrites
+    if const_expr(stage_desc):
+        tSrK = tSrK[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        if const_expr(stage_desc):
+            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+        else:
+            cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
 
 
 @cute.jit
-def gemm_pv(mma_pv: cute.TiledMma, acc_O, tOrP, tOrVt, stage: Int32, accumulate=None):
+def gemm_pv(
+    mma_pv: cute.TiledMma,
+    acc_O,
+    tOrP,
+    tOrVt,
+    stage: Int32,
+    accumulate=None,
+    stage_desc: cutlass.Constexpr[bool] = False,
+):
     """Issue O += P·V (RS wgmma, P from registers) and commit; the caller waits.
 
     `accumulate`: None (acc_O starts at 0 and is rescaled in place) or a runtime Boolean,
-    False for the tile's first P·V, which then overwrites acc_O (Fa3Config.o_zero_init)."""
+    False for the tile's first P·V, which then overwrites acc_O (Fa3Config.o_zero_init).
+    `stage_desc`: Vᵀ's descriptors sliced by stage first, as gemm_qk's K."""
     warpgroup.fence()
     atom = cute.make_mma_atom(mma_pv.op)
     atom.set(warpgroup.Field.ACCUMULATE, True if accumulate is None else accumulate)
+    if const_expr(stage_desc):
+        tOrVt = tOrVt[None, None, None, stage]
     for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-        cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+        if const_expr(stage_desc):
+            cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+        else:
+            cute.gemm(atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

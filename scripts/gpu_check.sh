@@ -170,7 +170,8 @@ for part in $parts; do
       # cases first). "new": descriptors from the warpgroup's slice and no mask test in the
       # non-causal loop; "split": the causal loop in two; at D = 128 also the in-place softmax
       # (softmax_apart off), at D = 256 also without ping-pong (FA4's D = 256 schedule); "pin":
-      # pin_pv_wait alone (a never-taken branch before P·V's wait) in every row; e4m3 rows also
+      # pin_pv_wait alone (a never-taken branch before P·V's wait; pv_wait_after_max, which moves
+      # the same wait, off) in every row; e4m3 rows also
       # FA3's fp8 tiles with the pin ("fa3t": 192 x 160 on three warpgroups at D = 64, 128 x 224 at
       # D = 128 and 128 x 128 at D = 256, both with V transposed on the host); causal e4m3 also
       # the persistent scheduler v2 ("pv2", host Vᵀ, at D = 128 and 256).
@@ -185,7 +186,7 @@ for part in $parts; do
       IFS=';' read -r -a rows <<< "$rows"
       for row in "${rows[@]}"; do
         read -r d flags <<< "$row"
-        vars=(--variant "new:$new" --variant pin:pin_pv_wait=1)
+        vars=(--variant "new:$new" --variant pin:pin_pv_wait=1,pv_wait_after_max=0)
         case "$row" in
           "64 --fp8") vars+=(--variant fa3t:tile_m=192,num_consumer_wgs=3,tile_n=160,pin_pv_wait=1) ;;
           "128 --fp8") vars+=(--variant fa3t:tile_n=224,v_transpose=host,pin_pv_wait=1) ;;
@@ -197,7 +198,7 @@ for part in $parts; do
             vars+=(--variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host) ;;
           *causal*)
             vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1
-              --variant pin:pin_pv_wait=1)
+              --variant pin:pin_pv_wait=1,pv_wait_after_max=0)
             [ "$d" = 256 ] && vars+=(--variant splitnopp:split_loops=1,wg_slice=1,pingpong=0) ;;
           128) vars+=(--variant "newip:$new,softmax_apart=0") ;;
           256) vars+=(--variant "newnopp:$new,pingpong=0") ;;

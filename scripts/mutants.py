@@ -513,6 +513,22 @@ MUTANTS = [
         ("tests/test_fa3_compile.py",),
     ),
     Mutant(
+        "fa3: softcap and windowed problems keep the stage's descriptors",
+        "fa3/configs.py",
+        "wg_slice=False, stage_desc=False, split_loops=False,",
+        "wg_slice=False, split_loops=False,",
+        "ship_where_they_were_measured",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
+        "fa3: non-causal D 64 without FA4's descriptors (stage_desc)",
+        "fa3/configs.py",
+        "            stage_desc=(head_dim, causal) in _FA4_LOOP,",
+        "            stage_desc=False,",
+        "ship_where_they_were_measured or d64_table_build_runs_fa4s_loop",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
         "fa3: softcap and windowed problems keep P·V's wait after the row max",
         "fa3/configs.py",
         "                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip",
@@ -628,6 +644,14 @@ KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
 FA3_BWD_PREPOST = "fa3/bwd_prepost.py"  # the dense backward's pre- and postprocess (GPU)
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
+    Mutant(
+        "fa3: stage_desc's Vᵀ descriptors from stage 0",
+        "fa3/utils.py",
+        "        tOrVt = tOrVt[None, None, None, stage]",
+        "        tOrVt = tOrVt[None, None, None, 0]",
+        "fa4loop or stage",
+        ("tests/test_fa3_softmax_options.py",),
+    ),
     Mutant(
         "fa3 fwd: out x1.01",
         FA3_SOFTMAX,

@@ -21,6 +21,9 @@ and prints the headline metrics of each case's longest kernel.
 the shape with those Fa3Config fields replaced (benchmarks/fa3_fwd_ab's variant syntax), called
 through fa3.interface.forward (the variant's oracle cases are fa3_fwd_ab's to run).
 
+`--fp8` profiles fa3's e4m3 forward (the inputs cast to float8_e4m3fn, unit descales; fa3 and
+its `--fa3-variant` builds only): its main kernel is the longest one.
+
 `--source` also collects the SourceCounters section (warp-state samples per SASS instruction),
 keeps the report (DIR/report.ncu-rep), writes its source page as DIR/source.csv and sums the
 samples of each case's longest kernel per instruction and per opcode (DIR/source_summary.txt):
@@ -76,10 +79,15 @@ def _variant_callable(changes: dict, q, k, v, case):
 
 
 def profile_child(
-    contenders: list[str], shapes: list[str], direction: str = "fwd", variants: dict | None = None
+    contenders: list[str],
+    shapes: list[str],
+    direction: str = "fwd",
+    variants: dict | None = None,
+    fp8: bool = False,
 ) -> None:
     """Under ncu: per (contender, shape), one forward or backward in the profiled range
-    (common/ncu.py). `variants`: fa3-NAME -> Fa3Config changes (forward only)."""
+    (common/ncu.py). `variants`: fa3-NAME -> Fa3Config changes (forward only). `fp8`: e4m3
+    inputs, fa3 and its variants only (fa3's shipped e4m3 config, Vᵀ made in the call)."""
     variants = variants or {}
     for spec in shapes:
         case = _case(spec)
@@ -89,8 +97,12 @@ def profile_child(
                 torch.cuda.empty_cache()
             continue
         q, k, v = make_inputs(case, "cuda")
+        if fp8:
+            q, k, v = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         for name in contenders:
-            if name in variants:
+            if fp8:
+                run = _variant_callable(variants.get(name, {}), q, k, v, case)
+            elif name in variants:
                 run = _variant_callable(variants[name], q, k, v, case)
             else:
                 run, _ = make_callable(name, case, q, k, v)
@@ -131,9 +143,15 @@ def main() -> int:
         "--fa3-variant", action="append", default=[],
         help="NAME:FIELD=VALUE,...: the contender fa3-NAME (forward; fa3_fwd_ab's syntax)",
     )  # fmt: skip
+    ap.add_argument(
+        "--fp8", action="store_true",
+        help="e4m3 inputs (forward; contenders fa3 and its --fa3-variant builds only)",
+    )  # fmt: skip
     ap.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    contenders = args.contender or ["fa3", "sdpa-cudnn"]
+    contenders = args.contender or (["fa3"] if args.fp8 else ["fa3", "sdpa-cudnn"])
+    if args.fp8 and (args.direction != "fwd" or set(contenders) - {"fa3"}):
+        ap.error(f"--fp8: forward of fa3 and its variants only, got {contenders} {args.direction}")
     variants = {}
     if args.fa3_variant:
         if args.direction != "fwd":
@@ -149,7 +167,7 @@ def main() -> int:
             variants[f"fa3-{name}"] = changes
         contenders += [c for c in variants if c not in contenders]
     if args.profile_child:
-        profile_child(contenders, args.shape, args.direction, variants)
+        profile_child(contenders, args.shape, args.direction, variants, args.fp8)
         return 0
     exe = shutil.which("ncu")
     if exe is None:
@@ -165,7 +183,7 @@ def main() -> int:
     if args.source:
         cmd += ["--export", str(report_path), "--force-overwrite", "--import-source", "no"]
     cmd += [sys.executable, __file__, "--profile-child", "--out", args.out]
-    cmd += ["--direction", args.direction]
+    cmd += ["--direction", args.direction, *(["--fp8"] if args.fp8 else [])]
     cmd += [arg for s in args.shape for arg in ("--shape", s)]
     cmd += [arg for c in contenders if c not in variants for arg in ("--contender", c)]
     cmd += [arg for spec in args.fa3_variant for arg in ("--fa3-variant", spec)]

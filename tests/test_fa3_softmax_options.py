@@ -119,12 +119,15 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
         assert res.ok, res
 
 
-def _agree_with_the_table_build(d: int, fp8: bool, causal: bool, base: dict, option: dict):
+def _agree_with_the_table_build(
+    d: int, fp8: bool, causal: bool, base: dict, option: dict, cfg=None
+) -> None:
     """The table's config for a 700 x 3001 problem (16-bit or e4m3, causal or not, GQA 4 / 2,
-    ragged lengths over enough key blocks for the options to matter) with `base`'s fields
-    replaced, against the same with `option`'s on top: out and LSE within rounding of each
-    other (out: 2 bf16 ulps of each element, LSE: 1e-5 relative; an option that drops a
-    needed rescale or a chain of the row sum moves them by the size of O itself)."""
+    ragged lengths over enough key blocks for the options to matter; `cfg` in its place if
+    given) with `base`'s fields replaced, against the same with `option`'s on top: out and
+    LSE within rounding of each other (out: 2 bf16 ulps of each element, LSE: 1e-5
+    relative; an option that drops a needed rescale or a chain of the row sum moves them by
+    the size of O itself)."""
     import torch
 
     from flashsuite.common.validation import check_inputs
@@ -140,7 +143,7 @@ def _agree_with_the_table_build(d: int, fp8: bool, causal: bool, base: dict, opt
 
     q, k, v = rnd(nq, hq), rnd(nk, hkv), rnd(nk, hkv)
     p = check_inputs(q, k, v, causal=causal)
-    table = dataclasses.replace(config_for(p), **base)
+    table = dataclasses.replace(config_for(p) if cfg is None else cfg, **base)
     out, lse = interface.forward(q, k, v, p, cfg=table)
     out_o, lse_o = interface.forward(q, k, v, p, cfg=dataclasses.replace(table, **option))
     o, o_o = out.float(), out_o.float()
@@ -203,6 +206,7 @@ _SPLIT = {"split_loops": True, "wg_slice": True}
 
 
 _PV_MAX = {"pv_wait_after_max": True, "softmax_apart": False}
+_STAGE_DESC_BUILDS = ((128, False), (128, True), (256, False), (192, True), (96, False))
 
 
 def _case(d: int, fp8: bool, causal: bool, name: str, option: dict):
@@ -219,13 +223,18 @@ _SCHEDULE_CASES = [
     *[_case(d, True, True, "split", _SPLIT) for d in (128, 256)],
     _case(256, False, True, "split_nopp", {**_SPLIT, "pingpong": False}),
     # pin_pv_wait: a never-taken branch before P·V's wait (the in-place softmax's builds).
-    _case(64, False, False, "pin", {"pin_pv_wait": True}),
+    _case(64, False, False, "pin", {"pin_pv_wait": True, "pv_wait_after_max": False}),
     _case(128, False, True, "pin", {"pin_pv_wait": True}),
     *[_case(d, True, False, "pin", {"pin_pv_wait": True}) for d in (128, 256)],
     # pv_wait_after_max: P·V's wait between the row max and the exponentials (in place).
     _case(64, False, False, "pvmax", _PV_MAX),
     _case(128, False, True, "pvmax", _PV_MAX),
     _case(256, False, False, "pvmax", _PV_MAX),
+    # FA4's loop (non-causal D = 64's table build) and stage_desc alone: descriptors advanced
+    # from the stage's first; a wrong offset reads another block or stage.
+    _case(64, False, False, "fa4loop", {**_PV_MAX, **_NEW, "stage_desc": True}),
+    *[_case(d, False, c, "stage", {"stage_desc": True}) for d, c in _STAGE_DESC_BUILDS],
+    *[_case(d, True, False, "stage", {"stage_desc": True}) for d in (128, 256)],
     *[_case(d, True, False, "pvmax", _PV_MAX) for d in (128, 256)],
     # o_zero_init: the tile's first P·V overwrites acc_O (no zeroing before the loop).
     *[_case(d, False, False, "zi", {"o_zero_init": True}) for d in (64, 128, 256)],
@@ -249,6 +258,21 @@ def test_gpu_schedule_options_match_the_table_build(
 
     without = {field: getattr(Fa3Config(), field) for field in option}
     _agree_with_the_table_build(d, fp8, causal, without, option)
+
+
+@pytest.mark.gpu
+def test_gpu_d64_plain_grid_table_build_agrees_without_fa4s_loop() -> None:
+    """Non-causal D = 64's plain-grid table build (what dense problems past
+    SECTIONS_MAX_SEQLEN_K keys run, the 700 x 3001 case above takes the persistent one) with
+    FA4's loop against the same build without it: out and LSE within rounding."""
+    import torch
+
+    from flashsuite.fa3.configs import get_config
+
+    plain = get_config(64, torch.bfloat16, False)
+    old = dict(pv_wait_after_max=False, wg_slice=False, loop_mask_test=True, stage_desc=False)
+    assert not plain.persistent and all(getattr(plain, f) != v for f, v in old.items()), plain
+    _agree_with_the_table_build(64, False, False, old, {f: getattr(plain, f) for f in old}, plain)
 
 
 @pytest.mark.gpu

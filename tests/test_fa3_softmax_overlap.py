@@ -180,17 +180,19 @@ def test_q_in_registers_keeps_the_loop_whole() -> None:
 
 
 def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
-    """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S. The
-    shipped loop keeps a runtime mask test (always false there: only the peeled newest block
-    has keys past seqlen_k) and builds its descriptors per thread, and ptxas hoists P·V's wait
-    above the softmax. Without the test (loop_mask_test=0) and with the warpgroup's slice
-    (wg_slice=1) the body is one basic block with uniform descriptors, and the softmax stays
-    between the two waits; either alone is not enough."""
+    """Non-causal builds without softmax_apart (D = 64 here) write the softmax over S. With a
+    runtime mask test in the loop (always false there: only the peeled newest block has keys
+    past seqlen_k) and descriptors built per thread, ptxas hoists P·V's wait above the
+    softmax. Without the test (loop_mask_test=0) and with the warpgroup's slice (wg_slice=1)
+    the body is one basic block with uniform descriptors, and the softmax stays between the
+    two waits; either alone is not enough. (The D = 64 table build runs FA4's loop on top:
+    test_d64_table_build_runs_fa4s_loop.)"""
+    own = ("pv_wait_after_max=0", "stage_desc=0")
     builds = {
-        "shipped": (),
-        "both": ("loop_mask_test=0", "wg_slice=1"),
-        "no_test": ("loop_mask_test=0",),
-        "sliced": ("wg_slice=1",),
+        "shipped": (*own, "loop_mask_test=1", "wg_slice=0"),
+        "both": (*own, "loop_mask_test=0", "wg_slice=1"),
+        "no_test": (*own, "loop_mask_test=0", "wg_slice=0"),
+        "sliced": (*own, "loop_mask_test=1", "wg_slice=1"),
     }
     with ThreadPoolExecutor(4) as pool:
         got = dict(
@@ -212,6 +214,27 @@ def test_softmax_runs_under_pv_without_a_mask_test_in_the_loop() -> None:
     # Descriptors from the warpgroup's slice: fewer vector-to-uniform moves than from the
     # thread's own (8 a block per warp in the loop at D = 64, benchmarks/fa4_sass_compare).
     assert got["both"]["counts"]["r2ur"] < got["no_test"]["counts"]["r2ur"], got
+
+
+def test_d64_table_build_runs_fa4s_loop() -> None:
+    """Non-causal D = 64's table build (configs._FA4_LOOP): every row-max instruction between
+    Q·Kᵀ's wait and P·V's, most exponentials after P·V's (pv_wait_after_max), no mask test in
+    the loop, and descriptors advanced from the stage's first (stage_desc): at least 10 fewer
+    instructions a block and warp than the same build without stage_desc (438 -> 421 on
+    sm_90a; FA4's loop 415), the windows unchanged, 0 spills."""
+    with ThreadPoolExecutor(2) as pool:
+        table, rebuilt = pool.map(
+            lambda sets: _windows(*sets, head_dim=64, causal=False), [(), ("stage_desc=0",)]
+        )
+    cfg = table["config"]
+    assert cfg["pv_wait_after_max"] and cfg["wg_slice"] and cfg["stage_desc"], cfg
+    assert not cfg["loop_mask_test"] and not cfg["softmax_apart"], cfg
+    for r in (table, rebuilt):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+        assert len(r["windows"]) == 1, r["windows"]
+        assert r["windows"][0]["fmnmx"] >= 64 and r["windows"][0]["mufu"] <= 16, r["windows"]
+        assert r["loop_ex2"] == [66], r["loop_ex2"]
+    assert table["loop_insns"][0] + 10 <= rebuilt["loop_insns"][0], (table, rebuilt)
 
 
 def test_split_loops_keep_the_causal_softmax_under_pv() -> None:
@@ -241,8 +264,10 @@ def _in_place_builds(option: str) -> list[tuple[int, dict]]:
         (dict(head_dim=128, causal=True), 64),
         (dict(head_dim=128, causal=False, fp8=True), 96),
     ]
+    # pin_pv_wait pins the wait pv_wait_after_max moves (D = 64's table build takes the latter).
+    sets = (f"{option}=1", *(("pv_wait_after_max=0",) if option == "pin_pv_wait" else ()))
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda b: _windows(f"{option}=1", **b[0]), builds))
+        got = list(pool.map(lambda b: _windows(*sets, **b[0]), builds))
     for r in got:
         assert r["config"][option] and not r["config"]["softmax_apart"]
         assert r["spill_stores"] == 0 and not r["remarks"], r
@@ -320,34 +345,42 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
     # dense problems without softcap or window they were timed and checked on.
     slice_loops = {
         (128, False): (True, False), (128, True): (True, True), (64, True): (True, True),
-        (192, True): (True, True),
+        (192, True): (True, True), (64, False): (True, False),
     }  # fmt: skip
     for (d, causal), (wgs, split) in slice_loops.items():
-        q, k, v = (torch.zeros(1, 300, 2, d, dtype=bf16) for _ in range(3))
+        # Non-causal D = 64 up to SHORT_SEQLEN_K keys runs its short build (Q in registers).
+        n = 5000 if (d, causal) == (64, False) else 300
+        q, k, v = (torch.zeros(1, n, 2, d, dtype=bf16) for _ in range(3))
         cfg = config_for(check_inputs(q, k, v, causal=causal))
         assert (cfg.wg_slice, cfg.split_loops) == (wgs, split), (d, causal)
+        # FA4's loop (stage_desc, no mask test, pv_wait_after_max): non-causal D = 64 only.
+        fa4_loop = (d, causal) == (64, False)
+        assert get_config(d, bf16, causal).stage_desc == fa4_loop, (d, causal)
+        assert get_config(d, bf16, causal).loop_mask_test != fa4_loop, (d, causal)
         for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
             cfg = config_for(check_inputs(q, k, v, causal=causal, **kw))
-            assert not (cfg.wg_slice or cfg.split_loops) and cfg.loop_mask_test, (d, kw)
+            assert not (cfg.wg_slice or cfg.split_loops or cfg.stage_desc), (d, kw)
+            assert cfg.loop_mask_test and not cfg.pv_wait_after_max, (d, kw)
         vl = varlen_config(d, bf16, causal, options=False)
         assert not (vl.wg_slice or vl.split_loops), (d, causal)
         vl = varlen_config(d, bf16, causal, options=True)
         assert (vl.wg_slice, vl.split_loops, vl.persistent) == (wgs, split, False), (d, causal)
         # Packed problems with softcap or a window keep the builds without them, switch or not.
-        cu = torch.tensor([0, 300], dtype=torch.int32)
+        cu = torch.tensor([0, n], dtype=torch.int32)
         for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
             with monkeypatch.context() as m:
                 m.setattr(varlen_configs, "VARLEN_SCHEDULE_OPTIONS", True)
-                vp = check_varlen_inputs(q[0], k[0], v[0], cu, cu, 300, 300, causal=causal, **kw)
+                vp = check_varlen_inputs(q[0], k[0], v[0], cu, cu, n, n, causal=causal, **kw)
                 vl = varlen_configs.varlen_config_for(vp.attn)
             assert not (vl.wg_slice or vl.split_loops) and vl.loop_mask_test, (d, kw)
-    assert (get_config(64, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
+    assert (get_config(96, bf16, False).wg_slice, get_config(256, bf16, True).split_loops) == (
         False, False,
     )  # fmt: skip
-    # P·V's wait after the row max: non-causal D = 256 alone, never with softcap or a window.
+    # P·V's wait after the row max: non-causal D = 256 and 64, never with softcap or a window.
     for d in HEAD_DIMS:
         for causal in (False, True):
-            assert get_config(d, bf16, causal).pv_wait_after_max == ((d, causal) == (256, False))
+            got = get_config(d, bf16, causal).pv_wait_after_max
+            assert got == ((d, causal) in ((256, False), (64, False))), (d, causal)
     q, k = torch.zeros(1, 300, 2, 256, dtype=bf16), torch.zeros(1, 900, 2, 256, dtype=bf16)
     assert config_for(check_inputs(q, k, k)).pv_wait_after_max
     for kw in (dict(softcap=30.0), dict(window_size=(64, 64))):
