@@ -143,8 +143,10 @@ class Fa3Config:
     # In-place overlap softmax: P·V's wait issued between the rows' max, rescale and exponents
     # and their exponentials (softmax.online_softmax), behind a never-taken branch that keeps
     # ptxas from raising it: the row max under P·V, the exponentials after its wait at bf16
-    # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Off: bf16
-    # D = 64 timed 0.979 / 0.978x the table build at N = 4k / 16k (H100, docs/design.md).
+    # D = 64 and 128, the split of FA4's D = 64 loop (benchmarks/fa4_sass_compare). Alone on
+    # bf16 D = 64's build with the loop's mask test it timed 0.979 / 0.978x that build at
+    # N = 4k / 16k (H100, docs/design.md); with wg_slice, no mask test and stage_desc it ships
+    # there (configs._FA4_LOOP).
     pv_wait_after_max: bool = False
     # Intra-WG overlap: acc_O not zeroed before the tile; the first P·V overwrites it. Off.
     o_zero_init: bool = False
