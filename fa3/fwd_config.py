@@ -128,7 +128,8 @@ class Fa3Config:
     # body, and ptxas then hoists P·V's wait above an in-place softmax, which runs after P·V
     # retires instead of under it. False drops it: with wg_slice too the D = 64 table entry's
     # softmax (68 FMNMX, 24 MUFU.EX2) and fp8 D = 128 / 256's move between the two waits
-    # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). fp8 D = 256 drops it.
+    # (benchmarks/fa3_softmax_sass; tests/test_fa3_softmax_overlap.py). The fp8 D = 128 / 256
+    # entries and non-causal D = 64's (configs._FA4_LOOP) drop it.
     loop_mask_test: bool = True
     # Intra-WG overlap, causal (right) mask, no left window: the masked blocks (mask compiled
     # in), then the unmasked ones, as two loops with no runtime test, so each body is one
