@@ -220,16 +220,17 @@ def get_config(
             return fp8_smem_transpose_config(head_dim, causal)
         return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
+    fa4_loop = (head_dim, causal) in _FA4_LOOP
     if cfg.intra_wg_overlap:
         cfg = replace(
             cfg,
             softmax_apart=(head_dim, causal) in _SOFTMAX_APART,
             k_ahead=(head_dim, causal) in _K_AHEAD,
-            wg_slice=(head_dim, causal) in _WG_SLICE,
+            wg_slice=(head_dim, causal) in _WG_SLICE or fa4_loop,
             split_loops=(head_dim, causal) in _SPLIT_LOOPS,
-            pv_wait_after_max=(head_dim, causal) in _PV_WAIT_AFTER_MAX,
-            stage_desc=(head_dim, causal) in _FA4_LOOP,
-            loop_mask_test=(head_dim, causal) not in _FA4_LOOP,
+            pv_wait_after_max=(head_dim, causal) in _PV_WAIT_AFTER_MAX or fa4_loop,
+            stage_desc=fa4_loop,
+            loop_mask_test=not fa4_loop,
         )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
@@ -261,18 +262,19 @@ _K_AHEAD = ((128, False),)
 # 1.057 / 1.014, causal D = 192 1.033 / 1.003 at 1k / 4k (H100 80GB HBM3, 2026-12-05/06; the
 # builds not taken and the runs in docs/results.md, "Schedule options on an H100"). Softcap and
 # windowed problems keep the builds without them; packed ones take them (varlen_configs).
-_WG_SLICE = ((128, False), (128, True), (64, True), (96, True), (192, True), (64, False))
+_WG_SLICE = ((128, False), (128, True), (64, True), (96, True), (192, True))
 _SPLIT_LOOPS = ((128, True), (64, True), (96, True), (192, True))
 # (head_dim, causal) pairs whose P·V wait comes after the row max (pv_wait_after_max, the
 # in-place softmax). Non-causal D = 256: 1.001 / 1.039 / 1.027x the build without at N = 1k /
 # 4k / 16k, same run as causal D = 192 above. D = 64 lost with it alone (0.979 / 0.978x).
-_PV_WAIT_AFTER_MAX = ((256, False), (64, False))
-# Non-causal D = 64 runs FA4's loop: the row max under P·V (pv_wait_after_max), descriptors
-# from the warpgroup's slice (_WG_SLICE) and from the stage's first (stage_desc), no mask test
-# in the loop (loop_mask_test off). Its ncu profile had the table build wait for P·V right
-# after the first row-max instruction (5.5 % of the warp samples at that wait, N = 16k, H100;
-# FA4 0.1 %); the four together 1.025 / 1.027x the build without at N = 4k / 16k (H100,
-# 2026-12-07; docs/results.md, "D = 64 on FA4's loop").
+_PV_WAIT_AFTER_MAX = ((256, False),)
+# (head_dim, causal) pairs that run FA4's loop, the four options together: the row max under
+# P·V (pv_wait_after_max), descriptors from the warpgroup's slice (wg_slice) and from the
+# stage's first (stage_desc), no mask test in the loop (loop_mask_test off). Non-causal
+# D = 64: its ncu profile had the build without wait for P·V right after the first row-max
+# instruction (5.5 % of the warp samples at that wait, N = 16k, H100; FA4 under 0.1 %); with
+# them 1.015 / 1.007x that build at N = 4k / 16k (H100, 2026-12-07; docs/results.md, "D = 64
+# on FA4's loop").
 _FA4_LOOP = ((64, False),)
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler
 # with two Q buffers (dense longer D = 64 too: config_for): N = 512 / 1k / 2k 1.095 / 1.034 /

@@ -523,7 +523,7 @@ MUTANTS = [
     Mutant(
         "fa3: non-causal D 64 without FA4's descriptors (stage_desc)",
         "fa3/configs.py",
-        "            stage_desc=(head_dim, causal) in _FA4_LOOP,",
+        "            stage_desc=fa4_loop,",
         "            stage_desc=False,",
         "ship_where_they_were_measured or d64_table_build_runs_fa4s_loop",
         ("tests/test_fa3_softmax_overlap.py",),
