@@ -148,6 +148,11 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             "fa3: pv_wait_after_max is for the in-place overlap softmax (intra_wg_overlap=True, "
             "softmax_apart=False), without pin_pv_wait (which pins the same wait)"
         )
+    if cfg.pv_wait_exps < 0 or (cfg.pv_wait_exps and not cfg.pv_wait_after_max):
+        return False, (
+            f"fa3: pv_wait_exps expected 0, or > 0 with pv_wait_after_max=True; got "
+            f"{cfg.pv_wait_exps} with pv_wait_after_max={cfg.pv_wait_after_max}"
+        )
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):

@@ -161,6 +161,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
+        self.PV_WAIT_EXPS = cfg.pv_wait_exps
         self.O_ZERO_INIT = False  # acc_O zeroed before the loop (every split's tile)
         self.RESCALE_BEFORE_PV = cfg.rescale_before_pv
         self.O_ALIAS_Q = True  # no sO: O goes from registers to global memory

@@ -53,13 +53,15 @@ class ForwardMainloop:
         masked=None,
         probs=None,
         pv_wait_after_max: cutlass.Constexpr[bool] = False,
+        exps_before_wait: cutlass.Constexpr[int] = 0,
     ):
         """Softcap, mask and online softmax of ctx.acc_S; returns the O rescale.
 
         `mask` (compile time) applies the mask; otherwise a runtime Boolean `masked` may. With
         `probs` (a fragment like acc_S; SOFTMAX_APART) the scores are taken out of acc_S first
         and all the rest happens there, P included, so acc_S is only read. Without it, all of
-        it happens in acc_S. `pv_wait_after_max`: online_softmax's (Fa3Config.pv_wait_after_max).
+        it happens in acc_S. `pv_wait_after_max`, `exps_before_wait`: online_softmax's
+        (Fa3Config.pv_wait_after_max, pv_wait_exps).
         """
         acc_S = ctx.acc_S
         scores = acc_S  # what the softmax reads: acc_S, or probs once written there
@@ -100,6 +102,7 @@ class ForwardMainloop:
             self.ROW_CHAINS,
             row_scale,
             pv_wait_after_max,
+            exps_before_wait,
         )
         if const_expr(blk is not None):
             # O holds P·V in units of the previous block's descale of v (`dsv`): this block's
@@ -295,7 +298,13 @@ class ForwardMainloop:
             ctx.pipe_k.consumer_release(kv_state)
             always = masked is True  # SPLIT_LOOPS' masked loop: the mask at compile time
             corr = self.scores_to_probs(
-                ctx, n_block, always, None if always else masked, None, self.PV_WAIT_AFTER_MAX
+                ctx,
+                n_block,
+                always,
+                None if always else masked,
+                None,
+                self.PV_WAIT_AFTER_MAX,
+                self.PV_WAIT_EXPS,
             )  # acc_S, not tOrP / acc_O
             if const_expr(self.PIN_PV_WAIT):  # noqa: SIM102 (a const_expr test stays its own `if`)
                 # A basic block ends here (Fa3Config.pin_pv_wait): the wait below cannot be

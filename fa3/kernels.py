@@ -167,6 +167,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.SPLIT_LOOPS = cfg.split_loops
         self.PIN_PV_WAIT = cfg.pin_pv_wait
         self.PV_WAIT_AFTER_MAX = cfg.pv_wait_after_max
+        self.PV_WAIT_EXPS = cfg.pv_wait_exps
         self.O_ZERO_INIT = cfg.o_zero_init
         self.O_ALIAS_Q = cfg.o_alias_q
         # sQ buffers: 2 lets the producer load the next tile's Q under the current one.

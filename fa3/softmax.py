@@ -117,6 +117,7 @@ def online_softmax(
     chains: cutlass.Constexpr[bool] = False,
     row_scale=None,
     pv_wait_after_max: cutlass.Constexpr[bool] = False,
+    exps_before_wait: cutlass.Constexpr[int] = 0,
 ):
     """Online softmax of one S block (S -> P); returns the O rescale per row.
 
@@ -194,20 +195,22 @@ def online_softmax(
                 row_max[r] = m_new
                 if const_expr(pv_wait_after_max):  # the exponents too, before P·V's wait
                     xs[r] = [acc_S[_col(k, r)] * scale - m_scaled for k in range(cols)]
+                    for k in cutlass.range_constexpr(min(exps_before_wait, cols)):
+                        xs[r][k] = _exp2(xs[r][k], emulated(k, ex2_emu))
             if const_expr(not pv_wait_after_max or phase == 1):
                 s = Float32(0.0)
                 ps = []
                 for k in cutlass.range_constexpr(cols):
                     # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-                    x = (
-                        xs[r][k]
-                        if const_expr(pv_wait_after_max)
-                        else acc_S[_col(k, r)] * scale - m_scaled
-                    )
-                    if const_expr(emulated(k, ex2_emu)):
-                        p = exp2_poly(x)
+                    if const_expr(pv_wait_after_max and k < exps_before_wait):
+                        p = xs[r][k]  # its exponential taken before the wait
                     else:
-                        p = cute.math.exp2(x, fastmath=True)
+                        x = (
+                            xs[r][k]
+                            if const_expr(pv_wait_after_max)
+                            else acc_S[_col(k, r)] * scale - m_scaled
+                        )
+                        p = _exp2(x, emulated(k, ex2_emu))
                     if const_expr(probs is None):
                         acc_S[_col(k, r)] = p
                         if const_expr(chains):
@@ -226,6 +229,11 @@ def online_softmax(
                 nanosleep_zero()
             warpgroup.wait_group(0)
     return corr
+
+
+def _exp2(x, poly: bool):
+    """2^x by `exp2_poly` (poly, a Python bool) or MUFU.EX2."""
+    return exp2_poly(x) if poly else cute.math.exp2(x, fastmath=True)
 
 
 def _col(k: int, r: int) -> int:

@@ -233,6 +233,18 @@ _SCHEDULE_CASES = [
     # FA4's loop (non-causal D = 64's table build) and stage_desc alone: descriptors advanced
     # from the stage's first; a wrong offset reads another block or stage.
     _case(64, False, False, "fa4loop", {**_PV_MAX, **_NEW, "stage_desc": True}),
+    # pv_wait_exps: some exponentials before P·V's wait, the rest after (one taken twice or
+    # for the wrong element moves out by the size of O).
+    *[
+        _case(
+            64,
+            False,
+            False,
+            f"fa4loop-exps{e}",
+            {**_PV_MAX, **_NEW, "stage_desc": True, "pv_wait_exps": e},
+        )
+        for e in (4, 32)
+    ],
     *[_case(d, False, c, "stage", {"stage_desc": True}) for d, c in _STAGE_DESC_BUILDS],
     *[_case(d, True, False, "stage", {"stage_desc": True}) for d in (128, 256)],
     *[_case(d, True, False, "pvmax", _PV_MAX) for d in (128, 256)],
