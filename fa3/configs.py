@@ -148,11 +148,8 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
             "fa3: pv_wait_after_max is for the in-place overlap softmax (intra_wg_overlap=True, "
             "softmax_apart=False), without pin_pv_wait (which pins the same wait)"
         )
-    if cfg.pv_wait_exps < 0 or (cfg.pv_wait_exps and not cfg.pv_wait_after_max):
-        return False, (
-            f"fa3: pv_wait_exps expected 0, or > 0 with pv_wait_after_max=True; got "
-            f"{cfg.pv_wait_exps} with pv_wait_after_max={cfg.pv_wait_after_max}"
-        )
+    if cfg.pv_wait_exps < 0:
+        return False, f"fa3: pv_wait_exps expected >= 0, got {cfg.pv_wait_exps}"
     if (cfg.overlap_tiles or cfg.balanced_order) and not cfg.persistent:
         return False, "fa3: overlap_tiles / balanced_order need persistent=True"
     if cfg.head_section < 0 or (cfg.head_section and cfg.persistent):
@@ -236,6 +233,7 @@ def get_config(
             pv_wait_after_max=(head_dim, causal) in _PV_WAIT_AFTER_MAX or fa4_loop,
             stage_desc=fa4_loop,
             loop_mask_test=not fa4_loop,
+            pv_wait_exps=FA4_LOOP_EXPS if fa4_loop else 0,
         )
     if not causal:
         short = seqlen_k is not None and seqlen_k <= SHORT_SEQLEN_K
@@ -281,6 +279,12 @@ _PV_WAIT_AFTER_MAX = ((256, False),)
 # them 1.015 / 1.007x that build at N = 4k / 16k (H100, 2026-12-07; docs/results.md, "D = 64
 # on FA4's loop").
 _FA4_LOOP = ((64, False),)
+# Their exponentials before P·V's wait per row (pv_wait_exps; 11 MUFU.EX2 between the waits
+# with the two row corrections, as in FA4's loop): non-causal D = 64's plain grid 1.016 /
+# 1.027 / 1.020x the build with none at N = 8k / 16k / 16k, two runs; 8 level with 4, 16
+# and 32 0.90-0.93x FA4 against 0.97 (H100, 2026-12-07; docs/results.md, "D = 64 on FA4's
+# loop").
+FA4_LOOP_EXPS = 4
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler
 # with two Q buffers (dense longer D = 64 too: config_for): N = 512 / 1k / 2k 1.095 / 1.034 /
 # 0.976x the plain grid (H100, 2026-12-06, commit 8839a07; docs/results.md, "Short sequences").
@@ -589,11 +593,12 @@ def config_for(p: AttnParams) -> Fa3Config:
 
 def dense_options_off(cfg: Fa3Config) -> Fa3Config:
     """`cfg` without the schedule options (softmax_apart, wg_slice, stage_desc, split_loops,
-    pv_wait_after_max; the loop's mask test back in): what softcap and windowed problems run,
-    dense (`config_for`) or packed (`varlen_config_for`), the builds the GPU suite has checked
-    on them."""
+    pv_wait_after_max, pv_wait_exps; the loop's mask test back in): what softcap and windowed
+    problems run, dense (`config_for`) or packed (`varlen_config_for`), the builds the GPU
+    suite has checked on them."""
     return replace(cfg, softmax_apart=False, wg_slice=False, stage_desc=False, split_loops=False,
-                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip
+                   loop_mask_test=True, pv_wait_after_max=False,
+                   pv_wait_exps=0)  # fmt: skip
 
 
 # The per-block build (fp8_blocks) runs the 2-WG tiles its GPU cases ran: at D = 64 the 128 x 192

@@ -149,9 +149,11 @@ class Fa3Config:
     # N = 4k / 16k (H100, docs/design.md); with wg_slice, no mask test and stage_desc it ships
     # there (configs._FA4_LOOP).
     pv_wait_after_max: bool = False
-    # With pv_wait_after_max: each row's first that many exponentials (of a thread's 16-64)
-    # before P·V's wait as well, so some MUFU.EX2 issue under P·V beside the row max (FA4's
-    # D = 64 loop runs 9 there, ours 1 with 0). Off (0).
+    # With pv_wait_after_max (no effect without): each row's first that many exponentials
+    # (of a thread's 16-64 a row) before P·V's wait as well, so some MUFU.EX2 issue under
+    # P·V beside the row max. sm_90a, D = 64's loop: 3 / 11 / 19 / 35 / 66 MUFU.EX2 between
+    # the waits at 0 / 4 / 8 / 16 / 32 (FA4's 11), 421 instructions each; configs._FA4_LOOP
+    # takes 4 (FA4_LOOP_EXPS).
     pv_wait_exps: int = 0
     # Intra-WG overlap: acc_O not zeroed before the tile; the first P·V overwrites it. Off.
     o_zero_init: bool = False

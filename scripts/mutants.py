@@ -531,8 +531,8 @@ MUTANTS = [
     Mutant(
         "fa3: softcap and windowed problems keep P·V's wait after the row max",
         "fa3/configs.py",
-        "                   loop_mask_test=True, pv_wait_after_max=False)  # fmt: skip",
-        "                   loop_mask_test=True)  # fmt: skip",
+        "                   loop_mask_test=True, pv_wait_after_max=False,",
+        "                   loop_mask_test=True,",
         "ship_where_they_were_measured",
         ("tests/test_fa3_softmax_overlap.py",),
     ),

@@ -351,16 +351,20 @@ def test_softmax_options_ship_where_they_were_measured(monkeypatch) -> None:
         # Non-causal D = 64 up to SHORT_SEQLEN_K keys runs its short build (Q in registers).
         n = 5000 if (d, causal) == (64, False) else 300
         q, k, v = (torch.zeros(1, n, 2, d, dtype=bf16) for _ in range(3))
-        cfg = config_for(check_inputs(q, k, v, causal=causal))
+        cfg_p = check_inputs(q, k, v, causal=causal)
+        cfg = config_for(cfg_p)
         assert (cfg.wg_slice, cfg.split_loops) == (wgs, split), (d, causal)
         # FA4's loop (stage_desc, no mask test, pv_wait_after_max): non-causal D = 64 only.
         fa4_loop = (d, causal) == (64, False)
         assert get_config(d, bf16, causal).stage_desc == fa4_loop, (d, causal)
         assert get_config(d, bf16, causal).loop_mask_test != fa4_loop, (d, causal)
+        exps = get_config(d, bf16, causal).pv_wait_exps
+        assert exps == (4 if fa4_loop else 0) == config_for(cfg_p).pv_wait_exps, (d, causal)
         for kw in (dict(softcap=30.0), dict(window_size=(64, 0))):
             cfg = config_for(check_inputs(q, k, v, causal=causal, **kw))
             assert not (cfg.wg_slice or cfg.split_loops or cfg.stage_desc), (d, kw)
             assert cfg.loop_mask_test and not cfg.pv_wait_after_max, (d, kw)
+            assert cfg.pv_wait_exps == 0, (d, kw)
         vl = varlen_config(d, bf16, causal, options=False)
         assert not (vl.wg_slice or vl.split_loops), (d, causal)
         vl = varlen_config(d, bf16, causal, options=True)
