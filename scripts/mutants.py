@@ -521,6 +521,22 @@ MUTANTS = [
         ("tests/test_fa3_softmax_overlap.py",),
     ),
     Mutant(
+        "fa3: non-causal D 64 without exponentials under P·V (pv_wait_exps)",
+        "fa3/configs.py",
+        "            pv_wait_exps=FA4_LOOP_EXPS if fa4_loop else 0,",
+        "            pv_wait_exps=0,",
+        "ship_where_they_were_measured or d64_table_build_runs_fa4s_loop",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
+        "fa3: softcap and windowed problems keep the exponentials under P·V",
+        "fa3/configs.py",
+        "                   pv_wait_exps=0)  # fmt: skip",
+        "                   )  # fmt: skip",
+        "ship_where_they_were_measured",
+        ("tests/test_fa3_softmax_overlap.py",),
+    ),
+    Mutant(
         "fa3: non-causal D 64 without FA4's descriptors (stage_desc)",
         "fa3/configs.py",
         "            stage_desc=fa4_loop,",
@@ -644,6 +660,14 @@ KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
 FA3_BWD_PREPOST = "fa3/bwd_prepost.py"  # the dense backward's pre- and postprocess (GPU)
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
+    Mutant(
+        "fa3: the exponentials taken before P·V's wait taken again after it",
+        FA3_SOFTMAX,
+        "                        p = xs[r][k]  # its exponential taken before the wait",
+        "                        p = cute.math.exp2(xs[r][k], fastmath=True)",
+        "fa4loop",
+        ("tests/test_fa3_softmax_options.py",),
+    ),
     Mutant(
         "fa3: stage_desc's Vᵀ descriptors from stage 0",
         "fa3/utils.py",
