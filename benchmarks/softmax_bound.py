@@ -36,33 +36,43 @@ import sys
 import tempfile
 import textwrap
 
-# cut -> (text of online_softmax, what replaces it)
+# cut -> ((text of online_softmax, what replaces it), ...): each text is there once. halfex2
+# edits both places P's exponentials are taken (before P·V's wait under pv_wait_exps, after it).
 CUTS = {
     "none": None,
     "nosum": (
-        "row_sum[r] = row_sum[r] * corr[r] + s",
-        "row_sum[r] = row_sum[r] * corr[r] + Float32(1.0)",
+        (
+            "row_sum[r] = row_sum[r] * corr[r] + s",
+            "row_sum[r] = row_sum[r] * corr[r] + Float32(1.0)",
+        ),
     ),
     "halfex2": (
-        "p = cute.math.exp2(x, fastmath=True)",
-        "p = cute.math.exp2(x, fastmath=True) if const_expr(k % 2 == 0) else x",
+        (
+            "p = _exp2(x, emulated(k, ex2_emu))",
+            "p = _exp2(x, emulated(k, ex2_emu)) if const_expr(k % 2 == 0) else x",
+        ),
+        (
+            "xs[r][k] = _exp2(xs[r][k], emulated(k, ex2_emu))",
+            "xs[r][k] = (_exp2(xs[r][k], emulated(k, ex2_emu)) if const_expr(k % 2 == 0)"
+            " else xs[r][k])",
+        ),
     ),
 }
 
 
 def patched_source(cut: str) -> str:
-    """online_softmax's source with `cut` applied (ValueError if its text is not there once)."""
+    """online_softmax's source with `cut` applied (ValueError if one of its texts is not there
+    once)."""
     from flashsuite.fa3 import softmax
 
     src = textwrap.dedent(inspect.getsource(softmax.online_softmax))
-    if CUTS[cut] is None:
-        return src
-    old, new = CUTS[cut]
-    if src.count(old) != 1:
-        raise ValueError(
-            f"cut {cut!r}: expected {old!r} once in online_softmax, found {src.count(old)}"
-        )
-    return src.replace(old, new)
+    for old, new in CUTS[cut] or ():
+        if src.count(old) != 1:
+            raise ValueError(
+                f"cut {cut!r}: expected {old!r} once in online_softmax, found {src.count(old)}"
+            )
+        src = src.replace(old, new)
+    return src
 
 
 def apply(cut: str) -> None:

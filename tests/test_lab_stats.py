@@ -45,8 +45,8 @@ def test_chain_depths_follow_registers_not_listing_order() -> None:
 
 
 def test_softmax_bound_cuts_edit_online_softmax_once() -> None:
-    """benchmarks/softmax_bound's cuts find their text in online_softmax exactly once (the tool
-    refuses otherwise) and leave Python that compiles; `none` is the source itself."""
+    """benchmarks/softmax_bound's cuts find each of their texts in online_softmax exactly once
+    (the tool refuses otherwise) and leave Python that compiles; `none` is the source itself."""
     pytest.importorskip("cutlass")
     from benchmarks.softmax_bound import CUTS, patched_source
 
@@ -56,7 +56,7 @@ def test_softmax_bound_cuts_edit_online_softmax_once() -> None:
         compile(src, f"online_softmax_{cut}", "exec")
         if edit is None:
             assert src == base
-        else:
-            old, new = edit
+        for old, new in edit or ():
             assert src.count(new) == 1 and old not in src.replace(new, "")
-            assert src.replace(new, old) == base
+            src = src.replace(new, old)
+        assert src == base
