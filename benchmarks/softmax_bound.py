@@ -48,8 +48,8 @@ CUTS = {
     ),
     "halfex2": (
         (
-            "p = _exp2(x, emulated(k, ex2_emu))",
-            "p = _exp2(x, emulated(k, ex2_emu)) if const_expr(k % 2 == 0) else x",
+            "else _exp2(x, emulated(k, ex2_emu))",
+            "else (_exp2(x, emulated(k, ex2_emu)) if const_expr(k % 2 == 0) else x)",
         ),
         (
             "xs[r][k] = _exp2(xs[r][k], emulated(k, ex2_emu))",

@@ -280,10 +280,10 @@ _PV_WAIT_AFTER_MAX = ((256, False),)
 # on FA4's loop").
 _FA4_LOOP = ((64, False),)
 # Their exponentials before P·V's wait per row (pv_wait_exps; 11 MUFU.EX2 between the waits
-# with the two row corrections, as in FA4's loop): non-causal D = 64's plain grid 1.016 /
-# 1.027 / 1.020x the build with none at N = 8k / 16k / 16k, two runs; 8 level with 4, 16
-# and 32 0.90-0.93x FA4 against 0.97 (H100, 2026-12-07; docs/results.md, "D = 64 on FA4's
-# loop").
+# with the two row corrections, as in FA4's loop): non-causal D = 64's plain grid at 0.981 /
+# 0.992x FA4 at N = 8k / 16k against 0.965 / 0.971x with none, and 0.991 against 0.965 at
+# 16k in a second run; 8 0.955 / 0.974x, 16 and 32 0.90-0.91x (H100, 2026-12-07;
+# docs/results.md, "Exponentials under P·V at D = 64").
 FA4_LOOP_EXPS = 4
 # Non-causal head dims that run problems with seqlen_k <= SHORT_SEQLEN_K on the v2 scheduler
 # with two Q buffers (dense longer D = 64 too: config_for): N = 512 / 1k / 2k 1.095 / 1.034 /

@@ -202,15 +202,13 @@ def online_softmax(
                 ps = []
                 for k in cutlass.range_constexpr(cols):
                     # The scale folded into one FMA: s * scale_log2 - max * scale_log2.
-                    if const_expr(pv_wait_after_max and k < exps_before_wait):
-                        p = xs[r][k]  # its exponential taken before the wait
-                    else:
-                        x = (
-                            xs[r][k]
-                            if const_expr(pv_wait_after_max)
-                            else acc_S[_col(k, r)] * scale - m_scaled
-                        )
-                        p = _exp2(x, emulated(k, ex2_emu))
+                    x = (
+                        xs[r][k]
+                        if const_expr(pv_wait_after_max)
+                        else acc_S[_col(k, r)] * scale - m_scaled
+                    )
+                    early = pv_wait_after_max and k < exps_before_wait  # x is P already
+                    p = x if early else _exp2(x, emulated(k, ex2_emu))
                     if const_expr(probs is None):
                         acc_S[_col(k, r)] = p
                         if const_expr(chains):

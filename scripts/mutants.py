@@ -663,8 +663,8 @@ GPU_MUTANTS = [
     Mutant(
         "fa3: the exponentials taken before P·V's wait taken again after it",
         FA3_SOFTMAX,
-        "                        p = xs[r][k]  # its exponential taken before the wait",
-        "                        p = cute.math.exp2(xs[r][k], fastmath=True)",
+        "                    p = x if early else _exp2(x, emulated(k, ex2_emu))",
+        "                    p = _exp2(x, emulated(k, ex2_emu))",
         "fa4loop",
         ("tests/test_fa3_softmax_options.py",),
     ),
