@@ -537,11 +537,15 @@ def attention_with_kvcache(
             if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
                 if check:
                     check_kvcache_metadata_once(cache_seqlens, block_table, kp, length)
-                # What the op's implementation runs (common.ops_inference), without its layers.
-                with torch.no_grad():
-                    out, lse = forward(
-                        q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp
-                    )  # fmt: skip
+                # What the op's implementation runs (common.ops_inference), without its layers,
+                # and without a gradient (a serving loop's no_grad or inference_mode already
+                # holds: entering no_grad again would cost more than the check).
+                args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
+                if torch.is_grad_enabled():
+                    with torch.no_grad():
+                        out, lse = forward(*args)
+                else:
+                    out, lse = forward(*args)
                 out, lse = out.contiguous(), lse.contiguous()
                 return (out, lse) if return_lse else out
     kp = check_kvcache_inputs(
