@@ -409,6 +409,14 @@ MUTANTS = [
         ("tests/test_inference.py",),
     ),
     Mutant(
+        "int cache_seqlens: its kept tensor keyed without the length (a stale length reused)",
+        "dispatch/inference.py",
+        "key = (device, None, batch, length)",
+        "key = (device, None, batch)",
+        "length_tensor",
+        ("tests/test_inference.py",),
+    ),
+    Mutant(
         "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
         "dispatch/api.py",
         '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',
