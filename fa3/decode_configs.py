@@ -55,6 +55,11 @@ DECODE_FUSED_COMBINE = True
 # level (3850.0 / 3856.7).
 DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
+# Split calls (few tiles: small batches) on the two-CTA build too, their split count aimed at
+# two CTAs per SM (64-key tiles, so twice the splits of 128-key ones at the same keys per
+# split): a split's start overlaps another's streaming, as in one-split calls. Off: not yet
+# timed (`python -m benchmarks.decode_switch_ab --switch DECODE_TWO_CTAS_SPLITS`).
+DECODE_TWO_CTAS_SPLITS = False
 # Paged caches on the contiguous cache's key tiles, a stage loaded as one TMA box per page
 # (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
 # run 64-key tiles otherwise (5-6 % slower than contiguous at B <= 8 on the H200, commit

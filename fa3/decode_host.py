@@ -90,6 +90,18 @@ def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
         tiles, math.ceil(p.seqlen_k / cfg.tile_n), num_sms
     )
     splits = max(1, min(splits, DECODE_MAX_SPLITS))
+    if (
+        splits > 1
+        and decode_configs.DECODE_TWO_CTAS_SPLITS
+        and p.head_dim in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS
+    ):
+        two, two_box = _tiles(p.head_dim, kp.page_size, 2)
+        if two is not None:
+            two_splits = kp.num_splits or split_count(
+                tiles, math.ceil(p.seqlen_k / two.tile_n), 2 * num_sms,
+                DECODE_MIN_BLOCKS_PER_SPLIT, DECODE_MAX_SPLITS,
+            )  # fmt: skip
+            return DecodePlan(two, m_blocks, max(1, min(two_splits, DECODE_MAX_SPLITS)), 2, two_box)
     least = decode_configs.DECODE_TWO_CTAS_MIN_TILES
     if (
         splits == 1
@@ -237,6 +249,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
         kp, device, decode_configs.DECODE_FUSED_COMBINE, decode_configs.DECODE_TWO_CTAS_MIN_TILES,
         decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, decode_configs.DECODE_PAGED_BOXES,
         decode_configs.DECODE_KV_EVICT_FIRST, decode_configs.DECODE_LOOP_MASK_TEST,
+        decode_configs.DECODE_TWO_CTAS_SPLITS,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:

@@ -267,7 +267,8 @@ def test_paged_boxes_plan(monkeypatch) -> None:
 def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     """One-split calls of at least DECODE_TWO_CTAS_MIN_TILES tiles take the build two CTAs of
     which share an SM (half the shared memory: 64-key tiles at D 128, 3 stages; 128 registers a
-    thread at entry) at the head dims it is measured at; split calls keep one CTA per SM."""
+    thread at entry) at the head dims it is measured at; split calls keep one CTA per SM, or
+    with DECODE_TWO_CTAS_SPLITS take it too, their heuristic aimed at two CTAs per SM."""
     from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.configs import smem_bytes
     from flashsuite.fa3.decode_configs import SMEM_PER_CTA_2, decode_config
@@ -289,6 +290,13 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:4] == (2, 1)  # split: one CTA per SM
     assert plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)[3] == 1  # the heuristic splits
     assert plan(_params(32, 1, 32, 8, 4096, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
+    # DECODE_TWO_CTAS_SPLITS: split calls on the two-CTA build, aimed at two CTAs per SM.
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", True)
+    cfg, _, splits, ctas, _ = plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)
+    assert (cfg.tile_n, ctas) == (64, 2) and 8 * splits == 2 * sms  # 8 tiles x 33 splits
+    assert plan(_params(8, 1, 32, 8, 4096, 0, 3), sms)[2:4] == (3, 2)  # a forced count kept
+    assert plan(_params(1, 1, 32, 8, 131072, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
+    assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:4] == (2, 2)
 
 
 # ------------------------------------------------------------------------------------------
@@ -575,25 +583,33 @@ def _case_id(c) -> str:
 
 @gpu_fa3
 @pytest.mark.parametrize(
-    "build", ["triton-combine", "fused-combine", "two-ctas", "paged-tiles", "no-loop-test"]
-)
+    "build",
+    ["triton-combine", "fused-combine", "two-ctas", "two-ctas-split", "paged-tiles",
+     "no-loop-test"],
+)  # fmt: skip
 @pytest.mark.parametrize("case", GPU_CASES, ids=_case_id)
 def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     """The kernel against a float64 oracle per row. With the fused combine (split builds
     only) the call runs twice: the second must give the same bits, so the kernel left its
     per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
     build two CTAs of which share an SM (decode_configs.DECODE_TWO_CTAS_MIN_TILES), where its head
-    dim has one. Paged cases run on the contiguous key tiles, one TMA box per page
-    (decode_configs.DECODE_PAGED_BOXES, shipped); "paged-tiles": on key tiles cut to the page (the
-    switch off). "no-loop-test": the main loop without its runtime mask test where nothing
-    in it is masked (decode_configs.DECODE_LOOP_MASK_TEST off)."""
+    dim has one; "two-ctas-split": its splits through that build with the fused combine
+    (decode_configs.DECODE_TWO_CTAS_SPLITS), twice as well. Paged cases run on the
+    contiguous key tiles, one TMA box per page (decode_configs.DECODE_PAGED_BOXES, shipped);
+    "paged-tiles": on key tiles cut to the page (the switch off). "no-loop-test": the main
+    loop without its runtime mask test where nothing in it is masked
+    (decode_configs.DECODE_LOOP_MASK_TEST off)."""
     from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.decode_host import H100_SMS, kvcache_forward, plan
 
     b, nq, n_new, hq, hkv, d, dtype, lens, cap, page, splits, options = case
-    fused = build == "fused-combine"
+    two_split = build == "two-ctas-split"
+    fused = build in ("fused-combine", "two-ctas-split")
     if fused and splits == 1:
         pytest.skip("one split: nothing to combine")
+    if two_split and d not in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS:
+        pytest.skip(f"no two-CTA build at D {d}")
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", two_split)
     if build == "two-ctas":
         if d not in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS:
             pytest.skip(f"no two-CTA build at D {d}")
@@ -632,7 +648,10 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     lse_buf = torch.full((b * hq * nq + 2 * guard,), math.nan, device=DEV)
     out = out_buf[guard:-guard].view(b, nq, hq, d)
     lse = lse_buf[guard:-guard].view(b, hq, nq)
-    assert plan(kp, H100_SMS)[3] == (2 if build == "two-ctas" else 1)
+    planned = plan(kp, H100_SMS)
+    assert planned[3] == (2 if build == "two-ctas" or (two_split and planned[2] > 1) else 1)
+    if two_split and planned[2] == 1:
+        pytest.skip("the heuristic runs one split here: nothing for this build")
     kvcache_forward(q, k_cache, v_cache, k_new, v_new, seqlens, table, kp, out=out, lse=lse)
     torch.cuda.synchronize()
     for buf in (out_buf, lse_buf):
