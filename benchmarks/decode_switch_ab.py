@@ -6,9 +6,10 @@ backends, at the decode sweep's points (GQA 32/8, D 128, bf16, Nq 1, contiguous 
 
 µs per CUDA-graph replay (decode_bench._graph_ms), medians of interleaved passes (the switch set
 before each of its timings); the faster SDPA backend's time over each build's (>= 1.0: fa3 as
-fast or faster), from the medians and pass by pass (`ab_stats.paired_ratios`: each pass's faster SDPA time over the build's). The outputs
-are compared bit for bit and by their largest difference (a switch that changes the key
-tiles or the split count changes the order of the sums). With `--page N` the two builds read
+fast or faster), from the medians and pass by pass (`ab_stats.paired_ratios`: each pass's
+faster SDPA time over the build's). The outputs are compared bit for bit and by their largest
+difference (a switch that changes the key tiles or the split count changes the order of the
+sums). With `--page N` the two builds read
 the same tokens on shuffled N-token pages (decode_bench's paged copy), and the contiguous
 cache through the shipped build is timed beside them ("contig").
 """

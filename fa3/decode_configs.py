@@ -57,8 +57,10 @@ DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
 # Split calls (few tiles: small batches) on the two-CTA build too, their split count aimed at
 # two CTAs per SM (64-key tiles, so twice the splits of 128-key ones at the same keys per
-# split): a split's start overlaps another's streaming, as in one-split calls. Off: not yet
-# timed (`python -m benchmarks.decode_switch_ab --switch DECODE_TWO_CTAS_SPLITS`).
+# split). Off: on an H100 (2026-12-07, commit d252b34, `python -m benchmarks.decode_switch_ab
+# --switch DECODE_TWO_CTAS_SPLITS`, 3 and 7 passes) B 1 took 18.6 -> 17.9 us at 4k keys (64
+# CTAs of the one-CTA plan: SMs idle) but 63.3 -> 64.7 at 32k and 190.1 -> 191.1 at 128k;
+# B 8 x 32k level (docs/inference.md).
 DECODE_TWO_CTAS_SPLITS = False
 # Paged caches on the contiguous cache's key tiles, a stage loaded as one TMA box per page
 # (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
