@@ -55,13 +55,17 @@ DECODE_FUSED_COMBINE = True
 # level (3850.0 / 3856.7).
 DECODE_TWO_CTAS_MIN_TILES = 128
 DECODE_TWO_CTAS_HEAD_DIMS = (128,)  # where the two-CTA build is measured
-# Split calls (few tiles: small batches) on the two-CTA build too, their split count aimed at
-# two CTAs per SM (64-key tiles, so twice the splits of 128-key ones at the same keys per
-# split). Off: on an H100 (2026-12-07, commit d252b34, `python -m benchmarks.decode_switch_ab
-# --switch DECODE_TWO_CTAS_SPLITS`, 3 and 7 passes) B 1 took 18.6 -> 17.9 us at 4k keys (64
-# CTAs of the one-CTA plan: SMs idle) but 63.3 -> 64.7 at 32k and 190.1 -> 191.1 at 128k;
-# B 8 x 32k level (docs/inference.md).
-DECODE_TWO_CTAS_SPLITS = False
+# Split calls whose one-CTA plan launches fewer than DECODE_TWO_CTAS_SPLITS_FILL x the SM count
+# CTAs run the two-CTA build, their split count aimed at two CTAs per SM (64-key tiles, so
+# twice the splits of 128-key ones at the same keys per split). Taken on every split call,
+# on an H100 (2026-12-07, commit d252b34, `python -m benchmarks.decode_switch_ab --switch
+# DECODE_TWO_CTAS_SPLITS` with the fill unbounded, 3 and 7 passes) B 1 took 18.4 -> 17.7 and
+# 18.6 -> 17.9 us at 4k keys, where the one-CTA plan runs 64 CTAs and half the SMs idle (from
+# 0.99x the faster SDPA backend to 1.03x), but 63.1 -> 64.8 at 32k and 189.9 -> 190.9 at 128k
+# (128 CTAs already); B 8 x 32k level (docs/inference.md). So only calls that would leave more
+# than half the SMs idle take it.
+DECODE_TWO_CTAS_SPLITS = True
+DECODE_TWO_CTAS_SPLITS_FILL = 0.5
 # Paged caches on the contiguous cache's key tiles, a stage loaded as one TMA box per page
 # (decode_host.plan, decode.Fa3Decode.BOX_N) instead of tiles cut to the page: 64-token pages
 # run 64-key tiles otherwise (5-6 % slower than contiguous at B <= 8 on the H200, commit

@@ -81,7 +81,9 @@ def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
     heuristic, whose key-block count comes from the cache capacity (no device-to-host copy of
     the lengths; each row divides its own length among the splits). A call of one split with
     at least decode_configs.DECODE_TWO_CTAS_MIN_TILES tiles, at a head dim of
-    decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an SM."""
+    decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, runs the build two CTAs of which share an SM; so
+    does a split call whose one-CTA plan would leave more than half the SMs idle
+    (decode_configs.DECODE_TWO_CTAS_SPLITS), its split count aimed at two CTAs per SM."""
     p = kp.attn
     cfg, box = _tiles(p.head_dim, kp.page_size, 1)
     m_blocks = math.ceil(p.seqlen_q * p.group_size / DECODE_TILE_M)
@@ -93,6 +95,7 @@ def plan(kp: KVCacheParams, num_sms: int) -> DecodePlan:
     if (
         splits > 1
         and decode_configs.DECODE_TWO_CTAS_SPLITS
+        and tiles * splits < decode_configs.DECODE_TWO_CTAS_SPLITS_FILL * num_sms
         and p.head_dim in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS
     ):
         two, two_box = _tiles(p.head_dim, kp.page_size, 2)
@@ -249,7 +252,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
         kp, device, decode_configs.DECODE_FUSED_COMBINE, decode_configs.DECODE_TWO_CTAS_MIN_TILES,
         decode_configs.DECODE_TWO_CTAS_HEAD_DIMS, decode_configs.DECODE_PAGED_BOXES,
         decode_configs.DECODE_KV_EVICT_FIRST, decode_configs.DECODE_LOOP_MASK_TEST,
-        decode_configs.DECODE_TWO_CTAS_SPLITS,
+        decode_configs.DECODE_TWO_CTAS_SPLITS, decode_configs.DECODE_TWO_CTAS_SPLITS_FILL,
     )  # fmt: skip
     hit = _launch_plans.get(key)
     if hit is not None:

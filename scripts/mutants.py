@@ -417,6 +417,14 @@ MUTANTS = [
         ("tests/test_inference.py",),
     ),
     Mutant(
+        "decode: every split call on the two-CTA build (the idle-SM test dropped)",
+        "fa3/decode_host.py",
+        "        and tiles * splits < decode_configs.DECODE_TWO_CTAS_SPLITS_FILL * num_sms\n",
+        "",
+        "two_ctas_per_sm_plan",
+        ("tests/test_fa3_kvcache.py",),
+    ),
+    Mutant(
         "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
         "dispatch/api.py",
         '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',

@@ -251,6 +251,7 @@ def test_paged_boxes_plan(monkeypatch) -> None:
     from flashsuite.fa3.decode_host import plan
 
     monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", None)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", False)  # one-CTA tiles
     assert decode_configs.DECODE_PAGED_BOXES
     monkeypatch.setattr(decode_configs, "DECODE_PAGED_BOXES", False)
     assert plan(_params(1, 1, 32, 8, 4096, 64, 0), sms).cfg.tile_n == 64  # tiles cut to the page
@@ -262,13 +263,17 @@ def test_paged_boxes_plan(monkeypatch) -> None:
     monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_MIN_TILES", 0)  # 64-key tiles
     got = plan(_params(32, 1, 32, 8, 4096, 16, 1), sms)
     assert (got.ctas_per_sm, got.cfg.tile_n, got.page_box) == (2, 64, 16)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", True)  # a split call on it
+    got = plan(_params(1, 1, 32, 8, 4096, 16, 0), sms)
+    assert (got.ctas_per_sm, got.cfg.tile_n, got.page_box, got.splits) == (2, 64, 16, 16)
 
 
 def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     """One-split calls of at least DECODE_TWO_CTAS_MIN_TILES tiles take the build two CTAs of
     which share an SM (half the shared memory: 64-key tiles at D 128, 3 stages; 128 registers a
-    thread at entry) at the head dims it is measured at; split calls keep one CTA per SM, or
-    with DECODE_TWO_CTAS_SPLITS take it too, their heuristic aimed at two CTAs per SM."""
+    thread at entry) at the head dims it is measured at; split calls keep one CTA per SM unless
+    that plan leaves more than half the SMs idle (DECODE_TWO_CTAS_SPLITS), then take it too,
+    their heuristic aimed at two CTAs per SM."""
     from flashsuite.fa3 import decode_configs
     from flashsuite.fa3.configs import smem_bytes
     from flashsuite.fa3.decode_configs import SMEM_PER_CTA_2, decode_config
@@ -290,12 +295,21 @@ def test_two_ctas_per_sm_plan(monkeypatch) -> None:
     assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:4] == (2, 1)  # split: one CTA per SM
     assert plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)[3] == 1  # the heuristic splits
     assert plan(_params(32, 1, 32, 8, 4096, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
-    # DECODE_TWO_CTAS_SPLITS: split calls on the two-CTA build, aimed at two CTAs per SM.
+    # DECODE_TWO_CTAS_SPLITS: split calls whose one-CTA plan leaves more than half the SMs
+    # idle take the two-CTA build, aimed at two CTAs per SM.
     monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", True)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS_FILL", 0.5)
+    cfg, _, splits, ctas, _ = plan(_params(1, 1, 32, 8, 4096, 0, 0), sms)
+    assert (cfg.tile_n, splits, ctas) == (64, 16, 2)  # 8 tiles x 8 splits = 64 CTAs otherwise
+    assert plan(_params(1, 1, 32, 8, 32768, 0, 0), sms)[2:4] == (16, 1)  # 128 CTAs: kept
+    assert plan(_params(1, 1, 32, 8, 4096, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", False)
+    assert plan(_params(1, 1, 32, 8, 4096, 0, 0), sms)[2:4] == (8, 1)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", True)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS_FILL", math.inf)  # every split call
     cfg, _, splits, ctas, _ = plan(_params(1, 1, 32, 8, 131072, 0, 0), sms)
     assert (cfg.tile_n, ctas) == (64, 2) and 8 * splits == 2 * sms  # 8 tiles x 33 splits
     assert plan(_params(8, 1, 32, 8, 4096, 0, 3), sms)[2:4] == (3, 2)  # a forced count kept
-    assert plan(_params(1, 1, 32, 8, 131072, 0, 0, d=256), sms)[3] == 1  # not measured at D 256
     assert plan(_params(32, 1, 32, 8, 4096, 0, 2), sms)[2:4] == (2, 2)
 
 
@@ -594,7 +608,8 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     per-tile counters at 0 for the next launch. "two-ctas": the case in one split through the
     build two CTAs of which share an SM (decode_configs.DECODE_TWO_CTAS_MIN_TILES), where its head
     dim has one; "two-ctas-split": its splits through that build with the fused combine
-    (decode_configs.DECODE_TWO_CTAS_SPLITS), twice as well. Paged cases run on the
+    (decode_configs.DECODE_TWO_CTAS_SPLITS, for every split call), twice as well; the other
+    builds run their splits on one CTA per SM. Paged cases run on the
     contiguous key tiles, one TMA box per page (decode_configs.DECODE_PAGED_BOXES, shipped);
     "paged-tiles": on key tiles cut to the page (the switch off). "no-loop-test": the main
     loop without its runtime mask test where nothing in it is masked
@@ -610,6 +625,7 @@ def test_gpu_decode_matches_per_row_oracle(case, build, monkeypatch) -> None:
     if two_split and d not in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS:
         pytest.skip(f"no two-CTA build at D {d}")
     monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS", two_split)
+    monkeypatch.setattr(decode_configs, "DECODE_TWO_CTAS_SPLITS_FILL", math.inf)  # every split
     if build == "two-ctas":
         if d not in decode_configs.DECODE_TWO_CTAS_HEAD_DIMS:
             pytest.skip(f"no two-CTA build at D {d}")
