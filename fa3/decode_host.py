@@ -230,6 +230,61 @@ def _new_counter_view(key: tuple, device: torch.device) -> torch.Tensor:
     return view
 
 
+# (device index, raw stream, n, d) -> the (o_part (n, d), lse_part (n,)) views of that stream's
+# scratch buffer that fused split calls take their partials in (`split_partials`); CPU devices
+# key by the device, with no stream.
+_partial_views: dict[tuple, tuple] = {}
+_partial_bufs: dict[tuple, torch.Tensor] = {}  # (device index, raw stream) -> float32 buffer
+PARTIALS_CACHE_BYTES = 16 << 20  # larger partials are allocated per call, not kept
+PARTIALS_STREAMS = 8  # buffers kept at once (a new stream past them drops the others)
+
+
+def split_partials(n: int, d: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (n, d) and (n,) for a fused split call's partial O and LSE (n = splits x rows):
+    views of one scratch buffer per stream, made once per (stream, n, d), where a call
+    allocated both each time (two allocations a decode step and layer). The kernel that
+    writes them merges them itself (DECODE_FUSED_COMBINE) before the stream's next launch
+    starts, so consecutive calls on a stream can share them. Fresh tensors under CUDA-graph
+    capture (the graph keeps its own) and past PARTIALS_CACHE_BYTES (not held for good); at
+    most PARTIALS_STREAMS buffers kept."""
+    if 4 * n * (d + 1) > PARTIALS_CACHE_BYTES or (
+        device.type == "cuda" and cuda_stream_capturing()
+    ):
+        buf = _scratch(n * (d + 1), device)
+        return buf[: n * d].view(n, d), buf[n * d :]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, _raw_stream(index), n, d)
+    else:
+        key = (device, None, n, d)
+    views = _partial_views.get(key)
+    return views if views is not None else _new_partial_views(key, device)
+
+
+def _new_partial_views(key: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_partials' views for `key` = (device, stream, n, d), made on a first call: the
+    stream's buffer made or grown (views of a buffer it replaces are dropped; launches already
+    queued keep their own). lse_part starts n * d floats in: 128-byte aligned at every head
+    dim (d * 4 is a multiple of 128)."""
+    where, stream, n, d = key
+    size = n * (d + 1)
+    buf = _partial_bufs.get((where, stream))
+    if buf is None or buf.numel() < size:
+        if buf is None and len(_partial_bufs) >= PARTIALS_STREAMS:  # many streams: start over
+            _partial_bufs.clear()  # (each buffer's blocks go back to its own stream's pool)
+            _partial_views.clear()
+        buf = _scratch(size, device)
+        _partial_bufs[(where, stream)] = buf
+        for stale in [k for k in list(_partial_views) if k[:2] == (where, stream)]:
+            _partial_views.pop(stale, None)
+    views = _partial_views[key] = (buf[: n * d].view(n, d), buf[n * d : size])
+    return views
+
+
+def _scratch(size: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.float32, device=device)
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """`t` (4-D, last dim contiguous) with a 16-byte-aligned base and outer strides, as the
     kernel's 16-byte Q loads and the cache's TMA views need: itself in the common case, else a
@@ -309,9 +364,15 @@ def kvcache_forward(
            kp.seqlen_new, 1, *scalars)  # fmt: skip
         return out, lse
     rows = b * nq * hq
-    # The partials as the kernel takes them, (S * R, D) and (S * R,): no views per call.
-    o_part = torch.empty(splits * rows, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(splits * rows, dtype=torch.float32, device=q.device)
+    # The partials as the kernel takes them, (S * R, D) and (S * R,): no views per call. A
+    # fused call merges them in the same launch, so it takes the stream's scratch views; the
+    # Triton combine reads them in a launch of its own, which another thread's call on the
+    # stream could precede, so those are the call's own.
+    if fused:
+        o_part, lse_part = split_partials(splits * rows, d, q.device)
+    else:
+        o_part = torch.empty(splits * rows, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits * rows, dtype=torch.float32, device=q.device)
     final = (None, None, None)
     if fused:  # out, lse and one counter per (batch, kv head, m_block) tile
         final = (out.view(-1, d), lse.view(-1), split_counters(b * p.heads_kv * m_blocks, q.device))

@@ -425,6 +425,14 @@ MUTANTS = [
         ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
+        "decode: split partials keyed without the stream (two streams' calls share them)",
+        "fa3/decode_host.py",
+        "key = (index, _raw_stream(index), n, d)",
+        "key = (index, None, n, d)",
+        "split_partials",
+        ("tests/test_fa3_kvcache.py",),
+    ),
+    Mutant(
         "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
         "dispatch/api.py",
         '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',

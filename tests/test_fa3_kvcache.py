@@ -506,6 +506,59 @@ def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> N
     assert decode_host.split_counters(2, gpu) == ("pool slice", 2)
 
 
+def test_split_partials_reuse_one_buffer_per_stream(monkeypatch) -> None:
+    """Eager split_partials on a GPU (its CUDA calls stood in for on the CPU): the partial O
+    (n, d) and LSE (n,) of a fused split call are views of one float32 buffer per stream,
+    made once per (stream, n, d); another stream gets its own buffer; a larger call grows it
+    and the old views are not handed out again; under capture, or past PARTIALS_CACHE_BYTES,
+    every call gets a buffer of its own; at most PARTIALS_STREAMS buffers are kept. LSE starts
+    after O, 128-byte aligned."""
+    from flashsuite.fa3 import decode_host
+
+    gpu = torch.device("cuda", 0)
+    made = []
+
+    def scratch(size, device):
+        assert device == gpu
+        made.append(torch.empty(size, dtype=torch.float32))
+        return made[-1]
+
+    stream, capturing = [7], [False]
+    for name, value in (("_partial_bufs", {}), ("_partial_views", {}), ("_scratch", scratch),
+                        ("cuda_stream_capturing", lambda: capturing[0]),
+                        ("_raw_stream", lambda index: stream[0])):  # fmt: skip
+        monkeypatch.setattr(decode_host, name, value)
+    o, lse = decode_host.split_partials(512, 128, gpu)
+    assert (o.shape, lse.shape) == ((512, 128), (512,)) and len(made) == 1
+    assert o.data_ptr() == made[0].data_ptr() and lse.data_ptr() == o.data_ptr() + 4 * 512 * 128
+    assert lse.data_ptr() % 128 == o.data_ptr() % 128
+    assert decode_host.split_partials(512, 128, gpu)[0] is o and len(made) == 1
+    small = decode_host.split_partials(64, 96, gpu)  # the same stream's buffer, other views
+    assert small[0].data_ptr() == o.data_ptr() and len(made) == 1
+    assert (small[1].data_ptr() - small[0].data_ptr()) % 128 == 0
+    stream[0] = 9
+    other = decode_host.split_partials(512, 128, gpu)
+    assert len(made) == 2 and other[0].data_ptr() == made[1].data_ptr()
+    stream[0] = 7
+    grown = decode_host.split_partials(1024, 128, gpu)  # past the buffer: a larger one
+    assert len(made) == 3 and grown[0].data_ptr() == made[2].data_ptr()
+    again = decode_host.split_partials(512, 128, gpu)
+    assert again[0] is not o and again[0].data_ptr() == made[2].data_ptr()
+    capturing[0] = True
+    decode_host.split_partials(512, 128, gpu)
+    decode_host.split_partials(512, 128, gpu)
+    assert len(made) == 5  # each captured call its own
+    capturing[0] = False
+    n_big = decode_host.PARTIALS_CACHE_BYTES // (4 * 129) + 1
+    decode_host.split_partials(n_big, 128, gpu)
+    decode_host.split_partials(n_big, 128, gpu)
+    assert len(made) == 7 and all(k[2] != n_big for k in decode_host._partial_views)
+    for s in range(100, 100 + 2 * decode_host.PARTIALS_STREAMS):  # many streams: bounded
+        stream[0] = s
+        decode_host.split_partials(8, 64, gpu)
+    assert len(decode_host._partial_bufs) <= decode_host.PARTIALS_STREAMS
+
+
 def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
     """Auto selection takes fa3's decode on sm90 (decode_configs.KVCACHE_AUTO) and fa2's when the
     switch is off, saying why; version="fa3" runs it either way; float32 is refused by name."""
