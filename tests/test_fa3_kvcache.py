@@ -461,6 +461,21 @@ def test_captured_calls_get_disjoint_zeroed_counters(monkeypatch) -> None:
     assert decode_host._capture_pool[cpu][0] is pool and decode_host._capture_pool[cpu][1] == 100
 
 
+def _stand_in_gpu_allocations(dtype: torch.dtype) -> tuple:
+    """(device, made, alloc): a CUDA device name and a CPU allocator standing in for it,
+    alloc(n, device) -> zeros of `dtype`, each kept in `made` (for host-path tests that count
+    what a call allocates)."""
+    gpu = torch.device("cuda", 0)
+    made = []
+
+    def alloc(n, device):
+        assert device == gpu
+        made.append(torch.zeros(n, dtype=dtype))
+        return made[-1]
+
+    return gpu, made, alloc
+
+
 def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> None:
     """Eager split_counters on a GPU (its CUDA calls stood in for on the CPU): a repeat call with
     the same stream and count returns the same view without allocating; counts on one stream
@@ -469,14 +484,7 @@ def test_split_counters_repeat_calls_reuse_one_view_per_stream(monkeypatch) -> N
     one are not handed out again; a call under capture takes a capture-pool slice."""
     from flashsuite.fa3 import decode_host
 
-    gpu = torch.device("cuda", 0)
-    made = []
-
-    def zeros(n, device):
-        assert device == gpu
-        made.append(torch.zeros(n, dtype=torch.int32))
-        return made[-1]
-
+    gpu, made, zeros = _stand_in_gpu_allocations(torch.int32)
     stream = [7]
     for name, value in (("_counters", {}), ("_counter_views", {}), ("_capture_pool", {}),
                         ("_zeros", zeros), ("cuda_stream_capturing", lambda: False),
@@ -515,14 +523,7 @@ def test_split_partials_reuse_one_buffer_per_stream(monkeypatch) -> None:
     after O, 128-byte aligned."""
     from flashsuite.fa3 import decode_host
 
-    gpu = torch.device("cuda", 0)
-    made = []
-
-    def scratch(size, device):
-        assert device == gpu
-        made.append(torch.empty(size, dtype=torch.float32))
-        return made[-1]
-
+    gpu, made, scratch = _stand_in_gpu_allocations(torch.float32)
     stream, capturing = [7], [False]
     for name, value in (("_partial_bufs", {}), ("_partial_views", {}), ("_scratch", scratch),
                         ("cuda_stream_capturing", lambda: capturing[0]),
