@@ -194,8 +194,7 @@ def split_counters(n: int, device: torch.device) -> torch.Tensor:
         return _zeros(n, device)
     if cuda_stream_capturing():
         return _captured_counters(n, device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, _raw_stream(index), n)
+    key = (*_stream_key(device), n)
     view = _counter_views.get(key)
     return view if view is not None else _new_counter_view(key, device)
 
@@ -214,18 +213,33 @@ def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
+def _stream_key(device: torch.device) -> tuple[int, int]:
+    """(device index, raw handle of its current stream) of a CUDA device: what the per-stream
+    buffers below are keyed by."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, _raw_stream(index)
+
+
+def _stream_buffer(bufs: dict, views: dict, stream: tuple, size: int, make) -> torch.Tensor:
+    """`bufs`' buffer for `stream` (a key's first two fields) of at least `size` elements:
+    made by make() where absent or too small, and then the views in `views` of the buffer it
+    replaces are dropped, not handed out again (launches already queued keep their own)."""
+    buf = bufs.get(stream)
+    if buf is None or buf.numel() < size:
+        buf = bufs[stream] = make()
+        for stale in [k for k in list(views) if k[:2] == stream]:
+            views.pop(stale, None)  # list(): a copy taken at once, safe beside threads
+    return buf
+
+
 def _new_counter_view(key: tuple, device: torch.device) -> torch.Tensor:
     """split_counters' view for `key` = (device index, stream, n), made on a first call: the
     capture pool set up, the stream's buffer made or grown (views of a buffer it replaces are
     dropped; launches already queued keep their own)."""
-    index, stream, n = key
+    n = key[2]
     _ensure_capture_pool(device)
-    buf = _counters.get((index, stream))
-    if buf is None or buf.numel() < n:
-        buf = _zeros(max(n, 1024), device)
-        _counters[(index, stream)] = buf
-        for stale in [k for k in list(_counter_views) if k[:2] == (index, stream)]:
-            _counter_views.pop(stale, None)  # list(): a copy taken at once, safe beside threads
+    make = lambda: _zeros(max(n, 1024), device)
+    buf = _stream_buffer(_counters, _counter_views, key[:2], n, make)
     view = _counter_views[key] = buf[:n]
     return view
 
@@ -252,11 +266,7 @@ def split_partials(n: int, d: int, device: torch.device) -> tuple[torch.Tensor, 
     ):
         buf = _scratch(n * (d + 1), device)
         return buf[: n * d].view(n, d), buf[n * d :]
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, _raw_stream(index), n, d)
-    else:
-        key = (device, None, n, d)
+    key = (*_stream_key(device), n, d) if device.type == "cuda" else (device, None, n, d)
     views = _partial_views.get(key)
     return views if views is not None else _new_partial_views(key, device)
 
@@ -266,17 +276,13 @@ def _new_partial_views(key: tuple, device: torch.device) -> tuple[torch.Tensor, 
     stream's buffer made or grown (views of a buffer it replaces are dropped; launches already
     queued keep their own). lse_part starts n * d floats in: 128-byte aligned at every head
     dim (d * 4 is a multiple of 128)."""
-    where, stream, n, d = key
+    n, d = key[2:]
     size = n * (d + 1)
-    buf = _partial_bufs.get((where, stream))
-    if buf is None or buf.numel() < size:
-        if buf is None and len(_partial_bufs) >= PARTIALS_STREAMS:  # many streams: start over
-            _partial_bufs.clear()  # (each buffer's blocks go back to its own stream's pool)
-            _partial_views.clear()
-        buf = _scratch(size, device)
-        _partial_bufs[(where, stream)] = buf
-        for stale in [k for k in list(_partial_views) if k[:2] == (where, stream)]:
-            _partial_views.pop(stale, None)
+    if key[:2] not in _partial_bufs and len(_partial_bufs) >= PARTIALS_STREAMS:
+        _partial_bufs.clear()  # many streams: start over (each buffer's blocks go back to its
+        _partial_views.clear()  # own stream's pool)
+    make = lambda: _scratch(size, device)
+    buf = _stream_buffer(_partial_bufs, _partial_views, key[:2], size, make)
     views = _partial_views[key] = (buf[: n * d].view(n, d), buf[n * d : size])
     return views
 
