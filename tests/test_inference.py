@@ -807,12 +807,13 @@ def test_kvcache_int_length_tensor_is_shared_by_a_steps_layers() -> None:
     q = torch.randn(2, 1, 4, 32, generator=gen).to(BF16)
     kc, vc = (torch.randn(2, 16, 2, 32, generator=gen).to(BF16) for _ in range(2))
     kn, vn = (torch.randn(2, 1, 2, 32, generator=gen).to(BF16) for _ in range(2))
+    shared = inference._length_tensor(2, 5, torch.device("cpu"))  # what the calls will take
     outs = []
     for _ in range(2):  # two layers of one step, each appending its token at slot 5
         outs.append(dispatch.attention_with_kvcache(
             q, kc, vc, kn, vn, cache_seqlens=5, version="torch"))  # fmt: skip
-    shared = inference._length_tensor(2, 5, torch.device("cpu"))
-    assert shared.tolist() == [5, 5]
+    assert inference._length_tensor(2, 5, torch.device("cpu")) is shared
+    assert shared.tolist() == [5, 5]  # read by the appends, never written
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     ref = dispatch.attention(q, kc[:, :6], vc[:, :6], causal=True, version="torch")
     torch.testing.assert_close(outs[0], ref, atol=1e-2, rtol=0)
