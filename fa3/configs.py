@@ -382,6 +382,12 @@ def _fp8(tile_n: int, stages: int = 2, wgs: int = 2, **softmax) -> Fa3Config:
 _FP8_SOFTMAX = {"rescale_threshold": 1, "row_chains": True}
 
 
+# e4m3 D = 128's 128 x 192 tile on two consumer warpgroups: what a keys-major V runs on the host
+# route (FP8_CONFIGS' entry permutes V's keys, which would copy a V that is Vᵀ already), the
+# base of the smem-Vᵀ build, and the per-block descales' tile. Q 16 + K/V 2 x 2 x 24 + sO
+# 32 KiB = 144 KiB; S 96 + O 64 + P 24.
+_FP8_D128_TWO_WGS = _fp8(192, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False)
+
 # head_dim -> fp8 tile config (non-causal and causal unless FP8_CAUSAL_CONFIGS says otherwise).
 # Rnnn: highest register of the SASS (nvdisasm), budget 240; all 0 spills. D = 64, 128, 256
 # from the H200 ablation of 2026-11-29 (commit 8867277, `fa3_fp8_check --ablate`, B·N = 16k,
@@ -398,13 +404,17 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
     64: _fp8(160, wgs=3),
     # Q 12 + K/V 2 x 2 x 12 + sO 24 KiB = 84 KiB; S 64 + O 48 + P 16. R165.
     96: _fp8(128),
-    # tile_n 192: 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong 747 / 618).
-    # FA3's 128 x 224 on the host-Vᵀ route: 0.947x at N = 16k (H100 80GB HBM3, 2026-12-06,
-    # `fa3_fwd_ab --fp8 --variant t224:tile_n=224,v_transpose=host`, 3 passes).
-    # Q 16 + K/V 2 x 2 x 24 + sO 32 KiB = 144 KiB; S 96 + O 64 + P 24. wg_slice with no mask
-    # test in the loop: 1.053 / 1.041x at N = 8k / 16k (either alone 0.976 / 0.992x; with
-    # pv_wait_after_max 0.973 / 0.978x); H100, 2026-12-06, commit 6558210, 5 passes.
-    128: _fp8(192, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False),
+    # Two WGs (_FP8_D128_TWO_WGS, what a keys-major V, the smem-Vᵀ build and the per-block
+    # descales run): tile_n 192 760 / 630 (128: 726 / 619, 3 stages 737 / 613, no ping-pong
+    # 747 / 618); FA3's 128 x 224 on the host-Vᵀ route 0.947x at N = 16k (H100 80GB HBM3,
+    # 2026-12-06, `fa3_fwd_ab --fp8 --variant t224:tile_n=224,v_transpose=host`, 3 passes);
+    # wg_slice with no mask test in the loop 1.053 / 1.041x at N = 8k / 16k (either alone
+    # 0.976 / 0.992x; with pv_wait_after_max 0.973 / 0.978x; H100, commit 6558210, 5 passes).
+    # The entry: 192 x 96 on three consumer warpgroups with permute_v_keys (160 registers;
+    # loop 406 SASS instructions a block and warp against 714): H100 80GB HBM3, 2026-12-07,
+    # commit d252b34, 3 passes, 1.066 / 1.027x and 1.011 / 1.026x the two-WG tile at N = 4k /
+    # 16k in two calls (three WGs alone 0.989 / 0.981x, permute_v_keys alone 0.999x).
+    128: _fp8(96, wgs=3, **_FP8_SOFTMAX, wg_slice=True, loop_mask_test=False, permute_v_keys=True),
     # Q 24 + K/V 2 x 2 x 24 + sO 48 KiB = 168 KiB; S 64 + O 96 + P 16. R207.
     192: _fp8(128),
     # acc_O alone is 128 registers: S stays narrow. tile_n 96: 914 / 712 (64: 837 / 644,
@@ -427,6 +437,9 @@ FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     192: _overlap(_fp8(128)),
     256: _overlap(_fp8(96, **_FP8_SOFTMAX, split_loops=True, wg_slice=True)),
 }
+
+# What a keys-major V runs where the entry above permutes V's keys (config_for).
+_FP8_KEYS_IN_ORDER: dict[tuple[int, bool], Fa3Config] = {(128, False): _FP8_D128_TWO_WGS}
 
 
 def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
@@ -455,9 +468,12 @@ FP8_SMEM_VT_MAX_SEQLEN_K: dict[int, int | None] = {64: None, 128: 2048, 256: 512
 # Causal limits that differ (D = 64's and 128's host builds on the persistent scheduler are ahead
 # from 1k keys; FP8_CAUSAL_CONFIGS).
 FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {64: 512, 128: 512, 256: 1024}
-# (head_dim, causal) whose smem build keeps neither wg_slice nor dropped mask test: with them
-# 0.975 / 0.980x at N = 1k / 2k (e4m3 D = 128; H100, 2026-12-06, c128a37).
-_FP8_SMEM_UNSLICED = ((128, False),)
+# (head_dim, causal) whose smem build starts from another tile than the table's entry: e4m3
+# D = 128 from the two-WG tile without wg_slice and with the loop's mask test (with them
+# 0.975 / 0.980x at N = 1k / 2k; H100, 2026-12-06, c128a37).
+_FP8_SMEM_TILES = {
+    (128, False): replace(_FP8_D128_TWO_WGS, wg_slice=False, loop_mask_test=True),
+}
 
 
 def fp8_vt_in_smem(head_dim: int, seqlen_k: int | None, causal: bool = False) -> bool:
@@ -478,12 +494,12 @@ def fp8_smem_transpose_config(head_dim: int, causal: bool) -> Fa3Config:
     The Vᵀ ring costs one more K/V-sized buffer. It fits beside the table's tiles at D <= 192
     (D = 128, tile_n 192: Q 16 + K, V, Vᵀ 3 x 2 x 24 + sO 32 = 192 KiB; D = 192, tile_n 128:
     24 + 3 x 48 + 48 = 216 KiB). At D = 256 tile_n 96 would need 32 + 3 x 48 + 64 = 240 KiB
-    (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB). _FP8_SMEM_UNSLICED entries drop wg_slice.
+    (> 227): tile_n 64 (32 + 3 x 32 + 64 = 192 KiB). _FP8_SMEM_TILES names the tiles that
+    differ from the table's entry.
     The smem build runs on the plain grid (`can_implement`).
     """
-    cfg = replace(_plain(_fp8_tiles(head_dim, causal)), v_transpose="smem")
-    if (head_dim, causal) in _FP8_SMEM_UNSLICED:
-        cfg = replace(cfg, wg_slice=False, loop_mask_test=True)
+    base = _FP8_SMEM_TILES.get((head_dim, causal)) or _fp8_tiles(head_dim, causal)
+    cfg = replace(_plain(base), v_transpose="smem")
     if smem_bytes(cfg, head_dim, FP8_DTYPE) > SMEM_CAPACITY:
         cfg = replace(cfg, tile_n=64)
     return cfg
@@ -576,6 +592,9 @@ def config_for(p: AttnParams) -> Fa3Config:
         # A keys-major V is Vᵀ already: the host-Vᵀ build reads it without a copy, where the
         # smem build would need V copied token-major (docs/fp8.md, "V laid out keys-major").
         cfg = _fp8_tiles(p.head_dim, p.causal)
+    if p.is_fp8 and p.v_keys_major and cfg.permute_v_keys:
+        # ... and in key order: permute_v_keys would copy it (interface.transpose_v)
+        cfg = _FP8_KEYS_IN_ORDER[(p.head_dim, p.causal)]
     short = _SHORT_Q_TILES.get(p.head_dim)
     if (
         short is not None
@@ -601,9 +620,9 @@ def dense_options_off(cfg: Fa3Config) -> Fa3Config:
                    pv_wait_exps=0)  # fmt: skip
 
 
-# The per-block build (fp8_blocks) runs the 2-WG tiles its GPU cases ran: at D = 64 the 128 x 192
-# tile that the 3-WG table entry replaced, beside the causal 128 x 256.
-_FP8_BLOCK_EXTRA: dict[int, tuple[Fa3Config, ...]] = {64: (_fp8(192),)}
+# The per-block build (fp8_blocks) runs the 2-WG tiles its GPU cases ran: at D = 64 and 128 the
+# 128 x 192 tiles that the 3-WG table entries replaced, beside the causal ones.
+_FP8_BLOCK_EXTRA: dict[int, tuple[Fa3Config, ...]] = {64: (_fp8(192),), 128: (_FP8_D128_TWO_WGS,)}
 
 
 def _fp8_block_candidates(head_dim: int, causal: bool) -> list[Fa3Config]:

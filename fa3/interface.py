@@ -159,7 +159,9 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         if on
     ]
     vt = "in shared memory"
-    if cfg.v_transpose == "host" and p.v_keys_major:
+    if cfg.v_transpose == "host" and cfg.permute_v_keys:
+        vt = "copied on the host, its keys permuted within 32-key blocks"
+    elif cfg.v_transpose == "host" and p.v_keys_major:
         vt = "read from V laid out keys-major, no copy"
     elif cfg.v_transpose == "host":
         vt = "copied on the host unless V is keys-major (common.fp8.keys_major)"

@@ -306,7 +306,8 @@ def test_fp8_register_estimate_follows_the_split() -> None:
     """FA3's 128 x 224 e4m3 tile at D = 128 fits the host builds' 240 consumer registers (0
     spills on sm_90a) but not the smem transpose's 224 (96 bytes spilled): can_implement admits
     the one and names the budget for the other. The table's smem builds stay within theirs."""
-    host = replace(get_config(128, FP8_DTYPE, False), tile_n=224)
+    two_wgs = dict(num_consumer_wgs=2, tile_m=128, permute_v_keys=False)
+    host = replace(get_config(128, FP8_DTYPE, False), tile_n=224, **two_wgs)
     assert host.v_transpose == "host" and can_implement(host, 128, FP8_DTYPE) == (True, "")
     ok, reason = can_implement(replace(host, v_transpose="smem"), 128, FP8_DTYPE)
     assert not ok and f"> {VT_REG_SPLIT[2][1]}" in reason, reason
@@ -553,17 +554,19 @@ def test_keys_major_v_skips_the_host_copy(monkeypatch) -> None:
     assert vk.stride(1) == 1 and torch.equal(vk.view(torch.uint8), v.view(torch.uint8))
     p = check_inputs(q, k, vk)
     # 50 keys: V as it lies takes the smem transpose; keys-major, it is Vᵀ already, and the
-    # table's tiles take it on the host-Vᵀ build (no copy either way).
+    # table takes it on a host-Vᵀ build that reads V's keys in order (no copy either way; the
+    # entry's own build permutes them).
     assert p.v_keys_major and not check_inputs(q, k, v).v_keys_major
     assert config_for(check_inputs(q, k, v)) == fp8_smem_transpose_config(128, False)
-    assert config_for(p) == replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
+    host = config_for(p)
+    assert host.v_transpose == "host" and not host.permute_v_keys
+    assert get_config(128, FP8_DTYPE, False).permute_v_keys
     assert not check_inputs(q.bfloat16(), k.bfloat16(), v.bfloat16()).v_keys_major
     # A window keeps the rule of its own: no schedule options (D = 256's entry has wg_slice).
     q2, k2 = (torch.zeros(1, n, 2, 256).to(FP8_DTYPE) for n in (40, 50))
     window = config_for(check_inputs(q2, k2, keys_major(k2), window_size=(16, 0)))
     assert window == dense_options_off(get_config(256, FP8_DTYPE, False, seqlen_k=16384))
     assert window != get_config(256, FP8_DTYPE, False, seqlen_k=16384)
-    host = replace(get_config(128, FP8_DTYPE, False), v_transpose="host")
     interface.forward(q, k, vk, p, cfg=host)
     vt = calls[-1][1][2]  # (B, Hkv, D, Nk)
     assert not copies and vt.data_ptr() == vk.data_ptr() and vt.stride(-1) == 1
@@ -617,8 +620,12 @@ def test_smem_transpose_build_takes_v_as_it_lies(monkeypatch) -> None:
     kv_long = k[:, :1].expand(2, 16384, 2, 128)
     long = check_inputs(q, kv_long, kv_long)
     reason = interface.supports(long, 90)[1]  # and for 16k
-    assert "Vᵀ copied on the host unless V is keys-major" in reason
+    assert "Vᵀ copied on the host, its keys permuted within 32-key blocks" in reason, reason
+    q64, kv64 = q[..., :64], kv_long[..., :64]  # D = 64's host build keeps V's key order
+    reason = interface.supports(check_inputs(q64, kv64, kv64, causal=True), 90)[1]
+    assert "Vᵀ copied on the host unless V is keys-major" in reason, reason
     from flashsuite.common.fp8 import keys_major
 
-    reason = interface.supports(check_inputs(q, k, keys_major(v)), 90)[1]  # the host build
-    assert "Vᵀ read from V laid out keys-major, no copy" in reason, reason
+    for kv in (k, kv_long):  # the host build in key order: V's own storage is its Vᵀ
+        reason = interface.supports(check_inputs(q, kv, keys_major(kv)), 90)[1]
+        assert "Vᵀ read from V laid out keys-major, no copy" in reason, reason

@@ -318,8 +318,9 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
     """rescale_threshold 8 ships for 16-bit D = 256 alone (its measurement and GPU oracle cases,
     configs._tiles); the fp8 table rescales O when a row's max grows by more than 1 bit, with
     the row max and sum in four chains, at D = 256 and non-causal D = 128 (configs._FP8_SOFTMAX:
-    its 142 oracle cases and its timing; 8 bits failed 6 of them), every block elsewhere, and
-    takes none of the other options."""
+    its 142 oracle cases and its timing; 8 bits failed 6 of them), every block elsewhere;
+    non-causal D = 128's three-WG host-Vᵀ build permutes V's keys, and none takes the other
+    options."""
     import torch
 
     from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config
@@ -340,5 +341,10 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
                     continue
                 fp8_softmax = d == 256 or (d == 128 and not causal)
                 assert cfg.rescale_threshold == (1 if fp8_softmax else 0), (d, causal, n)
-                assert not (cfg.skip_unit_rescale or cfg.permute_v_keys or cfg.ex2_emu)
+                assert not (cfg.skip_unit_rescale or cfg.ex2_emu)
                 assert cfg.row_chains == fp8_softmax, (d, causal, n)
+                # V's keys permuted where the three-WG D = 128 tile reads a host Vᵀ
+                permuted = d == 128 and not causal and cfg.v_transpose == "host"
+                assert cfg.permute_v_keys == permuted, (d, causal, n)
+                three = permuted or (d == 64 and not causal)
+                assert cfg.num_consumer_wgs == (3 if three else 2), (d, causal, n)

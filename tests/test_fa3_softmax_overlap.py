@@ -104,6 +104,11 @@ def _sass_servers():
     _windows.cache_clear()
 
 
+# e4m3 D = 128's 128 x 192 tile on two consumer warpgroups in V's key order (the table's entry
+# runs 192 x 96 on three with permute_v_keys; configs._FP8_D128_TWO_WGS).
+FP8_TWO_WGS = ("num_consumer_wgs=2", "tile_m=128", "tile_n=192", "permute_v_keys=0")
+
+
 @functools.cache
 def _windows(*sets: str, head_dim: int = 256, causal: bool = True, fp8: bool = False) -> dict:
     args = ["--head-dim", str(head_dim)]
@@ -268,19 +273,19 @@ def _in_place_builds(option: str) -> list[tuple[int, dict]]:
     causal D = 128 and e4m3 D = 128 with `option` on (in-place softmax), each checked to hold
     it with 0 spills, no C75xx remark and a window between the waits."""
     builds = [
-        (dict(head_dim=64, causal=False), 64),
-        (dict(head_dim=128, causal=True), 64),
-        (dict(head_dim=128, causal=False, fp8=True), 96),
+        (dict(head_dim=64, causal=False), (), 64),
+        (dict(head_dim=128, causal=True), (), 64),
+        (dict(head_dim=128, causal=False, fp8=True), FP8_TWO_WGS, 96),
     ]
     # pin_pv_wait pins the wait pv_wait_after_max moves (D = 64's table build takes the latter).
     sets = (f"{option}=1", *(("pv_wait_after_max=0",) if option == "pin_pv_wait" else ()))
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(lambda b: _windows(*sets, **b[0]), builds))
+        got = list(pool.map(lambda b: _windows(*sets, *b[1], **b[0]), builds))
     for r in got:
         assert r["config"][option] and not r["config"]["softmax_apart"]
         assert r["spill_stores"] == 0 and not r["remarks"], r
         assert r["windows"], r
-    return [(scores, r) for (_, scores), r in zip(builds, got, strict=True)]
+    return [(scores, r) for (_, _, scores), r in zip(builds, got, strict=True)]
 
 
 def test_o_zero_init_drops_the_accumulator_zeroing() -> None:
@@ -457,10 +462,16 @@ def test_permuted_v_keys_drop_the_fp8_quad_exchange() -> None:
         table, host, smem = pool.map(
             lambda f: f(),
             [
-                lambda: _windows(head_dim=128, causal=False, fp8=True),
-                lambda: _windows("permute_v_keys=1", head_dim=128, causal=False, fp8=True),
+                lambda: _windows(*FP8_TWO_WGS, head_dim=128, causal=False, fp8=True),
                 lambda: _windows(
-                    "permute_v_keys=1,v_transpose=smem", head_dim=128, causal=False, fp8=True
+                    *FP8_TWO_WGS, "permute_v_keys=1", head_dim=128, causal=False, fp8=True
+                ),
+                lambda: _windows(
+                    *FP8_TWO_WGS,
+                    "permute_v_keys=1,v_transpose=smem",
+                    head_dim=128,
+                    causal=False,
+                    fp8=True,
                 ),
             ],
         )
@@ -481,8 +492,10 @@ def test_row_chains_split_the_in_place_row_max_and_sum() -> None:
         table, chains = pool.map(
             lambda f: f(),
             [
-                lambda: _windows("row_chains=0", head_dim=128, causal=False, fp8=True),
-                lambda: _windows(head_dim=128, causal=False, fp8=True),
+                lambda: _windows(
+                    *FP8_TWO_WGS, "row_chains=0", head_dim=128, causal=False, fp8=True
+                ),
+                lambda: _windows(*FP8_TWO_WGS, head_dim=128, causal=False, fp8=True),
             ],
         )
     assert not table["config"]["row_chains"] and chains["config"]["row_chains"]
