@@ -209,6 +209,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
         FP8_DTYPE,
         _plain,
         fp8_block_config,
+        fp8_key_order_config,
         fp8_shipped_configs,
         fp8_smem_transpose_config,
         get_config,
@@ -229,9 +230,11 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
         for d, _, c, cfg in fp8_shipped_configs()
         if cfg.persistent
     ]
-    # V's keys permuted on the host (Fa3Config.permute_v_keys, off): Vᵀ runs past Nk.
+    # V's keys permuted on the host at D = 64 (Fa3Config.permute_v_keys): Vᵀ runs past Nk.
     host64 = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
     cases.append(("host_permuted_keys", 64, False, replace(host64, permute_v_keys=True)))
+    # What a keys-major V runs where the entry permutes V's keys (D = 128: the two-WG tile).
+    cases.append(("host_key_order", 128, False, fp8_key_order_config(128, False)))
     # Per-block descales (FP8_BLOCKS): the table's host-Vᵀ and shared-memory-Vᵀ builds, and
     # the window + softcap paths (k's descale joins tanh's argument per row).
     cases += [

@@ -442,6 +442,12 @@ FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
 _FP8_KEYS_IN_ORDER: dict[tuple[int, bool], Fa3Config] = {(128, False): _FP8_D128_TWO_WGS}
 
 
+def fp8_key_order_config(head_dim: int, causal: bool) -> Fa3Config:
+    """The host-Vᵀ build that reads V's keys in order at (head_dim, causal): what a keys-major V
+    runs (`config_for`; the table's entry unless that permutes V's keys)."""
+    return _FP8_KEYS_IN_ORDER.get((head_dim, causal)) or _fp8_tiles(head_dim, causal)
+
+
 def _fp8_tiles(head_dim: int, causal: bool) -> Fa3Config:
     """The fp8 table's entry for (head_dim, causal)."""
     if head_dim not in FP8_CONFIGS:
@@ -594,7 +600,7 @@ def config_for(p: AttnParams) -> Fa3Config:
         cfg = _fp8_tiles(p.head_dim, p.causal)
     if p.is_fp8 and p.v_keys_major and cfg.permute_v_keys:
         # ... and in key order: permute_v_keys would copy it (interface.transpose_v)
-        cfg = _FP8_KEYS_IN_ORDER[(p.head_dim, p.causal)]
+        cfg = fp8_key_order_config(p.head_dim, p.causal)
     short = _SHORT_Q_TILES.get(p.head_dim)
     if (
         short is not None

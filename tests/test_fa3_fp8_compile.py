@@ -43,7 +43,7 @@ from flashsuite.fa3.configs import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]  # benchmarks/ imports from the repository root
-SHARDS = ((128, 96), (64, 192, 256))  # two compiler processes, 12 and 15 builds (CI has 2 cores)
+SHARDS = ((128, 96), (64, 192, 256))  # two compiler processes, 13 and 15 builds (CI has 2 cores)
 CASES = [("shipped", d, causal) for d, _, causal, _ in fp8_shipped_configs()]
 CASES.append(("window_softcap", 128, False))  # left-window mask + softcap with descales
 # V transposed in shared memory by the producer warpgroup (v_transpose="smem": get_config's
@@ -52,7 +52,8 @@ VT_CASES = [("vt_smem", d, causal) for d in (64, 128, 256) for causal in (False,
 CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the host build
 # The persistent host-Vᵀ entries on the plain grid (what the smem builds compare with).
 CASES += [("host_plain", d, c) for d, _, c, cfg in fp8_shipped_configs() if cfg.persistent]
-CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys (off), host Vᵀ
+CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys, host Vᵀ
+CASES.append(("host_key_order", 128, False))  # a keys-major V's build (fp8_key_order_config)
 # Per-block descales (the FP8_BLOCKS build, tests/test_fp8_blocks.py): host and smem Vᵀ, and the
 # window + softcap paths.
 CASES += [("blocks", d, c) for d in (64, 128, 256) for c in (False, True)]
