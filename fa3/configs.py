@@ -135,6 +135,15 @@ def can_implement(cfg: Fa3Config, head_dim: int, dtype: torch.dtype) -> tuple[bo
         return False, "fa3: tile_counter needs persistent=True (the plain grid's CTAs own a tile)"
     if cfg.ex2_emu < 0:
         return False, f"fa3: ex2_emu expected >= 0 (0: all by MUFU), got {cfg.ex2_emu}"
+    if cfg.spec_exps and not (
+        cfg.rescale_threshold > 0
+        and cfg.intra_wg_overlap
+        and not (cfg.softmax_apart or cfg.pv_wait_after_max or cfg.pin_pv_wait)
+    ):
+        return False, (
+            "fa3: spec_exps needs rescale_threshold > 0 and the in-place overlapped softmax "
+            "(intra_wg_overlap=True; softmax_apart, pv_wait_after_max, pin_pv_wait off)"
+        )
     if cfg.softmax_apart and not cfg.intra_wg_overlap:
         return False, "fa3: softmax_apart needs intra_wg_overlap=True"
     if cfg.rescale_before_pv and not cfg.intra_wg_overlap:

@@ -155,6 +155,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
         self.ROW_CHAINS = cfg.row_chains
+        self.SPEC_EXPS = cfg.spec_exps
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.STAGE_DESC = cfg.stage_desc
         self.LOOP_MASK_TEST = cfg.loop_mask_test

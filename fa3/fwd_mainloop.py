@@ -18,7 +18,12 @@ from cutlass.cute.nvgpu import warpgroup
 
 from flashsuite.fa3 import fp8_ops
 from flashsuite.fa3.mask import apply_mask
-from flashsuite.fa3.softmax import needs_rescale, online_softmax, rescale_rows
+from flashsuite.fa3.softmax import (
+    needs_rescale,
+    online_softmax,
+    rescale_rows,
+    speculative_softmax,
+)
 from flashsuite.fa3.utils import cvt_pack_16x2, gemm_pv, gemm_qk, nanosleep_zero
 
 
@@ -90,6 +95,16 @@ class ForwardMainloop:
                 self._mask(ctx, n_block, scores)
         if const_expr(mask):
             self._mask(ctx, n_block, scores)
+        if const_expr(self.SPEC_EXPS and probs is not None and scores is acc_S and blk is None):
+            return speculative_softmax(
+                acc_S,
+                ctx.row_max,
+                ctx.row_sum,
+                ctx.scale_log2,
+                probs,
+                self.EX2_EMU,
+                self.RESCALE_THRESHOLD,
+            )
         corr = online_softmax(
             scores,
             ctx.row_max,
@@ -293,7 +308,8 @@ class ForwardMainloop:
                 else:
                     self.softmax_under_pv(ctx, kv_state, n_block, False, probs, corr)
         else:
-            probs = None
+            # SPEC_EXPS: P apart from S (speculative_softmax takes it again from S if need be)
+            probs = cute.make_fragment_like(ctx.acc_S) if const_expr(self.SPEC_EXPS) else None
             warpgroup.wait_group(1)  # groups retire in order: S(n) is ready, PV may still run
             ctx.pipe_k.consumer_release(kv_state)
             always = masked is True  # SPLIT_LOOPS' masked loop: the mask at compile time
@@ -302,7 +318,7 @@ class ForwardMainloop:
                 n_block,
                 always,
                 None if always else masked,
-                None,
+                probs,
                 self.PV_WAIT_AFTER_MAX,
                 self.PV_WAIT_EXPS,
             )  # acc_S, not tOrP / acc_O

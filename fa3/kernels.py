@@ -160,6 +160,7 @@ class Fa3Forward(ForwardLayouts, ForwardMainloop, ForwardConsumer):
         self.RESCALE_THRESHOLD = cfg.rescale_threshold
         self.SKIP_UNIT_RESCALE = cfg.skip_unit_rescale
         self.ROW_CHAINS = cfg.row_chains
+        self.SPEC_EXPS = cfg.spec_exps
         self.PERMUTE_V_KEYS = cfg.permute_v_keys
         self.WG_SLICE = cfg.wg_slice
         self.STAGE_DESC = cfg.stage_desc

@@ -585,6 +585,14 @@ MUTANTS = [
         ("tests/test_fa3_softmax_overlap.py",),
     ),
     Mutant(
+        "fa3: spec_exps admitted without a rescale threshold (every block taken twice)",
+        "fa3/configs.py",
+        "        cfg.rescale_threshold > 0\n        and cfg.intra_wg_overlap",
+        "        cfg.intra_wg_overlap",
+        "spec_exps_needs",
+        ("tests/test_fa3_softmax_options.py",),
+    ),
+    Mutant(
         "fa3 fp8: a keys-major V on the build that permutes its keys (a copy)",
         "fa3/configs.py",
         "    if p.is_fp8 and p.v_keys_major and cfg.permute_v_keys:",
@@ -692,6 +700,14 @@ KVCACHE_TESTS = ("tests/test_fa3_kvcache.py",)
 FA3_BWD_PREPOST = "fa3/bwd_prepost.py"  # the dense backward's pre- and postprocess (GPU)
 OWN = "test_backward_fa3_own"  # the shared backward cases through fa3's own backward
 GPU_MUTANTS = [
+    Mutant(
+        "fa3 softmax: spec_exps keeps the running-max P where one row (not every row) kept",
+        "fa3/softmax.py",
+        "    if cute.arch.vote_all_sync(kept[0] & kept[1]):",
+        "    if cute.arch.vote_any_sync(kept[0] | kept[1]):",
+        "spec_exps_gives_the_same_bits",
+        ("tests/test_fp8.py",),
+    ),
     Mutant(
         "fa3: the exponentials taken before P·V's wait taken again after it",
         FA3_SOFTMAX,

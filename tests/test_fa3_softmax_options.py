@@ -80,6 +80,33 @@ def test_pv_wait_after_max_needs_the_in_place_overlap_softmax(changes: dict) -> 
     assert not ok and "pv_wait_after_max" in why, why
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(rescale_threshold=0),
+        dict(softmax_apart=True),
+        dict(pv_wait_after_max=True),
+        dict(pin_pv_wait=True),
+        dict(intra_wg_overlap=False),
+    ],
+    ids=["no-threshold", "apart", "wait-after-max", "pinned", "no-overlap"],
+)
+def test_spec_exps_needs_a_threshold_and_the_in_place_overlap_softmax(changes: dict) -> None:
+    """spec_exps keeps P against the running max only where no row's max grew past
+    rescale_threshold, and takes the in-place overlapped softmax's place: without a threshold
+    every block would take its exponentials twice, and the other softmax forms would ignore
+    it, so those builds are refused, named. The e4m3 D = 128 and 256 entries take it."""
+
+    from flashsuite.fa3.configs import FP8_DTYPE, can_implement, get_config
+
+    for d in (128, 256):
+        cfg = dataclasses.replace(get_config(d, FP8_DTYPE, False), spec_exps=True)
+        assert can_implement(cfg, d, FP8_DTYPE) == (True, "")
+    bad = dataclasses.replace(cfg, **changes)
+    ok, why = can_implement(bad, 256, FP8_DTYPE)
+    assert not ok and "spec_exps" in why, why
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("growth", [0.05, 3.0, 12.0], ids=lambda g: f"grow{g}")

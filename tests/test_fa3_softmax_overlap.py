@@ -481,6 +481,30 @@ def test_permuted_v_keys_drop_the_fp8_quad_exchange() -> None:
         assert r["spill_stores"] == 0 and not r["remarks"], r
 
 
+def test_spec_exps_take_the_exponentials_beside_the_row_max() -> None:
+    """spec_exps on the e4m3 D = 128 entry (192 x 96 on three warpgroups, 48 scores a row per
+    thread and block) and D = 256 (128 x 96 on two): spill-free within 160 and 240 registers
+    though S stays live beside P; the loop holds two copies of the exponentials (against the
+    running max, and again from S where a row's max grew past the threshold) with a vote
+    choosing between them, and the row max keeps its FMNMX."""
+    with ThreadPoolExecutor(3) as pool:
+        table, d128, d256 = pool.map(
+            lambda f: f(),
+            [
+                lambda: _windows(head_dim=128, causal=False, fp8=True),
+                lambda: _windows("spec_exps=1", head_dim=128, causal=False, fp8=True),
+                lambda: _windows("spec_exps=1", head_dim=256, causal=False, fp8=True),
+            ],
+        )
+    assert d128["config"]["spec_exps"] and not table["config"]["spec_exps"]
+    for r in (d128, d256):
+        assert r["spill_stores"] == 0 and not r["remarks"], r
+        # 48 exponentials a thread's two rows take per block, twice (the table's loop: once)
+        assert r["loop_ex2"][0] >= 2 * 48 >= table["loop_ex2"][0], (r["loop_ex2"], table)
+        assert r["counts"]["vote"] >= 2, r["counts"]
+        assert r["loop_ops"]["FMNMX"] >= 48, r["loop_ops"]
+
+
 def test_row_chains_split_the_in_place_row_max_and_sum() -> None:
     """fp8 D = 128 (192-key blocks: 48 scores of each of a thread's two rows) softmaxes in
     place; without row_chains each row's max is one chain of 48 FMNMX (plus the two after the

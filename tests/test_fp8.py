@@ -345,6 +345,32 @@ def test_fa3_fp8_threshold_while_the_max_grows(d: int, growth: float) -> None:
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, False, fa3=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("d", "causal"), [(128, False), (256, False), (256, True)])
+@pytest.mark.parametrize("growth", [0.05, 0.7, 3.0], ids=lambda g: f"grow{g}")
+def test_fa3_fp8_spec_exps_gives_the_same_bits(growth: float, d: int, causal: bool) -> None:
+    """Fa3Config.spec_exps on the fp8 table's host-Vᵀ entries (rescale_threshold 1): P taken
+    against the running max beside the block's max, and again from S where a row's max grew
+    past the threshold. On scores whose row max grows by about `growth` bits a block (kept
+    for the whole row, for a block at a time, or at every block: the fast path, both, the
+    slow one) it gives bit for bit the entry's out and LSE."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import FP8_DTYPE, get_config
+
+    q8, k8, v8, ds = growing_max_inputs(d, growth, "cuda")
+    p = check_inputs(q8, k8, v8, causal=causal, descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    table = replace(get_config(d, FP8_DTYPE, causal), v_transpose="host")
+    assert table.rescale_threshold == 1, table
+    want = interface.forward(q8, k8, v8, p, *ds, cfg=table)
+    got = interface.forward(q8, k8, v8, p, *ds, cfg=replace(table, spec_exps=True))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _assert_within_fp8_baseline(*got, q8, k8, v8, ds, causal, fa3=True)
+
+
 @pytest.mark.parametrize("case", [c for c in FP8_CASES if not c[-1]], ids=lambda c: f"d{c[5]}")
 def test_running_max_emulation_is_within_the_baseline(case: tuple) -> None:
     """fa3's fp8 numerics emulated in PyTorch (benchmarks/fp8_emulation.py: P rounded to e4m3
