@@ -104,6 +104,7 @@ class ForwardMainloop:
                 probs,
                 self.EX2_EMU,
                 self.RESCALE_THRESHOLD,
+                self.ROW_CHAINS,
             )
         corr = online_softmax(
             scores,

@@ -238,14 +238,16 @@ def speculative_softmax(
     probs: cute.Tensor,
     ex2_emu: cutlass.Constexpr[int],
     rescale_threshold: cutlass.Constexpr[int],
+    chains: cutlass.Constexpr[bool],
 ):
     """online_softmax's result with `rescale_threshold` t > 0 and P into `probs`, its
     exponentials taken against each row's running max beside the block's max
     (Fa3Config.spec_exps). A row that keeps its max (the block's exceeds it by at most t) has
     exactly these P; where every row of the warp keeps it (a warp-uniform vote) they are the
     block's, else every P is taken again from acc_S (unchanged) against the new maxima, as
-    online_softmax would. Bitwise online_softmax's output with `chains`; the row max's latency
-    leaves the exponentials' path, its instructions stay. A row that has seen no key yet
+    online_softmax would, the row sums in its order (`chains`: four chains, else one). Bitwise
+    online_softmax's output; the row max's latency leaves the exponentials' path, its
+    instructions stay. A row that has seen no key yet
     (max -inf) counts as grown."""
     corr = cute.make_rmem_tensor((2,), Float32)
     m_new = cute.make_rmem_tensor((2,), Float32)
@@ -264,7 +266,7 @@ def speculative_softmax(
     if cute.arch.vote_all_sync(kept[0] & kept[1]):
         for r in cutlass.range_constexpr(2):
             corr[r] = Float32(1.0)
-            row_sum[r] = row_sum[r] + _chains([probs[_col(k, r)] for k in range(cols)], _add)
+            row_sum[r] = row_sum[r] + _row_sum([probs[_col(k, r)] for k in range(cols)], chains)
     else:
         for r in cutlass.range_constexpr(2):
             keep = (m_new[r] - row_max[r]) * scale_log2 <= Float32(rescale_threshold)
@@ -278,12 +280,18 @@ def speculative_softmax(
                 x = acc_S[_col(k, r)] * scale_log2 - m_scaled
                 probs[_col(k, r)] = _exp2(x, emulated(k, ex2_emu))
                 ps.append(probs[_col(k, r)])
-            row_sum[r] = row_sum[r] * corr[r] + _chains(ps, _add)
+            row_sum[r] = row_sum[r] * corr[r] + _row_sum(ps, chains)
     return corr
 
 
-def _add(a, b):
-    return a + b
+def _row_sum(ps: list, chains: bool):
+    """The sum of a row's P (DSL scalars) in online_softmax's order: four chains, or one."""
+    if chains:
+        return _chains(ps, lambda a, b: a + b)
+    s = Float32(0.0)
+    for p in ps:
+        s += p
+    return s
 
 
 def _exp2(x, poly: bool):

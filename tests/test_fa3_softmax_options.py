@@ -119,14 +119,25 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
     block's max for the whole row (P climbs towards 2^8 and the row sum with it), 3 keeps it
     for a few blocks and then rescales, 12 rescales every block. Out and LSE against the
     float64 oracle under the suite's rule."""
-    import torch
-
     from flashsuite import dispatch
     from flashsuite.common.testing import compare, reference_pair
     from flashsuite.common.validation import check_inputs
     from flashsuite.fa3.configs import config_for
 
-    b, nq, nk, h, d, bf16 = 1, 300, 1000, 2, 256, torch.bfloat16
+    q, k, v = _growing_max_bf16(growth)
+    assert config_for(check_inputs(q, k, v, causal=causal)).rescale_threshold == 8
+    out, lse = dispatch.attention(q, k, v, causal=causal, return_lse=True, version="fa3")
+    ref = reference_pair(q, k, v, causal=causal)
+    for res in (compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])):
+        assert res.ok, res
+
+
+def _growing_max_bf16(growth: float) -> tuple:
+    """bf16 q (1 x 300 x 2 heads), k, v (1000 keys), D = 256, whose scores' row max grows by
+    about `growth` bits per 80-key block in the order the kernel visits the blocks."""
+    import torch
+
+    b, nq, nk, h, d = 1, 300, 1000, 2, 256
     gen = torch.Generator(device="cuda").manual_seed(0)
     u = torch.nn.functional.normalize(torch.randn(d, device="cuda", generator=gen), dim=0)
     amp = 4.0  # q's component along u
@@ -138,12 +149,30 @@ def test_gpu_rescale_threshold_against_the_oracle_while_the_max_grows(
     q = torch.randn(b, nq, h, d, device="cuda", generator=gen) + amp * u
     k = torch.randn(b, nk, h, d, device="cuda", generator=gen) + ramp[None, :, None, None] * u
     v = torch.randn(b, nk, h, d, device="cuda", generator=gen)
-    q, k, v = (t.to(bf16) for t in (q, k, v))
-    assert config_for(check_inputs(q, k, v, causal=causal)).rescale_threshold == 8
-    out, lse = dispatch.attention(q, k, v, causal=causal, return_lse=True, version="fa3")
-    ref = reference_pair(q, k, v, causal=causal)
-    for res in (compare("out", out, *ref["out"]), compare("lse", lse, *ref["lse"])):
-        assert res.ok, res
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("growth", [0.05, 3.0, 12.0], ids=lambda g: f"grow{g}")
+def test_gpu_spec_exps_gives_the_same_bits_in_bf16(growth: float, causal: bool) -> None:
+    """Fa3Config.spec_exps on bf16 D = 256 (rescale_threshold 8, one chain per row sum), the
+    table's entry with the in-place softmax (softmax_apart and pv_wait_after_max off), on
+    scores whose row max grows by `growth` bits a block (kept, kept for a few blocks, grown
+    every block): out and LSE bit for bit those of the same build without it."""
+    import torch
+
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3 import interface
+    from flashsuite.fa3.configs import config_for
+
+    q, k, v = _growing_max_bf16(growth)
+    p = check_inputs(q, k, v, causal=causal)
+    base = dataclasses.replace(config_for(p), softmax_apart=False, pv_wait_after_max=False)
+    assert base.rescale_threshold == 8 and not base.row_chains, base
+    want = interface.forward(q, k, v, p, cfg=base)
+    got = interface.forward(q, k, v, p, cfg=dataclasses.replace(base, spec_exps=True))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def _agree_with_the_table_build(
