@@ -107,8 +107,8 @@ class Fa3Config:
     # With rescale_threshold t > 0: a block's exponentials against each row's running max,
     # taken beside the block's max rather than after it (P apart from S, which stays
     # unchanged); where every row of the warp kept its max (grew by <= t) that is the block's
-    # P, else P is taken again from S against the new maxima. Bitwise the build without it;
-    # removes the row max's latency from the exponentials' path (softmax.online_softmax).
+    # P, else online_softmax runs on S as without it. Bit for bit the build without it; removes
+    # the row max's latency from the exponentials' path (softmax.speculative_softmax).
     spec_exps: bool = False
     # float8 only: V's keys in fp8_ops.slot_key order within each 32-key block (the host's Vᵀ
     # copy, `interface.transpose_v`, or the smem transpose puts them there), so P goes from

@@ -240,17 +240,15 @@ def speculative_softmax(
     rescale_threshold: cutlass.Constexpr[int],
     chains: cutlass.Constexpr[bool],
 ):
-    """online_softmax's result with `rescale_threshold` t > 0 and P into `probs`, its
+    """online_softmax's result (in place, `rescale_threshold` t > 0) with P in `probs`, its
     exponentials taken against each row's running max beside the block's max
     (Fa3Config.spec_exps). A row that keeps its max (the block's exceeds it by at most t) has
     exactly these P; where every row of the warp keeps it (a warp-uniform vote) they are the
-    block's, else every P is taken again from acc_S (unchanged) against the new maxima, as
-    online_softmax would, the row sums in its order (`chains`: four chains, else one). Bitwise
-    online_softmax's output; the row max's latency leaves the exponentials' path, its
-    instructions stay. A row that has seen no key yet
-    (max -inf) counts as grown."""
+    block's, their sums in online_softmax's order (`chains`: four chains, else one). Otherwise
+    online_softmax itself runs on acc_S (unchanged until then) and P is copied to `probs`. So
+    the output is online_softmax's bit for bit; the row max's latency leaves the exponentials'
+    path, its instructions stay. A row that has seen no key yet (max -inf) counts as grown."""
     corr = cute.make_rmem_tensor((2,), Float32)
-    m_new = cute.make_rmem_tensor((2,), Float32)
     cols = cute.size(acc_S) // 2
     kept = [None, None]
     for r in cutlass.range_constexpr(2):
@@ -261,26 +259,19 @@ def speculative_softmax(
             probs[_col(k, r)] = _exp2(x, emulated(k, ex2_emu))
         row = [acc_S[_col(k, r)] for k in range(cols)]
         m_blk = cute.arch.fmax(_chains(row, cute.arch.fmax), m_old)
-        m_new[r] = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the quad
-        kept[r] = (m_new[r] - m_old) * scale_log2 <= Float32(rescale_threshold)
+        m_new = cute.arch.warp_reduction_max(m_blk, threads_in_group=4)  # the quad
+        kept[r] = (m_new - m_old) * scale_log2 <= Float32(rescale_threshold)
     if cute.arch.vote_all_sync(kept[0] & kept[1]):
         for r in cutlass.range_constexpr(2):
             corr[r] = Float32(1.0)
             row_sum[r] = row_sum[r] + _row_sum([probs[_col(k, r)] for k in range(cols)], chains)
     else:
-        for r in cutlass.range_constexpr(2):
-            keep = (m_new[r] - row_max[r]) * scale_log2 <= Float32(rescale_threshold)
-            m = row_max[r] if keep else m_new[r]
-            m_scaled = (Float32(0.0) if m == Float32(-math.inf) else m) * scale_log2
-            c = cute.math.exp2(row_max[r] * scale_log2 - m_scaled, fastmath=True)
-            corr[r] = Float32(1.0) if keep else c
-            row_max[r] = m
-            ps = []
-            for k in cutlass.range_constexpr(cols):
-                x = acc_S[_col(k, r)] * scale_log2 - m_scaled
-                probs[_col(k, r)] = _exp2(x, emulated(k, ex2_emu))
-                ps.append(probs[_col(k, r)])
-            row_sum[r] = row_sum[r] * corr[r] + _row_sum(ps, chains)
+        c = online_softmax(
+            acc_S, row_max, row_sum, scale_log2, None, ex2_emu, rescale_threshold, False, chains
+        )
+        corr[0], corr[1] = c[0], c[1]
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            probs[i] = acc_S[i]
     return corr
 
 

@@ -487,21 +487,18 @@ def test_spec_exps_take_the_exponentials_beside_the_row_max() -> None:
     though S stays live beside P; the loop holds two copies of the exponentials (against the
     running max, and again from S where a row's max grew past the threshold) with a vote
     choosing between them, and the row max keeps its FMNMX."""
-    with ThreadPoolExecutor(3) as pool:
-        table, d128, d256 = pool.map(
-            lambda f: f(),
-            [
-                lambda: _windows(head_dim=128, causal=False, fp8=True),
-                lambda: _windows("spec_exps=1", head_dim=128, causal=False, fp8=True),
-                lambda: _windows("spec_exps=1", head_dim=256, causal=False, fp8=True),
-            ],
+    with ThreadPoolExecutor(4) as pool:
+        t128, d128, t256, d256 = pool.map(
+            lambda a: _windows(*a[0], head_dim=a[1], causal=False, fp8=True),
+            [((), 128), (("spec_exps=1",), 128), ((), 256), (("spec_exps=1",), 256)],
         )
-    assert d128["config"]["spec_exps"] and not table["config"]["spec_exps"]
-    for r in (d128, d256):
+    for table, r in ((t128, d128), (t256, d256)):
+        assert r["config"]["spec_exps"] and not table["config"]["spec_exps"]
         assert r["spill_stores"] == 0 and not r["remarks"], r
-        # 48 exponentials a thread's two rows take per block, twice (the table's loop: once)
-        assert r["loop_ex2"][0] >= 2 * 48 >= table["loop_ex2"][0], (r["loop_ex2"], table)
-        assert r["counts"]["vote"] >= 2, r["counts"]
+        # The 48 exponentials a thread's two rows take per block once more (the speculative
+        # copy beside the table's, which the slow path runs)
+        assert r["loop_ex2"][0] >= table["loop_ex2"][0] + 48, (r["loop_ex2"], table["loop_ex2"])
+        assert r["counts"]["vote"] > table["counts"]["vote"], (r["counts"], table["counts"])
         assert r["loop_ops"]["FMNMX"] >= 48, r["loop_ops"]
 
 
