@@ -211,22 +211,58 @@ def test_fp8_forward_within_the_e4m3_baseline(version: str, case: tuple) -> None
     _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal, fa3=version == "fa3")
 
 
-def _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, causal: bool, fa3: bool) -> None:
+def _assert_within_fp8_baseline(
+    out, lse, q8, k8, v8, ds, causal: bool, fa3: bool, **options
+) -> None:
     """out / lse of an fp8 forward against the float64 oracle, within FP8_FACTOR of the e4m3
     baseline's error (fa3's LSE: of the emulation of the e4m3 wgmma's accumulator,
-    common.testing.mma_truncated)."""
+    common.testing.mma_truncated). `options`: window_size, softcap, as the call had them."""
     kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    ref = reference_pair(q8, k8, v8, causal=causal, **kwargs)
-    base = fp8_baseline(q8, k8, v8, ds, causal=causal)
+    ref = reference_pair(q8, k8, v8, causal=causal, **kwargs, **options)
+    base = fp8_baseline(q8, k8, v8, ds, causal=causal, **options)
     if fa3:  # fp8 wgmma: the LSE against the reduced-precision accumulation
-        lse_base = fp8_lse_baseline(q8, k8, ds, causal=causal)
+        lse_base = fp8_lse_baseline(q8, k8, ds, causal=causal, **options)
         lse_check = compare("lse", lse, ref["lse"][0], lse_base, factor=FP8_FACTOR)
     else:  # the torch version dequantises: float32 all the way
         lse_check = compare("lse", lse, *ref["lse"])
     out_check = compare("out", out, ref["out"][0], base, factor=FP8_FACTOR, dtype=torch.bfloat16)
     assert out_check.ok, str(out_check)
     assert lse_check.ok, str(lse_check)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "options",
+    [{"window_size": (300, 40)}, {"softcap": 30.0}, {"window_size": (500, 0), "softcap": 20.0}],
+    ids=["window", "softcap", "both"],
+)
+def test_fa3_fp8_window_and_softcap_past_the_smem_route(options: dict) -> None:
+    """Windowed and softcapped e4m3 D = 128 problems with more keys than the smem-Vᵀ build takes
+    (FP8_SMEM_VT_MAX_SEQLEN_K) run the table's host-Vᵀ entry (192 x 96 on three warpgroups, V's
+    keys permuted on the host) without its schedule options (configs.dense_options_off):
+    through dispatch, within the e4m3 baseline, MQA with per-(batch, kv head) descales."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import (
+        FP8_DTYPE,
+        FP8_SMEM_VT_MAX_SEQLEN_K,
+        config_for,
+        dense_options_off,
+        get_config,
+    )
+
+    nk = FP8_SMEM_VT_MAX_SEQLEN_K[128] + 257
+    q8, k8, v8, ds = _fp8_inputs(2, 611, nk, 6, 1, 128, "cuda")
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    cfg = config_for(check_inputs(q8, k8, v8, **kwargs, **options))
+    table = get_config(128, FP8_DTYPE, False, seqlen_k=nk)
+    assert table.num_consumer_wgs == 3 and table.permute_v_keys and table.wg_slice, table
+    assert cfg == dense_options_off(table), cfg
+    out, lse = dispatch.attention(q8, k8, v8, return_lse=True, version="fa3", **kwargs, **options)
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, False, fa3=True, **options)
 
 
 @pytest.mark.gpu
