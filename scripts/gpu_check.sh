@@ -5,13 +5,14 @@
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
 #                                                varlen-bwd kvcache
 #                                                fwd-candidates fwd-short bwd-candidates
-#                                                fp8-blocks step
+#                                                fp8-blocks step spec fwd-sweep
 #                                                (default: check tests bench)
 # Environment knobs:
 #   PYTEST_ARGS   extra pytest arguments for `tests`, shell-quoted (e.g. "-k 'fa1 or tma' -x")
 #   TEST_SHARD    i/n: `tests` runs every n-th test file from the i-th (the suite in n calls)
 #   BENCH_ARGS    arguments for `flashsuite bench` (default "--quick"; "" for the full sweep)
 #   FWD_CANDIDATE_ROWS   `fwd-candidates`' A/B rows, ';'-separated (e.g. "64;128 --causal")
+#   SPEC_ROWS / SWEEP_ROWS   the same for `spec` and `fwd-sweep`
 #   SANITIZE_VARIANT / SANITIZE_HEAD_DIM   the fa3 persistent variant and head_dim that
 #                 `sanitize` runs (default new_skip, 64: the shipped causal D = 64 config)
 # fa3 needs the CuTe DSL installed (the `cute` extra; docs/gpu.md shows an offline install).
@@ -309,6 +310,60 @@ for part in $parts; do
       # fa3's split-KV decode: per-row oracle, NaN in unused cache slots and spare pages, NaN
       # guard rows around out and lse; the decode sweep beside fa2 and SDPA.
       tests_memcheck_bench kvcache tests/test_fa3_kvcache.py "gpu_decode" --decode ;;
+    spec)
+      # Fa3Config.spec_exps (each row's exponentials against its running max beside the row
+      # max; docs/design.md) and the causal e4m3 D = 128 candidates: first the bitwise tests
+      # (spec_exps against the build without it, e4m3 and bf16) and the windowed / softcapped
+      # e4m3 D = 128 problems past the smem-Vᵀ route, then each row's A/B against the shipped
+      # build (fa3_fwd_ab, 5 interleaved passes). SPEC_ROWS: ';'-separated "D [--fp8]
+      # [--causal]" rows (default all seven, about 15 minutes; a device command gets 10).
+      # "spec" adds spec_exps with what it needs (a rescale threshold, the in-place softmax),
+      # "thr" / "ip" that same build without it; causal e4m3 D = 128 also "spr" (the
+      # non-causal entry's softmax: 1-bit threshold, four row chains), "sprs" (spr + spec) and
+      # "t3r" (the non-causal entry's 192 x 96 tile on three warpgroups, V's keys permuted).
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      # shellcheck disable=SC2086
+      python3 -m pytest tests/test_fp8.py tests/test_fa3_softmax_options.py -v -rfEs \
+        -p no:cacheprovider $xdist -k "spec_exps or past_the_smem_route" 2>&1 | tail -30 \
+        | tee "$out/spec.log" || status=1
+      rows=${SPEC_ROWS:-128 --fp8;128 --fp8 --causal;256 --fp8;256 --fp8 --causal;64;128;256}
+      IFS=';' read -r -a rows <<< "$rows"
+      for row in "${rows[@]}"; do
+        read -r d flags <<< "$row"
+        seqs=(--seqlen 4096 --seqlen 16384)
+        case "$row" in
+          "128 --fp8 --causal")
+            sm=rescale_threshold=1,row_chains=1
+            vars=(--variant "spr:$sm" --variant "sprs:$sm,spec_exps=1"
+              --variant "t3r:tile_m=192,num_consumer_wgs=3,tile_n=96,permute_v_keys=1,$sm") ;;
+          64) vars=(--variant spec:spec_exps=1,rescale_threshold=8,pv_wait_after_max=0,pv_wait_exps=0
+              --variant thr:rescale_threshold=8) ;;
+          128) vars=(--variant spec:spec_exps=1,rescale_threshold=8,softmax_apart=0
+              --variant thr:rescale_threshold=8) ;;
+          256) vars=(--variant spec:spec_exps=1,pv_wait_after_max=0 --variant ip:pv_wait_after_max=0)
+            seqs=(--seqlen 1024 --seqlen 4096) ;;
+          *) vars=(--variant spec:spec_exps=1) ;;
+        esac
+        # shellcheck disable=SC2086
+        python3 -m benchmarks.fa3_fwd_ab "${vars[@]}" --head-dim "$d" ${flags:-} "${seqs[@]}" \
+          --passes 5 2>&1 | grep -v Warning | tail -22 | tee -a "$out/spec-ab.log" || status=1
+      done ;;
+    fwd-sweep)
+      # The standard forward table (#17's points): fa3 through dispatch beside FA4's SM90
+      # forward and SDPA's cuDNN backend, bf16, B·N = 16k, Hq·D = 2048, N = 1k / 4k / 16k, 3
+      # interleaved passes; then the e4m3 table at N = 16k (fa3_fwd_ab --fp8: the whole call,
+      # V as it lies and keys-major, next to the bf16 peers). SWEEP_ROWS: ';'-separated
+      # "D [--causal] [--fp8]" rows (default the six bf16 rows, then four e4m3 ones).
+      rows=${SWEEP_ROWS:-64;64 --causal;128;128 --causal;256;256 --causal;128 --fp8;128 --fp8 --causal;256 --fp8;256 --fp8 --causal}
+      IFS=';' read -r -a rows <<< "$rows"
+      for row in "${rows[@]}"; do
+        read -r d flags <<< "$row"
+        seqs=(--seqlen 1024 --seqlen 4096 --seqlen 16384)
+        [[ "$row" == *--fp8* ]] && seqs=(--seqlen 16384)
+        # shellcheck disable=SC2086
+        python3 -m benchmarks.fa3_fwd_ab --head-dim "$d" ${flags:-} "${seqs[@]}" --passes 3 2>&1 \
+          | grep -v Warning | tail -16 | tee -a "$out/fwd-sweep.log" || status=1
+      done ;;
     warm)
       # A new process's first fa3 call with an empty, then a filled on-disk compile cache.
       python3 -m benchmarks.warm_start --backward --fp8 --json "$out/warm-start.json" 2>&1 \
