@@ -18,7 +18,11 @@ from flashsuite.dispatch.api import (
 )
 from flashsuite.dispatch.flash_attn import (
     flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
     flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
     flash_attn_with_kvcache,
 )
 from flashsuite.dispatch.flash_backend import activate_sdpa, deactivate_sdpa, sdpa_plugin
@@ -47,7 +51,11 @@ __all__ = [
     "explain_kvcache",
     "explain_varlen",
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "register_transformers",
     "sdpa",

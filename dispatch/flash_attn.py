@@ -6,9 +6,13 @@
     )
 
 so switching is an import. They run `dispatch.attention`, `attention_varlen` and
-`attention_with_kvcache` with auto selection. What flashsuite does not implement raises a
-clear error instead of being ignored: dropout_p > 0, alibi_slopes, rotary embedding in the
-KV-cache call, cache_batch_idx, cache_leftpad, a paged block_table in the varlen call.
+`attention_with_kvcache` with auto selection. The packed forms (`flash_attn_qkvpacked_func`,
+`flash_attn_kvpacked_func` and their varlen twins) take q, k, v stacked in one tensor
+((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
+the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
+not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
+rotary embedding in the KV-cache call, cache_batch_idx, cache_leftpad, a paged block_table in
+the varlen call.
 
 Two differences in values, both in rows that see no key: flashsuite returns an LSE of -inf
 there (log 0; flash-attn's kernels write +inf), and the output 0 as flash-attn does.
@@ -188,3 +192,105 @@ def flash_attn_with_kvcache(
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _unpack(name: str, packed, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
+    """The `parts` views of `packed` along its stacking dim (the third from last), as flash-attn
+    unpacks them; a clear error for a non-tensor or a shape other than `layout`."""
+    ndim = layout.count(",") + 1
+    if not torch.is_tensor(packed):
+        raise TypeError(f"{name}: expected a tensor {layout}, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[-3] != parts:
+        raise ValueError(f"{name}: expected shape {layout}, got {tuple(packed.shape)}")
+    return packed.unbind(-3)
+
+
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's `flash_attn_qkvpacked_func`: qkv (B, N, 3, H, D), q, k and v stacked on
+    dim 2. flash_attn_func on its three views; the gradient comes back as one (B, N, 3, H, D)
+    tensor (autograd through the views)."""
+    q, k, v = _unpack("qkv", qkv, 3, "(B, N, 3, H, D)")
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's `flash_attn_kvpacked_func`: q (B, Nq, Hq, D), kv (B, Nk, 2, Hkv, D), k and
+    v stacked on dim 2 (Hq a multiple of Hkv). flash_attn_func on q and kv's two views."""
+    k, v = _unpack("kv", kv, 2, "(B, Nk, 2, Hkv, D)")
+    return flash_attn_func(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's `flash_attn_varlen_qkvpacked_func`: packed sequences qkv (total, 3, H, D),
+    one cu_seqlens int32 (B + 1,) and max_seqlen for queries and keys alike.
+    flash_attn_varlen_func on its three views."""
+    q, k, v = _unpack("qkv", qkv, 3, "(total, 3, H, D)")
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+    )  # fmt: skip
+
+
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """flash-attn's `flash_attn_varlen_kvpacked_func`: q (total_q, Hq, D), kv (total_k, 2,
+    Hkv, D). flash_attn_varlen_func on q and kv's two views."""
+    k, v = _unpack("kv", kv, 2, "(total_k, 2, Hkv, D)")
+    return flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs,
+    )  # fmt: skip

@@ -433,6 +433,14 @@ MUTANTS = [
         ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
+        "flash-attn names: the varlen qkvpacked form takes k and v in each other's place",
+        "dispatch/flash_attn.py",
+        'q, k, v = _unpack("qkv", qkv, 3, "(total, 3, H, D)")',
+        'q, v, k = _unpack("qkv", qkv, 3, "(total, 3, H, D)")',
+        "packed_functions",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
         "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
         "dispatch/api.py",
         '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',

@@ -31,6 +31,29 @@ FLASH_ATTN_SIGNATURES = {
         ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
         ("deterministic", False), ("return_attn_probs", False), ("block_table", None),
     ],
+    "flash_attn_qkvpacked_func": [
+        ("qkv", _EMPTY), ("dropout_p", 0.0), ("softmax_scale", None), ("causal", False),
+        ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+        ("deterministic", False), ("return_attn_probs", False),
+    ],
+    "flash_attn_kvpacked_func": [
+        ("q", _EMPTY), ("kv", _EMPTY), ("dropout_p", 0.0), ("softmax_scale", None),
+        ("causal", False), ("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+        ("deterministic", False), ("return_attn_probs", False),
+    ],
+    "flash_attn_varlen_qkvpacked_func": [
+        ("qkv", _EMPTY), ("cu_seqlens", _EMPTY), ("max_seqlen", _EMPTY), ("dropout_p", 0.0),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False),
+        ("return_attn_probs", False),
+    ],
+    "flash_attn_varlen_kvpacked_func": [
+        ("q", _EMPTY), ("kv", _EMPTY), ("cu_seqlens_q", _EMPTY), ("cu_seqlens_k", _EMPTY),
+        ("max_seqlen_q", _EMPTY), ("max_seqlen_k", _EMPTY), ("dropout_p", 0.0),
+        ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+        ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False),
+        ("return_attn_probs", False),
+    ],
     "flash_attn_with_kvcache": [
         ("q", _EMPTY), ("k_cache", _EMPTY), ("v_cache", _EMPTY), ("k", None), ("v", None),
         ("rotary_cos", None), ("rotary_sin", None), ("cache_seqlens", None),
@@ -120,6 +143,106 @@ def test_flash_attn_varlen_func_is_attention_varlen() -> None:
     plain = dispatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, window_size=[8, 8])
     want = dispatch.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=(8, 8))
     torch.testing.assert_close(plain, want, rtol=0, atol=0)
+
+
+def _assert_same_with_grads(got, want, packed: tuple, views: tuple, gen) -> None:
+    """got (from the packed inputs) bit for bit want (from their unpacked views), and so are
+        the gradients: a packed input's gradient is its views' gradients stacked (a group of one:
+    an unpacked input and its copy)."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    do = torch.randn(got.shape, generator=gen).to(got.dtype)
+    grads = torch.autograd.grad(got, packed, do)
+    view_grads = iter(torch.autograd.grad(want, [t for group in views for t in group], do))
+    for grad, group in zip(grads, views, strict=True):
+        parts = [next(view_grads) for _ in group]
+        want_grad = torch.stack(parts, dim=-3) if len(parts) > 1 else parts[0]
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=0)
+
+
+def test_dense_packed_functions_are_flash_attn_func_on_their_views() -> None:
+    """flash_attn_qkvpacked_func(qkv (B, N, 3, H, D)) and flash_attn_kvpacked_func(q, kv
+    (B, Nk, 2, Hkv, D), GQA): flash_attn_func on the stacked views, out, LSE and gradients
+    bit for bit; qkv's gradient is one (B, N, 3, H, D) tensor."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 40, 3, 4, 64, generator=gen).to(F16).requires_grad_(True)
+    views = [t.detach().clone().requires_grad_(True) for t in qkv.unbind(2)]
+    got = dispatch.flash_attn_qkvpacked_func(qkv, 0.0, 0.3, True, window_size=[16, 0])
+    want = dispatch.flash_attn_func(*views, 0.0, 0.3, True, window_size=(16, 0))
+    _assert_same_with_grads(got, want, (qkv,), (views,), gen)
+    q = torch.randn(2, 40, 4, 64, generator=gen).to(F16).requires_grad_(True)
+    kv = torch.randn(2, 56, 2, 2, 64, generator=gen).to(F16).requires_grad_(True)
+    kv_views = [t.detach().clone().requires_grad_(True) for t in kv.unbind(2)]
+    q_view = q.detach().clone().requires_grad_(True)
+    out, lse, s_dmask = dispatch.flash_attn_kvpacked_func(
+        q, kv, softcap=5.0, causal=True, return_attn_probs=True
+    )
+    want, want_lse, _ = dispatch.flash_attn_func(
+        q_view, *kv_views, softcap=5.0, causal=True, return_attn_probs=True
+    )
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+    assert s_dmask.numel() == 0
+    _assert_same_with_grads(out, want, (q, kv), ([q_view], kv_views), gen)
+
+
+def test_varlen_packed_functions_are_flash_attn_varlen_func_on_their_views() -> None:
+    """flash_attn_varlen_qkvpacked_func(qkv (total, 3, H, D), cu_seqlens, max_seqlen): one
+    cu_seqlens and max_seqlen for queries and keys; flash_attn_varlen_kvpacked_func(q, kv
+    (total_k, 2, Hkv, D), ...): flash_attn_varlen_func on the views, bit for bit with
+    gradients."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [5, 17, 0, 9]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=I32)
+    qkv = torch.randn(sum(lens), 3, 4, 64, generator=gen).to(F16).requires_grad_(True)
+    views = [t.detach().clone().requires_grad_(True) for t in qkv.unbind(1)]
+    got = dispatch.flash_attn_varlen_qkvpacked_func(qkv, cu, 17, causal=True)
+    want = dispatch.flash_attn_varlen_func(*views, cu, cu, 17, 17, causal=True)
+    _assert_same_with_grads(got, want, (qkv,), (views,), gen)
+    q, _, _, cu_q, cu_k, mq, mk = _packed(gen, [5, 17, 9], [11, 17, 4])
+    kv = torch.randn(int(cu_k[-1]), 2, 2, 64, generator=gen).to(F16).requires_grad_(True)
+    kv_views = [t.detach().clone().requires_grad_(True) for t in kv.unbind(1)]
+    q_view = q.detach().clone().requires_grad_(True)
+    got = dispatch.flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, mq, mk, 0.0, None, True)
+    want = dispatch.flash_attn_varlen_func(q_view, *kv_views, cu_q, cu_k, mq, mk, causal=True)
+    _assert_same_with_grads(got, want, (q, kv), ([q_view], kv_views), gen)
+
+
+@pytest.mark.parametrize(
+    ("call", "name", "error"),
+    [
+        (lambda t: dispatch.flash_attn_qkvpacked_func(t[:, :, :2]), "qkv", ValueError),
+        (lambda t: dispatch.flash_attn_qkvpacked_func(t[:, :, 0]), "qkv", ValueError),
+        (lambda t: dispatch.flash_attn_qkvpacked_func(t.tolist()), "qkv", TypeError),
+        (lambda t: dispatch.flash_attn_kvpacked_func(t[:, :, 0], t), "kv", ValueError),
+        (
+            lambda t: dispatch.flash_attn_varlen_qkvpacked_func(
+                t[0], torch.tensor([0, 40], dtype=I32), 40
+            ),
+            "qkv",
+            None,  # (N, 3, H, D) is a valid packed qkv: it runs
+        ),
+        (
+            lambda t: dispatch.flash_attn_varlen_kvpacked_func(
+                t[0, :, 0],
+                t[0],
+                torch.tensor([0, 40], dtype=I32),
+                torch.tensor([0, 40], dtype=I32),
+                40,
+                40,
+            ),
+            "kv",
+            ValueError,  # three parts where k and v are two
+        ),
+    ],
+)
+def test_packed_inputs_of_the_wrong_shape_raise(call, name, error) -> None:
+    """A packed input whose stacking dim is not 3 (qkv) or 2 (kv), or of the wrong rank, is an
+    error naming the argument, the layout expected and the shape given."""
+    t = torch.randn(2, 40, 3, 4, 64, generator=torch.Generator().manual_seed(0)).to(F16)
+    if error is None:
+        assert call(t).shape == (40, 4, 64)
+        return
+    with pytest.raises(error, match=rf"^{name}: expected (a tensor|shape) \("):
+        call(t)
 
 
 def test_flash_attn_with_kvcache_is_attention_with_kvcache() -> None:
