@@ -11,8 +11,8 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
 not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
-rotary embedding in the KV-cache call, cache_batch_idx, cache_leftpad, a paged block_table in
-the varlen call.
+cache_batch_idx, cache_leftpad, a paged block_table in the varlen call. The KV-cache call's
+rotary tables rotate q and the new k with PyTorch ops before the attention (common.rotary).
 
 Two differences in values, both in rows that see no key: flashsuite returns an LSE of -inf
 there (log 0; flash-attn's kernels write +inf), and the output 0 as flash-attn does.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from flashsuite.common.rotary import apply_rotary
 from flashsuite.common.validation import check_flag
 from flashsuite.dispatch import api, inference
 
@@ -139,6 +140,51 @@ def flash_attn_varlen_func(
     return (*result, _empty_probs(q)) if return_attn_probs else result
 
 
+def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interleaved):
+    """(q, k) rotated as flash_attn_with_kvcache's rotary tables say, after checking them: both
+    tables, 2-D of one shape on q's device, a rotary_dim (2 · columns) that is a multiple of 16
+    and at most q's head dim, k and v given, and rows for every position a row can reach (the
+    cache's capacity, plus the queries past the new keys when causal or windowed)."""
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not torch.is_tensor(t):
+            raise ValueError(f"{name}: expected a tensor (seqlen_ro, rotary_dim / 2) with the "
+                             f"other rotary table, got {type(t).__name__}")  # fmt: skip
+        if t.dim() != 2 or t.device != q.device or not t.is_floating_point():
+            raise ValueError(
+                f"{name}: expected a floating 2-D (seqlen_ro, rotary_dim / 2) tensor on "
+                f"{q.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin: expected rotary_cos's shape {tuple(cos.shape)}, got "
+                         f"{tuple(sin.shape)}")  # fmt: skip
+    rd, d = 2 * cos.shape[1], q.shape[-1]
+    if rd == 0 or rd % 16 or rd > d:
+        raise ValueError(f"rotary_cos: expected rotary_dim (2 x its {cos.shape[1]} columns) a "
+                         f"multiple of 16 in [16, {d}] (q's head dim), got {rd}")  # fmt: skip
+    if k is None or v is None:
+        raise ValueError("k: expected new keys and values with rotary tables (flash-attn "
+                         "rotates only what it appends), got k, v = None")  # fmt: skip
+    check_flag("rotary_interleaved", interleaved)
+    b, nq, n_new = q.shape[0], q.shape[1], k.shape[1]
+    need = capacity + (max(nq - n_new, 0) if local else 0)
+    if cos.shape[0] < need:
+        raise ValueError(
+            f"rotary_cos: expected a row for every position up to the cache's capacity "
+            f"{capacity}{' plus the queries past the new keys' if need > capacity else ''} "
+            f"(at least {need} rows), got {cos.shape[0]}"
+        )
+    lens = cache_seqlens
+    if not torch.is_tensor(lens):
+        lens = torch.full((b,), int(lens), dtype=torch.int64, device=q.device)
+    start = lens.to(device=q.device, dtype=torch.int64)[:, None]  # (B, 1)
+    steps = torch.arange(max(nq, n_new), device=q.device)
+    q_pos = start + steps[:nq] if local else start.expand(b, nq)
+    return (
+        apply_rotary(q, cos, sin, q_pos, interleaved),
+        apply_rotary(k, cos, sin, start + steps[:n_new], interleaved),
+    )
+
+
 def flash_attn_with_kvcache(
     q,
     k_cache,
@@ -166,11 +212,11 @@ def flash_attn_with_kvcache(
     (B, Nnew, Hkv, D), when given, are written into the cache in place at cache_seqlens first.
     cache_seqlens: int32 (B,) or an int; None means every row's cache is full (only without
     new k, v). Returns out (B, Nq, Hq, Dv), or (out, softmax_lse (B, Hq, Nq)) with
-    return_softmax_lse=True. `rotary_interleaved` only matters with rotary tables, which are
-    refused."""
+    return_softmax_lse=True. rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), with k and v:
+    q and the new k rotated first (common.rotary; `rotary_interleaved`: GPT-J pairs, else
+    GPT-NeoX halves), k at positions cache_seqlens + j, q at cache_seqlens + i when causal or
+    windowed, else all at cache_seqlens."""
     _refuse(
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
         cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad,
         alibi_slopes=alibi_slopes,
@@ -183,15 +229,18 @@ def flash_attn_with_kvcache(
             )
         full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
         cache_seqlens = int(full)
+    window_size = _window(window_size)
+    if rotary_cos is not None or rotary_sin is not None:
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        local = causal or tuple(window_size) != (-1, -1)
+        q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, local,
+                       rotary_interleaved)  # fmt: skip
     return inference.attention_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
-        causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
+        causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, num_splits=num_splits,
         return_lse=check_flag("return_softmax_lse", return_softmax_lse),
     )  # fmt: skip
-
-
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
 def _unpack(name: str, packed, parts: int, layout: str) -> tuple[torch.Tensor, ...]:
@@ -294,3 +343,14 @@ def flash_attn_varlen_kvpacked_func(
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs,
     )  # fmt: skip
+
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
+]

@@ -441,6 +441,14 @@ MUTANTS = [
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(
+        "flash-attn names: rotary tables put non-causal queries at their own positions",
+        "dispatch/flash_attn.py",
+        "q_pos = start + steps[:nq] if local else start.expand(b, nq)",
+        "q_pos = start + steps[:nq]",
+        "rotates_q_and_the_new_k",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
         "varlen eager plan: FLASHSUITE_<V>_VARLEN_BWD left out of its key",
         "dispatch/api.py",
         '    *(f"FLASHSUITE_{name.upper()}_VARLEN_BWD" for name in registry.VERSIONS),\n',

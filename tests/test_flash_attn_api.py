@@ -271,6 +271,123 @@ def test_flash_attn_with_kvcache_is_attention_with_kvcache() -> None:
     torch.testing.assert_close(full, dispatch.attention(q, *cache), rtol=0, atol=0)
 
 
+def _rotated_f64(x, cos, sin, positions, interleaved: bool):
+    """RoPE as complex multiplication in float64: pair (a, b) at position p is a + ib times
+    exp(i·θ) with cos θ, sin θ from row p; the dims past rotary_dim unchanged."""
+    rd = 2 * cos.shape[1]
+    xr = x[..., :rd].double()
+    if interleaved:
+        pairs = torch.complex(xr[..., 0::2], xr[..., 1::2])
+    else:
+        pairs = torch.complex(xr[..., : rd // 2], xr[..., rd // 2 :])
+    turn = torch.complex(cos.double()[positions], sin.double()[positions])[:, :, None]
+    rot = pairs * turn
+    if interleaved:
+        out = torch.stack((rot.real, rot.imag), dim=-1).flatten(-2)
+    else:
+        out = torch.cat((rot.real, rot.imag), dim=-1)
+    return torch.cat((out, x[..., rd:].double()), dim=-1)
+
+
+def _tables(gen, rows: int, rd: int):
+    theta = torch.rand(rows, rd // 2, generator=gen) * 6.0
+    return theta.cos(), theta.sin()
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("rd", [16, 64])
+def test_apply_rotary_is_the_complex_rotation(interleaved: bool, rd: int) -> None:
+    """common.rotary.apply_rotary against RoPE as complex multiplication in float64, per-token
+    positions, a rotary_dim below and at the head dim; bf16 in and out, within one rounding."""
+    from flashsuite.common.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 7, 3, 64, generator=gen).to(BF16)
+    cos, sin = _tables(gen, 50, rd)
+    pos = torch.randint(0, 50, (2, 7), generator=gen)
+    got = apply_rotary(x, cos, sin, pos, interleaved)
+    want = _rotated_f64(x, cos, sin, pos, interleaved)
+    assert got.dtype == BF16 and got.shape == x.shape
+    torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got[..., rd:], x[..., rd:], rtol=0, atol=0)  # passed through
+    wrong = apply_rotary(x, cos, sin, pos, not interleaved)
+    assert not torch.allclose(wrong.double(), want, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [False, True], ids=["all-at-len", "causal"])
+def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(interleaved: bool, causal: bool) -> None:
+    """flash-attn's rotary tables in the KV-cache call: the new k is rotated at positions
+    cache_seqlens + j and appended rotated (v as given); q at cache_seqlens + i when causal,
+    else every query at cache_seqlens. Against attention_with_kvcache on q and k rotated in
+    float64 (float32 inputs, the torch version): out and the cache."""
+    gen = torch.Generator().manual_seed(0)
+    b, nq, hq, hkv, d, n_max = 2, 3, 4, 2, 64, 40
+    q = torch.randn(b, nq, hq, d, generator=gen)
+    k_new, v_new = (torch.randn(b, nq, hkv, d, generator=gen) for _ in range(2))
+    cache = [torch.randn(b, n_max, hkv, d, generator=gen) for _ in range(2)]
+    lens = torch.tensor([5, 30], dtype=I32)
+    cos, sin = _tables(gen, n_max, 32)
+    steps = torch.arange(nq)
+    k_pos = lens.long()[:, None] + steps
+    q_pos = k_pos if causal else lens.long()[:, None].expand(b, nq)
+    q_rot = _rotated_f64(q, cos, sin, q_pos, interleaved).float()
+    k_rot = _rotated_f64(k_new, cos, sin, k_pos, interleaved).float()
+    mine, theirs = [c.clone() for c in cache], [c.clone() for c in cache]
+    got = dispatch.flash_attn_with_kvcache(
+        q, *mine, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
+        causal=causal, rotary_interleaved=interleaved,
+    )  # fmt: skip
+    want = dispatch.attention_with_kvcache(
+        q_rot, *theirs, k_rot, v_new, cache_seqlens=lens, causal=causal
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, w in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
+    plain = dispatch.flash_attn_with_kvcache(
+        q, *[c.clone() for c in cache], k_new, v_new, cache_seqlens=lens, causal=causal
+    )
+    assert not torch.allclose(plain, got, rtol=1e-3, atol=1e-3)  # the tables did something
+
+
+@pytest.mark.parametrize(
+    ("changes", "name"),
+    [
+        (dict(rotary_sin=None), "rotary_sin"),
+        (dict(rotary_cos=None), "rotary_cos"),
+        (dict(rotary_sin="sin"), "rotary_sin"),
+        (dict(rotary_sin=torch.ones(40, 8)), "rotary_sin"),  # not rotary_cos's shape
+        (dict(rotary_cos=torch.ones(40, 12), rotary_sin=torch.ones(40, 12)), "rotary_cos"),
+        (dict(rotary_cos=torch.ones(40, 40), rotary_sin=torch.ones(40, 40)), "rotary_cos"),
+        (dict(rotary_cos=torch.ones(39, 16), rotary_sin=torch.ones(39, 16)), "rotary_cos"),
+        (dict(rotary_cos=torch.ones(40), rotary_sin=torch.ones(40)), "rotary_cos"),
+        (dict(k=None, v=None), "k"),
+        (dict(rotary_interleaved="yes"), "rotary_interleaved"),
+    ],
+    ids=[
+        "no-sin", "no-cos", "sin-not-a-tensor", "shapes-differ", "dim-not-16x", "dim-past-d",
+        "too-few-rows", "one-d", "no-new-k", "interleaved-not-bool",
+    ],
+)  # fmt: skip
+def test_bad_rotary_tables_raise(changes: dict, name: str) -> None:
+    """Rotary tables that cannot be applied as flash-attn applies them are an error naming
+    the argument: one table without the other, shapes that differ, a rotary_dim (2 x columns)
+    not a multiple of 16 or past the head dim, fewer rows than the cache's positions (40), a
+    1-D table, no new k, v to rotate, a non-bool rotary_interleaved."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 64, generator=gen)
+    k_new, v_new = (torch.randn(2, 1, 2, 64, generator=gen) for _ in range(2))
+    cache = [torch.zeros(2, 40, 2, 64) for _ in range(2)]
+    args = dict(k=k_new, v=v_new, rotary_cos=torch.ones(40, 16), rotary_sin=torch.ones(40, 16))
+    args |= changes
+    error = TypeError if name == "rotary_interleaved" else ValueError
+    interleaved = args.pop("rotary_interleaved", True)
+    with pytest.raises(error, match=f"^{name}: "):
+        dispatch.flash_attn_with_kvcache(
+            q, *cache, **args, cache_seqlens=3, rotary_interleaved=interleaved
+        )
+
+
 @pytest.mark.parametrize(
     "call, name",
     [
@@ -296,12 +413,6 @@ def test_flash_attn_with_kvcache_is_attention_with_kvcache() -> None:
                 block_table=torch.zeros(1, 2, dtype=I32),
             ),
             "block_table",
-        ),
-        (
-            lambda q, k, v: dispatch.flash_attn_with_kvcache(
-                q, k, v, rotary_cos=torch.ones(8, 16), rotary_sin=torch.ones(8, 16)
-            ),
-            "rotary_cos",
         ),
         (
             lambda q, k, v: dispatch.flash_attn_with_kvcache(
