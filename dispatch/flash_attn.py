@@ -166,12 +166,13 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
                          "rotates only what it appends), got k, v = None")  # fmt: skip
     check_flag("rotary_interleaved", interleaved)
     b, nq, n_new = q.shape[0], q.shape[1], k.shape[1]
-    need = capacity + (max(nq - n_new, 0) if local else 0)
+    # Valid lengths (at most capacity - n_new) reach position capacity - n_new + nq - 1 with
+    # causal or windowed queries, capacity - n_new without (every query at the length).
+    need = max(capacity, capacity - n_new + (nq if local else 1))
     if cos.shape[0] < need:
         raise ValueError(
-            f"rotary_cos: expected a row for every position up to the cache's capacity "
-            f"{capacity}{' plus the queries past the new keys' if need > capacity else ''} "
-            f"(at least {need} rows), got {cos.shape[0]}"
+            f"rotary_cos: expected a row for every position a query or new key can take with "
+            f"the cache's capacity {capacity} (at least {need} rows), got {cos.shape[0]}"
         )
     lens = cache_seqlens
     if not torch.is_tensor(lens):
@@ -179,9 +180,13 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
     start = lens.to(device=q.device, dtype=torch.int64)[:, None]  # (B, 1)
     steps = torch.arange(max(nq, n_new), device=q.device)
     q_pos = start + steps[:nq] if local else start.expand(b, nq)
-    return (
-        apply_rotary(q, cos, sin, q_pos, interleaved),
-        apply_rotary(k, cos, sin, start + steps[:n_new], interleaved),
+    k_pos = start + steps[:n_new]
+    # Lengths are checked after this (attention_with_kvcache); a bad one must not index the
+    # tables out of bounds before that error: clamped here, unchanged where lengths are valid.
+    top = cos.shape[0] - 1
+    q_pos, k_pos = q_pos.clamp(0, top), k_pos.clamp(0, top)
+    return apply_rotary(q, cos, sin, q_pos, interleaved), apply_rotary(
+        k, cos, sin, k_pos, interleaved
     )
 
 
