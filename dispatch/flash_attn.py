@@ -140,11 +140,17 @@ def flash_attn_varlen_func(
     return (*result, _empty_probs(q)) if return_attn_probs else result
 
 
+def _capacity(k_cache, block_table) -> int:
+    """Tokens a cache row can hold: N_max, or max_pages x page_size for a paged cache."""
+    pages = 1 if block_table is None else block_table.shape[1]
+    return int(k_cache.shape[1] * pages)
+
+
 def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interleaved):
     """(q, k) rotated as flash_attn_with_kvcache's rotary tables say, after checking them: both
     tables, 2-D of one shape on q's device, a rotary_dim (2 · columns) that is a multiple of 16
-    and at most q's head dim, k and v given, and rows for every position a row can reach (the
-    cache's capacity, plus the queries past the new keys when causal or windowed)."""
+    and at most q's head dim, k and v given, and a row for every position a query or new key
+    can take in a cache of `capacity` tokens a row."""
     for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
         if not torch.is_tensor(t):
             raise ValueError(f"{name}: expected a tensor (seqlen_ro, rotary_dim / 2) with the "
@@ -185,9 +191,8 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
     # tables out of bounds before that error: clamped here, unchanged where lengths are valid.
     top = cos.shape[0] - 1
     q_pos, k_pos = q_pos.clamp(0, top), k_pos.clamp(0, top)
-    return apply_rotary(q, cos, sin, q_pos, interleaved), apply_rotary(
-        k, cos, sin, k_pos, interleaved
-    )
+    q_rot = apply_rotary(q, cos, sin, q_pos, interleaved)
+    return q_rot, apply_rotary(k, cos, sin, k_pos, interleaved)
 
 
 def flash_attn_with_kvcache(
@@ -232,12 +237,11 @@ def flash_attn_with_kvcache(
                 "cache_seqlens: expected the tokens already in each row (an int or int32 (B,) "
                 "tensor) when k and v are appended, got None"
             )
-        full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-        cache_seqlens = int(full)
+        cache_seqlens = _capacity(k_cache, block_table)
     window_size = _window(window_size)
     if rotary_cos is not None or rotary_sin is not None:
-        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         local = causal or tuple(window_size) != (-1, -1)
+        capacity = _capacity(k_cache, block_table)
         q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, local,
                        rotary_interleaved)  # fmt: skip
     return inference.attention_with_kvcache(
