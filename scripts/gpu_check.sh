@@ -175,17 +175,12 @@ for part in $parts; do
       # the same wait, off) in every row; e4m3 rows also
       # FA3's fp8 tiles with the pin ("fa3t": 192 x 160 on three warpgroups at D = 64, 128 x 224 at
       # D = 128 and 128 x 128 at D = 256, both with V transposed on the host); causal e4m3 also
-      # the persistent scheduler v2 ("pv2", host Vᵀ, at D = 128 and 256); non-causal e4m3 D = 128
-      # and 256, causal 256 and bf16 D = 256 also the exponentials beside the row max ("spec",
-      # spec_exps, after its bitwise tests).
+      # the persistent scheduler v2 ("pv2", host Vᵀ, at D = 128 and 256). spec_exps has a part
+      # of its own (`spec`).
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
       # shellcheck disable=SC2086
       python3 -m pytest tests/test_fa3_softmax_options.py -v -rfEs -p no:cacheprovider $xdist \
         -k "gpu and schedule_options" 2>&1 | tail -40 | tee "$out/fwd-candidates.log" || status=1
-      # shellcheck disable=SC2086
-      python3 -m pytest tests/test_fp8.py tests/test_fa3_softmax_options.py -v -rfEs \
-        -p no:cacheprovider $xdist -k spec_exps 2>&1 \
-        | tail -20 | tee -a "$out/fwd-candidates.log" || status=1
       # FWD_CANDIDATE_ROWS: the rows to time, ';'-separated (all thirteen take about 18 minutes;
       # a device command gets 10).
       new=wg_slice=1,loop_mask_test=0
@@ -197,23 +192,19 @@ for part in $parts; do
         case "$row" in
           "64 --fp8") vars+=(--variant fa3t:tile_m=192,num_consumer_wgs=3,tile_n=160,pin_pv_wait=1) ;;
           "128 --fp8")  # FA3's tile on two warpgroups, in V's key order
-            vars+=(--variant fa3t:tile_m=128,num_consumer_wgs=2,tile_n=224,permute_v_keys=0,pin_pv_wait=1
-              --variant spec:spec_exps=1) ;;
-          "256 --fp8") vars+=(--variant fa3t:tile_n=128,v_transpose=host,pin_pv_wait=1
-              --variant spec:spec_exps=1) ;;
+            vars+=(--variant fa3t:tile_m=128,num_consumer_wgs=2,tile_n=224,permute_v_keys=0,pin_pv_wait=1) ;;
+          "256 --fp8") vars+=(--variant fa3t:tile_n=128,v_transpose=host,pin_pv_wait=1) ;;
           "128 --fp8 --causal")
             vars+=(--variant fa3t:tile_n=224,v_transpose=host,pin_pv_wait=1
               --variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host) ;;
           "256 --fp8 --causal")
-            vars+=(--variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host
-              --variant spec:spec_exps=1) ;;
+            vars+=(--variant pv2:persistent=1,overlap_tiles=1,balanced_order=1,v_transpose=host) ;;
           *causal*)
             vars=(--variant split:split_loops=1,wg_slice=1 --variant wgs:wg_slice=1
               --variant pin:pin_pv_wait=1,pv_wait_after_max=0)
             [ "$d" = 256 ] && vars+=(--variant splitnopp:split_loops=1,wg_slice=1,pingpong=0) ;;
           128) vars+=(--variant "newip:$new,softmax_apart=0") ;;
-          256) vars+=(--variant "newnopp:$new,pingpong=0"
-              --variant spec:spec_exps=1,pv_wait_after_max=0) ;;
+          256) vars+=(--variant "newnopp:$new,pingpong=0") ;;
         esac
         python3 -m benchmarks.fa3_fwd_ab "${vars[@]}" --head-dim "$d" ${flags:-} \
           --seqlen 4096 --seqlen 16384 --passes 5 2>&1 | grep -v Warning | tail -20 \
