@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from flashsuite.common.rotary import apply_rotary
 from flashsuite.common.validation import check_flag
 from flashsuite.dispatch import api, inference
 
@@ -171,7 +170,11 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
         raise ValueError("k: expected new keys and values with rotary tables (flash-attn "
                          "rotates only what it appends), got k, v = None")  # fmt: skip
     check_flag("rotary_interleaved", interleaved)
-    b, nq, n_new = q.shape[0], q.shape[1], k.shape[1]
+    if not torch.is_tensor(k) or k.dim() != 4 or q.dim() != 4 or k.shape[::3] != q.shape[::3]:
+        got = tuple(k.shape) if torch.is_tensor(k) else type(k).__name__
+        raise ValueError(f"k: expected (B, Nnew, Hkv, D) with q's B and D, q {tuple(q.shape)}, "
+                         f"got {got}")  # fmt: skip
+    nq, n_new = q.shape[1], k.shape[1]
     # Valid lengths (at most capacity - n_new) reach position capacity - n_new + nq - 1 with
     # causal or windowed queries, capacity - n_new without (every query at the length).
     need = max(capacity, capacity - n_new + (nq if local else 1))
@@ -180,19 +183,11 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
             f"rotary_cos: expected a row for every position a query or new key can take with "
             f"the cache's capacity {capacity} (at least {need} rows), got {cos.shape[0]}"
         )
-    lens = cache_seqlens
-    if not torch.is_tensor(lens):
-        lens = torch.full((b,), int(lens), dtype=torch.int64, device=q.device)
-    start = lens.to(device=q.device, dtype=torch.int64)[:, None]  # (B, 1)
-    steps = torch.arange(max(nq, n_new), device=q.device)
-    q_pos = start + steps[:nq] if local else start.expand(b, nq)
-    k_pos = start + steps[:n_new]
     # Lengths are checked after this (attention_with_kvcache); a bad one must not index the
-    # tables out of bounds before that error: clamped here, unchanged where lengths are valid.
-    top = cos.shape[0] - 1
-    q_pos, k_pos = q_pos.clamp(0, top), k_pos.clamp(0, top)
-    q_rot = apply_rotary(q, cos, sin, q_pos, interleaved)
-    return q_rot, apply_rotary(k, cos, sin, k_pos, interleaved)
+    # tables out of bounds before that error: rotate_qk clamps positions into the tables.
+    from flashsuite.common.rotary_kernel import rotate_qk  # Triton: imported on first use
+
+    return rotate_qk(q, k, cos, sin, cache_seqlens, local, interleaved)
 
 
 def flash_attn_with_kvcache(

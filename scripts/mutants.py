@@ -442,10 +442,10 @@ MUTANTS = [
     ),
     Mutant(
         "flash-attn names: rotary tables put non-causal queries at their own positions",
-        "dispatch/flash_attn.py",
-        "q_pos = start + steps[:nq] if local else start.expand(b, nq)",
-        "q_pos = start + steps[:nq]",
-        "rotates_q_and_the_new_k",
+        "common/rotary_kernel.py",
+        "            if LOCAL:\n                pos = start + t",
+        "            if True:\n                pos = start + t",
+        "rotates_q_and_the_new_k or rotate_kernel",
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(

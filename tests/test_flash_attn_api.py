@@ -315,6 +315,46 @@ def test_apply_rotary_is_the_complex_rotation(interleaved: bool, rd: int) -> Non
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("local", [False, True], ids=["all-at-len", "local"])
+@pytest.mark.parametrize("lens_kind", ["tensor", "int"])
+def test_rotate_kernel_is_apply_rotary(interleaved: bool, local: bool, lens_kind, device) -> None:
+    """common.rotary_kernel.rotate_qk (one Triton launch: compiled on a GPU, the interpreter on
+    a CPU) against apply_rotary at flash-attn's positions (new key j at len + j, query i at
+    len + i when local, else at len), GQA heads, strided q / k views, a head dim that is not
+    a power of 2 and a rotary_dim below it; bit for bit under the interpreter, within one bf16
+    rounding compiled (an FMA may join a product and the difference). Row 2's last local query
+    lies at 37 + 3 = 40, past the 40-row tables (a position the cache_seqlens check refuses
+    later): it reads their last row, as the clamped reference does, never past it."""
+    pytest.importorskip("triton")
+    from flashsuite.common import triton_launch
+    from flashsuite.common.rotary import apply_rotary
+    from flashsuite.common.rotary_kernel import _rotate_qk, rotate_qk
+
+    gen = torch.Generator().manual_seed(3)
+    b, nq, n_new, hq, hkv, d, rd, rows = 3, 4, 2, 6, 2, 80, 48, 40
+    q = torch.randn(b, nq, hq, d + 16, generator=gen).to(device, BF16)[..., :d]
+    k = torch.randn(b, n_new, hkv, d, generator=gen).to(device, BF16)
+    cos, sin = (t.to(device) for t in _tables(gen, rows, rd))
+    if lens_kind == "tensor":
+        lens = torch.tensor([0, 17, 37], dtype=I32, device=device)
+        start = lens.long()[:, None]
+    else:
+        lens, start = 21, torch.full((b, 1), 21, device=device)
+    q_pos = start + torch.arange(nq, device=device) if local else start.expand(b, nq)
+    k_pos = start + torch.arange(n_new, device=device)
+    want_q = apply_rotary(q, cos, sin, q_pos.clamp(0, rows - 1), interleaved)
+    want_k = apply_rotary(k, cos, sin, k_pos.clamp(0, rows - 1), interleaved)
+    got_q, got_k = rotate_qk(q, k, cos, sin, lens, local, interleaved)
+    assert got_q.shape == q.shape and got_k.shape == k.shape and got_q.dtype == BF16
+    exact = dict(rtol=0, atol=0) if device == "cpu" else dict(rtol=2**-7, atol=1e-6)
+    torch.testing.assert_close(got_q, want_q, **exact)
+    torch.testing.assert_close(got_k, want_k, **exact)
+    torch.testing.assert_close(got_q[..., rd:], q[..., rd:], rtol=0, atol=0)
+    if device == "cuda":  # the compiled kernel ran, not the fallback
+        assert _rotate_qk in {key[0] for key in triton_launch._compiled}
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
 @pytest.mark.parametrize("causal", [False, True], ids=["all-at-len", "causal"])
 def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(interleaved: bool, causal: bool) -> None:
     """flash-attn's rotary tables in the KV-cache call: the new k is rotated at positions
