@@ -232,7 +232,9 @@ def _per_step(fn: Callable[[], object], *metadata: torch.Tensor) -> Callable[[],
 def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], object]]]:
     """Decode steps through `dispatch.attention_with_kvcache` (GQA 32/8, D 128, bf16): B 1 on
     4k keys with a tensor length, with the append of one new token, with an int length (what
-    transformers' decode step passes), and B 32 on 64-token pages with a shuffled table. Each
+    transformers' decode step passes), the append through flash_attn_with_kvcache with rotary
+    tables (once, beside fa3: that name dispatches by itself), and B 32 on 64-token pages with
+    a shuffled table. Each
     call is one layer of a LAYERS-layer step (`_per_step`)."""
     from flashsuite import dispatch
 
@@ -248,11 +250,21 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
     table = torch.randperm(32 * 64, generator=gen).to(device, torch.int32).view(32, 64)
     lens32 = torch.randint(1, 4000, (32,), generator=gen).to(device, torch.int32)
     call = dispatch.attention_with_kvcache
+    theta = torch.rand(4096, 64, generator=gen).to(device) * 6.0
+    cos, sin = theta.cos(), theta.sin()
+
+    def rotary():  # flash-attn's name with rotary tables: q and the new k rotated, appended
+        return dispatch.flash_attn_with_kvcache(
+            q, kc, vc, kn, kn, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens, causal=True
+        )
+
     return [
         ("B1 4k", _per_step(lambda: call(q, kc, vc, cache_seqlens=lens, version=version), lens)),
         ("B1 4k +append", _per_step(
             lambda: call(q, kc, vc, kn, kn, cache_seqlens=lens, version=version), lens)),
         ("B1 4k int len", lambda: call(q, kc, vc, cache_seqlens=4000, version=version)),
+        *([("B1 4k +append +rotary (flash-attn name, auto)", _per_step(rotary, lens))]
+          if version == "fa3" else []),
         ("B32 paged", _per_step(lambda: call(q32, pages, pages, cache_seqlens=lens32,
                                              block_table=table, version=version), lens32, table)),
     ]  # fmt: skip
