@@ -206,6 +206,7 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     _probe_env()
     from benchmarks.fa3_variants import fp8_variants
     from flashsuite.fa3.configs import (
+        FP8_CAUSAL_SHORT,
         FP8_DTYPE,
         _plain,
         fp8_block_config,
@@ -233,8 +234,10 @@ def run_probe(head_dims: list[int] | None, json_path: str | None, variants: bool
     # V's keys permuted on the host at D = 64 (Fa3Config.permute_v_keys): Vᵀ runs past Nk.
     host64 = replace(get_config(64, FP8_DTYPE, False), v_transpose="host")
     cases.append(("host_permuted_keys", 64, False, replace(host64, permute_v_keys=True)))
-    # What a keys-major V runs where the entry permutes V's keys (D = 128: the two-WG tile).
+    # What a keys-major V runs where the entry permutes V's keys (D = 128: the two-WG tile),
+    # and the causal builds that replace the entry up to a key length (FP8_CAUSAL_SHORT).
     cases.append(("host_key_order", 128, False, fp8_key_order_config(128, False)))
+    cases += [("causal_short", d, True, cfg) for d, (_, cfg) in FP8_CAUSAL_SHORT.items()]
     # Per-block descales (FP8_BLOCKS): the table's host-Vᵀ and shared-memory-Vᵀ builds, and
     # the window + softcap paths (k's descale joins tanh's argument per row).
     cases += [
@@ -402,6 +405,9 @@ def correctness_cases(smoke: bool = False) -> list[dict]:
             {**base, "scale": 0.3, "causal": True},
             {**base, "nq": 2000, "nk": 300, "causal": True},  # rows that see no key
             {**base, "amp": 4.0},  # large scores: a peaked softmax, |v| up to ~20
+            # causal past FP8_CAUSAL_SHORT's 1k keys (D = 128's three-WG causal entry)
+            {**base, "nq": 1500, "nk": 2500, "causal": True},
+            {**base, "nq": 2500, "nk": 2500, "causal": True, "window": (300, 0)},
         ]
     return cases
 

@@ -229,6 +229,9 @@ def get_config(
     if dtype == FP8_DTYPE:
         if fp8_vt_in_smem(head_dim, seqlen_k, causal):
             return fp8_smem_transpose_config(head_dim, causal)
+        short = FP8_CAUSAL_SHORT.get(head_dim) if causal else None
+        if short is not None and seqlen_k is not None and seqlen_k <= short[0]:
+            return short[1]
         return _fp8_tiles(head_dim, causal)
     cfg = _tiles(head_dim, causal)
     fa4_loop = (head_dim, causal) in _FA4_LOOP
@@ -439,16 +442,33 @@ FP8_CONFIGS: dict[int, Fa3Config] = {
 # N = 4k / 16k); every head dim on the persistent scheduler v2 (1.02-1.17x the plain grid at
 # N = 1k-16k; D = 256 with _FP8_SOFTMAX 1.014 / 1.064x). H100 runs of commits 403a0ef, dc85b5f,
 # 8526760 and 86b048f in docs/fp8.md and docs/results.md.
+# Causal D = 128: the non-causal entry's tile, softmax and key order (192 x 96 on three
+# consumer warpgroups, permute_v_keys, _FP8_SOFTMAX) in the causal build's split loops on the
+# persistent scheduler: H100 80GB HBM3, 2026-12-07 (`fa3_fwd_ab --fp8 --causal --head-dim 128
+# --variant t3r:...`, the whole call, medians of 5 interleaved passes) 0.965 / 1.028 / 1.026 /
+# 1.068 / 1.053x the 128 x 192 two-WG build at N = 1k / 2k / 4k / 8k / 16k; that build stays
+# up to FP8_CAUSAL_SHORT's 1k keys and runs a keys-major V.
+_FP8_D128_CAUSAL_TWO_WGS = _overlap(_fp8(192, split_loops=True, wg_slice=True))
+_FP8_D128_CAUSAL_THREE_WGS = replace(
+    _FP8_D128_CAUSAL_TWO_WGS, tile_m=192, num_consumer_wgs=3, tile_n=96, permute_v_keys=True,
+    **_FP8_SOFTMAX,
+)  # fmt: skip
 FP8_CAUSAL_CONFIGS: dict[int, Fa3Config] = {
     64: _overlap(_fp8(256)),
     96: _overlap(_fp8(128)),
-    128: _overlap(_fp8(192, split_loops=True, wg_slice=True)),
+    128: _FP8_D128_CAUSAL_THREE_WGS,
     192: _overlap(_fp8(128)),
     256: _overlap(_fp8(96, **_FP8_SOFTMAX, split_loops=True, wg_slice=True)),
 }
+# head_dim -> (most keys, config): causal builds that replace FP8_CAUSAL_CONFIGS' entry up to
+# that key length (past the smem-Vᵀ route's), where the entry was measured behind.
+FP8_CAUSAL_SHORT: dict[int, tuple[int, Fa3Config]] = {128: (1024, _FP8_D128_CAUSAL_TWO_WGS)}
 
 # What a keys-major V runs where the entry above permutes V's keys (config_for).
-_FP8_KEYS_IN_ORDER: dict[tuple[int, bool], Fa3Config] = {(128, False): _FP8_D128_TWO_WGS}
+_FP8_KEYS_IN_ORDER: dict[tuple[int, bool], Fa3Config] = {
+    (128, False): _FP8_D128_TWO_WGS,
+    (128, True): _FP8_D128_CAUSAL_TWO_WGS,
+}
 
 
 def fp8_key_order_config(head_dim: int, causal: bool) -> Fa3Config:
@@ -488,6 +508,7 @@ FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K: dict[int, int | None] = {64: 512, 128: 512, 256
 # 0.975 / 0.980x at N = 1k / 2k; H100, 2026-12-06, c128a37).
 _FP8_SMEM_TILES = {
     (128, False): replace(_FP8_D128_TWO_WGS, wg_slice=False, loop_mask_test=True),
+    (128, True): _FP8_D128_CAUSAL_TWO_WGS,
 }
 
 
@@ -654,11 +675,13 @@ def fp8_block_tiles(head_dim: int) -> tuple[int, ...]:
 
 def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int) -> Fa3Config:
     """fp8 with a k/v descale every `block_kv` keys (each K/V block in one descale block): the
-    first of `cfg` (a 3-WG one as _FP8_BLOCK_EXTRA's 2-WG tile), the table's entry,
+    first of `cfg` (a 3-WG one as its key-order build or _FP8_BLOCK_EXTRA's 2-WG tile), the
+    table's entry,
     _FP8_BLOCK_EXTRA's and the other causal flag's whose tile_n divides block_kv (0: q's
     descales alone per block); else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
-    if cfg.num_consumer_wgs != 2:  # _FP8_BLOCK_EXTRA's tile in its place, V transposed alike
-        cfg = replace(_FP8_BLOCK_EXTRA[head_dim][0], v_transpose=cfg.v_transpose)
+    if cfg.num_consumer_wgs != 2:  # a 2-WG tile in its place, V transposed alike
+        two = _FP8_KEYS_IN_ORDER.get((head_dim, causal)) or _FP8_BLOCK_EXTRA[head_dim][0]
+        cfg = replace(two, v_transpose=cfg.v_transpose)
     candidates = [_plain(c) for c in (cfg, *_fp8_block_candidates(head_dim, causal))]
     return next((c for c in candidates if block_kv % c.tile_n == 0), candidates[0])
 

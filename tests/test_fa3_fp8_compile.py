@@ -54,6 +54,7 @@ CASES += [*VT_CASES, ("vt_window_softcap", 128, False)]  # R236 of 240 in the ho
 CASES += [("host_plain", d, c) for d, _, c, cfg in fp8_shipped_configs() if cfg.persistent]
 CASES.append(("host_permuted_keys", 64, False))  # Fa3Config.permute_v_keys, host Vᵀ
 CASES.append(("host_key_order", 128, False))  # a keys-major V's build (fp8_key_order_config)
+CASES.append(("causal_short", 128, True))  # FP8_CAUSAL_SHORT: causal D = 128 up to 1k keys
 # Per-block descales (the FP8_BLOCKS build, tests/test_fp8_blocks.py): host and smem Vᵀ, and the
 # window + softcap paths.
 CASES += [("blocks", d, c) for d in (64, 128, 256) for c in (False, True)]
@@ -335,8 +336,10 @@ def test_fp8_limits_of_the_one_table() -> None:
 def test_who_transposes_fp8_v_follows_the_key_length() -> None:
     """get_config's fp8 build transposes V in shared memory up to FP8_SMEM_VT_MAX_SEQLEN_K keys
     (at every length where that is None) and takes the host copy past it and at unmeasured
-    head dims; config_for passes the problem's key length."""
+    head dims (FP8_CAUSAL_SHORT's build up to its limit, then the table's entry); config_for
+    passes the problem's key length."""
     from flashsuite.fa3.configs import (
+        FP8_CAUSAL_SHORT,
         FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K,
         FP8_SMEM_VT_MAX_SEQLEN_K,
         fp8_smem_transpose_config,
@@ -356,7 +359,11 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
                 assert want is None or cfg == want
                 # The smem build exists on the plain grid only (can_implement).
                 assert not fp8_smem_transpose_config(d, causal).persistent
-                assert smem or cfg == fp8_shipped(d, causal)
+                short = FP8_CAUSAL_SHORT.get(d) if causal else None
+                if short is not None and n is not None and n <= short[0] and not smem:
+                    assert cfg == short[1], (d, n)  # the short causal build, past smem's limit
+                else:
+                    assert smem or cfg == fp8_shipped(d, causal)
     # The measured crossovers (configs.py, docs/fp8.md): D = 128 up to 2k, causal up to 512
     # (its host build runs on the persistent scheduler, which the smem build cannot).
     assert FP8_SMEM_VT_MAX_SEQLEN_K[128] == 2048 and FP8_SMEM_VT_CAUSAL_MAX_SEQLEN_K[128] == 512
@@ -365,6 +372,7 @@ def test_who_transposes_fp8_v_follows_the_key_length() -> None:
     assert config_for(_fp8_params(nk=512)).v_transpose == "smem"  # causal
     host = config_for(_fp8_params(nk=1024))
     assert host.v_transpose == "host" and host.persistent and host.overlap_tiles
+    assert host.num_consumer_wgs == 2 and config_for(_fp8_params(nk=1025)).num_consumer_wgs == 3
 
 
 def fp8_shipped(d: int, causal: bool):

@@ -266,6 +266,32 @@ def test_fa3_fp8_window_and_softcap_past_the_smem_route(options: dict) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("nk", [1024, 1025, 3000])
+def test_fa3_fp8_causal_d128_either_side_of_the_short_limit(nk: int) -> None:
+    """Causal e4m3 D = 128 through dispatch at FP8_CAUSAL_SHORT's limit (1k keys: the two-WG
+    build) and past it (the table's entry: 192 x 96 on three warpgroups, V's keys permuted,
+    the 1-bit rescale threshold): the config asserted, within the e4m3 baseline, GQA with
+    per-(batch, kv head) descales and more queries than keys."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3's fp8 kernel runs on an sm90 GPU")
+    from flashsuite.common.validation import check_inputs
+    from flashsuite.fa3.configs import FP8_CAUSAL_SHORT, config_for
+
+    q8, k8, v8, ds = _fp8_inputs(2, nk + 200, nk, 8, 2, 128, "cuda")
+    kwargs = dict(descale_q=ds[0], descale_k=ds[1], descale_v=ds[2])
+    cfg = config_for(check_inputs(q8, k8, v8, causal=True, **kwargs))
+    limit, short = FP8_CAUSAL_SHORT[128]
+    if nk <= limit:
+        assert cfg == short, cfg
+    else:
+        assert cfg.num_consumer_wgs == 3 and cfg.permute_v_keys and cfg.persistent, cfg
+        assert cfg.rescale_threshold == 1 and cfg.split_loops, cfg
+    out, lse = dispatch.attention(q8, k8, v8, causal=True, return_lse=True, version="fa3", **kwargs)
+    _assert_within_fp8_baseline(out, lse, q8, k8, v8, ds, True, fa3=True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("build", ["smem", "host_pk", "smem_pk"])
 @pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-d{c[5]}-{c[6]}")
 def test_fa3_fp8_v_routes(case: tuple, build: str) -> None:
