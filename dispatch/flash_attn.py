@@ -11,8 +11,9 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
 not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
-cache_batch_idx, cache_leftpad, a paged block_table in the varlen call. The KV-cache call's
-rotary tables rotate q and the new k with PyTorch ops before the attention (common.rotary).
+cache_leftpad, a paged block_table in the varlen call. The KV-cache call's rotary tables
+rotate q and the new k in one Triton launch before the attention (common.rotary_kernel), and
+its cache_batch_idx reads each cache row as pages of that row (`_batch_idx_pages`).
 
 Two differences in values, both in rows that see no key: flashsuite returns an LSE of -inf
 there (log 0; flash-attn's kernels write +inf), and the output 0 as flash-attn does.
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from flashsuite.common.validation import check_flag
+from flashsuite.common.validation import check_flag, metadata_checks_enabled
 from flashsuite.dispatch import api, inference
 
 
@@ -145,6 +146,47 @@ def _capacity(k_cache, block_table) -> int:
     return int(k_cache.shape[1] * pages)
 
 
+def _batch_idx_pages(q, k_cache, v_cache, index):
+    """flash-attn's cache_batch_idx as a paged cache over the same memory: each cache row of
+    N_max tokens viewed as pages of the largest multiple of 16 up to 256 that divides N_max,
+    and block_table[b, j] = index[b] · (N_max / page) + j. (k_cache, v_cache, block_table):
+    views of the caches, no copy; clear errors for an index that is not int32 (B,) on q's
+    device or (value checks on) out of [0, B_cache), and for caches whose rows cannot be
+    viewed as pages."""
+    if not torch.is_tensor(index):
+        raise TypeError(f"cache_batch_idx: expected an int32 tensor (B,), got "
+                        f"{type(index).__name__}")  # fmt: skip
+    b = q.shape[0]
+    if index.dtype != torch.int32 or index.shape != (b,) or index.device != q.device:
+        raise ValueError(f"cache_batch_idx: expected int32 ({b},) on {q.device}, got "
+                         f"{index.dtype} {tuple(index.shape)} on {index.device}")  # fmt: skip
+    views = []
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not torch.is_tensor(cache) or cache.dim() != 4:
+            got = tuple(cache.shape) if torch.is_tensor(cache) else type(cache).__name__
+            raise ValueError(f"{name}: expected (B_cache, N_max, Hkv, D), got {got}")
+        n_max = cache.shape[1]
+        page = next((p for p in range(256, 0, -16) if n_max % p == 0), 0)
+        if page == 0 or cache.stride(0) != n_max * cache.stride(1):
+            raise ValueError(
+                f"{name}: with cache_batch_idx, expected rows of N_max a multiple of 16 tokens, "
+                f"each row's tokens one after another (stride(0) = N_max · stride(1)), got "
+                f"shape {tuple(cache.shape)}, strides {cache.stride()}"
+            )
+        views.append(cache.view(cache.shape[0] * (n_max // page), page, *cache.shape[2:]))
+    rows = k_cache.shape[0]
+    if metadata_checks_enabled() and index.numel():
+        lo, hi = (int(x) for x in torch.aminmax(index))
+        if lo < 0 or hi >= rows:
+            bad = int(((index < 0) | (index >= rows)).nonzero()[0])
+            raise ValueError(f"cache_batch_idx: expected entries in [0, {rows}) (k_cache's "
+                             f"rows), got cache_batch_idx[{bad}] = {int(index[bad])}")  # fmt: skip
+    per_row = k_cache.shape[1] // views[0].shape[1]
+    steps = torch.arange(per_row, device=index.device)
+    table = (index.long()[:, None] * per_row + steps).to(torch.int32)  # (B, N_max / page)
+    return views[0], views[1], table
+
+
 def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interleaved):
     """(q, k) rotated as flash_attn_with_kvcache's rotary tables say, after checking them: both
     tables, 2-D of one shape on q's device, a rotary_dim (2 · columns) that is a multiple of 16
@@ -220,12 +262,14 @@ def flash_attn_with_kvcache(
     return_softmax_lse=True. rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), with k and v:
     q and the new k rotated first (common.rotary; `rotary_interleaved`: GPT-J pairs, else
     GPT-NeoX halves), k at positions cache_seqlens + j, q at cache_seqlens + i when causal or
-    windowed, else all at cache_seqlens."""
-    _refuse(
-        cache_batch_idx=cache_batch_idx,
-        cache_leftpad=cache_leftpad,
-        alibi_slopes=alibi_slopes,
-    )
+    windowed, else all at cache_seqlens. cache_batch_idx: int32 (B,), batch row b reads (and
+    appends to) cache row cache_batch_idx[b] of a contiguous cache (not with block_table)."""
+    _refuse(cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    if cache_batch_idx is not None:
+        if block_table is not None:
+            raise ValueError("cache_batch_idx: expected None with a paged cache (block_table "
+                             "picks each row's pages), got a tensor")  # fmt: skip
+        k_cache, v_cache, block_table = _batch_idx_pages(q, k_cache, v_cache, cache_batch_idx)
     if cache_seqlens is None:
         if k is not None:
             raise ValueError(

@@ -441,6 +441,14 @@ MUTANTS = [
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(
+        "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",
+        "dispatch/flash_attn.py",
+        "table = (index.long()[:, None] * per_row + steps)",
+        "table = (torch.arange(len(index), device=index.device)[:, None] * per_row + steps)",
+        "cache_batch_idx",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
         "flash-attn names: rotary tables put non-causal queries at their own positions",
         "common/rotary_kernel.py",
         "            if LOCAL:\n                pos = start + t",

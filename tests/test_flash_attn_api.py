@@ -430,6 +430,70 @@ def test_bad_rotary_tables_raise(changes: dict, name: str) -> None:
         dispatch.flash_attn_with_kvcache(q, *cache, **args, rotary_interleaved=interleaved)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cache_batch_idx_reads_and_appends_the_indexed_rows(causal: bool, device) -> None:
+    """flash_attn_with_kvcache's cache_batch_idx: batch row b attends to, and appends its new
+    k, v to, cache row cache_batch_idx[b]. Against the same call on the rows gathered in that
+    order (out, LSE and the appended rows); the rows no index names stay as they were. N_max
+    48 (pages of 48 tokens) and 96 (pages of 96) with ragged lengths, one of them 0."""
+    gen = torch.Generator().manual_seed(4)
+    for n_max in (48, 96):
+        b, rows, nq, hq, hkv, d = 3, 5, 2, 4, 2, 64
+        q = torch.randn(b, nq, hq, d, generator=gen).to(device, BF16)
+        k_new, v_new = (torch.randn(b, nq, hkv, d, generator=gen).to(device, BF16) for _ in "kv")
+        cache = [torch.randn(rows, n_max, hkv, d, generator=gen).to(device, BF16) for _ in "kv"]
+        idx = torch.tensor([4, 0, 2], dtype=I32, device=device)
+        lens = torch.tensor([5, n_max - nq, 0], dtype=I32, device=device)
+        mine = [c.clone() for c in cache]
+        got, lse = dispatch.flash_attn_with_kvcache(
+            q, *mine, k_new, v_new, cache_seqlens=lens, cache_batch_idx=idx, causal=causal,
+            return_softmax_lse=True,
+        )  # fmt: skip
+        theirs = [c[idx.long()].clone() for c in cache]
+        want, want_lse = dispatch.flash_attn_with_kvcache(
+            q, *theirs, k_new, v_new, cache_seqlens=lens, causal=causal, return_softmax_lse=True
+        )
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
+        for a, w, c in zip(mine, theirs, cache, strict=True):
+            assert torch.equal(a[idx.long()], w)  # appended where the index points
+            assert torch.equal(a[[1, 3]], c[[1, 3]])  # the other rows untouched
+        plain = dispatch.flash_attn_with_kvcache(
+            q, *[c.clone() for c in cache], k_new, v_new, cache_seqlens=lens, causal=causal
+        )
+        assert not torch.allclose(plain, got, rtol=2e-2, atol=2e-2)  # rows 0..2 differ
+
+
+@pytest.mark.parametrize(
+    ("changes", "name"),
+    [
+        (dict(cache_batch_idx=torch.tensor([1, 0], dtype=torch.int64)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([1], dtype=I32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=[1, 0]), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([1, 3], dtype=I32)), "cache_batch_idx"),
+        (dict(cache_batch_idx=torch.tensor([-1, 0], dtype=I32)), "cache_batch_idx"),
+        (dict(n_max=40), "k_cache"),
+        (dict(strided=True), "k_cache"),
+    ],
+    ids=["int64", "length", "list", "past-rows", "negative", "n-max-not-16x", "row-stride"],
+)
+def test_bad_cache_batch_idx_raises(changes: dict, name: str) -> None:
+    """cache_batch_idx errors name the argument: not an int32 (B,) tensor, an entry outside
+    [0, B_cache) (3 rows here), and caches whose rows cannot be read as pages (N_max not a
+    multiple of 16, rows that do not follow one another in memory)."""
+    n_max = changes.pop("n_max", 48)
+    strided = changes.pop("strided", False)
+    q = torch.zeros(2, 1, 4, 64)
+    if strided:  # a view of longer rows: stride(0) is 64 tokens, N_max 48
+        cache = [torch.zeros(3, 64, 2, 64)[:, :48] for _ in "kv"]
+    else:
+        cache = [torch.zeros(3, n_max, 2, 64) for _ in "kv"]
+    args = {"cache_batch_idx": torch.tensor([1, 0], dtype=I32), "cache_seqlens": 4, **changes}
+    error = TypeError if isinstance(args["cache_batch_idx"], list) else ValueError
+    with pytest.raises(error, match=f"^{name}: "):
+        dispatch.flash_attn_with_kvcache(q, *cache, **args)
+
+
 @pytest.mark.parametrize(
     "call, name",
     [
@@ -458,7 +522,12 @@ def test_bad_rotary_tables_raise(changes: dict, name: str) -> None:
         ),
         (
             lambda q, k, v: dispatch.flash_attn_with_kvcache(
-                q, k, v, cache_seqlens=4, cache_batch_idx=torch.tensor([1, 0], dtype=I32)
+                q,
+                k,
+                v,
+                cache_seqlens=4,
+                cache_batch_idx=torch.tensor([1, 0], dtype=I32),
+                block_table=torch.zeros(2, 3, dtype=I32),
             ),
             "cache_batch_idx",
         ),
