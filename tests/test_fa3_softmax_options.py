@@ -374,9 +374,9 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
     """rescale_threshold 8 ships for 16-bit D = 256 alone (its measurement and GPU oracle cases,
     configs._tiles); the fp8 table rescales O when a row's max grows by more than 1 bit, with
     the row max and sum in four chains, at D = 256 and non-causal D = 128 (configs._FP8_SOFTMAX:
-    its 142 oracle cases and its timing; 8 bits failed 6 of them), every block elsewhere;
-    non-causal D = 128's three-WG host-Vᵀ build permutes V's keys, and none takes the other
-    options."""
+    its 142 oracle cases and its timing; 8 bits failed 6 of them) and at causal D = 128 past
+    1k keys, every block elsewhere; D = 128's three-WG host-Vᵀ builds (non-causal, and causal
+    past 1k keys) permute V's keys, and none takes the other options."""
     import torch
 
     from flashsuite.fa3.configs import FP8_DTYPE, HEAD_DIMS, get_config
@@ -395,12 +395,14 @@ def test_rescale_options_ship_where_they_were_measured() -> None:
                     cfg = get_config(d, FP8_DTYPE, causal, n)
                 except ValueError:  # a head dim without an fp8 entry
                     continue
-                fp8_softmax = d == 256 or (d == 128 and not causal)
+                # causal D = 128 past FP8_CAUSAL_SHORT's 1k keys takes the non-causal build
+                d128_entry = d == 128 and (not causal or n > 1024)
+                fp8_softmax = d == 256 or d128_entry
                 assert cfg.rescale_threshold == (1 if fp8_softmax else 0), (d, causal, n)
                 assert not (cfg.skip_unit_rescale or cfg.ex2_emu)
                 assert cfg.row_chains == fp8_softmax, (d, causal, n)
                 # V's keys permuted where the three-WG D = 128 tile reads a host Vᵀ
-                permuted = d == 128 and not causal and cfg.v_transpose == "host"
+                permuted = d128_entry and cfg.v_transpose == "host"
                 assert cfg.permute_v_keys == permuted, (d, causal, n)
                 three = permuted or (d == 64 and not causal)
                 assert cfg.num_consumer_wgs == (3 if three else 2), (d, causal, n)
