@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .arch import triton_interpreter
 from .kvcache import append_kv
-from .triton_launch import launch
+from .triton_launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -116,6 +116,6 @@ def append(
         *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0), n_new, page_size,
         k_cache.shape[0], capacity,
     ), dict(
-        HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=triton.next_power_of_2(d),
-        DV_PAD=triton.next_power_of_2(dv), PAGED=paged, num_warps=1,
+        HEAD_DIM=d, HEAD_DIM_V=dv, D_PAD=next_power_of_2(d),
+        DV_PAD=next_power_of_2(dv), PAGED=paged, num_warps=1,
     ))  # fmt: skip

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .bwd_preprocess import first_pad_row, sequence_of_pad_row
-from .triton_launch import launch
+from .triton_launch import launch, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "batch"])
@@ -128,7 +128,7 @@ def dq_postprocess(
         seqlen_q, batch = dq.shape[1], 1
     if dq.numel() == 0 or 0 in grid:
         return dq
-    bm, bd = triton.next_power_of_2(tile_m), triton.next_power_of_2(d)
+    bm, bd = next_power_of_2(tile_m), next_power_of_2(d)
     launch(_dq_postprocess, grid, (
         acc, row_off, col_off, dq, cu_seqlens_q if varlen else row_off, *strides, seqlen_q,
         batch, 1.0 if scale is None else float(scale),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
+from .triton_launch import launch, next_power_of_2
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e)
 BLOCK_M = 64  # rows per program: memory-bound, any tile that vectorises
@@ -105,7 +105,7 @@ def _check_acc(acc: torch.Tensor | None, rows: tuple[int, ...], what: str) -> di
     if not acc.is_contiguous():
         raise ValueError(f"{what}: dq_acc expected contiguous, got strides {acc.stride()}")
     d = acc.shape[-1]
-    return {"DqAcc": acc, "ZERO_D": d, "ZERO_PAD": triton.next_power_of_2(d)}
+    return {"DqAcc": acc, "ZERO_D": d, "ZERO_PAD": next_power_of_2(d)}
 
 
 def bwd_preprocess(
@@ -135,7 +135,7 @@ def bwd_preprocess(
     launch(_bwd_preprocess, (seqlen_pad // BLOCK_M, hq, b), (
         out, dout, lse, delta, lse2, *out.stride()[:3], *dout.stride()[:3], *lse.stride(),
         nq, seqlen_pad, hq,
-    ), dict(HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M, **zero))  # fmt: skip
+    ), dict(HEAD_DIM_V=dv, DV_PAD=next_power_of_2(dv), BLOCK_M=BLOCK_M, **zero))  # fmt: skip
     return delta, lse2
 
 
@@ -256,6 +256,6 @@ def varlen_bwd_preprocess(
         out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
         lse.stride(0), batch, rows_pad,
     ), dict(
-        HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_M=BLOCK_M, TILE_M=tile_m, **zero,
+        HEAD_DIM_V=dv, DV_PAD=next_power_of_2(dv), BLOCK_M=BLOCK_M, TILE_M=tile_m, **zero,
     ))  # fmt: skip
     return delta, lse2

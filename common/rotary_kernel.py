@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .arch import triton_interpreter
 from .rotary import apply_rotary
-from .triton_launch import launch
+from .triton_launch import launch, next_power_of_2
 
 
 @triton.jit
@@ -133,8 +133,8 @@ def rotate_qk(
         *q.stride()[:3], *k.stride()[:3], cos.stride(0), sin.stride(0), nq, n_new, hq, hkv,
         cos.shape[0] - 1,
     ), dict(
-        HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), HALF=half,
-        HALF_PAD=triton.next_power_of_2(half), INTERLEAVED=bool(interleaved),
+        HEAD_DIM=d, D_PAD=next_power_of_2(d), HALF=half,
+        HALF_PAD=next_power_of_2(half), INTERLEAVED=bool(interleaved),
         LOCAL=bool(local), LENS_TENSOR=tensor_lens, num_warps=1,
     ))  # fmt: skip
     return q_out, k_out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_launch import launch
+from .triton_launch import launch, next_power_of_2
 
 COMBINE_ROWS = 16  # rows per combine program
 
@@ -77,9 +77,9 @@ def combine_splits(
     splits, rows, dv = o_part.shape
     _, nq, hq, _ = out.shape
     launch(
-        _combine, (triton.cdiv(rows, COMBINE_ROWS),),
+        _combine, (-(-rows // COMBINE_ROWS),),
         (o_part, lse_part, out, lse, rows, nq, hq, splits),
-        dict(HEAD_DIM_V=dv, DV_PAD=triton.next_power_of_2(dv), BLOCK_R=COMBINE_ROWS, num_warps=4),
+        dict(HEAD_DIM_V=dv, DV_PAD=next_power_of_2(dv), BLOCK_R=COMBINE_ROWS, num_warps=4),
     )  # fmt: skip
 
 

@@ -127,7 +127,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def _launch(src: torch.Tensor, yt: torch.Tensor, n: int, n_out: int, permute: bool) -> None:
     """`_keys_major_copy` from src (B, N, H, D) into yt (B, H, D, n_out), keys contiguous."""
     b, _, h, d = src.shape
-    grid = (triton.cdiv(n_out, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))
+    grid = (-(-n_out // BLOCK_N), b * h, -(-d // BLOCK_D))  # ceil division on host ints
     launch(_keys_major_copy, grid, (
         src, yt, src.stride(0), src.stride(1), src.stride(2), yt.stride(0), yt.stride(1),
         yt.stride(2), n, n_out, h, d,

@@ -50,6 +50,13 @@ def _spec(fn, args: tuple, kwargs: dict, plan) -> tuple | None:
     return (fn, launch_device(first), plan if plan is not None else tuple(kwargs), *vals)
 
 
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for a host int (0 for 0): the same value without Triton 3.6's
+    ConstexprFunction call, about 4.5 µs a call on a slow host, which the launch code of
+    every decode step and backward paid two to four times."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def launch_device(first: torch.Tensor) -> int:
     """The device a launch whose first argument is `first` runs on, as the memo keys it:
     Triton launches on the current device (its driver's), whatever the tensors' device; -1 on

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from flashsuite.common.split_combine import _combine, split_count  # noqa: F401 (_combine re-exported)
+from flashsuite.common.triton_launch import next_power_of_2
 from flashsuite.fa2.kernels import _scores, _visible
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -228,7 +229,7 @@ def decode_config(rows: int, head_dim: int, interpreter: bool) -> DecodeConfig:
     """rows = Nq * Hq / Hkv packed rows of one program's tile (capped at 64 per tile, 32 for
     D > 128: a 64-row D = 256 tile spills 316-356 B in the sm_90a probe, 32 rows are clean at
     177-208 registers)."""
-    block_m = max(16, min(64 if head_dim <= 128 else 32, triton.next_power_of_2(rows)))
+    block_m = max(16, min(64 if head_dim <= 128 else 32, next_power_of_2(rows)))
     if interpreter:
         # Small key blocks: several blocks, pages and splits in play at test sizes.
         return DecodeConfig(block_m, 16, num_warps=4, num_stages=1)

@@ -623,3 +623,14 @@ def test_every_memoised_triton_launch_names_all_its_parameters(monkeypatch, devi
     for fn, n_args, given in calls:
         missing = [p for p in fn.arg_names[n_args:] if p not in given]
         assert not missing, f"{fn.__name__} launched with {missing} left to their defaults"
+
+
+def test_next_power_of_2_is_tritons() -> None:
+    """common.triton_launch.next_power_of_2 (the launch code's pads: head dims, row counts) is
+    triton.next_power_of_2 for every host int up to past 4k, 0 included."""
+    triton = pytest.importorskip("triton")
+    from flashsuite.common.triton_launch import next_power_of_2
+
+    assert [next_power_of_2(n) for n in range(4200)] == [
+        triton.next_power_of_2(n) for n in range(4200)
+    ]
