@@ -635,8 +635,8 @@ MUTANTS = [
     Mutant(
         "keys-major copy: the channels past the first channel block left unwritten",
         "common/transpose.py",
-        "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, triton.cdiv(d, BLOCK_D))",
-        "    grid = (triton.cdiv(n_out, BLOCK_N), b * h, 1)",
+        "    grid = (-(-n_out // BLOCK_N), b * h, -(-d // BLOCK_D))",
+        "    grid = (-(-n_out // BLOCK_N), b * h, 1)",
         "keys_major_copy",
         ("tests/test_fp8.py",),
     ),
