@@ -216,6 +216,8 @@ def _rotate(q, k, v, cos, sin, cache_seqlens, capacity: int, local: bool, interl
         got = tuple(k.shape) if torch.is_tensor(k) else type(k).__name__
         raise ValueError(f"k: expected (B, Nnew, Hkv, D) with q's B and D, q {tuple(q.shape)}, "
                          f"got {got}")  # fmt: skip
+    if k.device != q.device:
+        raise ValueError(f"k: expected q's device {q.device}, got {k.device}")
     nq, n_new = q.shape[1], k.shape[1]
     # Valid lengths (at most capacity - n_new) reach position capacity - n_new + nq - 1 with
     # causal or windowed queries, capacity - n_new without (every query at the length).

@@ -403,12 +403,15 @@ def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(interleaved: bool, caus
         (dict(rotary_cos=torch.ones(40), rotary_sin=torch.ones(40)), "rotary_cos"),
         (dict(k=None, v=None), "k"),
         (dict(rotary_interleaved="yes"), "rotary_interleaved"),
+        (dict(k=torch.zeros(2, 1, 2, 32)), "k"),  # k's head dim is not q's
+        (dict(k=torch.zeros(2, 1, 2, 64, device="meta")), "k"),  # not q's device
         (dict(cache_seqlens=40), "cache_seqlens"),  # no room for the new key: no table overrun
         (dict(cache_seqlens=torch.tensor([3, 45], dtype=I32)), "cache_seqlens"),
     ],
     ids=[
         "no-sin", "no-cos", "sin-not-a-tensor", "shapes-differ", "dim-not-16x", "dim-past-d",
-        "too-few-rows", "one-d", "no-new-k", "interleaved-not-bool", "int-len-past-cache",
+        "too-few-rows", "one-d", "no-new-k", "interleaved-not-bool", "k-head-dim",
+        "k-device", "int-len-past-cache",
         "len-past-cache",
     ],
 )  # fmt: skip
@@ -416,8 +419,9 @@ def test_bad_rotary_tables_raise(changes: dict, name: str) -> None:
     """Rotary tables that cannot be applied as flash-attn applies them are an error naming
     the argument: one table without the other, shapes that differ, a rotary_dim (2 x columns)
     not a multiple of 16 or past the head dim, fewer rows than the cache's positions (40), a
-    1-D table, no new k, v to rotate, a non-bool rotary_interleaved; and lengths that leave
-    no room for the new key are the cache_seqlens error, not an index past the tables."""
+    1-D table, no new k, v to rotate, a non-bool rotary_interleaved, a k whose head dim or
+    device is not q's; and lengths that leave no room for the new key are the cache_seqlens
+    error, not an index past the tables."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 1, 4, 64, generator=gen)
     k_new, v_new = (torch.randn(2, 1, 2, 64, generator=gen) for _ in range(2))
