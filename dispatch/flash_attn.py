@@ -11,7 +11,8 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
 not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
-cache_leftpad, a paged block_table in the varlen call. The KV-cache call's rotary tables
+cache_leftpad. The varlen call's block_table gathers each sequence's pages into packed k, v
+first (`_gather_pages`, one copy). The KV-cache call's rotary tables
 rotate q and the new k in one Triton launch before the attention (common.rotary_kernel), and
 its cache_batch_idx reads each cache row as pages of that row (`_batch_idx_pages`).
 
@@ -127,8 +128,13 @@ def flash_attn_varlen_func(
     (Hq, total_q) float32, empty S_dmask). `deterministic` as flash_attn_func's: fa2's and the
     portable varlen backwards are deterministic; fa3's own adds dQ in arrival order unless
     torch.use_deterministic_algorithms(True) is on, so deterministic=True without that flag is
-    refused where fa3's would run."""
-    _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes, block_table=block_table)
+    refused where fa3's would run. With block_table (B, max_pages) int32, k and v are pages
+    (num_pages, page_size, Hkv, D) and sequence b's keys are the first cu_seqlens_k[b + 1] −
+    cu_seqlens_k[b] tokens of its pages: they are gathered into packed k, v first (one copy
+    of total_k tokens, differentiable) and attended as above."""
+    _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
+    if block_table is not None:
+        k, v = _gather_pages(q, k, v, block_table, cu_seqlens_k)
     options = dict(
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
         softcap=softcap,
@@ -138,6 +144,58 @@ def flash_attn_varlen_func(
     check_flag("return_attn_probs", return_attn_probs)
     result = inference.attention_varlen(*args, **options, return_lse=return_attn_probs)
     return (*result, _empty_probs(q)) if return_attn_probs else result
+
+
+def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed (total_k, Hkv, D) copies of each sequence's keys and values from pages
+    (num_pages, page_size, Hkv, D) through `table` (B, max_pages) int32: token j of sequence
+    b is page table[b, j // page_size], slot j % page_size. Clear errors for the table, the
+    pages and (value checks on) lengths past a row of pages or entries outside the pages; the
+    indices are clamped into range besides, so nothing is read out of bounds without them."""
+    for name, t, dim in (("block_table", table, 2), ("cu_seqlens_k", cu_seqlens_k, 1)):
+        if not torch.is_tensor(t) or t.dtype != torch.int32 or t.dim() != dim:
+            got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"{name}: expected a {dim}-D int32 tensor, got {got}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
+    b = cu_seqlens_k.shape[0] - 1
+    if b < 0:
+        raise ValueError("cu_seqlens_k: expected (B + 1,) offsets starting at 0, got none")
+    if table.shape[0] != b or table.shape[1] < 1:
+        raise ValueError(f"block_table: expected ({b}, max_pages >= 1) (a row per sequence of "
+                         f"cu_seqlens_k), got {tuple(table.shape)}")  # fmt: skip
+    for name, t in (("k", k), ("v", v)):
+        if not torch.is_tensor(t) or t.dim() != 4 or t.shape[:3] != k.shape[:3]:
+            got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+            raise ValueError(f"{name}: expected pages (num_pages, page_size, Hkv, D) with "
+                             f"block_table, k's {tuple(k.shape[:3])} first, got {got}")  # fmt: skip
+    num_pages, page = k.shape[0], k.shape[1]
+    cu = cu_seqlens_k.long()
+    total = int(cu[-1])  # the packed size: one device-to-host copy
+    if total <= 0 or b == 0:  # no keys (or offsets attention_varlen's checks refuse)
+        return k.flatten(0, 1)[:0], v.flatten(0, 1)[:0]
+    t = torch.arange(total, device=q.device)
+    seq = torch.searchsorted(cu[1:], t, right=True).clamp(0, b - 1)  # (total_k,)
+    j = t - cu[seq]  # token index within its sequence
+    if metadata_checks_enabled():
+        lengths = cu[1:] - cu[:-1]
+        if int(lengths.max()) > table.shape[1] * page:
+            s = int(lengths.argmax())
+            raise ValueError(
+                f"cu_seqlens_k: expected sequences of at most {table.shape[1] * page} keys "
+                f"(block_table's {table.shape[1]} pages of {page}), got {int(lengths[s])} for "
+                f"sequence {s}"
+            )
+        used = table[seq, j // page]
+        if int(used.min()) < 0 or int(used.max()) >= num_pages:
+            bad = int(((used < 0) | (used >= num_pages)).nonzero()[0])
+            raise ValueError(
+                f"block_table: expected entries in [0, {num_pages}) (k's pages), got "
+                f"block_table[{int(seq[bad])}, {int(j[bad]) // page}] = {int(used[bad])}"
+            )
+    col = (j // page).clamp(0, table.shape[1] - 1)
+    flat = table[seq, col].long().clamp(0, max(num_pages - 1, 0)) * page + j % page
+    return k.flatten(0, 1)[flat], v.flatten(0, 1)[flat]
 
 
 def _capacity(k_cache, block_table) -> int:

@@ -441,6 +441,14 @@ MUTANTS = [
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(
+        "flash-attn names: paged varlen keys one slot off within their page",
+        "dispatch/flash_attn.py",
+        "* page + j % page",
+        "* page + (j + 1) % page",
+        "varlen_block_table",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
         "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",
         "dispatch/flash_attn.py",
         "table = (index.long()[:, None] * per_row + steps)",

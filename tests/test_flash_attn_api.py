@@ -434,6 +434,102 @@ def test_bad_rotary_tables_raise(changes: dict, name: str) -> None:
         dispatch.flash_attn_with_kvcache(q, *cache, **args, rotary_interleaved=interleaved)
 
 
+def _paged(gen, k, v, cu, page: int, spare: int = 3):
+    """k, v (total_k, Hkv, D) scattered into shuffled pages (num_pages, page, Hkv, D) with NaN
+    in every slot no sequence owns, and the (B, max_pages) int32 table that finds them."""
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    need = [-(-n // page) for n in lengths]
+    width = max(max(need), 1) + 1  # a spare column past every row's pages
+    num_pages = sum(need) + spare
+    order = torch.randperm(num_pages, generator=gen)
+    table = torch.full((len(lengths), width), num_pages - 1, dtype=I32)
+    pages = [
+        torch.full((num_pages, page, *t.shape[1:]), float("nan"), dtype=t.dtype) for t in (k, v)
+    ]
+    used = 0
+    for b, n in enumerate(lengths):
+        for p in range(need[b]):
+            slot = int(order[used])
+            used += 1
+            table[b, p] = slot
+            rows = slice(int(cu[b]) + p * page, int(cu[b]) + min((p + 1) * page, n))
+            for dst, src in zip(pages, (k, v), strict=True):
+                dst[slot, : rows.stop - rows.start] = src[rows]
+    return pages[0], pages[1], table
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_block_table_is_the_packed_call(causal: bool) -> None:
+    """flash_attn_varlen_func with block_table (flash-attn's paged varlen): k, v as shuffled
+    16-token pages with NaN in every slot no sequence owns, GQA, lengths 0, 1, 37 and 300 (a
+    partial last page). Out, LSE and the gradients of q and of the pages (scattered back) are
+    bit for bit the packed call's (the torch version on a CPU)."""
+    gen = torch.Generator().manual_seed(5)
+    lens_q, lens_k, hq, hkv, d = [3, 1, 20, 7], [0, 1, 37, 300], 4, 2, 32
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=I32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=I32)
+    q = torch.randn(int(cu_q[-1]), hq, d, generator=gen)
+    k, v = (torch.randn(int(cu_k[-1]), hkv, d, generator=gen) for _ in "kv")
+    kp, vp, table = _paged(gen, k, v, cu_k, 16)
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    want, want_lse, _ = dispatch.flash_attn_varlen_func(
+        qa, ka, va, *args, causal=causal, return_attn_probs=True
+    )
+    qb, kpb, vpb = (t.clone().requires_grad_() for t in (q, kp, vp))
+    got, lse, _ = dispatch.flash_attn_varlen_func(
+        qb, kpb, vpb, *args, causal=causal, return_attn_probs=True, block_table=table
+    )
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    do = torch.randn(want.shape, generator=gen)
+    want.backward(do)
+    got.backward(do)
+    assert torch.equal(qb.grad, qa.grad)
+    # the pages' gradients: the packed call's on the slots the table names, zero elsewhere
+    rows = [(int(table[b, j // 16]), j % 16) for b, n in enumerate(lens_k) for j in range(n)]
+    owned = torch.zeros(kp.shape[:2], dtype=torch.bool)
+    for p, slot in rows:
+        owned[p, slot] = True
+    for grad_pages, grad_packed in ((kpb.grad, ka.grad), (vpb.grad, va.grad)):
+        assert torch.equal(torch.stack([grad_pages[p, slot] for p, slot in rows]), grad_packed)
+        assert not grad_pages[~owned].any()
+
+
+@pytest.mark.parametrize(
+    ("change", "name"),
+    [
+        ("table-int64", "block_table"), ("table-rows", "block_table"),
+        ("entry-past-pages", "block_table"), ("too-long", "cu_seqlens_k"),
+        ("k-packed", "k"), ("v-page-size", "v"),
+    ],
+    ids=lambda x: x if "-" in x else "",
+)  # fmt: skip
+def test_bad_varlen_block_table_raises(change: str, name: str) -> None:
+    """The paged varlen call's errors name the argument: a table that is not int32 or not a
+    row per sequence, an entry outside k's pages, a sequence longer than its row of pages, k
+    not in pages, v's pages of another size."""
+    gen = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 20, 50], dtype=I32)
+    q = torch.randn(50, 2, 32, generator=gen)
+    k, v = (torch.randn(8, 16, 2, 32, generator=gen) for _ in "kv")
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=I32)
+    if change == "table-int64":
+        table = table.long()
+    elif change == "table-rows":
+        table = table[:1]
+    elif change == "entry-past-pages":
+        table[1, 1] = 8
+    elif change == "too-long":
+        cu = torch.tensor([0, 20, 70], dtype=I32)  # 50 keys, 3 pages of 16
+        q = torch.randn(70, 2, 32, generator=gen)
+    elif change == "k-packed":
+        k = torch.randn(50, 2, 32, generator=gen)
+    elif change == "v-page-size":
+        v = torch.randn(8, 32, 2, 32, generator=gen)
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        dispatch.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, block_table=table)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cache_batch_idx_reads_and_appends_the_indexed_rows(causal: bool, device) -> None:
     """flash_attn_with_kvcache's cache_batch_idx: batch row b attends to, and appends its new
@@ -511,18 +607,6 @@ def test_bad_cache_batch_idx_raises(changes: dict, name: str) -> None:
                 q[0], k[0], v[0], *(torch.tensor([0, 40], dtype=I32),) * 2, 40, 40, dropout_p=0.5
             ),
             "dropout_p",
-        ),
-        (
-            lambda q, k, v: dispatch.flash_attn_varlen_func(
-                q[0],
-                k[0],
-                v[0],
-                *(torch.tensor([0, 40], dtype=I32),) * 2,
-                40,
-                40,
-                block_table=torch.zeros(1, 2, dtype=I32),
-            ),
-            "block_table",
         ),
         (
             lambda q, k, v: dispatch.flash_attn_with_kvcache(
