@@ -470,7 +470,7 @@ def _check_int(name: str, value: object, lo: int = 0) -> int:
     return value
 
 
-def _check_index_tensor(
+def check_index_tensor(
     name: str, t: object, shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
     """An int32 tensor of exactly `shape` on `device` (shape -1: any size on that dim)."""
@@ -511,14 +511,14 @@ def check_varlen_inputs(
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k: expected head_dim {q.shape[2]} (q.shape[2]), got {k.shape[2]}")
     if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
-        _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (-1,), q.device)
+        check_index_tensor("cu_seqlens_q", cu_seqlens_q, (-1,), q.device)
     batch = cu_seqlens_q.shape[0] - 1
     if batch < 1:
         raise ValueError(
             f"cu_seqlens_q: expected shape (B + 1,) with B >= 1, got {tuple(cu_seqlens_q.shape)}"
         )
-    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
-    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
+    check_index_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,), q.device)
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, (batch + 1,), q.device)
     max_q = _check_int("max_seqlen_q", max_seqlen_q)
     max_k = _check_int("max_seqlen_k", max_seqlen_k)
     # Dense checks (dtype, device, head counts, head_dim range, options) on 4-D views.
@@ -605,7 +605,7 @@ def check_kvcache_inputs(
         )
     page_size = num_pages = 0
     if block_table is not None:
-        block_table = _check_index_tensor("block_table", block_table, (b, -1), q.device)
+        block_table = check_index_tensor("block_table", block_table, (b, -1), q.device)
         num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
         if page_size % 16 or not PAGE_SIZES[0] <= page_size <= PAGE_SIZES[1]:
             raise ValueError(
@@ -649,7 +649,7 @@ def check_kvcache_inputs(
     if cache_seqlens is None:
         raise TypeError("cache_seqlens: expected an int32 tensor of shape (B,) or an int, got None")
     if isinstance(cache_seqlens, torch.Tensor):
-        _check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
+        check_index_tensor("cache_seqlens", cache_seqlens, (b,), q.device)
     else:
         n = _check_int("cache_seqlens", cache_seqlens)
         if n + n_new > capacity:

@@ -34,7 +34,11 @@ from __future__ import annotations
 
 import torch
 
-from flashsuite.common.validation import check_flag, metadata_checks_enabled
+from flashsuite.common.validation import (
+    check_flag,
+    check_index_tensor,
+    metadata_checks_enabled,
+)
 from flashsuite.dispatch import api, inference
 
 
@@ -152,18 +156,13 @@ def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Ten
     b is page table[b, j // page_size], slot j % page_size. Clear errors for the table, the
     pages and (value checks on) lengths past a row of pages or entries outside the pages; the
     indices are clamped into range besides, so nothing is read out of bounds without them."""
-    for name, t, dim in (("block_table", table, 2), ("cu_seqlens_k", cu_seqlens_k, 1)):
-        if not torch.is_tensor(t) or t.dtype != torch.int32 or t.dim() != dim:
-            got = f"{t.dtype} {tuple(t.shape)}" if torch.is_tensor(t) else type(t).__name__
-            raise ValueError(f"{name}: expected a {dim}-D int32 tensor, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected q's device {q.device}, got {t.device}")
+    check_index_tensor("cu_seqlens_k", cu_seqlens_k, (-1,), q.device)
     b = cu_seqlens_k.shape[0] - 1
     if b < 0:
         raise ValueError("cu_seqlens_k: expected (B + 1,) offsets starting at 0, got none")
-    if table.shape[0] != b or table.shape[1] < 1:
-        raise ValueError(f"block_table: expected ({b}, max_pages >= 1) (a row per sequence of "
-                         f"cu_seqlens_k), got {tuple(table.shape)}")  # fmt: skip
+    check_index_tensor("block_table", table, (b, -1), q.device)
+    if table.shape[1] < 1:
+        raise ValueError(f"block_table: expected at least one page a row, got {tuple(table.shape)}")
     for name, t in (("k", k), ("v", v)):
         if not torch.is_tensor(t) or t.dim() != 4 or t.shape[:3] != k.shape[:3]:
             got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
@@ -187,7 +186,8 @@ def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Ten
                 f"sequence {s}"
             )
         used = table[seq, j // page]
-        if int(used.min()) < 0 or int(used.max()) >= num_pages:
+        lo, hi = (int(x) for x in torch.aminmax(used))
+        if lo < 0 or hi >= num_pages:
             bad = int(((used < 0) | (used >= num_pages)).nonzero()[0])
             raise ValueError(
                 f"block_table: expected entries in [0, {num_pages}) (k's pages), got "
@@ -209,15 +209,9 @@ def _batch_idx_pages(q, k_cache, v_cache, index):
     N_max tokens viewed as pages of the largest multiple of 16 up to 256 that divides N_max,
     and block_table[b, j] = index[b] · (N_max / page) + j. (k_cache, v_cache, block_table):
     views of the caches, no copy; clear errors for an index that is not int32 (B,) on q's
-    device or (value checks on) out of [0, B_cache), and for caches whose rows cannot be
-    viewed as pages."""
-    if not torch.is_tensor(index):
-        raise TypeError(f"cache_batch_idx: expected an int32 tensor (B,), got "
-                        f"{type(index).__name__}")  # fmt: skip
-    b = q.shape[0]
-    if index.dtype != torch.int32 or index.shape != (b,) or index.device != q.device:
-        raise ValueError(f"cache_batch_idx: expected int32 ({b},) on {q.device}, got "
-                         f"{index.dtype} {tuple(index.shape)} on {index.device}")  # fmt: skip
+    device (the check every index argument takes) or (value checks on) out of [0, B_cache),
+    and for caches whose rows cannot be viewed as pages."""
+    check_index_tensor("cache_batch_idx", index, (q.shape[0],), q.device)
     views = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not torch.is_tensor(cache) or cache.dim() != 4:

@@ -526,7 +526,8 @@ def test_bad_varlen_block_table_raises(change: str, name: str) -> None:
         k = torch.randn(50, 2, 32, generator=gen)
     elif change == "v-page-size":
         v = torch.randn(8, 32, 2, 32, generator=gen)
-    with pytest.raises(ValueError, match=f"^{name}: "):
+    error = TypeError if table.dtype != I32 else ValueError  # dtype: as every index argument
+    with pytest.raises(error, match=f"^{name}: "):
         dispatch.flash_attn_varlen_func(q, k, v, cu, cu, 50, 50, block_table=table)
 
 
@@ -589,7 +590,8 @@ def test_bad_cache_batch_idx_raises(changes: dict, name: str) -> None:
     else:
         cache = [torch.zeros(3, n_max, 2, 64) for _ in "kv"]
     args = {"cache_batch_idx": torch.tensor([1, 0], dtype=I32), "cache_seqlens": 4, **changes}
-    error = TypeError if isinstance(args["cache_batch_idx"], list) else ValueError
+    index = args["cache_batch_idx"]  # a list or an int64 tensor: a TypeError, as every index
+    error = TypeError if isinstance(index, list) or index.dtype != I32 else ValueError
     with pytest.raises(error, match=f"^{name}: "):
         dispatch.flash_attn_with_kvcache(q, *cache, **args)
 
