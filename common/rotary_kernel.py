@@ -115,13 +115,16 @@ def rotate_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, k) rotated at a KV-cache call's positions (module docstring): new tensors of q's
     and k's shapes and dtypes. By `_rotate_qk` where Triton can run it (CUDA tensors, or the
-    interpreter), q and k share a dtype, every tensor has a unit last stride and the tables
-    are contiguous; else by apply_rotary on the same clamped positions."""
+    interpreter), q and k share a dtype, every tensor has a unit last stride and a lengths
+    tensor is int32 on q's device; else by apply_rotary on the same clamped positions (the
+    lengths' own checks come after, in attention_with_kvcache)."""
     b, nq, hq, d = q.shape
     n_new, hkv = k.shape[1], k.shape[2]
     tensor_lens = torch.is_tensor(cache_seqlens)
     runs = (q.is_cuda or triton_interpreter()) and q.dtype == k.dtype
     runs = runs and all(t.stride(-1) == 1 for t in (q, k, cos, sin))
+    if tensor_lens:  # the kernel reads them: never a pointer of another device or dtype
+        runs = runs and cache_seqlens.dtype == torch.int32 and cache_seqlens.device == q.device
     if not runs or b * (nq + n_new) == 0 or max(hq, hkv) == 0:
         return _rotate_torch(q, k, cos, sin, cache_seqlens, local, interleaved)
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)

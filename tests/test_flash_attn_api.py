@@ -352,6 +352,10 @@ def test_rotate_kernel_is_apply_rotary(interleaved: bool, local: bool, lens_kind
     torch.testing.assert_close(got_q[..., rd:], q[..., rd:], rtol=0, atol=0)
     if device == "cuda":  # the compiled kernel ran, not the fallback
         assert _rotate_qk in {key[0] for key in triton_launch._compiled}
+    if lens_kind == "tensor":  # int64 lengths: the PyTorch path, never the kernel's pointer
+        for a, w in zip(rotate_qk(q, k, cos, sin, lens.long(), local, interleaved),
+                        (want_q, want_k), strict=True):  # fmt: skip
+            torch.testing.assert_close(a, w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
