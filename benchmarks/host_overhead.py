@@ -234,8 +234,7 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
     4k keys with a tensor length, with the append of one new token, with an int length (what
     transformers' decode step passes), the append through flash_attn_with_kvcache with rotary
     tables (once, beside fa3: that name dispatches by itself), and B 32 on 64-token pages with
-    a shuffled table. Each
-    call is one layer of a LAYERS-layer step (`_per_step`)."""
+    a shuffled table. Each call is one layer of a LAYERS-layer step (`_per_step`)."""
     from flashsuite import dispatch
 
     gen = torch.Generator().manual_seed(0)

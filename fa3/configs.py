@@ -676,9 +676,9 @@ def fp8_block_tiles(head_dim: int) -> tuple[int, ...]:
 def fp8_block_config(cfg: Fa3Config, head_dim: int, causal: bool, block_kv: int) -> Fa3Config:
     """fp8 with a k/v descale every `block_kv` keys (each K/V block in one descale block): the
     first of `cfg` (a 3-WG one as its key-order build or _FP8_BLOCK_EXTRA's 2-WG tile), the
-    table's entry,
-    _FP8_BLOCK_EXTRA's and the other causal flag's whose tile_n divides block_kv (0: q's
-    descales alone per block); else `cfg` (supports() refuses it, naming fp8_block_tiles)."""
+    table's entry, _FP8_BLOCK_EXTRA's and the other causal flag's whose tile_n divides
+    block_kv (0: q's descales alone per block); else `cfg` (supports() refuses it, naming
+    fp8_block_tiles)."""
     if cfg.num_consumer_wgs != 2:  # a 2-WG tile in its place, V transposed alike
         two = _FP8_KEYS_IN_ORDER.get((head_dim, causal)) or _FP8_BLOCK_EXTRA[head_dim][0]
         cfg = replace(two, v_transpose=cfg.v_transpose)
