@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .arch import cuda_stream_capturing
+
 
 def token_slots(
     cache_seqlens: torch.Tensor,  # (B,) int32: tokens already in each row
@@ -58,3 +60,33 @@ def row_kv(
     page_size = cache.shape[1]
     pages = block_table[b, : -(-n // page_size)].long()  # (ceil(n / page_size),)
     return cache[pages].flatten(0, 1)[:n]  # (n, Hkv, D)
+
+
+# (device, raw stream, batch, length) -> the int32 (batch,) tensor of `length` that stands for an
+# int cache_seqlens in an eager call (`length_tensor`).
+_length_tensors: dict[tuple, torch.Tensor] = {}
+LENGTH_TENSORS_MAX = 64
+
+
+def length_tensor(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """An int cache_seqlens as the kernels take it: int32 (batch,) filled with `length`. Every
+    layer of a decode step passes the same int (transformers' decode), so one tensor serves
+    the step's layers: one fill a step instead of one a layer (a kernel launch on a GPU). The
+    tensors are only read (the append and the kernels index by them) and never reach the
+    caller. Keyed by the current stream, so a tensor dropped from the cache is reused by the
+    allocator in that stream's order only; under CUDA-graph capture a fresh tensor, which the
+    graph fills at each replay and keeps alive itself (a cached one could be dropped while a
+    graph still reads it)."""
+    if device.type == "cuda":
+        if cuda_stream_capturing():
+            return torch.full((batch,), length, dtype=torch.int32, device=device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (index, torch._C._cuda_getCurrentRawStream(index), batch, length)
+    else:
+        key = (device, None, batch, length)
+    t = _length_tensors.get(key)
+    if t is None:
+        if len(_length_tensors) >= LENGTH_TENSORS_MAX:  # a new step's length: start over
+            _length_tensors.clear()
+        t = _length_tensors[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
+    return t

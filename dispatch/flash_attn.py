@@ -11,8 +11,10 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
 not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
-cache_leftpad. The varlen call's block_table gathers each sequence's pages into packed k, v
-first (`_gather_pages`, one copy). The KV-cache call's rotary tables
+cache_leftpad. The varlen call with a block_table runs as KV-cache attention on the pages in
+place where every sequence has max_seqlen_q queries and no gradient is needed (a decode batch;
+`_paged_as_kvcache`), and otherwise gathers each sequence's pages into packed k, v first
+(`_gather_pages`, one copy). The KV-cache call's rotary tables
 rotate q and the new k in one Triton launch before the attention (common.rotary_kernel), and
 its cache_batch_idx reads each cache row as pages of that row (`_batch_idx_pages`).
 
@@ -134,20 +136,85 @@ def flash_attn_varlen_func(
     torch.use_deterministic_algorithms(True) is on, so deterministic=True without that flag is
     refused where fa3's would run. With block_table (B, max_pages) int32, k and v are pages
     (num_pages, page_size, Hkv, D) and sequence b's keys are the first cu_seqlens_k[b + 1] −
-    cu_seqlens_k[b] tokens of its pages: they are gathered into packed k, v first (one copy
-    of total_k tokens, differentiable) and attended as above."""
+    cu_seqlens_k[b] tokens of its pages: read in place by the KV-cache path when every
+    sequence has max_seqlen_q queries and no gradient is needed (`_paged_as_kvcache`), else
+    gathered into packed k, v first (one copy of total_k tokens, differentiable) and attended
+    as above."""
     _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
-    if block_table is not None:
-        k, v = _gather_pages(q, k, v, block_table, cu_seqlens_k)
     options = dict(
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
         softcap=softcap,
     )  # fmt: skip
+    if block_table is not None:
+        check_flag("deterministic", deterministic)  # the route needs no gradient: no backward
+        check_flag("return_attn_probs", return_attn_probs)
+        routed = _paged_as_kvcache(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+            options, return_attn_probs,
+        )  # fmt: skip
+        if routed is not None:
+            return routed
+        k, v = _gather_pages(q, k, v, block_table, cu_seqlens_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_deterministic(deterministic, q, k, v, lambda: inference.select_varlen(*args, **options))
     check_flag("return_attn_probs", return_attn_probs)
     result = inference.attention_varlen(*args, **options, return_lse=return_attn_probs)
     return (*result, _empty_probs(q)) if return_attn_probs else result
+
+
+def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_lse):
+    """The paged varlen call as KV-cache attention on the pages in place (no gather, no copy,
+    nothing read to the host with the value checks off, so a CUDA graph can capture it), or
+    None where it does not apply: a gradient is needed, or the query lengths are not all
+    max_seqlen_q (total_q != B · max_seqlen_q; a decode batch has max_seqlen_q 1 and one query
+    a sequence), or the pages are not of a size the cache path takes (a multiple of 16 in
+    [16, 256]). Then q is (B, max_seqlen_q, Hq, D) as a view, sequence b's keys are row b of
+    the paged cache with cache_seqlens[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b], causal
+    and windows aligned to the end of each row as in the varlen call. With the value checks
+    on, one host copy of the offsets must show them well formed (starting at 0,
+    non-decreasing, lengths within max_seqlen and the table's pages) or the general path runs
+    and says what is wrong; the cache path then checks the table's entries."""
+    tensors = (q, k, v, cu_q, cu_k, table)
+    if not all(type(t) is torch.Tensor for t in tensors) or isinstance(max_q, bool):
+        return None
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return None
+    b = cu_q.shape[0] - 1 if cu_q.dim() == 1 else -1
+    if (
+        not isinstance(max_q, int)
+        or b < 1
+        or max_q < 1
+        or q.dim() != 3
+        or q.shape[0] != b * max_q
+        or k.dim() != 4
+        or v.dim() != 4
+        or k.shape[1] % 16
+        or not 16 <= k.shape[1] <= 256
+    ):
+        return None
+    check_index_tensor("cu_seqlens_q", cu_q, (b + 1,), q.device)
+    check_index_tensor("cu_seqlens_k", cu_k, (b + 1,), q.device)
+    check_index_tensor("block_table", table, (b, -1), q.device)
+    if metadata_checks_enabled():
+        rows = torch.stack([cu_q, cu_k]).cpu()
+        steps = rows[:, 1:] - rows[:, :-1]
+        limit = min(max_k, table.shape[1] * k.shape[1]) if isinstance(max_k, int) else -1
+        if rows[:, 0].any() or (steps[0] != max_q).any() or steps[1].min() < 0:
+            return None
+        if steps[1].max() > limit:
+            return None
+    lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
+    hq, d = q.shape[1], q.shape[2]
+    result = inference.attention_with_kvcache(
+        q.view(b, max_q, hq, d), k, v, cache_seqlens=lens, block_table=table,
+        return_lse=return_lse, **options,
+    )  # fmt: skip
+    out, lse = result if return_lse else (result, None)
+    out = out.view(b * max_q, hq, out.shape[-1])
+    if not return_lse:
+        return out
+    lse = lse.permute(1, 0, 2).reshape(hq, b * max_q)  # (B, Hq, Nq) -> (Hq, total_q)
+    return out, lse, _empty_probs(q)
 
 
 def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from flashsuite.common import arch as arch_mod
+from flashsuite.common.kvcache import length_tensor
 from flashsuite.common.ops_inference import VarlenOp, define_kvcache_op
 from flashsuite.common.validation import (
     AttnParams,
@@ -444,36 +445,6 @@ def _kv_lookup(
     return plan
 
 
-# (device, raw stream, batch, length) -> the int32 (batch,) tensor of `length` that stands for an
-# int cache_seqlens in an eager call (`_length_tensor`).
-_length_tensors: dict[tuple, torch.Tensor] = {}
-LENGTH_TENSORS_MAX = 64
-
-
-def _length_tensor(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    """An int cache_seqlens as the kernels take it: int32 (batch,) filled with `length`. Every
-    layer of a decode step passes the same int (transformers' decode), so one tensor serves
-    the step's layers: one fill a step instead of one a layer (a kernel launch on a GPU). The
-    tensors are only read (the append and the kernels index by them) and never reach the
-    caller. Keyed by the current stream, so a tensor dropped from the cache is reused by the
-    allocator in that stream's order only; under CUDA-graph capture a fresh tensor, which the
-    graph fills at each replay and keeps alive itself (a cached one could be dropped while a
-    graph still reads it)."""
-    if device.type == "cuda":
-        if arch_mod.cuda_stream_capturing():
-            return torch.full((batch,), length, dtype=torch.int32, device=device)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index), batch, length)
-    else:
-        key = (device, None, batch, length)
-    t = _length_tensors.get(key)
-    if t is None:
-        if len(_length_tensors) >= LENGTH_TENSORS_MAX:  # a new step's length: start over
-            _length_tensors.clear()
-        t = _length_tensors[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
-    return t
-
-
 def _direct(*tensors) -> bool:
     """Whether a version's function may run without its custom op: plain tensors, and no
     dispatch or function mode and no profiler that must see the op (as `api._run` decides)."""
@@ -533,7 +504,7 @@ def attention_with_kvcache(
             length = None
             if type(cache_seqlens) is int:
                 length = cache_seqlens
-                cache_seqlens = _length_tensor(q.shape[0], length, q.device)
+                cache_seqlens = length_tensor(q.shape[0], length, q.device)
             if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
                 if check:
                     check_kvcache_metadata_once(cache_seqlens, block_table, kp, length)

@@ -24,7 +24,8 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
-from flashsuite.common.validation import AttnParams, VarlenParams
+from flashsuite.common.kvcache import length_tensor
+from flashsuite.common.validation import AttnParams, KVCacheParams, VarlenParams
 from flashsuite.fa3.bwd_configs import BWD_DEFAULT_ON, VARLEN_BWD_AUTO
 
 # The backward's entry points (bwd_interface.py), part of this contract, and the config and
@@ -47,7 +48,7 @@ from flashsuite.fa3.configs import (
     config_for,
     fp8_block_tiles,
 )
-from flashsuite.fa3.decode_configs import KVCACHE_AUTO
+from flashsuite.fa3.decode_configs import DECODE_TILE_M, KVCACHE_AUTO
 from flashsuite.fa3.trace import FIELDS as TRACE_FIELDS
 from flashsuite.fa3.varlen_configs import VARLEN_AUTO, can_implement_varlen, varlen_config_for
 
@@ -104,6 +105,53 @@ def available() -> tuple[bool, str]:
     return True, "fa3: CuTe DSL on sm90"
 
 
+# Dense 16-bit problems whose packed query rows (Nq x Hq / Hkv) fit one tile of the split-KV
+# decode kernel run on it (`decode_route`): a decode step or a short chunk against a long K/V,
+# reached through `attention`, flash_attn_func or the SDPA plug-in rather than through
+# attention_with_kvcache. The forward kernel's 128-row tiles would hold Nq of their rows per
+# (batch, query head), read K/V once per query head and run one CTA per tile however long the
+# keys are; the decode kernel packs a K/V head's query heads into one tile, reads K/V once and
+# splits long keys over the SMs. k and v are the cache (every row full), so out and the LSE are
+# the forward's (within rounding: another split of the keys). 0 turns the route off.
+DECODE_ROUTE_MAX_ROWS = DECODE_TILE_M
+_routes: dict[tuple, KVCacheParams | None] = {}
+
+
+def decode_route(p: AttnParams) -> KVCacheParams | None:
+    """The KV-cache problem (k, v as a full contiguous cache of seqlen_k tokens a row) that
+    `forward` runs dense problem `p` as, or None where the forward kernel runs it: float8,
+    Dv != D, no keys, more than DECODE_ROUTE_MAX_ROWS packed rows, or what the decode kernel
+    does not take (decode_host.supports). Memoised per problem and threshold."""
+    key = (p, DECODE_ROUTE_MAX_ROWS)
+    if key in _routes:
+        return _routes[key]
+    kp = None
+    if (
+        p.dtype in DTYPES
+        and not p.is_fp8
+        and p.head_dim_v == p.head_dim
+        and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
+        and p.seqlen_q * p.group_size <= DECODE_ROUTE_MAX_ROWS
+    ):
+        from flashsuite.fa3 import decode_host
+
+        cand = KVCacheParams(p, seqlen_new=0, page_size=0, num_pages=0, num_splits=0)
+        kp = cand if decode_host.supports(cand)[0] else None
+    if len(_routes) >= 1024:  # many distinct problems: start over rather than grow
+        _routes.clear()
+    _routes[key] = kp
+    return kp
+
+
+def _decode_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kp: KVCacheParams):
+    """`forward` of a problem `decode_route` sends to the split-KV decode kernel: out
+    (B, Nq, Hq, D) and lse (B, Hq, Nq), contiguous."""
+    from flashsuite.fa3 import decode_host
+
+    lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)
+    return decode_host.kvcache_forward(q, k, v, None, None, lens, None, kp)
+
+
 def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     """Whether fa3 takes problem `p` on `arch` (90 only).
 
@@ -128,6 +176,13 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
         return False, f"fa3: heads ({p.heads_q}) and batch ({p.batch}) must be <= {_MAX_GRID_YZ}"
     if max(p.seqlen_q, p.seqlen_k) >= 2**31 // 2:
         return False, "fa3: sequence lengths must be < 2^30 (32-bit TMA coordinates)"
+    if decode_route(p) is not None:
+        from flashsuite.fa3 import decode_host
+
+        rows = p.seqlen_q * p.group_size
+        how = decode_host.supports(decode_route(p))[1].removeprefix("fa3: ")
+        limit = DECODE_ROUTE_MAX_ROWS
+        return True, f"fa3: {rows} packed query rows (<= {limit}): {how}, k and v as full rows"
     cfg = config_for(p)
     ok, reason = can_implement(cfg, p.head_dim, p.dtype)
     if not ok:
@@ -329,6 +384,8 @@ def forward(
             ok, reason = supports(p, 90)
             if not ok:
                 raise ValueError(reason)
+    if cfg is None and trace is None and (kp := decode_route(p)) is not None:
+        return _decode_forward(q, k, v, kp)
     out = torch.empty(
         (p.batch, p.seqlen_q, p.heads_q, p.head_dim), dtype=p.out_dtype, device=q.device
     )  # (B, Nq, Hq, D)
@@ -412,6 +469,16 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
     here: a second compiled kernel would cost a cold start more than the allocation saves)."""
     if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
         return None
+    if (kp := decode_route(p)) is not None:
+        from flashsuite.fa3.decode_host import kvcache_forward
+
+        batch, keys = p.batch, p.seqlen_k
+
+        def run_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+            lens = length_tensor(batch, keys, q.device)
+            return kvcache_forward(q, k, v, None, None, lens, None, kp)
+
+        return run_decode
     counted = config_for(p).tile_counter  # the launch takes its tile counters
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)

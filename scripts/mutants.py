@@ -410,7 +410,7 @@ MUTANTS = [
     ),
     Mutant(
         "int cache_seqlens: its kept tensor keyed without the length (a stale length reused)",
-        "dispatch/inference.py",
+        "common/kvcache.py",
         "key = (device, None, batch, length)",
         "key = (device, None, batch)",
         "length_tensor",
@@ -447,6 +447,22 @@ MUTANTS = [
         "* page + (j + 1) % page",
         "varlen_block_table",
         ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
+        "flash-attn names: a paged decode batch's cache lengths one key short",
+        "dispatch/flash_attn.py",
+        "lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)",
+        "lens = (cu_k[1:] - cu_k[:-1] - 1).clamp(min=0).to(torch.int32)",
+        "equal_query_lengths",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
+        "fa3: a dense problem on the decode kernel reads one key fewer",
+        "fa3/interface.py",
+        "lens = length_tensor(batch, keys, q.device)",
+        "lens = length_tensor(batch, keys - 1, q.device)",
+        "decode_route",
+        ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
         "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",

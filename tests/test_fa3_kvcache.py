@@ -585,6 +585,93 @@ def test_dispatch_runs_fa3_for_auto_and_by_name(stand_in, monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------------------------------
+# Dense problems on the decode kernel (fa3.interface.decode_route)
+# ------------------------------------------------------------------------------------------
+def _dense(b, nq, nk, hq, hkv, d, dtype=BF16, dv=None, device="meta", **options):
+    from flashsuite.common.validation import check_inputs
+
+    q = torch.empty(b, nq, hq, d, dtype=dtype, device=device)
+    k = torch.empty(b, nk, hkv, d, dtype=dtype, device=device)
+    v = torch.empty(b, nk, hkv, dv or d, dtype=dtype, device=device)
+    return check_inputs(q, k, v, **options)
+
+
+@pytest.mark.parametrize(
+    ("shape", "options", "routed"),
+    [
+        ((8, 1, 4096, 32, 8, 128), {}, True),  # a decode step: 4 packed rows
+        ((2, 16, 4096, 32, 8, 128), dict(causal=True), True),  # 64 rows: one decode tile
+        ((2, 17, 4096, 32, 8, 128), dict(causal=True), False),  # 68 rows
+        ((4, 64, 300, 16, 16, 64), dict(window_size=(50, 0), softcap=5.0), True),  # MHA, 64
+        ((4, 65, 300, 16, 16, 64), {}, False),
+        ((1, 1, 7, 8, 1, 256), {}, True),  # fewer keys than a tile
+        ((1, 1, 4096, 8, 8, 80), {}, False),  # a head dim the decode kernel lacks
+        ((1, 1, 4096, 8, 8, 128, torch.float32), {}, False),
+        ((1, 1, 4096, 8, 8, 128, BF16, 64), {}, False),  # Dv != D
+        ((1, 1, 0, 8, 8, 128), {}, False),  # no keys: forward's own path
+    ],
+)  # fmt: skip
+def test_decode_route_policy(shape, options, routed, monkeypatch) -> None:
+    """Dense 16-bit problems whose packed rows (Nq x Hq / Hkv) fit one decode tile run on the
+    split-KV decode kernel with k, v as full cache rows (decode_route: the problem itself, no
+    new tokens, a contiguous cache, the heuristic's splits), and explain() says so; others,
+    and every problem with DECODE_ROUTE_MAX_ROWS = 0, keep the forward kernel."""
+    pytest.importorskip("triton")
+    from flashsuite.fa3 import interface
+
+    p = _dense(*shape, **options)
+    kp = interface.decode_route(p)
+    assert (kp is not None) == routed
+    if routed:
+        assert (kp.attn, kp.seqlen_new, kp.page_size, kp.num_splits) == (p, 0, 0, 0)
+        ok, reason = interface.supports(p, 90)
+        assert ok and "split-KV decode" in reason, reason
+        monkeypatch.setattr(interface, "DECODE_ROUTE_MAX_ROWS", 0)
+        assert interface.decode_route(p) is None
+        assert "split-KV decode" not in interface.supports(p, 90)[1]
+    elif interface.supports(p, 90)[0]:
+        assert "split-KV decode" not in interface.supports(p, 90)[1]
+
+
+def test_decode_route_runs_the_decode_binary(stand_in, monkeypatch) -> None:
+    """A routed problem through fa3's forward and its bound form (dispatch's plans) reaches the
+    decode binary with k, v as the cache and every row's length = Nk (int32, on the stand-in's
+    contract), no new tokens and no block table; out and lse come back in the forward's
+    shapes. Route off, the forward's own path runs instead (no decode binary)."""
+    pytest.importorskip("triton")
+    from flashsuite.fa3 import decode_host, interface
+
+    b, nq, nk, hq, hkv, d = 3, 2, 200, 8, 2, 64
+    q = torch.randn(b, nq, hq, d, dtype=BF16, device=DEV)
+    k, v = (torch.randn(b, nk, hkv, d, dtype=BF16, device=DEV) for _ in range(2))
+    p = _dense(b, nq, nk, hq, hkv, d, device=DEV, causal=True)
+    seen = []
+    real = decode_host.kvcache_forward
+
+    def spy(q_, kc, vc, kn, vn, lens, table, kp, **kw):
+        seen.append((kc is k, vc is v, kn, vn, lens.tolist(), lens.dtype, table, kp))
+        return real(q_, kc, vc, kn, vn, lens, table, kp, **kw)
+
+    monkeypatch.setattr(decode_host, "kvcache_forward", spy)
+    out, lse = interface.forward(q, k, v, p)
+    out2, lse2 = interface.bind_forward(p)(q, k, v)
+    kp = interface.decode_route(p)
+    want = (True, True, None, None, [nk] * b, torch.int32, None, kp)
+    assert seen == [want, want] and len(stand_in) == 1 and stand_in[0].calls == [(1, 0)] * 2
+    for o, lse_ in ((out, lse), (out2, lse2)):
+        assert o.shape == q.shape and lse_.shape == (b, hq, nq)
+    monkeypatch.setattr(interface, "DECODE_ROUTE_MAX_ROWS", 0)
+    monkeypatch.setattr(interface, "_launch_plan", _no_forward_kernel)
+    with pytest.raises(AssertionError, match="forward kernel"):
+        interface.forward(q, k, v, p)
+    assert len(seen) == 2
+
+
+def _no_forward_kernel(*args) -> None:
+    raise AssertionError("the forward kernel's launch plan was asked for")
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: the kernel against the per-row oracle
 # ------------------------------------------------------------------------------------------
 # (B, Nq, Nnew, Hq, Hkv, D, dtype, cache_seqlens, capacity, page_size, num_splits, options)
@@ -815,3 +902,93 @@ def test_gpu_split_decode_replays_in_cuda_graphs(monkeypatch) -> None:
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+# (B, Nq, Nk, Hq, Hkv, D, dtype, layout, options): dense problems decode_route sends to the
+# decode kernel. "bhnd": q, k, v as (B, N, H, D) views of (B, H, N, D) tensors, SDPA's layout.
+DENSE_ROUTE_CASES = [
+    (8, 1, 4096, 32, 8, 128, BF16, "bnhd", {}),
+    (1, 1, 40000, 32, 8, 128, BF16, "bnhd", {}),  # split over the SMs
+    (4, 16, 3000, 32, 8, 128, BF16, "bnhd", dict(causal=True)),  # 64 packed rows
+    (2, 5, 3, 8, 8, 64, F16, "bnhd", dict(causal=True)),  # the first 2 rows see no key
+    (2, 4, 700, 16, 16, 256, BF16, "bnhd", dict(window_size=(100, 0), softcap=10.0)),
+    (3, 1, 5000, 32, 4, 128, BF16, "bhnd", {}),
+]
+
+
+def _dense_case_id(c) -> str:
+    b, nq, nk, hq, hkv, d, dt, layout, opts = c
+    return f"b{b}-nq{nq}-nk{nk}-h{hq}x{hkv}-D{d}-{str(dt)[6:]}-{layout}-{'-'.join(opts) or 'plain'}"
+
+
+def _dense_inputs(case, gen):
+    b, nq, nk, hq, hkv, d, dtype, layout, _ = case
+    if layout == "bhnd":
+        q = _rand(gen, b, hq, nq, d, dtype=dtype).transpose(1, 2)
+        k, v = (_rand(gen, b, hkv, nk, d, dtype=dtype).transpose(1, 2) for _ in "kv")
+    else:
+        q = _rand(gen, b, nq, hq, d, dtype=dtype)
+        k, v = (_rand(gen, b, nk, hkv, d, dtype=dtype) for _ in "kv")
+    return q, k, v
+
+
+@gpu_fa3
+@pytest.mark.parametrize("case", DENSE_ROUTE_CASES, ids=_dense_case_id)
+def test_gpu_dense_problems_on_the_decode_kernel(case, monkeypatch) -> None:
+    """Dense problems of at most DECODE_ROUTE_MAX_ROWS packed rows through dispatch.attention
+    (fa3, with a gradient) run on the split-KV decode kernel: out, the LSE and the gradients
+    (fa3's backward on the routed out and LSE) against the float64 oracle; a row that sees no
+    key gives out 0 and LSE -inf; flash_attn_func gives the same bits."""
+    from flashsuite.fa3 import decode_host
+
+    *_, options = case
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    q, k, v = _dense_inputs(case, gen)
+    calls = []
+    real = decode_host.kvcache_forward
+    monkeypatch.setattr(
+        decode_host, "kvcache_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = dispatch.attention(qs, ks, vs, return_lse=True, version="fa3", **options)
+    do = torch.randn(out.shape, generator=gen, device=DEV).to(out.dtype)
+    dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), do)
+    assert calls, "the call did not reach the decode kernel"
+    ref = _oracle(q, k, v, do, **options)
+    ours = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    for name, t in ours.items():
+        dt = torch.float32 if name == "lse" else q.dtype
+        c = compare(name, t, ref["ref"][name], ref["pt"][name],
+                    factor=3.0 if name.startswith("d") else 2.0, dtype=dt)  # fmt: skip
+        assert c.ok, str(c)
+    with torch.no_grad():
+        fa = dispatch.flash_attn_func(q, k, v, **options)
+        assert torch.equal(fa, dispatch.attention(q, k, v, version="fa3", **options))
+        assert torch.equal(fa, out.detach())
+
+
+@gpu_fa3
+def test_gpu_dense_decode_route_replays_in_a_cuda_graph() -> None:
+    """A decode step through dispatch.attention (B 2, Nq 1, GQA 32/8, 8k keys: split, fused
+    combine) captured into a CUDA graph replays the eager call's out bit for bit, with new
+    inputs copied into the captured ones between replays."""
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    q, k, v = _dense_inputs((2, 1, 8192, 32, 8, 128, BF16, "bnhd", {}), gen)
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            dispatch.attention(q, k, v)  # warm: compile and plan outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = dispatch.attention(q, k, v)
+        for seed in (6, 7):
+            new = _dense_inputs((2, 1, 8192, 32, 8, 128, BF16, "bnhd", {}),
+                                torch.Generator(device=DEV).manual_seed(seed))  # fmt: skip
+            for dst, src in zip((q, k, v), new, strict=True):
+                dst.copy_(src)
+            graph.replay()
+            want = dispatch.attention(q, k, v)
+            torch.cuda.synchronize()
+            assert torch.equal(got, want)

@@ -499,6 +499,82 @@ def test_varlen_block_table_is_the_packed_call(causal: bool) -> None:
         assert not grad_pages[~owned].any()
 
 
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_block_table_with_equal_query_lengths_reads_the_pages(
+    nq, causal, device, monkeypatch
+) -> None:
+    """A paged varlen call whose sequences all have max_seqlen_q queries (a decode batch: one
+    each) and that needs no gradient runs as KV-cache attention on the pages themselves:
+    nothing gathered, out and the LSE (Hq, total_q) those of the packed call on the gathered
+    keys (lengths 0, 1, 37, 300 on shuffled 16-token pages, NaN in every unused slot, GQA;
+    float32 on a CPU, bf16 on a GPU, where fa3's decode kernel runs it against its varlen
+    forward). With a gradient, or unequal query lengths, the pages are gathered as before."""
+    from flashsuite.dispatch import flash_attn as fa
+
+    gen = torch.Generator().manual_seed(9)
+    lens_k, hq, hkv, d = [0, 1, 37, 300], 4, 2, 64
+    dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
+    b = len(lens_k)
+    cu_q = torch.arange(0, (b + 1) * nq, nq, dtype=I32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=I32)
+    q = torch.randn(b * nq, hq, d, generator=gen)
+    k, v = (torch.randn(int(cu_k[-1]), hkv, d, generator=gen) for _ in "kv")
+    kp, vp, table = _paged(gen, k, v, cu_k, 16)
+    q, k, v, kp, vp = (t.to(device, dtype) for t in (q, k, v, kp, vp))
+    cu_q, cu_k, table = (t.to(device) for t in (cu_q, cu_k, table))
+    args = (cu_q, cu_k, nq, max(lens_k))
+    want, want_lse, _ = dispatch.flash_attn_varlen_func(
+        q, k, v, *args, causal=causal, return_attn_probs=True
+    )
+    gathered = []
+    real = fa._gather_pages
+    monkeypatch.setattr(fa, "_gather_pages", lambda *a: gathered.append(1) or real(*a))
+    with torch.no_grad():
+        got, lse, probs = dispatch.flash_attn_varlen_func(
+            q, kp, vp, *args, causal=causal, return_attn_probs=True, block_table=table
+        )
+        plain = dispatch.flash_attn_varlen_func(q, kp, vp, *args, causal=causal, block_table=table)
+    assert not gathered and probs.numel() == 0
+    assert got.shape == want.shape and lse.shape == want_lse.shape == (hq, b * nq)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
+    assert torch.equal(plain, got)
+    qg = q.clone().requires_grad_()
+    dispatch.flash_attn_varlen_func(qg, kp, vp, *args, causal=causal, block_table=table)
+    assert gathered == [1], "a call that needs a gradient gathers the pages"
+    uneven = torch.tensor([0, 0, *cu_q[2:].tolist()], dtype=I32, device=device)  # 0, 2 nq
+    if nq > 1:
+        with torch.no_grad():
+            dispatch.flash_attn_varlen_func(q, kp, vp, uneven, cu_k, nq * 2, max(lens_k),
+                                            block_table=table)  # fmt: skip
+        assert gathered == [1, 1]
+
+
+@pytest.mark.parametrize("change", ["entry-past-pages", "decreasing", "too-long", "start"])
+def test_bad_varlen_block_table_of_a_decode_batch_raises(change: str) -> None:
+    """The decode batch of the paged varlen call (one query a sequence, no gradient) names the
+    argument as the gathering path does: an entry outside k's pages, offsets that decrease,
+    do not start at 0, or a sequence longer than its row of pages."""
+    gen = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0, 1, 2], dtype=I32)
+    cu_k = torch.tensor([0, 20, 50], dtype=I32)
+    q = torch.randn(2, 2, 32, generator=gen)
+    k, v = (torch.randn(8, 16, 2, 32, generator=gen) for _ in "kv")
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=I32)
+    name = "cu_seqlens_k"
+    if change == "entry-past-pages":
+        table[1, 1], name = 8, "block_table"
+    elif change == "decreasing":
+        cu_k = torch.tensor([0, 20, 10], dtype=I32)
+    elif change == "too-long":
+        cu_k = torch.tensor([0, 20, 70], dtype=I32)  # 50 keys, 3 pages of 16
+    elif change == "start":
+        cu_k = torch.tensor([1, 20, 50], dtype=I32)
+    with torch.no_grad(), pytest.raises(ValueError, match=f"^{name}: "):
+        dispatch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 1, 60, block_table=table)
+
+
 @pytest.mark.parametrize(
     ("change", "name"),
     [

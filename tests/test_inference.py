@@ -790,29 +790,29 @@ def test_kvcache_int_length_tensor_is_shared_by_a_steps_layers() -> None:
     length), shared by the layers of a decode step (one fill a step, not one a layer): the
     same tensor for the same length, a new one for the next step's, right values, the cache
     bounded; calls that append k, v through it leave it as it was."""
-    from flashsuite.dispatch import inference
+    from flashsuite.common import kvcache
 
-    inference._length_tensors.clear()
-    first = inference._length_tensor(3, 17, torch.device("cpu"))
+    kvcache._length_tensors.clear()
+    first = kvcache.length_tensor(3, 17, torch.device("cpu"))
     assert first.dtype == I32 and first.tolist() == [17, 17, 17]
-    assert inference._length_tensor(3, 17, torch.device("cpu")) is first
-    nxt = inference._length_tensor(3, 18, torch.device("cpu"))
+    assert kvcache.length_tensor(3, 17, torch.device("cpu")) is first
+    nxt = kvcache.length_tensor(3, 18, torch.device("cpu"))
     assert nxt is not first and nxt.tolist() == [18, 18, 18]
-    assert inference._length_tensor(2, 17, torch.device("cpu")).tolist() == [17, 17]
-    for n in range(2 * inference.LENGTH_TENSORS_MAX):
-        inference._length_tensor(1, n, torch.device("cpu"))
-    assert len(inference._length_tensors) <= inference.LENGTH_TENSORS_MAX
+    assert kvcache.length_tensor(2, 17, torch.device("cpu")).tolist() == [17, 17]
+    for n in range(2 * kvcache.LENGTH_TENSORS_MAX):
+        kvcache.length_tensor(1, n, torch.device("cpu"))
+    assert len(kvcache._length_tensors) <= kvcache.LENGTH_TENSORS_MAX
 
     gen = torch.Generator().manual_seed(8)
     q = torch.randn(2, 1, 4, 32, generator=gen).to(BF16)
     kc, vc = (torch.randn(2, 16, 2, 32, generator=gen).to(BF16) for _ in range(2))
     kn, vn = (torch.randn(2, 1, 2, 32, generator=gen).to(BF16) for _ in range(2))
-    shared = inference._length_tensor(2, 5, torch.device("cpu"))  # what the calls will take
+    shared = kvcache.length_tensor(2, 5, torch.device("cpu"))  # what the calls will take
     outs = []
     for _ in range(2):  # two layers of one step, each appending its token at slot 5
         outs.append(dispatch.attention_with_kvcache(
             q, kc, vc, kn, vn, cache_seqlens=5, version="torch"))  # fmt: skip
-    assert inference._length_tensor(2, 5, torch.device("cpu")) is shared
+    assert kvcache.length_tensor(2, 5, torch.device("cpu")) is shared
     assert shared.tolist() == [5, 5]  # read by the appends, never written
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     ref = dispatch.attention(q, kc[:, :6], vc[:, :6], causal=True, version="torch")
@@ -824,25 +824,25 @@ def test_gpu_kvcache_int_length_under_capture_is_not_cached() -> None:
     """Under CUDA-graph capture an int length gets a tensor of its own (filled by the graph at
     each replay; a cached one could be dropped while the graph still reads it), and the replay
     matches the eager call, whose tensor is cached."""
-    from flashsuite.dispatch import inference
+    from flashsuite.common import kvcache
 
     gen = torch.Generator(device=DEV).manual_seed(4)
     q = _rand(gen, 2, 1, 8, 128, dtype=BF16)
     kc, vc = (_rand(gen, 2, 512, 2, 128, dtype=BF16) for _ in range(2))
-    inference._length_tensors.clear()
+    kvcache._length_tensors.clear()
     with torch.no_grad():
         want = dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=300)
-        cached = dict(inference._length_tensors)
+        cached = dict(kvcache._length_tensors)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=300)
         torch.cuda.current_stream().wait_stream(stream)
-        before = dict(inference._length_tensors)
+        before = dict(kvcache._length_tensors)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = dispatch.attention_with_kvcache(q, kc, vc, cache_seqlens=300)
-        after = inference._length_tensors  # nothing cached while capturing
+        after = kvcache._length_tensors  # nothing cached while capturing
         assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
         graph.replay()
     torch.cuda.synchronize()
