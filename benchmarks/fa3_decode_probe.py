@@ -51,12 +51,17 @@ def case_name(case: tuple) -> str:
 
 
 def probe(
-    case: tuple, ctas_per_sm: int = 1, paged_boxes: bool = False, evict_first: bool = False
+    case: tuple,
+    ctas_per_sm: int = 1,
+    paged_boxes: bool = False,
+    evict_first: bool = False,
+    leftpad: bool = False,
 ) -> dict:
     """Compile one decode build (`ctas_per_sm` 2: the two-CTAs-per-SM build; `paged_boxes`: a
     paged build on the contiguous tiles, one TMA box per page, decode_host.plan's choice under
     decode_configs.DECODE_PAGED_BOXES; `evict_first`: K and V loads with the L2 evict-first hint,
-    decode_configs.DECODE_KV_EVICT_FIRST); its PTX and ptxas facts."""
+    decode_configs.DECODE_KV_EVICT_FIRST; `leftpad`: a contiguous cache whose rows start at a
+    slot of their own, cache_leftpad); its PTX and ptxas facts."""
     import torch
 
     from flashsuite.fa3 import decode_configs
@@ -69,7 +74,7 @@ def probe(
     cfg, box = _tiles(d, page, ctas_per_sm)
     key = DecodeKey(
         torch.bfloat16, d, causal, local, softcap, page > 0, split, cfg, fused, ctas_per_sm, box,
-        evict_first,
+        evict_first, leftpad,
     )  # fmt: skip
     t0 = time.perf_counter()
     compiled, log = _capture_fd2(lambda: compile_decode(key))
@@ -78,7 +83,8 @@ def probe(
         "name": case_name(case)
         + ("-2cta" if ctas_per_sm == 2 else "")
         + (f"-box{box}" if box else "")
-        + ("-evict1st" if evict_first else ""),
+        + ("-evict1st" if evict_first else "")
+        + ("-leftpad" if leftpad else ""),
         "config": cfg.__dict__,
         "compile_s": round(time.perf_counter() - t0, 2),
         "ptx": ptx_counts(ptx),
@@ -110,14 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         "--evict-first", action="store_true",
         help="K and V loads with the L2 evict-first hint (DECODE_KV_EVICT_FIRST)",
     )  # fmt: skip
+    ap.add_argument(
+        "--leftpad", action="store_true",
+        help="the contiguous builds whose rows start at a slot of their own (cache_leftpad)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     cases = all_cases() if args.all else CI_CASES
     if args.two_ctas:
         cases = [c for c in cases if c[0] <= 128]
     if args.paged_boxes:
         cases = [c for c in cases if c[4]]
+    if args.leftpad:
+        cases = [c for c in cases if not c[4]]
     results = [
-        probe(c, 2 if args.two_ctas else 1, args.paged_boxes, args.evict_first) for c in cases
+        probe(c, 2 if args.two_ctas else 1, args.paged_boxes, args.evict_first, args.leftpad)
+        for c in cases
     ]
     for r in results:
         print(

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-_INT_PTRS = {"BlockTable", "CacheSeqlens", "CuQ", "CuK"}
+_INT_PTRS = {"BlockTable", "CacheSeqlens", "Leftpad", "CuQ", "CuK"}
 _FP32_PTRS = {"Lse", "Lse2", "Delta", "OPart", "LsePart"}
 _FP32_SCALARS = {"qk_scale", "softcap_log2", "scale"}
 
@@ -76,10 +76,16 @@ def main() -> int:
             for paged, per_tile in ((False, False), (True, True), (True, False)):
                 cfg = decode.decode_config(rows, d, interpreter=False)
                 ce = dict(flags, HAS_RIGHT=rows > 4, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=d, DV_PAD=d,
-                          SPLIT=True, PAGED=paged, PAGE_PER_TILE=per_tile,
+                          SPLIT=True, PAGED=paged, PAGE_PER_TILE=per_tile, LEFTPAD=False,
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)  # fmt: skip
                 label = f"decode D={d} rows={rows} paged={int(paged)} per_tile={int(per_tile)}"
                 jobs.append((label, decode._decode_split, ce, cfg.num_warps, cfg.num_stages))
+        cfg = decode.decode_config(4, d, interpreter=False)  # a left-padded contiguous cache
+        ce = dict(flags, HAS_RIGHT=False, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=d, DV_PAD=d, SPLIT=True,
+                  PAGED=False, PAGE_PER_TILE=False, LEFTPAD=True, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n)  # fmt: skip
+        jobs.append((f"decode D={d} rows=4 leftpad", decode._decode_split, ce, cfg.num_warps,
+                     cfg.num_stages))  # fmt: skip
         ce = dict(HEAD_DIM_V=d, DV_PAD=d, BLOCK_R=16)
         jobs.append((f"combine D={d}", decode._combine, ce, 4, 1))
     for d in (32, 64, 96, 128, 192, 256):  # every head dim of the dense table

@@ -7,7 +7,8 @@
                                   scalars) -> (dq, dk, dv)
     flashsuite::<name>_kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    causal, scale, window_left, window_right, softcap,
-                                   num_splits) -> (out, lse)   (mutates k_cache, v_cache)
+                                   num_splits, cache_leftpad=None) -> (out, lse)
+                                   (mutates k_cache, v_cache)
 
 Fake implementations give torch.compile(fullgraph=True) the output shapes; the varlen forward's
 autograd formula calls the varlen backward on the saved (q, k, v, out, lse) and cu_seqlens.
@@ -140,8 +141,9 @@ def _define_varlen_backward(name: str, mod: ModuleType):
 
 
 def kvcache_params(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, wl, wr, softcap, splits
-) -> KVCacheParams:
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, wl, wr, softcap, splits,
+    leftpad=None,
+) -> KVCacheParams:  # fmt: skip
     return check_kvcache_inputs(
         q,
         k_cache,
@@ -155,6 +157,7 @@ def kvcache_params(
         window_size=(wl, wr),
         softcap=softcap,
         num_splits=splits,
+        cache_leftpad=leftpad,
     )
 
 
@@ -176,14 +179,17 @@ def define_kvcache_op(name: str, mod: ModuleType):
         window_right: int,
         softcap: float,
         num_splits: int,
+        cache_leftpad: Optional[torch.Tensor] = None,  # noqa: UP045
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kp = kvcache_params(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-            causal, scale, window_left, window_right, softcap, num_splits,
+            causal, scale, window_left, window_right, softcap, num_splits, cache_leftpad,
         )  # fmt: skip
         if metadata_checks_enabled():
-            check_kvcache_metadata_once(cache_seqlens, block_table, kp)
-        out, lse = mod.kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
+            check_kvcache_metadata_once(cache_seqlens, block_table, kp, None, cache_leftpad)
+        out, lse = mod.kvcache_forward(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, leftpad=cache_leftpad
+        )
         return out.contiguous(), lse.contiguous()
 
     @fwd.register_fake

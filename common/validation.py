@@ -437,6 +437,9 @@ class KVCacheParams:
     page_size: int
     num_pages: int
     num_splits: int
+    # cache_leftpad given: row b's keys start at cache_leftpad[b] (a contiguous cache only), so
+    # it attends cache slots [cache_leftpad[b], cache_seqlens[b] + seqlen_new).
+    leftpad: bool = False
 
     @property
     def paged(self) -> bool:
@@ -445,7 +448,8 @@ class KVCacheParams:
     def describe(self) -> str:
         cache = f"paged(page={self.page_size}, pages={self.num_pages})" if self.paged else "dense"
         new = f" +{self.seqlen_new} new" if self.seqlen_new else ""
-        return f"kvcache {cache}{new} {self.attn.describe()}"
+        pad = " leftpad" if self.leftpad else ""
+        return f"kvcache {cache}{pad}{new} {self.attn.describe()}"
 
 
 PAGE_SIZES = (16, 256)  # inclusive range of supported page sizes (multiples of 16)
@@ -585,11 +589,13 @@ def check_kvcache_inputs(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     num_splits: int = 0,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> KVCacheParams:
     """Validate q (B, Nq, Hq, D), a cache (B_cache, N_max, Hkv, D) or, with block_table
     (B, max_pages) int32, pages (num_pages, page_size, Hkv, D), the optional new k, v
-    (B, Nnew, Hkv, D) and the shapes of the metadata; their values are
-    `check_kvcache_metadata`'s. An int cache_seqlens is checked here."""
+    (B, Nnew, Hkv, D), the optional cache_leftpad (B,) int32 (a contiguous cache only) and the
+    shapes of the metadata; their values are `check_kvcache_metadata`'s. An int cache_seqlens
+    is checked here."""
     q = _check_tensor("q", q)
     k_cache = _check_tensor("k_cache", k_cache)
     v_cache = _check_tensor("v_cache", v_cache)
@@ -658,6 +664,13 @@ def check_kvcache_inputs(
                 f"capacity), got {n} + {n_new}"
             )
     splits = _check_int("num_splits", num_splits)
+    if cache_leftpad is not None:
+        check_index_tensor("cache_leftpad", cache_leftpad, (b,), q.device)
+        if block_table is not None:
+            raise ValueError(
+                "cache_leftpad: expected None with a paged cache (block_table), got a tensor: "
+                "each row's keys start at its first page"
+            )
     # Dense checks (dtypes, devices, heads, head_dim range, options) on views with B rows.
     p = check_inputs(
         q,
@@ -671,23 +684,36 @@ def check_kvcache_inputs(
     if p.is_fp8:
         raise TypeError("q: float8 inputs are not supported by attention_with_kvcache")
     attn = replace(p, seqlen_k=capacity)
-    return KVCacheParams(attn, n_new, page_size, num_pages, splits)
+    return KVCacheParams(attn, n_new, page_size, num_pages, splits, cache_leftpad is not None)
 
 
 def check_kvcache_metadata(
-    cache_seqlens: torch.Tensor, block_table: torch.Tensor | None, kp: KVCacheParams
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    kp: KVCacheParams,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> None:
-    """The values of cache_seqlens and block_table (one device-to-host copy each): every row's
-    cache_seqlens + Nnew within the capacity, every block_table entry that row uses in
-    [0, num_pages). A few whole-table operations whatever the batch (a loop over rows cost
-    ~20 us a row); the first offending row (and entry) is named."""
-    lens = cache_seqlens.tolist()
+    """The values of cache_seqlens, cache_leftpad and block_table (one device-to-host copy
+    each): every row's cache_seqlens + Nnew within the capacity, its cache_leftpad in
+    [0, cache_seqlens], every block_table entry that row uses in [0, num_pages). A few
+    whole-table operations whatever the batch (a loop over rows cost ~20 us a row); the first
+    offending row (and entry) is named."""
+    if cache_leftpad is None:
+        lens, pads = cache_seqlens.tolist(), None
+    else:
+        lens, pads = torch.stack([cache_seqlens, cache_leftpad]).tolist()
     capacity, new = kp.attn.seqlen_k, kp.seqlen_new
     if lens and (min(lens) < 0 or max(lens) + new > capacity):
         b = next(i for i, n in enumerate(lens) if n < 0 or n + new > capacity)
         raise ValueError(
             f"cache_seqlens: expected 0 <= cache_seqlens[{b}] + Nnew <= {capacity} (the "
             f"cache capacity), got {lens[b]} + {new}"
+        )
+    if pads is not None and any(not 0 <= lp <= n for lp, n in zip(pads, lens, strict=True)):
+        b = next(i for i, (lp, n) in enumerate(zip(pads, lens, strict=True)) if not 0 <= lp <= n)
+        raise ValueError(
+            f"cache_leftpad: expected 0 <= cache_leftpad[{b}] <= cache_seqlens[{b}] = "
+            f"{lens[b]} (the row's first key), got {pads[b]}"
         )
     if block_table is None or not lens:
         return
@@ -753,6 +779,7 @@ def check_kvcache_metadata_once(
     block_table: torch.Tensor | None,
     kp: KVCacheParams,
     length: int | None = None,
+    cache_leftpad: torch.Tensor | None = None,
 ) -> None:
     """`check_kvcache_metadata`, skipped as `check_varlen_metadata_once` skips: for
     cache_seqlens and block_table (the tensors given) that passed it before for the same
@@ -762,11 +789,14 @@ def check_kvcache_metadata_once(
     then remembered, with that length."""
     problem = (kp.attn.seqlen_k, kp.seqlen_new, kp.page_size, kp.num_pages, length)
     tensors = (cache_seqlens,) if length is None else ()
+    if cache_leftpad is not None:  # checked against the lengths: both are remembered
+        tensors = (cache_seqlens, cache_leftpad)
     if block_table is not None:
         tensors = (*tensors, block_table)
     _once(
-        _checked, tensors, problem, lambda: check_kvcache_metadata(cache_seqlens, block_table, kp)
-    )
+        _checked, tensors, problem,
+        lambda: check_kvcache_metadata(cache_seqlens, block_table, kp, cache_leftpad),
+    )  # fmt: skip
 
 
 def _once(memo: dict, tensors: tuple, problem: tuple, check) -> None:

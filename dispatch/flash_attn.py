@@ -10,13 +10,14 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 `flash_attn_kvpacked_func` and their varlen twins) take q, k, v stacked in one tensor
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
-not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes,
-cache_leftpad. The varlen call with a block_table runs as KV-cache attention on the pages in
-place where every sequence has max_seqlen_q queries and no gradient is needed (a decode batch;
+not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes.
+The varlen call with a block_table runs as KV-cache attention on the pages in place where
+every sequence has max_seqlen_q queries and no gradient is needed (a decode batch;
 `_paged_as_kvcache`), and otherwise gathers each sequence's pages into packed k, v first
-(`_gather_pages`, one copy). The KV-cache call's rotary tables
-rotate q and the new k in one Triton launch before the attention (common.rotary_kernel), and
-its cache_batch_idx reads each cache row as pages of that row (`_batch_idx_pages`).
+(`_gather_pages`, one copy). The KV-cache call's rotary tables rotate q and the new k in one
+Triton launch before the attention (common.rotary_kernel), its cache_batch_idx reads each
+cache row as pages of that row (`_batch_idx_pages`), and its cache_leftpad starts each row of
+a contiguous cache at a slot of its own.
 
 Two differences in values, both in rows that see no key: flashsuite returns an LSE of -inf
 there (log 0; flash-attn's kernels write +inf), and the output 0 as flash-attn does.
@@ -384,12 +385,21 @@ def flash_attn_with_kvcache(
     q and the new k rotated first (common.rotary; `rotary_interleaved`: GPT-J pairs, else
     GPT-NeoX halves), k at positions cache_seqlens + j, q at cache_seqlens + i when causal or
     windowed, else all at cache_seqlens. cache_batch_idx: int32 (B,), batch row b reads (and
-    appends to) cache row cache_batch_idx[b] of a contiguous cache (not with block_table)."""
-    _refuse(cache_leftpad=cache_leftpad, alibi_slopes=alibi_slopes)
+    appends to) cache row cache_batch_idx[b] of a contiguous cache (not with block_table).
+    cache_leftpad: int32 (B,), row b's keys start at slot cache_leftpad[b] <= cache_seqlens[b]
+    of a contiguous cache (neither with block_table nor with cache_batch_idx): it attends
+    slots cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1, causal aligned to their end; the
+    append and the rotary positions are the slots' own, as in flash-attn."""
+    _refuse(alibi_slopes=alibi_slopes)
     if cache_batch_idx is not None:
         if block_table is not None:
             raise ValueError("cache_batch_idx: expected None with a paged cache (block_table "
                              "picks each row's pages), got a tensor")  # fmt: skip
+        if cache_leftpad is not None:
+            raise ValueError(
+                "cache_leftpad: expected None with cache_batch_idx (its rows are read as pages, "
+                "which start at their first slot), got a tensor"
+            )
         k_cache, v_cache, block_table = _batch_idx_pages(q, k_cache, v_cache, cache_batch_idx)
     if cache_seqlens is None:
         if k is not None:
@@ -409,6 +419,7 @@ def flash_attn_with_kvcache(
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, num_splits=num_splits,
         return_lse=check_flag("return_softmax_lse", return_softmax_lse),
+        cache_leftpad=cache_leftpad,
     )  # fmt: skip
 
 

@@ -18,9 +18,10 @@
   (`dispatch.attention_varlen` over the real tokens of each row, bottom-right causal on each
   row's own lengths), then scatters the output back, zeros at padding positions; without
   padding it calls `dispatch.attention` (bottom-right causal, which is what transformers means
-  for a query block at the end of a KV cache). A decode step without padding and without a
-  gradient (`generate()`) goes through `dispatch.attention_with_kvcache` on the cache's own
-  storage (split-KV decode where the version has it).
+  for a query block at the end of a KV cache). A decode step without a gradient
+  (`generate()`) goes through `dispatch.attention_with_kvcache` on the cache's own storage
+  (split-KV decode where the version has it): without padding, with left padding (each row's
+  keys from its first token, `cache_leftpad`) and on a static cache's filled prefix.
 - **What is refused, with an error naming it:** a mask pattern other than causal or
   bidirectional with padding (sliding windows, chunked attention, custom and/or overlays,
   packed sequences found from position_ids, a 4-D mask), caches whose keys start after
@@ -223,6 +224,15 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         raise ValueError(
             f"attention_mask: expected between {low} and Nk = {k.shape[1]} token slots, got {seen}"
         )
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if options["causal"] and nq < seen and not needs_grad:
+        left, pads = _left_padding(mask, nq)
+        if left:
+            # A decode (or chunk) step of a left-padded batch, or of a static cache's filled
+            # prefix: the cache itself, each row from its first token (cache_leftpad).
+            return attention_with_kvcache(
+                q, k, v, cache_seqlens=seen, cache_leftpad=pads, **options
+            )
     if options["causal"]:
         q_mask = mask[:, seen - nq :]  # (B, Nq)
     else:
@@ -244,3 +254,15 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     )  # (total_q, Hq, Dv)
     full = out.new_zeros(b, nq, hq, out.shape[-1])
     return full.index_put((q_mask,), out)  # (B, Nq, Hq, Dv)
+
+
+def _left_padding(mask: torch.Tensor, nq: int) -> tuple[bool, torch.Tensor | None]:
+    """Whether the padding of every row of `mask` (B, L) comes before its tokens and leaves
+    its last nq slots (the queries) real, and then each row's padding as int32 (B,), or None
+    where no row has any: one device-to-host read."""
+    seen = mask.shape[1]
+    pads = (~mask).sum(1, dtype=torch.int32)  # (B,)
+    slots = torch.arange(seen, device=mask.device)
+    left = (mask == (slots[None, :] >= pads[:, None])).all() & (pads <= seen - nq).all()
+    left, padded = torch.stack([left, pads.any()]).tolist()
+    return bool(left), (pads if padded else None)

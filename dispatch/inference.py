@@ -184,7 +184,9 @@ def _choosing_varlen_backward(name: str):
 def _extra(params) -> tuple:
     if isinstance(params, VarlenParams):
         return (params.total_q, params.total_k)
-    return (params.seqlen_new, params.page_size, params.num_pages, params.num_splits)
+    return (
+        params.seqlen_new, params.page_size, params.num_pages, params.num_splits, params.leftpad
+    )  # fmt: skip
 
 
 def select_varlen(
@@ -404,7 +406,7 @@ _kv_plans: dict[tuple, tuple] = {}
 
 def _kv_lookup(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-    softcap, num_splits, version,
+    softcap, num_splits, version, cache_leftpad=None,
 ) -> tuple | None:  # fmt: skip
     """The memoised (version, KVCacheParams, kvcache_forward) of one call, validated and
     selected on a miss (which raises what is wrong); None when an argument is not of a
@@ -423,13 +425,15 @@ def _kv_lookup(
             if type(cache_seqlens) is int
             else (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
         )
-        table = None
+        table = pad = None
         if block_table is not None:
             table = (block_table.shape, block_table.dtype, block_table.device)
+        if cache_leftpad is not None:
+            pad = (cache_leftpad.shape, cache_leftpad.dtype, cache_leftpad.device)
     except (AttributeError, TypeError, RuntimeError):
         return None
     key = (
-        sig, new, lens, table, num_splits, version, arch_mod.override_state(),
+        sig, new, lens, table, pad, num_splits, version, arch_mod.override_state(),
         tuple(map(api._ENV_DATA.get, api._ENV_KEYS)),
     )  # fmt: skip
     plan = _kv_plans.get(key)
@@ -437,7 +441,7 @@ def _kv_lookup(
         kp = check_kvcache_inputs(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-            softcap=softcap, num_splits=num_splits,
+            softcap=softcap, num_splits=num_splits, cache_leftpad=cache_leftpad,
         )  # fmt: skip
         name = _resolve("kvcache", version, kp.attn.to_key(), _extra(kp), False)
         plan = (name, kp, registry.module(name).kvcache_forward)
@@ -472,6 +476,7 @@ def attention_with_kvcache(
     num_splits: int = 0,
     return_lse: bool = False,
     version: str = "auto",
+    cache_leftpad: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache (decode, or chunked prefill), forward only.
 
@@ -481,6 +486,9 @@ def attention_with_kvcache(
     (B, Nnew, Hkv, D|Dv), when given, are written into the cache in place at cache_seqlens
     before attending; row b then attends its first cache_seqlens[b] + Nnew tokens, causal
     aligned to the end of that row. num_splits = 0 picks the split-KV count by heuristic.
+    cache_leftpad int32 (B,) (a contiguous cache only, as flash-attn's): row b's keys start
+    at slot cache_leftpad[b] <= cache_seqlens[b], so it attends slots cache_leftpad[b] ..
+    cache_seqlens[b] + Nnew - 1 (a left-padded batch's rows), causal aligned to their end.
     Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
     neither carrying a gradient.
     """
@@ -488,18 +496,20 @@ def attention_with_kvcache(
     if not api._compiling():
         plan = _kv_lookup(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-            window_size, softcap, num_splits, version,
+            window_size, softcap, num_splits, version, cache_leftpad,
         )  # fmt: skip
         if plan is not None and type(cache_seqlens) is int:
             capacity, new = plan[1].attn.seqlen_k, plan[1].seqlen_new
             if not 0 <= cache_seqlens <= capacity - new:
                 plan = None  # the op path's validation says what is wrong
-        if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table):
+        if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table, cache_leftpad):
             _, kp, forward = plan
-            # An int length is checked above, on the host: only a block table is left to
-            # check, so a contiguous decode step copies nothing to the host.
+            # An int length is checked above, on the host: only a block table or a left
+            # padding is left to check, so a contiguous decode step copies nothing to the host.
             check = metadata_checks_enabled() and (
-                block_table is not None or type(cache_seqlens) is not int
+                block_table is not None
+                or cache_leftpad is not None
+                or type(cache_seqlens) is not int
             )
             length = None
             if type(cache_seqlens) is int:
@@ -507,22 +517,25 @@ def attention_with_kvcache(
                 cache_seqlens = length_tensor(q.shape[0], length, q.device)
             if type(cache_seqlens) is torch.Tensor:  # (a subclass takes the op path)
                 if check:
-                    check_kvcache_metadata_once(cache_seqlens, block_table, kp, length)
+                    check_kvcache_metadata_once(
+                        cache_seqlens, block_table, kp, length, cache_leftpad
+                    )
                 # What the op's implementation runs (common.ops_inference), without its layers,
                 # and without a gradient (a serving loop's no_grad or inference_mode already
                 # holds: entering no_grad again would cost more than the check).
                 args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
+                pad = {} if cache_leftpad is None else {"leftpad": cache_leftpad}
                 if torch.is_grad_enabled():
                     with torch.no_grad():
-                        out, lse = forward(*args)
+                        out, lse = forward(*args, **pad)
                 else:
-                    out, lse = forward(*args)
+                    out, lse = forward(*args, **pad)
                 out, lse = out.contiguous(), lse.contiguous()
                 return (out, lse) if return_lse else out
     kp = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        num_splits=num_splits,
+        num_splits=num_splits, cache_leftpad=cache_leftpad,
     )  # fmt: skip
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -533,6 +546,6 @@ def attention_with_kvcache(
     with torch.no_grad():
         out, lse = getattr(torch.ops.flashsuite, f"{name}_kvcache_fwd")(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, p.causal, p.scale,
-            p.window_left, p.window_right, p.softcap, kp.num_splits,
+            p.window_left, p.window_right, p.softcap, kp.num_splits, cache_leftpad,
         )  # fmt: skip
     return (out, lse) if return_lse else out

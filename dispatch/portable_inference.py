@@ -71,10 +71,12 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: Var
     return dq, dk, dv
 
 
-def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams):
-    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
-    writing k, v (B, Nnew, Hkv, D) into the cache in place. Returns out (B, Nq, Hq, Dv) in q's
-    dtype, lse (B, Hq, Nq) float32."""
+def kvcache_forward(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, leftpad=None
+):
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens (from
+    slot leftpad[b] on, when given), after writing k, v (B, Nnew, Hkv, D) into the cache in
+    place. Returns out (B, Nq, Hq, Dv) in q's dtype, lse (B, Hq, Nq) float32."""
     from flashsuite.dispatch import portable
 
     p = kp.attn
@@ -82,9 +84,13 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: K
         append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     out = q.new_empty(p.batch, p.seqlen_q, p.heads_q, p.head_dim_v)  # (B, Nq, Hq, Dv)
     lse = q.new_empty(p.batch, p.heads_q, p.seqlen_q, dtype=torch.float32)  # (B, Hq, Nq)
-    for b, n in enumerate((cache_seqlens.long() + kp.seqlen_new).tolist()):
-        kb = row_kv(k_cache, b, n, block_table)  # (n, Hkv, D)
-        vb = row_kv(v_cache, b, n, block_table)  # (n, Hkv, Dv)
-        ob, lb = portable.forward(q[b : b + 1], kb[None], vb[None], replace(p, batch=1, seqlen_k=n))
+    ends = (cache_seqlens.long() + kp.seqlen_new).tolist()
+    starts = [0] * len(ends) if leftpad is None else leftpad.tolist()
+    for b, (lp, n) in enumerate(zip(starts, ends, strict=True)):
+        lp = min(max(lp, 0), n)  # unchecked metadata reads nothing outside the row
+        kb = row_kv(k_cache, b, n, block_table)[lp:]  # (n - lp, Hkv, D)
+        vb = row_kv(v_cache, b, n, block_table)[lp:]  # (n - lp, Hkv, Dv)
+        pb = replace(p, batch=1, seqlen_k=n - lp)
+        ob, lb = portable.forward(q[b : b + 1], kb[None], vb[None], pb)
         out[b], lse[b] = ob[0], lb[0]
     return out, lse

@@ -70,6 +70,7 @@ def _decode_split(
     V,  # like K, head dim Dv
     BlockTable,  # (B, max_pages) int32 (PAGED)
     CacheSeqlens,  # (B,) int32: keys in the cache before the append
+    Leftpad,  # (B,) int32 (LEFTPAD): each row's first key slot
     Out,  # (B, Nq, Hq, Dv), without SPLIT
     Lse,  # (B, Hq, Nq) fp32, without SPLIT
     OPart,  # (num_splits, B * Nq * Hq, Dv) fp32, SPLIT
@@ -103,6 +104,7 @@ def _decode_split(
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for _combine
     PAGED: tl.constexpr,
     PAGE_PER_TILE: tl.constexpr,
+    LEFTPAD: tl.constexpr,  # a contiguous cache whose rows start at Leftpad[b]
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -120,6 +122,11 @@ def _decode_split(
     off_b = tl.program_id(2)
 
     seqlen_k = tl.load(CacheSeqlens + off_b) + n_new
+    first_key = 0  # the row's first key slot; keys below are indexed from it
+    if LEFTPAD:
+        # Clamped so that unchecked metadata reads nothing before the row.
+        first_key = tl.minimum(tl.maximum(tl.load(Leftpad + off_b), 0), seqlen_k)
+        seqlen_k -= first_key
     shift = seqlen_k - seqlen_q
     rows = start_r + tl.arange(0, BLOCK_M)  # (BLOCK_M,) packed (token, head-in-group) rows
     row_ok = rows < seqlen_q * group  # (BLOCK_M,)
@@ -159,8 +166,8 @@ def _decode_split(
         keys = start_n + offs_n  # (BLOCK_N,)
         key_ok = keys < seqlen_k  # (BLOCK_N,)
         k_rows = _kv_offsets(
-            BlockTable, off_b, keys, key_ok, start_n, page_size, stride_btb, stride_kb,
-            stride_kn, PAGED, PAGE_PER_TILE,
+            BlockTable, off_b, keys + first_key, key_ok, start_n, page_size, stride_btb,
+            stride_kb, stride_kn, PAGED, PAGE_PER_TILE,
         )  # fmt: skip
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
@@ -176,8 +183,8 @@ def _decode_split(
         alpha = tl.math.exp2(m_i - m_use)  # (BLOCK_M,)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_rows = _kv_offsets(
-            BlockTable, off_b, keys, key_ok, start_n, page_size, stride_btb, stride_vb,
-            stride_vn, PAGED, PAGE_PER_TILE,
+            BlockTable, off_b, keys + first_key, key_ok, start_n, page_size, stride_btb,
+            stride_vb, stride_vn, PAGED, PAGE_PER_TILE,
         )  # fmt: skip
         v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & dv_ok)
         acc = acc * alpha[:, None]

@@ -349,10 +349,11 @@ def _num_sms(t: torch.Tensor) -> int:
     return decode.H100_SMS
 
 
-def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
-    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
-    writing k, v (B, Nnew, Hkv, D) into the cache in place (common.append_kernel.append).
-    Returns out (B, Nq, Hq, Dv) in q's dtype and lse (B, Hq, Nq) fp32, contiguous."""
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None):
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens (from
+    slot leftpad[b] on, when given: a contiguous cache), after writing k, v (B, Nnew, Hkv, D)
+    into the cache in place (common.append_kernel.append). Returns out (B, Nq, Hq, Dv) in q's
+    dtype and lse (B, Hq, Nq) fp32, contiguous."""
     from flashsuite.common.append_kernel import append
     from flashsuite.fa2 import decode
 
@@ -380,8 +381,9 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
         lse_part = torch.empty(splits, b * nq * hq, dtype=torch.float32, device=q.device)
     table = block_table if block_table is not None else cache_seqlens  # unused when contiguous
     common = _common(p)
+    pads = cache_seqlens if leftpad is None else leftpad.contiguous()  # unused without leftpad
     launch(decode._decode_split, (splits, p.heads_kv * m_blocks, b), (
-        q, k_cache, v_cache, table, cache_seqlens, out, lse, o_part, lse_part,
+        q, k_cache, v_cache, table, cache_seqlens, pads, out, lse, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         table.stride(0), *out.stride()[:3], *lse.stride()[:2],
         kp.seqlen_new, nq, hq, p.group_size, m_blocks, splits, max(kp.page_size, 1),
@@ -389,7 +391,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
         common["softcap_log2"],
     ), dict(
         SPLIT=splits > 1, PAGED=kp.paged,
-        PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0,
+        PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0, LEFTPAD=leftpad is not None,
         HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
         DV_PAD=common["DV_PAD"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

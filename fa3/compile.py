@@ -296,6 +296,7 @@ class DecodeKey:
     ctas_per_sm: int = 1
     page_box: int = 0  # paged: keys per TMA box when a stage spans pages (0: one box a stage)
     kv_evict_first: bool = False  # K and V loads carry an L2 evict-first hint
+    leftpad: bool = False  # cache_seqlens (2B,): the lengths, then each row's first key slot
     arch: str = "sm_90a"
     tvm_ffi: bool = True
 
@@ -328,7 +329,8 @@ def _fake_decode_inputs(key: DecodeKey) -> tuple:
         table = cute.runtime.make_fake_compact_tensor(
             cutlass.Int32, (b, max_pages), stride_order=(1, 0), assumed_align=4
         )
-    seqlens = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (b,), assumed_align=4)
+    n_seqlens = cute.sym_int() if key.leftpad else b  # (2B,) with each row's first key slot
+    seqlens = cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n_seqlens,), assumed_align=4)
     fused = (None, None, None)
     if key.fused_combine:
         rows_f, n_lse_f, n_sem = (cute.sym_int() for _ in range(3))
@@ -345,8 +347,9 @@ def _fake_decode_inputs(key: DecodeKey) -> tuple:
 def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
     """Build one decode binary (no cache). It takes (q, k_cache, v_cache, out_rows, lse,
     block_table, cache_seqlens, final_out, final_lse, counters, n_new, num_splits, scale_log2,
-    softcap_pre, window_left, window_right): out_rows is out (B·Nq·Hq, D) in q's dtype, or
-    with `key.split` the fp32 partials (splits·B·Nq·Hq, D); lse is (B·Hq·Nq,), or
+    softcap_pre, window_left, window_right): cache_seqlens is (B,) int32, or (2B,) with
+    `key.leftpad` (the lengths, then each row's first key slot); out_rows is out (B·Nq·Hq, D)
+    in q's dtype, or with `key.split` the fp32 partials (splits·B·Nq·Hq, D); lse is (B·Hq·Nq,), or
     (splits·B·Nq·Hq,) with `key.split`. final_out (B·Nq·Hq, D), final_lse (B·Hq·Nq,) and
     counters (B·Hkv·m_blocks·4,) int32, zero, are for `key.fused_combine` and None otherwise."""
     import cutlass
@@ -360,7 +363,7 @@ def compile_decode(key: DecodeKey, extra_options: str = "") -> Any:
     kernel = Fa3Decode(
         cutlass_dtype(key.dtype), key.head_dim, key.cfg, key.causal, key.local, key.softcap,
         key.paged, key.split, key.fused_combine, key.ctas_per_sm, key.page_box,
-        key.kv_evict_first,
+        key.kv_evict_first, key.leftpad,
     )  # fmt: skip
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi)
     compiled = cute.compile(

@@ -124,8 +124,10 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         ctas_per_sm: int = 1,
         page_box: int = 0,
         kv_evict_first: bool = False,
+        leftpad: bool = False,
     ) -> None:
         assert cfg.tile_m == 64 and cfg.num_consumer_wgs == 1 and cfg.o_alias_q
+        assert not (leftpad and paged), "left padding is for a contiguous cache"
         assert split or not fused_combine, "the fused combine merges splits"
         self.dtype = dtype
         self.FP8 = False
@@ -182,6 +184,9 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         self.HAS_LEFT = local
         self.SOFTCAP = softcap
         self.PAGED = paged
+        # Rows of a contiguous cache start at a slot of their own: mCacheSeqlens is (2B,), the
+        # lengths then each row's first key slot (cache_leftpad).
+        self.LEFTPAD = leftpad
         self.pingpong = PingPong(False, 1)
 
     # ----------------------------------------------------------------------------------------
@@ -196,7 +201,7 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         mO: cute.Tensor,  # (rows, D): rows (b, t, h) of out; SPLIT: (split, b, t, h) fp32
         mLSE: cute.Tensor,  # (B * Hq * Nq,) as (b, h, t); SPLIT: (splits * rows,) as mO's rows
         mBlockTable: cute.Tensor | None,  # (B, max_pages) int32 when paged, else None
-        mCacheSeqlens: cute.Tensor,  # (B,) int32
+        mCacheSeqlens: cute.Tensor,  # (B,) int32; LEFTPAD: (2B,), then each row's first key
         mOutF: cute.Tensor | None,  # FUSED_COMBINE: out (B·Nq·Hq, D) in q's dtype, else None
         mLseF: cute.Tensor | None,  # FUSED_COMBINE: lse (B·Hq·Nq,) as (b, h, t), else None
         mSem: cute.Tensor | None,  # FUSED_COMBINE: (B·Hkv·m_blocks·4,) int32 zeros, else None
@@ -289,9 +294,16 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         sQ, sK, sV, sVt, _, _, _ = smem
 
         seqlen_k = mCacheSeqlens[batch] + n_new
+        first_key = Int32(0)  # the row's first key slot; keys are indexed from it
+        if const_expr(self.LEFTPAD):
+            # Clamped: unchecked metadata reads nothing before the row or past its length.
+            pad = mCacheSeqlens[cute.arch.grid_dim()[2] + batch]
+            first_key = cutlass.min(cutlass.max(pad, 0), cutlass.max(seqlen_k, 0))
+            seqlen_k = seqlen_k - first_key
         tile = SimpleNamespace(
             batch=batch,
             head_kv=head_kv,
+            first_key=first_key,
             m_block=m_block,
             group=group,
             rows=seqlen_q * group,  # packed rows of this (batch, kv head)
@@ -344,10 +356,10 @@ class Fa3Decode(ForwardLayouts, ForwardMainloop):
         """TMA coordinates of the BOX_N keys from key `first` of the tile's row and kv head:
         (BOX_N, D, 1), in bounds only for the row's keys (`kv_view`)."""
         page = tile.batch
-        start = first
+        start = first + tile.first_key
         # Tokens of the page that belong to the row: a contiguous row holds at most N_max, so
         # even a cache_seqlens past the capacity (unchecked metadata) reads no other row.
-        valid = cutlass.min(tile.seqlen_k, tile.page_size)
+        valid = cutlass.min(tile.seqlen_k + tile.first_key, tile.page_size)
         if const_expr(self.PAGED):
             page, start, valid = page_box(
                 first, tile.seqlen_k, tile.page_size, self.BOXES > 1,

@@ -330,7 +330,7 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
         dtype=p.dtype, head_dim=p.head_dim, causal=p.causal, local=p.is_local,
         softcap=p.softcap > 0, paged=kp.paged, split=splits > 1, cfg=cfg, fused_combine=fused,
         ctas_per_sm=ctas_per_sm, page_box=page_box,
-        kv_evict_first=decode_configs.DECODE_KV_EVICT_FIRST,
+        kv_evict_first=decode_configs.DECODE_KV_EVICT_FIRST, leftpad=kp.leftpad,
     )  # fmt: skip
     scalars = kernel_scalars(
         p.scale, p.softcap, (p.window_left, p.window_right), p.causal, p.seqlen_q, p.seqlen_k
@@ -344,12 +344,13 @@ def launch_plan(kp: KVCacheParams, device: torch.device) -> tuple:
 
 def kvcache_forward(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, out=None,
-    lse=None,
+    lse=None, leftpad=None,
 ):  # fmt: skip
-    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens, after
-    writing k, v (B, Nnew, Hkv, D) into the cache in place. Returns out (B, Nq, Hq, D) in q's
-    dtype and lse (B, Hq, Nq) float32, contiguous. `out` and `lse` (contiguous views into
-    larger buffers, in tests that watch the memory around them) are written in place."""
+    """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens (from
+    slot leftpad[b] on, when given: a contiguous cache, kp.leftpad), after writing k, v
+    (B, Nnew, Hkv, D) into the cache in place. Returns out (B, Nq, Hq, D) in q's dtype and lse
+    (B, Hq, Nq) float32, contiguous. `out` and `lse` (contiguous views into larger buffers, in
+    tests that watch the memory around them) are written in place."""
     p = kp.attn
     if k is not None:
         append(k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -364,7 +365,11 @@ def kvcache_forward(
     fn, m_blocks, splits, fused, scalars = launch_plan(kp, q.device)
     q, k_cache, v_cache = _aligned(q), _aligned(k_cache), _aligned(v_cache)
     table = block_table.contiguous() if kp.paged else None
-    seqlens = cache_seqlens.contiguous()
+    if (leftpad is not None) != kp.leftpad:
+        raise ValueError(f"fa3 kvcache: leftpad given: {leftpad is not None}, kp.leftpad: "
+                         f"{kp.leftpad}")  # fmt: skip
+    # The kernel reads (2B,) with a left padding: the lengths, then each row's first key slot.
+    seqlens = cache_seqlens.contiguous() if leftpad is None else torch.cat([cache_seqlens, leftpad])
     if splits == 1:
         fn(q, k_cache, v_cache, out.view(-1, d), lse.view(-1), table, seqlens, None, None, None,
            kp.seqlen_new, 1, *scalars)  # fmt: skip

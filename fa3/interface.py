@@ -656,9 +656,12 @@ def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
     return decode_host.supports(kp)
 
 
-def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp):
+def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None):
     """Split-KV decode against a contiguous or paged cache, after appending k, v
-    (decode_host.kvcache_forward). Returns out (B, Nq, Hq, D) and lse (B, Hq, Nq) fp32."""
+    (decode_host.kvcache_forward; `leftpad`: each contiguous row's first key slot). Returns out
+    (B, Nq, Hq, D) and lse (B, Hq, Nq) fp32."""
     from flashsuite.fa3 import decode_host
 
-    return decode_host.kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
+    return decode_host.kvcache_forward(
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, leftpad=leftpad
+    )

@@ -28,7 +28,7 @@ from flashsuite.common.testing import compare
 from flashsuite.common.validation import check_kvcache_inputs
 from flashsuite.dispatch import registry
 from tests.conftest import HAS_CUDA, must_run
-from tests.test_inference import _oracle, _paged, _rand
+from tests.test_inference import LEFTPAD_CASES, _check_all, _oracle, _paged, _rand, leftpad_case
 
 F16, BF16 = torch.float16, torch.bfloat16
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -90,13 +90,17 @@ def test_decode_compiles_with_hopper_machinery(name, probes) -> None:
 @pytest.mark.parametrize(
     "mode",
     # The evict-first builds are a lab switch (DECODE_KV_EVICT_FIRST, off): `pytest -m lab`.
-    ["--two-ctas", "--paged-boxes", pytest.param("--evict-first", marks=pytest.mark.lab)],
-)
+    [
+        "--two-ctas", "--paged-boxes", "--leftpad",
+        pytest.param("--evict-first", marks=pytest.mark.lab),
+    ],
+)  # fmt: skip
 def test_decode_variant_builds_compile(mode, tmp_path) -> None:
     """The two-CTA builds (setmaxnreg 40 / 216 from 128 registers at entry), the paged builds
     on the contiguous tiles (one TMA box per page: a 64-key box at D 128 is 2 x 2 five-D loads
-    of K and V per stage, a 16-key box at D 64 8 x 1) and the builds whose K and V loads carry
-    the L2 evict-first policy compile for sm_90a with 0 spills."""
+    of K and V per stage, a 16-key box at D 64 8 x 1), the left-padded contiguous builds (K
+    and V through their 5-D ragged views) and the builds whose K and V loads carry the L2
+    evict-first policy compile for sm_90a with 0 spills."""
     path = tmp_path / "probe.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUTE_DSL_")}
     root = Path(__file__).resolve().parents[1]
@@ -112,6 +116,9 @@ def test_decode_variant_builds_compile(mode, tmp_path) -> None:
             assert r["registers"] == 128, r["ptxas_lines"]
         elif mode == "--evict-first":
             assert r["evict_first_policies"] > 0, r["name"]
+        elif mode == "--leftpad":
+            assert r["name"].endswith("-leftpad") and r["tma_5d"] >= 2, (r["name"], r["tma_5d"])
+            assert r["setmaxnreg"] == [["dec", "56"], ["inc", "256"]], r["setmaxnreg"]
         else:
             boxes = {"D128-paged64": 8, "D64-paged16": 16}
             want = next(n for prefix, n in boxes.items() if r["name"].startswith(prefix))
@@ -420,6 +427,32 @@ def test_host_path_splits_and_combine(stand_in, splits, page, fused, monkeypatch
         torch.testing.assert_close(lse, torch.full_like(lse, math.log(w.sum())))
     flat = kc[table[0].long()].flatten(0, 1) if page else kc[0]
     assert torch.equal(flat[5], kn[0, 0]), "the new token was not appended at cache_seqlens"
+
+
+def test_leftpad_reaches_the_build_as_the_lengths_second_half(stand_in, monkeypatch) -> None:
+    """With cache_leftpad the decode binary is the leftpad build and takes (2B,) int32: the
+    lengths, then each row's first key slot; without, (B,) and the plain build."""
+    from flashsuite.fa3.decode_host import kvcache_forward
+
+    seen = []
+    real = StandIn.__call__
+
+    def record(self, q, kc, vc, o, lse, table, seqlens, *rest):
+        seen.append((self.key.leftpad, seqlens.tolist()))
+        return real(self, q, kc, vc, o, lse, table, seqlens, *rest)
+
+    monkeypatch.setattr(StandIn, "__call__", record)
+    q = torch.randn(2, 1, 8, 64, dtype=BF16, device=DEV)
+    kc = torch.zeros(2, 64, 2, 64, dtype=BF16, device=DEV)
+    lens = torch.tensor([40, 9], dtype=torch.int32, device=DEV)
+    pads = torch.tensor([7, 9], dtype=torch.int32, device=DEV)
+    kp = check_kvcache_inputs(q, kc, kc, cache_seqlens=lens, cache_leftpad=pads, num_splits=1)
+    kvcache_forward(q, kc, kc, None, None, lens, None, kp, leftpad=pads)
+    plain = check_kvcache_inputs(q, kc, kc, cache_seqlens=lens, num_splits=1)
+    kvcache_forward(q, kc, kc, None, None, lens, None, plain)
+    assert seen == [(True, [40, 9, 7, 9]), (False, [40, 9])]
+    with pytest.raises(ValueError, match="leftpad"):
+        kvcache_forward(q, kc, kc, None, None, lens, None, kp)  # the build needs the padding
 
 
 def test_loop_mask_test_switch_reaches_the_build(stand_in, monkeypatch) -> None:
@@ -992,3 +1025,31 @@ def test_gpu_dense_decode_route_replays_in_a_cuda_graph() -> None:
             want = dispatch.attention(q, k, v)
             torch.cuda.synchronize()
             assert torch.equal(got, want)
+
+
+# LEFTPAD_CASES and two at serving size: GQA 32/8, D 128, the heuristic's splits.
+GPU_LEFTPAD_CASES = [
+    *LEFTPAD_CASES,
+    (4, 1, 1, 32, 8, 128, BF16, [4000, 100, 30000, 8000], [3000, 0, 29000, 10], 32768, 0, {}),
+    (2, 4, 0, 32, 8, 128, F16, [20000, 9000], [1, 8990], 32768, 0, dict(causal=True)),
+]
+
+
+@gpu_fa3
+@pytest.mark.parametrize("case", GPU_LEFTPAD_CASES, ids=lambda c: f"b{c[0]}-nq{c[1]}-cap{c[9]}")
+def test_gpu_decode_leftpad_matches_per_row_oracle(case) -> None:
+    """fa3's decode with cache_leftpad: row b reads slots cache_leftpad[b] ..
+    cache_seqlens[b] + Nnew - 1 of its row (the TMA box starts at the padding's end), NaN in
+    every other slot, against the float64 oracle per row."""
+    *_, splits, options = case
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q, kc, vc, kn, vn, lens, pads, rows = leftpad_case(case, DEV, gen)
+    choice = dispatch.select_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, cache_leftpad=pads)
+    assert choice.version == "fa3", str(choice)
+    out, lse = dispatch.attention_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=lens, cache_leftpad=pads, num_splits=splits,
+        return_lse=True, **options,
+    )  # fmt: skip
+    pieces = [_oracle(q[r : r + 1], ks, vs, None, **options) for r, (ks, vs) in enumerate(rows)]
+    cat = lambda ts: torch.cat(ts)  # (B, ...)
+    _check_all(dict(out=out, lse=lse, dtype=q.dtype), pieces, dict(out=cat, lse=cat))

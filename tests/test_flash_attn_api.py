@@ -703,7 +703,12 @@ def test_bad_cache_batch_idx_raises(changes: dict, name: str) -> None:
         ),
         (
             lambda q, k, v: dispatch.flash_attn_with_kvcache(
-                q, k, v, cache_seqlens=4, cache_leftpad=torch.zeros(2, dtype=I32)
+                q,
+                k,
+                v,
+                cache_seqlens=4,
+                cache_leftpad=torch.zeros(2, dtype=I32),
+                cache_batch_idx=torch.tensor([1, 0], dtype=I32),
             ),
             "cache_leftpad",
         ),

@@ -157,8 +157,8 @@ def test_generate_greedy_same_tokens_as_sdpa(models, calls, padding: str) -> Non
     layers = ours_m.config.num_hidden_layers
     if padding == "none":  # the prompt densely, then one KV-cache decode per new token
         assert calls == {"attention": layers, "attention_with_kvcache": (new - 1) * layers}
-    else:  # padding in every step: all of it through the packed-sequence path
-        assert calls == {"attention_varlen": new * layers}
+    else:  # the prompt packed, then each decode on the cache, rows from their first token
+        assert calls == {"attention_varlen": layers, "attention_with_kvcache": (new - 1) * layers}
 
 
 def test_static_cache_generate(models, calls) -> None:
@@ -168,10 +168,11 @@ def test_static_cache_generate(models, calls) -> None:
     expected = pt_m.generate(input_ids=ids[:1], attention_mask=mask[:1], **kw)
     got = ours_m.generate(input_ids=ids[:1], attention_mask=mask[:1], **kw)
     assert torch.equal(got, expected)
-    # The static cache (11 + 5 slots) has empty slots until the last step: they are masked
-    # out (the slots that hold tokens are a prefix); the last step fills it.
+    # The static cache (11 + 5 slots) has empty slots until the last step: the prompt runs
+    # packed on the slots that hold tokens, each decode step on the cache with cache_seqlens
+    # the filled prefix (the last step fills it).
     layers = ours_m.config.num_hidden_layers
-    assert calls == {"attention_varlen": 4 * layers, "attention_with_kvcache": layers}
+    assert calls == {"attention_varlen": layers, "attention_with_kvcache": 4 * layers}
 
 
 def _trio(cls, cfg):
@@ -243,6 +244,34 @@ def test_padding_mask_function() -> None:
     assert got.shape == (2, 6) and bool(got.all())
     got = hf.padding_mask(q_length=1, kv_length=10, q_offset=torch.tensor(5), **kw)
     assert got.shape == (2, 6) and bool(got.all())
+
+
+def test_decode_step_with_left_padding_reads_the_cache(calls) -> None:
+    """A decode step (one query a row, no gradient) whose mask pads rows on the left only runs
+    on the cache with cache_leftpad; a mask with padding between tokens takes the packed path;
+    both give each row's attention over its real keys (the torch version, float64 oracle)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 1, 4, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(3, 8, 2, 16, generator=gen, dtype=torch.float64) for _ in "kv")
+    left = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    hole = left.clone()
+    hole[0, 2] = False
+    assert hf._left_padding(left, 1)[0] and torch.equal(
+        hf._left_padding(left, 1)[1], torch.tensor([0, 2, 5], dtype=torch.int32)
+    )
+    assert hf._left_padding(torch.ones(3, 6, dtype=torch.bool), 1) == (True, None)
+    assert not hf._left_padding(hole, 1)[0] and not hf._left_padding(left, 2)[0]
+    options = dict(causal=True, softmax_scale=None, softcap=0.0, version="torch")
+    for mask, path in ((left, "attention_with_kvcache"), (hole, "attention_varlen")):
+        calls.clear()
+        with torch.no_grad():
+            out = hf._padded(q, k, v, mask, options)
+        assert calls == {path: 1}, calls
+        for b in range(3):
+            keep = mask[b].nonzero().flatten()
+            want = dispatch.attention(q[b : b + 1], k[b : b + 1, keep], v[b : b + 1, keep],
+                                      causal=True, version="torch")  # fmt: skip
+            torch.testing.assert_close(out[b : b + 1], want)
 
 
 def test_refusals_name_the_problem(models) -> None:

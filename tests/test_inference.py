@@ -6,6 +6,7 @@ sequence / cache row on that sequence's own lengths."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -161,6 +162,115 @@ def test_kvcache_matches_per_row_oracle(version, case) -> None:
         pieces.append(_oracle(q[row : row + 1], ks, vs, None, **options))
     cat = lambda ts: torch.cat(ts)  # (B, ...)
     _check_all(dict(out=out, lse=lse, dtype=dtype), pieces, dict(out=cat, lse=cat))
+
+
+# (B, Nq, Nnew, Hq, Hkv, D, dtype, cache_seqlens, cache_leftpad, capacity, num_splits,
+# options): row b attends slots cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1.
+LEFTPAD_CASES = [
+    (3, 1, 0, 8, 2, 64, F16, [37, 0, 90], [5, 0, 89], 128, 0, dict()),
+    (3, 4, 2, 4, 2, 64, BF16, [37, 5, 80], [0, 5, 30], 128, 3, dict(causal=True)),
+    (
+        2,
+        3,
+        0,
+        4,
+        2,
+        128,
+        BF16,
+        [100, 120],
+        [70, 1],
+        128,
+        2,
+        dict(causal=True, window_size=(20, -1)),
+    ),
+    (2, 2, 1, 2, 1, 64, F16, 30, [3, 30], 64, 0, dict(softcap=5.0)),
+]
+
+
+def leftpad_case(case, device: str, gen):
+    """Inputs of a LEFTPAD_CASES case: q, the cache with NaN in every slot a row does not
+    attend (before its left padding's end and past its keys), the new k, v, the lengths as
+    given (an int or int32 tensor), the left padding, and each row's attended (k, v) for the
+    oracle, (1, n, Hkv, D) each."""
+    b, nq, n_new, hq, hkv, d, dtype, lens, pads, cap, _, _ = case
+    q = torch.randn(b, nq, hq, d, generator=gen, device=device).to(dtype)
+    k_cache, v_cache = (
+        torch.randn(b, cap, hkv, d, generator=gen, device=device).to(dtype) for _ in "kv"
+    )
+    k_new, v_new = (
+        torch.randn(b, n_new, hkv, d, generator=gen, device=device).to(dtype) if n_new else None
+        for _ in "kv"
+    )
+    old = [lens] * b if isinstance(lens, int) else lens
+    rows = []
+    for row, (n, lp) in enumerate(zip(old, pads, strict=True)):
+        ks, vs = k_cache[row : row + 1, lp:n].clone(), v_cache[row : row + 1, lp:n].clone()
+        if n_new:
+            ks = torch.cat([ks, k_new[row : row + 1]], dim=1)
+            vs = torch.cat([vs, v_new[row : row + 1]], dim=1)
+        rows.append((ks, vs))
+        for t in (k_cache, v_cache):
+            t[row, :lp] = math.nan
+            t[row, n + n_new :] = math.nan
+    seqlens = (
+        lens if isinstance(lens, int) else torch.tensor(lens, dtype=torch.int32, device=device)
+    )
+    leftpad = torch.tensor(pads, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, k_new, v_new, seqlens, leftpad, rows
+
+
+@pytest.mark.parametrize("version", _versions("kvcache"))
+@pytest.mark.parametrize("case", LEFTPAD_CASES, ids=lambda c: f"nq{c[1]}-new{c[2]}-s{c[10]}")
+def test_kvcache_leftpad_matches_per_row_oracle(version, case) -> None:
+    """cache_leftpad (flash-attn's): row b attends cache slots cache_leftpad[b] ..
+    cache_seqlens[b] + Nnew - 1, causal and windows aligned to their end, the new tokens
+    appended at cache_seqlens[b]; NaN in every other slot (a read of one shows). Rows whose
+    left padding reaches their length see no key but the new ones (or none: out 0, LSE
+    -inf)."""
+    *_, splits, options = case
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    q, kc, vc, kn, vn, lens, pads, rows = leftpad_case(case, DEV, gen)
+    out, lse = dispatch.attention_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=lens, cache_leftpad=pads, num_splits=splits,
+        return_lse=True, version=version, **options,
+    )  # fmt: skip
+    pieces = [_oracle(q[r : r + 1], ks, vs, None, **options) for r, (ks, vs) in enumerate(rows)]
+    cat = lambda ts: torch.cat(ts)  # (B, ...)
+    _check_all(dict(out=out, lse=lse, dtype=q.dtype), pieces, dict(out=cat, lse=cat))
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "name"),
+    [
+        ("int64", TypeError, "cache_leftpad"), ("rows", ValueError, "cache_leftpad"),
+        ("past-length", ValueError, "cache_leftpad"), ("negative", ValueError, "cache_leftpad"),
+        ("paged", ValueError, "cache_leftpad"),
+    ],
+)  # fmt: skip
+def test_bad_cache_leftpad_raises(change, error, name) -> None:
+    """cache_leftpad errors name it: not int32, not one entry a row, an entry past the row's
+    length or below 0 (the value checks), a paged cache."""
+    q = torch.zeros(2, 1, 4, 32, device=DEV)
+    kc = torch.zeros(2, 32, 2, 32, device=DEV)
+    pads = torch.tensor([1, 2], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([5, 6], dtype=torch.int32, device=DEV)
+    table = None
+    if change == "int64":
+        pads = pads.long()
+    elif change == "rows":
+        pads = pads[:1]
+    elif change == "past-length":
+        pads[1] = 7
+    elif change == "negative":
+        pads[0] = -1
+    elif change == "paged":
+        kc = torch.zeros(4, 16, 2, 32, device=DEV)
+        table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEV)
+    with pytest.raises(error, match=f"^{name}: "):
+        dispatch.attention_with_kvcache(
+            q, kc, kc.clone(), cache_seqlens=lens, cache_leftpad=pads, block_table=table,
+            version="torch",
+        )  # fmt: skip
 
 
 def test_fa2_varlen_split_dkdv_launches_match() -> None:
