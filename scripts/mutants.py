@@ -449,7 +449,7 @@ MUTANTS = [
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(
-        "kvcache: fa2's decode reads K from slot 0 of a left-padded row",
+        "fa2 decode: K read from slot 0 of a left-padded row (cache_leftpad)",
         "fa2/decode.py",
         """BlockTable, off_b, keys + first_key, key_ok, start_n, page_size, stride_btb,
             stride_kb,""",
@@ -459,7 +459,7 @@ MUTANTS = [
         ("tests/test_inference.py",),
     ),
     Mutant(
-        "kvcache: the torch version ignores cache_leftpad",
+        "torch kvcache: cache_leftpad ignored",
         "dispatch/portable_inference.py",
         "lp = min(max(lp, 0), n)",
         "lp = 0",
