@@ -23,14 +23,12 @@ from typing import Optional
 
 import torch
 
-from flashsuite.common.validation import (
-    KVCacheParams,
-    check_kvcache_inputs,
+from flashsuite.common.metadata import (
     check_kvcache_metadata_once,
-    check_varlen_inputs,
     check_varlen_metadata_once,
     metadata_checks_enabled,
 )
+from flashsuite.common.validation import KVCacheParams, check_kvcache_inputs, check_varlen_inputs
 
 
 def varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap):

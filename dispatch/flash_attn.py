@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from flashsuite.common.validation import (
-    check_flag,
-    check_index_tensor,
-    metadata_checks_enabled,
-)
+from flashsuite.common.metadata import metadata_checks_enabled
+from flashsuite.common.validation import check_flag, check_index_tensor
 from flashsuite.dispatch import api, inference
 
 

@@ -24,6 +24,11 @@ import torch
 
 from flashsuite.common import arch as arch_mod
 from flashsuite.common.kvcache import length_tensor
+from flashsuite.common.metadata import (
+    check_kvcache_metadata_once,
+    check_varlen_metadata_once,
+    metadata_checks_enabled,
+)
 from flashsuite.common.ops_inference import VarlenOp, define_kvcache_op
 from flashsuite.common.validation import (
     AttnParams,
@@ -31,10 +36,7 @@ from flashsuite.common.validation import (
     VarlenParams,
     check_flag,
     check_kvcache_inputs,
-    check_kvcache_metadata_once,
     check_varlen_inputs,
-    check_varlen_metadata_once,
-    metadata_checks_enabled,
     remember,
     signature,
 )

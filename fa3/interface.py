@@ -105,24 +105,33 @@ def available() -> tuple[bool, str]:
     return True, "fa3: CuTe DSL on sm90"
 
 
-# Dense 16-bit problems whose packed query rows (Nq x Hq / Hkv) fit one tile of the split-KV
-# decode kernel run on it (`decode_route`): a decode step or a short chunk against a long K/V,
-# reached through `attention`, flash_attn_func or the SDPA plug-in rather than through
-# attention_with_kvcache. The forward kernel's 128-row tiles would hold Nq of their rows per
-# (batch, query head), read K/V once per query head and run one CTA per tile however long the
-# keys are; the decode kernel packs a K/V head's query heads into one tile, reads K/V once and
-# splits long keys over the SMs. k and v are the cache (every row full), so out and the LSE are
-# the forward's (within rounding: another split of the keys). 0 turns the route off.
+# Dense 16-bit problems of few query rows run on the split-KV decode kernel (`decode_route`):
+# a decode step or a short chunk against a long K/V, reached through `attention`,
+# flash_attn_func or the SDPA plug-in rather than through attention_with_kvcache. The forward
+# kernel's 128-row tiles hold Nq of their rows per (batch, query head), read K/V once per query
+# head and run one CTA per tile however long the keys are; the decode kernel packs a K/V head's
+# query heads into one tile, reads K/V once and splits long keys over the SMs. k and v are the
+# cache (every row full), so out and the LSE are the forward's (within rounding: another split
+# of the keys). Measured on an H100 (benchmarks/decode_route_ab.py, docs/inference.md): with
+# GQA the decode kernel is 1.3-5.2x the forward at Nq 1-16 (up to 64 packed rows), level at
+# 512 keys; without GQA it is 1.7x where the forward's grid holds 32 CTAs (B x Hq, Nq <= 16)
+# and 0.96-0.99x from 64 CTAs on, 0.78-0.85x at Nq 32-64. So: at most DECODE_ROUTE_MAX_NQ
+# queries and DECODE_ROUTE_MAX_ROWS packed rows, and without GQA fewer than
+# DECODE_ROUTE_MHA_MAX_CTAS (B x Hq) tiles. DECODE_ROUTE_MAX_ROWS = 0 turns the route off.
 DECODE_ROUTE_MAX_ROWS = DECODE_TILE_M
+DECODE_ROUTE_MAX_NQ = 16
+DECODE_ROUTE_MHA_MAX_CTAS = 64
 _routes: dict[tuple, KVCacheParams | None] = {}
 
 
 def decode_route(p: AttnParams) -> KVCacheParams | None:
     """The KV-cache problem (k, v as a full contiguous cache of seqlen_k tokens a row) that
     `forward` runs dense problem `p` as, or None where the forward kernel runs it: float8,
-    Dv != D, no keys, more than DECODE_ROUTE_MAX_ROWS packed rows, or what the decode kernel
-    does not take (decode_host.supports). Memoised per problem and threshold."""
-    key = (p, DECODE_ROUTE_MAX_ROWS)
+    Dv != D, no keys, more than DECODE_ROUTE_MAX_NQ queries or DECODE_ROUTE_MAX_ROWS packed
+    rows, no GQA and at least DECODE_ROUTE_MHA_MAX_CTAS (batch x heads) tiles, or what the
+    decode kernel does not take (decode_host.supports). Memoised per problem and thresholds."""
+    limits = (DECODE_ROUTE_MAX_ROWS, DECODE_ROUTE_MAX_NQ, DECODE_ROUTE_MHA_MAX_CTAS)
+    key = (p, limits)
     if key in _routes:
         return _routes[key]
     kp = None
@@ -131,7 +140,9 @@ def decode_route(p: AttnParams) -> KVCacheParams | None:
         and not p.is_fp8
         and p.head_dim_v == p.head_dim
         and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
+        and p.seqlen_q <= DECODE_ROUTE_MAX_NQ
         and p.seqlen_q * p.group_size <= DECODE_ROUTE_MAX_ROWS
+        and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)
     ):
         from flashsuite.fa3 import decode_host
 
@@ -181,8 +192,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
 
         rows = p.seqlen_q * p.group_size
         how = decode_host.supports(decode_route(p))[1].removeprefix("fa3: ")
-        limit = DECODE_ROUTE_MAX_ROWS
-        return True, f"fa3: {rows} packed query rows (<= {limit}): {how}, k and v as full rows"
+        return True, f"fa3: {rows} packed query rows: {how}, k and v as full rows"
     cfg = config_for(p)
     ok, reason = can_implement(cfg, p.head_dim, p.dtype)
     if not ok:

@@ -402,7 +402,7 @@ MUTANTS = [
     # --- host-path memos: a remembered answer must follow what it depends on ---------------
     Mutant(
         "metadata checked once: version counters ignored (an in-place write not re-checked)",
-        "common/validation.py",
+        "common/metadata.py",
         "*(t._version for t in tensors), *(t.data_ptr() for t in tensors), *problem",
         "*(t.data_ptr() for t in tensors), *problem",
         "checked_once",
@@ -481,6 +481,14 @@ MUTANTS = [
         "lens = (cu_k[1:] - cu_k[:-1] - 1).clamp(min=0).to(torch.int32)",
         "equal_query_lengths",
         ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
+        "fa3: dense problems without GQA on the decode kernel whatever their grid",
+        "fa3/interface.py",
+        "and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
+        "and (p.group_size > 0 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
+        "decode_route",
+        ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
         "fa3: a dense problem on the decode kernel reads one key fewer",

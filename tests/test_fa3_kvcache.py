@@ -635,8 +635,12 @@ def _dense(b, nq, nk, hq, hkv, d, dtype=BF16, dv=None, device="meta", **options)
         ((8, 1, 4096, 32, 8, 128), {}, True),  # a decode step: 4 packed rows
         ((2, 16, 4096, 32, 8, 128), dict(causal=True), True),  # 64 rows: one decode tile
         ((2, 17, 4096, 32, 8, 128), dict(causal=True), False),  # 68 rows
-        ((4, 64, 300, 16, 16, 64), dict(window_size=(50, 0), softcap=5.0), True),  # MHA, 64
-        ((4, 65, 300, 16, 16, 64), {}, False),
+        ((2, 8, 4096, 64, 8, 128), {}, True),  # GQA 8: 64 rows
+        ((2, 9, 4096, 64, 8, 128), {}, False),  # 72 rows
+        ((1, 1, 4096, 32, 32, 128), {}, True),  # MHA: 32 (batch, head) tiles
+        ((2, 16, 300, 16, 16, 64), dict(window_size=(50, 0), softcap=5.0), True),  # MHA, 32
+        ((2, 17, 300, 16, 16, 64), {}, False),  # more than 16 queries
+        ((4, 1, 4096, 16, 16, 128), {}, False),  # MHA: 64 tiles fill the forward's grid
         ((1, 1, 7, 8, 1, 256), {}, True),  # fewer keys than a tile
         ((1, 1, 4096, 8, 8, 80), {}, False),  # a head dim the decode kernel lacks
         ((1, 1, 4096, 8, 8, 128, torch.float32), {}, False),
@@ -645,10 +649,11 @@ def _dense(b, nq, nk, hq, hkv, d, dtype=BF16, dv=None, device="meta", **options)
     ],
 )  # fmt: skip
 def test_decode_route_policy(shape, options, routed, monkeypatch) -> None:
-    """Dense 16-bit problems whose packed rows (Nq x Hq / Hkv) fit one decode tile run on the
-    split-KV decode kernel with k, v as full cache rows (decode_route: the problem itself, no
-    new tokens, a contiguous cache, the heuristic's splits), and explain() says so; others,
-    and every problem with DECODE_ROUTE_MAX_ROWS = 0, keep the forward kernel."""
+    """Dense 16-bit problems of at most 16 queries whose packed rows (Nq x Hq / Hkv) fit one
+    decode tile, with GQA or with fewer than 64 (batch, head) tiles, run on the split-KV
+    decode kernel with k, v as full cache rows (decode_route: the problem itself, no new
+    tokens, a contiguous cache, the heuristic's splits), and explain() says so; others, and
+    every problem with DECODE_ROUTE_MAX_ROWS = 0, keep the forward kernel."""
     pytest.importorskip("triton")
     from flashsuite.fa3 import interface
 

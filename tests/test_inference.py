@@ -766,14 +766,14 @@ def _deterministic_algorithms():
 
 
 def _counted_checks(monkeypatch, name: str) -> list:
-    """A list that grows by one on every call of common.validation's value check `name`, the
+    """A list that grows by one on every call of common.metadata's value check `name`, the
     memo of checked metadata emptied first."""
-    from flashsuite.common import validation
+    from flashsuite.common import metadata
 
     checks = []
-    real = getattr(validation, name)
-    monkeypatch.setattr(validation, name, lambda *a: (checks.append(1), real(*a)))
-    validation._checked.clear()
+    real = getattr(metadata, name)
+    monkeypatch.setattr(metadata, name, lambda *a: (checks.append(1), real(*a)))
+    metadata._checked.clear()
     return checks
 
 
@@ -869,13 +869,13 @@ def test_kvcache_int_lengths_keep_one_plan(monkeypatch) -> None:
     """A decode loop that passes its growing length as an int (transformers' decode step)
     keeps one memoised plan; the value is still checked on every call, on the host: a
     contiguous cache's step runs no device-to-host value check."""
-    from flashsuite.common import validation
+    from flashsuite.common import metadata
     from flashsuite.dispatch import inference
 
     checked = []
-    real_check = validation.check_kvcache_metadata
+    real_check = metadata.check_kvcache_metadata
     monkeypatch.setattr(
-        validation, "check_kvcache_metadata", lambda *a: (checked.append(1), real_check(*a))
+        metadata, "check_kvcache_metadata", lambda *a: (checked.append(1), real_check(*a))
     )
 
     gen = torch.Generator().manual_seed(5)

@@ -155,7 +155,7 @@ def test_op_args_and_key_round_trip(options: dict) -> None:
 def test_metadata_checks_follow_their_switch(monkeypatch) -> None:
     """FLASHSUITE_CHECK_METADATA: unset or 1 keeps the value checks on, 0 or empty turns them
     off; read on every call (a test or a serving loop may flip it between calls)."""
-    from flashsuite.common.validation import metadata_checks_enabled
+    from flashsuite.common.metadata import metadata_checks_enabled
 
     monkeypatch.delenv("FLASHSUITE_CHECK_METADATA", raising=False)
     assert metadata_checks_enabled()
