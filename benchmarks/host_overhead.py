@@ -233,8 +233,9 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
     """Decode steps through `dispatch.attention_with_kvcache` (GQA 32/8, D 128, bf16): B 1 on
     4k keys with a tensor length, with the append of one new token, with an int length (what
     transformers' decode step passes), the append through flash_attn_with_kvcache with rotary
-    tables (once, beside fa3: that name dispatches by itself), and B 32 on 64-token pages with
-    a shuffled table. Each call is one layer of a LAYERS-layer step (`_per_step`)."""
+    tables and the same step as a dense call through `dispatch.attention` (beside fa3: those
+    dispatch by themselves), and B 32 on 64-token pages with a shuffled table. Each call is
+    one layer of a LAYERS-layer step (`_per_step`)."""
     from flashsuite import dispatch
 
     gen = torch.Generator().manual_seed(0)
@@ -262,7 +263,9 @@ def _kvcache_calls(device: str, version: str) -> list[tuple[str, Callable[[], ob
         ("B1 4k +append", _per_step(
             lambda: call(q, kc, vc, kn, kn, cache_seqlens=lens, version=version), lens)),
         ("B1 4k int len", lambda: call(q, kc, vc, cache_seqlens=4000, version=version)),
-        *([("B1 4k +append +rotary (flash-attn name, auto)", _per_step(rotary, lens))]
+        *([("B1 4k +append +rotary (flash-attn name, auto)", _per_step(rotary, lens)),
+           # a dense call of one query (decode_route: the same kernel, k and v as full rows)
+           ("B1 4k dense Nq 1 (attention)", lambda: dispatch.attention(q, kc, vc, version=version))]
           if version == "fa3" else []),
         ("B32 paged", _per_step(lambda: call(q32, pages, pages, cache_seqlens=lens32,
                                              block_table=table, version=version), lens32, table)),

@@ -358,13 +358,17 @@ def test_rotate_kernel_is_apply_rotary(interleaved: bool, local: bool, lens_kind
             torch.testing.assert_close(a, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
 @pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
 @pytest.mark.parametrize("causal", [False, True], ids=["all-at-len", "causal"])
-def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(interleaved: bool, causal: bool) -> None:
+def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(
+    interleaved: bool, causal: bool, leftpad: bool
+) -> None:
     """flash-attn's rotary tables in the KV-cache call: the new k is rotated at positions
     cache_seqlens + j and appended rotated (v as given); q at cache_seqlens + i when causal,
-    else every query at cache_seqlens. Against attention_with_kvcache on q and k rotated in
-    float64 (float32 inputs, the torch version): out and the cache."""
+    else every query at cache_seqlens, with or without a cache_leftpad (the positions stay the
+    slots', as in flash-attn). Against attention_with_kvcache on q and k rotated in float64
+    (float32 inputs, the torch version): out and the cache."""
     gen = torch.Generator().manual_seed(0)
     b, nq, hq, hkv, d, n_max = 2, 3, 4, 2, 64, 40
     q = torch.randn(b, nq, hq, d, generator=gen)
@@ -378,20 +382,28 @@ def test_flash_attn_with_kvcache_rotates_q_and_the_new_k(interleaved: bool, caus
     q_rot = _rotated_f64(q, cos, sin, q_pos, interleaved).float()
     k_rot = _rotated_f64(k_new, cos, sin, k_pos, interleaved).float()
     mine, theirs = [c.clone() for c in cache], [c.clone() for c in cache]
+    pads = torch.tensor([2, 17], dtype=I32) if leftpad else None
     got = dispatch.flash_attn_with_kvcache(
         q, *mine, k_new, v_new, rotary_cos=cos, rotary_sin=sin, cache_seqlens=lens,
-        causal=causal, rotary_interleaved=interleaved,
+        causal=causal, rotary_interleaved=interleaved, cache_leftpad=pads,
     )  # fmt: skip
     want = dispatch.attention_with_kvcache(
-        q_rot, *theirs, k_rot, v_new, cache_seqlens=lens, causal=causal
+        q_rot, *theirs, k_rot, v_new, cache_seqlens=lens, causal=causal, cache_leftpad=pads
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, w in zip(mine, theirs, strict=True):
         torch.testing.assert_close(a, w, rtol=1e-5, atol=1e-5)
     plain = dispatch.flash_attn_with_kvcache(
-        q, *[c.clone() for c in cache], k_new, v_new, cache_seqlens=lens, causal=causal
-    )
+        q, *[c.clone() for c in cache], k_new, v_new, cache_seqlens=lens, causal=causal,
+        cache_leftpad=pads,
+    )  # fmt: skip
     assert not torch.allclose(plain, got, rtol=1e-3, atol=1e-3)  # the tables did something
+    if leftpad:  # and the padding did: the same call without it attends slots 0 .. too
+        unpadded = dispatch.flash_attn_with_kvcache(
+            q, *[c.clone() for c in cache], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+            cache_seqlens=lens, causal=causal, rotary_interleaved=interleaved,
+        )  # fmt: skip
+        assert not torch.allclose(unpadded, got, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize(
