@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh OUTDIR [PART ...]      PART: check tests bench pybench sanitize
 #                                                smallshapes sanitize-small mutants warm hf
 #                                                integrations bwd bwd-wide sanitize-bwd varlen
-#                                                varlen-bwd kvcache
+#                                                varlen-bwd kvcache decode-route
 #                                                fwd-candidates fwd-short bwd-candidates
 #                                                fp8-blocks step spec fwd-sweep
 #                                                (default: check tests bench)
@@ -302,6 +302,21 @@ for part in $parts; do
       # fa3's split-KV decode: per-row oracle, NaN in unused cache slots and spare pages, NaN
       # guard rows around out and lse; the decode sweep beside fa2 and SDPA.
       tests_memcheck_bench kvcache tests/test_fa3_kvcache.py "gpu_decode" --decode ;;
+    decode-route)
+      # Decode steps that do not come through attention_with_kvcache: dense calls of few query
+      # rows on fa3's decode kernel (fa3.interface.decode_route), cache_leftpad (fa3, fa2,
+      # torch; transformers' left-padded decode), the paged varlen decode batch; their GPU
+      # tests, the leftpad GPU mutant, then benchmarks/decode_route_ab.py beside SDPA and FA4.
+      xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
+      # shellcheck disable=SC2086
+      python3 -m pytest tests/test_fa3_kvcache.py tests/test_inference.py \
+        tests/test_flash_attn_api.py tests/test_hf.py -v -rfE -p no:cacheprovider $xdist \
+        -k "leftpad or dense or decode_route or block_table or gpu_bf16 or left_padding" \
+        2>&1 | tee "$out/decode-route.log" | tail -30 || status=1
+      python3 scripts/mutants.py --gpu --only "cache_leftpad" --out "$out/decode-route-mutants.md" \
+        2>&1 | tail -3 || status=1
+      python3 -m benchmarks.decode_route_ab --passes "${ROUTE_PASSES:-3}" 2>&1 | grep -v Warning \
+        | tee "$out/decode-route-ab.log" || status=1 ;;
     spec)
       # Fa3Config.spec_exps (each row's exponentials against its running max beside the row
       # max; docs/design.md) and the causal e4m3 D = 128 candidates: first the bitwise tests
