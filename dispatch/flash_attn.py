@@ -11,8 +11,8 @@ so switching is an import. They run `dispatch.attention`, `attention_varlen` and
 ((B, N, 3, H, D), (B, Nk, 2, Hkv, D); varlen (total, 3, H, D), (total_k, 2, Hkv, D)) and run
 the unpacked call on its views, so the packed tensor gets one gradient. What flashsuite does
 not implement raises a clear error instead of being ignored: dropout_p > 0, alibi_slopes.
-The varlen call with a block_table runs as KV-cache attention on the pages in place where
-every sequence has max_seqlen_q queries and no gradient is needed (a decode batch;
+The varlen call with a block_table runs as KV-cache attention on the pages in place where no
+gradient is needed and every sequence has max_seqlen_q queries or at most 16 (a decode batch;
 `_paged_as_kvcache`), and otherwise gathers each sequence's pages into packed k, v first
 (`_gather_pages`, one copy). The KV-cache call's rotary tables rotate q and the new k in one
 Triton launch before the attention (common.rotary_kernel), its cache_batch_idx reads each
@@ -134,8 +134,9 @@ def flash_attn_varlen_func(
     torch.use_deterministic_algorithms(True) is on, so deterministic=True without that flag is
     refused where fa3's would run. With block_table (B, max_pages) int32, k and v are pages
     (num_pages, page_size, Hkv, D) and sequence b's keys are the first cu_seqlens_k[b + 1] −
-    cu_seqlens_k[b] tokens of its pages: read in place by the KV-cache path when every
-    sequence has max_seqlen_q queries and no gradient is needed (`_paged_as_kvcache`), else
+    cu_seqlens_k[b] tokens of its pages: read in place by the KV-cache path when no gradient
+    is needed and every sequence has max_seqlen_q queries or at most 16
+    (`_paged_as_kvcache`), else
     gathered into packed k, v first (one copy of total_k tokens, differentiable) and attended
     as above."""
     _refuse(dropout_p=dropout_p, alibi_slopes=alibi_slopes)
@@ -160,18 +161,28 @@ def flash_attn_varlen_func(
     return (*result, _empty_probs(q)) if return_attn_probs else result
 
 
+# The most queries a sequence of a paged varlen call may have for it to run as KV-cache
+# attention when the sequences' query counts differ (each padded to max_seqlen_q): the decode
+# route's bound on queries (fa3.interface.DECODE_ROUTE_MAX_NQ).
+PADDED_MAX_SEQLEN_Q = 16
+
+
 def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_lse):
     """The paged varlen call as KV-cache attention on the pages in place (no gather, no copy,
     nothing read to the host with the value checks off, so a CUDA graph can capture it), or
-    None where it does not apply: a gradient is needed, or the query lengths are not all
-    max_seqlen_q (total_q != B · max_seqlen_q; a decode batch has max_seqlen_q 1 and one query
-    a sequence), or the pages are not of a size the cache path takes (a multiple of 16 in
-    [16, 256]). Then q is (B, max_seqlen_q, Hq, D) as a view, sequence b's keys are row b of
-    the paged cache with cache_seqlens[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b], causal
+    None where it does not apply: a gradient is needed, the pages are not of a size the cache
+    path takes (a multiple of 16 in [16, 256]), or the sequences' query counts differ and
+    max_seqlen_q is above PADDED_MAX_SEQLEN_Q. Sequence b's queries are row b of a
+    (B, max_seqlen_q, Hq, D) q: a view when every sequence has max_seqlen_q of them (total_q =
+    B · max_seqlen_q: a decode batch, or speculative steps of one length), else a copy with
+    sequence b's l_b queries in its last l_b slots (their bottom-right alignment is then the
+    varlen call's; the slots before them are zeros whose outputs are dropped). Its keys are row
+    b of the paged cache with cache_seqlens[b] = cu_seqlens_k[b + 1] - cu_seqlens_k[b], causal
     and windows aligned to the end of each row as in the varlen call. With the value checks
     on, one host copy of the offsets must show them well formed (starting at 0,
-    non-decreasing, lengths within max_seqlen and the table's pages) or the general path runs
-    and says what is wrong; the cache path then checks the table's entries."""
+    non-decreasing, ending at total_q, lengths within max_seqlen and the table's pages) or the
+    general path runs and says what is wrong; the cache path then checks the table's
+    entries."""
     tensors = (q, k, v, cu_q, cu_k, table)
     if not all(type(t) is torch.Tensor for t in tensors) or isinstance(max_q, bool):
         return None
@@ -183,7 +194,8 @@ def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_
         or b < 1
         or max_q < 1
         or q.dim() != 3
-        or q.shape[0] != b * max_q
+        or q.shape[0] > b * max_q
+        or (q.shape[0] < b * max_q and max_q > PADDED_MAX_SEQLEN_Q)
         or k.dim() != 4
         or v.dim() != 4
         or k.shape[1] % 16
@@ -193,25 +205,39 @@ def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_
     check_index_tensor("cu_seqlens_q", cu_q, (b + 1,), q.device)
     check_index_tensor("cu_seqlens_k", cu_k, (b + 1,), q.device)
     check_index_tensor("block_table", table, (b, -1), q.device)
+    total_q, hq, d = q.shape
     if metadata_checks_enabled():
         rows = torch.stack([cu_q, cu_k]).cpu()
         steps = rows[:, 1:] - rows[:, :-1]
         limit = min(max_k, table.shape[1] * k.shape[1]) if isinstance(max_k, int) else -1
-        if rows[:, 0].any() or (steps[0] != max_q).any() or steps[1].min() < 0:
+        if rows[:, 0].any() or int(rows[0, -1]) != total_q or steps.min() < 0:
             return None
-        if steps[1].max() > limit:
+        if steps[0].max() > max_q or steps[1].max() > limit:
             return None
     lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)
-    hq, d = q.shape[1], q.shape[2]
+    slots = None  # each query's row in the padded (B * max_seqlen_q) queries, when they differ
+    if total_q == b * max_q:
+        q_rows = q.view(b, max_q, hq, d)
+    else:
+        cu = cu_q.long()
+        t = torch.arange(total_q, device=q.device)
+        seq = torch.searchsorted(cu[1:], t, right=True).clamp(0, b - 1)  # (total_q,)
+        # The sequence's queries fill its last slots; clamped so that malformed offsets (value
+        # checks off) index nothing outside the padded queries.
+        slots = (seq * max_q + max_q - cu[seq + 1] + t).clamp(0, b * max_q - 1)
+        q_rows = q.new_zeros(b * max_q, hq, d)
+        q_rows[slots] = q
+        q_rows = q_rows.view(b, max_q, hq, d)
     result = inference.attention_with_kvcache(
-        q.view(b, max_q, hq, d), k, v, cache_seqlens=lens, block_table=table,
-        return_lse=return_lse, **options,
-    )  # fmt: skip
+        q_rows, k, v, cache_seqlens=lens, block_table=table, return_lse=return_lse, **options
+    )
     out, lse = result if return_lse else (result, None)
     out = out.view(b * max_q, hq, out.shape[-1])
+    out = out if slots is None else out[slots]
     if not return_lse:
         return out
-    lse = lse.permute(1, 0, 2).reshape(hq, b * max_q)  # (B, Hq, Nq) -> (Hq, total_q)
+    lse = lse.permute(1, 0, 2).reshape(hq, b * max_q)  # (B, Hq, Nq) -> (Hq, B * max_seqlen_q)
+    lse = lse if slots is None else lse[:, slots].contiguous()  # (Hq, total_q)
     return out, lse, _empty_probs(q)
 
 

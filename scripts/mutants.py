@@ -475,11 +475,19 @@ MUTANTS = [
         ("tests/test_hf.py",),
     ),
     Mutant(
+        "flash-attn names: a paged varlen batch's uneven queries padded at the front",
+        "dispatch/flash_attn.py",
+        "slots = (seq * max_q + max_q - cu[seq + 1] + t).clamp(0, b * max_q - 1)",
+        "slots = (seq * max_q - cu[seq] + t).clamp(0, b * max_q - 1)",
+        "few_queries",
+        ("tests/test_flash_attn_api.py",),
+    ),
+    Mutant(
         "flash-attn names: a paged decode batch's cache lengths one key short",
         "dispatch/flash_attn.py",
         "lens = (cu_k[1:] - cu_k[:-1]).to(torch.int32)",
         "lens = (cu_k[1:] - cu_k[:-1] - 1).clamp(min=0).to(torch.int32)",
-        "equal_query_lengths",
+        "few_queries",
         ("tests/test_flash_attn_api.py",),
     ),
     Mutant(

@@ -511,26 +511,30 @@ def test_varlen_block_table_is_the_packed_call(causal: bool) -> None:
         assert not grad_pages[~owned].any()
 
 
-@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize(
+    "lens_q", [[1, 1, 1, 1], [3, 3, 3, 3], [2, 0, 3, 1], [16, 5, 0, 16]],
+    ids=["decode", "equal-3", "uneven", "uneven-16"],
+)  # fmt: skip
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_block_table_with_equal_query_lengths_reads_the_pages(
-    nq, causal, device, monkeypatch
+def test_varlen_block_table_with_few_queries_reads_the_pages(
+    lens_q, causal, device, monkeypatch
 ) -> None:
-    """A paged varlen call whose sequences all have max_seqlen_q queries (a decode batch: one
-    each) and that needs no gradient runs as KV-cache attention on the pages themselves:
-    nothing gathered, out and the LSE (Hq, total_q) those of the packed call on the gathered
-    keys (lengths 0, 1, 37, 300 on shuffled 16-token pages, NaN in every unused slot, GQA;
-    float32 on a CPU, bf16 on a GPU, where fa3's decode kernel runs it against its varlen
-    forward). With a gradient, or unequal query lengths, the pages are gathered as before."""
+    """A paged varlen call of at most PADDED_MAX_SEQLEN_Q queries a sequence that needs no
+    gradient runs as KV-cache attention on the pages themselves: nothing gathered, out and the
+    LSE (Hq, total_q) those of the packed call on the gathered keys (keys 0, 1, 37, 300 a
+    sequence on shuffled 16-token pages, NaN in every unused slot, GQA; query counts equal, as
+    a decode batch's, or not, then padded; float32 on a CPU, bf16 on a GPU, where fa3's decode
+    kernel runs it against its varlen forward). With a gradient, or uneven query counts above
+    the bound, the pages are gathered as before."""
     from flashsuite.dispatch import flash_attn as fa
 
     gen = torch.Generator().manual_seed(9)
     lens_k, hq, hkv, d = [0, 1, 37, 300], 4, 2, 64
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
-    b = len(lens_k)
-    cu_q = torch.arange(0, (b + 1) * nq, nq, dtype=I32)
+    nq, total_q = max(lens_q), sum(lens_q)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=I32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=I32)
-    q = torch.randn(b * nq, hq, d, generator=gen)
+    q = torch.randn(total_q, hq, d, generator=gen)
     k, v = (torch.randn(int(cu_k[-1]), hkv, d, generator=gen) for _ in "kv")
     kp, vp, table = _paged(gen, k, v, cu_k, 16)
     q, k, v, kp, vp = (t.to(device, dtype) for t in (q, k, v, kp, vp))
@@ -548,18 +552,17 @@ def test_varlen_block_table_with_equal_query_lengths_reads_the_pages(
         )
         plain = dispatch.flash_attn_varlen_func(q, kp, vp, *args, causal=causal, block_table=table)
     assert not gathered and probs.numel() == 0
-    assert got.shape == want.shape and lse.shape == want_lse.shape == (hq, b * nq)
+    assert got.shape == want.shape and lse.shape == want_lse.shape == (hq, total_q)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, want_lse, atol=tol, rtol=tol)
     assert torch.equal(plain, got)
     qg = q.clone().requires_grad_()
     dispatch.flash_attn_varlen_func(qg, kp, vp, *args, causal=causal, block_table=table)
     assert gathered == [1], "a call that needs a gradient gathers the pages"
-    uneven = torch.tensor([0, 0, *cu_q[2:].tolist()], dtype=I32, device=device)  # 0, 2 nq
-    if nq > 1:
+    if len(set(lens_q)) > 1:  # above the bound: gathered
+        loose = (cu_q, cu_k, fa.PADDED_MAX_SEQLEN_Q + 1, max(lens_k))
         with torch.no_grad():
-            dispatch.flash_attn_varlen_func(q, kp, vp, uneven, cu_k, nq * 2, max(lens_k),
-                                            block_table=table)  # fmt: skip
+            dispatch.flash_attn_varlen_func(q, kp, vp, *loose, causal=causal, block_table=table)
         assert gathered == [1, 1]
 
 
