@@ -1,14 +1,16 @@
 """Dense problems with few query rows (a decode step or a short chunk against a long K/V)
 through fa3's forward (what `dispatch.attention` runs): on the split-KV decode kernel
-(fa3.interface.decode_route) and on the forward kernel (DECODE_ROUTE_MAX_ROWS = 0), next to
-SDPA's flash and cuDNN backends and FA4's forward on the same tensors.
+(fa3.interface.decode_route, its query and grid limits lifted so that every point of up to 64
+packed rows runs there) and on the forward kernel (DECODE_ROUTE_MAX_ROWS = 0), next to SDPA's
+flash and cuDNN backends and FA4's forward on the same tensors.
 
     python -m benchmarks.decode_route_ab [--passes 3] [--point B,NQ,NK,HQ,HKV ...]
 
 bf16, D 128, non-causal, k and v (B, Nk, Hkv, D); µs per CUDA-graph replay
 (decode_bench._graph_ms: the kernels' GPU time), medians of interleaved passes, and per point
-the faster peer's time over each fa3 build's (>= 1.0: fa3 as fast or faster). The two fa3
-builds' outputs are compared (their largest difference: the decode kernel splits the keys).
+the faster peer's time over each fa3 build's (>= 1.0: fa3 as fast or faster), "table" being
+the build fa3's policy picks. The dense and route outputs are compared (their largest
+difference: the decode kernel splits the keys).
 """
 
 from __future__ import annotations
@@ -43,7 +45,21 @@ def main(argv: list[str] | None = None) -> None:
     fa4, why = fa4_function()
     if fa4 is None:
         print(f"fa4: not timed ({why})"[:200], flush=True)
-    saved = interface.DECODE_ROUTE_MAX_ROWS
+    names = ("DECODE_ROUTE_MAX_ROWS", "DECODE_ROUTE_MAX_NQ", "DECODE_ROUTE_MHA_MAX_CTAS")
+    saved = {name: getattr(interface, name) for name in names}
+    builds = {
+        "dense": dict(saved, DECODE_ROUTE_MAX_ROWS=0),
+        # every problem of up to 64 packed rows on the decode kernel, whatever the table's policy
+        "route": dict(
+            DECODE_ROUTE_MAX_ROWS=64, DECODE_ROUTE_MAX_NQ=64, DECODE_ROUTE_MHA_MAX_CTAS=2**31
+        ),
+        "table": dict(saved),  # what fa3 runs: the route where its policy takes the problem
+    }
+
+    def use(settings: dict) -> None:
+        for name, value in settings.items():
+            setattr(interface, name, value)
+
     gen = torch.Generator(device="cuda").manual_seed(0)
     for b, nq, nk, hq, hkv in points:
         q = torch.randn(b, nq, hq, D, device="cuda", generator=gen).to(torch.bfloat16)
@@ -74,17 +90,17 @@ def main(argv: list[str] | None = None) -> None:
         try:
             with torch.no_grad():
                 for _ in range(args.passes):
-                    for name, rows in (("dense", 0), ("route", saved or 64)):
-                        interface.DECODE_ROUTE_MAX_ROWS = rows
+                    for name, settings in builds.items():
+                        use(settings)
                         # fa3's forward itself: dispatch's plans bind the route once
                         call = lambda q=q, k=k, v=v, p=p: interface.forward(q, k, v, p)[0]
                         res.setdefault(name, []).append(db._timed(call))
                         outs[name] = call()
-                    interface.DECODE_ROUTE_MAX_ROWS = saved
+                    use(saved)
                     for name, fn in peers.items():
                         res.setdefault(name, []).append(db._timed(fn))
         finally:
-            interface.DECODE_ROUTE_MAX_ROWS = saved
+            use(saved)
         med = {}
         for name, times in res.items():
             ok = [t * 1e3 for t in times if isinstance(t, float)]
@@ -94,11 +110,12 @@ def main(argv: list[str] | None = None) -> None:
         timed_peers = [med[n] for n in peers if med.get(n) is not None]
         best = min(timed_peers) if timed_peers else float("nan")
         diff = (outs["dense"].float() - outs["route"].float()).abs().max().item()
-        ratio = {n: f"{best / med[n]:.3f}" if med.get(n) else "n/a" for n in ("dense", "route")}
+        ratio = {n: f"{best / med[n]:.3f}" if med.get(n) else "n/a" for n in builds}
         print(
             f"B {b:3d} Nq {nq:2d} Nk {nk:6d} H {hq}/{hkv}: "
             + "  ".join(f"{n} {t:.1f}" for n, t in med.items() if t is not None)
-            + f"  | best peer / dense {ratio['dense']}, / route {ratio['route']}"
+            + f"  | best peer / dense {ratio['dense']}, / route {ratio['route']}, / table "
+            + ratio["table"]
             + f"  max |dense - route| {diff:.2e}",
             flush=True,
         )
