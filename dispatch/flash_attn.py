@@ -144,9 +144,9 @@ def flash_attn_varlen_func(
         causal=causal, softmax_scale=softmax_scale, window_size=_window(window_size),
         softcap=softcap,
     )  # fmt: skip
+    check_flag("return_attn_probs", return_attn_probs)
     if block_table is not None:
         check_flag("deterministic", deterministic)  # the route needs no gradient: no backward
-        check_flag("return_attn_probs", return_attn_probs)
         routed = _paged_as_kvcache(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
             options, return_attn_probs,
@@ -156,7 +156,6 @@ def flash_attn_varlen_func(
         k, v = _gather_pages(q, k, v, block_table, cu_seqlens_k)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     _check_deterministic(deterministic, q, k, v, lambda: inference.select_varlen(*args, **options))
-    check_flag("return_attn_probs", return_attn_probs)
     result = inference.attention_varlen(*args, **options, return_lse=return_attn_probs)
     return (*result, _empty_probs(q)) if return_attn_probs else result
 
@@ -220,8 +219,7 @@ def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_
         q_rows = q.view(b, max_q, hq, d)
     else:
         cu = cu_q.long()
-        t = torch.arange(total_q, device=q.device)
-        seq = torch.searchsorted(cu[1:], t, right=True).clamp(0, b - 1)  # (total_q,)
+        t, seq = _token_sequences(cu, total_q)  # (total_q,) each
         # The sequence's queries fill its last slots; clamped so that malformed offsets (value
         # checks off) index nothing outside the padded queries.
         slots = (seq * max_q + max_q - cu[seq + 1] + t).clamp(0, b * max_q - 1)
@@ -239,6 +237,14 @@ def _paged_as_kvcache(q, k, v, cu_q, cu_k, max_q, max_k, table, options, return_
     lse = lse.permute(1, 0, 2).reshape(hq, b * max_q)  # (B, Hq, Nq) -> (Hq, B * max_seqlen_q)
     lse = lse if slots is None else lse[:, slots].contiguous()  # (Hq, total_q)
     return out, lse, _empty_probs(q)
+
+
+def _token_sequences(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token index, its sequence) of the `total` packed tokens that the int64 offsets `cu`
+    (B + 1,) divide, both (total,) int64 on cu's device; sequences clamped into [0, B) so
+    that malformed offsets (value checks off) index no row outside the batch."""
+    t = torch.arange(total, device=cu.device)
+    return t, torch.searchsorted(cu[1:], t, right=True).clamp(0, cu.shape[0] - 2)
 
 
 def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,8 +270,7 @@ def _gather_pages(q, k, v, table, cu_seqlens_k) -> tuple[torch.Tensor, torch.Ten
     total = int(cu[-1])  # the packed size: one device-to-host copy
     if total <= 0 or b == 0:  # no keys (or offsets attention_varlen's checks refuse)
         return k.flatten(0, 1)[:0], v.flatten(0, 1)[:0]
-    t = torch.arange(total, device=q.device)
-    seq = torch.searchsorted(cu[1:], t, right=True).clamp(0, b - 1)  # (total_k,)
+    t, seq = _token_sequences(cu, total)  # (total_k,) each
     j = t - cu[seq]  # token index within its sequence
     if metadata_checks_enabled():
         lengths = cu[1:] - cu[:-1]

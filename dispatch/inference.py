@@ -526,12 +526,11 @@ def attention_with_kvcache(
                 # and without a gradient (a serving loop's no_grad or inference_mode already
                 # holds: entering no_grad again would cost more than the check).
                 args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
-                pad = {} if cache_leftpad is None else {"leftpad": cache_leftpad}
                 if torch.is_grad_enabled():
                     with torch.no_grad():
-                        out, lse = forward(*args, **pad)
+                        out, lse = forward(*args, leftpad=cache_leftpad)
                 else:
-                    out, lse = forward(*args, **pad)
+                    out, lse = forward(*args, leftpad=cache_leftpad)
                 out, lse = out.contiguous(), lse.contiguous()
                 return (out, lse) if return_lse else out
     kp = check_kvcache_inputs(

@@ -480,15 +480,7 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
     if p.is_fp8 or p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim):
         return None
     if (kp := decode_route(p)) is not None:
-        from flashsuite.fa3.decode_host import kvcache_forward
-
-        batch, keys = p.batch, p.seqlen_k
-
-        def run_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-            lens = length_tensor(batch, keys, q.device)
-            return kvcache_forward(q, k, v, None, None, lens, None, kp)
-
-        return run_decode
+        return lambda q, k, v: _decode_forward(q, k, v, kp)
     counted = config_for(p).tile_counter  # the launch takes its tile counters
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim)  # (B, Nq, Hq, D)
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)

@@ -501,8 +501,8 @@ MUTANTS = [
     Mutant(
         "fa3: a dense problem on the decode kernel reads one key fewer",
         "fa3/interface.py",
-        "lens = length_tensor(batch, keys, q.device)",
-        "lens = length_tensor(batch, keys - 1, q.device)",
+        "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)",
+        "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k - 1, q.device)",
         "decode_route",
         ("tests/test_fa3_kvcache.py",),
     ),
