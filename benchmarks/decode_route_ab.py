@@ -1,10 +1,11 @@
 """Dense problems with few query rows (a decode step or a short chunk against a long K/V)
-through fa3's forward (what `dispatch.attention` runs): on the split-KV decode kernel
-(fa3.interface.decode_route, its query and grid limits lifted so that every point of up to 64
-packed rows runs there) and on the forward kernel (DECODE_ROUTE_MAX_ROWS = 0), next to SDPA's
-flash and cuDNN backends and FA4's forward on the same tensors.
+through fa3's (or, with --version fa2, fa2's) forward (what `dispatch.attention` runs): on the
+split-KV decode kernel (the version's interface.decode_route, its query and grid limits lifted
+so that every point of up to 64 packed rows runs there) and on the forward kernel
+(DECODE_ROUTE_MAX_ROWS = 0), next to SDPA's flash and cuDNN backends and FA4's forward on the
+same tensors.
 
-    python -m benchmarks.decode_route_ab [--passes 3] [--point B,NQ,NK,HQ,HKV ...]
+    python -m benchmarks.decode_route_ab [--version fa2] [--passes 3] [--point B,NQ,NK,HQ,HKV]
 
 bf16, D 128, non-causal, k and v (B, Nk, Hkv, D); µs per CUDA-graph replay
 (decode_bench._graph_ms: the kernels' GPU time), medians of interleaved passes, and per point
@@ -16,6 +17,7 @@ difference: the decode kernel splits the keys).
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 
 import torch
@@ -35,12 +37,13 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks import decode_bench as db
     from flashsuite.common.validation import check_inputs
     from flashsuite.dispatch.bench import fa4_function
-    from flashsuite.fa3 import interface
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", choices=("fa3", "fa2"), default="fa3")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--point", action="append", default=[], help="B,NQ,NK,HQ,HKV")
     args = ap.parse_args(argv)
+    interface = importlib.import_module(f"flashsuite.{args.version}.interface")
     points = [tuple(int(x) for x in s.split(",")) for s in args.point] or POINTS
     fa4, why = fa4_function()
     if fa4 is None:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 for _ in range(args.passes):
                     for name, settings in builds.items():
                         use(settings)
-                        # fa3's forward itself: dispatch's plans bind the route once
+                        # the version's forward itself: dispatch's plans bind the route once
                         call = lambda q=q, k=k, v=v, p=p: interface.forward(q, k, v, p)[0]
                         res.setdefault(name, []).append(db._timed(call))
                         outs[name] = call()
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         diff = (outs["dense"].float() - outs["route"].float()).abs().max().item()
         ratio = {n: f"{best / med[n]:.3f}" if med.get(n) else "n/a" for n in builds}
         print(
-            f"B {b:3d} Nq {nq:2d} Nk {nk:6d} H {hq}/{hkv}: "
+            f"{args.version} B {b:3d} Nq {nq:2d} Nk {nk:6d} H {hq}/{hkv}: "
             + "  ".join(f"{n} {t:.1f}" for n, t in med.items() if t is not None)
             + f"  | best peer / dense {ratio['dense']}, / route {ratio['route']}, / table "
             + ratio["table"]

@@ -16,7 +16,7 @@ import torch
 
 from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
 from flashsuite.common.triton_launch import launch, launch_device, run_entry
-from flashsuite.common.validation import AttnParams, remember
+from flashsuite.common.validation import AttnParams, KVCacheParams, remember
 
 NAME = "fa2"
 HAS_BACKWARD = True
@@ -47,6 +47,9 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     elif arch < 80:
         # bf16 tl.dot needs sm80 in Triton, and the FA2 tiles assume sm80+ shared memory.
         return False, f"fa2: needs sm80+ (got sm{arch}); fa1 covers older GPUs"
+    if decode_route(p) is not None:
+        rows = p.seqlen_q * p.group_size
+        return True, f"fa2: {rows} packed query rows: split-KV decode, k and v as full rows"
     if arch is None:
         return True, "fa2: ok (Triton interpreter)"
     from flashsuite.fa2 import configs
@@ -110,6 +113,59 @@ def _common(p: AttnParams) -> dict:
     )
 
 
+# Dense 16-bit problems of few query rows run on fa2's split-KV decode kernel (`decode_route`):
+# a decode step or a short chunk against a long K/V that arrives through `attention`,
+# flash_attn_func or the SDPA plug-in rather than through attention_with_kvcache. The forward
+# kernel's tiles hold Nq of their rows per (batch, query head), read K/V once per query head and
+# stream every key in one program; the decode kernel packs a K/V head's query heads into one
+# tile (K/V read once) and splits long keys over the SMs. k and v are read as the cache (every
+# row full), so out and the LSE are the forward's within rounding (another split of the keys).
+# The limits are fa3's (fa3.interface.decode_route), where the same two kernels' shapes were
+# timed: at most DECODE_ROUTE_MAX_NQ queries and DECODE_ROUTE_MAX_ROWS packed rows (one
+# 64-row tile), and without GQA fewer than DECODE_ROUTE_MHA_MAX_CTAS (batch x heads) tiles.
+# fa2's own timing (benchmarks/decode_route_ab.py --version fa2) is in docs/inference.md.
+# DECODE_ROUTE_MAX_ROWS = 0 turns the route off.
+DECODE_ROUTE_MAX_ROWS = 64
+DECODE_ROUTE_MAX_NQ = 16
+DECODE_ROUTE_MHA_MAX_CTAS = 64
+_routes: dict[tuple, KVCacheParams | None] = {}
+
+
+def decode_route(p: AttnParams) -> KVCacheParams | None:
+    """The KV-cache problem (k, v as a full contiguous cache of seqlen_k tokens a row) that
+    `forward` runs dense problem `p` as, or None where the forward kernel runs it: not fp16 /
+    bf16, Dv != D, no keys, more than DECODE_ROUTE_MAX_NQ queries or DECODE_ROUTE_MAX_ROWS
+    packed rows, or no GQA and at least DECODE_ROUTE_MHA_MAX_CTAS (batch x heads) tiles.
+    Memoised per problem and limits."""
+    limits = (DECODE_ROUTE_MAX_ROWS, DECODE_ROUTE_MAX_NQ, DECODE_ROUTE_MHA_MAX_CTAS)
+    key = (p, limits)
+    if key in _routes:
+        return _routes[key]
+    kp = None
+    if (
+        p.dtype in (torch.float16, torch.bfloat16)
+        and p.head_dim_v == p.head_dim
+        and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
+        and p.seqlen_q <= DECODE_ROUTE_MAX_NQ
+        and p.seqlen_q * p.group_size <= DECODE_ROUTE_MAX_ROWS
+        and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)
+    ):
+        kp = KVCacheParams(p, seqlen_new=0, page_size=0, num_pages=0, num_splits=0)
+    if len(_routes) >= 1024:  # many distinct problems: start over rather than grow
+        _routes.clear()
+    _routes[key] = kp
+    return kp
+
+
+def _decode_forward(q, k, v, kp: KVCacheParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """`forward` of a problem `decode_route` sends to the split-KV decode kernel: out
+    (B, Nq, Hq, D) and lse (B, Hq, Nq), contiguous."""
+    from flashsuite.common.kvcache import length_tensor
+
+    lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)
+    return kvcache_forward(q, _last_contig(k), _last_contig(v), None, None, lens, None, kp)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,6 +184,8 @@ def forward(
 
     if descale_q is not None or descale_k is not None or descale_v is not None:
         raise ValueError("fa2: descale factors are for fp8 inputs, which fa2 does not take")
+    if config is None and (kp := decode_route(p)) is not None:
+        return _decode_forward(q, k, v, kp)
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     b, nq, hq, _ = q.shape
     out = torch.empty(b, nq, hq, p.head_dim_v, dtype=p.out_dtype, device=q.device)  # (B,Nq,Hq,Dv)
@@ -153,6 +211,10 @@ def bind_forward(p: AttnParams, need_lse: bool = True):
 
     if p.seqlen_k == 0 or 0 in (p.batch, p.seqlen_q, p.heads_q, p.head_dim_v):
         return None
+    if (kp := decode_route(p)) is not None:
+        if need_lse:
+            return lambda q, k, v: _decode_forward(q, k, v, kp)
+        return lambda q, k, v: (_decode_forward(q, k, v, kp)[0], None)
     kernel, dtype, f32 = kernels._attn_fwd, p.out_dtype, torch.float32
     out_shape = (p.batch, p.seqlen_q, p.heads_q, p.head_dim_v)  # (B, Nq, Hq, Dv)
     lse_shape = (p.batch, p.heads_q, p.seqlen_q)  # (B, Hq, Nq)

@@ -507,6 +507,22 @@ MUTANTS = [
         ("tests/test_fa3_kvcache.py",),
     ),
     Mutant(
+        "fa2 route: a dense problem on the decode kernel reads one key fewer",
+        F2I,
+        "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)",
+        "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k - 1, q.device)",
+        "dense_problems",
+        ("tests/test_fa2_decode_route.py",),
+    ),
+    Mutant(
+        "fa2 route: dense problems without GQA on the decode kernel whatever their grid",
+        F2I,
+        "and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
+        "and (p.group_size > 0 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
+        "decode_route",
+        ("tests/test_fa2_decode_route.py",),
+    ),
+    Mutant(
         "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",
         "dispatch/flash_attn.py",
         "table = (index.long()[:, None] * per_row + steps)",
