@@ -22,11 +22,21 @@
   (`generate()`) goes through `dispatch.attention_with_kvcache` on the cache's own storage
   (split-KV decode where the version has it): without padding, with left padding (each row's
   keys from its first token, `cache_leftpad`) and on a static cache's filled prefix.
-- **What is refused, with an error naming it:** a mask pattern other than causal or
-  bidirectional with padding (sliding windows, chunked attention, custom and/or overlays,
-  packed sequences found from position_ids, a 4-D mask), caches whose keys start after
-  position 0 (sliding-window caches), dropout in training, attention sinks, position biases,
-  and returning attention probabilities.
+- **Sliding windows** (Mistral, Qwen2, Gemma2 with its softcap, Gemma3, ModernBERT) reach every
+  path as `window_size`. The mask function must be transformers' own
+  `sliding_window_causal_mask_function(w)` or `sliding_window_bidirectional_mask_function(w)`
+  with `local_size=w`, recognised from its closures; anything composed with it is refused. The
+  window is the one transformers' sdpa mask draws: causal, query q sees keys q - w < kv <= q,
+  `(w - 1, 0)` with w the module's `sliding_window`; bidirectional, |q - kv| <= w, `(w, w)`
+  with w the module's `config.sliding_window` (the modules pass w or w + 1). A sliding cache
+  that dropped its oldest tokens (`kv_offset > 0`) is attended as it lies. Packing keeps
+  distances only where each row's tokens are one run (left or right padding).
+- **What is refused, with an error naming it:** mask patterns other than causal, bidirectional
+  and those two windows, each with padding (chunked attention, custom and/or overlays, a
+  window composed with other functions, packed sequences found from position_ids, a 4-D mask),
+  keys that start after position 0 outside a causal sliding-window layer, padding between the
+  tokens of a row under a window, a bidirectional window on cross-attention, dropout in
+  training, attention sinks, position biases, and returning attention probabilities.
 """
 
 from __future__ import annotations
@@ -40,7 +50,10 @@ from flashsuite.dispatch.inference import attention_varlen, attention_with_kvcac
 DEFAULT_NAME = "fsuite"
 # Substrings that make transformers route a name to a backend of its own (see the module doc).
 _RESERVED = ("flash", "sdpa", "flex_attention", "paged|")
-_SUPPORTED = "causal or bidirectional attention (also cross-attention) with padding"
+_SUPPORTED = (
+    "causal or bidirectional attention (also cross-attention) with padding, and "
+    "transformers' own causal or bidirectional sliding window alone"
+)
 
 
 def register_transformers(version: str = "auto", name: str = DEFAULT_NAME) -> str:
@@ -88,39 +101,52 @@ def padding_mask(
     """The mask function registered with `AttentionMaskInterface`.
 
     Causal (self-attention): queries sit at positions q_offset .. q_offset + q_length - 1 and
-    are the last tokens seen, so the keys that hold tokens are the first
-    L = q_offset + q_length of the kv_length slots (all of them for a dynamic cache, a prefix of
-    a static one). Bidirectional (an encoder, or cross-attention to one): L = kv_length, the
-    queries may be another sequence. Returns None when every one of the L tokens is real and
-    L == kv_length, otherwise the (B, L) bool mask of real tokens (`attention_mask` is the
-    (B, >= L) 2-D padding mask transformers passes, 1 = token).
+    are the last tokens seen; key slot s holds position kv_offset + s (kv_offset > 0 only on a
+    sliding-window cache that dropped its oldest tokens), so the slots that hold tokens are the
+    first L = q_offset + q_length - kv_offset of the kv_length (all of them for a dynamic
+    cache, a prefix of a static one). Bidirectional (an encoder, or cross-attention to one):
+    L = kv_length, the queries may be another sequence. Returns None when every one of the L
+    tokens is real and L == kv_length, otherwise the (B, L) bool mask of real tokens
+    (`attention_mask` is the (B, >= kv_offset + L) 2-D padding mask transformers passes,
+    1 = token, read from column kv_offset on). A sliding window's mask is the same: the window
+    reaches the attention function through the module (see `_window`).
     """
     from transformers.masking_utils import bidirectional_mask_function, causal_mask_function
 
-    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+    local_size = kwargs.get("local_size")
+    window = None
+    if mask_function in (causal_mask_function, bidirectional_mask_function):
+        if local_size is not None:  # a window passed beside a plain function
+            raise NotImplementedError(
+                "flashsuite's transformers attention: a local_size beside a plain causal or "
+                f"bidirectional mask function is not supported (local_size={local_size})"
+            )
+        causal = mask_function is causal_mask_function
+    elif (window := _sliding_window_of(mask_function, local_size)) is not None:
+        causal = window[0] == "causal"
+    else:
         raise NotImplementedError(
             "flashsuite's transformers attention: this model builds a mask that it "
             f"cannot express (supported: {_SUPPORTED}; got the mask function "
-            f"{getattr(mask_function, '__qualname__', mask_function)!r}, e.g. a sliding window, "
-            "chunked attention, an overlay, or packed sequences found from position_ids); "
-            "use attn_implementation='sdpa' for this model"
+            f"{getattr(mask_function, '__qualname__', mask_function)!r}, e.g. a sliding window "
+            "combined with another mask, chunked attention, an overlay, or packed sequences "
+            "found from position_ids); use attn_implementation='sdpa' for this model"
         )
-    if kwargs.get("local_size") is not None:  # a sliding window passed beside a plain function
+    sliding_cache = window is not None and causal
+    if kv_offset != 0 and not (sliding_cache and isinstance(kv_offset, int) and kv_offset > 0):
         raise NotImplementedError(
-            "flashsuite's transformers attention: sliding-window masks are not supported "
-            f"(local_size={kwargs['local_size']})"
+            "kv_offset: expected 0 (keys from position 0, a dynamic or static cache) or, on a "
+            f"causal sliding-window layer, a position > 0; got {kv_offset}"
         )
-    if kv_offset != 0:
-        raise NotImplementedError(
-            f"kv_offset: expected 0 (keys from position 0, a dynamic or static cache), got "
-            f"{kv_offset} (a sliding-window cache)"
-        )
-    # Key slots that hold tokens.
-    seen = int(q_offset) + q_length if mask_function is causal_mask_function else kv_length
-    if seen > kv_length:
-        raise ValueError(
-            f"q_offset + q_length: expected at most kv_length = {kv_length}, got {seen}"
-        )
+    kv_offset = int(kv_offset)
+    seen = kv_length  # key slots that hold tokens
+    if causal:
+        seen = int(q_offset) + q_length - kv_offset
+        if not q_length <= seen <= kv_length:
+            raise ValueError(
+                f"q_offset + q_length - kv_offset: expected between q_length = {q_length} and "
+                f"kv_length = {kv_length}, got {seen}"
+            )
     device = kwargs.get("device", "cpu")
     if attention_mask is None:
         if seen == kv_length:
@@ -132,12 +158,52 @@ def padding_mask(
             f"{tuple(attention_mask.shape)}"
         )
     mask = attention_mask.to(dtype=torch.bool)
-    if mask.shape[1] < seen:  # as transformers pads it: positions past the mask are no token
-        mask = torch.nn.functional.pad(mask, (0, seen - mask.shape[1]))
-    mask = mask[:, :seen]
+    end = kv_offset + seen
+    if mask.shape[1] < end:  # as transformers pads it: positions past the mask are no token
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[1]))
+    mask = mask[:, kv_offset:end]
     if seen == kv_length and bool(mask.all()):
         return None
     return mask
+
+
+def _sliding_window_of(mask_function, local_size) -> tuple[str, int] | None:
+    """("causal", w) when `mask_function` is transformers' sliding_window_causal_mask_function(w),
+    ("bidirectional", w) for sliding_window_bidirectional_mask_function(w), with w == local_size;
+    None for anything else, a composition with other functions included. Read from the
+    closures: and_masks' tuple of exactly the overlay's inner function and the base function."""
+    from transformers import masking_utils as mu
+
+    and_code = mu.and_masks(mu.causal_mask_function).__code__
+    if getattr(mask_function, "__code__", None) is not and_code:
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    overlay, base = parts
+    kinds = (
+        ("causal", "sliding_window_overlay", mu.causal_mask_function),
+        ("bidirectional", "sliding_window_bidirectional_overlay", mu.bidirectional_mask_function),
+    )
+    for kind, overlay_name, base_function in kinds:
+        make_overlay = getattr(mu, overlay_name, None)
+        if base is not base_function or make_overlay is None:
+            continue
+        if getattr(overlay, "__code__", None) is make_overlay(1).__code__:
+            size = _closure(overlay).get("sliding_window")
+            if type(size) is int and size >= 1 and size == local_size:
+                return kind, size
+    return None
+
+
+def _closure(function) -> dict:
+    """A nested function's free variables by name ({} when it has none)."""
+    cells = getattr(function, "__closure__", None) or ()
+    names = function.__code__.co_freevars
+    try:
+        return {name: cell.cell_contents for name, cell in zip(names, cells, strict=True)}
+    except ValueError:  # an empty cell, or a closure that does not match the code
+        return {}
 
 
 def attention_forward(
@@ -160,23 +226,24 @@ def attention_forward(
     them (after the cache update: keys of the past tokens first, the queries' own last);
     `attention_mask` is what `padding_mask` returned. Returns (out (B, Nq, Hq, Dv), None).
     """
-    _refuse_unsupported(module, dropout, sliding_window, kwargs)
+    _refuse_unsupported(module, dropout, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and getattr(getattr(module, "config", None), "is_causal", True) is False:
         raise NotImplementedError(
             "config.is_causal: False makes a causal module attend both ways through its mask; "
             "flashsuite takes causality from the module: set module.is_causal instead"
         )
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, H, D) views
+    nq, nk = q.shape[1], k.shape[1]
     options = dict(
         causal=causal,
         softmax_scale=scaling,
+        window_size=_window(module, causal, sliding_window, nq, nk),
         softcap=float(softcap) if softcap else 0.0,
         version=version,
     )
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, H, D) views
     if attention_mask is not None:
         return _padded(q, k, v, attention_mask, options), None
-    nq, nk = q.shape[1], k.shape[1]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if nq < nk and causal and not needs_grad:
         # A decode or chunked-prefill step: the cache is already appended, so attend its Nk
@@ -187,15 +254,34 @@ def attention_forward(
     return out, None
 
 
-def _refuse_unsupported(module, dropout, sliding_window, kwargs) -> None:
+def _window(module, causal: bool, sliding_window, nq: int, nk: int) -> tuple[int, int]:
+    """`window_size` for the module's `sliding_window` (None on a full-attention layer), drawn
+    as transformers' sdpa mask draws it: causal, query q sees keys q - w < kv <= q, so
+    (w - 1, 0) with w the module's value; bidirectional, |q - kv| <= w with w the config's
+    `sliding_window` (the value the mask reads; modules pass w or w + 1), so (w, w), on
+    self-attention only. (-1, -1) where the window cannot bite (w >= Nk)."""
+    if sliding_window is None:
+        return (-1, -1)
+    if not causal:
+        sliding_window = getattr(getattr(module, "config", None), "sliding_window", None)
+    if type(sliding_window) is not int or sliding_window < 1:
+        where = "sliding_window" if causal else "module.config.sliding_window"
+        raise ValueError(f"{where}: expected an int >= 1, got {sliding_window!r}")
+    if not causal and nq != nk:
+        raise NotImplementedError(
+            f"sliding_window: a bidirectional window needs self-attention (Nq == Nk), got "
+            f"Nq = {nq}, Nk = {nk}"
+        )
+    if sliding_window >= nk:
+        return (-1, -1)
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def _refuse_unsupported(module, dropout, kwargs) -> None:
     if dropout and module.training:
         raise ValueError(
             f"dropout: flashsuite has no attention dropout; expected 0.0, got {dropout} "
             "(set config.attention_dropout = 0.0)"
-        )
-    if sliding_window is not None:
-        raise NotImplementedError(
-            f"sliding_window: not supported by the transformers adapter, got {sliding_window}"
         )
     if kwargs.get("output_attentions"):
         raise ValueError(
@@ -211,7 +297,9 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention over the real tokens of each row: mask (B, L) marks them among the first L key
     slots. Causal: the queries are the last Nq of those slots, and padding queries get zeros.
     Not causal: every query attends to the real keys (the queries may be another sequence, as
-    in cross-attention). Output (B, Nq, Hq, Dv)."""
+    in cross-attention); under a window the queries are the L tokens themselves, and padding
+    queries get zeros. A window needs each row's tokens in one run (left or right padding):
+    packing keeps distances only then. Output (B, Nq, Hq, Dv)."""
     b, nq, hq, _ = q.shape
     if mask.dim() != 2 or mask.shape[0] != b or mask.dtype != torch.bool:
         raise ValueError(
@@ -233,13 +321,30 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
             return attention_with_kvcache(
                 q, k, v, cache_seqlens=seen, cache_leftpad=pads, **options
             )
+    windowed = options["window_size"] != (-1, -1)
     if options["causal"]:
         q_mask = mask[:, seen - nq :]  # (B, Nq)
+    elif windowed:  # self-attention: the queries are the keys' own tokens
+        if seen != nq:
+            raise ValueError(
+                f"attention_mask: a bidirectional window expected Nq = {nq} token slots, got {seen}"
+            )
+        q_mask = mask
     else:
         q_mask = torch.ones(b, nq, dtype=torch.bool, device=mask.device)  # (B, Nq)
     lens = torch.stack([q_mask.sum(1), mask.sum(1)]).to(torch.int32)  # (2, B): q, k lengths
     cu = torch.nn.functional.pad(lens.cumsum(1, dtype=torch.int32), (1, 0))  # (2, B + 1)
-    max_q, max_k = (int(x) for x in lens.amax(1).tolist())
+    stats = lens.amax(1)  # (2,): max_q, max_k
+    if windowed:  # and the number of rows whose tokens are not one run, in the same read
+        starts = mask & ~torch.nn.functional.pad(mask[:, :-1], (1, 0))  # (B, L): a run begins
+        stats = torch.cat([stats, (starts.sum(1) > 1).sum(0, keepdim=True).to(stats.dtype)])
+    max_q, max_k, *split_rows = (int(x) for x in stats.tolist())
+    if split_rows and split_rows[0]:
+        raise NotImplementedError(
+            f"attention_mask: {split_rows[0]} row(s) have padding between their tokens; under a "
+            "sliding window, packing would bring those tokens closer than their positions "
+            "(supported: each row's tokens in one run, left or right padding)"
+        )
     if max_q == 0:  # every query is padding
         return q.new_zeros(b, nq, hq, v.shape[-1])
     out = attention_varlen(

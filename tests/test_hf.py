@@ -1,12 +1,15 @@
-"""The transformers adapter (`dispatch.register_transformers`) on a tiny Llama-style model built
-from a config (random weights, nothing downloaded), against transformers' own "sdpa".
+"""The transformers adapter (`dispatch.register_transformers`) on tiny models built from configs
+(random weights, nothing downloaded), against transformers' own "sdpa": Llama, sliding-window
+models (Mistral, every layer windowed; Gemma2, a windowed and a full layer with the attention
+softcap; Gemma3; Qwen2; a ModernBERT encoder's two-sided window), BERT and BART.
 
 Logits and gradients follow the suite's comparison rule (`common.testing.compare`): the
 reference is the same model in float64 under "sdpa", the yardstick the float32 model under
 "sdpa", and ours the float32 model under flashsuite (the `torch` version, so the test is the
-same on every machine). Padding positions carry no meaning (no loss, no token reads them) and
-are left out. Each test also counts which dispatch entry point ran, so a path that silently
-stopped being taken fails.
+same on every machine). sdpa has no softcap, so Gemma2's yardstick is its float32 "eager" and
+its reference eager's arithmetic in float64 on transformers' own sdpa mask (`_exact_attention`).
+Padding positions carry no meaning (no loss, no token reads them) and are left out. Each test
+also counts which dispatch entry point ran, so a path that silently stopped being taken fails.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import types
 
 import pytest
 import torch
@@ -25,9 +29,43 @@ from flashsuite.common.testing import compare  # noqa: E402
 from flashsuite.dispatch import hf  # noqa: E402
 
 VOCAB, PAD = 101, 0
+WINDOW = 4  # below the 11 tokens of a row, so the window bites on the prompt
+# family: (config class, model class, config overrides, implementation of reference and yardstick)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}, "sdpa"),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=WINDOW),
+        "sdpa",
+    ),
+    "gemma2": (  # attn_logit_softcapping 50 and query_pre_attn_scalar 256, their defaults
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(
+            sliding_window=WINDOW, head_dim=16, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "eager",
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            sliding_window=WINDOW, head_dim=16, layer_types=["sliding_attention", "full_attention"]
+        ),
+        "sdpa",
+    ),
+    "qwen2": (  # layer 0 full, layer 1 windowed
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
+        "sdpa",
+    ),
+}
+EXACT = "exact64"  # the float64 reference where sdpa cannot run (Gemma2's softcap)
 
 
-def _config(**overrides):
+def _config(family: str = "llama", **overrides):
     cfg = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -41,24 +79,60 @@ def _config(**overrides):
         initializer_range=0.5,  # peaked attention, so a wrong mask shows in the logits
         attention_dropout=0.0,
     )
+    config_cls, _, family_overrides, _ = FAMILIES[family]
+    cfg.update(family_overrides)
     cfg.update(overrides)
-    return transformers.LlamaConfig(**cfg)
+    return config_cls(**cfg)
 
 
-@pytest.fixture(scope="module")
-def models():
-    """(float64 sdpa, float32 sdpa, float32 flashsuite), the same weights."""
-    name = dispatch.register_transformers(version="torch")
-    torch.manual_seed(0)
-    cls = transformers.LlamaForCausalLM
-    ref = cls._from_config(_config(), attn_implementation="sdpa", dtype=torch.float64)
-    pt = cls._from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
-    ours = cls._from_config(_config(), attn_implementation=name, dtype=torch.float32)
-    state = {k: t.float() for k, t in ref.state_dict().items()}
-    pt.load_state_dict(state)
-    ours.load_state_dict(state)
-    assert ours.config._attn_implementation == name == "fsuite"
-    return ref, pt, ours
+def _sliding_layers(config) -> int:
+    """Layers that attend through a sliding window (Mistral's config has no layer_types)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return config.num_hidden_layers if getattr(config, "sliding_window", None) else 0
+    return list(layer_types).count("sliding_attention")
+
+
+def _exact_attention(module, query, key, value, attention_mask, scaling, softcap=None, **kw):
+    """transformers' eager arithmetic (softcap included) in the inputs' dtype throughout, on
+    transformers' own sdpa mask; a row that sees no key gives zeros. transformers' eager takes
+    the softmax in float32, where a float64 mask's minimum turns into -inf: NaN rows."""
+    group = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(group, dim=1) for t in (key, value))
+    s = query @ key.transpose(-1, -2) * scaling  # (B, H, Nq, Nk)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seen = attention_mask.any(-1, keepdim=True)  # (B, 1, Nq, 1): rows with a key
+    p = torch.softmax(s.masked_fill(~attention_mask, float("-inf")).masked_fill(~seen, 0), -1)
+    return ((p * seen) @ value).transpose(1, 2), None
+
+
+def _exact_mask(*args, **kwargs):
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False  # always the dense (B, 1, Nq, Nk) bool mask
+    return sdpa_mask(*args, **kwargs)
+
+
+@functools.cache
+def _family(family: str):
+    """(float64 reference, float32 yardstick, float32 flashsuite), the same weights."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    _, cls, _, impl = FAMILIES[family]
+    if impl == "eager":
+        transformers.AttentionInterface.register(EXACT, _exact_attention)
+        AttentionMaskInterface.register(EXACT, _exact_mask)
+    impls = (EXACT if impl == "eager" else impl, impl)
+    return _trio(cls, _config(family), seed=0, impls=impls)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gemma3"])
+def models(request):
+    """(reference, yardstick, flashsuite) of one family (see the module doc)."""
+    ours = _family(request.param)[2]
+    assert ours.config._attn_implementation == "fsuite"
+    return _family(request.param)
 
 
 @pytest.fixture
@@ -76,12 +150,13 @@ def calls(monkeypatch):
     return counts
 
 
-def _batch(padding: str, seed: int = 0):
-    """input_ids (3, 11) and attention_mask: row 0 full, rows 1 and 2 padded on `padding`."""
+def _batch(padding: str, seed: int = 0, pads: tuple[int, int] = (3, 7)):
+    """input_ids (3, 11) and attention_mask: row 0 full, rows 1 and 2 padded on `padding`
+    (`pads` tokens)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (3, 11), generator=g)
     mask = torch.ones(3, 11, dtype=torch.long)
-    for row, n_pad in ((1, 3), (2, 7)):
+    for row, n_pad in zip((1, 2), pads, strict=True):
         pads = slice(0, n_pad) if padding == "left" else slice(11 - n_pad, 11)
         mask[row, pads] = 0
         ids[row, pads] = PAD
@@ -138,22 +213,28 @@ def test_one_training_step_matches_sdpa(models, calls, padding: str) -> None:
     assert calls[kind] == 2 * models[2].config.num_hidden_layers  # forward, then after the step
 
 
+@pytest.mark.parametrize("cache", ["own", "full"])
 @pytest.mark.parametrize("padding", ["none", "left"])
-def test_generate_greedy_same_tokens_as_sdpa(models, calls, padding: str) -> None:
+def test_generate_greedy_same_tokens_as_sdpa(models, calls, padding: str, cache: str) -> None:
+    """cache "own": the model's, whose sliding layers drop the tokens that left the window (the
+    mask's kv_offset > 0); "full": a DynamicCache() built without the config keeps every token,
+    so the window bites on each decode step's keys. Row 2's 9 padding tokens outlast the
+    first tokens a sliding cache drops, so its first decode steps see padding on the left."""
     _, pt_m, ours_m = models
-    ids, mask = _batch("left", seed=3)
+    ids, mask = _batch("left", seed=3, pads=(3, 9))
     if padding == "none":
         ids, mask = ids[:1], mask[:1]
     new = 8
-    gen = functools.partial(
-        lambda m: m.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-            min_new_tokens=new,
-        )
-    )  # fmt: skip
+
+    def gen(model):
+        kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        if cache == "full":
+            kw["past_key_values"] = transformers.DynamicCache()
+        return model.generate(input_ids=ids, attention_mask=mask, **kw)
+
     expected, got = gen(pt_m), gen(ours_m)
     assert got.shape == (ids.shape[0], ids.shape[1] + new)
-    assert torch.equal(got, expected), f"sdpa {expected[:, -new:]}\nours {got[:, -new:]}"
+    assert torch.equal(got, expected), f"reference {expected[:, -new:]}\nours {got[:, -new:]}"
     layers = ours_m.config.num_hidden_layers
     if padding == "none":  # the prompt densely, then one KV-cache decode per new token
         assert calls == {"attention": layers, "attention_with_kvcache": (new - 1) * layers}
@@ -170,19 +251,29 @@ def test_static_cache_generate(models, calls) -> None:
     assert torch.equal(got, expected)
     # The static cache (11 + 5 slots) has empty slots until the last step: the prompt runs
     # packed on the slots that hold tokens, each decode step on the cache with cache_seqlens
-    # the filled prefix (the last step fills it).
-    layers = ours_m.config.num_hidden_layers
-    assert calls == {"attention_varlen": layers, "attention_with_kvcache": 4 * layers}
+    # the filled prefix (the last step fills it). A sliding layer's static cache holds the
+    # window (4 slots): the prompt attends its own 11 keys (dense, no mask), then each step
+    # rolls the cache (kv_offset > 0) and attends its 4 full slots.
+    layers, sliding = ours_m.config.num_hidden_layers, _sliding_layers(ours_m.config)
+    assert calls == collections.Counter(
+        attention=sliding, attention_varlen=layers - sliding, attention_with_kvcache=4 * layers
+    )
 
 
-def _trio(cls, cfg):
-    """The model under (float64 sdpa, float32 sdpa, float32 flashsuite), the same weights."""
+def _trio(cls, cfg, seed: int = 1, impls: tuple[str, str] = ("sdpa", "sdpa")):
+    """The model under (float64 impls[0], float32 impls[1], float32 flashsuite), the same
+    weights."""
     name = dispatch.register_transformers(version="torch")
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     # A config of its own per model: _from_config records the implementation in it.
-    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float64)
-    pt = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32)
-    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation=name, dtype=torch.float32)
+    ref, pt, ours = (
+        cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype)
+        for impl, dtype in (
+            (impls[0], torch.float64),
+            (impls[1], torch.float32),
+            (name, torch.float32),
+        )
+    )
     state = {k: t.float() for k, t in ref.state_dict().items()}
     pt.load_state_dict(state)
     ours.load_state_dict(state)
@@ -229,7 +320,7 @@ def test_encoder_and_cross_attention_match_sdpa(calls) -> None:
 
 
 def test_padding_mask_function() -> None:
-    from transformers.masking_utils import causal_mask_function
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
     kw = dict(batch_size=2, mask_function=causal_mask_function, device="cpu")
     full = torch.ones(2, 6, dtype=torch.long)
@@ -245,11 +336,71 @@ def test_padding_mask_function() -> None:
     got = hf.padding_mask(q_length=1, kv_length=10, q_offset=torch.tensor(5), **kw)
     assert got.shape == (2, 6) and bool(got.all())
 
+    # A sliding layer's cache that dropped positions 0-7: slot s holds position 8 + s, so the
+    # mask is read from column 8 on, padded on the right where it is short (no token there).
+    kw = dict(kw, mask_function=sliding_window_causal_mask_function(4), local_size=4)
+    step = dict(q_length=1, kv_length=4, q_offset=11, kv_offset=8)
+    left = torch.ones(2, 12, dtype=torch.long)
+    left[1, :10] = 0
+    assert torch.equal(hf.padding_mask(attention_mask=left, **step, **kw), left[:, 8:].bool())
+    assert hf.padding_mask(attention_mask=torch.ones_like(left), **step, **kw) is None
+    got = hf.padding_mask(attention_mask=left[:, :11], **step, **kw)
+    assert torch.equal(got, torch.tensor([[True, True, True, False], [False, False, True, False]]))
+    # A static sliding layer (4 slots) holding 2 tokens: the mask covers the 2.
+    got = hf.padding_mask(q_length=1, kv_length=4, q_offset=1, **kw)
+    assert got.shape == (2, 2) and bool(got.all())
 
-def test_decode_step_with_left_padding_reads_the_cache(calls) -> None:
+
+@pytest.mark.parametrize("kind", ["causal", "bidirectional"])
+def test_padding_mask_and_window_draw_the_sdpa_mask(kind: str) -> None:
+    """padding_mask's key slots with attention_forward's window_size, read as the dispatch
+    entry points read them (queries bottom-right aligned on the slots), allow the same (query,
+    key) pairs as transformers' own sdpa mask, at the sizes its sliding caches ask for: a
+    prompt, a decode step and a chunk on a cache that dropped old tokens, a static sliding
+    cache not yet full."""
+    from transformers import masking_utils as mu
+
+    w, n = 3, 12
+    tokens = torch.ones(3, n, dtype=torch.long)
+    tokens[1, :8] = 0  # left padding, into the slots a sliding cache keeps
+    tokens[2, 7:] = 0  # right padding
+    if kind == "causal":
+        function = mu.sliding_window_causal_mask_function(w)
+        sizes = [(9, 9, 0, 0), (1, w, 9, 9 - w + 1), (3, w + 2, 9, 9 - w + 1), (1, w, 1, 0)]
+        module, module_window = None, w
+    else:  # ModernBERT's way: the mask reads config.sliding_window, the module passes it + 1
+        function = mu.sliding_window_bidirectional_mask_function(w)
+        sizes = [(n, n, 0, 0), (w, w, 0, 0)]
+        module = types.SimpleNamespace(config=types.SimpleNamespace(sliding_window=w))
+        module_window = w + 1
+    for q_length, kv_length, q_offset, kv_offset in sizes:
+        args = dict(
+            batch_size=3, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=function, local_size=w,
+            attention_mask=tokens[:, : q_offset + q_length],
+        )  # fmt: skip
+        want = mu.sdpa_mask(**args, allow_is_causal_skip=False)[:, 0]  # (B, Nq, Nk)
+        slots = hf.padding_mask(**args)  # (B, L) or None: all kv_length slots hold tokens
+        if slots is None:
+            slots = torch.ones(3, kv_length, dtype=torch.bool)
+        seen = slots.shape[1]
+        left, right = hf._window(module, kind == "causal", module_window, q_length, kv_length)
+        i = torch.arange(q_length)[:, None] + seen - q_length  # (Nq, 1): each query's slot
+        j = torch.arange(kv_length)[None, :]  # (1, Nk)
+        pairs = j <= i if kind == "causal" else torch.ones_like(j == i)
+        if left >= 0:
+            pairs = pairs & (j >= i - left) & (j <= i + right)
+        keys = torch.nn.functional.pad(slots, (0, kv_length - seen))  # (B, Nk)
+        got = pairs[None] & keys[:, None, :]  # (B, Nq, Nk)
+        assert torch.equal(got, want), (q_length, kv_length, q_offset, kv_offset)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (2, 0)], ids=["full", "window"])
+def test_decode_step_with_left_padding_reads_the_cache(calls, window) -> None:
     """A decode step (one query a row, no gradient) whose mask pads rows on the left only runs
     on the cache with cache_leftpad; a mask with padding between tokens takes the packed path;
-    both give each row's attention over its real keys (the torch version, float64 oracle)."""
+    both give each row's attention over its real keys (the torch version, float64 oracle).
+    Under a window, packing would bring a split row's tokens closer: refused."""
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(3, 1, 4, 16, generator=gen, dtype=torch.float64)
     k, v = (torch.randn(3, 8, 2, 16, generator=gen, dtype=torch.float64) for _ in "kv")
@@ -261,21 +412,96 @@ def test_decode_step_with_left_padding_reads_the_cache(calls) -> None:
     )
     assert hf._left_padding(torch.ones(3, 6, dtype=torch.bool), 1) == (True, None)
     assert not hf._left_padding(hole, 1)[0] and not hf._left_padding(left, 2)[0]
-    options = dict(causal=True, softmax_scale=None, softcap=0.0, version="torch")
+    options = dict(causal=True, softmax_scale=None, window_size=window, softcap=0.0,
+                   version="torch")  # fmt: skip
     for mask, path in ((left, "attention_with_kvcache"), (hole, "attention_varlen")):
         calls.clear()
+        if mask is hole and window != (-1, -1):
+            split = r"attention_mask: 1 row\(s\) have padding between their tokens"
+            with torch.no_grad(), pytest.raises(NotImplementedError, match=split):
+                hf._padded(q, k, v, mask, options)
+            with pytest.raises(NotImplementedError, match=split):  # a training step
+                hf._padded(q.clone().requires_grad_(), k, v, mask, options)
+            continue
         with torch.no_grad():
             out = hf._padded(q, k, v, mask, options)
         assert calls == {path: 1}, calls
         for b in range(3):
             keep = mask[b].nonzero().flatten()
             want = dispatch.attention(q[b : b + 1], k[b : b + 1, keep], v[b : b + 1, keep],
-                                      causal=True, version="torch")  # fmt: skip
+                                      causal=True, window_size=window, version="torch")  # fmt: skip
             torch.testing.assert_close(out[b : b + 1], want)
 
 
-def test_refusals_name_the_problem(models) -> None:
-    from transformers.masking_utils import and_masks, causal_mask_function
+@pytest.mark.parametrize("wrong", ["window+1", "window-1", "no-window", "no-softcap"])
+def test_a_wrong_window_or_softcap_fails_the_comparison(monkeypatch, wrong: str) -> None:
+    """The models and batches above tell a window off by one either way, a window ignored and
+    a softcap ignored from the right ones: the comparison fails by far on each."""
+    models = _family("gemma2" if wrong == "no-softcap" else "mistral")
+    if wrong == "no-softcap":
+        real_varlen = hf.attention_varlen
+        monkeypatch.setattr(
+            hf, "attention_varlen", lambda *a, **kw: real_varlen(*a, **dict(kw, softcap=0.0))
+        )
+    else:
+        real_window = hf._window
+
+        def window(*args):
+            left, right = real_window(*args)
+            assert left >= 0  # Mistral: every layer windowed, 4 < 11 tokens
+            shift = {"window+1": 1, "window-1": -1}.get(wrong)
+            return (-1, -1) if shift is None else (left + shift, right)
+
+        monkeypatch.setattr(hf, "_window", window)
+    ids, mask = _batch("left")
+    real = mask.bool()
+    with torch.no_grad():
+        ref, pt, ours = (m(input_ids=ids, attention_mask=mask).logits[real] for m in models)
+    c = compare("logits", ours, ref, pt)
+    assert not c.ok and c.err > 100 * c.bound, str(c)
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_bidirectional_window_encoder_matches_sdpa(calls, padding: str) -> None:
+    """ModernBERT: a windowed layer (|q - kv| <= config.sliding_window = local_attention // 2 =
+    2; the module passes 3, flash-attn's convention) and a full one."""
+    cfg = transformers.ModernBertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, local_attention=4, initializer_range=0.5,
+        layer_types=["sliding_attention", "full_attention"], pad_token_id=PAD, bos_token_id=1,
+        eos_token_id=2, cls_token_id=1, sep_token_id=2, attention_dropout=0.0,
+        embedding_dropout=0.0, mlp_dropout=0.0,
+    )  # fmt: skip
+    models = _trio(transformers.ModernBertModel, cfg)
+    ids, mask = _batch("left" if padding == "none" else padding)
+    if padding == "none":
+        mask = torch.ones_like(mask)
+    real = mask.bool()
+    with torch.no_grad():
+        ref, pt, ours = (
+            m(input_ids=ids, attention_mask=mask).last_hidden_state[real] for m in models
+        )
+    _assert_close("modernbert hidden states", ours, ref, pt)
+    assert calls == {"attention" if padding == "none" else "attention_varlen": 2}
+
+
+def test_qwen2_windows_its_upper_layers(calls) -> None:
+    """Qwen2 windows the layers from max_window_layers on (here layer 1; layer 0 is full)."""
+    ref, pt, ours = _family("qwen2")
+    ids, mask = _batch("left")
+    real = mask.bool()
+    with torch.no_grad():
+        logits = [m(input_ids=ids, attention_mask=mask).logits[real] for m in (ref, pt, ours)]
+    _assert_close("qwen2 logits", logits[2], logits[0], logits[1])
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    ids, mask = _batch("left", seed=3)
+    expected = pt.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(ours.generate(input_ids=ids, attention_mask=mask, **kw), expected)
+    assert calls == {"attention_varlen": 4, "attention_with_kvcache": 14}
+
+
+def test_refusals_name_the_problem() -> None:
+    from transformers import masking_utils as mu
 
     with pytest.raises(ValueError, match=r"name: .*got 'flashsuite'"):
         dispatch.register_transformers(name="flashsuite")  # transformers would load flash-attn
@@ -283,13 +509,38 @@ def test_refusals_name_the_problem(models) -> None:
         dispatch.register_transformers(name="org/kernel")
     with pytest.raises(ValueError, match=r"version: expected one of"):
         dispatch.register_transformers(version="fa9")
-    with pytest.raises(NotImplementedError, match="cannot express"):
-        hf.padding_mask(
-            2, 4, 4, mask_function=and_masks(causal_mask_function, causal_mask_function)
-        )
+    causal, sliding = mu.causal_mask_function, mu.sliding_window_causal_mask_function(4)
+
+    def extra(batch_idx, head_idx, q_idx, kv_idx):
+        return kv_idx >= 0
+
+    # Only transformers' own sliding functions, as create_*_mask passes them, are windows.
+    for function, local_size in (
+        (mu.and_masks(causal, causal), None),
+        (mu.and_masks(sliding, extra), 4),  # an and_mask_function on top
+        (mu.or_masks(sliding, extra), 4),  # an or_mask_function on top
+        (mu.and_masks(mu.sliding_window_overlay(4), causal, extra), 4),
+        (mu.and_masks(causal, mu.sliding_window_overlay(4)), 4),  # not the function's order
+        (mu.and_masks(mu.sliding_window_overlay(4), mu.bidirectional_mask_function), 4),
+        (sliding, 5),  # local_size is not the closure's window
+        (sliding, None),
+        (mu.chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long)), 4),
+        (
+            mu.packed_sequence_compatibility_function(sliding, torch.zeros(2, 4), torch.ones(2, 4)),
+            4,
+        ),
+    ):
+        with pytest.raises(NotImplementedError, match="cannot express"):
+            hf.padding_mask(2, 4, 4, mask_function=function, local_size=local_size)
+    with pytest.raises(NotImplementedError, match=r"local_size beside a plain .* \(local_size=4\)"):
+        hf.padding_mask(2, 4, 4, mask_function=causal, local_size=4)
     with pytest.raises(NotImplementedError, match=r"kv_offset: expected 0 .*got 3"):
-        hf.padding_mask(2, 1, 4, q_offset=6, kv_offset=3, mask_function=causal_mask_function)
-    ours = models[2]
+        hf.padding_mask(2, 1, 4, q_offset=6, kv_offset=3, mask_function=causal)
+    bidirectional = mu.sliding_window_bidirectional_mask_function(4)
+    with pytest.raises(NotImplementedError, match=r"kv_offset: expected 0 .*got 3"):
+        hf.padding_mask(2, 4, 4, kv_offset=3, mask_function=bidirectional, local_size=4)
+
+    ours = _family("llama")[2]
     ids, mask = _batch("left")
     with torch.no_grad(), pytest.raises(ValueError, match="output_attentions"):
         ours(input_ids=ids, attention_mask=mask, output_attentions=True)
@@ -302,32 +553,41 @@ def test_refusals_name_the_problem(models) -> None:
             hf.attention_forward(attn, q, kv, kv, None, dropout=0.1)
     finally:
         attn.eval()
-    with pytest.raises(NotImplementedError, match=r"sliding_window: .* got 4"):
-        hf.attention_forward(attn, q, kv, kv, None, sliding_window=4)
+    with pytest.raises(ValueError, match=r"sliding_window: expected an int >= 1, got 0"):
+        hf.attention_forward(attn, q, kv, kv, None, sliding_window=0)
+    # A two-sided window is the config's (Llama's has none), on self-attention only.
+    with pytest.raises(ValueError, match=r"module.config.sliding_window: .* got None"):
+        hf.attention_forward(attn, q, kv, kv, None, is_causal=False, sliding_window=4)
     with pytest.raises(ValueError, match=r"attention_mask: expected the \(batch=1, tokens\)"):
         hf.attention_forward(attn, q, kv, kv, torch.zeros(1, 1, 3, 3))
 
+    split = _batch("left")[1]
+    split[0, 5] = 0  # padding between the tokens of row 0
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="attention_mask: 1 row"):
+        _family("mistral")[2](input_ids=ids, attention_mask=split)
 
-def test_sliding_window_model_is_refused() -> None:
+
+def test_composed_sliding_masks_are_refused() -> None:
+    """Gemma3 attending both ways (use_bidirectional_attention) or-s an overlay onto its
+    masks: refused by name, not run with a one-sided window."""
     name = dispatch.register_transformers(version="torch")
-    cfg = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, sliding_window=4,
-    )  # fmt: skip
-    model = transformers.MistralForCausalLM._from_config(cfg, attn_implementation=name)
+    cfg = _config("gemma3", use_bidirectional_attention=True)
+    model = transformers.Gemma3ForCausalLM._from_config(cfg, attn_implementation=name)
     ids, mask = _batch("left")
-    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"cannot express|sliding"):
+    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"cannot express .*or_mask"):
         model(input_ids=ids, attention_mask=mask)
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_with_the_auto_versions(calls) -> None:
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_gpu_bf16_with_the_auto_versions(calls, family: str) -> None:
     """On a GPU, bf16, version "auto" (sm90: fa3 for the dense calls, fa2 for the packed and
     KV-cache ones), head_dim 64: logits and one step's gradients by the comparison rule, and
-    greedy tokens that are the exact model's best up to bf16's error."""
+    greedy tokens that are the exact model's best up to bf16's error; Llama, and Mistral with
+    every layer windowed (4 of the 11 tokens)."""
     name = dispatch.register_transformers(name="fsuite-auto")
-    cfg = _config(hidden_size=256, intermediate_size=512, num_attention_heads=4)
-    cls = transformers.LlamaForCausalLM
+    cfg = _config(family, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    cls = FAMILIES[family][1]
     torch.manual_seed(0)
     ref, pt, ours = (
         cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype).cuda()
