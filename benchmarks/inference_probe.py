@@ -5,7 +5,8 @@ shared memory per kernel (no GPU needed; ptxas from the triton wheel).
     python benchmarks/inference_probe.py [--quick]     (without TRITON_INTERPRET)
 
 Exit status 1 if any kernel spills. `--quick` compiles the GQA 32/8 decode at D = 128 (both
-paged variants), its combine and the D = 128 causal varlen backward: the CI subset.
+paged variants, each also on a float8_e4m3fn cache), its combine and the D = 128 causal varlen
+backward: the CI subset.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import sys
 import torch
 
 _INT_PTRS = {"BlockTable", "CacheSeqlens", "Leftpad", "CuQ", "CuK"}
-_FP32_PTRS = {"Lse", "Lse2", "Delta", "OPart", "LsePart"}
+_FP32_PTRS = {"Lse", "Lse2", "Delta", "OPart", "LsePart", "DescaleK", "DescaleV"}
 _FP32_SCALARS = {"qk_scale", "softcap_log2", "scale"}
 
 
-def compile_one(fn, constexprs: dict, num_warps: int, num_stages: int, dtype="bf16") -> dict:
+def compile_one(
+    fn, constexprs: dict, num_warps: int, num_stages: int, dtype="bf16", ptrs: dict | None = None
+) -> dict:
+    """`ptrs`: element types of named pointer arguments other than `dtype` (e.g. a float8
+    cache's K and V)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -35,7 +40,7 @@ def compile_one(fn, constexprs: dict, num_warps: int, num_stages: int, dtype="bf
             sig[name] = "constexpr"
         elif name[0].isupper() or (name[0] == "d" and name[1].isupper()):
             kind = "i32" if name in _INT_PTRS else "fp32" if name in _FP32_PTRS else dtype
-            sig[name] = f"*{kind}"
+            sig[name] = f"*{(ptrs or {}).get(name, kind)}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in _FP32_SCALARS:
             sig[name] = "fp32"
@@ -70,6 +75,9 @@ def main() -> int:
     from flashsuite.fa2 import configs, decode, varlen
 
     flags = dict(HAS_LEFT=False, SOFTCAP=False, DOT_PRECISION="tf32")
+    fp8_off = dict(KV_FP8=False, DESCALE_K=False, DESCALE_V=False)
+    fp8_on = dict(KV_FP8=True, DESCALE_K=True, DESCALE_V=True)
+    fp8_ptrs = {"K": "fp8e4nv", "V": "fp8e4nv"}  # a float8_e4m3fn cache under bf16 queries
     jobs = []
     for d in (64, 128, 256):
         for rows in (4, 16, 64):  # GQA 32/8 with Nq = 1, 4, 16
@@ -79,15 +87,19 @@ def main() -> int:
                           SPLIT=True, PAGED=paged, PAGE_PER_TILE=per_tile, LEFTPAD=False,
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)  # fmt: skip
                 label = f"decode D={d} rows={rows} paged={int(paged)} per_tile={int(per_tile)}"
-                jobs.append((label, decode._decode_split, ce, cfg.num_warps, cfg.num_stages))
+                jobs.append((label, decode._decode_split, dict(ce, **fp8_off), cfg.num_warps,
+                             cfg.num_stages, None))  # fmt: skip
+                if d <= 128 and rows < 64:  # a float8 cache
+                    jobs.append((label + " e4m3", decode._decode_split, dict(ce, **fp8_on),
+                                 cfg.num_warps, cfg.num_stages, fp8_ptrs))  # fmt: skip
         cfg = decode.decode_config(4, d, interpreter=False)  # a left-padded contiguous cache
         ce = dict(flags, HAS_RIGHT=False, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=d, DV_PAD=d, SPLIT=True,
                   PAGED=False, PAGE_PER_TILE=False, LEFTPAD=True, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n)  # fmt: skip
+                  BLOCK_N=cfg.block_n, **fp8_off)  # fmt: skip
         jobs.append((f"decode D={d} rows=4 leftpad", decode._decode_split, ce, cfg.num_warps,
-                     cfg.num_stages))  # fmt: skip
+                     cfg.num_stages, None))  # fmt: skip
         ce = dict(HEAD_DIM_V=d, DV_PAD=d, BLOCK_R=16)
-        jobs.append((f"combine D={d}", decode._combine, ce, 4, 1))
+        jobs.append((f"combine D={d}", decode._combine, ce, 4, 1, None))
     for d in (32, 64, 96, 128, 192, 256):  # every head dim of the dense table
         pad = max(16, 1 << (d - 1).bit_length())
         for causal in (False, True):
@@ -96,22 +108,22 @@ def main() -> int:
             base = dict(flags, HAS_RIGHT=causal, HEAD_DIM=d, HEAD_DIM_V=d, D_PAD=pad, DV_PAD=pad)
             jobs.append((f"varlen fwd D={d} causal={int(causal)}", varlen._varlen_fwd,
                          dict(base, BLOCK_M=f.block_m, BLOCK_N=f.block_n), f.num_warps,
-                         f.num_stages))  # fmt: skip
+                         f.num_stages, None))  # fmt: skip
             for name, want_dk, want_dv in configs.dkdv_launches(b):
                 ce = dict(base, BLOCK_M=b.block_m1, BLOCK_N=b.block_n1, WANT_DK=want_dk,
                           WANT_DV=want_dv, TAIL_STAGES=None if b.tail_pipelined else 1)  # fmt: skip
                 jobs.append((f"varlen {name} D={d} causal={int(causal)}", varlen._varlen_bwd_dkdv,
-                             ce, b.num_warps, b.num_stages))  # fmt: skip
+                             ce, b.num_warps, b.num_stages, None))  # fmt: skip
             jobs.append((f"varlen dq D={d} causal={int(causal)}", varlen._varlen_bwd_dq,
                          dict(base, BLOCK_M=b.block_m2, BLOCK_N=b.block_n2), b.num_warps_dq,
-                         b.num_stages_dq))  # fmt: skip
+                         b.num_stages_dq, None))  # fmt: skip
     if "--quick" in sys.argv[1:]:
         quick = ("decode D=128 rows=4 ", "combine D=128", "D=128 causal=1")
         jobs = [job for job in jobs if any(key in job[0] for key in quick)]
         jobs = [job for job in jobs if "fwd" not in job[0]]
     worst = 0
-    for label, fn, ce, warps, stages in jobs:
-        r = compile_one(fn, ce, warps, stages)
+    for label, fn, ce, warps, stages, ptrs in jobs:
+        r = compile_one(fn, ce, warps, stages, ptrs=ptrs)
         worst = max(worst, r["spill"])
         print(f"{label:<45} w{warps} s{stages}: {r['regs']} regs, spill {r['spill']} B, "
               f"smem {r['smem']} B", flush=True)  # fmt: skip

@@ -7,8 +7,8 @@
                                   scalars) -> (dq, dk, dv)
     flashsuite::<name>_kvcache_fwd(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                    causal, scale, window_left, window_right, softcap,
-                                   num_splits, cache_leftpad=None) -> (out, lse)
-                                   (mutates k_cache, v_cache)
+                                   num_splits, cache_leftpad=None, descale_k=None,
+                                   descale_v=None) -> (out, lse) (mutates k_cache, v_cache)
 
 Fake implementations give torch.compile(fullgraph=True) the output shapes; the varlen forward's
 autograd formula calls the varlen backward on the saved (q, k, v, out, lse) and cu_seqlens.
@@ -140,7 +140,7 @@ def _define_varlen_backward(name: str, mod: ModuleType):
 
 def kvcache_params(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, wl, wr, softcap, splits,
-    leftpad=None,
+    leftpad=None, descale_k=None, descale_v=None,
 ) -> KVCacheParams:  # fmt: skip
     return check_kvcache_inputs(
         q,
@@ -156,6 +156,8 @@ def kvcache_params(
         softcap=softcap,
         num_splits=splits,
         cache_leftpad=leftpad,
+        descale_k=descale_k,
+        descale_v=descale_v,
     )
 
 
@@ -178,16 +180,20 @@ def define_kvcache_op(name: str, mod: ModuleType):
         softcap: float,
         num_splits: int,
         cache_leftpad: Optional[torch.Tensor] = None,  # noqa: UP045
+        descale_k: Optional[torch.Tensor] = None,  # noqa: UP045
+        descale_v: Optional[torch.Tensor] = None,  # noqa: UP045
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kp = kvcache_params(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-            causal, scale, window_left, window_right, softcap, num_splits, cache_leftpad,
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, scale, window_left,
+            window_right, softcap, num_splits, cache_leftpad, descale_k, descale_v,
         )  # fmt: skip
         if metadata_checks_enabled():
             check_kvcache_metadata_once(cache_seqlens, block_table, kp, None, cache_leftpad)
+        scales = (descale_k, descale_v) if kp.fp8_cache else None
         out, lse = mod.kvcache_forward(
-            q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, leftpad=cache_leftpad
-        )
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, leftpad=cache_leftpad,
+            descales=scales,
+        )  # fmt: skip
         return out.contiguous(), lse.contiguous()
 
     @fwd.register_fake

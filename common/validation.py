@@ -436,6 +436,9 @@ class KVCacheParams:
     # cache_leftpad given: row b's keys start at cache_leftpad[b] (a contiguous cache only), so
     # it attends cache slots [cache_leftpad[b], cache_seqlens[b] + seqlen_new).
     leftpad: bool = False
+    # A float8_e4m3fn cache under 16-bit queries: token t of row b, head h is
+    # k_cache[...] * descale_k[b, h] (the same for v), descales float32 (B, Hkv) or 1.
+    fp8_cache: bool = False
 
     @property
     def paged(self) -> bool:
@@ -445,7 +448,8 @@ class KVCacheParams:
         cache = f"paged(page={self.page_size}, pages={self.num_pages})" if self.paged else "dense"
         new = f" +{self.seqlen_new} new" if self.seqlen_new else ""
         pad = " leftpad" if self.leftpad else ""
-        return f"kvcache {cache}{pad}{new} {self.attn.describe()}"
+        fp8 = " e4m3-cache" if self.fp8_cache else ""
+        return f"kvcache {cache}{fp8}{pad}{new} {self.attn.describe()}"
 
 
 PAGE_SIZES = (16, 256)  # inclusive range of supported page sizes (multiples of 16)
@@ -553,12 +557,15 @@ def check_kvcache_inputs(
     softcap: float = 0.0,
     num_splits: int = 0,
     cache_leftpad: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
 ) -> KVCacheParams:
     """Validate q (B, Nq, Hq, D), a cache (B_cache, N_max, Hkv, D) or, with block_table
     (B, max_pages) int32, pages (num_pages, page_size, Hkv, D), the optional new k, v
     (B, Nnew, Hkv, D), the optional cache_leftpad (B,) int32 (a contiguous cache only) and the
     shapes of the metadata; their values are `common.metadata.check_kvcache_metadata`'s. An int
-    cache_seqlens is checked here."""
+    cache_seqlens is checked here. A float8_e4m3fn cache (k_cache and v_cache, and new k, v in
+    that dtype) takes fp16 / bf16 queries and optional float32 (B, Hkv) descale_k, descale_v."""
     q = _check_tensor("q", q)
     k_cache = _check_tensor("k_cache", k_cache)
     v_cache = _check_tensor("v_cache", v_cache)
@@ -634,17 +641,60 @@ def check_kvcache_inputs(
                 "cache_leftpad: expected None with a paged cache (block_table), got a tensor: "
                 "each row's keys start at its first page"
             )
+    fp8_cache = _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v)
+    kc, vc = k_cache[:1], v_cache[:1]
+    if fp8_cache:  # the dense checks on stand-ins in q's dtype (shapes, devices, heads)
+        kc, vc = (q.new_empty(1, c.shape[1], c.shape[2], c.shape[3]) for c in (k_cache, v_cache))
     # Dense checks (dtypes, devices, heads, head_dim range, options) on views with B rows.
     p = check_inputs(
         q,
-        k_cache[:1].expand(b, -1, -1, -1),
-        v_cache[:1].expand(b, -1, -1, -1),
+        kc.expand(b, -1, -1, -1),
+        vc.expand(b, -1, -1, -1),
         causal=causal,
         softmax_scale=softmax_scale,
         window_size=window_size,
         softcap=softcap,
     )
     if p.is_fp8:
-        raise TypeError("q: float8 inputs are not supported by attention_with_kvcache")
+        raise TypeError(
+            "q: float8 queries are not supported by attention_with_kvcache (a float8_e4m3fn "
+            "cache takes float16 or bfloat16 queries)"
+        )
     attn = replace(p, seqlen_k=capacity)
-    return KVCacheParams(attn, n_new, page_size, num_pages, splits, cache_leftpad is not None)
+    leftpad = cache_leftpad is not None
+    return KVCacheParams(attn, n_new, page_size, num_pages, splits, leftpad, fp8_cache)
+
+
+def _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v) -> bool:
+    """Whether the cache is float8_e4m3fn (then both caches are, q is 16-bit and each descale
+    is None or float32 (B, Hkv) on q's device); descales without such a cache are an error."""
+    fp8 = k_cache.dtype in FP8_DTYPES or v_cache.dtype in FP8_DTYPES
+    if fp8:
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.dtype != torch.float8_e4m3fn:
+                raise TypeError(
+                    f"{name}: expected float8_e4m3fn (a float8 cache stores both K and V so), "
+                    f"got {_dt(c.dtype)}"
+                )
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(
+                f"q: expected float16 or bfloat16 with a float8_e4m3fn cache, got {_dt(q.dtype)}"
+            )
+    want = (q.shape[0], k_cache.shape[2])
+    for name, ds in (("descale_k", descale_k), ("descale_v", descale_v)):
+        if ds is None:
+            continue
+        if not fp8:
+            raise ValueError(
+                f"{name}: descale factors are for a float8_e4m3fn cache, the cache is "
+                f"{_dt(k_cache.dtype)}"
+            )
+        if not isinstance(ds, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(ds).__name__}")
+        if ds.dtype != torch.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {_dt(ds.dtype)}")
+        if ds.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device} (q's device), got {ds.device}")
+        if tuple(ds.shape) != want:
+            raise ValueError(f"{name}: expected shape (B, Hkv) = {want}, got {tuple(ds.shape)}")
+    return fp8

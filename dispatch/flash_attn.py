@@ -402,6 +402,9 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    k_descale=None,
+    v_descale=None,
 ):
     """flash-attn's `flash_attn_with_kvcache` (forward only): q (B, Nq, Hq, D) against
     k_cache, v_cache (B_cache, N_max, Hkv, D) or, with block_table (B, max_pages) int32, pages
@@ -417,7 +420,9 @@ def flash_attn_with_kvcache(
     cache_leftpad: int32 (B,), row b's keys start at slot cache_leftpad[b] <= cache_seqlens[b]
     of a contiguous cache (neither with block_table nor with cache_batch_idx): it attends
     slots cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1, causal aligned to their end; the
-    append and the rotary positions are the slots' own, as in flash-attn."""
+    append and the rotary positions are the slots' own, as in flash-attn. A float8_e4m3fn cache
+    (new k, v in e4m3 too) under fp16 / bf16 q takes keyword-only `k_descale`, `v_descale`
+    (flash-attn 3's names): float32 (B, Hkv), None for 1 (`attention_with_kvcache`)."""
     _refuse(alibi_slopes=alibi_slopes)
     if cache_batch_idx is not None:
         if block_table is not None:
@@ -438,6 +443,11 @@ def flash_attn_with_kvcache(
         cache_seqlens = _capacity(k_cache, block_table)
     window_size = _window(window_size)
     if rotary_cos is not None or rotary_sin is not None:
+        if k_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                "rotary_cos: not supported with a float8_e4m3fn cache (rotate q and the new k, "
+                "then quantise k with common.fp8.quantize_e4m3, before the call)"
+            )
         local = causal or tuple(window_size) != (-1, -1)
         capacity = _capacity(k_cache, block_table)
         q, k = _rotate(q, k, v, rotary_cos, rotary_sin, cache_seqlens, capacity, local,
@@ -447,7 +457,7 @@ def flash_attn_with_kvcache(
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap, num_splits=num_splits,
         return_lse=check_flag("return_softmax_lse", return_softmax_lse),
-        cache_leftpad=cache_leftpad,
+        cache_leftpad=cache_leftpad, descale_k=k_descale, descale_v=v_descale,
     )  # fmt: skip
 
 

@@ -187,7 +187,8 @@ def _extra(params) -> tuple:
     if isinstance(params, VarlenParams):
         return (params.total_q, params.total_k)
     return (
-        params.seqlen_new, params.page_size, params.num_pages, params.num_splits, params.leftpad
+        params.seqlen_new, params.page_size, params.num_pages, params.num_splits, params.leftpad,
+        params.fp8_cache,
     )  # fmt: skip
 
 
@@ -408,7 +409,7 @@ _kv_plans: dict[tuple, tuple] = {}
 
 def _kv_lookup(
     q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size,
-    softcap, num_splits, version, cache_leftpad=None,
+    softcap, num_splits, version, cache_leftpad=None, descale_k=None, descale_v=None,
 ) -> tuple | None:  # fmt: skip
     """The memoised (version, KVCacheParams, kvcache_forward) of one call, validated and
     selected on a miss (which raises what is wrong); None when an argument is not of a
@@ -427,15 +428,19 @@ def _kv_lookup(
             if type(cache_seqlens) is int
             else (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device)
         )
-        table = pad = None
+        table = pad = scales = None
         if block_table is not None:
             table = (block_table.shape, block_table.dtype, block_table.device)
         if cache_leftpad is not None:
             pad = (cache_leftpad.shape, cache_leftpad.dtype, cache_leftpad.device)
+        if descale_k is not None or descale_v is not None:
+            scales = tuple(
+                None if t is None else (t.shape, t.dtype, t.device) for t in (descale_k, descale_v)
+            )
     except (AttributeError, TypeError, RuntimeError):
         return None
     key = (
-        sig, new, lens, table, pad, num_splits, version, arch_mod.override_state(),
+        sig, new, lens, table, pad, scales, num_splits, version, arch_mod.override_state(),
         tuple(map(api._ENV_DATA.get, api._ENV_KEYS)),
     )  # fmt: skip
     plan = _kv_plans.get(key)
@@ -444,6 +449,7 @@ def _kv_lookup(
             q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
             softcap=softcap, num_splits=num_splits, cache_leftpad=cache_leftpad,
+            descale_k=descale_k, descale_v=descale_v,
         )  # fmt: skip
         name = _resolve("kvcache", version, kp.attn.to_key(), _extra(kp), False)
         plan = (name, kp, registry.module(name).kvcache_forward)
@@ -479,6 +485,8 @@ def attention_with_kvcache(
     return_lse: bool = False,
     version: str = "auto",
     cache_leftpad: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+    descale_v: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache (decode, or chunked prefill), forward only.
 
@@ -491,20 +499,24 @@ def attention_with_kvcache(
     cache_leftpad int32 (B,) (a contiguous cache only, as flash-attn's): row b's keys start
     at slot cache_leftpad[b] <= cache_seqlens[b], so it attends slots cache_leftpad[b] ..
     cache_seqlens[b] + Nnew - 1 (a left-padded batch's rows), causal aligned to their end.
-    Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse (B, Hq, Nq) float32,
-    neither carrying a gradient.
+    A float8_e4m3fn cache (both k_cache and v_cache; new k, v in that dtype too, e.g.
+    `common.fp8.quantize_e4m3(k, descale=descale_k)`) under fp16 / bf16 queries: key t of row
+    b, head h is k_cache[...] * descale_k[b, h], float32 descales of shape (B, Hkv) (None: 1),
+    the same for v. Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse
+    (B, Hq, Nq) float32, neither carrying a gradient.
     """
     check_flag("return_lse", return_lse)
     if not api._compiling():
         plan = _kv_lookup(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
-            window_size, softcap, num_splits, version, cache_leftpad,
+            window_size, softcap, num_splits, version, cache_leftpad, descale_k, descale_v,
         )  # fmt: skip
         if plan is not None and type(cache_seqlens) is int:
             capacity, new = plan[1].attn.seqlen_k, plan[1].seqlen_new
             if not 0 <= cache_seqlens <= capacity - new:
                 plan = None  # the op path's validation says what is wrong
-        if plan is not None and _direct(q, k_cache, v_cache, k, v, block_table, cache_leftpad):
+        tensors = (q, k_cache, v_cache, k, v, block_table, cache_leftpad, descale_k, descale_v)
+        if plan is not None and _direct(*tensors):
             _, kp, forward = plan
             # An int length is checked above, on the host: only a block table or a left
             # padding is left to check, so a contiguous decode step copies nothing to the host.
@@ -526,17 +538,19 @@ def attention_with_kvcache(
                 # and without a gradient (a serving loop's no_grad or inference_mode already
                 # holds: entering no_grad again would cost more than the check).
                 args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
+                scales = (descale_k, descale_v) if kp.fp8_cache else None
                 if torch.is_grad_enabled():
                     with torch.no_grad():
-                        out, lse = forward(*args, leftpad=cache_leftpad)
+                        out, lse = forward(*args, leftpad=cache_leftpad, descales=scales)
                 else:
-                    out, lse = forward(*args, leftpad=cache_leftpad)
+                    out, lse = forward(*args, leftpad=cache_leftpad, descales=scales)
                 out, lse = out.contiguous(), lse.contiguous()
                 return (out, lse) if return_lse else out
     kp = check_kvcache_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-        num_splits=num_splits, cache_leftpad=cache_leftpad,
+        num_splits=num_splits, cache_leftpad=cache_leftpad, descale_k=descale_k,
+        descale_v=descale_v,
     )  # fmt: skip
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -547,6 +561,7 @@ def attention_with_kvcache(
     with torch.no_grad():
         out, lse = getattr(torch.ops.flashsuite, f"{name}_kvcache_fwd")(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, p.causal, p.scale,
-            p.window_left, p.window_right, p.softcap, kp.num_splits, cache_leftpad,
+            p.window_left, p.window_right, p.softcap, kp.num_splits, cache_leftpad, descale_k,
+            descale_v,
         )  # fmt: skip
     return (out, lse) if return_lse else out

@@ -72,11 +72,15 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: Var
 
 
 def kvcache_forward(
-    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, leftpad=None
-):
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp: KVCacheParams, *, leftpad=None,
+    descales=None,
+):  # fmt: skip
     """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens (from
     slot leftpad[b] on, when given), after writing k, v (B, Nnew, Hkv, D) into the cache in
-    place. Returns out (B, Nq, Hq, Dv) in q's dtype, lse (B, Hq, Nq) float32."""
+    place. Returns out (B, Nq, Hq, Dv) in q's dtype, lse (B, Hq, Nq) float32. A float8 cache
+    (kp.fp8_cache) is read dequantised to float32 by `descales` = (descale_k, descale_v), each
+    None (1) or (B, Hkv)."""
+    from flashsuite.common.fp8 import dequantised
     from flashsuite.dispatch import portable
 
     p = kp.attn
@@ -88,9 +92,13 @@ def kvcache_forward(
     starts = [0] * len(ends) if leftpad is None else leftpad.tolist()
     for b, (lp, n) in enumerate(zip(starts, ends, strict=True)):
         lp = min(max(lp, 0), n)  # unchecked metadata reads nothing outside the row
-        kb = row_kv(k_cache, b, n, block_table)[lp:]  # (n - lp, Hkv, D)
-        vb = row_kv(v_cache, b, n, block_table)[lp:]  # (n - lp, Hkv, Dv)
+        kb = row_kv(k_cache, b, n, block_table)[lp:][None]  # (1, n - lp, Hkv, D)
+        vb = row_kv(v_cache, b, n, block_table)[lp:][None]  # (1, n - lp, Hkv, Dv)
+        if kp.fp8_cache:  # float32 (1, n - lp, Hkv, D|Dv): the cache's values times descales
+            dk, dv = descales or (None, None)
+            kb = dequantised(kb, None if dk is None else dk[b : b + 1])
+            vb = dequantised(vb, None if dv is None else dv[b : b + 1])
         pb = replace(p, batch=1, seqlen_k=n - lp)
-        ob, lb = portable.forward(q[b : b + 1], kb[None], vb[None], pb)
+        ob, lb = portable.forward(q[b : b + 1], kb, vb, pb)
         out[b], lse[b] = ob[0], lb[0]
     return out, lse

@@ -1,8 +1,9 @@
 """Split-KV attention against a KV cache (Flash-Decoding) in Triton, contiguous or paged.
 
 Layout: q (B, Nq, Hq, D); cache (B_cache, N_max, Hkv, D) or pages (num_pages, page_size, Hkv, D)
-with block_table (B, max_pages) int32; cache_seqlens (B,) int32. Row b attends its first
-seqlen_b = cache_seqlens[b] + n_new keys, bottom-right aligned (query t sits at key
+with block_table (B, max_pages) int32; cache_seqlens (B,) int32. The cache is q's dtype, or
+float8_e4m3fn with float32 (B, Hkv) descales (converted as loaded: `KV_FP8`). Row b attends
+its first seqlen_b = cache_seqlens[b] + n_new keys, bottom-right aligned (query t sits at key
 t + seqlen_b - Nq).
 
 Schedule (docs/inference.md):
@@ -71,6 +72,8 @@ def _decode_split(
     BlockTable,  # (B, max_pages) int32 (PAGED)
     CacheSeqlens,  # (B,) int32: keys in the cache before the append
     Leftpad,  # (B,) int32 (LEFTPAD): each row's first key slot
+    DescaleK,  # (B, Hkv) float32 (DESCALE_K): a float8 cache's key factors
+    DescaleV,  # (B, Hkv) float32 (DESCALE_V)
     Out,  # (B, Nq, Hq, Dv), without SPLIT
     Lse,  # (B, Hq, Nq) fp32, without SPLIT
     OPart,  # (num_splits, B * Nq * Hq, Dv) fp32, SPLIT
@@ -105,6 +108,9 @@ def _decode_split(
     PAGED: tl.constexpr,
     PAGE_PER_TILE: tl.constexpr,
     LEFTPAD: tl.constexpr,  # a contiguous cache whose rows start at Leftpad[b]
+    KV_FP8: tl.constexpr,  # a float8_e4m3fn cache, converted to q's dtype in registers
+    DESCALE_K: tl.constexpr,  # scores times DescaleK[b, hkv] (else 1)
+    DESCALE_V: tl.constexpr,  # out times DescaleV[b, hkv] (else 1)
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -157,6 +163,13 @@ def _decode_split(
     split_lo = (lo_blk + pid_s * per_split) * BLOCK_N
     split_hi = tl.minimum(split_lo + per_split * BLOCK_N, hi)
 
+    # A float8 cache: its e4m3 values are exact in fp16 / bf16, so K and V are converted to q's
+    # dtype as loaded and the GEMMs run as for a 16-bit cache; K's descale folds into the
+    # score scale (before the softcap, which sees the real scores), V's into the output (P·V
+    # is linear in V).
+    scale = qk_scale
+    if DESCALE_K:
+        scale = qk_scale * tl.load(DescaleK + off_b * (num_heads // group) + off_hkv)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # (BLOCK_M,) log2 domain
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # (BLOCK_M,)
     acc = tl.zeros([BLOCK_M, DV_PAD], dtype=tl.float32)  # (BLOCK_M, DV_PAD)
@@ -170,8 +183,10 @@ def _decode_split(
             stride_kb, stride_kn, PAGED, PAGE_PER_TILE,
         )  # fmt: skip
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=key_ok[:, None] & d_ok)
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        s, _t = _scores(qk, qk_scale, softcap_log2, SOFTCAP)  # (BLOCK_M, BLOCK_N) log2 domain
+        s, _t = _scores(qk, scale, softcap_log2, SOFTCAP)  # (BLOCK_M, BLOCK_N) log2 domain
         vis = _visible(
             tok[:, None], keys[None, :], seqlen_k, shift, window_left, window_right,
             HAS_LEFT, HAS_RIGHT,
@@ -187,12 +202,17 @@ def _decode_split(
             stride_vb, stride_vn, PAGED, PAGE_PER_TILE,
         )  # fmt: skip
         v = tl.load(v_head + v_rows[:, None] + offs_dv[None, :], mask=key_ok[:, None] & dv_ok)
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # (BLOCK_M, DV_PAD)
         m_i = m_new
 
     seen = l_i > 0.0  # (BLOCK_M,)
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    denom = tl.where(seen, l_i, 1.0)  # (BLOCK_M,)
+    if DESCALE_V:
+        denom = denom / tl.load(DescaleV + off_b * (num_heads // group) + off_hkv)
+    acc = acc / denom[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     if not SPLIT:
         o_rows = tok.to(tl.int64) * stride_on + head.to(tl.int64) * stride_oh  # (BLOCK_M,)

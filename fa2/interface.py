@@ -395,11 +395,16 @@ def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
 
 
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
-    """KV cache: the dense limits apply; paged pages of 16..256 tokens (validated upstream)."""
+    """KV cache: the dense limits apply; paged pages of 16..256 tokens (validated upstream); a
+    float8_e4m3fn cache on sm89+ (Triton's e4m3 conversion) or under the interpreter."""
     ok, reason = supports(kp.attn, arch)
     if not ok:
         return ok, reason
+    if kp.fp8_cache and arch is not None and arch < 89:
+        return False, f"fa2: a float8_e4m3fn cache needs sm89+ (e4m3 conversion), got sm{arch}"
     how = f"paged, {kp.page_size}-token pages" if kp.paged else "contiguous cache"
+    if kp.fp8_cache:
+        how += ", float8_e4m3fn converted as loaded"
     return True, f"fa2: split-KV decode with GQA packing, {how}"
 
 
@@ -411,11 +416,14 @@ def _num_sms(t: torch.Tensor) -> int:
     return decode.H100_SMS
 
 
-def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None):
+def kvcache_forward(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None, descales=None
+):
     """q (B, Nq, Hq, D) against each row's first cache_seqlens[b] + Nnew cache tokens (from
     slot leftpad[b] on, when given: a contiguous cache), after writing k, v (B, Nnew, Hkv, D)
     into the cache in place (common.append_kernel.append). Returns out (B, Nq, Hq, Dv) in q's
-    dtype and lse (B, Hq, Nq) fp32, contiguous."""
+    dtype and lse (B, Hq, Nq) fp32, contiguous. A float8 cache (kp.fp8_cache) takes
+    `descales` = (descale_k, descale_v), each None (1) or float32 (B, Hkv)."""
     from flashsuite.common.append_kernel import append
     from flashsuite.fa2 import decode
 
@@ -444,8 +452,10 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *
     table = block_table if block_table is not None else cache_seqlens  # unused when contiguous
     common = _common(p)
     pads = cache_seqlens if leftpad is None else leftpad.contiguous()  # unused without leftpad
+    dk, dv = descales if kp.fp8_cache and descales is not None else (None, None)
+    dk, dv = (lse if t is None else t.contiguous() for t in (dk, dv))  # lse: an unread stand-in
     launch(decode._decode_split, (splits, p.heads_kv * m_blocks, b), (
-        q, k_cache, v_cache, table, cache_seqlens, pads, out, lse, o_part, lse_part,
+        q, k_cache, v_cache, table, cache_seqlens, pads, dk, dv, out, lse, o_part, lse_part,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         table.stride(0), *out.stride()[:3], *lse.stride()[:2],
         kp.seqlen_new, nq, hq, p.group_size, m_blocks, splits, max(kp.page_size, 1),
@@ -454,6 +464,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *
     ), dict(
         SPLIT=splits > 1, PAGED=kp.paged,
         PAGE_PER_TILE=kp.paged and kp.page_size % cfg.block_n == 0, LEFTPAD=leftpad is not None,
+        KV_FP8=kp.fp8_cache, DESCALE_K=dk is not lse, DESCALE_V=dv is not lse,
         HAS_LEFT=common["HAS_LEFT"], HAS_RIGHT=common["HAS_RIGHT"], SOFTCAP=common["SOFTCAP"],
         HEAD_DIM=p.head_dim, HEAD_DIM_V=p.head_dim_v, D_PAD=common["D_PAD"],
         DV_PAD=common["DV_PAD"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

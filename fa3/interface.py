@@ -650,6 +650,11 @@ def varlen_forward(
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
     """KV-cache attention (decode.Fa3Decode): the dense limits (sm90, dtype, head dims, scale)
     and the decode kernel's own (16-bit inputs, 32-bit offsets; decode_host.supports)."""
+    if kp.fp8_cache:
+        return False, (
+            "fa3: its decode kernel reads 16-bit caches only (a float8_e4m3fn cache runs on "
+            "fa2's decode kernel)"
+        )
     ok, reason = supports(kp.attn, arch)
     if not ok:
         return False, reason
@@ -658,12 +663,17 @@ def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
     return decode_host.supports(kp)
 
 
-def kvcache_forward(q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None):
+def kvcache_forward(
+    q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, *, leftpad=None, descales=None
+):
     """Split-KV decode against a contiguous or paged cache, after appending k, v
     (decode_host.kvcache_forward; `leftpad`: each contiguous row's first key slot). Returns out
-    (B, Nq, Hq, D) and lse (B, Hq, Nq) fp32."""
+    (B, Nq, Hq, D) and lse (B, Hq, Nq) fp32. `descales` (a float8 cache's) is always None here:
+    supports_kvcache refuses such a cache."""
     from flashsuite.fa3 import decode_host
 
+    if descales is not None or kp.fp8_cache:
+        raise ValueError("fa3: a float8_e4m3fn KV cache is not supported (fa2 reads one)")
     return decode_host.kvcache_forward(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp, leftpad=leftpad
     )

@@ -523,6 +523,22 @@ MUTANTS = [
         ("tests/test_fa2_decode_route.py",),
     ),
     Mutant(
+        "fa2 fp8 cache: every row reads batch row 0's key descales",
+        "fa2/decode.py",
+        "scale = qk_scale * tl.load(DescaleK + off_b * (num_heads // group) + off_hkv)",
+        "scale = qk_scale * tl.load(DescaleK + off_hkv)",
+        "fp8_cache_matches",
+        ("tests/test_kvcache_fp8.py",),
+    ),
+    Mutant(
+        "fa2 fp8 cache: the value descale left out of the output",
+        "fa2/decode.py",
+        "        denom = denom / tl.load(DescaleV + off_b * (num_heads // group) + off_hkv)",
+        "        denom = denom * 1.0",
+        "fp8_cache_matches",
+        ("tests/test_kvcache_fp8.py",),
+    ),
+    Mutant(
         "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",
         "dispatch/flash_attn.py",
         "table = (index.long()[:, None] * per_row + steps)",

@@ -65,13 +65,20 @@ FLASH_ATTN_SIGNATURES = {
 }  # fmt: skip
 
 
+# Keyword-only parameters after flash-attn 2's (flash-attn 3's names for its fp8 descales).
+KEYWORD_ONLY = {"flash_attn_with_kvcache": [("k_descale", None), ("v_descale", None)]}
+
+
 @pytest.mark.parametrize("name", sorted(FLASH_ATTN_SIGNATURES))
 def test_signature_is_flash_attns(name: str) -> None:
-    """Positional calls written for flash-attn bind to the same parameters here."""
+    """Positional calls written for flash-attn bind to the same parameters here; anything
+    more is keyword-only."""
     params = inspect.signature(getattr(dispatch, name)).parameters.values()
-    got = [(p.name, p.default) for p in params]
-    assert got == FLASH_ATTN_SIGNATURES[name]
-    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params)
+    positional = [p for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    extra = [p for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert [(p.name, p.default) for p in positional] == FLASH_ATTN_SIGNATURES[name]
+    assert [(p.name, p.default) for p in extra] == KEYWORD_ONLY.get(name, [])
+    assert len(positional) + len(extra) == len(params)
     assert getattr(dispatch, name) is getattr(flash_attn, name)
 
 
