@@ -8,7 +8,8 @@
 Decode sweep: B in {1, 8, 32, 128} x Nk in {4k, 32k, 128k} wherever B * Nk <= 4M tokens, Nq = 1,
 GQA 32/8 heads, D = 128, bf16, every row's cache full; contiguous and paged (64-token pages,
 shuffled block table), through fa2's Triton and fa3's CuTe DSL split-KV kernels (fa3 is
-what auto picks on sm90, decode_configs.KVCACHE_AUTO). Each point reports the median time
+what auto picks on sm90, decode_configs.KVCACHE_AUTO), and on a float8_e4m3fn copy of the
+cache (`fa2_fp8_*`: what auto runs for one, fa2's decode). Each point reports the median time
 (triton.testing.do_bench) and the K/V bytes read per second, next to PyTorch SDPA's flash and
 cuDNN backends on the same cache (viewed (B, Hkv, Nk, D), enable_gqa=True) timed in the same
 run; fa3's largest difference from fa2's output, and each version's time for forced split
@@ -147,6 +148,33 @@ def _split_sweep(version, q, k, v, lens) -> dict:
     }
 
 
+def _fp8_cache(q, k, v, lens) -> dict:
+    """The same step on a float8_e4m3fn copy of the cache (per (row, kv head) descales; auto
+    runs fa2's decode on it): its time, K/V bytes read per second (half the bf16 bytes), and its
+    largest difference from the bf16 cache's output (the e4m3 rounding of K and V)."""
+    from flashsuite.common.fp8 import quantize_e4m3
+
+    def quantised(x):  # by row groups: float32 temporaries of at most 256M elements
+        step = max(1, (1 << 28) // x[0].numel())
+        parts = [quantize_e4m3(x[i : i + step]) for i in range(0, x.shape[0], step)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+    (k8, dk), (v8, dv) = quantised(k), quantised(v)
+
+    def call():
+        return dispatch.attention_with_kvcache(
+            q, k8, v8, cache_seqlens=lens, descale_k=dk, descale_v=dv
+        )
+
+    row = {"fa2_fp8_ms": _timed(call)}
+    if isinstance(row["fa2_fp8_ms"], float):
+        kv8 = 2 * k8.numel()  # one byte an element
+        row["fa2_fp8_tbps"] = kv8 / (row["fa2_fp8_ms"] * 1e-3) / 1e12
+        ref = dispatch.attention_with_kvcache(q, k, v, cache_seqlens=lens)
+        row["fp8_max_diff"] = (call().float() - ref.float()).abs().max().item()
+    return row
+
+
 def decode_sweep(quick: bool) -> list[dict]:
     from torch.nn.attention import SDPBackend
 
@@ -164,6 +192,7 @@ def decode_sweep(quick: bool) -> list[dict]:
         row = dict(batch=b, seqlen_k=n, kv_bytes=kv_bytes)
         row["fa2_ms"] = _graph_ms(_fa2(q, k, v, lens, None))
         row["fa2_eager_ms"] = time_ms(_fa2(q, k, v, lens, None))  # with the Python overhead
+        row.update(_fp8_cache(q, k, v, lens))
         with _combine(fused=False):
             row["fa3_ms"] = _timed(_decode("fa3", q, k, v, lens, None))
         with _combine(fused=True):
@@ -482,7 +511,8 @@ def main() -> None:
         f"\ndecode, Nq=1, GQA {HQ}/{HKV}, D={D}, bf16, CUDA-graph replay (ms | K/V TB/s); "
         f"paged = {PAGE}-token pages"
     )
-    heads = ("fa2", "fa2 paged", "fa3", "fa3 paged", "fa3 fused", "SDPA flash", "SDPA cuDNN")
+    heads = ("fa2", "fa2 paged", "fa3", "fa3 paged", "fa3 fused", "SDPA flash", "SDPA cuDNN",
+             "e4m3 cache")  # fmt: skip
     print(f"{'B':>4} {'Nk':>7} | " + " | ".join(f"{h:>15}" for h in heads) + " | fa3/best")
     for r in result["decode"]:
         cells = []
@@ -494,6 +524,7 @@ def main() -> None:
             "fa3_fused",
             "sdpa_flash",
             "sdpa_cudnn",
+            "fa2_fp8",
         ):
             ms, rate = r[f"{key}_ms"], r.get(f"{key}_tbps")
             cells.append(f"{_fmt(ms)} | {rate:.2f}" if rate is not None else str(ms)[:15])

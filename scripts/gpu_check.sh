@@ -304,19 +304,24 @@ for part in $parts; do
       tests_memcheck_bench kvcache tests/test_fa3_kvcache.py "gpu_decode" --decode ;;
     decode-route)
       # Decode steps that do not come through attention_with_kvcache: dense calls of few query
-      # rows on fa3's decode kernel (fa3.interface.decode_route), cache_leftpad (fa3, fa2,
-      # torch; transformers' left-padded decode), the paged varlen decode batch; their GPU
-      # tests, the leftpad GPU mutant, then benchmarks/decode_route_ab.py beside SDPA and FA4.
+      # rows on fa3's and fa2's decode kernels (interface.decode_route), cache_leftpad (fa3,
+      # fa2, torch; transformers' left-padded decode), the paged varlen decode batch, a float8
+      # cache on fa2's decode, transformers' sliding-window models; their GPU tests, the
+      # leftpad GPU mutant, then benchmarks/decode_route_ab.py (fa3, then fa2) beside SDPA and
+      # FA4.
       xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")
       # shellcheck disable=SC2086
       python3 -m pytest tests/test_fa3_kvcache.py tests/test_inference.py \
-        tests/test_flash_attn_api.py tests/test_hf.py -v -rfE -p no:cacheprovider $xdist \
-        -k "leftpad or dense or decode_route or block_table or gpu_bf16 or left_padding" \
+        tests/test_flash_attn_api.py tests/test_hf.py tests/test_fa2_decode_route.py \
+        tests/test_kvcache_fp8.py -v -rfE -p no:cacheprovider $xdist \
+        -k "leftpad or dense or decode_route or block_table or gpu_bf16 or left_padding or gpu_fp8" \
         2>&1 | tee "$out/decode-route.log" | tail -30 || status=1
       python3 scripts/mutants.py --gpu --only "cache_leftpad" --out "$out/decode-route-mutants.md" \
         2>&1 | tail -3 || status=1
-      python3 -m benchmarks.decode_route_ab --passes "${ROUTE_PASSES:-3}" 2>&1 | grep -v Warning \
-        | tee "$out/decode-route-ab.log" || status=1 ;;
+      for version in fa3 fa2; do
+        python3 -m benchmarks.decode_route_ab --version "$version" --passes "${ROUTE_PASSES:-3}" \
+          2>&1 | grep -v Warning | tee -a "$out/decode-route-ab.log" || status=1
+      done ;;
     spec)
       # Fa3Config.spec_exps (each row's exponentials against its running max beside the row
       # max; docs/design.md) and the causal e4m3 D = 128 candidates: first the bitwise tests
