@@ -289,6 +289,16 @@ def quantize_e4m3(
     return t.data, t.descale
 
 
+def to_e4m3(x: torch.Tensor, descale: torch.Tensor | None) -> torch.Tensor:
+    """x (B, N, H, D) -> float8_e4m3fn with a given descale (B, H) (None: 1): `quantize_e4m3`'s
+    rounding (x / descale in float32, clamped to +-448, to nearest even) without its checks, which
+    read values on the host; the KV-cache append of 16-bit tokens into a float8 cache."""
+    xf = x.float()
+    if descale is not None:
+        xf = xf / descale[:, None, :, None]
+    return xf.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
 def dequantize_e4m3(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
     """x8 (B, N, H, D) e4m3 and descale (B, H // group) -> float32 (B, N, H, D).
 

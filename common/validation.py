@@ -564,8 +564,9 @@ def check_kvcache_inputs(
     (B, max_pages) int32, pages (num_pages, page_size, Hkv, D), the optional new k, v
     (B, Nnew, Hkv, D), the optional cache_leftpad (B,) int32 (a contiguous cache only) and the
     shapes of the metadata; their values are `common.metadata.check_kvcache_metadata`'s. An int
-    cache_seqlens is checked here. A float8_e4m3fn cache (k_cache and v_cache, and new k, v in
-    that dtype) takes fp16 / bf16 queries and optional float32 (B, Hkv) descale_k, descale_v."""
+    cache_seqlens is checked here. A float8_e4m3fn cache (k_cache and v_cache) takes fp16 / bf16
+    queries, optional float32 (B, Hkv) descale_k, descale_v, and new k, v in e4m3 or in q's
+    dtype (quantised by the append)."""
     q = _check_tensor("q", q)
     k_cache = _check_tensor("k_cache", k_cache)
     v_cache = _check_tensor("v_cache", v_cache)
@@ -600,6 +601,7 @@ def check_kvcache_inputs(
                 f"k_cache: expected a batch of at least {b} (q.shape[0]), got {k_cache.shape[0]}"
             )
         capacity = k_cache.shape[1]
+    fp8_cache = _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v)
     n_new = 0
     if (k is None) != (v is None):
         missing = "v" if v is None else "k"
@@ -613,9 +615,11 @@ def check_kvcache_inputs(
                 raise ValueError(
                     f"{name}: expected shape (B, Nnew, Hkv, D) = {want}, got {tuple(t.shape)}"
                 )
-            if t.dtype != c.dtype or t.device != c.device:
+            quantised = fp8_cache and t.dtype == q.dtype  # rounded to e4m3 by the append
+            if (t.dtype != c.dtype and not quantised) or t.device != c.device:
+                also = f" or {_dt(q.dtype)} (q's, quantised on the append)" if fp8_cache else ""
                 raise TypeError(
-                    f"{name}: expected dtype {_dt(c.dtype)} on {c.device} ({name}_cache's), "
+                    f"{name}: expected dtype {_dt(c.dtype)} on {c.device} ({name}_cache's){also}, "
                     f"got {_dt(t.dtype)} on {t.device}"
                 )
         if n_new > capacity:
@@ -641,7 +645,6 @@ def check_kvcache_inputs(
                 "cache_leftpad: expected None with a paged cache (block_table), got a tensor: "
                 "each row's keys start at its first page"
             )
-    fp8_cache = _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v)
     kc, vc = k_cache[:1], v_cache[:1]
     if fp8_cache:  # the dense checks on stand-ins in q's dtype (shapes, devices, heads)
         kc, vc = (q.new_empty(1, c.shape[1], c.shape[2], c.shape[3]) for c in (k_cache, v_cache))

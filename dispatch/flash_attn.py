@@ -421,8 +421,9 @@ def flash_attn_with_kvcache(
     of a contiguous cache (neither with block_table nor with cache_batch_idx): it attends
     slots cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1, causal aligned to their end; the
     append and the rotary positions are the slots' own, as in flash-attn. A float8_e4m3fn cache
-    (new k, v in e4m3 too) under fp16 / bf16 q takes keyword-only `k_descale`, `v_descale`
-    (flash-attn 3's names): float32 (B, Hkv), None for 1 (`attention_with_kvcache`)."""
+    under fp16 / bf16 q takes keyword-only `k_descale`, `v_descale` (flash-attn 3's names):
+    float32 (B, Hkv), None for 1; new k, v in e4m3, or in q's dtype rounded to e4m3 with them
+    (`attention_with_kvcache`)."""
     _refuse(alibi_slopes=alibi_slopes)
     if cache_batch_idx is not None:
         if block_table is not None:
@@ -443,10 +444,10 @@ def flash_attn_with_kvcache(
         cache_seqlens = _capacity(k_cache, block_table)
     window_size = _window(window_size)
     if rotary_cos is not None or rotary_sin is not None:
-        if k_cache.dtype == torch.float8_e4m3fn:
+        if k is not None and k.dtype == torch.float8_e4m3fn:
             raise ValueError(
-                "rotary_cos: not supported with a float8_e4m3fn cache (rotate q and the new k, "
-                "then quantise k with common.fp8.quantize_e4m3, before the call)"
+                "rotary_cos: the new k must be in q's dtype to be rotated (then rounded into the "
+                "float8 cache), got float8_e4m3fn"
             )
         local = causal or tuple(window_size) != (-1, -1)
         capacity = _capacity(k_cache, block_table)

@@ -457,6 +457,16 @@ def _kv_lookup(
     return plan
 
 
+def _cache_dtype(k, v, k_cache, descale_k, descale_v):
+    """New k, v for a float8 cache: as given when already e4m3, else rounded to e4m3 with the
+    cache's descales (common.fp8.to_e4m3), so that the append copies bytes."""
+    if k is None or k.dtype == k_cache.dtype:
+        return k, v
+    from flashsuite.common.fp8 import to_e4m3
+
+    return to_e4m3(k, descale_k), to_e4m3(v, descale_v)
+
+
 def _direct(*tensors) -> bool:
     """Whether a version's function may run without its custom op: plain tensors, and no
     dispatch or function mode and no profiler that must see the op (as `api._run` decides)."""
@@ -499,11 +509,11 @@ def attention_with_kvcache(
     cache_leftpad int32 (B,) (a contiguous cache only, as flash-attn's): row b's keys start
     at slot cache_leftpad[b] <= cache_seqlens[b], so it attends slots cache_leftpad[b] ..
     cache_seqlens[b] + Nnew - 1 (a left-padded batch's rows), causal aligned to their end.
-    A float8_e4m3fn cache (both k_cache and v_cache; new k, v in that dtype too, e.g.
-    `common.fp8.quantize_e4m3(k, descale=descale_k)`) under fp16 / bf16 queries: key t of row
-    b, head h is k_cache[...] * descale_k[b, h], float32 descales of shape (B, Hkv) (None: 1),
-    the same for v. Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse
-    (B, Hq, Nq) float32, neither carrying a gradient.
+    A float8_e4m3fn cache (both k_cache and v_cache) under fp16 / bf16 queries: key t of row b,
+    head h is k_cache[...] * descale_k[b, h], float32 descales of shape (B, Hkv) (None: 1), the
+    same for v; new k, v in e4m3 are appended as they are, in q's dtype rounded to e4m3 with
+    the descales first (common.fp8.to_e4m3). Returns out (B, Nq, Hq, Dv) in q's dtype and,
+    with `return_lse`, lse (B, Hq, Nq) float32, neither carrying a gradient.
     """
     check_flag("return_lse", return_lse)
     if not api._compiling():
@@ -537,8 +547,11 @@ def attention_with_kvcache(
                 # What the op's implementation runs (common.ops_inference), without its layers,
                 # and without a gradient (a serving loop's no_grad or inference_mode already
                 # holds: entering no_grad again would cost more than the check).
+                scales = None
+                if kp.fp8_cache:
+                    scales = (descale_k, descale_v)
+                    k, v = _cache_dtype(k, v, k_cache, descale_k, descale_v)
                 args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, kp)
-                scales = (descale_k, descale_v) if kp.fp8_cache else None
                 if torch.is_grad_enabled():
                     with torch.no_grad():
                         out, lse = forward(*args, leftpad=cache_leftpad, descales=scales)
@@ -556,6 +569,8 @@ def attention_with_kvcache(
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     name = _resolve("kvcache", version, kp.attn.to_key(), _extra(kp), False)
     p = kp.attn
+    if kp.fp8_cache:
+        k, v = _cache_dtype(k, v, k_cache, descale_k, descale_v)
     # Forward only (the op mutates the cache, so it has no autograd formula): the results
     # carry no gradient, whatever requires grad.
     with torch.no_grad():

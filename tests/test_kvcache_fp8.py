@@ -212,8 +212,9 @@ FP8_ERRORS = [
      "q: expected float16 or bfloat16 with a float8_e4m3fn cache, got float32"),
     (dict(q=Z(2, 1, 4, 32).to(E4M3)), TypeError,
      "q: expected float16 or bfloat16 with a float8_e4m3fn cache, got float8_e4m3fn"),
-    (dict(k=Z(2, 1, 2, 32, dtype=BF16), v=Z(2, 1, 2, 32, dtype=BF16)), TypeError,
-     r"k: expected dtype float8_e4m3fn .*\(k_cache's\), got bfloat16"),
+    (dict(k=Z(2, 1, 2, 32, dtype=F16), v=Z(2, 1, 2, 32, dtype=F16)), TypeError,
+     r"k: expected dtype float8_e4m3fn .*\(k_cache's\) or bfloat16 \(q's, quantised on the "
+     r"append\), got float16"),
 ]  # fmt: skip
 
 
@@ -224,13 +225,45 @@ def test_fp8_cache_bad_input_is_a_clear_error(change, exc, message) -> None:
         dispatch.attention_with_kvcache(**_bad(**change))
 
 
-def test_rotary_with_an_fp8_cache_is_refused() -> None:
-    args = _bad()
-    cos = torch.ones(16, 16, device=DEV)
-    with pytest.raises(ValueError, match="rotary_cos: not supported with a float8_e4m3fn cache"):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_new_tokens_in_qs_dtype_are_rounded_into_the_cache(version) -> None:
+    """New k, v in q's dtype are rounded to e4m3 with the cache's descales by the append:
+    the same cache bytes and output as appending quantize_e4m3's result; with flash-attn's
+    rotary tables, q and the new k are rotated first (the call on pre-rotated inputs gives the
+    same bits); rotary tables with new k already in e4m3 are refused."""
+    from flashsuite.dispatch.flash_attn import _rotate
+
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    case = CASES[1]
+    q, k_cache, v_cache, _, _, dk, dv, table, *_ = _problem(case, gen)
+    lens = torch.tensor(case[7], dtype=I32, device=DEV)
+    kn, vn = (_rand(gen, 3, 2, 2, 64, dtype=F16) for _ in "kv")
+    runs = []
+    for new in ((kn, vn), (quantize_e4m3(kn, dk)[0], quantize_e4m3(vn, dv)[0])):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out = dispatch.attention_with_kvcache(
+            q, kc, vc, *new, cache_seqlens=lens, block_table=table, causal=True,
+            descale_k=dk, descale_v=dv, version=version,
+        )  # fmt: skip
+        runs.append((out, kc.view(torch.uint8), vc.view(torch.uint8)))
+    for a, b_ in zip(*runs, strict=True):
+        assert torch.equal(a, b_)
+    cos, sin = (_rand(gen, 130, 16) for _ in "cs")
+    kc = k_cache.clone()
+    got = dispatch.flash_attn_with_kvcache(
+        q, kc, v_cache.clone(), kn, vn, cos, sin, lens, block_table=table, causal=True,
+        k_descale=dk, v_descale=dv,
+    )  # fmt: skip
+    qr, kr = _rotate(q, kn, vn, cos, sin, lens, 128, True, True)
+    want = dispatch.attention_with_kvcache(
+        qr, k_cache.clone(), v_cache.clone(), kr, vn, cache_seqlens=lens, block_table=table,
+        causal=True, descale_k=dk, descale_v=dv,
+    )  # fmt: skip
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="rotary_cos: the new k must be in q's dtype"):
         dispatch.flash_attn_with_kvcache(
-            args["q"], args["k_cache"], args["v_cache"], args["k_cache"][:, :1],
-            args["v_cache"][:, :1], rotary_cos=cos, rotary_sin=cos, cache_seqlens=4,
+            q, kc, v_cache.clone(), kn.to(E4M3), vn.to(E4M3), cos, sin, lens,
+            block_table=table, k_descale=dk, v_descale=dv,
         )  # fmt: skip
 
 
