@@ -163,6 +163,30 @@ def test_fp8_cache_op_path_and_flash_attn_names(version) -> None:
     assert torch.equal(fa, want)
 
 
+def test_fp8_cache_under_torch_compile_fullgraph() -> None:
+    """attention_with_kvcache on a float8 cache, new tokens in q's dtype rounded inside the
+    graph, compiles with fullgraph=True and gives the eager call's out and cache bytes."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    q = _rand(gen, 2, 1, 4, 32, dtype=BF16)
+    kc8, vc8 = (_rand(gen, 2, 32, 2, 32).to(E4M3) for _ in "kv")
+    kn, vn = (_rand(gen, 2, 1, 2, 32, dtype=BF16) for _ in "kv")
+    dk, dv = (0.5 + torch.rand(2, 2, generator=gen, device=DEV) for _ in "kv")
+    lens = torch.tensor([3, 20], dtype=I32, device=DEV)
+
+    def decode(q, kc, vc):
+        return dispatch.attention_with_kvcache(
+            q, kc, vc, kn, vn, cache_seqlens=lens, causal=True, descale_k=dk, descale_v=dv
+        )
+
+    runs = []
+    for fn in (decode, torch.compile(decode, fullgraph=True, backend="aot_eager")):
+        kc, vc = kc8.clone(), vc8.clone()
+        runs.append((fn(q, kc, vc), kc.view(torch.uint8), vc.view(torch.uint8)))
+    for a, b_ in zip(*runs, strict=True):
+        assert torch.equal(a, b_)
+    assert not torch.equal(runs[0][1], kc8.view(torch.uint8))  # the append happened
+
+
 def test_selection_on_sm90_runs_fa2_and_says_why() -> None:
     """On sm90 a float8 cache runs on fa2's decode kernel (fa3's reads 16-bit caches only) and
     explain() says so; a 16-bit cache still runs on fa3."""
