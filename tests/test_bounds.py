@@ -194,12 +194,16 @@ def test_kernels_stay_inside_their_tensors(version: str, case, monkeypatch) -> N
     assert _run(version, case, torch.bfloat16, monkeypatch) == []
 
 
-def test_decode_with_the_gpu_schedule_stays_inside_and_matches_the_oracle(monkeypatch) -> None:
+@pytest.mark.parametrize("cache", ["bf16", "e4m3"])
+def test_decode_with_the_gpu_schedule_stays_inside_and_matches_the_oracle(
+    cache, monkeypatch
+) -> None:
     """fa2's split-KV decode with the GPU's tiles (64-key blocks, not the interpreter's 16) and
-    the GPU's split heuristic (132 SMs): B > 1, GQA 8/2, D = 128, bf16, pages of 64, per-row
-    lengths chosen so that splits of the short rows are empty (a 1-key row: 1 block for 4
-    splits; 9 blocks: per_split 3, the 4th split empty). Every row is checked against the
-    float64 oracle under the suite's rule, and every address against its tensor."""
+    the GPU's split heuristic (132 SMs): B > 1, GQA 8/2, D = 128, bf16 queries, a bf16 or a
+    float8_e4m3fn cache (with its (B, Hkv) descales), pages of 64, per-row lengths chosen so
+    that splits of the short rows are empty (a 1-key row: 1 block for 4 splits; 9 blocks:
+    per_split 3, the 4th split empty). Every row is checked against the float64 oracle under
+    the suite's rule, and every address against its tensor."""
     from flashsuite import dispatch
     from flashsuite.common.testing import compare, reference_pair
     from flashsuite.fa2 import decode, interface
@@ -228,17 +232,28 @@ def test_decode_with_the_gpu_schedule_stays_inside_and_matches_the_oracle(monkey
     table = order[: b * n // page].reshape(b, n // page).to(torch.int32)
     k_pages = torch.randn(len(order), page, hkv, d, generator=gen).to(torch.bfloat16)
     v_pages = torch.randn(len(order), page, hkv, d, generator=gen).to(torch.bfloat16)
+    scales = {}
+    if cache == "e4m3":  # the cache in e4m3, and the oracle on its dequantised values
+        from flashsuite.common.fp8 import dequantize_e4m3, quantize_e4m3
+
+        (k, dk), (v, dv) = quantize_e4m3(k), quantize_e4m3(v)
+        k_pages, v_pages = k_pages.to(torch.float8_e4m3fn), v_pages.to(torch.float8_e4m3fn)
+        scales = dict(descale_k=dk, descale_v=dv)
     k_pages[table.long()] = k.reshape(b, n // page, page, hkv, d)
     v_pages[table.long()] = v.reshape(b, n // page, page, hkv, d)
+    k_ref, v_ref = k, v  # the keys and values the oracle attends
+    if scales:
+        k_ref, v_ref = dequantize_e4m3(k, dk), dequantize_e4m3(v, dv)
     for kc, vc, bt in ((k, v, None), (k_pages, v_pages, table)):
         with bounds_checked() as bad:
             out, lse = dispatch.attention_with_kvcache(
-                q, kc, vc, cache_seqlens=lens, block_table=bt, return_lse=True, version="fa2"
-            )
+                q, kc, vc, cache_seqlens=lens, block_table=bt, return_lse=True, version="fa2",
+                **scales,
+            )  # fmt: skip
         assert bad == [], bad
         for row, length in enumerate(lens.tolist()):
-            ref = reference_pair(q[row : row + 1], k[row : row + 1, :length],
-                                 v[row : row + 1, :length])  # fmt: skip
+            ref = reference_pair(q[row : row + 1], k_ref[row : row + 1, :length],
+                                 v_ref[row : row + 1, :length])  # fmt: skip
             results = [
                 compare("out", out[row : row + 1], *ref["out"]),
                 compare("lse", lse[row : row + 1], *ref["lse"]),
