@@ -6,11 +6,13 @@ params)` functions (docs/versions.md). This module turns them into
     flashsuite::<name>_fwd(q, k, v, causal, scale, window_left, window_right, softcap,
                            descale_q, descale_k, descale_v) -> (out, lse)
     flashsuite::<name>_bwd(dout, q, k, v, out, lse, causal, scale, window_left,
-                           window_right, softcap) -> (dq, dk, dv)
+                           window_right, softcap, dlse=None) -> (dq, dk, dv)
 
 with fake (meta) implementations, so `torch.compile(fullgraph=True)` and `torch.export` see
 opaque ops with known output shapes, and with the forward's autograd formula calling the
-backward op on the saved (q, k, v, out, lse): nothing of size Nq x Nk is ever saved.
+backward op on the saved (q, k, v, out, lse): nothing of size Nq x Nk is ever saved. Both
+outputs are differentiable: a gradient reaching the LSE (dlse, None when the LSE is unused)
+enters the backward as D = rowsum(dO * O) - dlse, since d lse_i / d s_ij = P_ij.
 
 (No `from __future__ import annotations` here: custom_op reads the annotations to build the
 op schema.)
@@ -63,42 +65,54 @@ class AttentionOp:
     def _setup_context(ctx, inputs, output) -> None:
         q, k, v = inputs[:3]
         out, lse = output
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused out or LSE: None, not a tensor of zeros
         ctx.options = inputs[3 : 3 + len(AttnParams.OP_ARGS)]  # AttnParams.to_op_args()
         ctx.fp8 = q.dtype == torch.float8_e4m3fn
         if not ctx.fp8:
             ctx.save_for_backward(q, k, v, out, lse)
 
-    def _backward(self, ctx, dout, _dlse):
+    def _backward(self, ctx, dout, dlse):
         if ctx.fp8:
             raise RuntimeError(f"{self.name}: the float8 path is forward-only (no backward)")
         if self.bwd is None:
             raise RuntimeError(f"{self.name}: this version has no backward")
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, *ctx.options)
+        dout, dlse = grads_in(out, dout, dlse)
+        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, *ctx.options, dlse)
         return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def grads_in(out: torch.Tensor, dout, dlse) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients a backward takes from autograd's (None where an output was unused): dout
+    as a tensor (zeros when only the LSE was used), dlse float32 contiguous or None."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    return dout, dlse
 
 
 class _EagerAttention(torch.autograd.Function):
     """AttentionOp.eager_autograd: the same saved tensors and backward as the op's autograd
-    formula (q, k, v, out, lse; the lse output is not differentiable)."""
+    formula (q, k, v, out, lse; a gradient of the LSE enters as dlse)."""
 
     @staticmethod
     def forward(ctx, q, k, v, p: AttnParams, op: AttentionOp):
         out, lse = op.forward_fn(q, k, v, p, None, None, None)
         out, lse = out.contiguous(), lse.contiguous()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.p, ctx.op = p, op
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         op = ctx.op
         if op.backward_fn is None:
             raise RuntimeError(f"{op.name}: this version has no backward")
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = op.backward_fn(dout, q, k, v, out, lse, ctx.p)
+        dout, dlse = grads_in(out, dout, dlse)
+        dq, dk, dv = op.backward_fn(dout, q, k, v, out, lse, ctx.p, dlse=dlse)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None
 
 
@@ -146,13 +160,14 @@ def _define_backward(name: str, backward: BackwardFn):
         window_left: int,
         window_right: int,
         softcap: float,
+        dlse: Optional[torch.Tensor] = None,  # noqa: UP045 (custom_op schema inference)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         p = AttnParams.from_op_args(q, k, v, causal, scale, window_left, window_right, softcap)
-        dq, dk, dv = backward(dout, q, k, v, out, lse, p)
+        dq, dk, dv = backward(dout, q, k, v, out, lse, p, dlse=dlse)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
     @bwd.register_fake
-    def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap):
+    def _(dout, q, k, v, out, lse, causal, scale, window_left, window_right, softcap, dlse=None):
         # Contiguous, like the real implementation returns (the fake must match its strides).
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 

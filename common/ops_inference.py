@@ -28,6 +28,7 @@ from flashsuite.common.metadata import (
     check_varlen_metadata_once,
     metadata_checks_enabled,
 )
+from flashsuite.common.ops import grads_in
 from flashsuite.common.validation import KVCacheParams, check_kvcache_inputs, check_varlen_inputs
 
 
@@ -59,15 +60,16 @@ class VarlenOp:
     @staticmethod
     def _setup_context(ctx, inputs, output) -> None:
         q, k, v, cu_q, cu_k = inputs[:5]
-        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # an unused out or LSE: None, not a tensor of zeros
         ctx.options = inputs[5:]
         ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
 
-    def _backward(self, ctx, dout, _dlse):
+    def _backward(self, ctx, dout, dlse):
         if self.bwd is None:
             raise RuntimeError(f"{self.name}: this version has no varlen backward")
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options)
+        dout, dlse = grads_in(out, dout, dlse)
+        dq, dk, dv = self.bwd(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, dlse)
         return (dq, dk, dv) + (None,) * 9
 
 
@@ -123,12 +125,15 @@ def _define_varlen_backward(name: str, mod: ModuleType):
         window_left: int,
         window_right: int,
         softcap: float,
+        dlse: Optional[torch.Tensor] = None,  # noqa: UP045 (custom_op schema inference)
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         vp = varlen_params(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             causal, scale, window_left, window_right, softcap,
         )  # fmt: skip
-        grads = mod.varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp)
+        grads = mod.varlen_backward(
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, dlse=dlse
+        )
         return tuple(g.contiguous() for g in grads)
 
     @bwd.register_fake

@@ -196,7 +196,7 @@ def attention(
     q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), Hq % Hkv == 0, last dim contiguous
     (a float8 v may have its keys contiguous instead: common.fp8.keys_major). Returns out
     (B, Nq, Hq, Dv) in q's dtype (bf16 for float8 inputs) and, with `return_lse=True`, lse
-    (B, Hq, Nq) float32 (natural log; -inf where a row sees no key).
+    (B, Hq, Nq) float32 (natural log; -inf where a row sees no key), both differentiable.
     `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
     """
     descales = (descale_q, descale_k, descale_v)

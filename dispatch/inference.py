@@ -29,6 +29,7 @@ from flashsuite.common.metadata import (
     check_varlen_metadata_once,
     metadata_checks_enabled,
 )
+from flashsuite.common.ops import grads_in
 from flashsuite.common.ops_inference import VarlenOp, define_kvcache_op
 from flashsuite.common.validation import (
     AttnParams,
@@ -241,7 +242,7 @@ def attention_varlen(
     q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), fp16/bf16/fp32; cu_seqlens
     int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at the total; max_seqlen
     an upper bound of the lengths (it may be loose). Returns out (total_q, Hq, Dv) and, with
-    `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v.
+    `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v, through out and lse.
     """
     check_flag("return_lse", return_lse)
     if not api._compiling():
@@ -346,21 +347,22 @@ class _EagerVarlen(torch.autograd.Function):
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, plan: VarlenPlan):
         out, lse = plan.forward(q, k, v, cu_seqlens_q, cu_seqlens_k, plan.params)
         out, lse = out.contiguous(), lse.contiguous()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.plan = plan
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         plan = ctx.plan
         if plan.backward is None:
             raise RuntimeError(
                 f"{plan.version}: no varlen backward can take {plan.params.describe()}"
             )
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dout, dlse = grads_in(out, dout, dlse)
         backward = registry.module(plan.backward).varlen_backward
-        dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.params)
+        dq, dk, dv = backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.params, dlse=dlse)
         return dq.contiguous(), dk.contiguous(), dv.contiguous(), None, None, None
 
 

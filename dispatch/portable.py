@@ -111,8 +111,9 @@ def forward(q, k, v, p: AttnParams, descale_q=None, descale_k=None, descale_v=No
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, p: AttnParams):
-    """dq, dk, dv like q, k, v; P is recomputed per query chunk from q, k and the LSE."""
+def backward(dout, q, k, v, out, lse, p: AttnParams, dlse=None):
+    """dq, dk, dv like q, k, v; P is recomputed per query chunk from q, k and the LSE. `dlse`
+    (B, Hq, Nq), the gradient reaching the LSE (None: 0), enters as D = rowsum(dO ∘ O) - dlse."""
     dt = _compute_dtype(p)
     kh = _heads_first(k, p, False, dt)  # (B, Hkv, 1, Nk, D)
     vh = _heads_first(v, p, False, dt)  # (B, Hkv, 1, Nk, Dv)
@@ -133,6 +134,8 @@ def backward(dout, q, k, v, out, lse, p: AttnParams):
         dv += (prob.transpose(-1, -2) @ doc).sum(dim=2, keepdim=True)  # (B, Hkv, 1, Nk, Dv)
         dp = doc @ vh.transpose(-1, -2)  # (B, Hkv, G, C, Nk)
         delta = (doc * oc).sum(dim=-1, keepdim=True)  # (B, Hkv, G, C, 1) = rowsum(dO ∘ O)
+        if dlse is not None:  # d lse_i / d s_ij = P_ij
+            delta = delta - dlse[:, :, rows].to(dt).reshape(delta.shape)
         ds = prob * (dp - delta)  # (B, Hkv, G, C, Nk): d loss / d s (capped, scaled)
         if tanh is not None:
             ds = ds * (1 - tanh * tanh)  # through softcap·tanh(x / softcap)

@@ -48,8 +48,11 @@ def varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams):
     return out, lse
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams):
-    """dq, dk, dv like q, k, v (keys of empty query sequences get zero gradients)."""
+def varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams, dlse=None
+):
+    """dq, dk, dv like q, k, v (keys of empty query sequences get zero gradients); `dlse`
+    (Hq, total_q), the gradient reaching the LSE (None: 0)."""
     from flashsuite.dispatch import portable
 
     p = vp.attn
@@ -66,6 +69,7 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: Var
             out[None, q0:q1],
             lse[None, :, q0:q1],
             pb,
+            dlse=None if dlse is None else dlse[None, :, q0:q1],
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
     return dq, dk, dv

@@ -159,7 +159,7 @@ def _choosing_backward(name: str) -> BackwardFn:
     architecture, deterministic setting and FLASHSUITE_<NAME>_BWD)."""
     switch = env_key(f"FLASHSUITE_{name.upper()}_BWD")
 
-    def backward(dout, q, k, v, out, lse, p: AttnParams):
+    def backward(dout, q, k, v, out, lse, p: AttnParams, dlse=None):
         arch = device_arch(p.device)
         mkey = (name, p, arch, _deterministic(), env_table.get(switch))
         if mkey in _sources:
@@ -169,7 +169,7 @@ def _choosing_backward(name: str) -> BackwardFn:
             remember(_sources, mkey, source)
         if source is None:
             raise RuntimeError(f"{name}: no backward can take {p.describe()}")
-        return module(source).backward(dout, q, k, v, out, lse, p)
+        return module(source).backward(dout, q, k, v, out, lse, p, dlse=dlse)
 
     return backward
 

@@ -224,8 +224,10 @@ def backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     p: AttnParams,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recompute backward (Alg. 4) from the saved (q, k, v, out, lse); dout like out.
+    """Recompute backward (Alg. 4) from the saved (q, k, v, out, lse); dout like out; `dlse`
+    (B, Hq, Nq) float32, the gradient reaching the LSE (None: 0), taken off delta.
 
     Returns dq, dk, dv contiguous with the shapes and dtypes of q, k, v (dk, dv summed over
     each GQA group). Always deterministic: one program owns a (batch, K/V head), no atomics.
@@ -254,6 +256,8 @@ def backward(
             dout.stride(0), dout.stride(1), dout.stride(2),
             nq, hq, HEAD_DIM_V=dv, BLOCK_DV=block_dv, BLOCK_M=pre_m,
         )  # fmt: skip
+        if dlse is not None:  # D = rowsum(dO ∘ O) - dlse: d lse_i / d s_ij = P_ij
+            delta -= dlse
         fa1_bwd_kernel[(b * hkv,)](
             q, k, v, dout, lse, delta, dq, dk, dv_, dq_acc,
             q.stride(0), q.stride(1), q.stride(2),

@@ -300,11 +300,14 @@ def backward(
     lse: torch.Tensor,
     p: AttnParams,
     config=None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recompute backward. Returns dq, dk, dv (contiguous, the shapes and dtypes of q, k, v;
-    dk/dv summed over each GQA group). Rows with lse == -inf contribute nothing. Bitwise
-    deterministic unless the config asks for dQ atomics (TMA reduce-adds, sm90+; never under
-    torch.use_deterministic_algorithms: the separate dQ pass runs instead)."""
+    dk/dv summed over each GQA group). `dlse` (B, Hq, Nq) float32, the gradient reaching the
+    LSE (None: 0), is taken off the preprocess's delta. Rows with lse == -inf contribute
+    nothing. Bitwise deterministic unless the config asks for dQ atomics (TMA reduce-adds,
+    sm90+; never under torch.use_deterministic_algorithms: the separate dQ pass runs
+    instead)."""
     from flashsuite.fa2 import configs, kernels
 
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
@@ -339,6 +342,8 @@ def backward(
     ), dict(
         HEAD_DIM_V=p.head_dim_v, DV_PAD=dv_pad, BLOCK_M=bm, DqAcc=None, ZERO_D=0, ZERO_PAD=1,
     ))  # fmt: skip
+    if dlse is not None:  # D = rowsum(dO ∘ O) - dlse: d lse_i / d s_ij = P_ij
+        delta[:, :, :nq] -= dlse
 
     dq_arg, dq_strides = dq, (dq.stride(0), dq.stride(2), dq.stride(1))  # unused w/o DQ_ATOMIC
     if cfg.dq_atomic:
@@ -553,10 +558,13 @@ def _varlen_plan(vp, arch: int | None, config) -> dict:
     return plan
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, config=None):
+def varlen_backward(
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, config=None, dlse=None
+):
     """Recompute backward over packed sequences: dq, dk, dv like q, k, v (contiguous), dk/dv
     summed over each GQA group; deterministic (no atomics). `config` overrides the table
-    (tuning and tests only)."""
+    (tuning and tests only). `dlse` (Hq, total_q) float32, the gradient reaching the LSE (None:
+    0), is taken off delta."""
     from flashsuite.fa2 import varlen
 
     p = vp.attn
@@ -575,6 +583,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, con
         out, dout, lse, delta, lse2, cu_seqlens_q, *out.stride()[:2], *dout.stride()[:2],
         lse.stride(0), delta.stride(0), row_pad,
     ), kwargs, plan=token)  # fmt: skip
+    if dlse is not None:  # D = rowsum(dO ∘ O) - dlse; token t of sequence b at row t + b·row_pad
+        tokens = torch.arange(vp.total_q, device=q.device)
+        seq = torch.searchsorted(cu_seqlens_q[1:].contiguous().long(), tokens, right=True)
+        delta[:, tokens + seq * row_pad] -= dlse
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *dout.stride()[:2])
     for grid, kwargs, token in plan["dkdv"]:
         launch(varlen._varlen_bwd_dkdv, grid, (

@@ -336,10 +336,12 @@ def run_backward(
     scale: float,
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the input dtype, contiguous) for TMA-ready q, k, v, dout (B, N, H, D).
     `softcap` > 0 needs a key built with softcap=True, a `window` (left, right; -1 unbounded)
-    other than (-1, -1) one built with local=True."""
+    other than (-1, -1) one built with local=True. `dlse` (B, Hq, Nq) float32, the gradient
+    reaching the LSE, is taken off the preprocess's dsum (D = rowsum(dO ∘ O) - dlse)."""
     if key.varlen:
         raise ValueError("fa3 backward: a varlen key takes run_varlen_backward")
     check_key(key, softcap, window)
@@ -352,6 +354,8 @@ def run_backward(
     post = bwd_prepost.dq_from_tiles if cute_pair else dq_from_tiles
     pdl = {"pdl": True} if cute_pair and key.cfg.pdl else {}  # the Triton pair has no PDL
     lse_log2, dsum, dq_acc = pre(dout, out, lse, key.cfg.tile_m, d if tiled else 0, **pdl)
+    if dlse is not None:  # d lse_i / d s_ij = P_ij
+        dsum[:, :, :nq] -= dlse
     if not tiled:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # (B, Nq, Hq, D)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Nk, Hkv, D)
@@ -420,13 +424,15 @@ def run_varlen_backward(
     softcap: float = 0.0,
     window: tuple[int, int] = (-1, -1),
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (the input dtype, contiguous) of packed sequences: TMA-ready q, dout
     (total_q, Hq, D), k, v (total_k, Hkv, D), out (total_q, Hq, D) with unit last stride, lse
     (Hq, total_q) float32 (natural log), cu_seqlens_q / _k (B + 1,) int32 contiguous, both
     totals > 0; a key built with varlen=True (softcap / window as `run_backward`). `grads`:
     contiguous dq, dk, dv to write into (views into larger buffers, in tests that watch the
-    memory around them) instead of new tensors."""
+    memory around them) instead of new tensors. `dlse` (Hq, total_q) float32, the gradient
+    reaching the LSE, is taken off dsum in the padded row layout."""
     if not key.varlen:
         raise ValueError("fa3 backward: run_varlen_backward needs a key built with varlen=True")
     check_key(key, softcap, window)
@@ -443,6 +449,10 @@ def run_varlen_backward(
     dsum, lse_log2 = varlen_bwd_preprocess(
         out, dout, lse, cu_seqlens_q, tile_m, dq_acc if tiled else None
     )  # (Hq, rows_pad)
+    if dlse is not None:  # D = rowsum(dO ∘ O) - dlse: d lse_i / d s_ij = P_ij
+        from flashsuite.common.bwd_preprocess import varlen_pad_index
+
+        dsum[:, varlen_pad_index(cu_seqlens_q, total_q, tile_m)] -= dlse
     if grads is None:
         grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     dq, dk, dv = grads  # (total_q, Hq, D), (total_k, Hkv, D) x 2

@@ -203,8 +203,10 @@ def backward(
     p: AttnParams,
     *,
     cfg: BwdConfig | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv in the input dtype, contiguous, for what `supports_backward` accepts.
+    """dq, dk, dv in the input dtype, contiguous, for what `supports_backward` accepts; `dlse`
+    (B, Hq, Nq) float32, the gradient reaching the LSE (None: 0).
 
     dout, q, out (B, Nq, Hq, D); k, v (B, Nk, Hkv, D), fp16/bf16 on an sm90 GPU, last dim
     contiguous; lse (B, Hq, Nq) float32 (natural log, -inf for rows that see no key). `cfg`
@@ -227,7 +229,7 @@ def backward(
     q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
     out, lse = out.contiguous(), lse.contiguous()
     window = (p.window_left, p.window_right) if p.is_local else (-1, -1)
-    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap, window)
+    return run_backward(key, dout, q, k, v, out, lse, p.scale, p.softcap, window, dlse)
 
 
 def supports_varlen_backward(vp: VarlenParams, arch: int | None) -> tuple[bool, str]:
@@ -277,6 +279,7 @@ def varlen_backward(
     *,
     cfg: BwdConfig | None = None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the input dtype, contiguous, of `varlen_forward`, for what
     `supports_varlen_backward` accepts: dout, q, out (total_q, Hq, D), k, v (total_k, Hkv, D)
@@ -284,7 +287,8 @@ def varlen_backward(
     (validated by the caller). `cfg` overrides the table's config (neither lpt nor
     head_section);
     `grads` (contiguous dq, dk, dv: views into larger buffers, in tests that watch the memory
-    around them) are written in place instead of new tensors."""
+    around them) are written in place instead of new tensors. `dlse` (Hq, total_q) float32:
+    the gradient reaching the LSE (None: 0)."""
     ok, reason = supports_varlen_backward(vp, 90)
     if not ok:
         raise ValueError(f"fa3 varlen backward: cannot take {vp.describe()}: {reason}")
@@ -313,5 +317,5 @@ def varlen_backward(
     window = (p.window_left, p.window_right) if p.is_local else (-1, -1)
     return run_varlen_backward(
         key, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, p.scale, p.softcap, window,
-        grads,
+        grads, dlse,
     )  # fmt: skip
