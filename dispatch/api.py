@@ -455,18 +455,26 @@ def attention_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     version: str = "auto",
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `attention` from its saved tensors: the backward of the version selected
     for these inputs with a gradient (fa3's forward pairs with fa2's backward where its own
     does not run), recomputing P from q, k and lse. dout and out (B, Nq, Hq, Dv), lse
     (B, Hq, Nq) float32 from any version's forward: every version computes the same function
-    and the same natural-log LSE."""
+    and the same natural-log LSE. `dlse` (B, Hq, Nq), the gradient of a loss that also uses
+    the LSE (a ring-attention merge), or None."""
     p = check_inputs(
         q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         softcap=softcap,
     )  # fmt: skip
+    if dlse is not None:
+        want = (p.batch, p.heads_q, p.seqlen_q)
+        if not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != want:
+            got = tuple(dlse.shape) if isinstance(dlse, torch.Tensor) else type(dlse).__name__
+            raise ValueError(f"dlse: expected a tensor of shape (B, Hq, Nq) = {want}, got {got}")
+        dlse = dlse.to(device=q.device, dtype=torch.float32).contiguous()
     name = _select(p, version, needs_grad=True, return_lse=True).version
-    return registry.op(name).bwd(dout, q, k, v, out, lse, *p.to_op_args())
+    return registry.op(name).bwd(dout, q, k, v, out, lse, *p.to_op_args(), dlse)
 
 
 def sdpa(

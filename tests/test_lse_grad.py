@@ -15,6 +15,7 @@ import torch
 from flashsuite import dispatch
 from flashsuite.common.reference import attention_reference
 from flashsuite.common.testing import compare
+from flashsuite.dispatch import api
 from tests.conftest import HAS_CUDA, runnable_versions
 
 BF16, F16, I32 = torch.bfloat16, torch.float16, torch.int32
@@ -182,3 +183,24 @@ def test_gpu_gradient_through_out_and_lse(case) -> None:
     ref = _grads(_oracle(options, torch.float64), q, k, v, g, h)
     pt = _grads(_oracle(options, None), q, k, v, g, h)
     _check(got, ref, pt)
+
+
+@pytest.mark.parametrize("version", [p for p in VERSIONS if p.values[0] in ("fa2", "torch")])
+def test_explicit_backward_takes_dlse(version) -> None:
+    """dispatch.attention_backward(..., dlse=h) gives autograd's gradients of <out, g> +
+    <lse, h> bit for bit; a dlse of the wrong shape is a clear error."""
+    case = CASES[1]
+    q, k, v, g, h = _inputs(case, torch.Generator(device=DEV).manual_seed(4))
+
+    def fn(q, k, v):
+        return dispatch.attention(q, k, v, return_lse=True, causal=True, version=version)
+
+    want = _grads(fn, q, k, v, g, h)
+    out, lse = fn(q, k, v)
+    got = api.attention_backward(
+        g.to(out.dtype), q, k, v, out, lse, causal=True, version=version, dlse=h
+    )
+    for a, b_ in zip(got, want, strict=True):
+        assert torch.equal(a, b_)
+    with pytest.raises(ValueError, match=r"dlse: expected a tensor of shape \(B, Hq, Nq\)"):
+        api.attention_backward(g.to(out.dtype), q, k, v, out, lse, causal=True, dlse=h[0])
