@@ -321,7 +321,7 @@ def test_fa3_backward_chosen_per_call(monkeypatch) -> None:
     calls = []
     for name in ("fa3", "fa2"):
         monkeypatch.setattr(
-            registry.module(name), "backward", lambda *a, _n=name: calls.append(_n) or a[1:4]
+            registry.module(name), "backward", lambda *a, _n=name, **kw: calls.append(_n) or a[1:4]
         )
     monkeypatch.setenv("FLASHSUITE_FA3_BWD", "1")
     backward = registry._choosing_backward("fa3")

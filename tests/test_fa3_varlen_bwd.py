@@ -383,7 +383,9 @@ def test_dispatch_pairs_fa3s_own_varlen_backward_when_asked(stand_ins, monkeypat
     assert c.backward == "fa3" and "own varlen backward: fa3 varlen backward" in str(c), str(c)
     used = []
     real = interface.varlen_backward
-    monkeypatch.setattr(interface, "varlen_backward", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(
+        interface, "varlen_backward", lambda *a, **kw: used.append(1) or real(*a, **kw)
+    )
     with override_arch(90):
         out = dispatch.attention_varlen(q, k, v, cq, ck, 70, 66, version="fa3", **options)
     do = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(F16)
@@ -554,7 +556,9 @@ def test_gpu_varlen_autograd_through_fa3s_own_backward(monkeypatch) -> None:
     monkeypatch.setenv("FLASHSUITE_FA3_VARLEN_BWD", "1")
     used = []
     real = interface.varlen_backward
-    monkeypatch.setattr(interface, "varlen_backward", lambda *a: used.append(1) or real(*a))
+    monkeypatch.setattr(
+        interface, "varlen_backward", lambda *a, **kw: used.append(1) or real(*a, **kw)
+    )
     lens_q, lens_k = [65, 1, 0, 200, 129], [100, 1, 7, 64, 129]
     q, k, v, cq, ck = (t.cuda() for t in _packed(lens_q, lens_k, 8, 2, 128, BF16))
     q, k, v = (t.requires_grad_() for t in (q, k, v))

@@ -280,30 +280,31 @@ def test_fa3_bound_forward_launches_what_forward_launches(monkeypatch) -> None:
 @pytest.mark.parametrize("options", [{"causal": True}, {"window_size": (8, 3), "softcap": 5.0}])
 def test_eager_autograd_gives_the_op_path_gradients(options) -> None:
     """With a gradient, the eager call runs the version's forward and backward from a
-    torch.autograd.Function (not the custom op): the same out, lse and gradients as the op
-    pair's autograd, bit for bit; the lse output takes no gradient; the profiler and a
-    dispatch mode get the op path."""
+    torch.autograd.Function (not the custom op): the same out, lse and gradients (through out
+    and lse) as the op pair's autograd, bit for bit; the profiler and a dispatch mode get the
+    op path."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from flashsuite.dispatch import registry
 
     q, k, v = _qkv(n=48, dtype=F32, hq=4, hkv=2, requires_grad=True)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=torch.Generator())
     pair = registry.op("torch")
     calls = []
     real_fwd, real_bwd = pair.forward_fn, pair.backward_fn
     try:
         pair.forward_fn = lambda *a: calls.append("fwd") or real_fwd(*a)
-        pair.backward_fn = lambda *a: calls.append("bwd") or real_bwd(*a)
+        pair.backward_fn = lambda *a, **kw: calls.append("bwd") or real_bwd(*a, **kw)
         out, lse = dispatch.attention(q, k, v, return_lse=True, version="torch", **options)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     finally:
         pair.forward_fn, pair.backward_fn = real_fwd, real_bwd
-    assert calls == ["fwd", "bwd"] and out.grad_fn is not None and not lse.requires_grad
+    assert calls == ["fwd", "bwd"] and out.grad_fn is not None and lse.requires_grad
     assert "EagerAttention" in type(out.grad_fn).__name__, type(out.grad_fn).__name__
     p = validation.check_inputs(q, k, v, **options)
     ref_out, ref_lse = pair(q, k, v, p)  # the custom op, with its registered autograd
-    ref_grads = torch.autograd.grad(ref_out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad((ref_out, ref_lse), (q, k, v), (dout, dlse))
     for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
