@@ -36,7 +36,13 @@
   window composed with other functions, packed sequences found from position_ids, a 4-D mask),
   keys that start after position 0 outside a causal sliding-window layer, padding between the
   tokens of a row under a window, a bidirectional window on cross-attention, dropout in
-  training, attention sinks, position biases, and returning attention probabilities.
+  training, position biases, and returning attention probabilities.
+- **Attention sinks** (gpt-oss's `s_aux`, one logit s_h per query head, a column of every row's
+  softmax that is dropped from the output): every path returns its LSE over the real keys
+  (`return_lse=True`; a padded batch's packed LSE is scattered back to its rows, -inf at
+  padding queries), and the output is `out * sigmoid(lse - s_h)` in float32 (float64 for
+  float64 inputs), cast back to the output's dtype: differentiable in q, k, v and the sinks.
+  A row without keys gives zeros. Paths without sinks ask for no LSE.
 """
 
 from __future__ import annotations
@@ -217,6 +223,7 @@ def attention_forward(
     is_causal: bool | None = None,
     softcap: float | None = None,
     sliding_window: int | None = None,
+    s_aux: torch.Tensor | None = None,
     version: str = "auto",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -224,9 +231,11 @@ def attention_forward(
 
     query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv) as transformers passes
     them (after the cache update: keys of the past tokens first, the queries' own last);
-    `attention_mask` is what `padding_mask` returned. Returns (out (B, Nq, Hq, Dv), None).
+    `attention_mask` is what `padding_mask` returned; `s_aux` (Hq,) the attention sinks' logits
+    or None (see `_with_sinks`). Returns (out (B, Nq, Hq, Dv), None).
     """
     _refuse_unsupported(module, dropout, kwargs)
+    _check_sinks(s_aux, query)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and getattr(getattr(module, "config", None), "is_causal", True) is False:
         raise NotImplementedError(
@@ -242,16 +251,57 @@ def attention_forward(
         softcap=float(softcap) if softcap else 0.0,
         version=version,
     )
+    if s_aux is not None:  # every path then returns (out, lse (B, Hq, Nq))
+        options["return_lse"] = True
     if attention_mask is not None:
-        return _padded(q, k, v, attention_mask, options), None
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if nq < nk and causal and not needs_grad:
-        # A decode or chunked-prefill step: the cache is already appended, so attend its Nk
-        # tokens (bottom-right causal), through the KV-cache entry point.
-        out = attention_with_kvcache(q, k, v, cache_seqlens=nk, **options)
+        out = _padded(q, k, v, attention_mask, options)
     else:
-        out = attention(q, k, v, **options)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        if nq < nk and causal and not needs_grad:
+            # A decode or chunked-prefill step: the cache is already appended, so attend its Nk
+            # tokens (bottom-right causal), through the KV-cache entry point.
+            out = attention_with_kvcache(q, k, v, cache_seqlens=nk, **options)
+        else:
+            out = attention(q, k, v, **options)
+    if s_aux is not None:
+        out = _with_sinks(*out, s_aux)
     return out, None
+
+
+def _check_sinks(s_aux, query: torch.Tensor) -> None:
+    """s_aux: None, or a floating tensor (Hq,) on the query's device."""
+    if s_aux is None:
+        return
+    hq = query.shape[1]
+    ok = (
+        isinstance(s_aux, torch.Tensor)
+        and s_aux.is_floating_point()
+        and s_aux.shape == (hq,)
+        and s_aux.device == query.device
+    )
+    if not ok:
+        got = (
+            f"{s_aux.dtype} of shape {tuple(s_aux.shape)} on {s_aux.device}"
+            if isinstance(s_aux, torch.Tensor)
+            else type(s_aux).__name__
+        )
+        raise ValueError(
+            f"s_aux: expected the attention sinks as a floating tensor of shape ({hq},) (one "
+            f"logit per query head) on {query.device}, got {got}"
+        )
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The attention with a sink logit s_h added to every row's softmax and its column dropped
+    (gpt-oss's eager: softmax over [scores, s_h], sink column removed), from the attention over
+    the real keys, out (B, Nq, Hq, Dv) and lse (B, Hq, Nq) = log sum_j exp(score_j):
+    sum_j exp(score_j) v_j / (exp(lse) + exp(s_h)) = out * sigmoid(lse - s_h), any row maximum
+    subtracted from both cancelling. A row without keys (lse = -inf) gives 0. Computed in
+    float32 (float64 for float64 inputs), returned in out's dtype; differentiable in out, lse
+    and the sinks."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    keep = torch.sigmoid(lse.to(dtype) - sinks.to(dtype)[:, None])  # (B, Hq, Nq)
+    return (out.to(dtype) * keep.transpose(1, 2)[..., None]).to(out.dtype)
 
 
 def _window(module, causal: bool, sliding_window, nq: int, nk: int) -> tuple[int, int]:
@@ -288,18 +338,20 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
             "output_attentions: flashsuite never forms the attention probabilities; "
             "use attn_implementation='eager' to get them"
         )
-    for arg in ("s_aux", "position_bias"):
-        if kwargs.get(arg) is not None:
-            raise NotImplementedError(f"{arg}: not supported by flashsuite's attention")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("position_bias: not supported by flashsuite's attention")
 
 
-def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
+def _padded(
+    q, k, v, mask: torch.Tensor, options: dict
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over the real tokens of each row: mask (B, L) marks them among the first L key
     slots. Causal: the queries are the last Nq of those slots, and padding queries get zeros.
     Not causal: every query attends to the real keys (the queries may be another sequence, as
     in cross-attention); under a window the queries are the L tokens themselves, and padding
     queries get zeros. A window needs each row's tokens in one run (left or right padding):
-    packing keeps distances only then. Output (B, Nq, Hq, Dv)."""
+    packing keeps distances only then. Output (B, Nq, Hq, Dv); with options["return_lse"],
+    (out, lse (B, Hq, Nq) float32), -inf at padding queries."""
     b, nq, hq, _ = q.shape
     if mask.dim() != 2 or mask.shape[0] != b or mask.dtype != torch.bool:
         raise ValueError(
@@ -345,8 +397,12 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
             "sliding window, packing would bring those tokens closer than their positions "
             "(supported: each row's tokens in one run, left or right padding)"
         )
+    with_lse = options.get("return_lse", False)
     if max_q == 0:  # every query is padding
-        return q.new_zeros(b, nq, hq, v.shape[-1])
+        out = q.new_zeros(b, nq, hq, v.shape[-1])
+        if with_lse:
+            return out, q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
+        return out
     out = attention_varlen(
         q[q_mask],  # (total_q, Hq, D)
         k[:, :seen][mask],  # (total_k, Hkv, D)
@@ -356,9 +412,13 @@ def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
         max_q,
         max(max_k, 1),  # a row of padding only has no key
         **options,
-    )  # (total_q, Hq, Dv)
+    )  # (total_q, Hq, Dv), and lse (Hq, total_q) with return_lse
+    if with_lse:
+        out, lse = out
+        lse = lse.new_full((b, nq, hq), float("-inf")).index_put((q_mask,), lse.t())
     full = out.new_zeros(b, nq, hq, out.shape[-1])
-    return full.index_put((q_mask,), out)  # (B, Nq, Hq, Dv)
+    full = full.index_put((q_mask,), out)  # (B, Nq, Hq, Dv)
+    return (full, lse.transpose(1, 2)) if with_lse else full
 
 
 def _left_padding(mask: torch.Tensor, nq: int) -> tuple[bool, torch.Tensor | None]:

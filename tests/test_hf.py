@@ -1,13 +1,16 @@
 """The transformers adapter (`dispatch.register_transformers`) on tiny models built from configs
 (random weights, nothing downloaded), against transformers' own "sdpa": Llama, sliding-window
 models (Mistral, every layer windowed; Gemma2, a windowed and a full layer with the attention
-softcap; Gemma3; Qwen2; a ModernBERT encoder's two-sided window), BERT and BART.
+softcap; Gemma3; Qwen2; a ModernBERT encoder's two-sided window), gpt-oss (attention sinks,
+a windowed and a full layer, experts), BERT and BART.
 
 Logits and gradients follow the suite's comparison rule (`common.testing.compare`): the
 reference is the same model in float64 under "sdpa", the yardstick the float32 model under
 "sdpa", and ours the float32 model under flashsuite (the `torch` version, so the test is the
 same on every machine). sdpa has no softcap, so Gemma2's yardstick is its float32 "eager" and
 its reference eager's arithmetic in float64 on transformers' own sdpa mask (`_exact_attention`).
+gpt-oss has no sdpa: its reference and yardstick are its own "eager" (softmax over the scores
+and the sink's column, in the inputs' dtype) in float64 and float32.
 Padding positions carry no meaning (no loss, no token reads them) and are left out. Each test
 also counts which dispatch entry point ran, so a path that silently stopped being taken fails.
 """
@@ -30,14 +33,17 @@ from flashsuite.dispatch import hf  # noqa: E402
 
 VOCAB, PAD = 101, 0
 WINDOW = 4  # below the 11 tokens of a row, so the window bites on the prompt
-# family: (config class, model class, config overrides, implementation of reference and yardstick)
+EXACT = "exact64"  # the float64 reference where sdpa cannot run (Gemma2's softcap)
+SDPA = ("sdpa", "sdpa")
+# family: (config class, model class, config overrides, implementations of the float64
+# reference and the float32 yardstick)
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}, "sdpa"),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}, SDPA),
     "mistral": (
         transformers.MistralConfig,
         transformers.MistralForCausalLM,
         dict(sliding_window=WINDOW),
-        "sdpa",
+        SDPA,
     ),
     "gemma2": (  # attn_logit_softcapping 50 and query_pre_attn_scalar 256, their defaults
         transformers.Gemma2Config,
@@ -45,7 +51,7 @@ FAMILIES = {
         dict(
             sliding_window=WINDOW, head_dim=16, layer_types=["sliding_attention", "full_attention"]
         ),
-        "eager",
+        (EXACT, "eager"),
     ),
     "gemma3": (
         transformers.Gemma3TextConfig,
@@ -53,16 +59,30 @@ FAMILIES = {
         dict(
             sliding_window=WINDOW, head_dim=16, layer_types=["sliding_attention", "full_attention"]
         ),
-        "sdpa",
+        SDPA,
     ),
     "qwen2": (  # layer 0 full, layer 1 windowed
         transformers.Qwen2Config,
         transformers.Qwen2ForCausalLM,
         dict(sliding_window=WINDOW, use_sliding_window=True, max_window_layers=1),
-        "sdpa",
+        SDPA,
+    ),
+    # Attention sinks (s_aux); layer 0 windowed, layer 1 full; no sdpa: eager in float64 is
+    # the reference (its softmax runs in the inputs' dtype). The experts' loop, not grouped_mm
+    # (no float64 on a CPU).
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        dict(
+            sliding_window=WINDOW,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation="eager",
+        ),
+        ("eager", "eager"),
     ),
 }
-EXACT = "exact64"  # the float64 reference where sdpa cannot run (Gemma2's softcap)
 
 
 def _config(family: str = "llama", **overrides):
@@ -119,15 +139,23 @@ def _family(family: str):
     """(float64 reference, float32 yardstick, float32 flashsuite), the same weights."""
     from transformers.masking_utils import AttentionMaskInterface
 
-    _, cls, _, impl = FAMILIES[family]
-    if impl == "eager":
+    _, cls, _, impls = FAMILIES[family]
+    if impls[0] == EXACT:
         transformers.AttentionInterface.register(EXACT, _exact_attention)
         AttentionMaskInterface.register(EXACT, _exact_mask)
-    impls = (EXACT if impl == "eager" else impl, impl)
-    return _trio(cls, _config(family), seed=0, impls=impls)
+    trio = _trio(cls, _config(family), seed=0, impls=impls)
+    if family == "gpt_oss":  # sinks of std 1 (the init's is 0.5): a sink dropped shows
+        gen = torch.Generator().manual_seed(1)
+        heads = trio[0].config.num_attention_heads
+        sinks = [torch.randn(heads, generator=gen) for _ in trio[0].model.layers]
+        with torch.no_grad():
+            for model in trio:
+                for layer, value in zip(model.model.layers, sinks, strict=True):
+                    layer.self_attn.sinks.copy_(value)
+    return trio
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma2", "gemma3", "gpt_oss"])
 def models(request):
     """(reference, yardstick, flashsuite) of one family (see the module doc)."""
     ours = _family(request.param)[2]
@@ -191,7 +219,7 @@ def test_one_training_step_matches_sdpa(models, calls, padding: str) -> None:
     if padding == "none":
         mask = torch.ones_like(mask)
     labels = ids.masked_fill(mask == 0, -100)
-    grads, losses, after = [], [], []
+    grads, sink_grads, losses, after = [], [], [], []
     for model in models:
         trained = type(model)(model.config)  # a copy: the module-scoped models stay untouched
         trained.load_state_dict(model.state_dict())
@@ -199,8 +227,12 @@ def test_one_training_step_matches_sdpa(models, calls, padding: str) -> None:
         opt = torch.optim.SGD(trained.parameters(), lr=0.1)
         loss = trained(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
+        missing = [n for n, p in trained.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient reached {missing}"
         losses.append(loss.detach().reshape(1))
         grads.append(torch.cat([p.grad.flatten() for p in trained.parameters()]))
+        sinks = [p.grad for n, p in trained.named_parameters() if n.endswith(".sinks")]
+        sink_grads.append(torch.cat(sinks) if sinks else None)
         opt.step()
         with torch.no_grad():
             after.append(trained(input_ids=ids, attention_mask=mask).logits[mask.bool()])
@@ -208,6 +240,9 @@ def test_one_training_step_matches_sdpa(models, calls, padding: str) -> None:
     assert ours.abs().max() > 0
     _assert_close("loss", losses[2], losses[0], losses[1])
     _assert_close("grads", ours, ref, pt)
+    if sink_grads[0] is not None:  # gpt-oss: the sinks' own, a few among many
+        assert sink_grads[2].abs().max() > 0
+        _assert_close("sinks' grads", sink_grads[2], sink_grads[0], sink_grads[1])
     _assert_close("logits after one step", after[2], after[0], after[1])
     kind = "attention" if padding == "none" else "attention_varlen"
     assert calls[kind] == 2 * models[2].config.num_hidden_layers  # forward, then after the step
@@ -433,12 +468,22 @@ def test_decode_step_with_left_padding_reads_the_cache(calls, window) -> None:
             torch.testing.assert_close(out[b : b + 1], want)
 
 
-@pytest.mark.parametrize("wrong", ["window+1", "window-1", "no-window", "no-softcap"])
+@pytest.mark.parametrize(
+    "wrong", ["window+1", "window-1", "no-window", "no-softcap", "no-sinks", "sink-sign"]
+)
 def test_a_wrong_window_or_softcap_fails_the_comparison(monkeypatch, wrong: str) -> None:
-    """The models and batches above tell a window off by one either way, a window ignored and
-    a softcap ignored from the right ones: the comparison fails by far on each."""
-    models = _family("gemma2" if wrong == "no-softcap" else "mistral")
-    if wrong == "no-softcap":
+    """The models and batches above tell a window off by one either way, a window ignored, a
+    softcap ignored, gpt-oss's sinks ignored and a sink of the wrong sign (sigmoid(lse + s))
+    from the right ones: the comparison fails by far on each."""
+    family = {"no-softcap": "gemma2", "no-sinks": "gpt_oss", "sink-sign": "gpt_oss"}
+    models = _family(family.get(wrong, "mistral"))
+    if wrong in ("no-sinks", "sink-sign"):
+        real_sinks = hf._with_sinks
+        if wrong == "no-sinks":
+            monkeypatch.setattr(hf, "_with_sinks", lambda out, lse, sinks: out)
+        else:
+            monkeypatch.setattr(hf, "_with_sinks", lambda out, lse, s: real_sinks(out, lse, -s))
+    elif wrong == "no-softcap":
         real_varlen = hf.attention_varlen
         monkeypatch.setattr(
             hf, "attention_varlen", lambda *a, **kw: real_varlen(*a, **dict(kw, softcap=0.0))
@@ -567,6 +612,51 @@ def test_refusals_name_the_problem() -> None:
         _family("mistral")[2](input_ids=ids, attention_mask=split)
 
 
+def test_sinks_are_checked_and_match_a_softmax_with_their_column() -> None:
+    """s_aux must be a floating (Hq,) tensor on the query's device. out * sigmoid(lse - s) on a
+    padded batch's scattered LSE is a softmax over [scores, s] with the sink's column dropped,
+    values and gradients (q, k, v and the sinks) against that formula in float64; a row without
+    keys (row 1: every query padding, lse -inf) gives zeros and zero gradients."""
+    attn = _family("gpt_oss")[2].model.layers[1].self_attn
+    q, kv = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    for s_aux, got in (
+        (torch.zeros(3), r"torch.float32 of shape \(3,\) on cpu"),
+        (torch.zeros(1, 4), r"torch.float32 of shape \(1, 4\) on cpu"),
+        (torch.zeros(4, dtype=torch.long), r"torch.int64 of shape \(4,\) on cpu"),
+        (torch.zeros(4, device="meta"), r"torch.float32 of shape \(4,\) on meta"),
+        ([0.0] * 4, "list"),
+    ):
+        expected = r"s_aux: expected .* floating tensor of shape \(4,\) .* on cpu, got "
+        with pytest.raises(ValueError, match=expected + got + "$"):
+            hf.attention_forward(attn, q, kv, kv, None, s_aux=s_aux)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        hf.attention_forward(attn, q, kv, kv, None, position_bias=torch.zeros(1))
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 3, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 2, 16, generator=gen, dtype=torch.float64) for _ in "kv")
+    k.requires_grad_(), v.requires_grad_()
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True] * 3, [False] * 3])
+    options = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                   version="torch", return_lse=True)  # fmt: skip
+    out, lse = hf._padded(q, k, v, mask, options)
+    assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
+    got = hf._with_sinks(out, lse, sinks)  # (2, 3, 4, 16)
+    assert got.dtype == q.dtype and not got[1].any()
+    scores = torch.einsum("qhd,khd->hqk", q[0], k[0].repeat_interleave(2, 1)) / 4
+    scores = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(torch.cat([scores, sinks[:, None, None].expand(4, 3, 1)], -1), -1)
+    want = torch.einsum("hqk,khd->qhd", p[..., :-1], v[0].repeat_interleave(2, 1))
+    torch.testing.assert_close(got[0], want)
+    weights = torch.randn(got.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v, sinks), allow_unused=True)
+    assert grads[3] is not None, "no gradient reached the sinks"
+    wants = torch.autograd.grad((want * weights[0]).sum(), (q, k, v, sinks))  # 0 on row 1
+    for grad, w in zip(grads, wants, strict=True):
+        torch.testing.assert_close(grad, w)
+
+
 def test_composed_sliding_masks_are_refused() -> None:
     """Gemma3 attending both ways (use_bidirectional_attention) or-s an overlay onto its
     masks: refused by name, not run with a one-sided window."""
@@ -579,21 +669,24 @@ def test_composed_sliding_masks_are_refused() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt_oss"])
 def test_gpu_bf16_with_the_auto_versions(calls, family: str) -> None:
     """On a GPU, bf16, version "auto" (sm90: fa3 for the dense calls, fa2 for the packed and
     KV-cache ones), head_dim 64: logits and one step's gradients by the comparison rule, and
-    greedy tokens that are the exact model's best up to bf16's error; Llama, and Mistral with
-    every layer windowed (4 of the 11 tokens)."""
+    greedy tokens that are the exact model's best up to bf16's error; Llama, Mistral with
+    every layer windowed (4 of the 11 tokens), and gpt-oss (sinks, a windowed and a full layer;
+    "eager" for the reference and the yardstick, as it has no sdpa)."""
     name = dispatch.register_transformers(name="fsuite-auto")
-    cfg = _config(family, hidden_size=256, intermediate_size=512, num_attention_heads=4)
-    cls = FAMILIES[family][1]
+    cfg = _config(
+        family, hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=64
+    )
+    cls, theirs = FAMILIES[family][1], FAMILIES[family][3][1]
     torch.manual_seed(0)
     ref, pt, ours = (
         cls._from_config(copy.deepcopy(cfg), attn_implementation=impl, dtype=dtype).cuda()
         for impl, dtype in (
-            ("sdpa", torch.float64),
-            ("sdpa", torch.bfloat16),
+            (theirs, torch.float64),
+            (theirs, torch.bfloat16),
             (name, torch.bfloat16),
         )
     )
