@@ -190,6 +190,7 @@ def attention(
     descale_v: torch.Tensor | None = None,
     return_lse: bool = False,
     version: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention softmax(q·kᵀ·scale)·v, memory O(N).
 
@@ -198,7 +199,17 @@ def attention(
     (B, Nq, Hq, Dv) in q's dtype (bf16 for float8 inputs) and, with `return_lse=True`, lse
     (B, Hq, Nq) float32 (natural log; -inf where a row sees no key), both differentiable.
     `causal` is bottom-right aligned; see docs/design.md for window_size and softcap.
+    `sinks` (Hq,) floating: attention sinks (gpt-oss), one logit per query head in every row's
+    softmax whose column is dropped (`with_sinks`); the LSE then includes it.
     """
+    if sinks is not None:
+        check_sinks(sinks, q)
+        out, lse = attention(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            softcap=softcap, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+            return_lse=True, version=version,
+        )  # fmt: skip
+        return with_sinks(out, lse, sinks, return_lse)
     descales = (descale_q, descale_k, descale_v)
     check_flag("return_lse", return_lse)
     if _compiling():
@@ -229,6 +240,45 @@ def attention(
         return out  # the route is never chosen with return_lse=True
     out, lse = registry.op(name).fwd(q, k, v, *p.to_op_args(), *descales)
     return (out, lse) if return_lse else out
+
+
+def check_sinks(sinks, q: torch.Tensor, name: str = "sinks") -> None:
+    """sinks: a floating tensor (Hq,) on q's device, Hq = q.shape[-2] (q (B, Nq, Hq, D) or
+    packed (total_q, Hq, D)); else a ValueError naming `name`."""
+    hq = q.shape[-2]
+    if not (
+        isinstance(sinks, torch.Tensor)
+        and sinks.is_floating_point()
+        and tuple(sinks.shape) == (hq,)
+        and sinks.device == q.device
+    ):
+        got = (
+            f"{str(sinks.dtype).removeprefix('torch.')} of shape {tuple(sinks.shape)} on "
+            f"{sinks.device}"
+            if isinstance(sinks, torch.Tensor)
+            else type(sinks).__name__
+        )
+        raise ValueError(
+            f"{name}: expected a floating tensor of shape ({hq},) (one logit per query head) "
+            f"on {q.device}, got {got}"
+        )
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks, return_lse: bool = False):
+    """Attention with sinks from the attention over the real keys: a logit s_h per query head
+    joins every row's softmax and its column is dropped, so out' = sum_j exp(score_j) v_j /
+    (exp(lse) + exp(s_h)) = out * sigmoid(lse - s_h), and lse' = logaddexp(lse, s_h); a row
+    without keys gives 0. out (..., Nq, Hq, Dv) with lse (..., Hq, Nq), or packed out
+    (total_q, Hq, Dv) with lse (Hq, total_q): heads next to last in both. Computed in float32
+    (float64 for float64 inputs), out returned in its dtype; differentiable in out, lse and
+    sinks. (out', lse') with `return_lse`, else out'. `check_sinks` validates sinks."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    s = sinks.to(dtype)[:, None]  # (Hq, 1)
+    keep = torch.sigmoid(lse.to(dtype) - s)  # (..., Hq, Nq)
+    scaled = (out.to(dtype) * keep.transpose(-1, -2)[..., None]).to(out.dtype)
+    if not return_lse:
+        return scaled
+    return scaled, torch.logaddexp(lse, s.to(lse.dtype))
 
 
 @dataclass(frozen=True)

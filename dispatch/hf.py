@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from flashsuite.dispatch import registry
-from flashsuite.dispatch.api import attention
+from flashsuite.dispatch.api import attention, check_sinks, with_sinks
 from flashsuite.dispatch.inference import attention_varlen, attention_with_kvcache
 
 DEFAULT_NAME = "fsuite"
@@ -232,10 +232,9 @@ def attention_forward(
     query (B, Hq, Nq, D), key (B, Hkv, Nk, D), value (B, Hkv, Nk, Dv) as transformers passes
     them (after the cache update: keys of the past tokens first, the queries' own last);
     `attention_mask` is what `padding_mask` returned; `s_aux` (Hq,) the attention sinks' logits
-    or None (see `_with_sinks`). Returns (out (B, Nq, Hq, Dv), None).
+    or None (`dispatch.api.with_sinks`). Returns (out (B, Nq, Hq, Dv), None).
     """
     _refuse_unsupported(module, dropout, kwargs)
-    _check_sinks(s_aux, query)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if causal and getattr(getattr(module, "config", None), "is_causal", True) is False:
         raise NotImplementedError(
@@ -243,6 +242,8 @@ def attention_forward(
             "flashsuite takes causality from the module: set module.is_causal instead"
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, N, H, D) views
+    if s_aux is not None:
+        check_sinks(s_aux, q, "s_aux")
     nq, nk = q.shape[1], k.shape[1]
     options = dict(
         causal=causal,
@@ -264,44 +265,8 @@ def attention_forward(
         else:
             out = attention(q, k, v, **options)
     if s_aux is not None:
-        out = _with_sinks(*out, s_aux)
+        out = with_sinks(*out, s_aux)
     return out, None
-
-
-def _check_sinks(s_aux, query: torch.Tensor) -> None:
-    """s_aux: None, or a floating tensor (Hq,) on the query's device."""
-    if s_aux is None:
-        return
-    hq = query.shape[1]
-    ok = (
-        isinstance(s_aux, torch.Tensor)
-        and s_aux.is_floating_point()
-        and s_aux.shape == (hq,)
-        and s_aux.device == query.device
-    )
-    if not ok:
-        got = (
-            f"{s_aux.dtype} of shape {tuple(s_aux.shape)} on {s_aux.device}"
-            if isinstance(s_aux, torch.Tensor)
-            else type(s_aux).__name__
-        )
-        raise ValueError(
-            f"s_aux: expected the attention sinks as a floating tensor of shape ({hq},) (one "
-            f"logit per query head) on {query.device}, got {got}"
-        )
-
-
-def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The attention with a sink logit s_h added to every row's softmax and its column dropped
-    (gpt-oss's eager: softmax over [scores, s_h], sink column removed), from the attention over
-    the real keys, out (B, Nq, Hq, Dv) and lse (B, Hq, Nq) = log sum_j exp(score_j):
-    sum_j exp(score_j) v_j / (exp(lse) + exp(s_h)) = out * sigmoid(lse - s_h), any row maximum
-    subtracted from both cancelling. A row without keys (lse = -inf) gives 0. Computed in
-    float32 (float64 for float64 inputs), returned in out's dtype; differentiable in out, lse
-    and the sinks."""
-    dtype = torch.promote_types(out.dtype, torch.float32)
-    keep = torch.sigmoid(lse.to(dtype) - sinks.to(dtype)[:, None])  # (B, Hq, Nq)
-    return (out.to(dtype) * keep.transpose(1, 2)[..., None]).to(out.dtype)
 
 
 def _window(module, causal: bool, sliding_window, nq: int, nk: int) -> tuple[int, int]:

@@ -235,6 +235,7 @@ def attention_varlen(
     softcap: float = 0.0,
     return_lse: bool = False,
     version: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences: sequence b is q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]
     against k, v[cu_seqlens_k[b]:cu_seqlens_k[b+1]], each aligned bottom-right on its own lengths.
@@ -243,8 +244,17 @@ def attention_varlen(
     int32 (B + 1,) on q's device, starting at 0, non-decreasing, ending at the total; max_seqlen
     an upper bound of the lengths (it may be loose). Returns out (total_q, Hq, Dv) and, with
     `return_lse`, lse (Hq, total_q) float32. Differentiable in q, k, v, through out and lse.
+    `sinks` (Hq,): attention sinks, as in `dispatch.attention`.
     """
     check_flag("return_lse", return_lse)
+    if sinks is not None:
+        api.check_sinks(sinks, q)
+        out, lse = attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+            return_lse=True, version=version,
+        )  # fmt: skip
+        return api.with_sinks(out, lse, sinks, return_lse)
     if not api._compiling():
         plan = _varlen_lookup(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
@@ -499,6 +509,7 @@ def attention_with_kvcache(
     cache_leftpad: torch.Tensor | None = None,
     descale_k: torch.Tensor | None = None,
     descale_v: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q against a KV cache (decode, or chunked prefill), forward only.
 
@@ -514,10 +525,21 @@ def attention_with_kvcache(
     A float8_e4m3fn cache (both k_cache and v_cache) under fp16 / bf16 queries: key t of row b,
     head h is k_cache[...] * descale_k[b, h], float32 descales of shape (B, Hkv) (None: 1), the
     same for v; new k, v in e4m3 are appended as they are, in q's dtype rounded to e4m3 with
-    the descales first (common.fp8.to_e4m3). Returns out (B, Nq, Hq, Dv) in q's dtype and,
-    with `return_lse`, lse (B, Hq, Nq) float32, neither carrying a gradient.
+    the descales first (common.fp8.to_e4m3). `sinks` (Hq,): attention sinks, as in
+    `dispatch.attention`. Returns out (B, Nq, Hq, Dv) in q's dtype and, with `return_lse`, lse
+    (B, Hq, Nq) float32, neither carrying a gradient.
     """
     check_flag("return_lse", return_lse)
+    if sinks is not None:
+        api.check_sinks(sinks, q)
+        out, lse = attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+            causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+            softcap=softcap, num_splits=num_splits, return_lse=True, version=version,
+            cache_leftpad=cache_leftpad, descale_k=descale_k, descale_v=descale_v,
+        )  # fmt: skip
+        with torch.no_grad():  # forward only, as the rest of this entry point
+            return api.with_sinks(out, lse, sinks, return_lse)
     if not api._compiling():
         plan = _kv_lookup(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,

@@ -563,6 +563,14 @@ MUTANTS = [
         ("tests/test_lse_grad.py",),
     ),
     Mutant(
+        "torch sinks: the sink's logit taken with the wrong sign",
+        "dispatch/api.py",
+        "    keep = torch.sigmoid(lse.to(dtype) - s)  # (..., Hq, Nq)",
+        "    keep = torch.sigmoid(lse.to(dtype) + s)  # (..., Hq, Nq)",
+        "sinks",
+        ("tests/test_sinks.py",),
+    ),
+    Mutant(
         "flash-attn names: cache_batch_idx ignored (batch row b reads cache row b)",
         "dispatch/flash_attn.py",
         "table = (index.long()[:, None] * per_row + steps)",

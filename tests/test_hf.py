@@ -478,11 +478,11 @@ def test_a_wrong_window_or_softcap_fails_the_comparison(monkeypatch, wrong: str)
     family = {"no-softcap": "gemma2", "no-sinks": "gpt_oss", "sink-sign": "gpt_oss"}
     models = _family(family.get(wrong, "mistral"))
     if wrong in ("no-sinks", "sink-sign"):
-        real_sinks = hf._with_sinks
+        real_sinks = hf.with_sinks
         if wrong == "no-sinks":
-            monkeypatch.setattr(hf, "_with_sinks", lambda out, lse, sinks: out)
+            monkeypatch.setattr(hf, "with_sinks", lambda out, lse, sinks: out)
         else:
-            monkeypatch.setattr(hf, "_with_sinks", lambda out, lse, s: real_sinks(out, lse, -s))
+            monkeypatch.setattr(hf, "with_sinks", lambda out, lse, s: real_sinks(out, lse, -s))
     elif wrong == "no-softcap":
         real_varlen = hf.attention_varlen
         monkeypatch.setattr(
@@ -620,10 +620,10 @@ def test_sinks_are_checked_and_match_a_softmax_with_their_column() -> None:
     attn = _family("gpt_oss")[2].model.layers[1].self_attn
     q, kv = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
     for s_aux, got in (
-        (torch.zeros(3), r"torch.float32 of shape \(3,\) on cpu"),
-        (torch.zeros(1, 4), r"torch.float32 of shape \(1, 4\) on cpu"),
-        (torch.zeros(4, dtype=torch.long), r"torch.int64 of shape \(4,\) on cpu"),
-        (torch.zeros(4, device="meta"), r"torch.float32 of shape \(4,\) on meta"),
+        (torch.zeros(3), r"float32 of shape \(3,\) on cpu"),
+        (torch.zeros(1, 4), r"float32 of shape \(1, 4\) on cpu"),
+        (torch.zeros(4, dtype=torch.long), r"int64 of shape \(4,\) on cpu"),
+        (torch.zeros(4, device="meta"), r"float32 of shape \(4,\) on meta"),
         ([0.0] * 4, "list"),
     ):
         expected = r"s_aux: expected .* floating tensor of shape \(4,\) .* on cpu, got "
@@ -642,7 +642,7 @@ def test_sinks_are_checked_and_match_a_softmax_with_their_column() -> None:
                    version="torch", return_lse=True)  # fmt: skip
     out, lse = hf._padded(q, k, v, mask, options)
     assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
-    got = hf._with_sinks(out, lse, sinks)  # (2, 3, 4, 16)
+    got = hf.with_sinks(out, lse, sinks)  # (2, 3, 4, 16)
     assert got.dtype == q.dtype and not got[1].any()
     scores = torch.einsum("qhd,khd->hqk", q[0], k[0].repeat_interleave(2, 1)) / 4
     scores = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
