@@ -90,3 +90,24 @@ def length_tensor(batch: int, length: int, device: torch.device) -> torch.Tensor
             _length_tensors.clear()
         t = _length_tensors[key] = torch.full((batch,), length, dtype=torch.int32, device=device)
     return t
+
+
+def dense_as_decode(p, max_rows: int, max_nq: int, mha_max_ctas: int):
+    """The KV-cache problem (KVCacheParams: k, v as a full contiguous cache of seqlen_k tokens a
+    row, no new tokens, the heuristic's splits) that dense problem `p` (AttnParams) is when a
+    split-KV decode kernel should run it, or None: not fp16 / bf16, Dv != D, an empty side,
+    more than `max_nq` queries or `max_rows` packed rows (Nq x Hq / Hkv), or no GQA and at
+    least `mha_max_ctas` (batch x heads) tiles. The policy of fa2's and fa3's decode routes
+    (their interface.decode_route); the kernel's own limits are the version's to add."""
+    from .validation import KVCacheParams
+
+    if (
+        p.dtype in (torch.float16, torch.bfloat16)
+        and p.head_dim_v == p.head_dim
+        and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
+        and p.seqlen_q <= max_nq
+        and p.seqlen_q * p.group_size <= max_rows
+        and (p.group_size > 1 or p.batch * p.heads_q < mha_max_ctas)
+    ):
+        return KVCacheParams(p, seqlen_new=0, page_size=0, num_pages=0, num_splits=0)
+    return None

@@ -333,12 +333,7 @@ def check_inputs(
             raise ValueError(
                 f"{name}: descale factors are only for float8 inputs, q is {_dt(q.dtype)}"
             )
-        if not isinstance(ds, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(ds).__name__}")
-        if ds.dtype != torch.float32:
-            raise TypeError(f"{name}: expected dtype float32, got {_dt(ds.dtype)}")
-        if ds.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device}, got {ds.device}")
+        _check_descale_tensor(name, ds, q.device)
         blocks[name] = _check_descale_shape(name, ds, b, hq if name == "descale_q" else hkv,
                                             hkv, nq if name == "descale_q" else nk)  # fmt: skip
     if 0 not in (blocks["descale_k"], blocks["descale_v"]) and (
@@ -367,6 +362,16 @@ def check_inputs(
         fp8_block_kv=max(blocks["descale_k"], blocks["descale_v"]),
         v_keys_major=is_fp8 and v.size(-1) > 1 and v.stride(-1) != 1,
     )
+
+
+def _check_descale_tensor(name: str, ds: object, device: torch.device) -> None:
+    """A descale argument: a float32 tensor on `device` (its shape is the caller's)."""
+    if not isinstance(ds, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(ds).__name__}")
+    if ds.dtype != torch.float32:
+        raise TypeError(f"{name}: expected dtype float32, got {_dt(ds.dtype)}")
+    if ds.device != device:
+        raise ValueError(f"{name}: expected device {device} (q's device), got {ds.device}")
 
 
 def _check_descale_shape(name: str, ds: torch.Tensor, b: int, heads: int, hkv: int, n: int) -> int:
@@ -692,12 +697,7 @@ def _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v) -> bool:
                 f"{name}: descale factors are for a float8_e4m3fn cache, the cache is "
                 f"{_dt(k_cache.dtype)}"
             )
-        if not isinstance(ds, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(ds).__name__}")
-        if ds.dtype != torch.float32:
-            raise TypeError(f"{name}: expected dtype float32, got {_dt(ds.dtype)}")
-        if ds.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (q's device), got {ds.device}")
+        _check_descale_tensor(name, ds, q.device)
         if tuple(ds.shape) != want:
             raise ValueError(f"{name}: expected shape (B, Hkv) = {want}, got {tuple(ds.shape)}")
     return fp8

@@ -141,16 +141,9 @@ def decode_route(p: AttnParams) -> KVCacheParams | None:
     key = (p, limits)
     if key in _routes:
         return _routes[key]
-    kp = None
-    if (
-        p.dtype in (torch.float16, torch.bfloat16)
-        and p.head_dim_v == p.head_dim
-        and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
-        and p.seqlen_q <= DECODE_ROUTE_MAX_NQ
-        and p.seqlen_q * p.group_size <= DECODE_ROUTE_MAX_ROWS
-        and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)
-    ):
-        kp = KVCacheParams(p, seqlen_new=0, page_size=0, num_pages=0, num_splits=0)
+    from flashsuite.common.kvcache import dense_as_decode
+
+    kp = dense_as_decode(p, *limits)
     if len(_routes) >= 1024:  # many distinct problems: start over rather than grow
         _routes.clear()
     _routes[key] = kp

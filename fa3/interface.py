@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import arch_name, device_arch, is_overridden
-from flashsuite.common.kvcache import length_tensor
+from flashsuite.common.kvcache import dense_as_decode, length_tensor
 from flashsuite.common.validation import AttnParams, KVCacheParams, VarlenParams
 from flashsuite.fa3.bwd_configs import BWD_DEFAULT_ON, VARLEN_BWD_AUTO
 
@@ -134,20 +134,11 @@ def decode_route(p: AttnParams) -> KVCacheParams | None:
     key = (p, limits)
     if key in _routes:
         return _routes[key]
-    kp = None
-    if (
-        p.dtype in DTYPES
-        and not p.is_fp8
-        and p.head_dim_v == p.head_dim
-        and min(p.batch, p.seqlen_q, p.seqlen_k, p.heads_q) > 0
-        and p.seqlen_q <= DECODE_ROUTE_MAX_NQ
-        and p.seqlen_q * p.group_size <= DECODE_ROUTE_MAX_ROWS
-        and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)
-    ):
+    kp = dense_as_decode(p, *limits)
+    if kp is not None:
         from flashsuite.fa3 import decode_host
 
-        cand = KVCacheParams(p, seqlen_new=0, page_size=0, num_pages=0, num_splits=0)
-        kp = cand if decode_host.supports(cand)[0] else None
+        kp = kp if decode_host.supports(kp)[0] else None
     if len(_routes) >= 1024:  # many distinct problems: start over rather than grow
         _routes.clear()
     _routes[key] = kp

@@ -492,11 +492,11 @@ MUTANTS = [
     ),
     Mutant(
         "fa3: dense problems without GQA on the decode kernel whatever their grid",
-        "fa3/interface.py",
-        "and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
-        "and (p.group_size > 0 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
+        "common/kvcache.py",
+        "and (p.group_size > 1 or p.batch * p.heads_q < mha_max_ctas)",
+        "and (p.group_size > 0 or p.batch * p.heads_q < mha_max_ctas)",
         "decode_route",
-        ("tests/test_fa3_kvcache.py",),
+        ("tests/test_fa3_kvcache.py", "tests/test_fa2_decode_route.py"),
     ),
     Mutant(
         "fa3: a dense problem on the decode kernel reads one key fewer",
@@ -512,14 +512,6 @@ MUTANTS = [
         "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)",
         "lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k - 1, q.device)",
         "dense_problems",
-        ("tests/test_fa2_decode_route.py",),
-    ),
-    Mutant(
-        "fa2 route: dense problems without GQA on the decode kernel whatever their grid",
-        F2I,
-        "and (p.group_size > 1 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
-        "and (p.group_size > 0 or p.batch * p.heads_q < DECODE_ROUTE_MHA_MAX_CTAS)",
-        "decode_route",
         ("tests/test_fa2_decode_route.py",),
     ),
     Mutant(
