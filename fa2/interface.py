@@ -120,10 +120,11 @@ def _common(p: AttnParams) -> dict:
 # stream every key in one program; the decode kernel packs a K/V head's query heads into one
 # tile (K/V read once) and splits long keys over the SMs. k and v are read as the cache (every
 # row full), so out and the LSE are the forward's within rounding (another split of the keys).
-# The limits are fa3's (fa3.interface.decode_route), where the same two kernels' shapes were
-# timed: at most DECODE_ROUTE_MAX_NQ queries and DECODE_ROUTE_MAX_ROWS packed rows (one
-# 64-row tile), and without GQA fewer than DECODE_ROUTE_MHA_MAX_CTAS (batch x heads) tiles.
-# fa2's own timing (benchmarks/decode_route_ab.py --version fa2) is in docs/inference.md.
+# The policy and limits are fa3's (common.kvcache.dense_as_decode; fa3.interface's), where the
+# same two kernels' shapes were timed: at most DECODE_ROUTE_MAX_NQ queries and
+# DECODE_ROUTE_MAX_ROWS packed rows (one 64-row tile), and without GQA fewer than
+# DECODE_ROUTE_MHA_MAX_CTAS (batch x heads) tiles. fa2's own A/B is
+# `benchmarks/decode_route_ab.py --version fa2` (not run on a GPU yet; docs/inference.md).
 # DECODE_ROUTE_MAX_ROWS = 0 turns the route off.
 DECODE_ROUTE_MAX_ROWS = 64
 DECODE_ROUTE_MAX_NQ = 16
