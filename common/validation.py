@@ -684,6 +684,8 @@ def _check_fp8_cache(q, k_cache, v_cache, descale_k, descale_v) -> bool:
                     f"{name}: expected float8_e4m3fn (a float8 cache stores both K and V so), "
                     f"got {_dt(c.dtype)}"
                 )
+            if c.device != q.device:  # (the dense checks below run on stand-ins on q's device)
+                raise ValueError(f"{name}: expected device {q.device} (q's), got {c.device}")
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(
                 f"q: expected float16 or bfloat16 with a float8_e4m3fn cache, got {_dt(q.dtype)}"

@@ -202,6 +202,7 @@ def attention(
     `sinks` (Hq,) floating: attention sinks (gpt-oss), one logit per query head in every row's
     softmax whose column is dropped (`with_sinks`); the LSE then includes it.
     """
+    check_flag("return_lse", return_lse)
     if sinks is not None:
         check_sinks(sinks, q)
         out, lse = attention(
@@ -211,7 +212,6 @@ def attention(
         )  # fmt: skip
         return with_sinks(out, lse, sinks, return_lse)
     descales = (descale_q, descale_k, descale_v)
-    check_flag("return_lse", return_lse)
     if _compiling():
         name, p, op_args = _trace_select(q, k, v, causal, softmax_scale, window_size, softcap,
                                          descales, return_lse, version)  # fmt: skip

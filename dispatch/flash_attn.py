@@ -422,7 +422,8 @@ def flash_attn_with_kvcache(
     slots cache_leftpad[b] .. cache_seqlens[b] + Nnew - 1, causal aligned to their end; the
     append and the rotary positions are the slots' own, as in flash-attn. A float8_e4m3fn cache
     under fp16 / bf16 q takes keyword-only `k_descale`, `v_descale` (flash-attn 3's names):
-    float32 (B, Hkv), None for 1; new k, v in e4m3, or in q's dtype rounded to e4m3 with them
+    float32 (B, Hkv), None for 1, indexed by q's batch row (as flash-attn 3's, also with
+    cache_batch_idx); new k, v in e4m3, or in q's dtype rounded to e4m3 with them
     (`attention_with_kvcache`)."""
     _refuse(alibi_slopes=alibi_slopes)
     if cache_batch_idx is not None:

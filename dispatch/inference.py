@@ -173,12 +173,12 @@ def _choosing_varlen_backward(name: str):
     """A varlen backward that runs `name`'s own where `registry.own_varlen_backward` says yes,
     else the partner's (`_varlen_backward_source`), on the problem being differentiated."""
 
-    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams):
+    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp: VarlenParams, dlse=None):
         source = _varlen_backward_source(name, vp, arch_mod.device_arch(vp.attn.device))
         if source is None:
             raise RuntimeError(f"{name}: no varlen backward can take {vp.describe()}")
         return registry.module(source).varlen_backward(
-            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp
+            dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, vp, dlse=dlse
         )
 
     return backward
@@ -399,17 +399,26 @@ def attention_varlen_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     version: str = "auto",
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of `attention_varlen` from its saved tensors (dout and out (total_q, Hq, Dv),
     lse (Hq, total_q) float32): the varlen backward that auto selection pairs with these inputs
-    under a gradient, recomputing P from q, k and lse."""
+    under a gradient, recomputing P from q, k and lse. `dlse` (Hq, total_q), the gradient of a
+    loss that also uses the LSE, or None."""
     vp = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
     )  # fmt: skip
+    if dlse is not None:
+        want = (vp.attn.heads_q, vp.total_q)
+        if not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != want:
+            got = tuple(dlse.shape) if isinstance(dlse, torch.Tensor) else type(dlse).__name__
+            raise ValueError(f"dlse: expected a tensor of shape (Hq, total_q) = {want}, got {got}")
+        dlse = dlse.to(device=q.device, dtype=torch.float32).contiguous()
     name = _select("varlen", vp, version, needs_grad=True).version
     bwd = _op("varlen", name).bwd
-    return bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
+    args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
+    return bwd(*args, dlse)
 
 
 # The eager fast path of attention_with_kvcache: key of one call (`_kv_lookup`) -> (version,
@@ -470,13 +479,15 @@ def _kv_lookup(
 
 
 def _cache_dtype(k, v, k_cache, descale_k, descale_v):
-    """New k, v for a float8 cache: as given when already e4m3, else rounded to e4m3 with the
-    cache's descales (common.fp8.to_e4m3), so that the append copies bytes."""
-    if k is None or k.dtype == k_cache.dtype:
+    """New k, v for a float8 cache, each as given when already e4m3, else rounded to e4m3 with
+    its cache's descales (common.fp8.to_e4m3), so that the append copies bytes."""
+    if k is None:
         return k, v
     from flashsuite.common.fp8 import to_e4m3
 
-    return to_e4m3(k, descale_k), to_e4m3(v, descale_v)
+    k = k if k.dtype == k_cache.dtype else to_e4m3(k, descale_k)
+    v = v if v.dtype == k_cache.dtype else to_e4m3(v, descale_v)
+    return k, v
 
 
 def _direct(*tensors) -> bool:

@@ -32,7 +32,22 @@ def available() -> tuple[bool, str]:
 
 
 def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
-    """Whether fa2 takes problem `p` on `arch` (None = no GPU: only under the interpreter)."""
+    """Whether fa2 takes problem `p` on `arch` (None = no GPU: only under the interpreter),
+    and which kernel runs it (the forward, or the decode kernel by `decode_route`)."""
+    ok, reason = _takes(p, arch)
+    if ok and decode_route(p) is not None:
+        rows = p.seqlen_q * p.group_size
+        return True, f"fa2: {rows} packed query rows: split-KV decode, k and v as full rows"
+    if not ok or arch is None:
+        return ok, reason
+    from flashsuite.fa2 import configs
+
+    cfg = configs.config_for(p, arch)
+    return True, f"fa2: forward {cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps"
+
+
+def _takes(p: AttnParams, arch: int | None) -> tuple[bool, str]:
+    """The limits every fa2 entry point shares: dtype, head dims, the architecture."""
     if p.is_fp8:
         return False, f"fa2: dtype {_dt(p.dtype)} not supported (fp8 is fa3 only)"
     if p.dtype not in DTYPES:
@@ -47,15 +62,7 @@ def supports(p: AttnParams, arch: int | None) -> tuple[bool, str]:
     elif arch < 80:
         # bf16 tl.dot needs sm80 in Triton, and the FA2 tiles assume sm80+ shared memory.
         return False, f"fa2: needs sm80+ (got sm{arch}); fa1 covers older GPUs"
-    if decode_route(p) is not None:
-        rows = p.seqlen_q * p.group_size
-        return True, f"fa2: {rows} packed query rows: split-KV decode, k and v as full rows"
-    if arch is None:
-        return True, "fa2: ok (Triton interpreter)"
-    from flashsuite.fa2 import configs
-
-    cfg = configs.config_for(p, arch)
-    return True, f"fa2: forward {cfg.block_m}x{cfg.block_n} tiles, {cfg.num_warps} warps"
+    return True, "fa2: ok (Triton interpreter)" if arch is None else f"fa2: ok (sm{arch})"
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -383,7 +390,7 @@ def backward(
 
 def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
     """Packed sequences: the dense limits (dtype, head dims, arch) apply."""
-    ok, reason = supports(vp.attn, arch)
+    ok, reason = _takes(vp.attn, arch)
     if not ok or arch is None:
         return ok, reason
     from flashsuite.fa2 import configs
@@ -396,7 +403,7 @@ def supports_varlen(vp, arch: int | None) -> tuple[bool, str]:
 def supports_kvcache(kp, arch: int | None) -> tuple[bool, str]:
     """KV cache: the dense limits apply; paged pages of 16..256 tokens (validated upstream); a
     float8_e4m3fn cache on sm89+ (Triton's e4m3 conversion) or under the interpreter."""
-    ok, reason = supports(kp.attn, arch)
+    ok, reason = _takes(kp.attn, arch)
     if not ok:
         return ok, reason
     if kp.fp8_cache and arch is not None and arch < 89:

@@ -236,6 +236,8 @@ FP8_ERRORS = [
      "q: expected float16 or bfloat16 with a float8_e4m3fn cache, got float32"),
     (dict(q=Z(2, 1, 4, 32).to(E4M3)), TypeError,
      "q: expected float16 or bfloat16 with a float8_e4m3fn cache, got float8_e4m3fn"),
+    (dict(k_cache=Z(2, 16, 2, 32, dtype=E4M3, device="meta")), ValueError,
+     r"k_cache: expected device \S+ \(q's\), got meta"),
     (dict(k=Z(2, 1, 2, 32, dtype=F16), v=Z(2, 1, 2, 32, dtype=F16)), TypeError,
      r"k: expected dtype float8_e4m3fn .*\(k_cache's\) or bfloat16 \(q's, quantised on the "
      r"append\), got float16"),
@@ -244,7 +246,10 @@ FP8_ERRORS = [
 
 @pytest.mark.parametrize("change, exc, message", FP8_ERRORS, ids=lambda x: None)
 def test_fp8_cache_bad_input_is_a_clear_error(change, exc, message) -> None:
-    change = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in change.items()}
+    def here(t):  # the stated tensors on the test's device, a meta one where it stays
+        return t.to(DEV) if isinstance(t, torch.Tensor) and t.device.type != "meta" else t
+
+    change = {name: here(t) for name, t in change.items()}
     with pytest.raises(exc, match=message):
         dispatch.attention_with_kvcache(**_bad(**change))
 
@@ -252,7 +257,8 @@ def test_fp8_cache_bad_input_is_a_clear_error(change, exc, message) -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_new_tokens_in_qs_dtype_are_rounded_into_the_cache(version) -> None:
     """New k, v in q's dtype are rounded to e4m3 with the cache's descales by the append:
-    the same cache bytes and output as appending quantize_e4m3's result; with flash-attn's
+    the same cache bytes and output as appending quantize_e4m3's result, also when only one of
+    them comes in e4m3; with flash-attn's
     rotary tables, q and the new k are rotated first (the call on pre-rotated inputs gives the
     same bits); rotary tables with new k already in e4m3 are refused."""
     from flashsuite.dispatch.flash_attn import _rotate
@@ -263,15 +269,17 @@ def test_new_tokens_in_qs_dtype_are_rounded_into_the_cache(version) -> None:
     lens = torch.tensor(case[7], dtype=I32, device=DEV)
     kn, vn = (_rand(gen, 3, 2, 2, 64, dtype=F16) for _ in "kv")
     runs = []
-    for new in ((kn, vn), (quantize_e4m3(kn, dk)[0], quantize_e4m3(vn, dv)[0])):
+    k8n, v8n = quantize_e4m3(kn, dk)[0], quantize_e4m3(vn, dv)[0]
+    for new in ((kn, vn), (k8n, v8n), (k8n, vn), (kn, v8n)):  # each rounded on its own
         kc, vc = k_cache.clone(), v_cache.clone()
         out = dispatch.attention_with_kvcache(
             q, kc, vc, *new, cache_seqlens=lens, block_table=table, causal=True,
             descale_k=dk, descale_v=dv, version=version,
         )  # fmt: skip
         runs.append((out, kc.view(torch.uint8), vc.view(torch.uint8)))
-    for a, b_ in zip(*runs, strict=True):
-        assert torch.equal(a, b_)
+    for run in runs[1:]:
+        for a, b_ in zip(runs[0], run, strict=True):
+            assert torch.equal(a, b_)
     cos, sin = (_rand(gen, 130, 16) for _ in "cs")
     kc = k_cache.clone()
     got = dispatch.flash_attn_with_kvcache(

@@ -204,3 +204,42 @@ def test_explicit_backward_takes_dlse(version) -> None:
         assert torch.equal(a, b_)
     with pytest.raises(ValueError, match=r"dlse: expected a tensor of shape \(B, Hq, Nq\)"):
         api.attention_backward(g.to(out.dtype), q, k, v, out, lse, causal=True, dlse=h[0])
+
+
+@pytest.mark.parametrize("version", [p for p in VERSIONS if p.values[0] in ("fa2", "torch")])
+def test_varlen_explicit_backward_op_path_and_lse_alone(version) -> None:
+    """attention_varlen_backward(..., dlse=h) gives autograd's bits of <out, g> + <lse, h>;
+    a loss on the packed LSE alone (out unused) differentiates through the eager path and the
+    op path (torch.compile) alike; fa3's packed backward op (its own or its partner's, chosen
+    per call) takes dlse too."""
+    from flashsuite.dispatch import inference
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    cu = torch.tensor([0, 9, 9, 40], dtype=I32, device=DEV)  # an empty sequence between
+    q, k, v = (torch.randn(40, 4, 32, generator=gen, device=DEV).to(BF16) for _ in "qkv")
+    g = torch.randn(40, 4, 32, generator=gen, device=DEV)
+    h = torch.randn(4, 40, generator=gen, device=DEV)
+
+    def fn(q, k, v):
+        return dispatch.attention_varlen(
+            q, k, v, cu, cu, 31, 31, causal=True, return_lse=True, version=version
+        )
+
+    want = _grads(fn, q, k, v, g, h)
+    out, lse = fn(q, k, v)
+    args = (g.to(out.dtype), q, k, v, out, lse, cu, cu, 31, 31)
+    got = inference.attention_varlen_backward(*args, causal=True, version=version, dlse=h)
+    for a, b_ in zip(got, want, strict=True):
+        assert torch.equal(a, b_)
+    with pytest.raises(ValueError, match=r"dlse: expected a tensor of shape \(Hq, total_q\)"):
+        inference.attention_varlen_backward(*args, causal=True, version=version, dlse=h.t())
+    alone = _grads(fn, q, k, v, g, h, use_out=False)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for a, b_ in zip(_grads(compiled, q, k, v, g, h, use_out=False), alone, strict=True):
+        torch.testing.assert_close(a, b_)
+    if version == "fa2":  # fa3's op on this machine chooses fa2's backward (its partner)
+        fa3_bwd = inference._op("varlen", "fa3").bwd
+        scalars = (31, 31, True, 32**-0.5, -1, 0, 0.0)
+        got = fa3_bwd(g.to(out.dtype), q, k, v, out, lse, cu, cu, *scalars, h)
+        for a, b_ in zip(got, want, strict=True):
+            assert torch.equal(a, b_)

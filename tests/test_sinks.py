@@ -36,10 +36,13 @@ def _sink_softmax(q, k, v, sinks, causal, dtype):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_dense_and_packed_sinks_match_the_softmax_with_their_column(version, causal) -> None:
+@pytest.mark.parametrize(("causal", "hkv"), [(False, 2), (True, 2), (True, 4)])
+def test_dense_and_packed_sinks_match_the_softmax_with_their_column(version, causal, hkv) -> None:
+    """GQA and MHA, causal and not: dense out, LSE and gradients (q, k, v, sinks); the same
+    rows packed as two sequences, out and LSE, and their gradients (the packed LSE's gradient
+    reaches the sinks and q, k, v); out alone with return_lse=False."""
     gen = torch.Generator(device=DEV).manual_seed(0)
-    b, nq, nk, hq, hkv, d = 2, 24, 40, 4, 2, 32
+    b, nq, nk, hq, d = 2, 24, 40, 4, 32
     q = torch.randn(b, nq, hq, d, generator=gen, device=DEV).to(torch.bfloat16)
     k, v = (torch.randn(b, nk, hkv, d, generator=gen, device=DEV).to(torch.bfloat16) for _ in "kv")
     sinks = 2 * torch.randn(hq, generator=gen, device=DEV)
@@ -64,20 +67,26 @@ def test_dense_and_packed_sinks_match_the_softmax_with_their_column(version, cau
         c = compare(name, a, r, p, factor=3.0)
         assert c.ok, str(c)
 
+    alone = dispatch.attention(q, k, v, causal=causal, sinks=sinks, version=version)
+    assert torch.equal(alone, ours[0])
+
     # Packed: the same rows as two sequences through attention_varlen.
     cu_q = torch.tensor([0, nq, 2 * nq], dtype=torch.int32, device=DEV)
     cu_k = torch.tensor([0, nk, 2 * nk], dtype=torch.int32, device=DEV)
-    try:
+
+    def packed(q, k, v, s):
         out, lse = dispatch.attention_varlen(
             q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, nq, nk,
-            causal=causal, sinks=sinks, return_lse=True, version=version,
+            causal=causal, sinks=s, return_lse=True, version=version,
         )  # fmt: skip
+        return out.unflatten(0, (b, nq)), lse.unflatten(1, (b, nq)).transpose(0, 1)
+
+    try:
+        got = grads(packed)
     except dispatch.Unsupported as exc:
         pytest.skip(str(exc))
-    packed_ref = (ref[0].flatten(0, 1), ref[1].transpose(0, 1).flatten(1))
-    packed_pt = (pt[0].flatten(0, 1), pt[1].transpose(0, 1).flatten(1))
-    for name, a, r, p in zip(("out", "lse"), (out, lse), packed_ref, packed_pt, strict=True):
-        c = compare(name, a, r, p)
+    for name, a, r, p in zip(names, got, ref, pt, strict=True):
+        c = compare(name, a, r, p, factor=3.0)
         assert c.ok, str(c)
 
 
