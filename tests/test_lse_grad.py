@@ -243,3 +243,36 @@ def test_varlen_explicit_backward_op_path_and_lse_alone(version) -> None:
         got = fa3_bwd(g.to(out.dtype), q, k, v, out, lse, cu, cu, *scalars, h)
         for a, b_ in zip(got, want, strict=True):
             assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("version", [p for p in VERSIONS if p.values[0] in ("fa1", "fa2", "torch")])
+def test_rows_without_keys_take_no_lse_gradient(version) -> None:
+    """Causal with Nq > Nk: the first rows see no key (out 0, LSE -inf). A loss on out and on
+    the finite LSEs (the others weighted 0) gives the oracle's gradients, finite everywhere:
+    those rows' P is 0, so their dlse reaches nothing."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    q = torch.randn(1, 20, 2, 32, generator=gen, device=DEV).to(BF16)
+    k, v = (torch.randn(1, 12, 2, 32, generator=gen, device=DEV).to(BF16) for _ in "kv")
+    g = torch.randn(1, 20, 2, 32, generator=gen, device=DEV)
+    h = torch.randn(1, 2, 20, generator=gen, device=DEV)
+    h[:, :, :8] = 0  # rows 0..7 see no key
+
+    def loss_of(fn):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out, lse = fn(*ins)
+        assert torch.isneginf(lse[:, :, :8]).all() and not out[:, :8].any()
+        finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        loss = (out.float() * g).sum() + (finite.float() * h).sum()
+        return torch.autograd.grad(loss, ins)
+
+    def ours(q, k, v):
+        return dispatch.attention(q, k, v, causal=True, return_lse=True, version=version)
+
+    try:
+        got = loss_of(ours)
+    except dispatch.Unsupported as exc:
+        pytest.skip(str(exc))
+    assert all(torch.isfinite(t).all() for t in got)
+    ref = loss_of(_oracle(dict(causal=True), torch.float64))
+    pt = loss_of(_oracle(dict(causal=True), None))
+    _check(got, ref, pt)
