@@ -518,13 +518,18 @@ def attention_backward(
         softcap=softcap,
     )  # fmt: skip
     if dlse is not None:
-        want = (p.batch, p.heads_q, p.seqlen_q)
-        if not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != want:
-            got = tuple(dlse.shape) if isinstance(dlse, torch.Tensor) else type(dlse).__name__
-            raise ValueError(f"dlse: expected a tensor of shape (B, Hq, Nq) = {want}, got {got}")
-        dlse = dlse.to(device=q.device, dtype=torch.float32).contiguous()
+        dlse = dlse_arg(dlse, "(B, Hq, Nq)", (p.batch, p.heads_q, p.seqlen_q), q.device)
     name = _select(p, version, needs_grad=True, return_lse=True).version
     return registry.op(name).bwd(dout, q, k, v, out, lse, *p.to_op_args(), dlse)
+
+
+def dlse_arg(dlse, layout: str, want: tuple, device: torch.device) -> torch.Tensor:
+    """An explicit backward's `dlse`: a tensor of shape `want` (`layout` names its dims), as
+    float32 contiguous on `device`; else a ValueError naming dlse."""
+    if not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != want:
+        got = tuple(dlse.shape) if isinstance(dlse, torch.Tensor) else type(dlse).__name__
+        raise ValueError(f"dlse: expected a tensor of shape {layout} = {want}, got {got}")
+    return dlse.to(device=device, dtype=torch.float32).contiguous()
 
 
 def sdpa(

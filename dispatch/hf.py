@@ -38,11 +38,9 @@
   tokens of a row under a window, a bidirectional window on cross-attention, dropout in
   training, position biases, and returning attention probabilities.
 - **Attention sinks** (gpt-oss's `s_aux`, one logit s_h per query head, a column of every row's
-  softmax that is dropped from the output): every path returns its LSE over the real keys
-  (`return_lse=True`; a padded batch's packed LSE is scattered back to its rows, -inf at
-  padding queries), and the output is `out * sigmoid(lse - s_h)` in float32 (float64 for
-  float64 inputs), cast back to the output's dtype: differentiable in q, k, v and the sinks.
-  A row without keys gives zeros. Paths without sinks ask for no LSE.
+  softmax that is dropped from the output) go to whichever entry point runs as its `sinks`
+  (`dispatch.api.with_sinks`: out * sigmoid(lse - s_h) from the LSE over the real keys, in
+  float32): differentiable in q, k, v and the sinks; a row without keys gives zeros.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from flashsuite.dispatch import registry
-from flashsuite.dispatch.api import attention, check_sinks, with_sinks
+from flashsuite.dispatch.api import attention, check_sinks
 from flashsuite.dispatch.inference import attention_varlen, attention_with_kvcache
 
 DEFAULT_NAME = "fsuite"
@@ -252,8 +250,8 @@ def attention_forward(
         softcap=float(softcap) if softcap else 0.0,
         version=version,
     )
-    if s_aux is not None:  # every path then returns (out, lse (B, Hq, Nq))
-        options["return_lse"] = True
+    if s_aux is not None:  # every entry point applies them (dispatch.api.with_sinks)
+        options["sinks"] = s_aux
     if attention_mask is not None:
         out = _padded(q, k, v, attention_mask, options)
     else:
@@ -264,8 +262,6 @@ def attention_forward(
             out = attention_with_kvcache(q, k, v, cache_seqlens=nk, **options)
         else:
             out = attention(q, k, v, **options)
-    if s_aux is not None:
-        out = with_sinks(*out, s_aux)
     return out, None
 
 
@@ -307,16 +303,13 @@ def _refuse_unsupported(module, dropout, kwargs) -> None:
         raise NotImplementedError("position_bias: not supported by flashsuite's attention")
 
 
-def _padded(
-    q, k, v, mask: torch.Tensor, options: dict
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def _padded(q, k, v, mask: torch.Tensor, options: dict) -> torch.Tensor:
     """Attention over the real tokens of each row: mask (B, L) marks them among the first L key
     slots. Causal: the queries are the last Nq of those slots, and padding queries get zeros.
     Not causal: every query attends to the real keys (the queries may be another sequence, as
     in cross-attention); under a window the queries are the L tokens themselves, and padding
     queries get zeros. A window needs each row's tokens in one run (left or right padding):
-    packing keeps distances only then. Output (B, Nq, Hq, Dv); with options["return_lse"],
-    (out, lse (B, Hq, Nq) float32), -inf at padding queries."""
+    packing keeps distances only then. Output (B, Nq, Hq, Dv)."""
     b, nq, hq, _ = q.shape
     if mask.dim() != 2 or mask.shape[0] != b or mask.dtype != torch.bool:
         raise ValueError(
@@ -362,12 +355,8 @@ def _padded(
             "sliding window, packing would bring those tokens closer than their positions "
             "(supported: each row's tokens in one run, left or right padding)"
         )
-    with_lse = options.get("return_lse", False)
     if max_q == 0:  # every query is padding
-        out = q.new_zeros(b, nq, hq, v.shape[-1])
-        if with_lse:
-            return out, q.new_full((b, hq, nq), float("-inf"), dtype=torch.float32)
-        return out
+        return q.new_zeros(b, nq, hq, v.shape[-1])
     out = attention_varlen(
         q[q_mask],  # (total_q, Hq, D)
         k[:, :seen][mask],  # (total_k, Hkv, D)
@@ -377,13 +366,9 @@ def _padded(
         max_q,
         max(max_k, 1),  # a row of padding only has no key
         **options,
-    )  # (total_q, Hq, Dv), and lse (Hq, total_q) with return_lse
-    if with_lse:
-        out, lse = out
-        lse = lse.new_full((b, nq, hq), float("-inf")).index_put((q_mask,), lse.t())
+    )  # (total_q, Hq, Dv)
     full = out.new_zeros(b, nq, hq, out.shape[-1])
-    full = full.index_put((q_mask,), out)  # (B, Nq, Hq, Dv)
-    return (full, lse.transpose(1, 2)) if with_lse else full
+    return full.index_put((q_mask,), out)  # (B, Nq, Hq, Dv)
 
 
 def _left_padding(mask: torch.Tensor, nq: int) -> tuple[bool, torch.Tensor | None]:

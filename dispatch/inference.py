@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from flashsuite.common import arch as arch_mod
+from flashsuite.common.fp8 import to_e4m3
 from flashsuite.common.kvcache import length_tensor
 from flashsuite.common.metadata import (
     check_kvcache_metadata_once,
@@ -410,11 +411,7 @@ def attention_varlen_backward(
         causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
     )  # fmt: skip
     if dlse is not None:
-        want = (vp.attn.heads_q, vp.total_q)
-        if not isinstance(dlse, torch.Tensor) or tuple(dlse.shape) != want:
-            got = tuple(dlse.shape) if isinstance(dlse, torch.Tensor) else type(dlse).__name__
-            raise ValueError(f"dlse: expected a tensor of shape (Hq, total_q) = {want}, got {got}")
-        dlse = dlse.to(device=q.device, dtype=torch.float32).contiguous()
+        dlse = api.dlse_arg(dlse, "(Hq, total_q)", (vp.attn.heads_q, vp.total_q), q.device)
     name = _select("varlen", vp, version, needs_grad=True).version
     bwd = _op("varlen", name).bwd
     args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *_varlen_op_args(vp))
@@ -483,8 +480,6 @@ def _cache_dtype(k, v, k_cache, descale_k, descale_v):
     its cache's descales (common.fp8.to_e4m3), so that the append copies bytes."""
     if k is None:
         return k, v
-    from flashsuite.common.fp8 import to_e4m3
-
     k = k if k.dtype == k_cache.dtype else to_e4m3(k, descale_k)
     v = v if v.dtype == k_cache.dtype else to_e4m3(v, descale_v)
     return k, v

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from flashsuite.common.arch import device_arch, triton_available, triton_interpreter
+from flashsuite.common.kvcache import dense_as_decode, length_tensor
 from flashsuite.common.triton_launch import launch, launch_device, run_entry
 from flashsuite.common.validation import AttnParams, KVCacheParams, remember
 
@@ -149,8 +150,6 @@ def decode_route(p: AttnParams) -> KVCacheParams | None:
     key = (p, limits)
     if key in _routes:
         return _routes[key]
-    from flashsuite.common.kvcache import dense_as_decode
-
     kp = dense_as_decode(p, *limits)
     if len(_routes) >= 1024:  # many distinct problems: start over rather than grow
         _routes.clear()
@@ -161,8 +160,6 @@ def decode_route(p: AttnParams) -> KVCacheParams | None:
 def _decode_forward(q, k, v, kp: KVCacheParams) -> tuple[torch.Tensor, torch.Tensor]:
     """`forward` of a problem `decode_route` sends to the split-KV decode kernel: out
     (B, Nq, Hq, D) and lse (B, Hq, Nq), contiguous."""
-    from flashsuite.common.kvcache import length_tensor
-
     lens = length_tensor(kp.attn.batch, kp.attn.seqlen_k, q.device)
     return kvcache_forward(q, _last_contig(k), _last_contig(v), None, None, lens, None, kp)
 

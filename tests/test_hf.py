@@ -478,11 +478,16 @@ def test_a_wrong_window_or_softcap_fails_the_comparison(monkeypatch, wrong: str)
     family = {"no-softcap": "gemma2", "no-sinks": "gpt_oss", "sink-sign": "gpt_oss"}
     models = _family(family.get(wrong, "mistral"))
     if wrong in ("no-sinks", "sink-sign"):
-        real_sinks = hf.with_sinks
+        from flashsuite.dispatch import api
+
+        real_sinks = api.with_sinks
         if wrong == "no-sinks":
-            monkeypatch.setattr(hf, "with_sinks", lambda out, lse, sinks: out)
+            monkeypatch.setattr(api, "with_sinks", lambda out, lse, s, r=False: real_sinks(
+                out, lse, s.new_full(s.shape, -torch.inf), r))  # fmt: skip
         else:
-            monkeypatch.setattr(hf, "with_sinks", lambda out, lse, s: real_sinks(out, lse, -s))
+            monkeypatch.setattr(
+                api, "with_sinks", lambda out, lse, s, r=False: real_sinks(out, lse, -s, r)
+            )
     elif wrong == "no-softcap":
         real_varlen = hf.attention_varlen
         monkeypatch.setattr(
@@ -613,10 +618,10 @@ def test_refusals_name_the_problem() -> None:
 
 
 def test_sinks_are_checked_and_match_a_softmax_with_their_column() -> None:
-    """s_aux must be a floating (Hq,) tensor on the query's device. out * sigmoid(lse - s) on a
-    padded batch's scattered LSE is a softmax over [scores, s] with the sink's column dropped,
-    values and gradients (q, k, v and the sinks) against that formula in float64; a row without
-    keys (row 1: every query padding, lse -inf) gives zeros and zero gradients."""
+    """s_aux must be a floating (Hq,) tensor on the query's device. A padded batch with sinks
+    (the packed call's, scattered back) is a softmax over [scores, s] with the sink's column
+    dropped, values and gradients (q, k, v and the sinks) against that formula in float64; a
+    row without keys (row 1: every query padding) gives zeros and zero gradients."""
     attn = _family("gpt_oss")[2].model.layers[1].self_attn
     q, kv = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
     for s_aux, got in (
@@ -639,10 +644,8 @@ def test_sinks_are_checked_and_match_a_softmax_with_their_column() -> None:
     sinks = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[True] * 3, [False] * 3])
     options = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                   version="torch", return_lse=True)  # fmt: skip
-    out, lse = hf._padded(q, k, v, mask, options)
-    assert torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
-    got = hf.with_sinks(out, lse, sinks)  # (2, 3, 4, 16)
+                   version="torch", sinks=sinks)  # fmt: skip
+    got = hf._padded(q, k, v, mask, options)  # (2, 3, 4, 16)
     assert got.dtype == q.dtype and not got[1].any()
     scores = torch.einsum("qhd,khd->hqk", q[0], k[0].repeat_interleave(2, 1)) / 4
     scores = scores.masked_fill(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
